@@ -1,0 +1,309 @@
+"""Shared plumbing: model loading/saving, the device mesh and sharding, run outputs.
+
+Nothing here is algorithm: losses, data and training loops live in each script.
+Mesh axes are ("data", "model") everywhere: batch over `data`, parameters sharded
+over both (FSDP over `data`, tensor parallel over `model`).
+"""
+
+import glob
+import json
+import os
+import sys
+import time
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+if not (os.environ.get("JAX_PLATFORMS") or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
+        or os.path.exists("/dev/nvidia0")):
+    os.environ["JAX_PLATFORMS"] = "cpu"  # no accelerator: skip libtpu's noisy TPU probe
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # keras-hub imports TF for tokenizers only
+
+import jax
+import keras
+import numpy as np
+
+
+def _import_quietly(module):
+    """Import with C-level stderr silenced: TensorFlow (pulled in by keras-hub's
+    tokenizers) logs CUDA/oneDNN notices on every start that say nothing here."""
+    import importlib
+    saved = os.dup(2)
+    with open(os.devnull, "w") as null:
+        os.dup2(null.fileno(), 2)
+        try:
+            return importlib.import_module(module)
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
+keras_hub = _import_quietly("keras_hub")
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TINY_TOKENIZER = os.path.join(HERE, "data", "tiny_tokenizer.model")
+
+# Short names -> KerasHub preset names (the full list: keras_hub.models.CausalLM.presets).
+MODEL_ALIASES = {
+    "gemma_2b": "gemma_2b_en", "gemma_7b": "gemma_7b_en",
+    "gemma_2b_it": "gemma_instruct_2b_en", "gemma_7b_it": "gemma_instruct_7b_en",
+    "gemma2_2b": "gemma2_2b_en", "gemma2_9b": "gemma2_9b_en", "gemma2_27b": "gemma2_27b_en",
+    "gemma2_2b_it": "gemma2_instruct_2b_en", "gemma2_9b_it": "gemma2_instruct_9b_en",
+    "llama3_8b": "llama3_8b_en", "llama3_8b_it": "llama3_instruct_8b_en",
+    "mistral_7b": "mistral_7b_en", "mistral_7b_it": "mistral_instruct_7b_en",
+    "qwen2.5_0.5b": "qwen2.5_0.5b_en", "qwen2.5_7b": "qwen2.5_7b_en",
+}
+# The `tiny` model: a 4-layer Gemma (about 1.5M parameters) with the bundled tokenizer.
+TINY_CONFIG = dict(num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=192,
+                   intermediate_dim=1024, head_dim=48)
+
+
+class UsageError(Exception):
+    """Bad input (flag, file, model name): reported in one line, exit code 2."""
+
+
+def fail(message):
+    """Print one clear line and exit 2 (no traceback): the bad-input contract."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def default_dtype():
+    """bfloat16 on accelerators, float32 on CPU (bf16 matmuls are slow on CPU)."""
+    return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+# ---------------------------------------------------------------------------
+# Multi-host start-up and the mesh
+# ---------------------------------------------------------------------------
+def init_distributed(coordinator_address=None, num_processes=None, process_id=None):
+    """Start `jax.distributed` when several processes take part (flags or cluster env)."""
+    if coordinator_address or (num_processes or 1) > 1:
+        jax.distributed.initialize(coordinator_address, num_processes, process_id)
+    elif any(k in os.environ for k in ("TPU_WORKER_HOSTNAMES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")):
+        jax.distributed.initialize()  # JAX auto-detects TPU pods, SLURM and Open MPI
+
+
+def parse_mesh(spec):
+    """'data=4,model=2' -> {'data': 4, 'model': 2}; default: every device on `data`."""
+    n = jax.device_count()
+    if not spec:
+        return {"data": n, "model": 1}
+    sizes = {"data": 1, "model": 1}
+    for part in spec.split(","):
+        name, _, size = part.partition("=")
+        if name.strip() not in sizes or not size.strip().isdigit():
+            raise UsageError(f"--mesh {spec!r}: expected e.g. 'data=4,model=2' (axes: data, model)")
+        sizes[name.strip()] = int(size)
+    if sizes["data"] * sizes["model"] != n:
+        raise UsageError(f"--mesh {spec!r} has {sizes['data'] * sizes['model']} devices, but {n} are present")
+    return sizes
+
+
+def make_mesh(spec=None):
+    """A `jax.sharding.Mesh` with axes ("data", "model") over all devices (all hosts)."""
+    sizes = parse_mesh(spec)
+    devices = np.asarray(jax.devices()).reshape(sizes["data"], sizes["model"])
+    return jax.sharding.Mesh(devices, ("data", "model"))
+
+
+class ShardedParallel(keras.distribution.ModelParallel):
+    """Keras ModelParallel with the rules of DESIGN §4 filled in.
+
+    Variables the backbone's layout map names keep that layout; every other
+    variable of rank >= 2 shards its largest divisible dim over `data` (FSDP).
+    Any mesh axis that does not divide its dim is dropped (replicated): e.g.
+    Gemma-2B's single key/value head on `model=2`.
+    """
+
+    def get_variable_layout(self, variable):
+        layout = super().get_variable_layout(variable)
+        axes = list(layout.axes) if layout is not None else [None] * len(variable.shape)
+        mesh = dict(zip(self.device_mesh.axis_names, self.device_mesh.shape))
+        if all(a is None for a in axes) and len(variable.shape) >= 2 and mesh["data"] > 1:
+            for i in np.argsort(variable.shape)[::-1]:
+                if variable.shape[i] % mesh["data"] == 0:
+                    axes[i] = "data"
+                    break
+        axes = [a if a is None or variable.shape[i] % mesh[a] == 0 else None for i, a in enumerate(axes)]
+        return keras.distribution.TensorLayout(axes, self.device_mesh)
+
+
+def distribution_for(mesh, backbone_cls):
+    """The Keras distribution that creates each weight directly in its shards."""
+    device_mesh = keras.distribution.DeviceMesh(
+        tuple(mesh.devices.shape), mesh.axis_names, devices=mesh.devices.flatten())
+    try:
+        layout_map = backbone_cls.get_layout_map(device_mesh, "model", "data")
+    except (AttributeError, NotImplementedError, TypeError):
+        layout_map = keras.distribution.LayoutMap(device_mesh)
+    return ShardedParallel(layout_map=layout_map, batch_dim_name="data")
+
+
+def shard_batch(mesh, batch):
+    """Place a dict of host arrays [B, ...] with B split over `data`.
+
+    Multi-host: each process passes its own slice of the global batch.
+    """
+    sharding = NamedSharding(mesh, P("data"))
+    if jax.process_count() == 1:
+        return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+    return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
+
+
+def replicate(mesh, tree):
+    return jax.device_put(tree, NamedSharding(mesh, P()))
+
+
+# ---------------------------------------------------------------------------
+# Models
+# ---------------------------------------------------------------------------
+def resolve_model(name):
+    """--model -> what `CausalLM.from_preset` takes (or 'tiny'); unknown names raise."""
+    if name == "tiny":
+        return "tiny"
+    if name in MODEL_ALIASES:
+        return MODEL_ALIASES[name]
+    if "://" in name:  # kaggle://, hf://, modelscope:// handles
+        return name
+    if os.path.isdir(name):
+        if not any(os.path.exists(os.path.join(name, f)) for f in ("config.json", "metadata.json")):
+            raise UsageError(f"--model {name}: directory has neither config.json (KerasHub/HF) nor metadata.json")
+        return name
+    if name in keras_hub.models.CausalLM.presets:
+        return name
+    aliases = ", ".join(["tiny"] + sorted(MODEL_ALIASES))
+    raise UsageError(f"unknown --model {name!r}. Aliases: {aliases}; or any KerasHub preset, "
+                     "a kaggle:// or hf:// handle, or a local preset / Hugging Face directory")
+
+
+def tiny_causal_lm(seed, dtype):
+    """The offline `tiny` Gemma: random init from `seed`, bundled SentencePiece vocab."""
+    keras.utils.set_random_seed(seed)
+    tokenizer = keras_hub.models.GemmaTokenizer(proto=TINY_TOKENIZER)
+    backbone = keras_hub.models.GemmaBackbone(
+        vocabulary_size=tokenizer.vocabulary_size(), dtype=dtype, **TINY_CONFIG)
+    preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=128)
+    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=preprocessor)
+
+
+def backbone_class(preset):
+    if preset == "tiny":
+        return keras_hub.models.GemmaBackbone
+    try:
+        from keras_hub.src.utils.preset_utils import get_preset_loader
+        return get_preset_loader(preset).check_backbone_class()
+    except Exception:  # an unknown architecture falls back to the generic sharding rule
+        return keras_hub.models.Backbone
+
+
+def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
+    """Resolve --model and build the CausalLM with every weight created sharded.
+
+    Returns the KerasHub CausalLM (backbone + preprocessor/tokenizer). With
+    `lora_rank > 0` the backbone's LoRA is enabled: only LoRA weights are trainable.
+    """
+    preset = resolve_model(name)
+    dtype = dtype or default_dtype()
+    with distribution_for(mesh, backbone_class(preset)).scope():
+        if preset == "tiny":
+            model = tiny_causal_lm(seed, dtype)
+        else:
+            model = keras_hub.models.CausalLM.from_preset(preset, dtype=dtype)
+        if lora_rank:
+            model.backbone.enable_lora(lora_rank)
+    return model
+
+
+def split_variables(backbone):
+    """(trainable values, frozen values) in the order `stateless_call` expects."""
+    return ([v.value for v in backbone.trainable_variables],
+            [v.value for v in backbone.non_trainable_variables])
+
+
+def save_model(model, params, path):
+    """Write trained values back and save a KerasHub preset (LoRA merged into kernels)."""
+    for var, value in zip(model.backbone.trainable_variables, params):
+        var.assign(value)
+    if jax.process_index() == 0:
+        os.makedirs(path, exist_ok=True)
+    model.save_to_preset(path)
+
+
+def count_params(backbone):
+    """N for FLOP accounting: every weight used in a matmul, embedding included (tied)."""
+    return int(sum(np.prod(v.shape) for v in backbone.weights if "lora" not in v.path))
+
+
+# ---------------------------------------------------------------------------
+# Run outputs: args.json, metrics.jsonl, TensorBoard
+# ---------------------------------------------------------------------------
+def default_output_dir(script, model, seed):
+    tag = os.path.basename(os.path.normpath(model))
+    return os.path.join("runs", f"{script}__{tag}__{seed}__{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+class RunLog:
+    """Writes `args.json`, appends rows to `metrics.jsonl`, mirrors them to TensorBoard."""
+
+    def __init__(self, output_dir, args, track=False):
+        self.dir = output_dir
+        self.main = jax.process_index() == 0
+        if not self.main:
+            return
+        os.makedirs(output_dir, exist_ok=True)
+        with open(os.path.join(output_dir, "args.json"), "w") as f:
+            json.dump(vars(args), f, indent=2, default=str)
+        from tensorboardX import SummaryWriter
+        self.tb = SummaryWriter(output_dir)
+        self.metrics = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+        self.wandb = None
+        if track:
+            import wandb
+            self.wandb = wandb.init(config=vars(args), name=os.path.basename(output_dir))
+
+    def log(self, step, metrics):
+        if not self.main:
+            return
+        row = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
+        self.metrics.write(json.dumps(row) + "\n")
+        self.metrics.flush()
+        for k, v in row.items():
+            if k != "step":
+                self.tb.add_scalar(k, v, step)
+        if self.wandb:
+            self.wandb.log(row, step=step)
+
+    def close(self):
+        if self.main:
+            self.metrics.close()
+            self.tb.close()
+
+
+# ---------------------------------------------------------------------------
+# Performance accounting (DESIGN §8)
+# ---------------------------------------------------------------------------
+# Dense bf16 peak FLOP/s per chip, from the vendors' datasheets.
+PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
+              "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12,
+              "H100": 989e12, "H200": 989e12, "A100": 312e12}
+_measured_peak = {}
+
+
+def peak_flops():
+    """Peak FLOP/s of one device: the table above, or a measured matmul on CPU/unknown kinds."""
+    kind = jax.devices()[0].device_kind
+    for name, flops in PEAK_FLOPS.items():
+        if name.lower() in kind.lower():
+            return flops
+    if kind not in _measured_peak:
+        n = 1024
+        x = jax.device_put(np.ones((n, n), np.float32), jax.devices()[0])
+        f = jax.jit(lambda a: a @ a)
+        f(x).block_until_ready()
+        times = []
+        for _ in range(5):
+            t = time.perf_counter()
+            f(x).block_until_ready()
+            times.append(time.perf_counter() - t)
+        _measured_peak[kind] = 2 * n**3 / min(times)
+    return _measured_peak[kind]
