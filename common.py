@@ -140,11 +140,11 @@ def distribution_for(mesh, backbone_cls):
 
 
 def shard_batch(mesh, batch):
-    """Place a dict of host arrays [B, ...] with B split over `data`.
+    """Place a dict of host arrays [A, B, ...] (A = accumulation steps) with B split over `data`.
 
-    Multi-host: each process passes its own slice of the global batch.
+    Multi-host: each process passes its own slice [A, B / processes, ...] of the global batch.
     """
-    sharding = NamedSharding(mesh, P("data"))
+    sharding = NamedSharding(mesh, P(None, "data"))
     if jax.process_count() == 1:
         return {k: jax.device_put(v, sharding) for k, v in batch.items()}
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
@@ -290,11 +290,17 @@ _measured_peak = {}
 
 
 def peak_flops():
-    """Peak FLOP/s of one device: the table above, or a measured matmul on CPU/unknown kinds."""
+    """Peak FLOP/s of all devices together: the table above per chip, or on CPU (and
+    unknown kinds) a measured float32 matmul. Simulated CPU devices share the host's
+    cores, so on CPU the host peak counts once per process, not once per device."""
     kind = jax.devices()[0].device_kind
     for name, flops in PEAK_FLOPS.items():
         if name.lower() in kind.lower():
-            return flops
+            return flops * jax.device_count()
+    return _measured_matmul_flops(kind) * jax.process_count()
+
+
+def _measured_matmul_flops(kind):
     if kind not in _measured_peak:
         n = 1024
         x = jax.device_put(np.ones((n, n), np.float32), jax.devices()[0])

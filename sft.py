@@ -328,7 +328,7 @@ def main(args):
 
     # FLOPs per token: 6N (forward + backward), N = all matmul weights incl. embedding.
     flops_per_token = 6 * common.count_params(backbone)
-    peak = common.peak_flops() * jax.device_count()
+    peak = common.peak_flops()
 
     def evaluate(params):
         nll, n = 0.0, 0
