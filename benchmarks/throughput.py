@@ -1,0 +1,114 @@
+"""Training throughput of one algorithm script: tokens/s, MFU and peak memory.
+
+Runs the script's own `train_step` (imported, never re-implemented) on synthetic
+full-length batches in its batch format; compiles and warms up first, then times
+`--steps` steps, each fenced with block_until_ready. Prints one JSON line last.
+    python benchmarks/throughput.py --algo dpo --model tiny
+    python benchmarks/throughput.py --algo sft --model gemma_2b --random-init --batch-size 8 --max-length 1024
+FLOPs per token: 6N for forward + backward, +2N per extra forward (DPO's online
+reference: 8N); N = every weight used in a matmul, tied embedding included.
+"""
+
+import json
+import statistics
+import time
+from dataclasses import dataclass
+
+import harness  # first: puts the repo root on sys.path and imports common
+
+import common
+import jax
+import tyro
+
+
+@dataclass
+class Args:
+    algo: str = "sft"
+    """sft | dpo | simpo | orpo | reward | ppo: whose train_step is timed"""
+    model: str = "tiny"
+    """any common.load_model name; with --random-init one of tiny, gemma_2b, gemma_7b"""
+    random_init: bool = False
+    """build the backbone at published shapes with random weights (no download)"""
+    dtype: str | None = None
+    """bfloat16 or float32 (default: bfloat16 on accelerators, float32 on CPU)"""
+    mesh: str | None = None
+    """device mesh, e.g. `data=4,model=2` (default: every device on `data`)"""
+    batch_size: int = 8
+    """examples per step (a preference pair is one example), global"""
+    max_length: int = 128
+    """tokens per sequence (every synthetic sequence is full length)"""
+    grad_accum_steps: int = 1
+    """micro-batches per step"""
+    lora_rank: int = 0
+    """0 = full fine-tuning; >0 = LoRA of this rank"""
+    precompute_ref: bool = False
+    """DPO: reference log-probs in the batch instead of a reference forward (6N, not 8N)"""
+    remat: bool = False
+    """activation checkpointing per decoder block (the change proposed for the scripts)"""
+    steps: int = 5
+    """timed steps (after the warm-up)"""
+    warmup: int = 2
+    """untimed steps first (the first one compiles)"""
+    seed: int = 0
+    """seeds the random weights and the synthetic tokens"""
+
+
+def peak_bytes():
+    """Largest per-device peak allocation the backend reports (None where it reports none, e.g. CPU)."""
+    stats = [d.memory_stats() for d in jax.local_devices()]
+    peaks = [s.get("peak_bytes_in_use") for s in stats if s]
+    return max(peaks) if peaks and None not in peaks else None
+
+
+def main(args):
+    try:
+        mesh = common.make_mesh(args.mesh)
+        if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
+            raise common.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
+                                    f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
+        if args.steps < 1 or args.warmup < 1:
+            raise common.UsageError("need --steps >= 1 and --warmup >= 1 (the first step compiles)")
+        harness.import_algo(args.algo)
+        backbone = harness.load_backbone(args, mesh)
+        if args.remat:
+            harness.remat_decoder_blocks(backbone)
+        bench = harness.setup(args, backbone, mesh)
+    except (common.UsageError, FileNotFoundError) as e:
+        common.fail(e)
+    n_params = common.count_params(backbone)
+    step = jax.jit(bench.step, donate_argnums=0)
+    state = bench.state
+
+    t = time.perf_counter()
+    for _ in range(args.warmup):
+        state, metrics = step(state, bench.batch, bench.extra)
+        jax.block_until_ready((state, metrics))
+    warmup_s = time.perf_counter() - t
+    times = []
+    for _ in range(args.steps):
+        t = time.perf_counter()
+        state, metrics = step(state, bench.batch, bench.extra)
+        jax.block_until_ready((state, metrics))
+        times.append(time.perf_counter() - t)
+    loss = float(jax.device_get(metrics["train/loss"]))
+
+    step_time = statistics.median(times)
+    tokens_per_sec = bench.tokens_per_step / step_time
+    flops_per_token = bench.flops_factor * n_params
+    peak = common.peak_flops()
+    print(json.dumps({
+        "algo": args.algo, "model": args.model, "random_init": args.random_init,
+        "dtype": str(jax.tree.leaves(bench.state)[0].dtype), "mesh": dict(mesh.shape),
+        "batch_size": args.batch_size, "max_length": args.max_length, "lora_rank": args.lora_rank,
+        "remat": args.remat, "tokens_per_step": bench.tokens_per_step, "steps": args.steps,
+        "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
+        "step_time_min_s": min(times), "step_time_max_s": max(times), "warmup_s": warmup_s,
+        "mfu": tokens_per_sec * flops_per_token / peak, "flops_per_token": flops_per_token,
+        "flops_convention": f"{bench.flops_factor}N, N={n_params} ({bench.note or 'forward + backward'})",
+        "peak_flops": peak, "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
+        "peak_bytes": peak_bytes(), "final_loss": loss,
+    }))
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
