@@ -1,0 +1,447 @@
+"""Odds Ratio Preference Optimization (ORPO): SFT plus an odds-ratio penalty, no reference model.
+
+Hong et al. 2024 (arXiv:2403.07691). Data: `prompt` / `chosen` / `rejected` (strings or chat
+messages, TRL formats).
+    python orpo.py --model gemma_2b --dataset my_prefs.jsonl
+Offline, a couple of minutes on a laptop CPU:
+    python orpo.py --model tiny
+"""
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import common  # first: sets KERAS_BACKEND=jax before keras loads
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+import optax
+import tyro
+from tqdm import tqdm
+
+
+@dataclass
+class Args:
+    # model
+    model: str = "tiny"
+    """alias (gemma_2b, …), KerasHub preset, kaggle:// or hf:// handle, local preset / HF dir, or `tiny`"""
+    dtype: str | None = None
+    """parameter dtype: bfloat16 or float32 (default: bfloat16 on TPU/GPU, float32 on CPU)"""
+    lora_rank: int = 0
+    """0 = full fine-tuning; >0 = KerasHub LoRA of this rank on the backbone"""
+    mesh: str | None = None
+    """device mesh, e.g. `data=4,model=2` (default: every device on `data`)"""
+    # data
+    dataset: str = os.path.join(common.HERE, "data", "prefs_train.jsonl")
+    """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
+    eval_dataset: str | None = os.path.join(common.HERE, "data", "prefs_eval.jsonl")
+    """held-out pairs for eval/ metrics (same formats); empty to skip evaluation"""
+    max_length: int = 512
+    """tokens per sequence (prompt + response); longer prompts are cut from the left, then pairs dropped"""
+    # optimisation
+    max_steps: int = 60
+    """optimizer updates"""
+    batch_size: int = 32
+    """preference pairs per update, global over all devices and accumulation steps"""
+    grad_accum_steps: int = 1
+    """micro-batches per update (memory ÷ this; same result)"""
+    learning_rate: float = 3e-4
+    """peak AdamW learning rate (after linear warmup, cosine decay to 10%)"""
+    warmup_steps: int = 5
+    """linear warmup steps"""
+    weight_decay: float = 0.0
+    """AdamW weight decay (matrices only)"""
+    max_grad_norm: float = 1.0
+    """global gradient-norm clip"""
+    seed: int = 0
+    """seeds init (tiny) and data order"""
+    # algorithm
+    beta: float = 0.1
+    """λ: weight of the odds-ratio term (TRL's name `beta`; the paper's λ)"""
+    prompt_nll: bool = True
+    """NLL over prompt + chosen tokens, as the official ORPO code and TRL do; False: chosen response only"""
+    # logging and outputs
+    output_dir: str | None = None
+    """default: runs/orpo__{model}__{seed}__{time}"""
+    log_every: int = 10
+    """fetch metrics from the device and log every N steps"""
+    eval_every: int = 20
+    """evaluate every N steps (and before the first and after the last)"""
+    track: bool = False
+    """also log to Weights & Biases"""
+
+
+# ---------------------------------------------------------------------------
+# Data: rows -> (prompt, chosen, rejected) texts -> token ids + masks -> batches
+# ---------------------------------------------------------------------------
+CHAT_TEMPLATES = {  # (user turn prefix, assistant turn prefix, turn end) per model family
+    "gemma": ("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n"),
+    "llama3": ("<|start_header_id|>user<|end_header_id|>\n\n",
+               "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+    "chatml": ("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"),
+}
+
+
+def chat_template(backbone):
+    name = type(backbone).__name__.lower()
+    return CHAT_TEMPLATES["llama3" if "llama3" in name else "chatml" if "qwen" in name else "gemma"]
+
+
+def read_rows(path):
+    """List of (row, line number) from .jsonl/.json, or via `datasets` for anything else."""
+    if path.endswith(".jsonl"):
+        rows = []
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append((json.loads(line), i))
+                    except json.JSONDecodeError as e:
+                        raise common.UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
+    elif path.endswith(".json"):
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise common.UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})")
+        rows = [(r, i) for i, r in enumerate(data if isinstance(data, list) else [data], 1)]
+    else:
+        try:
+            import datasets
+        except ImportError:
+            raise common.UsageError(f"{path}: parquet files and Hub datasets need `pip install datasets`")
+        ds = (datasets.load_dataset("parquet", data_files=path, split="train") if path.endswith(".parquet")
+              else datasets.load_from_disk(path) if os.path.isdir(path)
+              else datasets.load_dataset(path, split="train"))
+        rows = [(r, i) for i, r in enumerate(ds, 1)]
+    if not rows:
+        raise common.UsageError(f"{path}: no examples")
+    return rows
+
+
+def render(messages, template):
+    """Chat turns -> text, as sft.py renders them (system turns fold into user turns)."""
+    user, model, end = template
+    return "".join((model if m["role"] == "assistant" else user) + m["content"] + end for m in messages)
+
+
+def to_triple(row, where, template):
+    """One row -> (prompt, chosen, rejected) texts; explicit or implicit prompt, strings or messages.
+
+    Implicit prompt (only `chosen`/`rejected`): their longest common prefix (of
+    messages for chats, of characters for strings, a split space going to the responses).
+    """
+    if not isinstance(row, dict):
+        raise common.UsageError(f"{where}: expected a JSON object")
+    for key in ("chosen", "rejected"):
+        if key not in row:
+            raise common.UsageError(f"{where}: missing field {key!r} (need 'chosen', 'rejected', optional 'prompt')")
+    keys = [k for k in ("prompt", "chosen", "rejected") if k in row]
+    if isinstance(row["chosen"], list):  # conversational: message lists
+        for k in keys:
+            v = row[k]
+            if not isinstance(v, list) or not v or not all(
+                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                    for m in v):
+                raise common.UsageError(f"{where}: field {k!r} must be a non-empty list of {{role, content}} objects")
+        prompt, chosen, rejected = row.get("prompt", []), row["chosen"], row["rejected"]
+        if "prompt" not in row:
+            n = 0
+            while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+                n += 1
+            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        user, model, end = template
+        responses = []
+        for name, msgs in (("chosen", chosen), ("rejected", rejected)):
+            if not msgs or msgs[0]["role"] != "assistant":
+                raise common.UsageError(f"{where}: {name!r} must continue the prompt with an assistant turn")
+            responses.append(render(msgs, template)[len(model):-len(end)] + end.strip("\n"))  # EOS follows
+        return (render(prompt, template) + model, *responses)
+    for k in keys:
+        if not isinstance(row[k], str) or not row[k].strip():
+            raise common.UsageError(f"{where}: field {k!r} must be a non-empty string, got {row[k]!r:.40}")
+    chosen, rejected = row["chosen"], row["rejected"]
+    if "prompt" in row:
+        return row["prompt"], chosen, rejected
+    n = 0
+    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+        n += 1
+    n -= n > 0 and chosen[n - 1] == " "  # " 2 8 9" vs " 2 5 9": the responses keep their leading space
+    if n == 0 or not chosen[n:].strip() or not rejected[n:].strip():
+        raise common.UsageError(f"{where}: without 'prompt', the prompt is the longest common prefix of "
+                                "'chosen' and 'rejected', which here leaves an empty prompt or response")
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def tokenize_dataset(path, tokenizer, template, max_length):
+    """-> list of ((chosen ids, mask), (rejected ids, mask)), plus counts.
+
+    ids = [BOS] + prompt + response + [EOS]; the mask marks response tokens and
+    EOS. Too long: cut the prompt from the left (BOS kept) by the same amount for
+    both sequences, then drop the pair if a response still does not fit.
+    """
+    rows = read_rows(path)
+    triples = [to_triple(r, f"{path}:{line}", template) for r, line in rows]
+    pieces = iter(tokenizer.tokenize([t for triple in triples for t in triple]))  # one batched call
+    examples, truncated, dropped = [], 0, 0
+    for _ in triples:
+        prompt, chosen, rejected = (list(next(pieces)) for _ in range(3))
+        cut = 2 + len(prompt) + max(len(chosen), len(rejected)) - max_length
+        if cut > len(prompt):
+            dropped += 1
+            continue
+        if cut > 0:
+            prompt, truncated = prompt[cut:], truncated + 1
+        examples.append(tuple(
+            (np.array([tokenizer.start_token_id] + prompt + response + [tokenizer.end_token_id], np.int32),
+             np.array([False] * (1 + len(prompt)) + [True] * (len(response) + 1), bool))
+            for response in (chosen, rejected)))
+    if not examples:
+        raise common.UsageError(f"{path}: every pair is longer than --max-length {max_length}")
+    return examples, {"examples": len(examples), "truncated": truncated, "dropped": dropped}
+
+
+def pad_examples(examples, length):
+    """-> {chosen,rejected}_{ids,padding_mask,loss_mask}, each [N, length] (right padding)."""
+    n = len(examples)
+    data = {}
+    for j, name in enumerate(("chosen", "rejected")):
+        ids, pad, mask = np.zeros((n, length), np.int32), np.zeros((n, length), bool), np.zeros((n, length), bool)
+        for i, pair in enumerate(examples):
+            x, m = pair[j]
+            ids[i, :len(x)], pad[i, :len(x)], mask[i, :len(x)] = x, True, m
+        data.update({f"{name}_ids": ids, f"{name}_padding_mask": pad, f"{name}_loss_mask": mask})
+    return data
+
+
+def get_batch(data, step, batch_size, accum, seed):
+    """Batch for `step` of an endless, per-epoch reshuffled stream: [A, B/A/P, ...] per process.
+
+    A pure function of the step, so a resumed run sees exactly the same data order.
+    """
+    n = len(data["chosen_ids"])
+    start = step * batch_size
+    idx = np.concatenate([np.random.default_rng([seed, e]).permutation(n)
+                          for e in range(start // n, (start + batch_size - 1) // n + 1)])
+    idx = idx[start % n:start % n + batch_size]
+    per_proc = batch_size // jax.process_count()
+    idx = idx[jax.process_index() * per_proc:(jax.process_index() + 1) * per_proc]
+    return {k: v[idx].reshape(accum, per_proc // accum, *v.shape[1:]) for k, v in data.items()}
+
+
+# ---------------------------------------------------------------------------
+# ALGO LOGIC: log-probs of chosen and rejected, and the ORPO loss
+# ---------------------------------------------------------------------------
+def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
+    """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1].
+
+    The [B, T, V] logits are never materialised: the unembedding runs over
+    sequence chunks of `chunk` tokens under `jax.checkpoint`, so only one
+    [B, chunk, V] float32 block is alive at a time, forward and backward.
+    """
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state):
+        hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask})  # [B, T, D]
+        hidden, labels = hidden[:, :-1], token_ids[:, 1:]  # logits at t predict token t+1
+        b, t, d = hidden.shape
+        n = -(-t // chunk)
+        hidden = jnp.pad(hidden, ((0, 0), (0, n * chunk - t), (0, 0))).reshape(b, n, chunk, d)
+        labels = jnp.pad(labels, ((0, 0), (0, n * chunk - t))).reshape(b, n, chunk)
+
+        @jax.checkpoint
+        def chunk_logps(h, y):  # [B, C, D], [B, C] -> [B, C]
+            logits = backbone.token_embedding(h, reverse=True).astype(jnp.float32)  # f32 upcast
+            return jnp.take_along_axis(logits, y[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
+
+        logps = jax.lax.map(lambda hy: chunk_logps(*hy), (hidden.swapaxes(0, 1), labels.swapaxes(0, 1)))
+    return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]  # [B, T-1]
+
+
+def sequence_logps(logps, loss_mask, average=False):
+    """Per-sequence log-prob of the response: [B, T-1] token log-probs -> [B].
+
+    Shifting `loss_mask` by one aligns it with `logps` (position t scores token
+    t+1), so BOS, prompt and padding drop out. Summed, or the per-token mean (`average`).
+    """
+    mask = loss_mask[:, 1:]  # [B, T-1]: is token t+1 a response token
+    total = jnp.sum(jnp.where(mask, logps, 0.0), -1)
+    return total / jnp.maximum(mask.sum(-1), 1) if average else total
+
+
+def concatenated_forward(backbone, params, frozen, batch, prompt_nll=True):
+    """Chosen and rejected through the model in ONE forward pass (stacked on the batch axis).
+
+    batch: {chosen,rejected}_{ids,padding_mask,loss_mask}, each [B, T] -> four [B] arrays:
+    per-token mean log-probs of chosen and rejected responses, and the chosen NLL sum and token
+    count (over prompt + response tokens if `prompt_nll`, else the response only; BOS and padding never).
+    """
+    both = {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])  # [2B, T]
+            for k in ("ids", "padding_mask", "loss_mask")}
+    logps = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [2B, T-1]
+    total = sequence_logps(logps, both["loss_mask"])  # Σ response-token log-probs, [2B]
+    count = both["loss_mask"][:, 1:].sum(-1)  # response tokens (EOS included), [2B]
+    avg = total / jnp.maximum(count, 1)  # log P(y|x) as a per-token mean (Eq. 4's normalisation)
+    b = batch["chosen_ids"].shape[0]
+    nll_mask = both["padding_mask" if prompt_nll else "loss_mask"][:b]  # [B, T]: tokens the NLL covers
+    return avg[:b], avg[b:], -sequence_logps(logps[:b], nll_mask), nll_mask[:, 1:].sum(-1)
+
+
+def log1mexp(x):
+    """log(1 − e^x) for x ≤ 0, stable at both ends (Mächler 2012): log(−expm1 x) near 0,
+    log1p(−e^x) far below. x is capped at −1e-7 so that p = 1 (x = 0) stays finite."""
+    x = jnp.minimum(x, -1e-7)
+    return jnp.where(x > -math.log(2), jnp.log(-jnp.expm1(x)), jnp.log1p(-jnp.exp(x)))
+
+
+def orpo_loss(chosen_logps, rejected_logps, nll_loss, beta=0.1):
+    """ORPO on per-token mean log-probs, each [B] -> (loss, metrics).
+
+    Eq. 6: L = NLL(y+) − λ·log σ(log odds(y+) − log odds(y−)), odds(y) = P/(1 − P) (Eq. 4),
+    log odds = log P − log(1 − P) with log(1 − P) = log1mexp(log P). `nll_loss`: token-mean NLL.
+    """
+    log_odds = (chosen_logps - rejected_logps) - (log1mexp(chosen_logps) - log1mexp(rejected_logps))  # [B]
+    ratio = jax.nn.log_sigmoid(log_odds)  # log σ(log OR), Eq. 7
+    chosen_rewards = jax.lax.stop_gradient(beta * chosen_logps)  # TRL's convention: λ·log P(y|x)
+    rejected_rewards = jax.lax.stop_gradient(beta * rejected_logps)
+    metrics = {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
+               "rewards/accuracies": (chosen_rewards > rejected_rewards).mean(),
+               "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+               "logps/chosen": jax.lax.stop_gradient(chosen_logps).mean(),
+               "logps/rejected": jax.lax.stop_gradient(rejected_logps).mean(),
+               "nll_loss": jax.lax.stop_gradient(nll_loss),
+               "log_odds_ratio": jax.lax.stop_gradient(ratio).mean(),
+               "log_odds_chosen": jax.lax.stop_gradient(log_odds).mean()}
+    return nll_loss - beta * ratio.mean(), metrics
+
+
+# ---------------------------------------------------------------------------
+# train_step: one optimizer update over `A` accumulated micro-batches
+# ---------------------------------------------------------------------------
+def train_step(backbone, optimizer, args, state, batch):
+    """state = (params, opt_state, frozen); batch arrays are [A, B/A, ...]."""
+    params, opt_state, frozen = state
+    accum = batch["chosen_ids"].shape[0]
+    nll_key = "chosen_padding_mask" if args.prompt_nll else "chosen_loss_mask"
+    num_nll_tokens = jnp.maximum(batch[nll_key][:, :, 1:].sum(), 1)  # the whole update
+
+    def micro_loss(p, micro):
+        chosen, rejected, nll, _ = concatenated_forward(backbone, p, frozen, micro, args.prompt_nll)
+        # × accum, then ÷ accum below: the NLL stays a token mean over the whole update
+        loss, metrics = orpo_loss(chosen, rejected, nll.sum() / num_nll_tokens * accum, args.beta)
+        return loss / accum, {"train/loss": loss, **metrics}  # equal micro-batches: mean of means
+
+    def accumulate(grads, micro):
+        (_, metrics), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
+        return jax.tree.map(jnp.add, grads, g), metrics
+
+    grads, metrics = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    metrics = {k: v.mean() for k, v in metrics.items()}  # [A] -> the whole batch
+    metrics["train/grad_norm"] = optax.global_norm(grads)
+    return (params, opt_state, frozen), metrics
+
+
+def per_example(fn, data, batch_size, mesh):
+    """fn(batch) -> tuple of [B] arrays, applied to every example once in fixed-size batches
+    (the last wraps around, then is trimmed): one shape, one compilation."""
+    n = len(data["chosen_ids"])
+    outs = []
+    for i in range(0, n, batch_size):
+        idx = np.arange(i, i + batch_size) % n
+        outs.append(jax.device_get(fn(common.shard_batch(mesh, {k: v[None, idx] for k, v in data.items()}))))
+    return tuple(np.concatenate(o)[:n] for o in zip(*outs))
+
+
+def make_optimizer(args):
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0, args.learning_rate, max(args.warmup_steps, 1), max(args.max_steps, args.warmup_steps + 1),
+        end_value=0.1 * args.learning_rate)
+    decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
+                       optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask)), schedule
+
+
+def main(args):
+    # ---- set-up: mesh, model, data (all validation before any compute) ----
+    try:
+        mesh = common.make_mesh(args.mesh)
+        if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
+            raise common.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
+                                    f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
+        if args.beta < 0:
+            raise common.UsageError("need --beta (λ) >= 0")
+        model = common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank)
+        backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
+        template = chat_template(backbone)
+        train, counts = tokenize_dataset(args.dataset, tokenizer, template, args.max_length)
+        evals = tokenize_dataset(args.eval_dataset, tokenizer, template, args.max_length)[0] if args.eval_dataset else []
+    except (common.UsageError, FileNotFoundError) as e:
+        common.fail(e)
+    print(f"data: {counts['examples']} pairs ({counts['truncated']} prompt-truncated, "
+          f"{counts['dropped']} dropped as too long); {len(evals)} eval pairs")
+    # One fixed padded length for the whole run: one compilation.
+    length = min(args.max_length, 8 * math.ceil(max(len(s[0]) for x in train + evals for s in x) / 8))
+    train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
+
+    output_dir = args.output_dir or common.default_output_dir("orpo", args.model, args.seed)
+    log = common.RunLog(output_dir, args, args.track)
+    optimizer, schedule = make_optimizer(args)
+    params, frozen = common.split_variables(backbone)
+    opt_state = jax.jit(optimizer.init)(params)
+    state = (params, opt_state, frozen)
+    step_fn = jax.jit(lambda s, b: train_step(backbone, optimizer, args, s, b), donate_argnums=0)
+    eval_fn = jax.jit(lambda p, b: concatenated_forward(backbone, p, frozen, jax.tree.map(lambda x: x[0], b),
+                                                        args.prompt_nll))
+
+    # FLOPs per token: 6N (forward + backward; no reference model), N = all matmul weights incl.
+    # embedding; tokens = chosen + rejected.
+    flops_per_token = 6 * common.count_params(backbone)
+    peak = common.peak_flops()
+
+    def evaluate(params):
+        chosen, rejected, nll, count = per_example(lambda b: eval_fn(params, b), eval_data, args.batch_size, mesh)
+        loss, metrics = orpo_loss(chosen, rejected, nll.sum() / count.sum(), args.beta)
+        return {"eval/loss": float(loss), **{f"eval/{k}": float(v) for k, v in metrics.items()}}
+
+    # ---- the loop ----
+    if eval_data is not None:
+        log.log(0, evaluate(state[0]))  # the starting point
+    pending, t0, tokens = [], time.perf_counter(), 0
+    bar = tqdm(range(args.max_steps), desc="orpo", dynamic_ncols=True)
+    for step in bar:
+        batch = common.shard_batch(mesh, get_batch(train_data, step, args.batch_size,
+                                                   args.grad_accum_steps, args.seed))
+        state, metrics = step_fn(state, batch)  # metrics: from the pre-update forward
+        pending.append(metrics)
+        tokens += 2 * args.batch_size * length
+        if (step + 1) % args.log_every == 0 or step + 1 == args.max_steps:
+            fetched = jax.device_get(pending)  # one host sync per logging interval
+            elapsed = time.perf_counter() - t0
+            row = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+            row.update({"charts/learning_rate": float(schedule(step)),
+                        "charts/tokens_per_sec": tokens / elapsed,
+                        "charts/mfu": tokens / elapsed * flops_per_token / peak})
+            log.log(step + 1, row)
+            bar.set_postfix(loss=f"{row['train/loss']:.4f}", margin=f"{row['rewards/margins']:.3f}",
+                            tok_s=f"{row['charts/tokens_per_sec']:.0f}")
+            pending, t0, tokens = [], time.perf_counter(), 0
+        if eval_data is not None and ((step + 1) % args.eval_every == 0 or step + 1 == args.max_steps):
+            row = evaluate(state[0])
+            log.log(step + 1, row)
+            print(f"step {step + 1}: eval accuracy {row['eval/rewards/accuracies']:.3f}, "
+                  f"margin {row['eval/rewards/margins']:.4f}")
+            t0 = time.perf_counter()  # eval time is not training throughput
+
+    # ---- outputs: the final model (LoRA merged) ----
+    common.save_model(model, state[0], os.path.join(output_dir, "model"))
+    log.close()
+    print(f"done: outputs in {output_dir}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
