@@ -1,0 +1,561 @@
+"""PPO for language models (RLHF): KL-penalised reward, GAE, clipped policy and value losses.
+
+Ouyang et al. 2022; "The N+ implementation details of RLHF with PPO" (Huang et al. 2024); TRL PPOTrainer.
+    python ppo.py --model runs/sft…/model --reward-model runs/reward…/model
+Offline, on CPU, with the toy task's programmatic reward (data/toy.py:batch_score):
+    python ppo.py --model tiny
+"""
+
+import importlib.util
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import common  # first: sets KERAS_BACKEND=jax before keras loads
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+import optax
+import tyro
+from jax.sharding import NamedSharding, PartitionSpec as P
+from tqdm import tqdm
+
+
+@dataclass
+class Args:
+    # model
+    model: str = "tiny"
+    """policy init: alias (gemma_2b, …), KerasHub preset, kaggle:// or hf:// handle, local preset / HF dir, or `tiny`"""
+    dtype: str | None = None
+    """parameter dtype: bfloat16 or float32 (default: bfloat16 on TPU/GPU, float32 on CPU)"""
+    lora_rank: int = 0
+    """0 = full fine-tuning; >0 = LoRA on policy and value (the reference is then the LoRA-off base)"""
+    mesh: str | None = None
+    """device mesh, e.g. `data=4,model=2` (default: every device on `data`)"""
+    reward_model: str | None = None
+    """reward.py's `model/` dir: scores responses and initialises the value model"""
+    reward_fn: str = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
+    """`path.py:function`, f(prompts, responses) -> scores; used when --reward-model is not given"""
+    # data
+    dataset: str = os.path.join(common.HERE, "data", "prompts_train.jsonl")
+    """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, or a Hugging Face dataset"""
+    max_prompt_length: int = 64
+    """prompt tokens (BOS included); longer prompts are cut from the left"""
+    # rollouts
+    response_length: int = 16
+    """new tokens sampled per prompt"""
+    temperature: float = 0.7
+    """sampling temperature; log-probs are computed from logits / temperature to match"""
+    missing_eos_penalty: float | None = 1.0
+    """subtracted from the score of a response without EOS (None: off)"""
+    # optimisation
+    max_steps: int = 30
+    """PPO iterations (one rollout batch each)"""
+    batch_size: int = 32
+    """prompts per rollout, global over all devices"""
+    num_mini_batches: int = 2
+    """mini-batches per PPO epoch"""
+    num_ppo_epochs: int = 4
+    """passes over each rollout batch"""
+    learning_rate: float = 3e-5
+    """AdamW learning rate, annealed linearly to 0 over all updates (policy and value together)"""
+    max_grad_norm: float = 1.0
+    """global gradient-norm clip (policy and value together)"""
+    seed: int = 0
+    """seeds init (tiny), data order and sampling"""
+    # algorithm
+    kl_coef: float = 0.05
+    """β: per-token KL penalty coefficient"""
+    kl_estimator: str = "k1"
+    """`k1` (log-ratio, unbiased, can be negative) or `k3` ((r-1) - log r, non-negative)"""
+    whiten_rewards: bool = False
+    """whiten per-token rewards (scale only, mean kept) before GAE"""
+    gamma: float = 1.0
+    """γ: discount"""
+    lam: float = 0.95
+    """λ: GAE trace decay"""
+    cliprange: float = 0.2
+    """ε: policy ratio clip"""
+    cliprange_value: float = 0.2
+    """value clip around the rollout-time values"""
+    vf_coef: float = 0.1
+    """value loss weight"""
+    # logging and outputs
+    output_dir: str | None = None
+    """default: runs/ppo__{model}__{seed}__{time}"""
+    sample_every: int = 10
+    """print a few decoded samples with their scores every N steps"""
+    track: bool = False
+    """also log to Weights & Biases"""
+
+
+# ---------------------------------------------------------------------------
+# Data: prompts -> left-padded query ids [N, Q]
+# ---------------------------------------------------------------------------
+CHAT_TEMPLATES = {  # (user turn prefix, assistant turn prefix, turn end) per model family
+    "gemma": ("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n"),
+    "llama3": ("<|start_header_id|>user<|end_header_id|>\n\n",
+               "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+    "chatml": ("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"),
+}
+
+
+def chat_template(backbone):
+    name = type(backbone).__name__.lower()
+    return CHAT_TEMPLATES["llama3" if "llama3" in name else "chatml" if "qwen" in name else "gemma"]
+
+
+def read_rows(path):
+    """List of (row, line number) from .jsonl/.json, or via `datasets` for anything else."""
+    if path.endswith(".jsonl"):
+        rows = []
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append((json.loads(line), i))
+                    except json.JSONDecodeError as e:
+                        raise common.UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
+    elif path.endswith(".json"):
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise common.UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})")
+        rows = [(r, i) for i, r in enumerate(data if isinstance(data, list) else [data], 1)]
+    else:
+        try:
+            import datasets
+        except ImportError:
+            raise common.UsageError(f"{path}: parquet files and Hub datasets need `pip install datasets`")
+        ds = (datasets.load_dataset("parquet", data_files=path, split="train") if path.endswith(".parquet")
+              else datasets.load_from_disk(path) if os.path.isdir(path)
+              else datasets.load_dataset(path, split="train"))
+        rows = [(r, i) for i, r in enumerate(ds, 1)]
+    if not rows:
+        raise common.UsageError(f"{path}: no examples")
+    return rows
+
+
+def to_prompt(row, where, template):
+    """`prompt` string as is; a message list rendered with the chat template, opening the model turn."""
+    value = row.get("prompt") if isinstance(row, dict) else None
+    if isinstance(value, str) and value.strip():
+        return value
+    if isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                 for m in value):
+        user, model, end = template
+        return "".join((model if m.get("role") == "assistant" else user) + m["content"] + end
+                       for m in value) + model
+    raise common.UsageError(f"{where}: need 'prompt' (a non-empty string or a list of {{role, content}})")
+
+
+def tokenize_prompts(path, tokenizer, template, max_prompt_length):
+    """-> (prompt strings, queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
+    rows = read_rows(path)
+    prompts = [to_prompt(r, f"{path}:{line}", template) for r, line in rows]
+    ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
+    ids = [x[:1] + x[1:][-(max_prompt_length - 1):] for x in ids]  # cut from the left, BOS kept
+    q = min(max_prompt_length, 8 * math.ceil(max(len(x) for x in ids) / 8))
+    queries, mask = np.zeros((len(ids), q), np.int32), np.zeros((len(ids), q), bool)
+    for i, x in enumerate(ids):  # left padding: every prompt ends at column Q-1, responses start at Q
+        queries[i, q - len(x):], mask[i, q - len(x):] = x, True
+    return prompts, queries, mask
+
+
+def load_reward_fn(spec):
+    """`path.py:function` -> the function."""
+    path, _, name = spec.rpartition(":")
+    if not path or not os.path.exists(path):
+        raise common.UsageError(f"--reward-fn {spec!r}: expected an existing `path.py:function`")
+    module_spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        raise common.UsageError(f"--reward-fn {spec!r}: {path} has no function {name!r}")
+    return getattr(module, name)
+
+
+# Copied from reward.py (each script is self-contained): model/ = preset + reward_head.npz.
+HEAD_FILE = "reward_head.npz"
+
+
+def load_reward_model(path, mesh, dtype=None, lora_rank=0):
+    """-> (CausalLM, head {weight [D, 1], bias []}) from a reward.py `model/` directory."""
+    if not os.path.exists(os.path.join(path, HEAD_FILE)):
+        raise common.UsageError(f"{path}: no {HEAD_FILE} here; expected the model/ dir written by reward.py")
+    model = common.load_model(path, mesh, dtype, 0, lora_rank)
+    with np.load(os.path.join(path, HEAD_FILE)) as f:
+        head = {"weight": jnp.asarray(f["weight"], jnp.float32), "bias": jnp.asarray(f["bias"], jnp.float32)}
+    return model, head
+
+
+# ---------------------------------------------------------------------------
+# Rollouts: jitted KV-cached sampling with fixed shapes (compiles once)
+# ---------------------------------------------------------------------------
+def cached_forward(backbone, token_ids, padding_mask, cache, index):
+    """GemmaCausalLM.call_with_cache plus a key padding mask, so left-padded prompts work.
+
+    token_ids [B, t] are written at cache positions index…index+t-1; padding_mask [B, S]
+    covers the whole cache, masking the prompts' left padding as attention keys.
+    RoPE positions then count the padding too, which changes nothing: RoPE scores
+    depend only on the distance between query and key.
+    """
+    x = backbone.token_embedding(token_ids)
+    x = x * jnp.sqrt(jnp.asarray(backbone.hidden_dim, x.dtype))  # Gemma's embedding scale
+    caches = []
+    for i, layer in enumerate(backbone.transformer_layers):
+        x, c = layer(x, padding_mask=padding_mask, cache=cache[:, i], cache_update_index=index)
+        caches.append(c)
+    logits = backbone.token_embedding(backbone.layer_norm(x), reverse=True).astype(jnp.float32)
+    return logits, jnp.stack(caches, 1)  # [B, t, V], [B, L, 2, S, K, H]
+
+
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature):
+    """Sample `response_length` tokens after left-padded queries [B, Q] -> responses [B, R].
+
+    One prefill writes the prompt into the cache; a `lax.scan` then feeds one token
+    per step. temperature 0 = greedy. Tokens after an EOS are sampled too and cut
+    later (truncate_response), so every shape is fixed: one compilation per run.
+    """
+    b, q = queries.shape
+    padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state):
+        cache = jnp.zeros((b, backbone.num_layers, 2, q + response_length, backbone.num_key_value_heads,
+                           backbone.head_dim), backbone.compute_dtype)
+        logits, cache = cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
+
+        def step(carry, _):
+            logits, cache, index, key = carry
+            key, sample_key = jax.random.split(key)
+            token = (jnp.argmax(logits, -1) if temperature == 0 else
+                     jax.random.categorical(sample_key, logits / temperature)).astype(jnp.int32)
+            logits, cache = cached_forward(backbone, token[:, None], padding_mask, cache, index)
+            return (logits[:, -1], cache, index + 1, key), token
+
+        _, tokens = jax.lax.scan(step, (logits[:, -1], cache, jnp.int32(q), key), None, length=response_length)
+    return tokens.T  # [B, R]
+
+
+def truncate_response(responses, eos_id, pad_id):
+    """Keep tokens up to and including the first EOS, pad after it.
+
+    -> (responses [B, R], sequence_lengths [B]: index of the last real token,
+    the EOS, or R-1 when none was sampled).
+    """
+    r = responses.shape[1]
+    is_eos = responses == eos_id
+    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1), r - 1)
+    return jnp.where(jnp.arange(r)[None] > first_eos[:, None], pad_id, responses), first_eos
+
+
+# ---------------------------------------------------------------------------
+# Forwards of policy, reference, value and reward models on query + response
+# ---------------------------------------------------------------------------
+def hidden_states(backbone, params, frozen, token_ids, padding_mask):
+    """Final-norm hidden states [B, T, D] (stateless: weights passed as values)."""
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state):
+        return backbone({"token_ids": token_ids, "padding_mask": padding_mask})
+
+
+def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature):
+    """log π(response token) from logits / temperature, and the entropy: [B, R] each, float32.
+
+    Position t predicts token t+1, so response token Q+i is scored by hidden[Q+i-1].
+    The [B, R, V] logits are made one response position at a time under jax.checkpoint.
+    """
+    hidden = hidden_states(backbone, params, frozen, token_ids, padding_mask)[:, context_length - 1:-1]
+    labels = token_ids[:, context_length:]  # [B, R]
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state):
+        @jax.checkpoint
+        def position(h, y):  # [B, D], [B] -> [B], [B]
+            logits = backbone.token_embedding(h, reverse=True).astype(jnp.float32) / temperature  # f32
+            logz = jax.nn.logsumexp(logits, -1)
+            entropy = logz - jnp.sum(jax.nn.softmax(logits, -1) * logits, -1)
+            return jnp.take_along_axis(logits, y[:, None], -1)[:, 0] - logz, entropy
+
+        logps, entropy = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
+    return logps.T, entropy.T
+
+
+def response_values(backbone, params, frozen, head, token_ids, padding_mask, context_length):
+    """V(state before each response token) = w·h + b: [B, R], float32."""
+    hidden = hidden_states(backbone, params, frozen, token_ids, padding_mask)[:, context_length - 1:-1]
+    return (hidden.astype(jnp.float32) @ head["weight"])[..., 0] + head["bias"]
+
+
+def reward_scores(backbone, params, frozen, head, token_ids, padding_mask, last_index):
+    """Reward-model score r(x, y) at the last real token (index [B] into T): [B]."""
+    hidden = hidden_states(backbone, params, frozen, token_ids, padding_mask)
+    h = jnp.take_along_axis(hidden, last_index[:, None, None], 1)[:, 0].astype(jnp.float32)
+    return (h @ head["weight"])[:, 0] + head["bias"]
+
+
+# ---------------------------------------------------------------------------
+# ALGO LOGIC: rewards, GAE, whitening, the PPO losses
+# ---------------------------------------------------------------------------
+def masked_mean(x, mask):
+    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)
+
+
+def whiten(x, mask, shift_mean=True):
+    """(x - mean) / std over the positions where `mask` is True (std with Bessel's
+    correction, as TRL); masked positions come out as 0 and never count."""
+    mean = masked_mean(x, mask)
+    var = jnp.sum(jnp.where(mask, (x - mean) ** 2, 0.0)) / jnp.maximum(mask.sum() - 1, 1)
+    out = (x - mean) * jax.lax.rsqrt(var + 1e-8) + (0.0 if shift_mean else mean)
+    return jnp.where(mask, out, 0.0)
+
+
+def compute_rewards(scores, logprobs, ref_logprobs, sequence_lengths, kl_coef, kl_estimator="k1"):
+    """Per-token rewards (eq. 2 of docs/ppo.md): -β·KL_t on every real response token,
+    plus the score on the last real one (the EOS). Padding after it gets 0.
+
+    -> (rewards, kl, non_score_reward), each [B, R].
+    """
+    idx = jnp.arange(logprobs.shape[1])[None]
+    mask = idx <= sequence_lengths[:, None]  # [B, R]: real response tokens (EOS included)
+    logr = jnp.where(mask, ref_logprobs - logprobs, 0.0)
+    kl = -logr if kl_estimator == "k1" else jnp.expm1(logr) - logr  # k1, or k3 (Schulman's blog)
+    non_score_reward = -kl_coef * kl
+    rewards = non_score_reward + jnp.where(idx == sequence_lengths[:, None], scores[:, None], 0.0)
+    return rewards, kl, non_score_reward
+
+
+def compute_gae(rewards, values, mask, gamma, lam):
+    """Generalized advantage estimation (eq. 3), backwards over the response.
+
+    Values and rewards are zeroed where `mask` is False, so the value after the
+    last real token is 0: the episode ends at EOS. -> (advantages, returns) [B, R].
+    """
+    values, rewards = jnp.where(mask, values, 0.0), jnp.where(mask, rewards, 0.0)
+    next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], 1)
+    deltas = rewards + gamma * next_values - values  # δ_t = r_t + γ V_{t+1} - V_t
+
+    def step(next_advantage, delta):
+        advantage = delta + gamma * lam * next_advantage  # A_t = δ_t + γλ A_{t+1}
+        return advantage, advantage
+
+    _, advantages = jax.lax.scan(step, jnp.zeros_like(deltas[:, 0]), deltas.T, reverse=True)
+    advantages = advantages.T
+    return advantages, advantages + values
+
+
+def ppo_loss(new_logprobs, new_values, logprobs, values, advantages, returns, mask,
+             cliprange, cliprange_value, vf_coef):
+    """Clipped surrogate (eq. 4) + vf_coef · clipped value loss (eq. 5), token means over `mask`."""
+    log_ratio = new_logprobs - logprobs
+    ratio = jnp.exp(log_ratio)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * jnp.clip(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_loss = masked_mean(jnp.maximum(pg_losses, pg_losses2), mask)
+    values_clipped = values + jnp.clip(new_values - values, -cliprange_value, cliprange_value)
+    vf_losses, vf_losses2 = (new_values - returns) ** 2, (values_clipped - returns) ** 2
+    vf_loss = 0.5 * masked_mean(jnp.maximum(vf_losses, vf_losses2), mask)
+    metrics = {"loss/policy_avg": pg_loss, "loss/value_avg": vf_loss,
+               "policy/clipfrac_avg": masked_mean(pg_losses2 > pg_losses, mask),
+               "val/clipfrac_avg": masked_mean(vf_losses2 > vf_losses, mask),
+               "policy/approxkl_avg": 0.5 * masked_mean(log_ratio ** 2, mask),
+               "val/ratio": masked_mean(ratio, mask)}
+    return pg_loss + vf_coef * vf_loss, metrics
+
+
+# ---------------------------------------------------------------------------
+# Rollout statistics and train_step
+# ---------------------------------------------------------------------------
+def rollout_stats(models, params, ref_params, frozen, batch, context_length, temperature):
+    """Log-probs of policy and reference, and values, for a finished rollout batch."""
+    policy_bb, value_bb = models
+    ids, mask = batch["query_responses"], batch["padding_mask"]
+    logprobs, _ = response_logps(policy_bb, params[0], frozen[0], ids, mask, context_length, temperature)
+    ref_logprobs, _ = response_logps(policy_bb, ref_params, frozen[0], ids, mask, context_length, temperature)
+    values = response_values(value_bb, params[1][0], frozen[1], params[1][1], ids, mask, context_length)
+    return logprobs, ref_logprobs, values
+
+
+def advantages_of(scores, logprobs, ref_logprobs, values, sequence_lengths, args):
+    """Rewards -> GAE advantages (whitened) and returns, plus the objective/* metrics."""
+    rewards, kl, non_score_reward = compute_rewards(scores, logprobs, ref_logprobs, sequence_lengths,
+                                                    args.kl_coef, args.kl_estimator)
+    mask = jnp.arange(logprobs.shape[1])[None] <= sequence_lengths[:, None]
+    if args.whiten_rewards:
+        rewards = whiten(rewards, mask, shift_mean=False)
+    advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
+    advantages = whiten(advantages, mask)
+    metrics = {"objective/kl": kl.sum(1).mean(), "objective/entropy": -jnp.where(mask, logprobs, 0).sum(1).mean(),
+               "objective/non_score_reward": non_score_reward.sum(1).mean(),
+               "objective/rlhf_reward": non_score_reward.sum(1).mean() + scores.mean(),
+               "objective/scores": scores.mean()}
+    return advantages, returns, metrics
+
+
+def train_step(models, optimizer, state, batch, context_length, args):
+    """One PPO update on a mini-batch. state = (params=(policy, (value, head)), opt_state, frozen)."""
+    params, opt_state, frozen = state
+    policy_bb, value_bb = models
+    ids, mask = batch["query_responses"], batch["padding_mask"]
+
+    def loss_fn(p):
+        new_logprobs, entropy = response_logps(policy_bb, p[0], frozen[0], ids, mask, context_length,
+                                               args.temperature)
+        new_values = response_values(value_bb, p[1][0], frozen[1], p[1][1], ids, mask, context_length)
+        loss, metrics = ppo_loss(new_logprobs, new_values, batch["logprobs"], batch["values"],
+                                 batch["advantages"], batch["returns"], batch["response_mask"],
+                                 args.cliprange, args.cliprange_value, args.vf_coef)
+        return loss, {**metrics, "policy/entropy_avg": masked_mean(entropy, batch["response_mask"])}
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return (params, opt_state, frozen), {**metrics, "train/loss": loss, "train/grad_norm": optax.global_norm(grads)}
+
+
+def main(args):
+    # ---- set-up: mesh, models, data, reward (all validation before any compute) ----
+    try:
+        mesh = common.make_mesh(args.mesh)
+        mini = args.batch_size // max(args.num_mini_batches, 1)
+        if args.batch_size % args.num_mini_batches or mini % mesh.shape["data"]:
+            raise common.UsageError(f"--batch-size {args.batch_size} must split into --num-mini-batches "
+                                    f"{args.num_mini_batches} each divisible by the data axis ({mesh.shape['data']})")
+        if args.temperature <= 0 or args.kl_estimator not in ("k1", "k3"):
+            raise common.UsageError("--temperature must be > 0 and --kl-estimator one of k1, k3")
+        model = common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank)
+        backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
+        if "gemma" not in type(backbone).__name__.lower():
+            raise common.UsageError(f"--model {args.model}: the KV-cached sampler supports Gemma backbones")
+        prompts, queries, query_mask = tokenize_prompts(args.dataset, tokenizer, chat_template(backbone),
+                                                        args.max_prompt_length)
+        reward_fn = None if args.reward_model else load_reward_fn(args.reward_fn)
+        rm = load_reward_model(args.reward_model, mesh, args.dtype, args.lora_rank) if args.reward_model else None
+    except (common.UsageError, FileNotFoundError) as e:
+        common.fail(e)
+    q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
+    print(f"data: {len(prompts)} prompts, queries padded to {q} tokens; responses {r} tokens; "
+          f"reward: {args.reward_model or args.reward_fn}")
+
+    # Policy trainable; reference = frozen copy of its initial values (with LoRA: the zero-init
+    # adapters, i.e. the LoRA-off base); value = its own copy of the reward model (or policy) + head.
+    policy_params, policy_frozen = common.split_variables(backbone)
+    ref_params = jax.tree.map(jnp.copy, policy_params)
+    if rm is not None:
+        value_bb, rm_head = rm[0].backbone, common.replicate(mesh, rm[1])
+        rm_params, value_frozen = common.split_variables(value_bb)
+        value = (jax.tree.map(jnp.copy, rm_params), jax.tree.map(jnp.copy, rm_head))
+    else:
+        value_bb, value_frozen = backbone, policy_frozen
+        head = {"weight": jnp.zeros((backbone.hidden_dim, 1), jnp.float32), "bias": jnp.zeros((), jnp.float32)}
+        value = (jax.tree.map(jnp.copy, policy_params), common.replicate(mesh, head))
+    models, frozen = (backbone, value_bb), (policy_frozen, value_frozen)
+    # Through one jit, so the trainable values carry the mesh in their types as the updated
+    # ones will: the sampler then sees identical input types every step (no recompilation).
+    params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))((policy_params, value))
+    total_updates = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
+    schedule = optax.linear_schedule(args.learning_rate, 0.0, max(total_updates, 1))  # lr annealing
+    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adamw(schedule, eps=1e-5))
+    state = (params, jax.jit(optimizer.init)(params), frozen)
+
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
+    stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, q, args.temperature))
+    adv_fn = jax.jit(lambda s, lp, rlp, v, sl: advantages_of(s, lp, rlp, v, sl, args))
+    # The updated state keeps the shardings it started with, so the sampler and the
+    # rollout forwards (which take the policy params) see the same input types every step.
+    state_shardings = jax.tree.map(lambda x: x.sharding, state)
+    step_fn = jax.jit(lambda s, b: train_step(models, optimizer, s, b, q, args), donate_argnums=0,
+                      out_shardings=(state_shardings, None))
+    score_fn = jax.jit(lambda ids, m, last: reward_scores(value_bb, rm_params, value_frozen, rm_head, ids, m, last)
+                       ) if rm is not None else None
+    on_data = NamedSharding(mesh, P("data"))  # rollout arrays [B, ...]: batch over `data`
+
+    output_dir = args.output_dir or common.default_output_dir("ppo", args.model, args.seed)
+    log = common.RunLog(output_dir, args, args.track)
+    # FLOPs: 2N per token per forward (sampling, policy + reference + value, reward model),
+    # 6N per token per trained forward+backward (policy and value, every epoch).
+    n_pol, n_val = common.count_params(backbone), common.count_params(value_bb)
+    flops_per_seq = (q + r) * (2 * n_pol + 2 * (2 * n_pol + n_val) + 2 * n_val * (rm is not None)
+                     + args.num_ppo_epochs * 6 * (n_pol + n_val))
+    peak = common.peak_flops()
+    key = jax.random.key(args.seed)
+    rng = np.random.default_rng(args.seed)
+    order = np.concatenate([rng.permutation(len(prompts)) for _ in range(
+        -(-args.max_steps * args.batch_size // len(prompts)))])
+
+    # ---- the loop: rollout -> rewards -> advantages -> update ----
+    bar = tqdm(range(args.max_steps), desc="ppo", dynamic_ncols=True)
+    for step in bar:
+        # rollout: sample responses to a batch of prompts, cut them after the first EOS
+        t0 = time.perf_counter()
+        idx = order[step * args.batch_size:(step + 1) * args.batch_size]
+        key, gen_key = jax.random.split(key)
+        qs, qm = jax.device_put(queries[idx], on_data), jax.device_put(query_mask[idx], on_data)
+        responses, sequence_lengths = truncate_response(gen_fn(state[0][0], policy_frozen, qs, qm, gen_key),
+                                                        eos, pad)
+        responses.block_until_ready()
+        t_generate = time.perf_counter() - t0
+
+        # rewards: scores from the reward model / function, log-probs of policy and reference, values
+        response_mask = jnp.arange(r)[None] <= sequence_lengths[:, None]  # [B, R]
+        batch = {"query_responses": jnp.concatenate([qs, responses], 1),
+                 "padding_mask": jnp.concatenate([qm, response_mask], 1)}
+        logprobs, ref_logprobs, values = stats_fn(state[0], ref_params, frozen, batch)
+        host_responses, host_lengths = jax.device_get((responses, sequence_lengths))
+        texts = tokenizer.detokenize([list(x[:n + (x[n] != eos)]) for x, n in zip(host_responses, host_lengths)])
+        if rm is not None:
+            scores = score_fn(batch["query_responses"], batch["padding_mask"], q + sequence_lengths)
+        else:
+            scores = jax.device_put(np.asarray(reward_fn([prompts[i] for i in idx], texts), np.float32), on_data)
+        has_eos = (host_responses == eos).any(1)
+        if args.missing_eos_penalty is not None:
+            scores = scores - args.missing_eos_penalty * jnp.asarray(~has_eos, jnp.float32)
+
+        # advantages: per-token KL-penalised rewards -> GAE -> whitening
+        advantages, returns, objective = adv_fn(scores, logprobs, ref_logprobs, values, sequence_lengths)
+        batch.update(logprobs=logprobs, values=values, advantages=advantages, returns=returns,
+                     response_mask=response_mask)
+        jax.block_until_ready(batch)
+        t_score = time.perf_counter() - t0 - t_generate
+
+        # update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches
+        pending = []
+        for _ in range(args.num_ppo_epochs):
+            perm = rng.permutation(args.batch_size)
+            for m in range(args.num_mini_batches):
+                mb_idx = jax.device_put(perm[m * mini:(m + 1) * mini], on_data)
+                state, metrics = step_fn(state, jax.tree.map(lambda x: x[mb_idx], batch))
+                pending.append(metrics)
+        fetched = jax.device_get(pending)
+        t_update = time.perf_counter() - t0 - t_generate - t_score
+
+        elapsed = time.perf_counter() - t0
+        row = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+        row.update({k: float(v) for k, v in jax.device_get(objective).items()})
+        row.update({"val/num_eos_tokens": float(has_eos.sum()),
+                    "charts/learning_rate": float(schedule(step * args.num_ppo_epochs * args.num_mini_batches)),
+                    "charts/generate_tokens_per_sec": args.batch_size * r / t_generate,
+                    "charts/generate_time": t_generate, "charts/score_time": t_score,
+                    "charts/update_time": t_update,
+                    "charts/tokens_per_sec": args.batch_size * (q + r) / elapsed,
+                    "charts/mfu": args.batch_size * flops_per_seq / elapsed / peak,
+                    "charts/generate_compilations": float(gen_fn._cache_size())})
+        log.log(step + 1, row)
+        bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}")
+        if args.sample_every and (step % args.sample_every == 0 or step + 1 == args.max_steps):
+            host_scores = np.asarray(scores)
+            for i in range(min(3, len(idx))):
+                tqdm.write(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} score {host_scores[i]:.3f}")
+
+    # ---- outputs: the policy (LoRA merged) as a KerasHub preset ----
+    common.save_model(model, state[0][0], os.path.join(output_dir, "model"))
+    log.close()
+    print(f"done: outputs in {output_dir}")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
