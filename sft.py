@@ -340,6 +340,8 @@ def main(args):
         return nll / max(n, 1)
 
     # ---- the loop ----
+    if eval_data is not None:
+        log.log(0, {"eval/loss": evaluate(state[0])})  # the starting point, before any update
     pending, t0, tokens = [], time.perf_counter(), 0
     bar = tqdm(range(args.max_steps), desc="sft", dynamic_ncols=True)
     for step in bar:

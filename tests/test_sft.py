@@ -1,0 +1,108 @@
+"""sft.py through its CLI: outputs of DESIGN §2, learning on the toy task, bad input."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "data"))
+import toy  # noqa: E402
+
+
+def run(*args, check=True, one_device=False):
+    env = dict(os.environ)
+    if one_device:  # the learning run needs no simulated mesh (test_sharding covers it)
+        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "sft.py"), *args],
+                          capture_output=True, text=True, cwd=ROOT, env=env)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def exact_match(model, n=100):
+    with open(os.path.join(ROOT, "data", "sft_eval.jsonl")) as f:
+        rows = [json.loads(line) for line in f][:n]
+    outs = model.generate([r["prompt"] for r in rows], max_length=32, strip_prompt=True)
+    return np.mean([toy.score(r["prompt"], o) == 1.0 for r, o in zip(rows, outs)])
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("sft") / "run")
+    run("--model", "tiny", "--max-steps", "200", "--eval-every", "100", "--output-dir", out, one_device=True)
+    return out
+
+
+def test_outputs(trained):
+    files = os.listdir(trained)
+    assert {"args.json", "metrics.jsonl", "model"} <= set(files)
+    assert any(f.startswith("events.out.tfevents") for f in files)
+    with open(os.path.join(trained, "args.json")) as f:
+        assert json.load(f)["max_steps"] == 200
+    rows = read_metrics(trained)
+    train = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in train] == list(range(10, 201, 10))
+    assert {"charts/learning_rate", "charts/tokens_per_sec", "charts/mfu"} <= set(train[-1])
+    assert 0 < train[-1]["charts/mfu"] <= 1
+    assert {"config.json", "model.weights.h5", "tokenizer.json"} <= set(os.listdir(os.path.join(trained, "model")))
+
+
+def test_learns_toy_task(trained):
+    import common  # noqa: F401  (sets the Keras backend)
+    import keras_hub
+    rows = read_metrics(trained)
+    train = [r["train/loss"] for r in rows if "train/loss" in r]
+    evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
+    assert train[-1] < 0.8 * train[0]  # the 20% of the issue, with a wide margin in practice
+    assert [r["step"] for r in rows if "eval/loss" in r] == [0, 100, 200]
+    assert evals[-1] < 0.25 * evals[0]  # held-out loss falls clearly
+    before = exact_match(common.load_model("tiny", common.make_mesh(), seed=0))
+    after = exact_match(keras_hub.models.CausalLM.from_preset(os.path.join(trained, "model")))
+    assert before == 0.0 and after >= 0.25, (before, after)
+
+
+def test_saved_model_continues_as_model_flag_with_messages(trained, tmp_path):
+    out = str(tmp_path / "again")
+    proc = run("--model", os.path.join(trained, "model"), "--max-steps", "2", "--log-every", "1",
+               "--dataset", os.path.join(ROOT, "data", "sft_messages_train.jsonl"),
+               "--eval-dataset", os.path.join(ROOT, "data", "sft_messages_eval.jsonl"),
+               "--batch-size", "8", "--output-dir", out, "--num-samples", "1")
+    assert "sample:" in proc.stdout
+    assert len([r for r in read_metrics(out) if "train/loss" in r]) == 2
+
+
+@pytest.mark.parametrize("content, message", [
+    ('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": "b"}\n{"prompt": "a",\n',
+     "bad.jsonl:3: invalid JSON"),
+    ('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": ""}\n',
+     "bad.jsonl:2: field 'completion' must be a non-empty string"),
+    ('{"prompt": "a", "completion": "b"}\n{"question": "a"}\n', "bad.jsonl:2: need 'text'"),
+    ("", "bad.jsonl: no examples"),
+])
+def test_bad_dataset_exits_2_naming_file_and_line(tmp_path, content, message):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(content)
+    proc = run("--dataset", str(bad), "--output-dir", str(tmp_path / "out"), check=False)
+    assert proc.returncode == 2
+    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert not os.path.exists(tmp_path / "out")  # nothing written, no compute spent
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--model", "gemma_3b_typo"], "unknown --model 'gemma_3b_typo'"),
+    (["--mesh", "data=3"], "--mesh 'data=3' has 3 devices, but 8 are present"),
+    (["--batch-size", "12"], "--batch-size 12 must divide"),
+])
+def test_bad_flags_exit_2(tmp_path, flags, message):
+    proc = run(*flags, "--output-dir", str(tmp_path / "out"), check=False)
+    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
