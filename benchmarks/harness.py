@@ -49,7 +49,7 @@ def import_algo(name):
 # ---------------------------------------------------------------------------
 # Models: random init at published shapes, or abstract (shapes + shardings only)
 # ---------------------------------------------------------------------------
-def build_backbone(name, mesh, dtype, lora_rank=0, seed=0, abstract=False):
+def build_backbone(name, mesh, dtype, lora_rank=0, seed=0, abstract=False, overrides=None):
     """GemmaBackbone at `ARCHS[name]` shapes, created inside the distribution scope.
 
     abstract=True: variables are created under a StatelessScope that defers their
@@ -63,7 +63,7 @@ def build_backbone(name, mesh, dtype, lora_rank=0, seed=0, abstract=False):
     distribution = common.distribution_for(mesh, cls)
     scope = keras.StatelessScope(initialize_variables=False) if abstract else _nullcontext()
     with distribution.scope(), scope:
-        backbone = cls(dtype=dtype, **ARCHS[name])
+        backbone = cls(dtype=dtype, **{**ARCHS[name], **(overrides or {})})
         if lora_rank:
             backbone.enable_lora(lora_rank)
     if abstract:
@@ -95,8 +95,9 @@ def abstract_variables(backbone):
 def load_backbone(args, mesh, abstract=False):
     """--model through common.load_model, or at ARCHS shapes with --random-init / abstract."""
     if abstract or args.random_init:
+        overrides = {"num_layers": args.num_layers} if getattr(args, "num_layers", 0) else None
         return build_backbone(args.model, mesh, args.dtype or common.default_dtype(), args.lora_rank,
-                              args.seed, abstract)
+                              args.seed, abstract, overrides)
     return common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank).backbone
 
 
@@ -131,8 +132,31 @@ def run(fn, *args, abstract=False):
         return jax.jit(fn)(*args)
     compiled = jax.jit(fn).lower(*args).compile()
     out = jax.eval_shape(fn, *args)
-    return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s),
+    mesh = next(x.sharding.mesh for x in jax.tree.leaves(args) if isinstance(x.sharding, NamedSharding))
+    # Outputs made from no input (optax's step count) come back on one device: replicate them.
+    fix = lambda s: s if isinstance(s, NamedSharding) else NamedSharding(mesh, P())
+    return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=fix(s)),
                         out, compiled.output_shardings)
+
+
+def init_opt_state(optimizer, params, abstract=False):
+    """Optimizer state laid out like the params it belongs to (scalars replicated).
+
+    Eagerly, optax's zeros_like keeps each param's sharding. (Under jax.jit, as the
+    scripts do now, the zeros depend on no input and land whole on device 0.)
+    """
+    if not abstract:
+        return optimizer.init(params)
+    shapes = jax.eval_shape(optimizer.init, params)
+    structure = jax.tree.structure(params)
+    mesh = next(x.sharding.mesh for x in jax.tree.leaves(params) if isinstance(x.sharding, NamedSharding))
+
+    def place(sub):
+        if jax.tree.structure(sub) == structure:  # mu, nu, ...: one leaf per param
+            return jax.tree.map(lambda o, p: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=p.sharding), sub, params)
+        return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=NamedSharding(mesh, P())), sub)
+
+    return jax.tree.map(place, shapes, is_leaf=lambda x: jax.tree.structure(x) == structure)
 
 
 def put_batch(mesh, batch, abstract=False):
@@ -211,7 +235,7 @@ def setup(cfg, backbone, mesh, abstract=False):
 def _sft(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
     a, b, t, vocab = shape
     ids, pad, mask = sequences(rng, a, b, t, vocab)
-    state = (params, run(optimizer.init, params, abstract=abstract), frozen)
+    state = (params, init_opt_state(optimizer, params, abstract), frozen)
     step = lambda s, batch, extra: module.train_step(backbone, optimizer, s, batch)
     batch = put_batch(mesh, {"token_ids": ids, "padding_mask": pad, "loss_mask": mask}, abstract)
     return Bench(module, step, state, None, batch, a * b * t, 6)
@@ -221,7 +245,7 @@ def _preference(module, args, backbone, optimizer, params, frozen, rng, shape, m
     """dpo.py (and scripts with its signature: train_step(backbone, optimizer, args, state, batch, ref))."""
     a, b, t, vocab = shape
     host = pair_batch(rng, a, b, t, vocab, "ids")
-    state = (params, run(optimizer.init, params, abstract=abstract), frozen)
+    state = (params, init_opt_state(optimizer, params, abstract), frozen)
     needs_ref = hasattr(module, "lora_off")  # DPO: a reference model
     ref, factor, note = None, 6, "reference-free"
     if needs_ref and getattr(args, "precompute_ref", False):
@@ -241,7 +265,7 @@ def _reward(module, args, backbone, optimizer, params, frozen, rng, shape, mesh,
     a, b, t, vocab = shape
     head = common.replicate(mesh, module.init_head(backbone, 0))  # [D, 1] + bias: tiny, concrete
     params = (params, shape_of(head) if abstract else head)
-    state = (params, run(optimizer.init, params, abstract=abstract), frozen)
+    state = (params, init_opt_state(optimizer, params, abstract), frozen)
     host = pair_batch(rng, a, b, t, vocab, "token_ids", with_loss_mask=False)
     step = lambda s, batch, extra: module.train_step(backbone, optimizer, s, batch)
     return Bench(module, step, state, None, put_batch(mesh, host, abstract), 2 * a * b * t, 6,
