@@ -1,0 +1,82 @@
+"""benchmarks/: throughput.py runs the scripts' own train_step and reports sane numbers;
+memory.py compiles it with abstract weights and reports per-device bytes that follow the
+sharding (full fine-tuning > LoRA; 8 shards of the weights, not 8 copies)."""
+
+import contextlib
+import io
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+
+import memory  # noqa: E402  (benchmarks/ on the path; imports common first)
+import throughput  # noqa: E402
+
+
+def last_json(capsys):
+    return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def sft_row():
+    """One sft throughput run on tiny, shared by two tests (capsys is per test: capture by hand)."""
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        throughput.main(throughput.Args(algo="sft", model="tiny", batch_size=8, max_length=32, steps=2, warmup=1))
+    return json.loads(buf.getvalue().strip().splitlines()[-1])
+
+
+def test_throughput_sft_fields(sft_row):
+    r = sft_row
+    assert r["tokens_per_step"] == 8 * 32
+    assert r["tokens_per_sec"] > 0 and r["step_time_s"] > 0
+    assert r["tokens_per_sec"] == pytest.approx(r["tokens_per_step"] / r["step_time_s"])
+    assert 0 < r["mfu"] <= 1
+    n = 1611456  # tiny: every matmul weight incl. the tied embedding (common.count_params)
+    assert r["flops_per_token"] == 6 * n
+    assert r["mfu"] == pytest.approx(r["tokens_per_sec"] * r["flops_per_token"] / r["peak_flops"])
+    assert r["num_devices"] == 8 and r["device"] == "cpu"
+    assert r["final_loss"] == r["final_loss"] and r["final_loss"] > 0  # not NaN
+
+
+def test_throughput_dpo_online_reference_counts_8n(sft_row, capsys):
+    throughput.main(throughput.Args(algo="dpo", model="tiny", batch_size=8, max_length=32, steps=2, warmup=1))
+    r = last_json(capsys)
+    assert r["tokens_per_step"] == 2 * 8 * 32  # chosen + rejected
+    assert r["flops_per_token"] * 6 == sft_row["flops_per_token"] * 8  # 8N vs 6N
+    assert r["tokens_per_sec"] > 0 and 0 < r["mfu"] <= 1
+
+
+def test_throughput_bad_algo_exits_2():
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "throughput.py"), "--algo", "nope"],
+                          capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: --algo 'nope'")
+
+
+def memory_row(capsys, **kw):
+    memory.main(memory.Args(algo="sft", model="tiny", target="cpu", mesh="data=4,model=2", batch_size=8,
+                            max_length=32, **kw))
+    return last_json(capsys)
+
+
+def test_memory_full_vs_lora_and_sharding(capsys):
+    full = memory_row(capsys)
+    lora = memory_row(capsys, lora_rank=4)
+    assert full["peak_bytes_per_device"] > 0
+    assert full["peak_bytes_per_device"] == (full["argument_bytes"] + full["output_bytes"]
+                                             + full["temp_bytes"] - full["alias_bytes"])
+    assert lora["peak_bytes_per_device"] < full["peak_bytes_per_device"]
+    # bf16 weights of 1,611,456 params over 8 devices: about 1/8 each (norm scales are replicated).
+    whole = 1611456 * 2
+    assert whole / 8 <= full["trainable_bytes"] < whole / 6
+    # Adam's mu and nu are laid out like the params (plus a replicated step count).
+    assert full["optimizer_bytes"] == pytest.approx(2 * full["trainable_bytes"], abs=64)
+    # LoRA: the base weights are frozen (no optimizer state for them), the trainable part is tiny.
+    assert lora["trainable_bytes"] < full["trainable_bytes"] / 10
+    assert lora["frozen_bytes"] >= full["trainable_bytes"]
