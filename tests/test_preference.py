@@ -245,3 +245,124 @@ def test_prompt_forms_and_bad_rows(tmp_path):
         for module in (dpo, simpo, orpo):
             with pytest.raises(common.UsageError, match=message):
                 module.tokenize_dataset(str(tmp_path / "bad.jsonl"), None, gemma, 512)
+
+
+# ---------------------------------------------------------------------------
+# Each script through its CLI
+# ---------------------------------------------------------------------------
+SCRIPTS = {"dpo.py": dpo, "simpo.py": simpo, "orpo.py": orpo}
+
+
+def run(script, *args, check=True):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True, cwd=ROOT)
+    if check:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc
+
+
+def read_metrics(output_dir):
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+@pytest.fixture(scope="module")
+def hf_checkpoint(tmp_path_factory):
+    """`tiny` (seed 0) written as a Hugging Face Gemma directory, as test_loading.py does."""
+    model = common.load_model("tiny", common.make_mesh(), "float32", seed=0)
+    hf = str(tmp_path_factory.mktemp("hf") / "gemma")
+    model.export_to_transformers(hf)
+    with open(os.path.join(hf, "config.json")) as f:
+        config = json.load(f)
+    with open(os.path.join(hf, "config.json"), "w") as f:
+        json.dump({**config, "architectures": ["GemmaForCausalLM"]}, f)  # keras-hub 0.32 leaves it out
+    return hf
+
+
+def expected_metrics(module, model, pairs):
+    """The loss and metrics of `pairs` under the initial model, computed here in-process."""
+    params, frozen = common.split_variables(model.backbone)  # LoRA B = 0: the plain initial model
+    forward = jax.jit(lambda b: module.concatenated_forward(model.backbone, params, frozen, b))
+    logps = forward(dpo.pad_examples(pairs, 32))
+    if module is dpo:
+        return dpo_loss(*logps, *logps)  # policy == reference
+    nll = logps[2].sum() / logps[3].sum()
+    return simpo_loss(logps[0], logps[1], nll) if module is simpo else orpo_loss(logps[0], logps[1], nll)
+
+
+def assert_logged(row, loss, metrics, script):
+    assert row["train/loss"] == pytest.approx(float(loss), rel=1e-4)
+    for k, v in metrics.items():
+        if not (script == "dpo.py" and k == "rewards/accuracies"):  # DPO at init: ties broken by float noise
+            assert row[k] == pytest.approx(float(v), rel=1e-4, abs=1e-5), k
+
+
+def test_issue_command_logs_first_batch_before_any_update(hf_checkpoint, prefs, tmp_path):
+    """`--model <HF dir> --dataset <jsonl> --dtype float32 --learning-rate 0 --max-steps 1`."""
+    mesh, model, pairs = prefs
+    with open(os.path.join(ROOT, "data", "prefs_eval.jsonl")) as f:
+        (tmp_path / "pairs.jsonl").write_text("".join(f.readlines()[:8]))
+    out = str(tmp_path / "run")
+    run("dpo.py", "--model", hf_checkpoint, "--dataset", str(tmp_path / "pairs.jsonl"), "--dtype", "float32",
+        "--learning-rate", "0", "--max-steps", "1", "--batch-size", "8", "--eval-dataset", "", "--output-dir", out)
+    (row,) = read_metrics(out)
+    assert row["step"] == 1 and row["train/loss"] == pytest.approx(LOG2, abs=1e-6)
+    assert_logged(row, *expected_metrics(dpo, model, pairs), "dpo.py")
+
+
+@pytest.fixture(scope="module", params=list(SCRIPTS))
+def trained(request, hf_checkpoint, tmp_path_factory):
+    """30 steps from the random `tiny` (as an HF directory), every step logged."""
+    out = str(tmp_path_factory.mktemp(request.param[:-3]) / "run")
+    run(request.param, "--model", hf_checkpoint, "--dataset", os.path.join(ROOT, "data", "prefs_train.jsonl"),
+        "--dtype", "float32", "--max-steps", "30", "--log-every", "1", "--eval-every", "30", "--output-dir", out)
+    return request.param, out
+
+
+def test_first_batch_metrics_logged_before_the_update(trained, prefs):
+    script, out = trained
+    mesh, model, _ = prefs
+    module = SCRIPTS[script]
+    pairs, _ = module.tokenize_dataset(os.path.join(ROOT, "data", "prefs_train.jsonl"), model.preprocessor.tokenizer,
+                                       module.chat_template(model.backbone), 512)
+    first = module.get_batch({"chosen_ids": np.arange(len(pairs))}, 0, 32, 1, 0)["chosen_ids"][0]  # batch 0's pairs
+    row = read_metrics(out)[1]  # [0] is the step-0 evaluation
+    assert row["step"] == 1
+    assert_logged(row, *expected_metrics(module, model, [pairs[i] for i in first]), script)
+
+
+def test_outputs(trained):
+    script, out = trained
+    files = os.listdir(out)
+    assert {"args.json", "metrics.jsonl", "model"} <= set(files)
+    assert any(f.startswith("events.out.tfevents") for f in files)
+    with open(os.path.join(out, "args.json")) as f:
+        assert json.load(f)["max_steps"] == 30
+    train = [r for r in read_metrics(out) if "train/loss" in r]
+    assert [r["step"] for r in train] == list(range(1, 31))
+    names = {"train/loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+             "logps/chosen", "logps/rejected", "charts/learning_rate", "charts/tokens_per_sec", "charts/mfu"}
+    names |= {"nll_loss", "log_odds_ratio", "log_odds_chosen"} if script == "orpo.py" else set()
+    assert names <= set(train[-1]) and 0 < train[-1]["charts/mfu"] <= 1
+    assert {"config.json", "model.weights.h5", "tokenizer.json"} <= set(os.listdir(os.path.join(out, "model")))
+
+
+def test_learns_preferences(trained):
+    """Held-out preference accuracy well above chance, and the reward margin grows."""
+    script, out = trained
+    rows = read_metrics(out)
+    evals = [r for r in rows if "eval/loss" in r]
+    train = [r for r in rows if "train/loss" in r]
+    assert [r["step"] for r in evals] == [0, 30]
+    before, after = evals
+    assert after["eval/rewards/accuracies"] >= 0.65, (before, after)  # chance: 0.5
+    assert after["eval/rewards/margins"] > before["eval/rewards/margins"] + 0.005, (before, after)
+    early, late = (np.mean([r["rewards/margins"] for r in train[i:i + 10]]) for i in (0, 20))
+    assert late > early, (early, late)
+    assert after["eval/loss"] < before["eval/loss"]
+
+
+def test_bad_row_exits_2_naming_file_and_line(tmp_path):
+    (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a"}\n')
+    proc = run("orpo.py", "--dataset", str(tmp_path / "bad.jsonl"), "--output-dir", str(tmp_path / "out"), check=False)
+    assert proc.returncode == 2 and "bad.jsonl:2: missing field 'chosen'" in proc.stderr
+    assert "Traceback" not in proc.stderr and not os.path.exists(tmp_path / "out")
