@@ -64,7 +64,7 @@ class Args:
     beta: float = 0.1
     """β: strength of the implicit KL penalty to the reference (τ of IPO)"""
     loss_type: Literal["sigmoid", "ipo", "hinge"] = "sigmoid"
-    """sigmoid: DPO (Eq. 1); ipo: squared loss on average log-probs (Eq. 2); hinge: SLiC (Eq. 3)"""
+    """sigmoid: DPO (Eq. 1); ipo: squared loss on average log-probs (Eq. 3); hinge: SLiC (Eq. 4)"""
     label_smoothing: float = 0.0
     """ε of conservative DPO (cDPO): the probability that a pair's label is flipped (sigmoid only)"""
     precompute_ref: bool = False
@@ -296,11 +296,12 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     """DPO and its variants on per-sequence log-probs, each [B] -> (mean loss, metrics).
 
     h = (logπ(y+) − logπref(y+)) − (logπ(y−) − logπref(y−)), the log-ratio margin.
-      sigmoid (Eq. 1, cDPO Eq. 4): −(1−ε)·log σ(βh) − ε·log σ(−βh)
-      ipo     (Eq. 2):             (h − 1/(2β))²
-      hinge   (Eq. 3):             max(0, 1 − βh)
+    Equation numbers: docs/dpo.md.
+      sigmoid (Eq. 1, cDPO Eq. 2): −(1−ε)·log σ(βh) − ε·log σ(−βh)
+      ipo     (Eq. 3):             (h − 1/(2β))²
+      hinge   (Eq. 4):             max(0, 1 − βh)
     """
-    chosen_rewards = beta * (chosen_logps - ref_chosen_logps)  # implicit reward r = β log π/πref
+    chosen_rewards = beta * (chosen_logps - ref_chosen_logps)  # implicit reward r = β log π/πref (Eq. 5)
     rejected_rewards = beta * (rejected_logps - ref_rejected_logps)
     h = (chosen_logps - rejected_logps) - (ref_chosen_logps - ref_rejected_logps)  # [B]
     if loss_type == "sigmoid":

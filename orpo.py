@@ -284,7 +284,7 @@ def concatenated_forward(backbone, params, frozen, batch, prompt_nll=True):
     logps = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [2B, T-1]
     total = sequence_logps(logps, both["loss_mask"])  # Σ response-token log-probs, [2B]
     count = both["loss_mask"][:, 1:].sum(-1)  # response tokens (EOS included), [2B]
-    avg = total / jnp.maximum(count, 1)  # log P(y|x) as a per-token mean (Eq. 4's normalisation)
+    avg = total / jnp.maximum(count, 1)  # log P(y|x) as a per-token mean (Eq. 1)
     b = batch["chosen_ids"].shape[0]
     nll_mask = both["padding_mask" if prompt_nll else "loss_mask"][:b]  # [B, T]: tokens the NLL covers
     return avg[:b], avg[b:], -sequence_logps(logps[:b], nll_mask), nll_mask[:, 1:].sum(-1)
@@ -300,11 +300,12 @@ def log1mexp(x):
 def orpo_loss(chosen_logps, rejected_logps, nll_loss, beta=0.1):
     """ORPO on per-token mean log-probs, each [B] -> (loss, metrics).
 
-    Eq. 6: L = NLL(y+) − λ·log σ(log odds(y+) − log odds(y−)), odds(y) = P/(1 − P) (Eq. 4),
+    Eq. 4: L = NLL(y+) − λ·log σ(log odds(y+) − log odds(y−)), odds(y) = P/(1 − P) (Eq. 2),
     log odds = log P − log(1 − P) with log(1 − P) = log1mexp(log P). `nll_loss`: token-mean NLL.
+    Equation numbers: docs/orpo.md.
     """
     log_odds = (chosen_logps - rejected_logps) - (log1mexp(chosen_logps) - log1mexp(rejected_logps))  # [B]
-    ratio = jax.nn.log_sigmoid(log_odds)  # log σ(log OR), Eq. 7
+    ratio = jax.nn.log_sigmoid(log_odds)  # log σ(log OR), −L_OR of Eq. 3
     chosen_rewards = jax.lax.stop_gradient(beta * chosen_logps)  # TRL's convention: λ·log P(y|x)
     rejected_rewards = jax.lax.stop_gradient(beta * rejected_logps)
     metrics = {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),

@@ -63,7 +63,7 @@ class Args:
     beta: float = 2.0
     """β: scale of the reward β·avg logπ(y|x) (paper default 2.0)"""
     gamma: float = 0.5
-    """γ: target reward margin, as in the paper's Eq. 6 (TRL's `simpo_gamma`; the SimPO repo's gamma_beta_ratio = γ/β)"""
+    """γ: target reward margin, as in the paper's loss, Eq. 2 (TRL's `simpo_gamma`; the SimPO repo's gamma_beta_ratio = γ/β)"""
     sft_weight: float = 0.0
     """weight of an added NLL on the chosen response (0: pure SimPO; TRL's CPO-SimPO default cpo_alpha is 1)"""
     # logging and outputs
@@ -285,7 +285,7 @@ def concatenated_forward(backbone, params, frozen, batch):
     logps = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [2B, T-1]
     total = sequence_logps(logps, both["loss_mask"])  # Σ response-token log-probs, [2B]
     count = both["loss_mask"][:, 1:].sum(-1)  # response tokens (EOS included), [2B]
-    avg = total / jnp.maximum(count, 1)  # length normalisation (Eq. 4)
+    avg = total / jnp.maximum(count, 1)  # length normalisation (Eq. 1)
     b = batch["chosen_ids"].shape[0]
     return avg[:b], avg[b:], -total[:b], count[:b]
 
@@ -293,10 +293,10 @@ def concatenated_forward(backbone, params, frozen, batch):
 def simpo_loss(chosen_logps, rejected_logps, nll_loss=0.0, beta=2.0, gamma=0.5, sft_weight=0.0):
     """SimPO on per-token mean log-probs, each [B] -> (mean loss, metrics).
 
-    Eq. 6: −log σ(β·avg logπ(y+) − β·avg logπ(y−) − γ), plus `sft_weight`·NLL(y+)
-    when asked (`nll_loss`: the token-mean NLL of the chosen responses).
+    Eq. 2: −log σ(β·avg logπ(y+) − β·avg logπ(y−) − γ), plus `sft_weight`·NLL(y+) when
+    asked (Eq. 3; `nll_loss`: token-mean NLL of the chosen responses). Equations: docs/simpo.md.
     """
-    chosen_rewards = beta * chosen_logps  # r(x, y) = β/|y| · logπ(y|x) (Eq. 4)
+    chosen_rewards = beta * chosen_logps  # r(x, y) = β/|y| · logπ(y|x) (Eq. 1)
     rejected_rewards = beta * rejected_logps
     losses = -jax.nn.log_sigmoid(chosen_rewards - rejected_rewards - gamma)  # [B]
     chosen_rewards, rejected_rewards = jax.lax.stop_gradient((chosen_rewards, rejected_rewards))
