@@ -89,6 +89,8 @@ class Args:
     """default: runs/ppo__{model}__{seed}__{time}"""
     sample_every: int = 10
     """print a few decoded samples with their scores every N steps"""
+    overwrite: bool = False
+    """replace a run already in --output-dir (otherwise refused)"""
     track: bool = False
     """also log to Weights & Biases"""
 
@@ -419,7 +421,9 @@ def train_step(models, optimizer, state, batch, context_length, args):
 
 def main(args):
     # ---- set-up: mesh, models, data, reward (all validation before any compute) ----
+    output_dir = args.output_dir or common.default_output_dir("ppo", args.model, args.seed)
     try:
+        common.check_output_dir(output_dir, False, args.overwrite)
         mesh = common.make_mesh(args.mesh)
         mini = args.batch_size // max(args.num_mini_batches, 1)
         if args.batch_size % args.num_mini_batches or mini % mesh.shape["data"]:
@@ -446,13 +450,13 @@ def main(args):
     policy_params, policy_frozen = common.split_variables(backbone)
     ref_params = jax.tree.map(jnp.copy, policy_params)
     if rm is not None:
-        value_bb, rm_head = rm[0].backbone, common.replicate(mesh, rm[1])
+        value_bb, rm_head = rm[0].backbone, jax.device_put(rm[1], common.replicated(mesh))
         rm_params, value_frozen = common.split_variables(value_bb)
         value = (jax.tree.map(jnp.copy, rm_params), jax.tree.map(jnp.copy, rm_head))
     else:
         value_bb, value_frozen = backbone, policy_frozen
         head = {"weight": jnp.zeros((backbone.hidden_dim, 1), jnp.float32), "bias": jnp.zeros((), jnp.float32)}
-        value = (jax.tree.map(jnp.copy, policy_params), common.replicate(mesh, head))
+        value = (jax.tree.map(jnp.copy, policy_params), jax.device_put(head, common.replicated(mesh)))
     models, frozen = (backbone, value_bb), (policy_frozen, value_frozen)
     # Through one jit, so the trainable values carry the mesh in their types as the updated
     # ones will: the sampler then sees identical input types every step (no recompilation).
@@ -474,7 +478,6 @@ def main(args):
                        ) if rm is not None else None
     on_data = NamedSharding(mesh, P("data"))  # rollout arrays [B, ...]: batch over `data`
 
-    output_dir = args.output_dir or common.default_output_dir("ppo", args.model, args.seed)
     log = common.RunLog(output_dir, args, args.track)
     # FLOPs: 2N per token per forward (sampling, policy + reference + value, reward model),
     # 6N per token per trained forward+backward (policy and value, every epoch).

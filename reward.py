@@ -70,6 +70,8 @@ class Args:
     """fetch metrics from the device and log every N steps"""
     eval_every: int = 40
     """evaluate every N steps (and at the end)"""
+    overwrite: bool = False
+    """replace a run already in --output-dir (otherwise refused)"""
     track: bool = False
     """also log to Weights & Biases"""
 
@@ -318,7 +320,9 @@ def load_reward_model(path, mesh, dtype=None, lora_rank=0):
 
 def main(args):
     # ---- set-up: mesh, model, data (all validation before any compute) ----
+    output_dir = args.output_dir or common.default_output_dir("reward", args.model, args.seed)
     try:
+        common.check_output_dir(output_dir, False, args.overwrite)
         mesh = common.make_mesh(args.mesh)
         if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
             raise common.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
@@ -336,11 +340,10 @@ def main(args):
     length = min(args.max_length, 8 * math.ceil(max(len(s) for p in train + evals for s in p) / 8))
     train_data = pad_pairs(train, length)
 
-    output_dir = args.output_dir or common.default_output_dir("reward", args.model, args.seed)
     log = common.RunLog(output_dir, args, args.track)
     optimizer, schedule = make_optimizer(args)
     params, frozen = common.split_variables(backbone)
-    params = (params, common.replicate(mesh, init_head(backbone, args.seed)))
+    params = (params, jax.device_put(init_head(backbone, args.seed), common.replicated(mesh)))
     state = (params, jax.jit(optimizer.init)(params), frozen)
     step_fn = jax.jit(lambda s, b: train_step(backbone, optimizer, s, b), donate_argnums=0)
     score_fn = jax.jit(lambda p, f, h, ids, m: sequence_scores(backbone, p, f, h, ids, m))
