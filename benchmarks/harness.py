@@ -8,6 +8,7 @@ Set-up works on concrete arrays (throughput) or on `jax.ShapeDtypeStruct`s that 
 their shardings (memory: nothing big is ever allocated).
 """
 
+import inspect
 import os
 import sys
 from dataclasses import dataclass
@@ -200,11 +201,19 @@ class Bench:
     tokens_per_step: int
     flops_factor: int  # FLOPs per token = flops_factor × N
     note: str = ""
+    rollout: object = None  # ppo: (state, step_fn, key) -> (state, (generate_s, score_s, update_s))
 
 
 def script_args(module, cfg):
-    """The script's own Args with the benchmark's sizes (every other field at its default)."""
+    """The script's own Args with the benchmark's sizes (every other field at its default).
+    PPO: --max-length T = prompt T/2 + response T/2; --batch-size = rollout batch."""
     fields = module.Args.__dataclass_fields__
+    if "response_length" in fields:
+        if cfg.grad_accum_steps != 1 or cfg.max_length < 4:
+            raise common.UsageError("ppo: --grad-accum-steps must be 1 (it splits into mini-batches) "
+                                    "and --max-length >= 4")
+        return module.Args(batch_size=cfg.batch_size, lora_rank=cfg.lora_rank, max_steps=max(cfg.steps, 100),
+                           max_prompt_length=cfg.max_length // 2, response_length=cfg.max_length - cfg.max_length // 2)
     wanted = dict(batch_size=cfg.batch_size, max_length=cfg.max_length, lora_rank=cfg.lora_rank,
                   grad_accum_steps=cfg.grad_accum_steps, max_steps=max(cfg.steps, 100),
                   precompute_ref=getattr(cfg, "precompute_ref", False))
@@ -222,7 +231,7 @@ def setup(cfg, backbone, mesh, abstract=False):
         params, frozen = abstract_variables(backbone)
     else:
         params, frozen = common.split_variables(backbone)
-    optimizer = module.make_optimizer(args)[0]
+    optimizer = module.make_optimizer(args)[0] if hasattr(module, "make_optimizer") else ppo_optimizer(module, args)
     a, b, t = cfg.grad_accum_steps, cfg.batch_size // cfg.grad_accum_steps, cfg.max_length
     rng = np.random.default_rng(cfg.seed)
     vocab = backbone.vocabulary_size
@@ -257,13 +266,16 @@ def _preference(module, args, backbone, optimizer, params, frozen, rng, shape, m
                 else (lambda p: jax.tree.map(jnp.copy, p)))
         ref = run(copy, params, abstract=abstract)
         factor, note = 8, "online reference forward (+2N)"
-    step = lambda s, batch, extra: module.train_step(backbone, optimizer, args, s, batch, extra)
+    if "ref_params" in inspect.signature(module.train_step).parameters:
+        step = lambda s, batch, extra: module.train_step(backbone, optimizer, args, s, batch, extra)
+    else:  # reference-free (SimPO, ORPO)
+        step = lambda s, batch, extra: module.train_step(backbone, optimizer, args, s, batch)
     return Bench(module, step, state, ref, put_batch(mesh, host, abstract), 2 * a * b * t, factor, note)
 
 
 def _reward(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
     a, b, t, vocab = shape
-    head = common.replicate(mesh, module.init_head(backbone, 0))  # [D, 1] + bias: tiny, concrete
+    head = jax.device_put(module.init_head(backbone, 0), NamedSharding(mesh, P()))  # [D, 1] + bias: tiny
     params = (params, shape_of(head) if abstract else head)
     state = (params, init_opt_state(optimizer, params, abstract), frozen)
     host = pair_batch(rng, a, b, t, vocab, "token_ids", with_loss_mask=False)
@@ -272,4 +284,85 @@ def _reward(module, args, backbone, optimizer, params, frozen, rng, shape, mesh,
                  "6N per token, N incl. the (unused) unembedding")
 
 
-SETUPS = {"sft": _sft, "dpo": _preference, "simpo": _preference, "orpo": _preference, "reward": _reward}
+def ppo_optimizer(module, args):
+    """As ppo.py's main builds it (it has no make_optimizer): clipped AdamW, eps 1e-5, linear decay."""
+    import optax
+    total = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
+    schedule = optax.linear_schedule(args.learning_rate, 0.0, max(total, 1))
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adamw(schedule, eps=1e-5))
+
+
+def _ppo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
+    """ppo.py's update step on one mini-batch of a synthetic rollout. The value model is a copy
+    of the policy (ppo.py without --reward-model); `rollout` times generate / score / update."""
+    b, vocab = shape[1], shape[3]
+    q, r = args.max_prompt_length, args.response_length
+    mini = b // args.num_mini_batches
+    if b % args.num_mini_batches or mini % mesh.shape["data"]:
+        raise common.UsageError(f"ppo: --batch-size {b} must split into {args.num_mini_batches} mini-batches "
+                                f"each divisible by the data axis ({mesh.shape['data']})")
+    head = {"weight": np.zeros((backbone.hidden_dim, 1), np.float32), "bias": np.zeros((), np.float32)}
+    head = jax.device_put(head, NamedSharding(mesh, P()))
+    head = shape_of(head) if abstract else head
+    copy = lambda p: jax.tree.map(jnp.copy, p)
+    trainable = (run(copy, params, abstract=abstract), (run(copy, params, abstract=abstract), head))
+    state = (trainable, init_opt_state(optimizer, trainable, abstract), (frozen, frozen))
+    models = (backbone, backbone)
+    ids, pad, mask = sequences(rng, 1, mini, q + r, vocab)
+    host = {"query_responses": ids[0], "padding_mask": pad[0], "response_mask": mask[0, :, q:]}
+    for k in ("logprobs", "values", "advantages", "returns"):
+        host[k] = rng.normal(-1.0 if k == "logprobs" else 0.0, 0.5, (mini, r)).astype(np.float32)
+    sharding = NamedSharding(mesh, P("data"))  # ppo.py's rollout arrays: [B, ...], batch over `data`
+    batch = ({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in host.items()} if abstract
+             else {k: jax.device_put(v, sharding) for k, v in host.items()})
+    step = lambda s, batch, extra: module.train_step(models, optimizer, s, batch, q, args)
+    bench = Bench(module, step, state, None, batch, mini * (q + r), 12,
+                  "update step: policy + value forward+backward, 6N each")
+    if not abstract:
+        bench.rollout = ppo_rollout(module, args, models, mesh, rng, vocab, run(copy, params))
+    return bench
+
+
+def ppo_rollout(module, args, models, mesh, rng, vocab, ref_params):
+    """fn(state, step_fn) -> seconds of (generate, score, update) for one PPO iteration, with
+    ppo.py's own generate / rollout_stats / advantages_of / train_step; random scores stand
+    in for the reward function."""
+    import time
+    q, r, b = args.max_prompt_length, args.response_length, args.batch_size
+    on_data = NamedSharding(mesh, P("data"))
+    queries = jax.device_put(rng.integers(3, vocab, (b, q), dtype=np.int32), on_data)
+    query_mask = jax.device_put(np.ones((b, q), bool), on_data)
+    scores = jax.device_put(rng.normal(0, 1, b).astype(np.float32), on_data)
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(models[0], p, f, qs, qm, k, r, args.temperature))
+    stats_fn = jax.jit(lambda p, rp, f, bt: module.rollout_stats(models, p, rp, f, bt, q, args.temperature))
+    adv_fn = jax.jit(lambda s, lp, rlp, v, sl: module.advantages_of(s, lp, rlp, v, sl, args))
+    mini = b // args.num_mini_batches
+
+    def iteration(state, step_fn, key):
+        t0 = time.perf_counter()
+        responses = gen_fn(state[0][0], state[2][0], queries, query_mask, key)
+        responses, lengths = module.truncate_response(responses, EOS, 0)  # PAD id 0
+        responses.block_until_ready()
+        t1 = time.perf_counter()
+        response_mask = jnp.arange(r)[None] <= lengths[:, None]
+        batch = {"query_responses": jnp.concatenate([queries, responses], 1),
+                 "padding_mask": jnp.concatenate([query_mask, response_mask], 1)}
+        logprobs, ref_logprobs, values = stats_fn(state[0], ref_params, state[2], batch)
+        advantages, returns, _ = adv_fn(scores, logprobs, ref_logprobs, values, lengths)
+        batch.update(logprobs=logprobs, values=values, advantages=advantages, returns=returns,
+                     response_mask=response_mask)
+        jax.block_until_ready(batch)
+        t2 = time.perf_counter()
+        for _ in range(args.num_ppo_epochs):
+            perm = rng.permutation(b)
+            for m in range(args.num_mini_batches):
+                idx = jax.device_put(perm[m * mini:(m + 1) * mini], on_data)
+                state, metrics = step_fn(state, jax.tree.map(lambda x: x[idx], batch), None)
+        jax.block_until_ready((state, metrics))
+        return state, (t1 - t0, t2 - t1, time.perf_counter() - t2)
+
+    return iteration
+
+
+SETUPS = {"sft": _sft, "dpo": _preference, "simpo": _preference, "orpo": _preference, "reward": _reward,
+          "ppo": _ppo}

@@ -60,6 +60,23 @@ def peak_bytes():
     return max(peaks) if peaks and None not in peaks else None
 
 
+def ppo_split(bench, state, step, args):
+    """PPO: whole iterations (generate → score → update epochs), median seconds of each part."""
+    key = jax.random.key(args.seed)
+    parts = []
+    for i in range(1 + args.steps):  # the first iteration compiles the sampler and the scorers
+        key, sub = jax.random.split(key)
+        state, times = bench.rollout(state, step, sub)
+        if i:
+            parts.append(times)
+    generate, score, update = (statistics.median(p) for p in zip(*parts))
+    ppo_args = harness.script_args(bench.module, args)
+    return {"generate_tokens_per_sec": args.batch_size * ppo_args.response_length / generate,
+            "generate_s": generate, "score_s": score, "update_s": update,
+            "iteration_s": generate + score + update,
+            "iteration_tokens_per_sec": args.batch_size * args.max_length / (generate + score + update)}
+
+
 def main(args):
     try:
         mesh = common.make_mesh(args.mesh)
@@ -91,6 +108,7 @@ def main(args):
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t)
     loss = float(jax.device_get(metrics["train/loss"]))
+    rollout = ppo_split(bench, state, step, args) if bench.rollout else {}
 
     step_time = statistics.median(times)
     tokens_per_sec = bench.tokens_per_step / step_time
@@ -106,7 +124,7 @@ def main(args):
         "mfu": tokens_per_sec * flops_per_token / peak, "flops_per_token": flops_per_token,
         "flops_convention": f"{bench.flops_factor}N, N={n_params} ({bench.note or 'forward + backward'})",
         "peak_flops": peak, "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
-        "peak_bytes": peak_bytes(), "final_loss": loss,
+        "peak_bytes": peak_bytes(), "final_loss": loss, **rollout,
     }))
 
 
