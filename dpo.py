@@ -340,9 +340,13 @@ def lora_off(backbone, params):
 # ---------------------------------------------------------------------------
 # train_step: one optimizer update over `A` accumulated micro-batches
 # ---------------------------------------------------------------------------
-def train_step(backbone, optimizer, args, state, batch, ref_params):
-    """state = (params, opt_state, frozen); batch arrays are [A, B/A, ...]; ref_params None if precomputed."""
-    params, opt_state, frozen = state
+def train_step(backbone, optimizer, args, frozen, state, batch, ref_params):
+    """state = (params, opt_state); batch arrays are [A, B/A, ...]; ref_params None if precomputed.
+
+    `frozen` (non-trainable weights: the whole base model under LoRA) is an input only: it is
+    neither donated nor returned, so the Keras variables keep their buffers for saving.
+    """
+    params, opt_state = state
     accum = batch["chosen_ids"].shape[0]
     average = args.loss_type == "ipo"
 
@@ -362,7 +366,7 @@ def train_step(backbone, optimizer, args, state, batch, ref_params):
     params = optax.apply_updates(params, updates)
     metrics = {k: v.mean() for k, v in metrics.items()}  # [A] -> the whole batch
     metrics["train/grad_norm"] = optax.global_norm(grads)
-    return (params, opt_state, frozen), metrics
+    return (params, opt_state), metrics
 
 
 def per_example(fn, data, batch_size, mesh):
@@ -421,18 +425,18 @@ def main(args):
         ref_params = params  # used only below, before any update
     else:  # a copy: the policy's buffers are donated to (overwritten by) each update
         ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
-    ref_fn = jax.jit(lambda p, b: concatenated_forward(backbone, p, frozen, jax.tree.map(lambda x: x[0], b), average))
+    # Weights are jit arguments, never closed over (that would bake them into the program as constants).
+    ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, jax.tree.map(lambda x: x[0], b), average))
     if args.precompute_ref:
         for data in (train_data, eval_data) if eval_data else (train_data,):
             data["ref_chosen_logps"], data["ref_rejected_logps"] = per_example(
-                lambda b: ref_fn(ref_params, b), data, args.batch_size, mesh)
+                lambda b: ref_fn(ref_params, frozen, b), data, args.batch_size, mesh)
         ref_params = None  # no reference forward (and no reference weights) from here on
-    state = (params, opt_state, frozen)
-    step_fn = jax.jit(lambda s, b, r: train_step(backbone, optimizer, args, s, b, r), donate_argnums=0)
-    eval_fn = jax.jit(lambda p, r, b: (*concatenated_forward(backbone, p, frozen, jax.tree.map(lambda x: x[0], b),
-                                                             average),
-                                       *reference_logps(backbone, r, frozen, jax.tree.map(lambda x: x[0], b),
-                                                        average)))
+    state = (params, opt_state)
+    step_fn = jax.jit(lambda s, f, b, r: train_step(backbone, optimizer, args, f, s, b, r), donate_argnums=0)
+    first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
+    eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), average),
+                                          *reference_logps(backbone, r, f, first(b), average)))
 
     # FLOPs per token: 6N (forward + backward) + 2N for the online reference forward (DESIGN §8);
     # N = all matmul weights incl. embedding; tokens = chosen + rejected.
@@ -440,7 +444,7 @@ def main(args):
     peak = common.peak_flops()
 
     def evaluate(params):
-        logps = per_example(lambda b: eval_fn(params, ref_params, b), eval_data, args.batch_size, mesh)
+        logps = per_example(lambda b: eval_fn(params, ref_params, frozen, b), eval_data, args.batch_size, mesh)
         loss, metrics = dpo_loss(*logps, args.beta, args.loss_type, args.label_smoothing)
         return {"eval/loss": float(loss), **{f"eval/{k}": float(v) for k, v in metrics.items()}}
 
@@ -452,7 +456,7 @@ def main(args):
     for step in bar:
         batch = common.shard_batch(mesh, get_batch(train_data, step, args.batch_size,
                                                    args.grad_accum_steps, args.seed))
-        state, metrics = step_fn(state, batch, ref_params)  # metrics: from the pre-update forward
+        state, metrics = step_fn(state, frozen, batch, ref_params)  # metrics: from the pre-update forward
         pending.append(metrics)
         tokens += 2 * args.batch_size * length
         if (step + 1) % args.log_every == 0 or step + 1 == args.max_steps:

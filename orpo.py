@@ -322,9 +322,13 @@ def orpo_loss(chosen_logps, rejected_logps, nll_loss, beta=0.1):
 # ---------------------------------------------------------------------------
 # train_step: one optimizer update over `A` accumulated micro-batches
 # ---------------------------------------------------------------------------
-def train_step(backbone, optimizer, args, state, batch):
-    """state = (params, opt_state, frozen); batch arrays are [A, B/A, ...]."""
-    params, opt_state, frozen = state
+def train_step(backbone, optimizer, args, frozen, state, batch):
+    """state = (params, opt_state); batch arrays are [A, B/A, ...].
+
+    `frozen` (non-trainable weights: the whole base model under LoRA) is an input only: it is
+    neither donated nor returned, so the Keras variables keep their buffers for saving.
+    """
+    params, opt_state = state
     accum = batch["chosen_ids"].shape[0]
     nll_key = "chosen_padding_mask" if args.prompt_nll else "chosen_loss_mask"
     num_nll_tokens = jnp.maximum(batch[nll_key][:, :, 1:].sum(), 1)  # the whole update
@@ -344,7 +348,7 @@ def train_step(backbone, optimizer, args, state, batch):
     params = optax.apply_updates(params, updates)
     metrics = {k: v.mean() for k, v in metrics.items()}  # [A] -> the whole batch
     metrics["train/grad_norm"] = optax.global_norm(grads)
-    return (params, opt_state, frozen), metrics
+    return (params, opt_state), metrics
 
 
 def per_example(fn, data, batch_size, mesh):
@@ -394,9 +398,10 @@ def main(args):
     optimizer, schedule = make_optimizer(args)
     params, frozen = common.split_variables(backbone)
     opt_state = jax.jit(optimizer.init)(params)
-    state = (params, opt_state, frozen)
-    step_fn = jax.jit(lambda s, b: train_step(backbone, optimizer, args, s, b), donate_argnums=0)
-    eval_fn = jax.jit(lambda p, b: concatenated_forward(backbone, p, frozen, jax.tree.map(lambda x: x[0], b),
+    state = (params, opt_state)
+    # Weights are jit arguments, never closed over (that would bake them into the program as constants).
+    step_fn = jax.jit(lambda s, f, b: train_step(backbone, optimizer, args, f, s, b), donate_argnums=0)
+    eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, jax.tree.map(lambda x: x[0], b),
                                                         args.prompt_nll))
 
     # FLOPs per token: 6N (forward + backward; no reference model), N = all matmul weights incl.
@@ -405,7 +410,8 @@ def main(args):
     peak = common.peak_flops()
 
     def evaluate(params):
-        chosen, rejected, nll, count = per_example(lambda b: eval_fn(params, b), eval_data, args.batch_size, mesh)
+        chosen, rejected, nll, count = per_example(lambda b: eval_fn(params, frozen, b), eval_data,
+                                                   args.batch_size, mesh)
         loss, metrics = orpo_loss(chosen, rejected, nll.sum() / count.sum(), args.beta)
         return {"eval/loss": float(loss), **{f"eval/{k}": float(v) for k, v in metrics.items()}}
 
@@ -417,7 +423,7 @@ def main(args):
     for step in bar:
         batch = common.shard_batch(mesh, get_batch(train_data, step, args.batch_size,
                                                    args.grad_accum_steps, args.seed))
-        state, metrics = step_fn(state, batch)  # metrics: from the pre-update forward
+        state, metrics = step_fn(state, frozen, batch)  # metrics: from the pre-update forward
         pending.append(metrics)
         tokens += 2 * args.batch_size * length
         if (step + 1) % args.log_every == 0 or step + 1 == args.max_steps:

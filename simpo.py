@@ -63,7 +63,7 @@ class Args:
     beta: float = 2.0
     """β: scale of the reward β·avg logπ(y|x) (paper default 2.0)"""
     gamma: float = 0.5
-    """γ: target reward margin, as in the paper's loss, Eq. 2 (TRL's `simpo_gamma`; the SimPO repo's gamma_beta_ratio = γ/β)"""
+    """γ: target reward margin, as in the paper's loss (Eq. 2); TRL's `simpo_gamma`; SimPO repo: γ/β = gamma_beta_ratio"""
     sft_weight: float = 0.0
     """weight of an added NLL on the chosen response (0: pure SimPO; TRL's CPO-SimPO default cpo_alpha is 1)"""
     # logging and outputs
@@ -312,9 +312,13 @@ def simpo_loss(chosen_logps, rejected_logps, nll_loss=0.0, beta=2.0, gamma=0.5, 
 # ---------------------------------------------------------------------------
 # train_step: one optimizer update over `A` accumulated micro-batches
 # ---------------------------------------------------------------------------
-def train_step(backbone, optimizer, args, state, batch):
-    """state = (params, opt_state, frozen); batch arrays are [A, B/A, ...]."""
-    params, opt_state, frozen = state
+def train_step(backbone, optimizer, args, frozen, state, batch):
+    """state = (params, opt_state); batch arrays are [A, B/A, ...].
+
+    `frozen` (non-trainable weights: the whole base model under LoRA) is an input only: it is
+    neither donated nor returned, so the Keras variables keep their buffers for saving.
+    """
+    params, opt_state = state
     accum = batch["chosen_ids"].shape[0]
     num_chosen_tokens = jnp.maximum(batch["chosen_loss_mask"][:, :, 1:].sum(), 1)  # whole update
 
@@ -334,7 +338,7 @@ def train_step(backbone, optimizer, args, state, batch):
     params = optax.apply_updates(params, updates)
     metrics = {k: v.mean() for k, v in metrics.items()}  # [A] -> the whole batch
     metrics["train/grad_norm"] = optax.global_norm(grads)
-    return (params, opt_state, frozen), metrics
+    return (params, opt_state), metrics
 
 
 def per_example(fn, data, batch_size, mesh):
@@ -384,9 +388,10 @@ def main(args):
     optimizer, schedule = make_optimizer(args)
     params, frozen = common.split_variables(backbone)
     opt_state = jax.jit(optimizer.init)(params)
-    state = (params, opt_state, frozen)
-    step_fn = jax.jit(lambda s, b: train_step(backbone, optimizer, args, s, b), donate_argnums=0)
-    eval_fn = jax.jit(lambda p, b: concatenated_forward(backbone, p, frozen, jax.tree.map(lambda x: x[0], b)))
+    state = (params, opt_state)
+    # Weights are jit arguments, never closed over (that would bake them into the program as constants).
+    step_fn = jax.jit(lambda s, f, b: train_step(backbone, optimizer, args, f, s, b), donate_argnums=0)
+    eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, jax.tree.map(lambda x: x[0], b)))
 
     # FLOPs per token: 6N (forward + backward; no reference model), N = all matmul weights incl.
     # embedding; tokens = chosen + rejected.
@@ -394,7 +399,8 @@ def main(args):
     peak = common.peak_flops()
 
     def evaluate(params):
-        chosen, rejected, nll, count = per_example(lambda b: eval_fn(params, b), eval_data, args.batch_size, mesh)
+        chosen, rejected, nll, count = per_example(lambda b: eval_fn(params, frozen, b), eval_data,
+                                                   args.batch_size, mesh)
         loss, metrics = simpo_loss(chosen, rejected, nll.sum() / count.sum(), args.beta, args.gamma, args.sft_weight)
         return {"eval/loss": float(loss), **{f"eval/{k}": float(v) for k, v in metrics.items()}}
 
@@ -406,7 +412,7 @@ def main(args):
     for step in bar:
         batch = common.shard_batch(mesh, get_batch(train_data, step, args.batch_size,
                                                    args.grad_accum_steps, args.seed))
-        state, metrics = step_fn(state, batch)  # metrics: from the pre-update forward
+        state, metrics = step_fn(state, frozen, batch)  # metrics: from the pre-update forward
         pending.append(metrics)
         tokens += 2 * args.batch_size * length
         if (step + 1) % args.log_every == 0 or step + 1 == args.max_steps:
