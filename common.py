@@ -8,6 +8,8 @@ over both (FSDP over `data`, tensor parallel over `model`).
 import glob
 import json
 import os
+import shutil
+import signal
 import sys
 import time
 
@@ -78,6 +80,8 @@ def default_dtype():
 def init_distributed(coordinator_address=None, num_processes=None, process_id=None):
     """Start `jax.distributed` when several processes take part (flags or cluster env)."""
     if coordinator_address or (num_processes or 1) > 1:
+        if os.environ.get("JAX_PLATFORMS") == "cpu":  # CPU collectives across processes need gloo
+            jax.config.update("jax_cpu_collectives_implementation", "gloo")
         jax.distributed.initialize(coordinator_address, num_processes, process_id)
     elif any(k in os.environ for k in ("TPU_WORKER_HOSTNAMES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")):
         jax.distributed.initialize()  # JAX auto-detects TPU pods, SLURM and Open MPI
@@ -150,8 +154,26 @@ def shard_batch(mesh, batch):
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
 
-def replicate(mesh, tree):
-    return jax.device_put(tree, NamedSharding(mesh, P()))
+def replicated(mesh):
+    return NamedSharding(mesh, P())
+
+
+def shardings(tree):
+    return jax.tree.map(lambda x: x.sharding, tree)
+
+
+def init_optimizer(optimizer, params, mesh):
+    """optimizer.init(params) with explicit layouts: moments follow their parameter,
+    scalars (step counts) are replicated. Returns (opt_state, its shardings).
+
+    Pinning these (and the params') layouts as the train step's out_shardings keeps
+    the state's layout fixed from step to step, so the step compiles exactly once.
+    """
+    structure = jax.tree.structure(params)
+    like_params = lambda x: jax.tree.structure(x) == structure
+    out = jax.tree.map(lambda sub: shardings(params) if like_params(sub) else replicated(mesh),
+                       jax.eval_shape(optimizer.init, params), is_leaf=like_params)
+    return jax.jit(optimizer.init, out_shardings=out)(params), out
 
 
 # ---------------------------------------------------------------------------
@@ -224,8 +246,16 @@ def save_model(model, params, path):
     """Write trained values back and save a KerasHub preset (LoRA merged into kernels)."""
     for var, value in zip(model.backbone.trainable_variables, params):
         var.assign(value)
-    if jax.process_index() == 0:
-        os.makedirs(path, exist_ok=True)
+    if jax.process_count() > 1:
+        # Keras saves host copies of the weights, and arrays spanning other hosts' devices
+        # have none: gather every weight (all processes take part); process 0 writes alone.
+        from jax.experimental import multihost_utils
+        gathered = [multihost_utils.process_allgather(v.value, tiled=True) for v in model.weights]
+        if jax.process_index() != 0:
+            return
+        for var, value in zip(model.weights, gathered):
+            var._value = jax.numpy.asarray(value)  # keras 3.15 internals: a local copy, only to save
+    os.makedirs(path, exist_ok=True)
     model.save_to_preset(path)
 
 
@@ -235,17 +265,37 @@ def count_params(backbone):
 
 
 # ---------------------------------------------------------------------------
-# Run outputs: args.json, metrics.jsonl, TensorBoard
+# Run outputs: args.json, metrics.jsonl, TensorBoard, checkpoints
 # ---------------------------------------------------------------------------
+RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model")
+
+
 def default_output_dir(script, model, seed):
     tag = os.path.basename(os.path.normpath(model))
     return os.path.join("runs", f"{script}__{tag}__{seed}__{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-class RunLog:
-    """Writes `args.json`, appends rows to `metrics.jsonl`, mirrors them to TensorBoard."""
+def check_output_dir(output_dir, resume, overwrite):
+    """Refuse to destroy a previous run: an --output-dir holding one needs --resume or --overwrite."""
+    held = [f for f in RUN_FILES if os.path.exists(os.path.join(output_dir, f))]
+    if held and not (resume or overwrite):
+        raise UsageError(f"--output-dir {output_dir} already holds a run ({', '.join(held)}); "
+                         "pass --resume to continue it or --overwrite to replace it")
+    if held and overwrite and not resume and jax.process_index() == 0:
+        for f in os.listdir(output_dir):
+            if f in RUN_FILES or f.startswith("events.out.tfevents"):
+                path = os.path.join(output_dir, f)
+                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
 
-    def __init__(self, output_dir, args, track=False):
+
+class RunLog:
+    """Writes `args.json`, appends rows to `metrics.jsonl`, mirrors them to TensorBoard.
+
+    `resume_step`: rows logged after that step (by the interrupted run, past its last
+    checkpoint) are dropped, so the resumed run neither duplicates nor skips a step.
+    """
+
+    def __init__(self, output_dir, args, track=False, resume_step=None):
         self.dir = output_dir
         self.main = jax.process_index() == 0
         if not self.main:
@@ -253,9 +303,15 @@ class RunLog:
         os.makedirs(output_dir, exist_ok=True)
         with open(os.path.join(output_dir, "args.json"), "w") as f:
             json.dump(vars(args), f, indent=2, default=str)
+        path = os.path.join(output_dir, "metrics.jsonl")
+        if resume_step is not None and os.path.exists(path):
+            with open(path) as f:
+                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+            with open(path, "w") as f:
+                f.writelines(kept)
         from tensorboardX import SummaryWriter
         self.tb = SummaryWriter(output_dir)
-        self.metrics = open(os.path.join(output_dir, "metrics.jsonl"), "a")
+        self.metrics = open(path, "a")
         self.wandb = None
         if track:
             import wandb
@@ -278,6 +334,48 @@ class RunLog:
             self.metrics.close()
             self.tb.close()
 
+
+class Checkpoints:
+    """Resumable state in `output_dir/checkpoints/<step>` via orbax (the JAX standard):
+    sharded arrays are written by the processes that hold them, a step directory
+    appears only once complete (atomic rename), and the newest `keep` are kept."""
+
+    def __init__(self, output_dir, keep=3):
+        import orbax.checkpoint as ocp
+        self.ocp = ocp
+        self.manager = ocp.CheckpointManager(
+            os.path.abspath(os.path.join(output_dir, "checkpoints")),
+            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False))
+
+    def save(self, step, state, meta):
+        """state: pytree of arrays (params, optimizer, RNG keys); meta: JSON (data position…)."""
+        self.manager.save(step, force=True, args=self.ocp.args.Composite(
+            state=self.ocp.args.StandardSave(state), meta=self.ocp.args.JsonSave(meta)))
+        self.manager.wait_until_finished()
+
+    def restore_latest(self, like):
+        """(step, state, meta) of the newest complete checkpoint, shaped and sharded like
+        `like`; None when there is none."""
+        step = self.manager.latest_step()
+        if step is None:
+            return None
+        abstract = jax.tree.map(self.ocp.utils.to_shape_dtype_struct, like)
+        restored = self.manager.restore(step, args=self.ocp.args.Composite(
+            state=self.ocp.args.StandardRestore(abstract), meta=self.ocp.args.JsonRestore()))
+        return step, restored.state, restored.meta
+
+
+class StopSignal:
+    """SIGTERM (how TPU preemption arrives) and SIGINT set a flag; the training loop
+    checkpoints at the next step boundary and exits 0."""
+
+    def __init__(self):
+        self.name = None
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, self._handle)
+
+    def _handle(self, signum, frame):
+        self.name = signal.Signals(signum).name
 
 # ---------------------------------------------------------------------------
 # Performance accounting (DESIGN §8)

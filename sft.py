@@ -9,8 +9,10 @@ Offline, a couple of minutes on a laptop CPU:
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import common  # first: sets KERAS_BACKEND=jax before keras loads
 
@@ -68,15 +70,24 @@ class Args:
     eval_every: int = 50
     """evaluate every N steps (and at the end)"""
     save_every: int = 0
-    """checkpoint every N steps (0: only the final model)"""
+    """checkpoint every N steps (0: only on SIGTERM/SIGINT); the newest 3 are kept"""
     resume: bool = False
-    """continue from the newest checkpoint in --output-dir"""
+    """continue from the newest complete checkpoint in --output-dir"""
     overwrite: bool = False
-    """allow writing into an --output-dir that already holds a run"""
+    """replace a run already in --output-dir (otherwise refused)"""
+    skip_nonfinite: bool = False
+    """skip (and count) updates whose loss or gradient is not finite, instead of stopping"""
     num_samples: int = 4
     """greedy generations from eval prompts printed at the end"""
     track: bool = False
     """also log to Weights & Biases"""
+    # multi-host (TPU pods and clusters are detected without these)
+    coordinator_address: str | None = None
+    """host:port of process 0, for jax.distributed"""
+    num_processes: int | None = None
+    """number of processes in the run"""
+    process_id: int | None = None
+    """this process's index"""
 
 
 # ---------------------------------------------------------------------------
@@ -258,7 +269,7 @@ def sft_loss(logps, loss_mask, num_loss_tokens):
 # ---------------------------------------------------------------------------
 # train_step: one optimizer update over `A` accumulated micro-batches
 # ---------------------------------------------------------------------------
-def train_step(backbone, optimizer, state, batch):
+def train_step(backbone, optimizer, state, batch, skip_nonfinite=False):
     """state = (params, opt_state, frozen); batch arrays are [A, B/A, T]."""
     params, opt_state, frozen = state
     num_loss_tokens = jnp.maximum(batch["loss_mask"][:, :, 1:].sum(), 1)
@@ -272,11 +283,16 @@ def train_step(backbone, optimizer, state, batch):
         return jax.tree.map(jnp.add, grads, g), loss
 
     grads, losses = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
-    updates, opt_state = optimizer.update(grads, opt_state, params)
-    params = optax.apply_updates(params, updates)
-    metrics = {"train/loss": losses.sum(), "train/grad_norm": optax.global_norm(grads),
-               "train/num_loss_tokens": num_loss_tokens}
-    return (params, opt_state, frozen), metrics
+    updates, new_opt_state = optimizer.update(grads, opt_state, params)
+    new_params = optax.apply_updates(params, updates)
+    loss, grad_norm = losses.sum(), optax.global_norm(grads)
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    if skip_nonfinite:  # keep the old weights and optimizer state for a non-finite batch
+        keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+        new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
+    metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/num_loss_tokens": num_loss_tokens,
+               "train/skipped_nonfinite": 1.0 - finite}
+    return (new_params, new_opt_state, frozen), metrics
 
 
 def eval_loss(backbone, params, frozen, batch):
@@ -297,7 +313,10 @@ def make_optimizer(args):
 
 def main(args):
     # ---- set-up: mesh, model, data (all validation before any compute) ----
+    common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
+    output_dir = args.output_dir or common.default_output_dir("sft", args.model, args.seed)
     try:
+        common.check_output_dir(output_dir, args.resume, args.overwrite)
         mesh = common.make_mesh(args.mesh)
         if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
             raise common.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
@@ -317,14 +336,21 @@ def main(args):
     length = min(args.max_length, 8 * math.ceil(max(len(x[0]) for x in train + evals) / 8))
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
 
-    output_dir = args.output_dir or common.default_output_dir("sft", args.model, args.seed)
-    log = common.RunLog(output_dir, args, args.track)
     optimizer, schedule = make_optimizer(args)
     params, frozen = common.split_variables(backbone)
-    opt_state = jax.jit(optimizer.init)(params)
-    state = (params, opt_state, frozen)
-    step_fn = jax.jit(lambda s, b: train_step(backbone, optimizer, s, b), donate_argnums=0)
-    eval_fn = jax.jit(lambda p, f, b: eval_loss(backbone, p, f, b))
+    opt_state, opt_shardings = common.init_optimizer(optimizer, params, mesh)
+    checkpoints, start = common.Checkpoints(output_dir), 0
+    if args.resume and (restored := checkpoints.restore_latest((params, opt_state))):
+        start, (params, opt_state), _ = restored  # data position = step (get_batch is a function of it)
+        print(f"resumed from step {start}")
+    state_shardings = (common.shardings(params), opt_shardings, common.shardings(frozen))
+    state = jax.device_put((params, opt_state, frozen), state_shardings)
+    log = common.RunLog(output_dir, args, args.track, resume_step=start if args.resume else None)
+    # Layouts pinned in and out (donated, updated in place): one compilation for the run.
+    step_fn = jax.jit(partial(train_step, backbone, optimizer, skip_nonfinite=args.skip_nonfinite),
+                      donate_argnums=0, out_shardings=(state_shardings, common.replicated(mesh)))
+    eval_fn = jax.jit(partial(eval_loss, backbone))
+    stop = common.StopSignal()
 
     # FLOPs per token: 6N (forward + backward), N = all matmul weights incl. embedding.
     flops_per_token = 6 * common.count_params(backbone)
@@ -339,30 +365,49 @@ def main(args):
             nll, n = nll + float(s), n + int(c)
         return nll / max(n, 1)
 
+    def flush(step, pending, t0, tokens):
+        """Fetch the interval's metrics (one host sync), stop on a non-finite loss, log."""
+        fetched = jax.device_get(pending)
+        elapsed = time.perf_counter() - t0  # after the fetch: dispatch is asynchronous
+        row = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+        row["train/skipped_nonfinite"] *= len(fetched)  # a count per interval, not a mean
+        bad = [step - len(fetched) + 1 + i for i, m in enumerate(fetched) if not np.isfinite(m["train/loss"])]
+        if bad and not args.skip_nonfinite:
+            log.close()
+            print(f"error: non-finite train/loss at step {bad[0]}; the last good checkpoint is kept "
+                  f"(rerun with --resume and a lower --learning-rate, or --skip-nonfinite)", file=sys.stderr)
+            sys.exit(1)
+        row.update({"charts/learning_rate": float(schedule(step - 1)),
+                    "charts/tokens_per_sec": tokens / elapsed,
+                    "charts/mfu": tokens / elapsed * flops_per_token / peak})
+        log.log(step, row)
+        bar.set_postfix(loss=f"{row['train/loss']:.4f}", tok_s=f"{row['charts/tokens_per_sec']:.0f}")
+
     # ---- the loop ----
-    if eval_data is not None:
+    if eval_data is not None and start == 0:
         log.log(0, {"eval/loss": evaluate(state[0])})  # the starting point, before any update
     pending, t0, tokens = [], time.perf_counter(), 0
-    bar = tqdm(range(args.max_steps), desc="sft", dynamic_ncols=True)
+    bar = tqdm(range(start, args.max_steps), desc="sft", dynamic_ncols=True, initial=start, total=args.max_steps)
     for step in bar:
         batch = common.shard_batch(mesh, get_batch(train_data, step, args.batch_size,
                                                    args.grad_accum_steps, args.seed))
         state, metrics = step_fn(state, batch)
         pending.append(metrics)
         tokens += args.batch_size * length
-        if (step + 1) % args.log_every == 0 or step + 1 == args.max_steps:
-            fetched = jax.device_get(pending)  # one host sync per logging interval
-            elapsed = time.perf_counter() - t0
-            row = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
-            row.update({"charts/learning_rate": float(schedule(step)),
-                        "charts/tokens_per_sec": tokens / elapsed,
-                        "charts/mfu": tokens / elapsed * flops_per_token / peak})
-            log.log(step + 1, row)
-            bar.set_postfix(loss=f"{row['train/loss']:.4f}", tok_s=f"{row['charts/tokens_per_sec']:.0f}")
+        done = step + 1
+        saving = stop.name or (args.save_every and done % args.save_every == 0)
+        if done % args.log_every == 0 or done == args.max_steps or saving:
+            flush(done, pending, t0, tokens)
             pending, t0, tokens = [], time.perf_counter(), 0
-        if eval_data is not None and ((step + 1) % args.eval_every == 0 or step + 1 == args.max_steps):
-            log.log(step + 1, {"eval/loss": evaluate(state[0])})
+        if eval_data is not None and (done % args.eval_every == 0 or done == args.max_steps):
+            log.log(done, {"eval/loss": evaluate(state[0])})
             t0 = time.perf_counter()  # eval time is not training throughput
+        if saving:
+            checkpoints.save(done, state[:2], {"step": done})
+        if stop.name:
+            log.close()
+            print(f"{stop.name}: checkpoint saved at step {done}; continue with --resume")
+            return
 
     # ---- outputs: final model (LoRA merged) and a few samples ----
     common.save_model(model, state[0], os.path.join(output_dir, "model"))

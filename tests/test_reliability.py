@@ -1,0 +1,152 @@
+"""Faults a real run meets: SIGKILL (resume must end exactly where an uninterrupted
+run ends), SIGTERM (preemption: checkpoint and exit 0), an occupied --output-dir,
+a non-finite loss, and a run split over two processes."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FAST = ["--model", "tiny", "--batch-size", "16", "--log-every", "5", "--eval-dataset", "",
+        "--num-samples", "0", "--seed", "3"]
+TIMING = ("charts/tokens_per_sec", "charts/mfu")
+
+
+def cmd(script, *args):
+    return [sys.executable, os.path.join(ROOT, script), *FAST, *args]
+
+
+def env_with_devices(n):
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
+    return env
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def assert_same_rows(a, b, rel=1e-5):
+    a, b = without_timing(a), without_timing(b)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert rb[k] == pytest.approx(ra[k], rel=rel, abs=1e-7), (ra["step"], k)
+
+
+def wait_for(path, proc, timeout=300):
+    start = time.time()
+    while not os.path.exists(path):
+        assert proc.poll() is None, "run ended before reaching the point to interrupt it"
+        assert time.time() - start < timeout
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = str(tmp_path_factory.mktemp("rel") / "clean")
+    subprocess.run(cmd("sft.py", "--max-steps", "20", "--save-every", "5", "--output-dir", out),
+                   check=True, capture_output=True, env=env_with_devices(1))
+    return out
+
+
+def test_sigkill_then_resume_equals_uninterrupted(uninterrupted, tmp_path):
+    out = str(tmp_path / "killed")
+    args = cmd("sft.py", "--max-steps", "20", "--save-every", "5", "--output-dir", out)
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env_with_devices(1))
+    wait_for(os.path.join(out, "checkpoints", "10"), proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    steps_on_disk = sorted(int(s) for s in os.listdir(os.path.join(out, "checkpoints")) if s.isdigit())
+    assert steps_on_disk and steps_on_disk[-1] < 20
+    done = subprocess.run(args + ["--resume"], capture_output=True, text=True, env=env_with_devices(1))
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert f"resumed from step {steps_on_disk[-1]}" in done.stdout
+    # Same data order, same losses, no duplicated or missing rows.
+    assert_same_rows(metrics(uninterrupted), metrics(out))
+
+
+def test_same_seed_same_metrics(uninterrupted, tmp_path):
+    out = str(tmp_path / "again")
+    subprocess.run(cmd("sft.py", "--max-steps", "20", "--save-every", "5", "--output-dir", out),
+                   check=True, capture_output=True, env=env_with_devices(1))
+    assert_same_rows(metrics(uninterrupted), metrics(out), rel=0)
+
+
+def test_sigterm_checkpoints_and_exits_0(tmp_path):
+    out = str(tmp_path / "preempted")
+    proc = subprocess.Popen(cmd("sft.py", "--max-steps", "1000", "--output-dir", out),
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env_with_devices(1))
+    wait_for(os.path.join(out, "metrics.jsonl"), proc)
+    proc.send_signal(signal.SIGTERM)
+    stdout, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0
+    line = [s for s in stdout.splitlines() if s.startswith("SIGTERM")]
+    assert line and "continue with --resume" in line[0]
+    step = int(line[0].split("step ")[1].split(";")[0])
+    assert os.listdir(os.path.join(out, "checkpoints")) == [str(step)]
+    assert metrics(out)[-1]["step"] == step  # the partial interval is logged, not lost
+
+
+def test_occupied_output_dir_is_refused_then_overwritten(uninterrupted, tmp_path):
+    before = open(os.path.join(uninterrupted, "metrics.jsonl")).read()
+    proc = subprocess.run(cmd("sft.py", "--max-steps", "5", "--output-dir", uninterrupted),
+                          capture_output=True, text=True, env=env_with_devices(1))
+    assert proc.returncode == 2 and "already holds a run" in proc.stderr and "Traceback" not in proc.stderr
+    assert open(os.path.join(uninterrupted, "metrics.jsonl")).read() == before  # untouched
+    out = str(tmp_path / "over")
+    os.makedirs(out)
+    open(os.path.join(out, "metrics.jsonl"), "w").write('{"step": 99}\n')
+    subprocess.run(cmd("sft.py", "--max-steps", "5", "--output-dir", out, "--overwrite"),
+                   check=True, capture_output=True, env=env_with_devices(1))
+    assert [r["step"] for r in metrics(out)] == [5]
+
+
+def test_nonfinite_loss_stops_naming_the_step_or_is_skipped(tmp_path):
+    out = str(tmp_path / "nan")
+    proc = subprocess.run(cmd("sft.py", "--max-steps", "10", "--save-every", "1", "--learning-rate", "1e30",
+                              "--warmup-steps", "1", "--output-dir", out),
+                          capture_output=True, text=True, env=env_with_devices(1))
+    assert proc.returncode == 1 and "non-finite train/loss at step " in proc.stderr
+    bad = int(proc.stderr.split("at step ")[1].split(";")[0])
+    kept = sorted(int(s) for s in os.listdir(os.path.join(out, "checkpoints")))
+    assert kept and kept[-1] == bad - 1  # the last good state is the newest checkpoint
+    out = str(tmp_path / "skip")
+    subprocess.run(cmd("sft.py", "--max-steps", "10", "--learning-rate", "1e30", "--warmup-steps", "1",
+                       "--skip-nonfinite", "--output-dir", out), check=True, capture_output=True,
+                   env=env_with_devices(1))
+    assert sum(r["train/skipped_nonfinite"] for r in metrics(out)) >= 1
+
+
+def test_two_processes_match_one(tmp_path):
+    port = socket.socket()
+    port.bind(("localhost", 0))
+    address = f"localhost:{port.getsockname()[1]}"
+    port.close()
+    common_args = ["--max-steps", "3", "--log-every", "1", "--batch-size", "16"]
+    one = str(tmp_path / "one")
+    subprocess.run(cmd("sft.py", *common_args, "--output-dir", one), check=True, capture_output=True,
+                   env=env_with_devices(8))
+    two = str(tmp_path / "two")
+    procs = [subprocess.Popen(cmd("sft.py", *common_args, "--output-dir", two, "--coordinator-address", address,
+                                  "--num-processes", "2", "--process-id", str(i)),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env_with_devices(4))
+             for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-2000:]
+    assert_same_rows(metrics(one), metrics(two), rel=1e-5)
+    assert os.path.exists(os.path.join(two, "model", "model.weights.h5"))  # gathered and saved by process 0
