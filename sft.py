@@ -269,9 +269,13 @@ def sft_loss(logps, loss_mask, num_loss_tokens):
 # ---------------------------------------------------------------------------
 # train_step: one optimizer update over `A` accumulated micro-batches
 # ---------------------------------------------------------------------------
-def train_step(backbone, optimizer, state, batch, skip_nonfinite=False):
-    """state = (params, opt_state, frozen); batch arrays are [A, B/A, T]."""
-    params, opt_state, frozen = state
+def train_step(backbone, optimizer, state, frozen, batch, skip_nonfinite=False):
+    """state = (params, opt_state); batch arrays are [A, B/A, T].
+
+    `frozen` (non-trainable weights: the whole base model under LoRA) is an input only,
+    never donated, so the Keras variables keep their buffers for saving.
+    """
+    params, opt_state = state
     num_loss_tokens = jnp.maximum(batch["loss_mask"][:, :, 1:].sum(), 1)
 
     def micro_loss(p, micro):
@@ -292,7 +296,7 @@ def train_step(backbone, optimizer, state, batch, skip_nonfinite=False):
         new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
     metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/num_loss_tokens": num_loss_tokens,
                "train/skipped_nonfinite": 1.0 - finite}
-    return (new_params, new_opt_state, frozen), metrics
+    return (new_params, new_opt_state), metrics
 
 
 def eval_loss(backbone, params, frozen, batch):
@@ -343,8 +347,8 @@ def main(args):
     if args.resume and (restored := checkpoints.restore_latest((params, opt_state))):
         start, (params, opt_state), _ = restored  # data position = step (get_batch is a function of it)
         print(f"resumed from step {start}")
-    state_shardings = (common.shardings(params), opt_shardings, common.shardings(frozen))
-    state = jax.device_put((params, opt_state, frozen), state_shardings)
+    state_shardings = (common.shardings(params), opt_shardings)
+    state = jax.device_put((params, opt_state), state_shardings)
     log = common.RunLog(output_dir, args, args.track, resume_step=start if args.resume else None)
     # Layouts pinned in and out (donated, updated in place): one compilation for the run.
     step_fn = jax.jit(partial(train_step, backbone, optimizer, skip_nonfinite=args.skip_nonfinite),
@@ -391,7 +395,7 @@ def main(args):
     for step in bar:
         batch = common.shard_batch(mesh, get_batch(train_data, step, args.batch_size,
                                                    args.grad_accum_steps, args.seed))
-        state, metrics = step_fn(state, batch)
+        state, metrics = step_fn(state, frozen, batch)
         pending.append(metrics)
         tokens += args.batch_size * length
         done = step + 1
@@ -403,7 +407,7 @@ def main(args):
             log.log(done, {"eval/loss": evaluate(state[0])})
             t0 = time.perf_counter()  # eval time is not training throughput
         if saving:
-            checkpoints.save(done, state[:2], {"step": done})
+            checkpoints.save(done, state, {"step": done})
         if stop.name:
             log.close()
             print(f"{stop.name}: checkpoint saved at step {done}; continue with --resume")

@@ -57,3 +57,17 @@ def test_hugging_face_directory(tiny):
     np.testing.assert_allclose(np.asarray(loaded(inputs)), logits, rtol=1e-5, atol=1e-5)
     tok = loaded.preprocessor.tokenizer
     assert list(tok.tokenize("Sort: 3 1 2")) == list(model.preprocessor.tokenizer.tokenize("Sort: 3 1 2"))
+
+
+def test_lora_is_merged_on_save(tiny):
+    mesh, _, inputs, _, tmp = tiny
+    model = common.load_model("tiny", mesh, "float32", seed=1, lora_rank=2)
+    params, frozen = common.split_variables(model.backbone)
+    assert {v.path.rsplit("/", 1)[-1] for v in model.backbone.trainable_variables} == {"lora_kernel_a", "lora_kernel_b"}
+    rng = np.random.default_rng(0)
+    params = [p + rng.normal(0, 0.5, p.shape).astype(np.float32) for p in params]  # lora_b starts at 0
+    common.save_model(model, params, str(tmp / "lora"))
+    adapted = np.asarray(model(inputs))
+    loaded = keras_hub.models.CausalLM.from_preset(str(tmp / "lora"))
+    assert not any("lora" in v.path for v in loaded.backbone.weights)  # a plain preset
+    np.testing.assert_allclose(np.asarray(loaded(inputs)), adapted, rtol=1e-4, atol=1e-4)

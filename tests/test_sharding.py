@@ -60,12 +60,12 @@ def run_steps(model, mesh, args, steps=2):
             "loss_mask": rng.uniform(size=ids.shape) < 0.7}
     optimizer, _ = sft.make_optimizer(args)
     params, frozen = common.split_variables(model.backbone)
-    state = (params, jax.jit(optimizer.init)(params), frozen)
-    step = jax.jit(lambda s, b: sft.train_step(model.backbone, optimizer, s, b))
+    state = (params, jax.jit(optimizer.init)(params))
+    step = jax.jit(lambda s, f, b: sft.train_step(model.backbone, optimizer, s, f, b))
     losses = []
     for i in range(steps):
         batch = {k: v[i * 8:(i + 1) * 8].reshape(2, 4, -1) for k, v in data.items()}  # A=2 micro-batches
-        state, metrics = step(state, common.shard_batch(mesh, batch))
+        state, metrics = step(state, frozen, common.shard_batch(mesh, batch))
         losses.append(float(metrics["train/loss"]))
     return losses, [np.asarray(p) for p in state[0]]
 
