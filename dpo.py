@@ -426,7 +426,8 @@ def main(args):
     else:  # a copy: the policy's buffers are donated to (overwritten by) each update
         ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
-    ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, jax.tree.map(lambda x: x[0], b), average))
+    first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
+    ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), average))
     if args.precompute_ref:
         for data in (train_data, eval_data) if eval_data else (train_data,):
             data["ref_chosen_logps"], data["ref_rejected_logps"] = per_example(
@@ -434,7 +435,6 @@ def main(args):
         ref_params = None  # no reference forward (and no reference weights) from here on
     state = (params, opt_state)
     step_fn = jax.jit(lambda s, f, b, r: train_step(backbone, optimizer, args, f, s, b, r), donate_argnums=0)
-    first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
     eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), average),
                                           *reference_logps(backbone, r, f, first(b), average)))
 
