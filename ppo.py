@@ -474,8 +474,9 @@ def main(args):
     state_shardings = jax.tree.map(lambda x: x.sharding, state)
     step_fn = jax.jit(lambda s, b: train_step(models, optimizer, s, b, q, args), donate_argnums=0,
                       out_shardings=(state_shardings, None))
-    score_fn = jax.jit(lambda ids, m, last: reward_scores(value_bb, rm_params, value_frozen, rm_head, ids, m, last)
-                       ) if rm is not None else None
+    if rm is not None:  # the reward model keeps its own (initial) values: the value copy trains
+        score_fn = jax.jit(lambda ids, m, last: reward_scores(value_bb, rm_params, value_frozen, rm_head,
+                                                              ids, m, last))
     on_data = NamedSharding(mesh, P("data"))  # rollout arrays [B, ...]: batch over `data`
 
     log = common.RunLog(output_dir, args, args.track)
