@@ -1,0 +1,486 @@
+"""Evaluate any model on held-out prompts with one protocol: task score, win rate, KL, length.
+
+Greedy and sampled responses from a KV-cached sampler; scores from a `--reward-fn` and/or a
+reward.py `--reward-model`; win rate and KL(model || baseline) against a `--baseline`.
+    python evaluate.py --model runs/dpo…/model --baseline runs/sft…/model
+Offline (toy task, bundled held-out prompts):
+    python evaluate.py --model tiny --baseline tiny
+"""
+
+import importlib.util
+import json
+import math
+import os
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import NamedTuple
+
+import common  # first: sets KERAS_BACKEND=jax before keras loads
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+import tyro
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+
+@dataclass
+class Args:
+    # models
+    model: str = "tiny"
+    """the model to evaluate: any --model form (alias, preset, handle, local dir, a run's model/ dir, `tiny`)"""
+    baseline: str | None = None
+    """model to compare against (win rate, KL); same tokenizer as --model"""
+    dtype: str | None = None
+    """parameter dtype: bfloat16 or float32 (default: bfloat16 on TPU/GPU, float32 on CPU)"""
+    mesh: str | None = None
+    """device mesh, e.g. `data=4,model=2` (default: every device on `data`)"""
+    # data and scorers
+    prompts: str = os.path.join(common.HERE, "data", "prompts_eval.jsonl")
+    """held-out prompts (`prompt`: string or message list): .jsonl/.json/.parquet or a HF dataset"""
+    num_prompts: int = 200
+    """evaluate the first N prompts (0: all)"""
+    reward_fn: str | None = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
+    """`path.py:function`, f(prompts, responses) -> list of floats (the task score); empty: none"""
+    reward_model: str | None = None
+    """reward.py's `model/` dir: a second scorer (rm_* numbers)"""
+    # generation
+    max_prompt_length: int = 64
+    """prompt tokens (BOS included); longer prompts are cut from the left"""
+    max_new_tokens: int = 16
+    """tokens generated per prompt (the response is cut after its first EOS)"""
+    temperature: float = 1.0
+    """sampling temperature of the sampled responses (1.0: KL is the models' own KL)"""
+    batch_size: int = 64
+    """prompts per generation batch (the last one is padded: one compiled shape)"""
+    seed: int = 0
+    """seeds the sampled responses (same seed, same numbers)"""
+    # outputs
+    output_dir: str | None = None
+    """default: the run dir holding --model (…/eval) or runs/eval__{model}__{seed}__{time}"""
+    num_examples: int = 8
+    """example generations written to samples.jsonl"""
+
+
+# ---------------------------------------------------------------------------
+# Data: prompts -> left-padded queries (copied from ppo.py: each script is self-contained)
+# ---------------------------------------------------------------------------
+CHAT_TEMPLATES = {  # (user turn prefix, assistant turn prefix, turn end) per model family
+    "gemma": ("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n"),
+    "llama3": ("<|start_header_id|>user<|end_header_id|>\n\n",
+               "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+    "chatml": ("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"),
+}
+
+
+def chat_template(backbone):
+    name = type(backbone).__name__.lower()
+    return CHAT_TEMPLATES["llama3" if "llama3" in name else "chatml" if "qwen" in name else "gemma"]
+
+
+def read_rows(path):
+    """List of (row, line number) from .jsonl/.json, or via `datasets` for anything else."""
+    if path.endswith((".jsonl", ".json")) and not os.path.exists(path):
+        raise common.UsageError(f"--prompts {path}: no such file")
+    if path.endswith(".jsonl"):
+        rows = []
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append((json.loads(line), i))
+                    except json.JSONDecodeError as e:
+                        raise common.UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
+    elif path.endswith(".json"):
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise common.UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})")
+        rows = [(r, i) for i, r in enumerate(data if isinstance(data, list) else [data], 1)]
+    else:
+        try:
+            import datasets
+        except ImportError:
+            raise common.UsageError(f"{path}: parquet files and Hub datasets need `pip install datasets`")
+        ds = (datasets.load_dataset("parquet", data_files=path, split="train") if path.endswith(".parquet")
+              else datasets.load_from_disk(path) if os.path.isdir(path)
+              else datasets.load_dataset(path, split="train"))
+        rows = [(r, i) for i, r in enumerate(ds, 1)]
+    if not rows:
+        raise common.UsageError(f"{path}: no examples")
+    return rows
+
+
+def to_prompt(row, where, template):
+    """`prompt` string as is; a message list rendered with the chat template, opening the model turn."""
+    value = row.get("prompt") if isinstance(row, dict) else None
+    if isinstance(value, str) and value.strip():
+        return value
+    if isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                                 for m in value):
+        user, model, end = template
+        return "".join((model if m.get("role") == "assistant" else user) + m["content"] + end
+                       for m in value) + model
+    raise common.UsageError(f"{where}: need 'prompt' (a non-empty string or a list of {{role, content}})")
+
+
+def tokenize_prompts(rows, path, tokenizer, template, max_prompt_length):
+    """-> (prompt strings, queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
+    prompts = [to_prompt(r, f"{path}:{line}", template) for r, line in rows]
+    ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
+    ids = [x[:1] + x[1:][-(max_prompt_length - 1):] for x in ids]  # cut from the left, BOS kept
+    q = min(max_prompt_length, 8 * math.ceil(max(len(x) for x in ids) / 8))
+    queries, mask = np.zeros((len(ids), q), np.int32), np.zeros((len(ids), q), bool)
+    for i, x in enumerate(ids):  # left padding: every prompt ends at column Q-1, responses start at Q
+        queries[i, q - len(x):], mask[i, q - len(x):] = x, True
+    return prompts, queries, mask
+
+
+# ---------------------------------------------------------------------------
+# Scorers: a reward function and a reward model (loader copied from reward.py / ppo.py)
+# ---------------------------------------------------------------------------
+def load_reward_fn(spec):
+    """`path.py:function` -> the function."""
+    path, _, name = spec.rpartition(":")
+    if not path or not os.path.exists(path):
+        raise common.UsageError(f"--reward-fn {spec!r}: expected an existing `path.py:function`")
+    module_spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        raise common.UsageError(f"--reward-fn {spec!r}: {path} has no function {name!r}")
+    return getattr(module, name)
+
+
+HEAD_FILE = "reward_head.npz"
+
+
+def load_reward_model(path, mesh, dtype=None):
+    """-> (CausalLM, head {weight [D, 1], bias []}) from a reward.py `model/` directory."""
+    if not os.path.exists(os.path.join(path, HEAD_FILE)):
+        raise common.UsageError(f"--reward-model {path}: no {HEAD_FILE} here; expected reward.py's model/ dir")
+    model = common.load_model(path, mesh, dtype, 0)
+    with np.load(os.path.join(path, HEAD_FILE)) as f:
+        head = {"weight": jnp.asarray(f["weight"], jnp.float32), "bias": jnp.asarray(f["bias"], jnp.float32)}
+    return model, head
+
+
+def reward_scores(backbone, params, frozen, head, token_ids, padding_mask, last_index):
+    """Reward-model score r(x, y) = w·h + b at the last real token (index [B] into T): [B]."""
+    hidden = hidden_states(backbone, params, frozen, token_ids, padding_mask)
+    h = jnp.take_along_axis(hidden, last_index[:, None, None], 1)[:, 0].astype(jnp.float32)  # f32 head
+    return (h @ head["weight"])[:, 0] + head["bias"]
+
+
+# ---------------------------------------------------------------------------
+# Generation: jitted KV-cached sampling with fixed shapes (copied from ppo.py)
+# ---------------------------------------------------------------------------
+def cached_forward(backbone, token_ids, padding_mask, cache, index):
+    """GemmaCausalLM.call_with_cache plus a key padding mask, so left-padded prompts work.
+
+    token_ids [B, t] are written at cache positions index…index+t-1; padding_mask [B, S]
+    covers the whole cache. RoPE positions count the padding too, which changes nothing:
+    RoPE scores depend only on the distance between query and key.
+    """
+    x = backbone.token_embedding(token_ids)
+    x = x * jnp.sqrt(jnp.asarray(backbone.hidden_dim, x.dtype))  # Gemma's embedding scale
+    caches = []
+    for i, layer in enumerate(backbone.transformer_layers):
+        x, c = layer(x, padding_mask=padding_mask, cache=cache[:, i], cache_update_index=index)
+        caches.append(c)
+    logits = backbone.token_embedding(backbone.layer_norm(x), reverse=True).astype(jnp.float32)
+    return logits, jnp.stack(caches, 1)  # [B, t, V], [B, L, 2, S, K, H]
+
+
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature):
+    """`response_length` tokens after left-padded queries [B, Q] -> responses [B, R].
+
+    One prefill, then a `lax.scan` feeding one token per step; temperature 0 = greedy.
+    """
+    b, q = queries.shape
+    padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state):
+        cache = jnp.zeros((b, backbone.num_layers, 2, q + response_length, backbone.num_key_value_heads,
+                           backbone.head_dim), backbone.compute_dtype)
+        logits, cache = cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
+
+        def step(carry, _):
+            logits, cache, index, key = carry
+            key, sample_key = jax.random.split(key)
+            token = (jnp.argmax(logits, -1) if temperature == 0 else
+                     jax.random.categorical(sample_key, logits / temperature)).astype(jnp.int32)
+            logits, cache = cached_forward(backbone, token[:, None], padding_mask, cache, index)
+            return (logits[:, -1], cache, index + 1, key), token
+
+        _, tokens = jax.lax.scan(step, (logits[:, -1], cache, jnp.int32(q), key), None, length=response_length)
+    return tokens.T  # [B, R]
+
+
+def truncate_response(responses, eos_id, pad_id):
+    """Keep tokens up to and including the first EOS, pad after it.
+
+    -> (responses [B, R], sequence_lengths [B]: index of the EOS, or R-1 when none was sampled).
+    """
+    r = responses.shape[1]
+    is_eos = responses == eos_id
+    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1), r - 1)
+    return jnp.where(jnp.arange(r)[None] > first_eos[:, None], pad_id, responses), first_eos
+
+
+def hidden_states(backbone, params, frozen, token_ids, padding_mask):
+    """Final-norm hidden states [B, T, D] (stateless: weights passed as values)."""
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state):
+        return backbone({"token_ids": token_ids, "padding_mask": padding_mask})
+
+
+def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature):
+    """log π(response token) from logits / temperature, float32: [B, R].
+
+    Position t predicts token t+1, so response token Q+i is scored by hidden[Q+i-1];
+    the [B, R, V] logits are made one response position at a time.
+    """
+    hidden = hidden_states(backbone, params, frozen, token_ids, padding_mask)[:, context_length - 1:-1]
+    labels = token_ids[:, context_length:]  # [B, R]
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state):
+        def position(h, y):  # [B, D], [B] -> [B]
+            logits = backbone.token_embedding(h, reverse=True).astype(jnp.float32) / temperature  # f32
+            return jnp.take_along_axis(logits, y[:, None], -1)[:, 0] - jax.nn.logsumexp(logits, -1)
+
+        logps = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
+    return logps.T
+
+
+# ---------------------------------------------------------------------------
+# EVAL LOGIC: pure functions of scores and log-probs
+# ---------------------------------------------------------------------------
+def win_rate(scores, baseline_scores):
+    """Fraction of prompts where the model's score beats the baseline's; ties count half."""
+    s, b = np.asarray(scores, np.float64), np.asarray(baseline_scores, np.float64)
+    return float(np.mean((s > b) + 0.5 * (s == b)))
+
+
+def sequence_kl(logps, baseline_logps, response_mask):
+    """Per-prompt KL estimate Σ_t [log π(y_t) − log π_base(y_t)] over real response tokens: [B].
+
+    y ~ π (the model's own samples), so the mean over prompts estimates KL(π || π_base);
+    prompt and padding are outside `response_mask` (response tokens up to and with the EOS).
+    """
+    diff = jnp.asarray(logps, jnp.float32) - jnp.asarray(baseline_logps, jnp.float32)
+    return jnp.sum(jnp.where(response_mask, diff, 0.0), axis=1)
+
+
+def response_lengths(responses, sequence_lengths, eos_id):
+    """Response length in tokens, the EOS not counted (no EOS: all R tokens)."""
+    has_eos = (np.asarray(responses) == eos_id).any(1)
+    return np.where(has_eos, np.asarray(sequence_lengths), responses.shape[1]), has_eos
+
+
+# ---------------------------------------------------------------------------
+# Running the protocol: policies, batches, scores
+# ---------------------------------------------------------------------------
+class Policy(NamedTuple):
+    name: str
+    model: object  # the KerasHub CausalLM
+    params: list   # trainable weight values (stateless_call order)
+    frozen: list   # non-trainable weight values
+    fns: dict      # jitted generate / log-prob functions, shared by policies of one architecture
+
+
+def make_fns(backbone, args):
+    r, t = args.max_new_tokens, args.temperature
+    return {"greedy": jax.jit(partial(generate, backbone, response_length=r, temperature=0.0)),
+            "sampled": jax.jit(partial(generate, backbone, response_length=r, temperature=t)),
+            "logps": jax.jit(partial(response_logps, backbone, temperature=t), static_argnums=4)}
+
+
+def load_policy(name, mesh, args, like=None):
+    """Load a model; with `like` (a Policy of the same architecture) its compiled functions are reused."""
+    model = common.load_model(name, mesh, args.dtype, args.seed)
+    if "gemma" not in type(model.backbone).__name__.lower():
+        raise common.UsageError(f"--model {name}: the KV-cached sampler supports Gemma backbones")
+    params, frozen = common.split_variables(model.backbone)
+    same = like is not None and like.model.backbone.get_config() == model.backbone.get_config()
+    return Policy(name, model, params, frozen, like.fns if same else make_fns(model.backbone, args))
+
+
+def batched(fn, arrays, batch_size, mesh):
+    """fn(i, *batch) over rows of host arrays [N, ...] in fixed-size batches (the last one padded
+    with repeats: one compiled shape), batch sharded over `data` -> host outputs [N, ...]."""
+    n, on_data, outs = len(arrays[0]), NamedSharding(mesh, P("data")), []
+    for i, start in enumerate(range(0, n, batch_size)):
+        idx = np.minimum(np.arange(start, start + batch_size), n - 1)
+        outs.append(jax.device_get(fn(i, *[jax.device_put(a[idx], on_data) for a in arrays])))
+    return jax.tree.map(lambda *xs: np.concatenate(xs)[:n], *outs)
+
+
+def respond(policy, data, kind, key, batch_size, mesh):
+    """Greedy or sampled responses to every prompt -> dict of host arrays and decoded texts."""
+    eos, pad = data["eos"], data["pad"]
+    gen = lambda i, qs, qm: truncate_response(
+        policy.fns[kind](policy.params, policy.frozen, qs, qm, jax.random.fold_in(key, i)), eos, pad)
+    responses, seq_lens = batched(gen, (data["queries"], data["query_mask"]), batch_size, mesh)
+    lengths, has_eos = response_lengths(responses, seq_lens, eos)
+    texts = data["tokenizer"].detokenize([list(x[:n]) for x, n in zip(responses, lengths)]) if len(lengths) else []
+    texts = [t.decode() if isinstance(t, bytes) else str(t) for t in texts]
+    return {"responses": responses, "sequence_lengths": seq_lens, "lengths": lengths, "has_eos": has_eos,
+            "texts": texts}
+
+
+def full_sequences(data, out):
+    """queries ++ responses [N, Q+R] and their padding mask (response tokens up to and with the EOS)."""
+    r = out["responses"].shape[1]
+    response_mask = np.arange(r)[None] <= out["sequence_lengths"][:, None]
+    return (np.concatenate([data["queries"], out["responses"]], 1),
+            np.concatenate([data["query_mask"], response_mask], 1), response_mask)
+
+
+def score(scorer, data, out, batch_size, mesh):
+    """Adds `score` (reward fn) and `rm_score` (reward model) per prompt to a response dict."""
+    if scorer["reward_fn"] is not None:
+        out["score"] = np.asarray(scorer["reward_fn"](data["prompts"], out["texts"]), np.float64)
+    if scorer["rm"] is not None:
+        ids, mask, _ = full_sequences(data, out)
+        last = data["queries"].shape[1] + out["sequence_lengths"]  # the EOS, or the last token
+        out["rm_score"] = batched(lambda i, *b: scorer["rm"](*b), (ids, mask, last), batch_size, mesh)
+    return out
+
+
+def evaluate_policy(policy, data, scorer, args, mesh, baseline=None):
+    """The protocol for one model: greedy and sampled responses, their scores, and (with a
+    baseline) per-prompt KL(policy || baseline) on the policy's own sampled responses."""
+    key, q = jax.random.key(args.seed), data["queries"].shape[1]
+    bs = data["batch_size"]
+    outs = {kind: score(scorer, data, respond(policy, data, kind, key, bs, mesh), bs, mesh)
+            for kind in ("greedy", "sampled")}
+    if baseline is not None:
+        ids, mask, response_mask = full_sequences(data, outs["sampled"])
+        kl_of = lambda i, ids, m, rm: sequence_kl(policy.fns["logps"](policy.params, policy.frozen, ids, m, q),
+                                                  baseline.fns["logps"](baseline.params, baseline.frozen,
+                                                                        ids, m, q), rm)
+        outs["kl"] = batched(kl_of, (ids, mask, response_mask), bs, mesh)
+    return outs
+
+
+def summarize(outs, baseline_outs=None):
+    """Per-prompt arrays -> the numbers of eval.json (means over prompts)."""
+    g, s = outs["greedy"], outs["sampled"]
+    m = {"length": float(g["lengths"].mean()), "length_sampled": float(s["lengths"].mean()),
+         "eos_rate": float(g["has_eos"].mean())}
+    for name in ("score", "rm_score"):
+        if name in g:
+            m[name], m[name + "_sampled"] = float(np.mean(g[name])), float(np.mean(s[name]))
+            if baseline_outs is not None:
+                m["baseline_" + name] = float(np.mean(baseline_outs["greedy"][name]))
+                m["win_rate" + name[:-5].replace("rm", "_rm")] = win_rate(g[name], baseline_outs["greedy"][name])
+    if "kl" in outs:
+        m["kl"] = float(np.mean(outs["kl"]))
+        m["kl_stderr"] = float(np.std(outs["kl"]) / math.sqrt(len(outs["kl"])))
+    return m
+
+
+def examples(outs, data, n, baseline_outs=None):
+    """The first n prompts with their greedy and sampled responses (and scores) for samples.jsonl."""
+    rows = []
+    for i in range(min(n, len(data["prompts"]))):
+        row = {"prompt": data["prompts"][i]}
+        for kind in ("greedy", "sampled"):
+            row[kind] = outs[kind]["texts"][i]
+            row.update({f"{kind}_{k}": float(outs[kind][k][i]) for k in ("score", "rm_score") if k in outs[kind]})
+        if baseline_outs is not None:
+            row["baseline_greedy"] = baseline_outs["greedy"]["texts"][i]
+        rows.append(row)
+    return rows
+
+
+def prepare(args, mesh, tokenizer, template):
+    """Prompts (first --num-prompts), left-padded queries and the fixed generation batch size."""
+    if args.max_new_tokens < 1 or args.temperature <= 0 or args.num_prompts < 0 or args.batch_size < 1:
+        raise common.UsageError("--max-new-tokens and --batch-size must be >= 1, --temperature > 0, "
+                                "--num-prompts >= 0")
+    if args.batch_size % mesh.shape["data"]:
+        raise common.UsageError(f"--batch-size {args.batch_size} must divide by the data axis ({mesh.shape['data']})")
+    rows = read_rows(args.prompts)
+    rows = rows[:args.num_prompts] if args.num_prompts else rows
+    prompts, queries, query_mask = tokenize_prompts(rows, args.prompts, tokenizer, template, args.max_prompt_length)
+    d = mesh.shape["data"]
+    return {"prompts": prompts, "queries": queries, "query_mask": query_mask, "tokenizer": tokenizer,
+            "eos": tokenizer.end_token_id, "pad": tokenizer.pad_token_id, "rows": rows,
+            "batch_size": min(args.batch_size, d * math.ceil(len(prompts) / d))}
+
+
+def check_same_tokens(model, data, args, what):
+    """Win rate, KL and reward-model scores compare token ids: the tokenizers must agree."""
+    _, queries, _ = tokenize_prompts(data["rows"], args.prompts, model.preprocessor.tokenizer,
+                                     chat_template(model.backbone), args.max_prompt_length)
+    if queries.shape != data["queries"].shape or (queries != data["queries"]).any():
+        raise common.UsageError(f"{what}: its tokenizer differs from --model's; KL and scores need the same one")
+
+
+def make_scorer(args, mesh, data):
+    """{'reward_fn': f or None, 'rm': jitted (ids, mask, last) -> scores, or None}."""
+    if not args.reward_fn and not args.reward_model:
+        raise common.UsageError("give --reward-fn and/or --reward-model: nothing to score with")
+    scorer = {"reward_fn": load_reward_fn(args.reward_fn) if args.reward_fn else None, "rm": None}
+    if args.reward_model:
+        rm_model, head = load_reward_model(args.reward_model, mesh, args.dtype)
+        check_same_tokens(rm_model, data, args, f"--reward-model {args.reward_model}")
+        params, frozen = common.split_variables(rm_model.backbone)
+        head = jax.device_put(head, common.replicated(mesh))
+        scorer["rm"] = jax.jit(partial(reward_scores, rm_model.backbone, params, frozen, head))
+    return scorer
+
+
+def default_eval_dir(args):
+    model = os.path.normpath(args.model)
+    if os.path.isdir(model) and os.path.basename(model) == "model":
+        return os.path.join(os.path.dirname(model), "eval")  # a run's model/ -> that run's eval/
+    return common.default_output_dir("eval", args.model, args.seed)
+
+
+def write_outputs(output_dir, metrics, samples):
+    os.makedirs(output_dir, exist_ok=True)
+    with open(os.path.join(output_dir, "eval.json"), "w") as f:
+        json.dump(metrics, f, indent=2)
+    with open(os.path.join(output_dir, "samples.jsonl"), "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in samples)
+
+
+def main(args):
+    t0 = time.perf_counter()
+    try:
+        mesh = common.make_mesh(args.mesh)
+        policy = load_policy(args.model, mesh, args)
+        tokenizer = policy.model.preprocessor.tokenizer
+        data = prepare(args, mesh, tokenizer, chat_template(policy.model.backbone))
+        scorer = make_scorer(args, mesh, data)
+        baseline = None
+        if args.baseline:
+            baseline = load_policy(args.baseline, mesh, args, like=policy)
+            check_same_tokens(baseline.model, data, args, f"--baseline {args.baseline}")
+    except (common.UsageError, FileNotFoundError) as e:
+        common.fail(e)
+    print(f"eval: {len(data['prompts'])} prompts, {args.max_new_tokens} new tokens, greedy and "
+          f"sampled (T={args.temperature}, seed {args.seed}); baseline: {args.baseline}")
+    outs = evaluate_policy(policy, data, scorer, args, mesh, baseline)
+    base_outs = evaluate_policy(baseline, data, scorer, args, mesh) if baseline is not None else None
+    metrics = {"model": args.model, "baseline": args.baseline, "prompts": args.prompts,
+               "num_prompts": len(data["prompts"]), "seed": args.seed, "temperature": args.temperature,
+               "max_new_tokens": args.max_new_tokens, "reward_fn": args.reward_fn,
+               "reward_model": args.reward_model, **summarize(outs, base_outs),
+               "eval_seconds": time.perf_counter() - t0}
+    output_dir = args.output_dir or default_eval_dir(args)
+    write_outputs(output_dir, metrics, examples(outs, data, args.num_examples, base_outs))
+    for k, v in metrics.items():
+        if isinstance(v, float):
+            print(f"{k:>20}: {v:.4f}")
+    print(f"done: {output_dir}/eval.json, samples.jsonl")
+
+
+if __name__ == "__main__":
+    main(tyro.cli(Args))
