@@ -223,15 +223,6 @@ def test_bad_input_fails_fast_with_file_and_line(tmp_path):
 
 
 @pytest.fixture(scope="session")
-def sft_model(tmp_path_factory):
-    """An SFT'd tiny model: the starting point for the learning tests."""
-    out = tmp_path_factory.mktemp("sft")
-    res = run("sft.py", "--model", "tiny", "--max-steps", "150", "--output-dir", str(out), "--num-samples", "0")
-    assert res.returncode == 0, res.stderr[-2000:]
-    return str(out / "model")
-
-
-@pytest.fixture(scope="session")
 def reward_run(tmp_path_factory):
     """reward.py from random init, the issue's command: eval/accuracy must reach 0.75."""
     out = tmp_path_factory.mktemp("reward")
@@ -266,19 +257,23 @@ def ppo_scores(output_dir):
     return [r["objective/scores"] for r in rows]
 
 
-def test_ppo_raises_toy_score_from_sft_model(sft_model, tmp_path):
-    out = run("ppo.py", "--model", sft_model, "--max-steps", "20", "--output-dir", str(tmp_path))
+def test_ppo_raises_toy_score_from_scratch(tmp_path):
+    """`tiny` from random init rarely ends with EOS (score ≈ -0.9 after the missing-EOS
+    penalty); PPO with the programmatic reward learns to stop within a few iterations."""
+    out = run("ppo.py", "--model", "tiny", "--max-steps", "12", "--output-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
     scores = ppo_scores(str(tmp_path))
-    assert np.mean(scores[-4:]) > np.mean(scores[:4]) + 0.05, scores
+    assert np.mean(scores[-2:]) > scores[0] + 0.3, scores
     assert os.path.exists(tmp_path / "model" / "config.json")
+    assert "sample:" in out.stdout + out.stderr  # decoded samples with their scores
 
 
-def test_ppo_with_reward_model(sft_model, reward_run, tmp_path):
-    out = run("ppo.py", "--model", sft_model, "--reward-model", os.path.join(reward_run, "model"),
-              "--max-steps", "3", "--output-dir", str(tmp_path))
+def test_ppo_with_reward_model(reward_run, tmp_path):
+    """--reward-model: scores from reward.py's model, value model initialised from it."""
+    out = run("ppo.py", "--model", "tiny", "--reward-model", os.path.join(reward_run, "model"),
+              "--max-steps", "2", "--batch-size", "16", "--output-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
-    assert len(ppo_scores(str(tmp_path))) == 3
+    assert len(ppo_scores(str(tmp_path))) == 2
 
 
 def test_ppo_update_moves_logprobs_along_advantages():
