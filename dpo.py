@@ -340,7 +340,7 @@ def lora_off(backbone, params):
 # ---------------------------------------------------------------------------
 # train_step: one optimizer update over `A` accumulated micro-batches
 # ---------------------------------------------------------------------------
-def train_step(backbone, optimizer, args, frozen, state, batch, ref_params):
+def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
     """state = (params, opt_state); batch arrays are [A, B/A, ...]; ref_params None if precomputed.
 
     `frozen` (non-trainable weights: the whole base model under LoRA) is an input only: it is
@@ -434,7 +434,7 @@ def main(args):
                 lambda b: ref_fn(ref_params, frozen, b), data, args.batch_size, mesh)
         ref_params = None  # no reference forward (and no reference weights) from here on
     state = (params, opt_state)
-    step_fn = jax.jit(lambda s, f, b, r: train_step(backbone, optimizer, args, f, s, b, r), donate_argnums=0)
+    step_fn = jax.jit(lambda s, f, b, r: train_step(backbone, optimizer, args, s, f, b, r), donate_argnums=0)
     eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), average),
                                           *reference_logps(backbone, r, f, first(b), average)))
 

@@ -322,7 +322,7 @@ def orpo_loss(chosen_logps, rejected_logps, nll_loss, beta=0.1):
 # ---------------------------------------------------------------------------
 # train_step: one optimizer update over `A` accumulated micro-batches
 # ---------------------------------------------------------------------------
-def train_step(backbone, optimizer, args, frozen, state, batch):
+def train_step(backbone, optimizer, args, state, frozen, batch):
     """state = (params, opt_state); batch arrays are [A, B/A, ...].
 
     `frozen` (non-trainable weights: the whole base model under LoRA) is an input only: it is
@@ -400,7 +400,7 @@ def main(args):
     opt_state = jax.jit(optimizer.init)(params)
     state = (params, opt_state)
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
-    step_fn = jax.jit(lambda s, f, b: train_step(backbone, optimizer, args, f, s, b), donate_argnums=0)
+    step_fn = jax.jit(lambda s, f, b: train_step(backbone, optimizer, args, s, f, b), donate_argnums=0)
     eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, jax.tree.map(lambda x: x[0], b),
                                                         args.prompt_nll))
 
