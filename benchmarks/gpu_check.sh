@@ -50,7 +50,8 @@ runs="sft 8 1024
 dpo 4 1024
 simpo 4 1024
 orpo 4 1024
-reward 4 1024"
+reward 4 1024
+ppo 8 512"
 while read -r algo bs len; do
   [ -f "$algo.py" ] || { echo "skip $algo: $algo.py not in the repo"; continue; }
   left=$(( BUDGET_S - ($(date +%s) - start) ))
@@ -59,6 +60,14 @@ while read -r algo bs len; do
   timeout "$left" python3 benchmarks/throughput.py --algo "$algo" --model gemma_2b --random-init \
     --dtype bfloat16 --batch-size "$bs" --max-length "$len" --steps 5 --warmup 2 > "/tmp/$algo.out" 2>&1
   rc=$?
+  if [ $rc -ne 0 ] && grep -q "RESOURCE_EXHAUSTED\|Out of memory" "/tmp/$algo.out"; then
+    left=$(( BUDGET_S - ($(date +%s) - start) ))
+    echo "$algo: out of memory; again with --remat (${left}s left)"
+    [ "$left" -ge 60 ] && timeout "$left" python3 benchmarks/throughput.py --algo "$algo" --model gemma_2b \
+      --random-init --dtype bfloat16 --batch-size "$bs" --max-length "$len" --steps 5 --warmup 2 --remat \
+      > "/tmp/$algo.out" 2>&1
+    rc=$?
+  fi
   if [ $rc -eq 0 ]; then tail -n 1 "/tmp/$algo.out" | tee -a "$OUT/throughput.jsonl"
   else tail -n 25 "/tmp/$algo.out"; echo "$algo failed (rc $rc)"; fi
 done <<< "$runs"

@@ -194,14 +194,14 @@ def pair_batch(rng, accum, batch, length, vocab, ids_key, with_loss_mask=True):
 @dataclass
 class Bench:
     module: object
-    step: object  # (state, batch, extra) -> (state, metrics), un-jitted
+    step: object  # (state, batch, extra) -> (state, metrics), un-jitted; calls the script's train_step
     state: object
-    extra: object
+    extra: dict  # inputs not donated: frozen weights (where the script keeps them out of the state), ref
     batch: dict
     tokens_per_step: int
     flops_factor: int  # FLOPs per token = flops_factor × N
     note: str = ""
-    rollout: object = None  # ppo: (state, step_fn, key) -> (state, (generate_s, score_s, update_s))
+    rollout: object = None  # ppo: (state, extra, step_fn, key) -> (state, (generate_s, score_s, update_s))
 
 
 def script_args(module, cfg):
@@ -241,20 +241,43 @@ def setup(cfg, backbone, mesh, abstract=False):
     return build(module, args, backbone, optimizer, params, frozen, rng, (a, b, t, vocab), mesh, abstract)
 
 
+def script_step(module, trainable, opt_state, frozen, fixed, **extra):
+    """(step(state, batch, extra), state, extra) for the script's train_step, whatever the order
+    of its arguments: they are passed by name. Scripts whose train_step takes `frozen` keep it
+    out of the donated state (state = (params, opt_state)); the others carry it in the state."""
+    names = inspect.signature(module.train_step).parameters
+    if "frozen" in names:
+        state, extra = (trainable, opt_state), {**extra, "frozen": frozen}
+    else:
+        state = (trainable, opt_state, frozen)
+    extra = {k: v for k, v in extra.items() if k in names}
+
+    def step(state, batch, extra):
+        return module.train_step(**{k: v for k, v in fixed.items() if k in names}, state=state, batch=batch,
+                                 **extra)
+
+    return step, state, extra
+
+
+def state_parts(bench):
+    """(trainable, optimizer state, frozen) of a Bench, wherever its script keeps `frozen`."""
+    frozen = bench.extra["frozen"] if "frozen" in bench.extra else bench.state[2]
+    return bench.state[0], bench.state[1], frozen
+
+
 def _sft(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
     a, b, t, vocab = shape
     ids, pad, mask = sequences(rng, a, b, t, vocab)
-    state = (params, init_opt_state(optimizer, params, abstract), frozen)
-    step = lambda s, batch, extra: module.train_step(backbone, optimizer, s, batch)
+    step, state, extra = script_step(module, params, init_opt_state(optimizer, params, abstract), frozen,
+                                     dict(backbone=backbone, optimizer=optimizer, args=args))
     batch = put_batch(mesh, {"token_ids": ids, "padding_mask": pad, "loss_mask": mask}, abstract)
-    return Bench(module, step, state, None, batch, a * b * t, 6)
+    return Bench(module, step, state, extra, batch, a * b * t, 6)
 
 
 def _preference(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
-    """dpo.py (and scripts with its signature: train_step(backbone, optimizer, args, state, batch, ref))."""
+    """dpo.py, simpo.py, orpo.py: chosen/rejected batches; DPO adds its reference."""
     a, b, t, vocab = shape
     host = pair_batch(rng, a, b, t, vocab, "ids")
-    state = (params, init_opt_state(optimizer, params, abstract), frozen)
     needs_ref = hasattr(module, "lora_off")  # DPO: a reference model
     ref, factor, note = None, 6, "reference-free"
     if needs_ref and getattr(args, "precompute_ref", False):
@@ -266,21 +289,19 @@ def _preference(module, args, backbone, optimizer, params, frozen, rng, shape, m
                 else (lambda p: jax.tree.map(jnp.copy, p)))
         ref = run(copy, params, abstract=abstract)
         factor, note = 8, "online reference forward (+2N)"
-    if "ref_params" in inspect.signature(module.train_step).parameters:
-        step = lambda s, batch, extra: module.train_step(backbone, optimizer, args, s, batch, extra)
-    else:  # reference-free (SimPO, ORPO)
-        step = lambda s, batch, extra: module.train_step(backbone, optimizer, args, s, batch)
-    return Bench(module, step, state, ref, put_batch(mesh, host, abstract), 2 * a * b * t, factor, note)
+    step, state, extra = script_step(module, params, init_opt_state(optimizer, params, abstract), frozen,
+                                     dict(backbone=backbone, optimizer=optimizer, args=args), ref_params=ref)
+    return Bench(module, step, state, extra, put_batch(mesh, host, abstract), 2 * a * b * t, factor, note)
 
 
 def _reward(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
     a, b, t, vocab = shape
     head = jax.device_put(module.init_head(backbone, 0), NamedSharding(mesh, P()))  # [D, 1] + bias: tiny
     params = (params, shape_of(head) if abstract else head)
-    state = (params, init_opt_state(optimizer, params, abstract), frozen)
+    step, state, extra = script_step(module, params, init_opt_state(optimizer, params, abstract), frozen,
+                                     dict(backbone=backbone, optimizer=optimizer, args=args))
     host = pair_batch(rng, a, b, t, vocab, "token_ids", with_loss_mask=False)
-    step = lambda s, batch, extra: module.train_step(backbone, optimizer, s, batch)
-    return Bench(module, step, state, None, put_batch(mesh, host, abstract), 2 * a * b * t, 6,
+    return Bench(module, step, state, extra, put_batch(mesh, host, abstract), 2 * a * b * t, 6,
                  "6N per token, N incl. the (unused) unembedding")
 
 
@@ -306,8 +327,10 @@ def _ppo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, ab
     head = shape_of(head) if abstract else head
     copy = lambda p: jax.tree.map(jnp.copy, p)
     trainable = (run(copy, params, abstract=abstract), (run(copy, params, abstract=abstract), head))
-    state = (trainable, init_opt_state(optimizer, trainable, abstract), (frozen, frozen))
     models = (backbone, backbone)
+    step, state, extra = script_step(module, trainable, init_opt_state(optimizer, trainable, abstract),
+                                     (frozen, frozen), dict(models=models, optimizer=optimizer, args=args,
+                                                            context_length=q))
     ids, pad, mask = sequences(rng, 1, mini, q + r, vocab)
     host = {"query_responses": ids[0], "padding_mask": pad[0], "response_mask": mask[0, :, q:]}
     for k in ("logprobs", "values", "advantages", "returns"):
@@ -315,8 +338,7 @@ def _ppo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, ab
     sharding = NamedSharding(mesh, P("data"))  # ppo.py's rollout arrays: [B, ...], batch over `data`
     batch = ({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in host.items()} if abstract
              else {k: jax.device_put(v, sharding) for k, v in host.items()})
-    step = lambda s, batch, extra: module.train_step(models, optimizer, s, batch, q, args)
-    bench = Bench(module, step, state, None, batch, mini * (q + r), 12,
+    bench = Bench(module, step, state, extra, batch, mini * (q + r), 12,
                   "update step: policy + value forward+backward, 6N each")
     if not abstract:
         bench.rollout = ppo_rollout(module, args, models, mesh, rng, vocab, run(copy, params))
@@ -338,16 +360,17 @@ def ppo_rollout(module, args, models, mesh, rng, vocab, ref_params):
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: module.advantages_of(s, lp, rlp, v, sl, args))
     mini = b // args.num_mini_batches
 
-    def iteration(state, step_fn, key):
+    def iteration(state, extra, step_fn, key):
         t0 = time.perf_counter()
-        responses = gen_fn(state[0][0], state[2][0], queries, query_mask, key)
+        params, frozen = state[0], (extra["frozen"] if "frozen" in extra else state[2])
+        responses = gen_fn(params[0], frozen[0], queries, query_mask, key)
         responses, lengths = module.truncate_response(responses, EOS, 0)  # PAD id 0
         responses.block_until_ready()
         t1 = time.perf_counter()
         response_mask = jnp.arange(r)[None] <= lengths[:, None]
         batch = {"query_responses": jnp.concatenate([queries, responses], 1),
                  "padding_mask": jnp.concatenate([query_mask, response_mask], 1)}
-        logprobs, ref_logprobs, values = stats_fn(state[0], ref_params, state[2], batch)
+        logprobs, ref_logprobs, values = stats_fn(params, ref_params, frozen, batch)
         advantages, returns, _ = adv_fn(scores, logprobs, ref_logprobs, values, lengths)
         batch.update(logprobs=logprobs, values=values, advantages=advantages, returns=returns,
                      response_mask=response_mask)
@@ -357,7 +380,7 @@ def ppo_rollout(module, args, models, mesh, rng, vocab, ref_params):
             perm = rng.permutation(b)
             for m in range(args.num_mini_batches):
                 idx = jax.device_put(perm[m * mini:(m + 1) * mini], on_data)
-                state, metrics = step_fn(state, jax.tree.map(lambda x: x[idx], batch), None)
+                state, metrics = step_fn(state, jax.tree.map(lambda x: x[idx], batch), extra)
         jax.block_until_ready((state, metrics))
         return state, (t1 - t0, t2 - t1, time.perf_counter() - t2)
 

@@ -143,7 +143,7 @@ def main(args):
         compiled, bench, backbone, compile_s = compile_step(args, mesh)
     m = compiled.memory_analysis()
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    params, opt_state, frozen = bench.state[0], bench.state[1], bench.state[2]
+    params, opt_state, frozen = harness.state_parts(bench)
     result = {
         "algo": args.algo, "model": args.model, "dtype": args.dtype, "mesh": dict(mesh.shape),
         "batch_size": args.batch_size, "max_length": args.max_length, "grad_accum_steps": args.grad_accum_steps,
@@ -155,7 +155,7 @@ def main(args):
         "temp_bytes": m.temp_size_in_bytes, "alias_bytes": m.alias_size_in_bytes,
         "generated_code_bytes": m.generated_code_size_in_bytes,
         "trainable_bytes": weight_bytes(params), "optimizer_bytes": weight_bytes(opt_state),
-        "frozen_bytes": weight_bytes(frozen), "reference_bytes": weight_bytes(bench.extra),
+        "frozen_bytes": weight_bytes(frozen), "reference_bytes": weight_bytes(bench.extra.get("ref_params")),
         "batch_bytes": weight_bytes(bench.batch),
         "fits": over is None and peak <= args.device_memory_gib * GIB, "tpu_v5e_error": over, "device_memory_gib": args.device_memory_gib,
         "compile_s": compile_s, "compiled_for": str(mesh.devices.flat[0].device_kind),

@@ -66,7 +66,7 @@ def ppo_split(bench, state, step, args):
     parts = []
     for i in range(1 + args.steps):  # the first iteration compiles the sampler and the scorers
         key, sub = jax.random.split(key)
-        state, times = bench.rollout(state, step, sub)
+        state, times = bench.rollout(state, bench.extra, step, sub)
         if i:
             parts.append(times)
     generate, score, update = (statistics.median(p) for p in zip(*parts))
