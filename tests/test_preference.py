@@ -254,7 +254,11 @@ SCRIPTS = {"dpo.py": dpo, "simpo.py": simpo, "orpo.py": orpo}
 
 
 def run(script, *args, check=True):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True, cwd=ROOT)
+    """The script as a user runs it: one CPU device (8 simulated devices make a CPU step ~4x slower)."""
+    env = {**os.environ, "XLA_FLAGS": os.environ.get("XLA_FLAGS", "").replace(
+        "--xla_force_host_platform_device_count=8", "").strip()}
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
+                          cwd=ROOT, env=env)
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -354,7 +358,11 @@ def test_learns_preferences(trained):
     train = [r for r in rows if "train/loss" in r]
     assert [r["step"] for r in evals] == [0, 30]
     before, after = evals
-    assert after["eval/rewards/accuracies"] >= 0.65, (before, after)  # chance: 0.5
+    # chance: 0.5 (σ = 0.035 on 200 pairs). ORPO's rewards compare per-token mean log-probs, and its
+    # preference term is weighted by λ = 0.1 next to the NLL: it separates pairs more slowly.
+    assert after["eval/rewards/accuracies"] >= (0.6 if script == "orpo.py" else 0.7), (before, after)
+    if script == "orpo.py":
+        assert after["eval/log_odds_ratio"] > before["eval/log_odds_ratio"]
     with open(os.path.join(out, "args.json")) as f:
         beta = json.load(f)["beta"]  # margins are β-scaled: compare them in nats of log-prob
     assert (after["eval/rewards/margins"] - before["eval/rewards/margins"]) / beta > 0.03, (before, after)
