@@ -12,8 +12,10 @@ import pytest
 import common  # noqa: F401  (first: KERAS_BACKEND=jax)
 import jax
 import jax.numpy as jnp
+import optax
 
-from ppo import compute_gae, compute_rewards, generate, hidden_states, ppo_loss, truncate_response, whiten
+from ppo import (Args, advantages_of, compute_gae, compute_rewards, generate, hidden_states, ppo_loss,
+                 response_logps, rollout_stats, train_step, truncate_response, whiten)
 from reward import reward_loss
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -174,6 +176,34 @@ def test_ppo_loss_numpy_and_direction():
     assert grad[0, 0] < 0
 
 
+def test_ppo_update_moves_logprobs_along_advantages():
+    """One PPO epoch on a real rollout: tokens with positive advantage gain log-prob, negative lose."""
+    mesh = common.make_mesh(None)
+    model = common.load_model("tiny", mesh, "float32", seed=0)
+    bb = model.backbone
+    params, frozen = common.split_variables(bb)
+    head = {"weight": jnp.zeros((bb.hidden_dim, 1)), "bias": jnp.zeros(())}
+    params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))((params, (params, head)))
+    args = Args(learning_rate=1e-3, temperature=1.0)
+    q, r = 8, 6
+    rng = np.random.default_rng(0)
+    queries = jnp.array(rng.integers(3, 300, (8, q)), jnp.int32)
+    responses = jnp.array(rng.integers(3, 300, (8, r)), jnp.int32)
+    batch = {"query_responses": jnp.concatenate([queries, responses], 1),
+             "padding_mask": jnp.ones((8, q + r), bool), "response_mask": jnp.ones((8, r), bool)}
+    lp, ref, values = rollout_stats((bb, bb), params, params[0], (frozen, frozen), batch, q, 1.0)
+    scores = jnp.array(rng.normal(size=8), jnp.float32)
+    adv, ret, _ = advantages_of(scores, lp, ref, values, jnp.full((8,), r - 1), args)
+    batch.update(logprobs=lp, values=values, advantages=adv, returns=ret)
+    optimizer = optax.adam(1e-3)
+    state = (params, optimizer.init(params), (frozen, frozen))
+    state, m = jax.jit(lambda s, b: train_step((bb, bb), optimizer, s, b, q, args))(state, batch)
+    new_lp, _ = response_logps(bb, state[0][0], frozen, batch["query_responses"], batch["padding_mask"], q, 1.0)
+    delta = np.asarray(new_lp - lp)
+    assert np.sum(delta * np.asarray(adv)) > 0
+    assert np.corrcoef(delta.ravel(), np.asarray(adv).ravel())[0, 1] > 0.3
+
+
 # ---------------------------------------------------------------------------
 # KV-cached sampling: == uncached greedy decoding, compiled once
 # ---------------------------------------------------------------------------
@@ -274,33 +304,3 @@ def test_ppo_with_reward_model(reward_run, tmp_path):
               "--max-steps", "2", "--batch-size", "16", "--output-dir", str(tmp_path))
     assert out.returncode == 0, out.stderr[-2000:]
     assert len(ppo_scores(str(tmp_path))) == 2
-
-
-def test_ppo_update_moves_logprobs_along_advantages():
-    """One PPO epoch on a real rollout: tokens with positive advantage gain log-prob, negative lose."""
-    import optax
-    from ppo import Args, advantages_of, response_logps, rollout_stats, train_step
-    mesh = common.make_mesh(None)
-    model = common.load_model("tiny", mesh, "float32", seed=0)
-    bb = model.backbone
-    params, frozen = common.split_variables(bb)
-    head = {"weight": jnp.zeros((bb.hidden_dim, 1)), "bias": jnp.zeros(())}
-    params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))((params, (params, head)))
-    args = Args(learning_rate=1e-3, temperature=1.0)
-    q, r = 8, 6
-    rng = np.random.default_rng(0)
-    queries = jnp.array(rng.integers(3, 300, (8, q)), jnp.int32)
-    responses = jnp.array(rng.integers(3, 300, (8, r)), jnp.int32)
-    batch = {"query_responses": jnp.concatenate([queries, responses], 1),
-             "padding_mask": jnp.ones((8, q + r), bool), "response_mask": jnp.ones((8, r), bool)}
-    lp, ref, values = rollout_stats((bb, bb), params, params[0], (frozen, frozen), batch, q, 1.0)
-    scores = jnp.array(rng.normal(size=8), jnp.float32)
-    adv, ret, _ = advantages_of(scores, lp, ref, values, jnp.full((8,), r - 1), args)
-    batch.update(logprobs=lp, values=values, advantages=adv, returns=ret)
-    optimizer = optax.adam(1e-3)
-    state = (params, optimizer.init(params), (frozen, frozen))
-    state, m = jax.jit(lambda s, b: train_step((bb, bb), optimizer, s, b, q, args))(state, batch)
-    new_lp, _ = response_logps(bb, state[0][0], frozen, batch["query_responses"], batch["padding_mask"], q, 1.0)
-    delta = np.asarray(new_lp - lp)
-    assert np.sum(delta * np.asarray(adv)) > 0
-    assert np.corrcoef(delta.ravel(), np.asarray(adv).ravel())[0, 1] > 0.3
