@@ -130,15 +130,15 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     out = tmp_path / "cmp"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "compare.py"), "--model", "tiny", "--methods", "sft,dpo",
                            "--extra", str(fork), "--sft-steps", "20", "--steps", "4", "--num-prompts", "16",
-                           "--dpo-args", "--beta 0.2", "--output-dir", str(out)],
+                           "--dpo-args=--beta 0.2", "--output-dir", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     md = (out / "comparison.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| **")]
     assert [r.split("**")[1] for r in rows] == ["sft", "dpo", "mydpo"]
     cells = {r.split("**")[1]: [c.strip() for c in r.split("|")[2:-1]] for r in rows}
-    assert cells["sft"][3:5] == ["0.500", "0.000"]  # SFT against itself: win rate ½, KL 0
-    assert float(cells["dpo"][4]) != 0.0  # DPO moved away from SFT
+    assert cells["sft"][2:4] == ["0.500", "0.000"]  # SFT against itself: win rate ½, KL 0
+    assert float(cells["dpo"][3]) != 0.0  # DPO moved away from SFT
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert json.loads((out / "dpo" / "args.json").read_text())["beta"] == 0.2  # pass-through reached dpo.py
     for name in ("sft", "dpo", "mydpo"):
