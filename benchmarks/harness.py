@@ -140,24 +140,18 @@ def run(fn, *args, abstract=False):
                         out, compiled.output_shardings)
 
 
-def init_opt_state(optimizer, params, abstract=False):
-    """Optimizer state laid out like the params it belongs to (scalars replicated).
-
-    Eagerly, optax's zeros_like keeps each param's sharding. (Under jax.jit, as the
-    scripts do now, the zeros depend on no input and land whole on device 0.)
-    """
-    if not abstract:
-        return optimizer.init(params)
-    shapes = jax.eval_shape(optimizer.init, params)
+def init_opt_state(optimizer, params, mesh, abstract=False):
+    """Optimizer state laid out like the params it belongs to (scalars such as the step count
+    replicated), as common.init_optimizer does: a plain jax.jit(optimizer.init) would create
+    the zeros, which depend on no input, whole on device 0."""
     structure = jax.tree.structure(params)
-    mesh = next(x.sharding.mesh for x in jax.tree.leaves(params) if isinstance(x.sharding, NamedSharding))
-
-    def place(sub):
-        if jax.tree.structure(sub) == structure:  # mu, nu, ...: one leaf per param
-            return jax.tree.map(lambda o, p: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=p.sharding), sub, params)
-        return jax.tree.map(lambda o: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=NamedSharding(mesh, P())), sub)
-
-    return jax.tree.map(place, shapes, is_leaf=lambda x: jax.tree.structure(x) == structure)
+    like_params = lambda x: jax.tree.structure(x) == structure  # mu, nu, ...: one leaf per param
+    shapes = jax.eval_shape(optimizer.init, params)
+    shardings = jax.tree.map(lambda sub: jax.tree.map(lambda p: p.sharding, params) if like_params(sub)
+                             else NamedSharding(mesh, P()), shapes, is_leaf=like_params)
+    if not abstract:
+        return jax.jit(optimizer.init, out_shardings=shardings)(params)
+    return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s), shapes, shardings)
 
 
 def put_batch(mesh, batch, abstract=False):
@@ -231,6 +225,10 @@ def setup(cfg, backbone, mesh, abstract=False):
         params, frozen = abstract_variables(backbone)
     else:
         params, frozen = common.split_variables(backbone)
+        # Through one jit, so the values carry the mesh in their types as the updated ones
+        # will: the second step then finds the first step's compilation (ppo.py does the same).
+        on_mesh = lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else NamedSharding(mesh, P())
+        params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=jax.tree.map(on_mesh, params))(params)
     optimizer = module.make_optimizer(args)[0] if hasattr(module, "make_optimizer") else ppo_optimizer(module, args)
     a, b, t = cfg.grad_accum_steps, cfg.batch_size // cfg.grad_accum_steps, cfg.max_length
     rng = np.random.default_rng(cfg.seed)
@@ -268,7 +266,7 @@ def state_parts(bench):
 def _sft(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
     a, b, t, vocab = shape
     ids, pad, mask = sequences(rng, a, b, t, vocab)
-    step, state, extra = script_step(module, params, init_opt_state(optimizer, params, abstract), frozen,
+    step, state, extra = script_step(module, params, init_opt_state(optimizer, params, mesh, abstract), frozen,
                                      dict(backbone=backbone, optimizer=optimizer, args=args))
     batch = put_batch(mesh, {"token_ids": ids, "padding_mask": pad, "loss_mask": mask}, abstract)
     return Bench(module, step, state, extra, batch, a * b * t, 6)
@@ -289,7 +287,7 @@ def _preference(module, args, backbone, optimizer, params, frozen, rng, shape, m
                 else (lambda p: jax.tree.map(jnp.copy, p)))
         ref = run(copy, params, abstract=abstract)
         factor, note = 8, "online reference forward (+2N)"
-    step, state, extra = script_step(module, params, init_opt_state(optimizer, params, abstract), frozen,
+    step, state, extra = script_step(module, params, init_opt_state(optimizer, params, mesh, abstract), frozen,
                                      dict(backbone=backbone, optimizer=optimizer, args=args), ref_params=ref)
     return Bench(module, step, state, extra, put_batch(mesh, host, abstract), 2 * a * b * t, factor, note)
 
@@ -298,7 +296,7 @@ def _reward(module, args, backbone, optimizer, params, frozen, rng, shape, mesh,
     a, b, t, vocab = shape
     head = jax.device_put(module.init_head(backbone, 0), NamedSharding(mesh, P()))  # [D, 1] + bias: tiny
     params = (params, shape_of(head) if abstract else head)
-    step, state, extra = script_step(module, params, init_opt_state(optimizer, params, abstract), frozen,
+    step, state, extra = script_step(module, params, init_opt_state(optimizer, params, mesh, abstract), frozen,
                                      dict(backbone=backbone, optimizer=optimizer, args=args))
     host = pair_batch(rng, a, b, t, vocab, "token_ids", with_loss_mask=False)
     return Bench(module, step, state, extra, put_batch(mesh, host, abstract), 2 * a * b * t, 6,
@@ -328,7 +326,7 @@ def _ppo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, ab
     copy = lambda p: jax.tree.map(jnp.copy, p)
     trainable = (run(copy, params, abstract=abstract), (run(copy, params, abstract=abstract), head))
     models = (backbone, backbone)
-    step, state, extra = script_step(module, trainable, init_opt_state(optimizer, trainable, abstract),
+    step, state, extra = script_step(module, trainable, init_opt_state(optimizer, trainable, mesh, abstract),
                                      (frozen, frozen), dict(models=models, optimizer=optimizer, args=args,
                                                             context_length=q))
     ids, pad, mask = sequences(rng, 1, mini, q + r, vocab)

@@ -6,7 +6,6 @@ import contextlib
 import io
 import json
 import os
-import subprocess
 import sys
 
 import pytest
@@ -42,6 +41,7 @@ def test_throughput_sft_fields(sft_row):
     assert r["mfu"] == pytest.approx(r["tokens_per_sec"] * r["flops_per_token"] / r["peak_flops"])
     assert r["num_devices"] == 8 and r["device"] == "cpu"
     assert r["final_loss"] == r["final_loss"] and r["final_loss"] > 0  # not NaN
+    assert r["step_time_max_s"] < r["warmup_s"] / 3  # no timed step recompiles (warm-up is 1 step)
 
 
 def test_throughput_dpo_online_reference_counts_8n(sft_row, capsys):
@@ -50,24 +50,31 @@ def test_throughput_dpo_online_reference_counts_8n(sft_row, capsys):
     assert r["tokens_per_step"] == 2 * 8 * 32  # chosen + rejected
     assert r["flops_per_token"] * 6 == sft_row["flops_per_token"] * 8  # 8N vs 6N
     assert r["tokens_per_sec"] > 0 and 0 < r["mfu"] <= 1
+    assert r["step_time_max_s"] < r["warmup_s"] / 3
 
 
-def test_throughput_bad_algo_exits_2():
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "throughput.py"), "--algo", "nope"],
-                          capture_output=True, text=True, cwd=ROOT, timeout=120)
-    assert proc.returncode == 2
-    assert proc.stderr.strip().splitlines()[-1].startswith("error: --algo 'nope'")
+def test_throughput_bad_algo_exits_2(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        throughput.main(throughput.Args(algo="nope"))
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("error: --algo 'nope'")
 
 
-def memory_row(capsys, **kw):
-    memory.main(memory.Args(**{**dict(algo="sft", model="tiny", target="cpu", mesh="data=4,model=2",
-                                      batch_size=8, max_length=32), **kw}))
-    return last_json(capsys)
+def memory_row(**kw):
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        memory.main(memory.Args(**{**dict(algo="sft", model="tiny", target="cpu", mesh="data=4,model=2",
+                                          batch_size=8, max_length=128), **kw}))
+    return json.loads(buf.getvalue().strip().splitlines()[-1])
 
 
-def test_memory_full_vs_lora_and_sharding(capsys):
-    full = memory_row(capsys)
-    lora = memory_row(capsys, lora_rank=4)
+@pytest.fixture(scope="module")
+def full_row():
+    return memory_row()
+
+
+def test_memory_full_vs_lora_and_sharding(full_row):
+    full, lora = full_row, memory_row(lora_rank=4)
     assert full["peak_bytes_per_device"] > 0
     assert full["peak_bytes_per_device"] == (full["argument_bytes"] + full["output_bytes"]
                                              + full["temp_bytes"] - full["alias_bytes"])
@@ -82,7 +89,7 @@ def test_memory_full_vs_lora_and_sharding(capsys):
     assert lora["frozen_bytes"] >= full["trainable_bytes"]
 
 
-def test_remat_decoder_blocks_keeps_the_step_and_cuts_memory(capsys):
+def test_remat_decoder_blocks_keeps_the_step_and_cuts_memory(full_row):
     """The proposed --remat (per-block jax.checkpoint) changes memory, not the math."""
     import harness
     import jax
@@ -99,5 +106,4 @@ def test_remat_decoder_blocks_keeps_the_step_and_cuts_memory(capsys):
         out.append(jax.device_get(metrics))
     np.testing.assert_allclose(out[1]["train/loss"], out[0]["train/loss"], rtol=1e-6)
     np.testing.assert_allclose(out[1]["train/grad_norm"], out[0]["train/grad_norm"], rtol=1e-5)
-    plain, remat = memory_row(capsys, max_length=128), memory_row(capsys, max_length=128, remat=True)
-    assert remat["temp_bytes"] < plain["temp_bytes"]
+    assert memory_row(remat=True)["temp_bytes"] < full_row["temp_bytes"]
