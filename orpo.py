@@ -71,8 +71,21 @@ class Args:
     """fetch metrics from the device and log every N steps"""
     eval_every: int = 20
     """evaluate every N steps (and before the first and after the last)"""
+    save_every: int = 0
+    """checkpoint every N steps (0: only on SIGTERM/SIGINT); the newest 3 are kept"""
+    resume: bool = False
+    """continue from the newest complete checkpoint in --output-dir"""
+    overwrite: bool = False
+    """replace a run already in --output-dir (otherwise refused)"""
     track: bool = False
     """also log to Weights & Biases"""
+    # multi-host (TPU pods and clusters are detected without these)
+    coordinator_address: str | None = None
+    """host:port of process 0, for jax.distributed"""
+    num_processes: int | None = None
+    """number of processes in the run"""
+    process_id: int | None = None
+    """this process's index"""
 
 
 # ---------------------------------------------------------------------------
@@ -371,9 +384,23 @@ def make_optimizer(args):
                        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask)), schedule
 
 
+def resume_or_start(args, checkpoints, output_dir, params, opt_state):
+    """(params, opt_state, first step, RunLog): restored from the newest checkpoint with --resume
+    (the data position is the step: get_batch is a function of it), else as given."""
+    start = 0
+    if args.resume and (restored := checkpoints.restore_latest((params, opt_state))):
+        start, (params, opt_state), _ = restored
+        print(f"resumed from step {start}")
+    log = common.RunLog(output_dir, args, args.track, resume_step=start if args.resume else None)
+    return params, opt_state, start, log
+
+
 def main(args):
     # ---- set-up: mesh, model, data (all validation before any compute) ----
+    common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
+    output_dir = args.output_dir or common.default_output_dir("orpo", args.model, args.seed)
     try:
+        common.check_output_dir(output_dir, args.resume, args.overwrite)
         mesh = common.make_mesh(args.mesh)
         if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
             raise common.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
@@ -393,14 +420,18 @@ def main(args):
     length = min(args.max_length, 8 * math.ceil(max(len(s[0]) for x in train + evals for s in x) / 8))
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
 
-    output_dir = args.output_dir or common.default_output_dir("orpo", args.model, args.seed)
-    log = common.RunLog(output_dir, args, args.track)
     optimizer, schedule = make_optimizer(args)
     params, frozen = common.split_variables(backbone)
-    opt_state = jax.jit(optimizer.init)(params)
-    state = (params, opt_state)
+    opt_state, opt_shardings = common.init_optimizer(optimizer, params, mesh)
+    checkpoints = common.Checkpoints(output_dir)
+    params, opt_state, start, log = resume_or_start(args, checkpoints, output_dir, params, opt_state)
+    state_shardings = (common.shardings(params), opt_shardings)
+    state = jax.device_put((params, opt_state), state_shardings)
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
-    step_fn = jax.jit(lambda s, f, b: train_step(backbone, optimizer, args, s, f, b), donate_argnums=0)
+    # Layouts pinned in and out (donated, updated in place): one compilation for the run.
+    step_fn = jax.jit(lambda s, f, b: train_step(backbone, optimizer, args, s, f, b), donate_argnums=0,
+                      out_shardings=(state_shardings, common.replicated(mesh)))
+    stop = common.StopSignal()
     eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, jax.tree.map(lambda x: x[0], b),
                                                         args.prompt_nll))
 
@@ -416,33 +447,41 @@ def main(args):
         return {"eval/loss": float(loss), **{f"eval/{k}": float(v) for k, v in metrics.items()}}
 
     # ---- the loop ----
-    if eval_data is not None:
+    if eval_data is not None and start == 0:
         log.log(0, evaluate(state[0]))  # the starting point
     pending, t0, tokens = [], time.perf_counter(), 0
-    bar = tqdm(range(args.max_steps), desc="orpo", dynamic_ncols=True)
+    bar = tqdm(range(start, args.max_steps), desc="orpo", dynamic_ncols=True, initial=start, total=args.max_steps)
     for step in bar:
         batch = common.shard_batch(mesh, get_batch(train_data, step, args.batch_size,
                                                    args.grad_accum_steps, args.seed))
         state, metrics = step_fn(state, frozen, batch)  # metrics: from the pre-update forward
         pending.append(metrics)
         tokens += 2 * args.batch_size * length
-        if (step + 1) % args.log_every == 0 or step + 1 == args.max_steps:
+        done = step + 1
+        saving = stop.name or (args.save_every and done % args.save_every == 0)
+        if done % args.log_every == 0 or done == args.max_steps or saving:
             fetched = jax.device_get(pending)  # one host sync per logging interval
             elapsed = time.perf_counter() - t0
             row = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
             row.update({"charts/learning_rate": float(schedule(step)),
                         "charts/tokens_per_sec": tokens / elapsed,
                         "charts/mfu": tokens / elapsed * flops_per_token / peak})
-            log.log(step + 1, row)
+            log.log(done, row)
             bar.set_postfix(loss=f"{row['train/loss']:.4f}", margin=f"{row['rewards/margins']:.3f}",
                             tok_s=f"{row['charts/tokens_per_sec']:.0f}")
             pending, t0, tokens = [], time.perf_counter(), 0
-        if eval_data is not None and ((step + 1) % args.eval_every == 0 or step + 1 == args.max_steps):
+        if eval_data is not None and (done % args.eval_every == 0 or done == args.max_steps):
             row = evaluate(state[0])
-            log.log(step + 1, row)
-            print(f"step {step + 1}: eval accuracy {row['eval/rewards/accuracies']:.3f}, "
+            log.log(done, row)
+            print(f"step {done}: eval accuracy {row['eval/rewards/accuracies']:.3f}, "
                   f"margin {row['eval/rewards/margins']:.4f}")
             t0 = time.perf_counter()  # eval time is not training throughput
+        if saving:
+            checkpoints.save(done, state, {"step": done})
+        if stop.name:
+            log.close()
+            print(f"{stop.name}: checkpoint saved at step {done}; continue with --resume")
+            return
 
     # ---- outputs: the final model (LoRA merged) ----
     common.save_model(model, state[0], os.path.join(output_dir, "model"))

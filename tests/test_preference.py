@@ -403,3 +403,22 @@ def test_bad_row_exits_2_naming_file_and_line(tmp_path):
     proc = run("orpo.py", "--dataset", str(tmp_path / "bad.jsonl"), "--output-dir", str(tmp_path / "out"), check=False)
     assert proc.returncode == 2 and "bad.jsonl:2: missing field 'chosen'" in proc.stderr
     assert "Traceback" not in proc.stderr and not os.path.exists(tmp_path / "out")
+
+
+def test_lora_precomputed_reference_checkpoint_and_resume(tmp_path):
+    """--lora-rank with --precompute-ref saves a model; --save-every/--resume continue the run;
+    an --output-dir holding a run is refused without --resume/--overwrite."""
+    out = str(tmp_path / "run")
+    with open(os.path.join(ROOT, "data", "prefs_eval.jsonl")) as f:
+        (tmp_path / "pairs.jsonl").write_text("".join(f.readlines()[:16]))
+    common_flags = ["--dataset", str(tmp_path / "pairs.jsonl"), "--eval-dataset", "",
+                    "--batch-size", "8", "--lora-rank", "2", "--precompute-ref", "--log-every", "1",
+                    "--save-every", "2", "--output-dir", out]
+    run("dpo.py", "--max-steps", "2", *common_flags)
+    assert {"model", "checkpoints"} <= set(os.listdir(out)) and "2" in os.listdir(os.path.join(out, "checkpoints"))
+    refused = run("dpo.py", "--max-steps", "4", *common_flags, check=False)
+    assert refused.returncode == 2 and "already holds a run" in refused.stderr
+    resumed = run("dpo.py", "--max-steps", "4", "--resume", *common_flags)
+    assert "resumed from step 2" in resumed.stdout
+    assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
+    assert read_metrics(out)[0]["train/loss"] == pytest.approx(LOG2, abs=1e-6)  # LoRA B = 0: policy == reference
