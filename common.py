@@ -236,6 +236,21 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
     return model
 
 
+def enable_remat(backbone):
+    """Activation checkpointing per decoder block: each block's activations are recomputed
+    in the backward pass, so only the block inputs [B, T, D] stay alive between forward and
+    backward (about +1/3 FLOPs; what makes Gemma-2B DPO fit 16 GiB chips). Calls with a KV
+    cache (generation) are left alone: they have no backward pass."""
+    for layer in getattr(backbone, "transformer_layers", []):
+        def call(*args, _call=layer.call, **kwargs):
+            if any(v is not None for k, v in kwargs.items() if "cache" in k and "index" not in k):
+                return _call(*args, **kwargs)
+            arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
+            rest = {k: v for k, v in kwargs.items() if k not in arrays}
+            return jax.checkpoint(lambda a, kw: _call(*a, **kw, **rest))(args, arrays)
+        layer.call = call
+
+
 def split_variables(backbone):
     """(trainable values, frozen values) in the order `stateless_call` expects."""
     return ([v.value for v in backbone.trainable_variables],
