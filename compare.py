@@ -39,25 +39,27 @@ class Args:
     # budgets
     sft_steps: int = 150
     """SFT optimizer updates (the base every other method starts from)"""
-    steps: int = 60
+    steps: int = 40
     """optimizer updates of each preference method (dpo, simpo, orpo, --extra): one shared budget"""
-    reward_steps: int = 60
+    reward_steps: int = 40
     """reward model updates (before PPO)"""
     ppo_steps: int = 20
     """PPO iterations (one rollout batch + 4 epochs × 2 mini-batches of updates each)"""
     learning_rate: float = 5e-5
     """peak learning rate of every method after SFT (dpo, simpo, orpo, --extra, ppo): lower than the
     scripts' defaults, which are set for training `tiny` from scratch"""
-    ppo_reward: str = "model"
+    ppo_reward: str = "both"
     """`model`: PPO optimises a reward model trained on the same preference pairs (the same
-    information the preference methods get); `fn`: the toy task's programmatic score"""
+    information the preference methods get); `fn`: the task score itself (--reward-fn, a
+    verifiable reward); `both`: two PPO rows, `ppo` (reward model) and `ppo_fn`"""
     # pass-through flags, appended last (they override compare's choices); write them with `=`
     sft_args: str = ""
     """extra flags for sft.py, e.g. --sft-args="--learning-rate 5e-4" """
     dpo_args: str = ""
     """extra flags for dpo.py, e.g. --dpo-args="--beta 0.2 --precompute-ref" """
-    simpo_args: str = ""
-    """extra flags for simpo.py"""
+    simpo_args: str = "--sft-weight 1.0"
+    """extra flags for simpo.py; default: SimPO plus an NLL on the chosen response with weight 1
+    (TRL's CPO-SimPO default `cpo_alpha=1`; pure SimPO lowers the chosen likelihood too here)"""
     orpo_args: str = "--no-prompt-nll"
     """extra flags for orpo.py; default: NLL on the chosen response only, like sft.py (the toy
     prompts are random digits: an NLL on them teaches nothing and swamps the loss)"""
@@ -96,8 +98,8 @@ def plan(args, output_dir):
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not (methods or args.extra):
         raise common.UsageError(f"--methods {args.methods!r}: choose from {','.join(METHODS)}")
-    if args.ppo_reward not in ("model", "fn"):
-        raise common.UsageError(f"--ppo-reward {args.ppo_reward!r}: `model` or `fn`")
+    if args.ppo_reward not in ("model", "fn", "both"):
+        raise common.UsageError(f"--ppo-reward {args.ppo_reward!r}: `model`, `fn` or `both`")
     base = os.path.join(output_dir, "sft", "model") if "sft" in methods else args.model
     common_flags = ["--seed", str(args.seed)]
     tuned = ["--learning-rate", str(args.learning_rate)]
@@ -119,13 +121,17 @@ def plan(args, output_dir):
         stages.append(stage(name, os.path.abspath(path), ["--model", base, "--max-steps", str(args.steps)] + tuned,
                             args.extra_args, ["sft"]))
     if "ppo" in methods:
-        reward = ["--reward-fn", args.reward_fn]
-        if args.ppo_reward == "model":
+        ppo = lambda name, reward, needs: stage(name, script("ppo"), ["--model", base, "--max-steps",
+                                                                     str(args.ppo_steps)] + tuned + reward,
+                                                args.ppo_args, needs)
+        if args.ppo_reward in ("model", "both"):
             stages.append(stage("reward", script("reward"), ["--model", base, "--max-steps", str(args.reward_steps),
                                                               "--normalize"], args.reward_args, ["sft"]))
-            reward = ["--reward-model", os.path.join(output_dir, "reward", "model")]
-        stages.append(stage("ppo", script("ppo"), ["--model", base, "--max-steps", str(args.ppo_steps)] + tuned + reward,
-                            args.ppo_args, ["sft"] + (["reward"] if args.ppo_reward == "model" else [])))
+            stages.append(ppo("ppo", ["--reward-model", os.path.join(output_dir, "reward", "model")],
+                              ["sft", "reward"]))
+        if args.ppo_reward in ("fn", "both"):
+            stages.append(ppo("ppo_fn" if args.ppo_reward == "both" else "ppo", ["--reward-fn", args.reward_fn],
+                              ["sft"]))
     return stages, base
 
 

@@ -112,15 +112,20 @@ def test_evaluate_bad_flags_exit_2(tmp_path, capsys):
 # compare.py
 # ---------------------------------------------------------------------------
 def test_compare_plan_reward_model_for_ppo(tmp_path):
-    args = compare.Args(methods="sft,dpo,ppo", dpo_args="--beta 0.2", steps=7, output_dir=str(tmp_path))
+    args = compare.Args(methods="sft,dpo,ppo", dpo_args="--beta 0.2 --learning-rate 1e-5", steps=7,
+                        output_dir=str(tmp_path))
     stages, base = compare.plan(args, str(tmp_path))
     names = [s["name"] for s in stages]
-    assert names == ["sft", "dpo", "reward", "ppo"] and base == str(tmp_path / "sft" / "model")
-    dpo, ppo = stages[1]["flags"], stages[3]["flags"]
+    assert names == ["sft", "dpo", "reward", "ppo", "ppo_fn"] and base == str(tmp_path / "sft" / "model")
+    dpo, ppo, ppo_fn = stages[1]["flags"], stages[3]["flags"], stages[4]["flags"]
     assert dpo[dpo.index("--model") + 1] == base and dpo[dpo.index("--max-steps") + 1] == "7"
-    assert dpo[-2:] == ["--beta", "0.2"]  # pass-through flags come last: they override
+    assert dpo[-4:] == ["--beta", "0.2", "--learning-rate", "1e-5"]  # pass-through comes last: it overrides
     assert ppo[ppo.index("--reward-model") + 1] == str(tmp_path / "reward" / "model")
-    assert stages[3]["needs"] == ["sft", "reward"]
+    assert stages[3]["needs"] == ["sft", "reward"] and stages[4]["needs"] == ["sft"]
+    assert ppo_fn[ppo_fn.index("--reward-fn") + 1] == args.reward_fn and "--reward-model" not in ppo_fn
+    only_fn, _ = compare.plan(compare.Args(methods="ppo", ppo_reward="fn"), str(tmp_path))
+    assert [s["name"] for s in only_fn] == ["ppo"] and "--model" in only_fn[0]["flags"]
+    assert only_fn[0]["flags"][only_fn[0]["flags"].index("--model") + 1] == "tiny"  # no sft: from --model
 
 
 def test_compare_end_to_end_tiny_budget(tmp_path):
