@@ -29,6 +29,8 @@ class Args:
     """any common.load_model name; with --random-init one of tiny, gemma_2b, gemma_7b"""
     random_init: bool = False
     """build the backbone at published shapes with random weights (no download)"""
+    num_layers: int = 0
+    """with --random-init: override the decoder-block count (0: as published); for smoke tests"""
     dtype: str | None = None
     """bfloat16 or float32 (default: bfloat16 on accelerators, float32 on CPU)"""
     mesh: str | None = None
