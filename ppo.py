@@ -440,6 +440,9 @@ def main(args):
                                                         args.max_prompt_length)
         reward_fn = None if args.reward_model else load_reward_fn(args.reward_fn)
         rm = load_reward_model(args.reward_model, mesh, args.dtype, args.lora_rank) if args.reward_model else None
+        if rm is not None and rm[0].preprocessor.tokenizer.vocabulary_size() != tokenizer.vocabulary_size():
+            raise common.UsageError(f"--reward-model {args.reward_model}: its tokenizer differs from the policy's "
+                                    "(it scores the policy's token ids directly)")
     except (common.UsageError, FileNotFoundError) as e:
         common.fail(e)
     q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
