@@ -25,7 +25,7 @@ def cmd(script, *args):
 def env_with_devices(n):
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}"
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
     return env
 
 

@@ -16,7 +16,7 @@ import toy  # noqa: E402
 def run(*args, check=True, one_device=False):
     env = dict(os.environ)
     if one_device:  # the learning run needs no simulated mesh (test_sharding covers it)
-        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "sft.py"), *args],
                           capture_output=True, text=True, cwd=ROOT, env=env)
     if check:
