@@ -254,9 +254,11 @@ def test_bad_input_fails_fast_with_file_and_line(tmp_path):
 
 @pytest.fixture(scope="session")
 def reward_run(tmp_path_factory):
-    """reward.py from random init, the issue's command: eval/accuracy must reach 0.75."""
+    """reward.py from random init: eval/accuracy must reach 0.75 (50 steps: 0.88 measured on
+    8 simulated devices; the documented 80-step command reaches 0.92)."""
     out = tmp_path_factory.mktemp("reward")
-    res = run("reward.py", "--model", "tiny", "--max-steps", "80", "--normalize", "--output-dir", str(out))
+    res = run("reward.py", "--model", "tiny", "--max-steps", "50", "--eval-every", "50", "--normalize",
+              "--output-dir", str(out))
     assert res.returncode == 0, res.stderr[-2000:]
     return str(out)
 
