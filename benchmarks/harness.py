@@ -236,7 +236,12 @@ def setup(cfg, backbone, mesh, abstract=False):
     build = SETUPS.get(cfg.algo)
     if build is None:
         raise common.UsageError(f"--algo {cfg.algo}: no benchmark set-up for it yet")
-    return build(module, args, backbone, optimizer, params, frozen, rng, (a, b, t, vocab), mesh, abstract)
+    bench = build(module, args, backbone, optimizer, params, frozen, rng, (a, b, t, vocab), mesh, abstract)
+    if cfg.lora_rank:  # the frozen base needs no weight gradients: 4N, not 6N, per trained model
+        trained = 2 if cfg.algo == "ppo" else 1
+        bench.flops_factor -= 2 * trained
+        bench.note = (bench.note + "; " if bench.note else "") + "LoRA: -2N per trained model"
+    return bench
 
 
 def script_step(module, trainable, opt_state, frozen, fixed, **extra):

@@ -6,7 +6,8 @@ full-length batches in its batch format; compiles and warms up first, then times
     python benchmarks/throughput.py --algo dpo --model tiny
     python benchmarks/throughput.py --algo sft --model gemma_2b --random-init --batch-size 8 --max-length 1024
 FLOPs per token: 6N for forward + backward, +2N per extra forward (DPO's online
-reference: 8N); N = every weight used in a matmul, tied embedding included.
+reference: 8N); N = every weight used in a matmul, tied embedding included. LoRA:
+the frozen base needs no weight gradients, -2N per trained model.
 """
 
 import json
