@@ -36,6 +36,8 @@ class Args:
     """0 = full fine-tuning; >0 = KerasHub LoRA of this rank (the reference is then the LoRA-off base)"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2` (default: every device on `data`)"""
+    remat: bool = True
+    """recompute each decoder block's activations in the backward pass (memory for ~1/3 more FLOPs)"""
     # data
     dataset: str = os.path.join(common.HERE, "data", "prefs_train.jsonl")
     """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
@@ -427,6 +429,8 @@ def main(args):
             raise common.UsageError("need --beta > 0 and 0 <= --label-smoothing < 0.5")
         model = common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank)
         backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
+        if args.remat:
+            common.enable_remat(backbone)
         template = chat_template(backbone)
         train, counts = tokenize_dataset(args.dataset, tokenizer, template, args.max_length)
         evals = tokenize_dataset(args.eval_dataset, tokenizer, template, args.max_length)[0] if args.eval_dataset else []

@@ -34,6 +34,8 @@ class Args:
     """0 = full fine-tuning; >0 = KerasHub LoRA of this rank on the backbone (the head is always trained)"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2` (default: every device on `data`)"""
+    remat: bool = True
+    """recompute each decoder block's activations in the backward pass (memory for ~1/3 more FLOPs)"""
     # data
     dataset: str = os.path.join(common.HERE, "data", "prefs_train.jsonl")
     """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
@@ -329,6 +331,8 @@ def main(args):
                                     f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
         model = common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank)
         backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
+        if args.remat:
+            common.enable_remat(backbone)
         template = chat_template(backbone)
         train, counts = tokenize_pairs(args.dataset, tokenizer, template, args.max_length)
         evals = tokenize_pairs(args.eval_dataset, tokenizer, template, args.max_length)[0] if args.eval_dataset else []
