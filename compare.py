@@ -235,18 +235,26 @@ def evaluate_models(args, base, models, reward_model, output_dir):
 # ---------------------------------------------------------------------------
 # Report: the table (markdown), the picture
 # ---------------------------------------------------------------------------
-def note(name, m, base_name, base_m):
-    """One honest line per row: does it beat the base on the task score, and if not, a likely why."""
+def note(name, m, base_name, base_m, run_metrics, on_reward_model):
+    """One honest line per row: does it beat the base on the task score, and if not, the likely
+    why, read from the numbers (the run's own held-out log-probs, the reward-model score, KL)."""
     if name == base_name:
         return "the base every other method starts from"
     delta = m["score"] - base_m["score"]
     if delta > 0:
         return f"beats {base_name} (+{delta:.3f})"
-    if m["kl"] < 0.05:
-        return (f"does not beat {base_name} ({delta:+.3f}): barely moved (KL {m['kl']:.3f}); "
-                "the step budget / learning rate is too small to change its answers")
-    return (f"does not beat {base_name} ({delta:+.3f}): moved (KL {m['kl']:.2f}) in a direction its "
-            "training signal prefers but the task score does not")
+    head = f"does not beat {base_name} ({delta:+.3f}): "
+    chosen = [r["eval/logps/chosen"] for r in run_metrics if "eval/logps/chosen" in r]
+    if len(chosen) >= 2 and chosen[-1] < chosen[0]:
+        longer = "; greedy answers got longer" if m["length"] > base_m["length"] + 0.5 else ""
+        return head + (f"held-out chosen log-prob fell too ({chosen[0]:.2f} → {chosen[-1]:.2f}): the margin grew "
+                       f"by pushing both answers down (likelihood displacement){longer}")
+    if on_reward_model and "rm_score" in m and m["rm_score"] > base_m["rm_score"]:
+        return head + (f"reward hacking: reward-model score {base_m['rm_score']:.2f} → {m['rm_score']:.2f} while "
+                       f"the task score fell; answers got longer ({m['length']:.1f} vs {base_m['length']:.1f} tokens)")
+    if abs(delta) < 0.02 or m["kl"] < 0.05:
+        return head + f"about unchanged (KL {m['kl']:.2f}): the step budget is too small to move greedy answers"
+    return head + f"moved (KL {m['kl']:.2f}) in a direction its training signal prefers but the task score does not"
 
 
 def table(rows, base_name, with_rm):
@@ -292,7 +300,7 @@ def plot(curves, results, base_name, temperature, path):
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("held-out task score")
     ax.set_title("final scores (evaluate.py protocol)", fontsize=10)
-    ax.legend(fontsize=8, loc="lower right")
+    ax.legend(fontsize=8, loc="upper right")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -355,10 +363,17 @@ def main(args):
             ok[stage["name"]], walls[stage["name"]] = False, 0.0
             continue
         ok[stage["name"]], walls[stage["name"]] = run_stage(i, len(stages), stage, output_dir)
-    base_name = "sft" if any(s["name"] == "sft" for s in stages) else "base"
-    if base_name == "sft" and not ok["sft"]:
+    if any(s["name"] == "sft" for s in stages) and not ok["sft"]:
         common.fail(f"sft failed: nothing to compare (see {output_dir}/sft.log)")
+    md = evaluate_and_report(args, output_dir, stages, base, ok, walls, t_start)
+    print(f"\n{md}\n\ndone in {(time.perf_counter() - t_start) / 60:.1f} min: "
+          f"{output_dir}/comparison.md, comparison.png")
+    sys.exit(0 if all(ok.values()) else 1)
 
+
+def evaluate_and_report(args, output_dir, stages, base, ok, walls, t_start):
+    """Score every finished run against the base, then write comparison.md / .png -> the table."""
+    base_name = "sft" if any(s["name"] == "sft" for s in stages) else "base"
     print(f"[eval] {args.num_prompts or 'all'} held-out prompts, every model against {base_name}", flush=True)
     policies = [s["name"] for s in stages if s["name"] != "reward"]
     models = {base_name: base, **{n: os.path.join(output_dir, n, "model") for n in policies
@@ -373,14 +388,12 @@ def main(args):
     for name in ([base_name] if base_name == "base" else []) + policies:
         wall = walls.get(name, 0.0) + (walls.get("reward", 0.0) if name == "ppo" else 0.0)
         m = results.get(name)
-        text = (note(name, m, base_name, results[base_name]) if m is not None
+        on_rm = any(s["name"] == name and "--reward-model" in s["flags"] for s in stages)
+        text = (note(name, m, base_name, results[base_name], metrics.get(name, []), on_rm) if m is not None
                 else f"failed or skipped: see {name}.log")
         rows.append((name, m, tokens_per_sec(metrics.get(name, [])), wall, text))
-    md = write_report(args, output_dir, stages, rows, results, curves, base_name, reward_acc,
-                      time.perf_counter() - t_start)
-    print(f"\n{md}\n\ndone in {(time.perf_counter() - t_start) / 60:.1f} min: "
-          f"{output_dir}/comparison.md, comparison.png")
-    sys.exit(0 if all(ok.values()) else 1)
+    return write_report(args, output_dir, stages, rows, results, curves, base_name, reward_acc,
+                        time.perf_counter() - t_start)
 
 
 if __name__ == "__main__":
