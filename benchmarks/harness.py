@@ -102,22 +102,6 @@ def load_backbone(args, mesh, abstract=False):
     return common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank).backbone
 
 
-def remat_decoder_blocks(backbone, policy=None):
-    """Activation checkpointing per decoder block: each block's forward is recomputed in the
-    backward pass, so only the block inputs [B, T, D] stay alive between forward and backward.
-    (The change proposed for the scripts' `--remat`; applied here only to measure it.)"""
-    policy = policy or jax.checkpoint_policies.nothing_saveable
-    for layer in backbone.transformer_layers:
-        call = layer.call
-
-        def remat_call(x, padding_mask=None, cache=None, cache_update_index=0, _call=call):
-            if cache is not None:  # generation with a KV cache: no backward pass, nothing to save
-                return _call(x, padding_mask=padding_mask, cache=cache, cache_update_index=cache_update_index)
-            return jax.checkpoint(lambda h, m: _call(h, padding_mask=m), policy=policy)(x, padding_mask)
-
-        layer.call = remat_call
-
-
 # ---------------------------------------------------------------------------
 # Concrete or abstract evaluation of set-up functions
 # ---------------------------------------------------------------------------

@@ -45,8 +45,8 @@ class Args:
     """0 = full fine-tuning; >0 = LoRA of this rank"""
     precompute_ref: bool = False
     """DPO: reference log-probs precomputed (no reference weights, no reference forward)"""
-    remat: bool = False
-    """activation checkpointing per decoder block (the change proposed for the scripts)"""
+    remat: bool = True
+    """activation checkpointing per decoder block, as the scripts' default `--remat` (--no-remat: off)"""
     target: str = "tpu_v5e"
     """compile for: tpu_v5e (16 GiB chips) or tpu_v5p (95 GiB) with libtpu's ahead-of-time compiler
     (no TPU needed), or cpu (simulated host devices; the CPU compiler upcasts bf16 matmuls to
@@ -111,7 +111,7 @@ def compile_step(args, mesh):
     """(compiled train step, Bench, backbone, seconds) for abstract weights laid out on `mesh`."""
     backbone = harness.load_backbone(args, mesh, abstract=True)
     if args.remat:
-        harness.remat_decoder_blocks(backbone)
+        common.enable_remat(backbone)
     t = time.perf_counter()
     bench = harness.setup(args, backbone, mesh, abstract=True)
     step = jax.jit(bench.step, donate_argnums=0)  # state donated, as in the scripts

@@ -70,11 +70,11 @@ def memory_row(**kw):
 
 @pytest.fixture(scope="module")
 def full_row():
-    return memory_row()
+    return memory_row(remat=False)
 
 
 def test_memory_full_vs_lora_and_sharding(full_row):
-    full, lora = full_row, memory_row(lora_rank=4)
+    full, lora = full_row, memory_row(lora_rank=4, remat=False)
     assert full["peak_bytes_per_device"] > 0
     assert full["peak_bytes_per_device"] == (full["argument_bytes"] + full["output_bytes"]
                                              + full["temp_bytes"] - full["alias_bytes"])
@@ -90,17 +90,17 @@ def test_memory_full_vs_lora_and_sharding(full_row):
 
 
 def test_remat_decoder_blocks_keeps_the_step_and_cuts_memory(full_row):
-    """The proposed --remat (per-block jax.checkpoint) changes memory, not the math."""
+    """--remat (common.enable_remat: per-block jax.checkpoint) changes memory, not the math."""
     import harness
     import jax
     import numpy as np
     mesh = harness.common.make_mesh("data=8")
-    cfg = throughput.Args(algo="sft", model="tiny", random_init=True, batch_size=8, max_length=32)
+    cfg = throughput.Args(algo="sft", model="tiny", random_init=True, batch_size=8, max_length=32, remat=False)
     out = []
     for remat in (False, True):
         backbone = harness.load_backbone(cfg, mesh)
         if remat:
-            harness.remat_decoder_blocks(backbone)
+            harness.common.enable_remat(backbone)
         bench = harness.setup(cfg, backbone, mesh)
         _, metrics = jax.jit(bench.step)(bench.state, bench.batch, bench.extra)
         out.append(jax.device_get(metrics))
