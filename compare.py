@@ -323,7 +323,8 @@ def write_report(args, output_dir, stages, rows, results, curves, base_name, rew
 
 {md}
 
-- **task score**: mean `{short(args.reward_fn)}` over {n_prompts} held-out prompts ({short(args.eval_prompts)}), greedy responses; \
+- **task score**: mean `{short(args.reward_fn)}` over {n_prompts} held-out prompts \
+({short(args.eval_prompts)}), greedy responses; \
 **sampled score**: one sample per prompt at T={args.temperature:g} (seed {args.seed}).
 - **win rate vs {base_name}**: share of prompts whose greedy answer scores higher than {base_name}'s (ties count half).
 - **KL from {base_name}**: mean over prompts of Σ_t [log π(y_t) − log π_{base_name}(y_t)] on the model's own sampled \

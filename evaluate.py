@@ -377,7 +377,8 @@ def summarize(outs, baseline_outs=None):
             m[name], m[name + "_sampled"] = float(np.mean(g[name])), float(np.mean(s[name]))
             if baseline_outs is not None:
                 m["baseline_" + name] = float(np.mean(baseline_outs["greedy"][name]))
-                m[{"score": "win_rate", "rm_score": "win_rate_rm"}[name]] = win_rate(g[name], baseline_outs["greedy"][name])
+                key = {"score": "win_rate", "rm_score": "win_rate_rm"}[name]
+                m[key] = win_rate(g[name], baseline_outs["greedy"][name])
     if "kl" in outs:
         m["kl"] = float(np.mean(outs["kl"]))
         m["kl_stderr"] = float(np.std(outs["kl"]) / math.sqrt(len(outs["kl"])))
