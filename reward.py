@@ -9,6 +9,7 @@ Offline, a couple of minutes on a laptop CPU (an SFT'd start learns faster: --mo
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -72,10 +73,21 @@ class Args:
     """fetch metrics from the device and log every N steps"""
     eval_every: int = 40
     """evaluate every N steps (and at the end)"""
+    save_every: int = 0
+    """checkpoint every N steps (0: only on SIGTERM/SIGINT); the newest 3 are kept"""
+    resume: bool = False
+    """continue from the newest complete checkpoint in --output-dir"""
     overwrite: bool = False
     """replace a run already in --output-dir (otherwise refused)"""
     track: bool = False
     """also log to Weights & Biases"""
+    # multi-host (TPU pods and clusters are detected without these)
+    coordinator_address: str | None = None
+    """host:port of process 0, for jax.distributed"""
+    num_processes: int | None = None
+    """number of processes in the run"""
+    process_id: int | None = None
+    """this process's index"""
 
 
 # ---------------------------------------------------------------------------
@@ -320,11 +332,23 @@ def load_reward_model(path, mesh, dtype=None, lora_rank=0):
     return model, head
 
 
+def resume_or_start(args, checkpoints, output_dir, params, opt_state):
+    """(params incl. the head, opt_state, first step, RunLog): restored from the newest checkpoint
+    with --resume (the data position is the step: get_batch is a function of it), else as given."""
+    start = 0
+    if args.resume and (restored := checkpoints.restore_latest((params, opt_state))):
+        start, (params, opt_state), _ = restored
+        print(f"resumed from step {start}")
+    log = common.RunLog(output_dir, args, args.track, resume_step=start if args.resume else None)
+    return params, opt_state, start, log
+
+
 def main(args):
     # ---- set-up: mesh, model, data (all validation before any compute) ----
+    common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
     output_dir = args.output_dir or common.default_output_dir("reward", args.model, args.seed)
     try:
-        common.check_output_dir(output_dir, False, args.overwrite)
+        common.check_output_dir(output_dir, args.resume, args.overwrite)
         mesh = common.make_mesh(args.mesh)
         if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
             raise common.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
@@ -344,12 +368,15 @@ def main(args):
     length = min(args.max_length, 8 * math.ceil(max(len(s) for p in train + evals for s in p) / 8))
     train_data = pad_pairs(train, length)
 
-    log = common.RunLog(output_dir, args, args.track)
     optimizer, schedule = make_optimizer(args)
     params, frozen = common.split_variables(backbone)
     params = (params, jax.device_put(init_head(backbone, args.seed), common.replicated(mesh)))
-    state = (params, jax.jit(optimizer.init)(params), frozen)
+    checkpoints = common.Checkpoints(output_dir)
+    params, opt_state, start, log = resume_or_start(args, checkpoints, output_dir, params,
+                                                    jax.jit(optimizer.init)(params))
+    state = (params, opt_state, frozen)
     step_fn = jax.jit(lambda s, b: train_step(backbone, optimizer, s, b), donate_argnums=0)
+    stop = common.StopSignal()
     score_fn = jax.jit(lambda p, f, h, ids, m: sequence_scores(backbone, p, f, h, ids, m))
 
     # FLOPs per token: 6N (forward + backward) on chosen and rejected tokens alike.
@@ -373,30 +400,50 @@ def main(args):
         return {"eval/accuracy": float(np.mean(chosen > rejected)),
                 "eval/margins": float(np.mean(chosen - rejected))}
 
+    def flush(step, pending, t0, tokens):
+        """Fetch the interval's metrics (one host sync), stop on a non-finite loss, log."""
+        fetched = jax.device_get(pending)
+        elapsed = time.perf_counter() - t0  # after the fetch: dispatch is asynchronous
+        bad = [step - len(fetched) + 1 + i for i, m in enumerate(fetched) if not np.isfinite(m["train/loss"])]
+        if bad:
+            log.close()
+            print(f"error: non-finite train/loss at step {bad[0]}; the last good checkpoint is kept "
+                  f"(rerun with --resume and a lower --learning-rate)", file=sys.stderr)
+            sys.exit(1)
+        row = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
+        row.update({"charts/learning_rate": float(schedule(step - 1)),
+                    "charts/tokens_per_sec": tokens / elapsed,
+                    "charts/mfu": tokens / elapsed * flops_per_token / peak})
+        log.log(step, row)
+        bar.set_postfix(loss=f"{row['train/loss']:.4f}", acc=f"{row['rewards/accuracies']:.2f}")
+
     # ---- the loop ----
     pending, t0, tokens = [], time.perf_counter(), 0
-    bar = tqdm(range(args.max_steps), desc="reward", dynamic_ncols=True)
+    bar = tqdm(range(start, args.max_steps), desc="reward", dynamic_ncols=True, initial=start,
+               total=args.max_steps)
     for step in bar:
         batch = common.shard_batch(mesh, get_batch(train_data, step, args.batch_size,
                                                    args.grad_accum_steps, args.seed))
         state, metrics = step_fn(state, batch)
         pending.append(metrics)
         tokens += 2 * args.batch_size * length
-        if (step + 1) % args.log_every == 0 or step + 1 == args.max_steps:
-            fetched = jax.device_get(pending)  # one host sync per logging interval
-            elapsed = time.perf_counter() - t0
-            row = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
-            row.update({"charts/learning_rate": float(schedule(step)),
-                        "charts/tokens_per_sec": tokens / elapsed,
-                        "charts/mfu": tokens / elapsed * flops_per_token / peak})
-            log.log(step + 1, row)
-            bar.set_postfix(loss=f"{row['train/loss']:.4f}", acc=f"{row['rewards/accuracies']:.2f}")
+        done = step + 1
+        stopping = stop.name  # read once: a signal during this step's flush is handled at the next one
+        saving = stopping or (args.save_every and done % args.save_every == 0)
+        if done % args.log_every == 0 or done == args.max_steps or saving:
+            flush(done, pending, t0, tokens)
             pending, t0, tokens = [], time.perf_counter(), 0
-        if evals and ((step + 1) % args.eval_every == 0 or step + 1 == args.max_steps):
+        if evals and (done % args.eval_every == 0 or done == args.max_steps):
             row = evaluate(state[0])
-            log.log(step + 1, row)
-            print(f"step {step + 1}: eval/accuracy {row['eval/accuracy']:.3f}")
+            log.log(done, row)
+            print(f"step {done}: eval/accuracy {row['eval/accuracy']:.3f}")
             t0 = time.perf_counter()  # eval time is not training throughput
+        if saving:
+            checkpoints.save(done, state[:2], {"step": done})  # params incl. head, optimizer state
+        if stopping:
+            log.close()
+            print(f"{stopping}: checkpoint saved at step {done}; continue with --resume")
+            return
 
     # ---- outputs: normalised head (optional), backbone preset + head ----
     (params, head), info = state[0], {"normalized": args.normalize}

@@ -3,8 +3,10 @@ KV-cached sampling (== uncached greedy, compiled once), the CLIs, and learning o
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -277,6 +279,75 @@ def test_reward_model_learns_and_saves_head(reward_run):
     with open(os.path.join(model_dir, "reward_head.json")) as f:
         info = json.load(f)
     assert info["normalized"] and "chosen responses" in info["reference_set"]
+
+
+# ---------------------------------------------------------------------------
+# Reliability: SIGTERM (preemption) checkpoints and exits 0; --resume ends where an
+# uninterrupted run ends (same per-step rows, same final loss)
+# ---------------------------------------------------------------------------
+TIMING = ("charts/tokens_per_sec", "charts/mfu", "charts/generate_tokens_per_sec")
+
+
+def one_device_env():
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=1".strip()
+    return env
+
+
+def preempt_then_resume(script, flags, first_checkpoint, tmp_path):
+    """Runs `flags` uninterrupted and (concurrently) a copy that gets SIGTERM once checkpoint
+    `first_checkpoint` exists, then resumes the copy; -> (clean rows, resumed rows, stop step)."""
+    clean, cut = str(tmp_path / "clean"), str(tmp_path / "cut")
+    argv = lambda out: [sys.executable, os.path.join(ROOT, script), *flags, "--output-dir", out]
+    env = one_device_env()
+    runs = [subprocess.Popen(argv(out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env) for out in (clean, cut)]
+    start = time.time()
+    while not os.path.exists(os.path.join(cut, "checkpoints", str(first_checkpoint))):
+        assert runs[1].poll() is None, "run ended before it could be interrupted"
+        assert time.time() - start < 600
+        time.sleep(0.1)
+    runs[1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=600) for p in runs]
+    assert [p.returncode for p in runs] == [0, 0], outs[1][1][-2000:] + outs[0][1][-2000:]
+    line = [s for s in outs[1][0].splitlines() if s.startswith("SIGTERM: checkpoint saved at step ")]
+    assert line and line[0].endswith("continue with --resume"), outs[1][0][-2000:]
+    stopped = int(line[0].split("step ")[1].split(";")[0])
+    assert not os.path.exists(os.path.join(cut, "model"))  # stopped early, nothing final written
+    res = subprocess.run(argv(cut) + ["--resume"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"resumed from step {stopped}" in res.stdout
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    return strip(metrics(clean)), strip(metrics(cut)), stopped
+
+
+def assert_same_rows(a, b, rel=1e-5):
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert rb[k] == pytest.approx(ra[k], rel=rel, abs=1e-7), (ra["step"], k)
+
+
+def test_reward_sigterm_then_resume_equals_uninterrupted(tmp_path):
+    """--log-every 1: every row is one step, so the row the stopped run logs at its stop step is
+    also a row of the uninterrupted run (with --log-every 5 it would average a partial interval)."""
+    flags = ["--model", "tiny", "--max-steps", "20", "--save-every", "5", "--batch-size", "8",
+             "--log-every", "1", "--eval-dataset", "", "--seed", "3"]
+    clean, resumed, stopped = preempt_then_resume("reward.py", flags, 5, tmp_path)
+    assert 5 <= stopped < 20
+    assert [r["step"] for r in clean] == list(range(1, 21))
+    assert_same_rows(clean, resumed)
+    assert resumed[-1]["train/loss"] == pytest.approx(clean[-1]["train/loss"], rel=1e-5)
+
+
+def test_reward_nonfinite_loss_stops_naming_the_step(tmp_path):
+    out = run("reward.py", "--model", "tiny", "--max-steps", "6", "--batch-size", "8", "--log-every", "3",
+              "--learning-rate", "1e30", "--warmup-steps", "1", "--eval-dataset", "",
+              "--output-dir", str(tmp_path))
+    assert out.returncode == 1 and "error: non-finite train/loss at step " in out.stderr, out.stderr[-2000:]
+    assert not os.path.exists(tmp_path / "model")
 
 
 def ppo_scores(output_dir):
