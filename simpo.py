@@ -10,6 +10,7 @@ Offline, a couple of minutes on a laptop CPU:
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -454,6 +455,11 @@ def main(args):
         saving = stop.name or (args.save_every and done % args.save_every == 0)
         if done % args.log_every == 0 or done == args.max_steps or saving:
             fetched = jax.device_get(pending)  # one host sync per logging interval
+            bad = [done - len(fetched) + 1 + i for i, m in enumerate(fetched) if not np.isfinite(m["train/loss"])]
+            if bad:  # stop before a checkpoint can store the broken state
+                log.close()
+                sys.exit(f"error: non-finite train/loss at step {bad[0]}; the last good checkpoint is kept "
+                         "(rerun with --resume and a lower --learning-rate)")
             elapsed = time.perf_counter() - t0
             row = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
             row.update({"charts/learning_rate": float(schedule(step)),
