@@ -10,6 +10,7 @@ import importlib.util
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import dataclass
 
@@ -36,6 +37,9 @@ class Args:
     """0 = full fine-tuning; >0 = LoRA on policy and value (the reference is then the LoRA-off base)"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2` (default: every device on `data`)"""
+    remat: bool = True
+    """recompute each decoder block's activations in the backward pass (memory for ~1/3 more FLOPs;
+    KV-cached sampling is not affected)"""
     reward_model: str | None = None
     """reward.py's `model/` dir: scores responses and initialises the value model"""
     reward_fn: str = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
@@ -90,10 +94,21 @@ class Args:
     """default: runs/ppo__{model}__{seed}__{time}"""
     sample_every: int = 10
     """print a few decoded samples with their scores every N steps"""
+    save_every: int = 0
+    """checkpoint every N steps (0: only on SIGTERM/SIGINT); the newest 3 are kept"""
+    resume: bool = False
+    """continue from the newest complete checkpoint in --output-dir"""
     overwrite: bool = False
     """replace a run already in --output-dir (otherwise refused)"""
     track: bool = False
     """also log to Weights & Biases"""
+    # multi-host (TPU pods and clusters are detected without these)
+    coordinator_address: str | None = None
+    """host:port of process 0, for jax.distributed"""
+    num_processes: int | None = None
+    """number of processes in the run"""
+    process_id: int | None = None
+    """this process's index"""
 
 
 # ---------------------------------------------------------------------------
@@ -420,11 +435,28 @@ def train_step(models, optimizer, state, batch, context_length, args):
     return (params, opt_state, frozen), {**metrics, "train/loss": loss, "train/grad_norm": optax.global_norm(grads)}
 
 
+def resume_or_start(args, checkpoints, output_dir, params, opt_state, key, rng):
+    """(params, opt_state, key, first step, RunLog): with --resume, policy + value params, the optimizer
+    state, the sampling key and the NumPy generator (mini-batch shuffles) from the newest checkpoint;
+    the prompt order is a function of the seed and the step."""
+    start = 0
+    like = (params, opt_state, jax.random.key_data(key))
+    if args.resume and (restored := checkpoints.restore_latest(like)):
+        start, (params, opt_state, key_data), meta = restored
+        params, opt_state = jax.device_put((params, opt_state), jax.tree.map(lambda x: x.sharding, like[:2]))
+        key = jax.random.wrap_key_data(key_data)
+        rng.bit_generator.state = meta["rng"]
+        print(f"resumed from step {start}")
+    log = common.RunLog(output_dir, args, args.track, resume_step=start if args.resume else None)
+    return params, opt_state, key, start, log
+
+
 def main(args):
     # ---- set-up: mesh, models, data, reward (all validation before any compute) ----
+    common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
     output_dir = args.output_dir or common.default_output_dir("ppo", args.model, args.seed)
     try:
-        common.check_output_dir(output_dir, False, args.overwrite)
+        common.check_output_dir(output_dir, args.resume, args.overwrite)
         mesh = common.make_mesh(args.mesh)
         mini = args.batch_size // max(args.num_mini_batches, 1)
         if args.batch_size % args.num_mini_batches or mini % mesh.shape["data"]:
@@ -445,6 +477,10 @@ def main(args):
                                     "(it scores the policy's token ids directly)")
     except (common.UsageError, FileNotFoundError) as e:
         common.fail(e)
+    if args.remat:  # calls with a KV cache (the sampler) are left alone
+        common.enable_remat(backbone)
+        if rm is not None:  # the value model is then a separate backbone
+            common.enable_remat(rm[0].backbone)
     q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
     print(f"data: {len(prompts)} prompts, queries padded to {q} tokens; responses {r} tokens; "
           f"reward: {args.reward_model or args.reward_fn}")
@@ -469,6 +505,13 @@ def main(args):
     schedule = optax.linear_schedule(args.learning_rate, 0.0, max(total_updates, 1))  # lr annealing
     optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adamw(schedule, eps=1e-5))
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, mesh)  # scalars replicated
+    key = jax.random.key(args.seed)
+    rng = np.random.default_rng(args.seed)
+    order = np.concatenate([rng.permutation(len(prompts)) for _ in range(
+        -(-args.max_steps * args.batch_size // len(prompts)))])
+    checkpoints = common.Checkpoints(output_dir)
+    params, opt_state, key, start, log = resume_or_start(args, checkpoints, output_dir, params, opt_state,
+                                                         key, rng)
     state = (params, opt_state, frozen)
 
     gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
@@ -484,20 +527,16 @@ def main(args):
                                                               ids, m, last))
     on_data = NamedSharding(mesh, P("data"))  # rollout arrays [B, ...]: batch over `data`
 
-    log = common.RunLog(output_dir, args, args.track)
+    stop = common.StopSignal()
     # FLOPs: 2N per token per forward (sampling, policy + reference + value, reward model),
     # 6N per token per trained forward+backward (policy and value, every epoch).
     n_pol, n_val = common.count_params(backbone), common.count_params(value_bb)
     flops_per_seq = (q + r) * (2 * n_pol + 2 * (2 * n_pol + n_val) + 2 * n_val * (rm is not None)
                      + args.num_ppo_epochs * 6 * (n_pol + n_val))
     peak = common.peak_flops()
-    key = jax.random.key(args.seed)
-    rng = np.random.default_rng(args.seed)
-    order = np.concatenate([rng.permutation(len(prompts)) for _ in range(
-        -(-args.max_steps * args.batch_size // len(prompts)))])
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
-    bar = tqdm(range(args.max_steps), desc="ppo", dynamic_ncols=True)
+    bar = tqdm(range(start, args.max_steps), desc="ppo", dynamic_ncols=True, initial=start, total=args.max_steps)
     for step in bar:
         # rollout: sample responses to a batch of prompts, cut them after the first EOS
         t0 = time.perf_counter()
@@ -553,12 +592,25 @@ def main(args):
                     "charts/tokens_per_sec": args.batch_size * (q + r) / elapsed,
                     "charts/mfu": args.batch_size * flops_per_seq / elapsed / peak,
                     "charts/generate_compilations": float(gen_fn._cache_size())})
+        if not np.isfinite(row["train/loss"]):
+            log.close()
+            print(f"error: non-finite train/loss at step {step + 1}; the last good checkpoint is kept "
+                  f"(rerun with --resume and a lower --learning-rate)", file=sys.stderr)
+            sys.exit(1)
         log.log(step + 1, row)
         bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}")
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == args.max_steps):
             host_scores = np.asarray(scores)
             for i in range(min(3, len(idx))):
                 tqdm.write(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} score {host_scores[i]:.3f}")
+        stopping = stop.name  # read once, so a signal arriving now is handled at the next step
+        if stopping or (args.save_every and (step + 1) % args.save_every == 0):
+            checkpoints.save(step + 1, (state[0], state[1], jax.random.key_data(key)),
+                             {"step": step + 1, "rng": rng.bit_generator.state})
+        if stopping:
+            log.close()
+            print(f"{stopping}: checkpoint saved at step {step + 1}; continue with --resume")
+            return
 
     # ---- outputs: the policy (LoRA merged) as a KerasHub preset ----
     common.save_model(model, state[0][0], os.path.join(output_dir, "model"))

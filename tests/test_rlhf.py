@@ -285,7 +285,8 @@ def test_reward_model_learns_and_saves_head(reward_run):
 # Reliability: SIGTERM (preemption) checkpoints and exits 0; --resume ends where an
 # uninterrupted run ends (same per-step rows, same final loss)
 # ---------------------------------------------------------------------------
-TIMING = ("charts/tokens_per_sec", "charts/mfu", "charts/generate_tokens_per_sec")
+TIMING = ("charts/tokens_per_sec", "charts/mfu", "charts/generate_tokens_per_sec", "charts/generate_time",
+          "charts/score_time", "charts/update_time")
 
 
 def one_device_env():
@@ -348,6 +349,19 @@ def test_reward_nonfinite_loss_stops_naming_the_step(tmp_path):
               "--output-dir", str(tmp_path))
     assert out.returncode == 1 and "error: non-finite train/loss at step " in out.stderr, out.stderr[-2000:]
     assert not os.path.exists(tmp_path / "model")
+
+
+def test_ppo_sigterm_then_resume_equals_uninterrupted(tmp_path):
+    """Restored: policy and value params, the optimizer, the sampling key and the mini-batch
+    shuffler; the resumed run samples the same responses (same scores, KL) and the sampler
+    still compiles once."""
+    flags = ["--model", "tiny", "--max-steps", "4", "--save-every", "2", "--batch-size", "8",
+             "--response-length", "8", "--sample-every", "0", "--seed", "3"]
+    clean, resumed, stopped = preempt_then_resume("ppo.py", flags, 2, tmp_path)
+    assert 2 <= stopped < 4
+    assert [r["step"] for r in clean] == [1, 2, 3, 4]
+    assert_same_rows(clean, resumed)
+    assert all(r["charts/generate_compilations"] == 1 for r in resumed)
 
 
 def ppo_scores(output_dir):
