@@ -420,6 +420,7 @@ def main(args):
     # ---- set-up: mesh, model, data (all validation before any compute) ----
     common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
     output_dir = args.output_dir or common.default_output_dir("dpo", args.model, args.seed)
+    stop = common.StopSignal()  # before anything is written: a preemption is never lost
     try:
         common.check_output_dir(output_dir, args.resume, args.overwrite)
         mesh = common.make_mesh(args.mesh)
@@ -470,7 +471,6 @@ def main(args):
     # Layouts pinned in and out (donated, updated in place): one compilation for the run.
     step_fn = jax.jit(lambda s, f, b, r: train_step(backbone, optimizer, args, s, f, b, r), donate_argnums=0,
                       out_shardings=(state_shardings, common.replicated(mesh)))
-    stop = common.StopSignal()
     eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), average),
                                           *reference_logps(backbone, r, f, first(b), average)))
 
@@ -496,7 +496,8 @@ def main(args):
         pending.append(metrics)
         tokens += 2 * args.batch_size * length
         done = step + 1
-        saving = stop.name or (args.save_every and done % args.save_every == 0)
+        stopping = stop.name  # read once: a signal arriving later in this step is handled at the next
+        saving = stopping or (args.save_every and done % args.save_every == 0)
         if done % args.log_every == 0 or done == args.max_steps or saving:
             fetched = jax.device_get(pending)  # one host sync per logging interval
             bad = [done - len(fetched) + 1 + i for i, m in enumerate(fetched) if not np.isfinite(m["train/loss"])]
@@ -521,9 +522,9 @@ def main(args):
             t0 = time.perf_counter()  # eval time is not training throughput
         if saving:
             checkpoints.save(done, state, {"step": done})
-        if stop.name:
+        if stopping:
             log.close()
-            print(f"{stop.name}: checkpoint saved at step {done}; continue with --resume")
+            print(f"{stopping}: checkpoint saved at step {done}; continue with --resume")
             return
 
     # ---- outputs: the final model (LoRA merged) ----

@@ -455,6 +455,7 @@ def main(args):
     # ---- set-up: mesh, models, data, reward (all validation before any compute) ----
     common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
     output_dir = args.output_dir or common.default_output_dir("ppo", args.model, args.seed)
+    stop = common.StopSignal()  # before anything is written: a preemption is never lost
     try:
         common.check_output_dir(output_dir, args.resume, args.overwrite)
         mesh = common.make_mesh(args.mesh)
@@ -527,7 +528,6 @@ def main(args):
                                                               ids, m, last))
     on_data = NamedSharding(mesh, P("data"))  # rollout arrays [B, ...]: batch over `data`
 
-    stop = common.StopSignal()
     # FLOPs: 2N per token per forward (sampling, policy + reference + value, reward model),
     # 6N per token per trained forward+backward (policy and value, every epoch).
     n_pol, n_val = common.count_params(backbone), common.count_params(value_bb)

@@ -347,6 +347,7 @@ def main(args):
     # ---- set-up: mesh, model, data (all validation before any compute) ----
     common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
     output_dir = args.output_dir or common.default_output_dir("reward", args.model, args.seed)
+    stop = common.StopSignal()  # before anything is written: a preemption is never lost
     try:
         common.check_output_dir(output_dir, args.resume, args.overwrite)
         mesh = common.make_mesh(args.mesh)
@@ -376,7 +377,6 @@ def main(args):
                                                     jax.jit(optimizer.init)(params))
     state = (params, opt_state, frozen)
     step_fn = jax.jit(lambda s, b: train_step(backbone, optimizer, s, b), donate_argnums=0)
-    stop = common.StopSignal()
     score_fn = jax.jit(lambda p, f, h, ids, m: sequence_scores(backbone, p, f, h, ids, m))
 
     # FLOPs per token: 6N (forward + backward) on chosen and rejected tokens alike.

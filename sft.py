@@ -321,6 +321,7 @@ def main(args):
     # ---- set-up: mesh, model, data (all validation before any compute) ----
     common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
     output_dir = args.output_dir or common.default_output_dir("sft", args.model, args.seed)
+    stop = common.StopSignal()  # before anything is written: a preemption is never lost
     try:
         common.check_output_dir(output_dir, args.resume, args.overwrite)
         mesh = common.make_mesh(args.mesh)
@@ -358,7 +359,6 @@ def main(args):
     step_fn = jax.jit(partial(train_step, backbone, optimizer, skip_nonfinite=args.skip_nonfinite),
                       donate_argnums=0, out_shardings=(state_shardings, common.replicated(mesh)))
     eval_fn = jax.jit(partial(eval_loss, backbone))
-    stop = common.StopSignal()
 
     # FLOPs per token: 6N (forward + backward), N = all matmul weights incl. embedding.
     flops_per_token = 6 * common.count_params(backbone)
@@ -403,7 +403,8 @@ def main(args):
         pending.append(metrics)
         tokens += args.batch_size * length
         done = step + 1
-        saving = stop.name or (args.save_every and done % args.save_every == 0)
+        stopping = stop.name  # read once: a signal arriving later in this step is handled at the next
+        saving = stopping or (args.save_every and done % args.save_every == 0)
         if done % args.log_every == 0 or done == args.max_steps or saving:
             flush(done, pending, t0, tokens)
             pending, t0, tokens = [], time.perf_counter(), 0
@@ -412,9 +413,9 @@ def main(args):
             t0 = time.perf_counter()  # eval time is not training throughput
         if saving:
             checkpoints.save(done, state, {"step": done})
-        if stop.name:
+        if stopping:
             log.close()
-            print(f"{stop.name}: checkpoint saved at step {done}; continue with --resume")
+            print(f"{stopping}: checkpoint saved at step {done}; continue with --resume")
             return
 
     # ---- outputs: final model (LoRA merged) and a few samples ----

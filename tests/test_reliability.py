@@ -90,7 +90,7 @@ def test_sigterm_checkpoints_and_exits_0(tmp_path):
     out = str(tmp_path / "preempted")
     proc = subprocess.Popen(cmd("sft.py", "--max-steps", "1000", "--output-dir", out),
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env_with_devices(1))
-    wait_for(os.path.join(out, "metrics.jsonl"), proc)
+    wait_for(os.path.join(out, "checkpoints"), proc)  # created just before the loop starts
     proc.send_signal(signal.SIGTERM)
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0
