@@ -150,3 +150,21 @@ def test_two_processes_match_one(tmp_path):
         assert p.returncode == 0, err[-2000:]
     assert_same_rows(metrics(one), metrics(two), rel=1e-5)
     assert os.path.exists(os.path.join(two, "model", "model.weights.h5"))  # gathered and saved by process 0
+
+
+@pytest.mark.parametrize("content, where", [
+    ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n', "pairs.jsonl:2:"),
+    ('{"prompt": 7, "chosen": "b", "rejected": "c"}\n', "pairs.jsonl:1:"),
+    ('{"prompt": "a", "chosen": "b", "rejected": "c"}\nnot json\n', "pairs.jsonl:2: invalid JSON"),
+    ("", "pairs.jsonl: no examples"),
+    ('{"prompt": "a", "chosen": "", "rejected": "c"}\n', "pairs.jsonl:1:"),
+], ids=["missing-rejected", "non-string-prompt", "not-json", "empty-file", "empty-chosen"])
+def test_malformed_preference_rows_exit_2(tmp_path, content, where):
+    (tmp_path / "pairs.jsonl").write_text(content)
+    out = str(tmp_path / "out")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "dpo.py"), "--model", "tiny", "--dataset",
+                           str(tmp_path / "pairs.jsonl"), "--output-dir", out],
+                          capture_output=True, text=True, env=env_with_devices(1))
+    assert proc.returncode == 2, proc.stderr[-1500:]
+    assert where in proc.stderr and "Traceback" not in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1 and not os.path.exists(out)
