@@ -276,9 +276,13 @@ def pair_scores(backbone, params, frozen, head, micro):
 # ---------------------------------------------------------------------------
 # train_step: one optimizer update over `A` accumulated micro-batches
 # ---------------------------------------------------------------------------
-def train_step(backbone, optimizer, state, batch):
-    """state = ((backbone params, head), opt_state, frozen); batch arrays are [A, B/A, T]."""
-    params, opt_state, frozen = state
+def train_step(backbone, optimizer, state, frozen, batch):
+    """state = ((backbone params, head), opt_state); batch arrays are [A, B/A, T].
+
+    `frozen` (non-trainable weights: the whole base model under LoRA) is an input only,
+    never donated, so the Keras variables keep their buffers for saving.
+    """
+    params, opt_state = state
     accum = batch["chosen_token_ids"].shape[0]
 
     def micro_loss(p, micro):
@@ -295,7 +299,7 @@ def train_step(backbone, optimizer, state, batch):
     params = optax.apply_updates(params, updates)
     metrics = {k: v.mean() for k, v in metrics.items()}
     metrics.update({"train/loss": losses.sum(), "train/grad_norm": optax.global_norm(grads)})
-    return (params, opt_state, frozen), metrics
+    return (params, opt_state), metrics
 
 
 def make_optimizer(args):
@@ -373,10 +377,13 @@ def main(args):
     params, frozen = common.split_variables(backbone)
     params = (params, jax.device_put(init_head(backbone, args.seed), common.replicated(mesh)))
     checkpoints = common.Checkpoints(output_dir)
-    params, opt_state, start, log = resume_or_start(args, checkpoints, output_dir, params,
-                                                    jax.jit(optimizer.init)(params))
-    state = (params, opt_state, frozen)
-    step_fn = jax.jit(lambda s, b: train_step(backbone, optimizer, s, b), donate_argnums=0)
+    opt_state, opt_shardings = common.init_optimizer(optimizer, params, mesh)
+    params, opt_state, start, log = resume_or_start(args, checkpoints, output_dir, params, opt_state)
+    # Layouts pinned in and out (donated, updated in place): one compilation for the run.
+    state_shardings = (common.shardings(params), opt_shardings)
+    state = jax.device_put((params, opt_state), state_shardings)
+    step_fn = jax.jit(lambda s, f, b: train_step(backbone, optimizer, s, f, b), donate_argnums=0,
+                      out_shardings=(state_shardings, common.replicated(mesh)))
     score_fn = jax.jit(lambda p, f, h, ids, m: sequence_scores(backbone, p, f, h, ids, m))
 
     # FLOPs per token: 6N (forward + backward) on chosen and rejected tokens alike.
@@ -424,7 +431,7 @@ def main(args):
     for step in bar:
         batch = common.shard_batch(mesh, get_batch(train_data, step, args.batch_size,
                                                    args.grad_accum_steps, args.seed))
-        state, metrics = step_fn(state, batch)
+        state, metrics = step_fn(state, frozen, batch)
         pending.append(metrics)
         tokens += 2 * args.batch_size * length
         done = step + 1
@@ -439,7 +446,7 @@ def main(args):
             print(f"step {done}: eval/accuracy {row['eval/accuracy']:.3f}")
             t0 = time.perf_counter()  # eval time is not training throughput
         if saving:
-            checkpoints.save(done, state[:2], {"step": done})  # params incl. head, optimizer state
+            checkpoints.save(done, state, {"step": done})  # params incl. head, optimizer state
         if stopping:
             log.close()
             print(f"{stopping}: checkpoint saved at step {done}; continue with --resume")
