@@ -1,4 +1,4 @@
-"""Compare post-training recipes on one base: SFT, then DPO, SimPO, ORPO and reward model + PPO.
+"""Compare post-training recipes on one base: SFT, then DPO, SimPO, ORPO, reward model + PPO, GRPO.
 
 Every script runs through its real CLI (a subprocess), so a forked script slots in by name
 (`--extra mydpo.py`); every resulting model is scored with evaluate.py's protocol against
@@ -22,9 +22,9 @@ import common  # first: sets KERAS_BACKEND=jax before keras loads (JAX starts on
 import numpy as np
 import tyro
 
-METHODS = ("sft", "dpo", "simpo", "orpo", "ppo")
+METHODS = ("sft", "dpo", "simpo", "orpo", "ppo", "grpo")
 PREFERENCE = ("dpo", "simpo", "orpo")  # started from the SFT model on the same preference data
-MAIN_METRIC = ("objective/scores", "train/loss")  # the curve plotted per run: the first one logged
+MAIN_METRIC = ("objective/scores", "reward", "train/loss")  # the curve plotted per run: the first one logged
 
 
 @dataclass
@@ -32,8 +32,9 @@ class Args:
     # what to run
     model: str = "tiny"
     """the base: any --model form (alias, preset, handle, local dir, `tiny`)"""
-    methods: str = "sft,dpo,simpo,orpo,ppo"
-    """comma-separated subset of sft,dpo,simpo,orpo,ppo (ppo trains a reward model first, see --ppo-reward)"""
+    methods: str = "sft,dpo,simpo,orpo,ppo,grpo"
+    """comma-separated subset of sft,dpo,simpo,orpo,ppo,grpo (ppo trains a reward model first, see
+    --ppo-reward; grpo optimises the task score, --reward-fn)"""
     extra: tuple[str, ...] = ()
     """forked scripts (e.g. mydpo.py), each run like dpo from the SFT model; the row is the file's name"""
     # budgets
@@ -45,8 +46,11 @@ class Args:
     """reward model updates (before PPO)"""
     ppo_steps: int = 20
     """PPO iterations (one rollout batch + 4 epochs × 2 mini-batches of updates each)"""
+    grpo_steps: int = 100
+    """GRPO iterations (one generation batch of 8 prompts × 8 completions + one update each: about
+    PPO's wall time at its 20 iterations of 8 updates)"""
     learning_rate: float = 5e-5
-    """peak learning rate of every method after SFT (dpo, simpo, orpo, --extra, ppo): lower than the
+    """peak learning rate of every method after SFT (dpo, simpo, orpo, --extra, ppo, grpo): lower than the
     scripts' defaults, which are set for training `tiny` from scratch"""
     ppo_reward: str = "both"
     """`model`: PPO optimises a reward model trained on the same preference pairs (the same
@@ -67,6 +71,8 @@ class Args:
     """extra flags for reward.py"""
     ppo_args: str = ""
     """extra flags for ppo.py"""
+    grpo_args: str = ""
+    """extra flags for grpo.py"""
     extra_args: str = ""
     """extra flags for every --extra script"""
     # evaluation (evaluate.py's protocol)
@@ -132,6 +138,9 @@ def plan(args, output_dir):
         if args.ppo_reward in ("fn", "both"):
             stages.append(ppo("ppo_fn" if args.ppo_reward == "both" else "ppo", ["--reward-fn", args.reward_fn],
                               ["sft"]))
+    if "grpo" in methods:  # a verifiable reward: the task score itself, like ppo_fn
+        stages.append(stage("grpo", script("grpo"), ["--model", base, "--max-steps", str(args.grpo_steps)] + tuned
+                            + ["--reward-fn", args.reward_fn], args.grpo_args, ["sft"]))
     return stages, base
 
 
@@ -330,7 +339,7 @@ def write_report(args, output_dir, stages, rows, results, curves, base_name, rew
 - **KL from {base_name}**: mean over prompts of Σ_t [log π(y_t) − log π_{base_name}(y_t)] on the model's own sampled \
 responses (nats per response, float32, prompt and padding masked).
 - **length**: greedy response tokens before EOS. **tokens/s**: median of the run's logged `charts/tokens_per_sec` \
-(PPO: prompt + response tokens of a rollout batch per whole iteration). **wall time**: the script's whole run \
+(PPO, GRPO: prompt + response tokens of a rollout batch per whole iteration). **wall time**: the script's whole run \
 (start-up, compilation, training, saving){ppo_note}.
 {rm_line}
 ![training curves and final scores](comparison.png)

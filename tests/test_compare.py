@@ -126,6 +126,10 @@ def test_compare_plan_reward_model_for_ppo(tmp_path):
     only_fn, _ = compare.plan(compare.Args(methods="ppo", ppo_reward="fn"), str(tmp_path))
     assert [s["name"] for s in only_fn] == ["ppo"] and "--model" in only_fn[0]["flags"]
     assert only_fn[0]["flags"][only_fn[0]["flags"].index("--model") + 1] == "tiny"  # no sft: from --model
+    grpo = compare.plan(compare.Args(methods="sft,grpo", grpo_steps=5, grpo_args="--beta 0"), str(tmp_path))[0][1]
+    assert grpo["name"] == "grpo" and grpo["needs"] == ["sft"]
+    assert grpo["flags"][grpo["flags"].index("--max-steps") + 1] == "5" and grpo["flags"][-2:] == ["--beta", "0"]
+    assert grpo["flags"][grpo["flags"].index("--reward-fn") + 1] == compare.Args().reward_fn
 
 
 def test_compare_end_to_end_tiny_budget(tmp_path):
