@@ -158,6 +158,24 @@ def replicated(mesh):
     return NamedSharding(mesh, P())
 
 
+def put_global(x, sharding):
+    """A host array every process holds whole (e.g. a rollout's prompts) -> a global array.
+
+    jax.device_put would do on one process; make_array_from_callback also works when the
+    sharding spans other processes' devices (each process fills only its own shards).
+    """
+    x = np.asarray(x)
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+
+def to_host(x):
+    """A global array -> the whole NumPy array on every process (allgather across processes)."""
+    if jax.process_count() == 1:
+        return np.asarray(jax.device_get(x))
+    from jax.experimental import multihost_utils
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+
+
 def shardings(tree):
     return jax.tree.map(lambda x: x.sharding, tree)
 

@@ -506,10 +506,12 @@ def main(args):
                       out_shardings=(state_shardings, common.replicated(mesh)))
     if rm is not None:
         rm_params, rm_frozen = common.split_variables(rm[0].backbone)
-        rm_head = jax.device_put(rm[1], common.replicated(mesh))
+        rm_head = jax.tree.map(lambda x: common.put_global(x, common.replicated(mesh)), rm[1])
         score_fn = jax.jit(lambda ids, m, last: reward_scores(rm[0].backbone, rm_params, rm_frozen, rm_head,
                                                               ids, m, last))
     on_data = NamedSharding(mesh, P("data"))  # rollout arrays [B, ...]: batch over `data`
+    # Every process samples, scores and updates the same global batch; host arrays go in with
+    # put_global and come out whole with to_host (an allgather when there are several processes).
 
     # FLOPs: 2N per token per forward (sampling; π_old and π_ref when needed; reward model),
     # 6N per token per trained forward+backward (every iteration).
@@ -526,7 +528,7 @@ def main(args):
         t0 = time.perf_counter()
         idx = np.repeat(order[step * n_prompts:(step + 1) * n_prompts], g)  # [B] prompt index per completion
         key, gen_key = jax.random.split(key)
-        qs, qm = jax.device_put(queries[idx], on_data), jax.device_put(query_mask[idx], on_data)
+        qs, qm = common.put_global(queries[idx], on_data), common.put_global(query_mask[idx], on_data)
         responses, sequence_lengths = truncate_response(gen_fn(state[0], qs, qm, gen_key), eos, pad)
         responses.block_until_ready()
         t_generate = time.perf_counter() - t0
@@ -535,21 +537,22 @@ def main(args):
         response_mask = jnp.arange(r)[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
         batch = {"query_responses": jnp.concatenate([qs, responses], 1),
                  "padding_mask": jnp.concatenate([qm, response_mask], 1)}
-        host_responses, host_lengths = jax.device_get((responses, sequence_lengths))
+        host_responses, host_lengths = common.to_host(responses), common.to_host(sequence_lengths)
         has_eos = (host_responses == eos).any(1)
         texts = tokenizer.detokenize([list(x[:k + (x[k] != eos)]) for x, k in zip(host_responses, host_lengths)])
         if rm is not None:
-            per_fn = {"reward_model": np.asarray(score_fn(batch["query_responses"], batch["padding_mask"],
-                                                          q + sequence_lengths))}
+            per_fn = {"reward_model": common.to_host(score_fn(batch["query_responses"], batch["padding_mask"],
+                                                              q + sequence_lengths))}
         else:
             per_fn = {f.__name__: np.asarray(f([prompts[i] for i in idx], texts), np.float32) for f in reward_fns}
         rewards = np.sum([w * v for w, v in zip(weights if rm is None else [1.0], per_fn.values())], 0)
 
         # advantages: relative to the other completions of the same prompt
-        advantages, group_std = group_advantages(jnp.asarray(rewards, jnp.float32), g, args.scale_rewards)
+        advantages, group_std = jax.device_get(group_advantages(jnp.asarray(rewards, jnp.float32), g,
+                                                                args.scale_rewards))
         if args.mask_truncated_completions:  # DAPO: a cut-off completion is not judged at all
-            response_mask = response_mask & jnp.asarray(has_eos)[:, None]
-        batch.update(advantages=jax.device_put(advantages, on_data), response_mask=response_mask)
+            response_mask = response_mask & common.put_global(has_eos[:, None], on_data)
+        batch.update(advantages=common.put_global(advantages, on_data), response_mask=response_mask)
         batch.update(logps_fn(state[0] if off_policy else None, ref_params, batch))
         jax.block_until_ready(batch)
         t_score = time.perf_counter() - t0 - t_generate
@@ -559,7 +562,7 @@ def main(args):
         for _ in range(args.num_iterations):
             perm = rng.permutation(args.batch_size)
             for m in range(args.num_mini_batches):
-                mb_idx = jax.device_put(perm[m * mini:(m + 1) * mini], on_data)
+                mb_idx = common.put_global(perm[m * mini:(m + 1) * mini], on_data)
                 state, metrics = step_fn(state, jax.tree.map(lambda x: x[mb_idx], batch))
                 pending.append(metrics)
         fetched = jax.device_get(pending)

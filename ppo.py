@@ -491,13 +491,15 @@ def main(args):
     policy_params, policy_frozen = common.split_variables(backbone)
     ref_params = jax.tree.map(jnp.copy, policy_params)
     if rm is not None:
-        value_bb, rm_head = rm[0].backbone, jax.device_put(rm[1], common.replicated(mesh))
+        value_bb = rm[0].backbone
+        rm_head = jax.tree.map(lambda x: common.put_global(x, common.replicated(mesh)), rm[1])
         rm_params, value_frozen = common.split_variables(value_bb)
         value = (jax.tree.map(jnp.copy, rm_params), jax.tree.map(jnp.copy, rm_head))
     else:
         value_bb, value_frozen = backbone, policy_frozen
         head = {"weight": jnp.zeros((backbone.hidden_dim, 1), jnp.float32), "bias": jnp.zeros((), jnp.float32)}
-        value = (jax.tree.map(jnp.copy, policy_params), jax.device_put(head, common.replicated(mesh)))
+        value = (jax.tree.map(jnp.copy, policy_params),
+                 jax.tree.map(lambda x: common.put_global(x, common.replicated(mesh)), head))
     models, frozen = (backbone, value_bb), (policy_frozen, value_frozen)
     # Through one jit, so the trainable values carry the mesh in their types as the updated
     # ones will: the sampler then sees identical input types every step (no recompilation).
@@ -527,6 +529,8 @@ def main(args):
         score_fn = jax.jit(lambda ids, m, last: reward_scores(value_bb, rm_params, value_frozen, rm_head,
                                                               ids, m, last))
     on_data = NamedSharding(mesh, P("data"))  # rollout arrays [B, ...]: batch over `data`
+    # Every process samples, scores and updates the same global batch; host arrays go in with
+    # put_global and come out whole with to_host (an allgather when there are several processes).
 
     # FLOPs: 2N per token per forward (sampling, policy + reference + value, reward model),
     # 6N per token per trained forward+backward (policy and value, every epoch).
@@ -542,7 +546,7 @@ def main(args):
         t0 = time.perf_counter()
         idx = order[step * args.batch_size:(step + 1) * args.batch_size]
         key, gen_key = jax.random.split(key)
-        qs, qm = jax.device_put(queries[idx], on_data), jax.device_put(query_mask[idx], on_data)
+        qs, qm = common.put_global(queries[idx], on_data), common.put_global(query_mask[idx], on_data)
         responses, sequence_lengths = truncate_response(gen_fn(state[0][0], policy_frozen, qs, qm, gen_key),
                                                         eos, pad)
         responses.block_until_ready()
@@ -553,15 +557,15 @@ def main(args):
         batch = {"query_responses": jnp.concatenate([qs, responses], 1),
                  "padding_mask": jnp.concatenate([qm, response_mask], 1)}
         logprobs, ref_logprobs, values = stats_fn(state[0], ref_params, frozen, batch)
-        host_responses, host_lengths = jax.device_get((responses, sequence_lengths))
+        host_responses, host_lengths = common.to_host(responses), common.to_host(sequence_lengths)
         texts = tokenizer.detokenize([list(x[:n + (x[n] != eos)]) for x, n in zip(host_responses, host_lengths)])
         if rm is not None:
             scores = score_fn(batch["query_responses"], batch["padding_mask"], q + sequence_lengths)
         else:
-            scores = jax.device_put(np.asarray(reward_fn([prompts[i] for i in idx], texts), np.float32), on_data)
+            scores = common.put_global(np.asarray(reward_fn([prompts[i] for i in idx], texts), np.float32), on_data)
         has_eos = (host_responses == eos).any(1)
         if args.missing_eos_penalty is not None:
-            scores = scores - args.missing_eos_penalty * jnp.asarray(~has_eos, jnp.float32)
+            scores = scores - args.missing_eos_penalty * common.put_global(np.float32(~has_eos), on_data)
 
         # advantages: per-token KL-penalised rewards -> GAE -> whitening
         advantages, returns, objective = adv_fn(scores, logprobs, ref_logprobs, values, sequence_lengths)
@@ -575,7 +579,7 @@ def main(args):
         for _ in range(args.num_ppo_epochs):
             perm = rng.permutation(args.batch_size)
             for m in range(args.num_mini_batches):
-                mb_idx = jax.device_put(perm[m * mini:(m + 1) * mini], on_data)
+                mb_idx = common.put_global(perm[m * mini:(m + 1) * mini], on_data)
                 state, metrics = step_fn(state, jax.tree.map(lambda x: x[mb_idx], batch))
                 pending.append(metrics)
         fetched = jax.device_get(pending)
@@ -600,7 +604,7 @@ def main(args):
         log.log(step + 1, row)
         bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}")
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == args.max_steps):
-            host_scores = np.asarray(scores)
+            host_scores = common.to_host(scores)
             for i in range(min(3, len(idx))):
                 tqdm.write(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} score {host_scores[i]:.3f}")
         stopping = stop.name  # read once, so a signal arriving now is handled at the next step

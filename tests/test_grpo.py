@@ -4,6 +4,7 @@ reward model, preemption + resume, bad flags); and learning on the toy task."""
 
 import json
 import os
+import socket
 import subprocess
 import sys
 
@@ -14,8 +15,10 @@ import common  # noqa: F401  (first: KERAS_BACKEND=jax)
 import jax
 import jax.numpy as jnp
 
-from grpo import aggregate, group_advantages, grpo_loss, k3_kl
-from test_rlhf import assert_same_rows, one_device_env, preempt_then_resume
+from conftest import one_device_env
+from grpo import Args, aggregate, check_args, group_advantages, grpo_loss, k3_kl
+from test_reliability import env_with_devices
+from test_rlhf import TIMING, assert_same_rows, preempt_then_resume
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EPS = 1e-4  # group_advantages' default ε
@@ -166,16 +169,28 @@ def test_aggregate_ignores_padding_values():
 # ---------------------------------------------------------------------------
 # CLI: bad flags, end to end, resume, learning
 # ---------------------------------------------------------------------------
-def test_bad_flags_exit_2_before_any_output(tmp_path):
-    out = run("--batch-size", "12", "--num-generations", "8", "--output-dir", str(tmp_path / "a"))
-    assert out.returncode == 2 and "multiple of --num-generations" in out.stderr, out.stderr
-    out = run("--loss-type", "bnpo", "--output-dir", str(tmp_path / "b"))
-    assert out.returncode == 2 and "--loss-type" in out.stderr, out.stderr
+@pytest.mark.parametrize("flags, message", [
+    ({"batch_size": 12, "num_generations": 8}, "multiple of --num-generations"),
+    ({"batch_size": 8, "num_generations": 1}, "multiple of --num-generations"),
+    ({"batch_size": 16, "num_mini_batches": 4}, "divisible by the data axis"),
+    ({"loss_type": "bnpo"}, "--loss-type"),
+    ({"scale_rewards": "std"}, "--scale-rewards"),
+    ({"reward_weights": (1.0, 2.0)}, "2 weights for 1 --reward-fn"),
+])
+def test_inconsistent_flags_are_refused(flags, message):
+    mesh = common.make_mesh(None)  # 8 simulated devices on `data`
+    with pytest.raises(common.UsageError, match=message):
+        check_args(Args(**flags), mesh)
+
+
+def test_bad_input_exits_2_before_any_output(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "Sort: 1 2"}\n{"prompt": 7}\n')
-    out = run("--dataset", str(bad), "--output-dir", str(tmp_path / "c"))
-    assert out.returncode == 2 and f"{bad}:2" in out.stderr, out.stderr
-    assert not any((tmp_path / d).exists() for d in "abc")
+    out = run("--dataset", str(bad), "--loss-type", "bnpo", "--output-dir", str(tmp_path / "a"))
+    assert out.returncode == 2 and "--loss-type" in out.stderr, out.stderr  # flags first: no model loaded
+    out = run("--dataset", str(bad), "--output-dir", str(tmp_path / "b"))
+    assert out.returncode == 2 and f"{bad}:2" in out.stderr and "Traceback" not in out.stderr, out.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
 def test_end_to_end_weighted_rewards_off_policy_updates(tmp_path):
@@ -208,7 +223,7 @@ def test_with_reward_model_and_no_reference(reward_run, tmp_path):
     """--reward-model scores the completions; β = 0 builds no reference (no `kl` logged)."""
     out = run("--model", "tiny", "--reward-model", os.path.join(reward_run, "model"), "--beta", "0",
               "--max-steps", "2", "--batch-size", "16", "--num-generations", "4", "--response-length", "8",
-              "--output-dir", str(tmp_path))
+              "--output-dir", str(tmp_path), env=one_device_env())
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(tmp_path)
     assert "rewards/reward_model/mean" in rows[-1] and "kl" not in rows[-1]
@@ -224,6 +239,31 @@ def test_sigterm_then_resume_equals_uninterrupted(tmp_path):
     assert_same_rows(clean, resumed)
     # on one device too, the sampler compiles once (the initial params are committed like updated ones)
     assert all(r["charts/generate_compilations"] == 1 for r in clean + resumed)
+
+
+def test_two_processes_match_one(tmp_path):
+    """jax.distributed with 2 processes × 4 CPU devices == 1 process × 8 devices: the rollout goes
+    in with put_global and comes out with to_host (an allgather), the same rows are logged."""
+    port = socket.socket()
+    port.bind(("localhost", 0))
+    address = f"localhost:{port.getsockname()[1]}"
+    port.close()
+    flags = [sys.executable, os.path.join(ROOT, "grpo.py"), "--model", "tiny", "--max-steps", "2",
+             "--batch-size", "16", "--num-generations", "4", "--response-length", "8", "--num-mini-batches", "2",
+             "--mask-truncated-completions", "--sample-every", "0", "--seed", "5"]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    procs = [subprocess.Popen(flags + ["--output-dir", one], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              text=True, env=env_with_devices(8))]
+    procs += [subprocess.Popen(flags + ["--output-dir", two, "--coordinator-address", address, "--num-processes",
+                                        "2", "--process-id", str(i)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env_with_devices(4))
+              for i in range(2)]
+    for p in procs:
+        _, err = p.communicate(timeout=600)
+        assert p.returncode == 0, err[-3000:]
+    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+    assert_same_rows(strip(metrics(one)), strip(metrics(two)))
+    assert os.path.exists(os.path.join(two, "model", "config.json"))
 
 
 def test_grpo_raises_toy_reward_from_scratch(tmp_path):
