@@ -19,14 +19,14 @@ import optax
 from ppo import (Args, advantages_of, compute_gae, compute_rewards, generate, hidden_states, ppo_loss,
                  response_logps, rollout_stats, train_step, truncate_response, whiten)
 from reward import reward_loss
+from conftest import one_device_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run(script, *flags):
-    out = subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=ROOT,
-                         capture_output=True, text=True, timeout=900)
-    return out
+def run(script, *flags, env=None):
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=900, env=env)
 
 
 def metrics(output_dir):
@@ -278,11 +278,6 @@ TIMING = ("charts/tokens_per_sec", "charts/mfu", "charts/generate_tokens_per_sec
           "charts/score_time", "charts/update_time")
 
 
-def one_device_env():
-    env = dict(os.environ)
-    flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=1".strip()
-    return env
 
 
 def preempt_then_resume(script, flags, first_checkpoint, tmp_path):
@@ -366,7 +361,7 @@ def ppo_scores(output_dir):
 def test_ppo_raises_toy_score_from_scratch(tmp_path):
     """`tiny` from random init rarely ends with EOS (score ≈ -0.9 after the missing-EOS
     penalty); PPO with the programmatic reward learns to stop within a few iterations."""
-    out = run("ppo.py", "--model", "tiny", "--max-steps", "12", "--output-dir", str(tmp_path))
+    out = run("ppo.py", "--model", "tiny", "--max-steps", "12", "--output-dir", str(tmp_path), env=one_device_env())
     assert out.returncode == 0, out.stderr[-2000:]
     scores = ppo_scores(str(tmp_path))
     assert np.mean(scores[-2:]) > scores[0] + 0.3, scores
@@ -377,6 +372,6 @@ def test_ppo_raises_toy_score_from_scratch(tmp_path):
 def test_ppo_with_reward_model(reward_run, tmp_path):
     """--reward-model: scores from reward.py's model, value model initialised from it."""
     out = run("ppo.py", "--model", "tiny", "--reward-model", os.path.join(reward_run, "model"),
-              "--max-steps", "2", "--batch-size", "16", "--output-dir", str(tmp_path))
+              "--max-steps", "2", "--batch-size", "16", "--output-dir", str(tmp_path), env=one_device_env())
     assert out.returncode == 0, out.stderr[-2000:]
     assert len(ppo_scores(str(tmp_path))) == 2
