@@ -391,7 +391,8 @@ def train_step(backbone, optimizer, state, frozen, batch, context_length, args):
         # one update per generation batch: π_old is π_θ itself, held constant (ratio 1, gradient of π_θ)
         old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
         loss, metrics = grpo_loss(logps, old, batch.get("ref_logps"), batch["advantages"], batch["response_mask"],
-                                  args.epsilon, args.epsilon_high or args.epsilon, args.beta, args.loss_type)
+                                  args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high,
+                                  args.beta, args.loss_type)
         return loss, {**metrics, "entropy": masked_mean(entropy, batch["response_mask"])}
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -429,7 +430,9 @@ def resume_or_start(args, checkpoints, output_dir, params, opt_state, key, rng):
 def check_args(args, mesh):
     """Inconsistent sizes and unknown choices stop before any compute (UsageError)."""
     g, b = args.num_generations, args.batch_size
-    mini = b // max(args.num_mini_batches, 1)
+    if args.num_mini_batches < 1 or args.num_iterations < 1 or args.temperature <= 0:
+        raise common.UsageError("--num-mini-batches and --num-iterations must be ≥ 1, --temperature > 0")
+    mini = b // args.num_mini_batches
     if g < 2 or b % g:
         raise common.UsageError(f"--batch-size {b} must be a multiple of --num-generations {g} (≥ 2: a group "
                                 "of one has no relative advantage)")
@@ -438,8 +441,6 @@ def check_args(args, mesh):
                                 f"each divisible by the data axis ({mesh.shape['data']})")
     if args.scale_rewards not in ("group", "batch", "none") or args.loss_type not in ("dapo", "grpo", "dr_grpo"):
         raise common.UsageError("--scale-rewards: group, batch or none; --loss-type: dapo, grpo or dr_grpo")
-    if args.temperature <= 0 or args.num_iterations < 1:
-        raise common.UsageError("--temperature must be > 0 and --num-iterations ≥ 1")
     if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
         raise common.UsageError(f"--reward-weights: {len(args.reward_weights)} weights for "
                                 f"{len(args.reward_fn)} --reward-fn functions")

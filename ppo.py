@@ -459,7 +459,9 @@ def main(args):
     try:
         common.check_output_dir(output_dir, args.resume, args.overwrite)
         mesh = common.make_mesh(args.mesh)
-        mini = args.batch_size // max(args.num_mini_batches, 1)
+        if args.num_mini_batches < 1 or args.num_ppo_epochs < 1:
+            raise common.UsageError("--num-mini-batches and --num-ppo-epochs must be ≥ 1")
+        mini = args.batch_size // args.num_mini_batches
         if args.batch_size % args.num_mini_batches or mini % mesh.shape["data"]:
             raise common.UsageError(f"--batch-size {args.batch_size} must split into --num-mini-batches "
                                     f"{args.num_mini_batches} each divisible by the data axis ({mesh.shape['data']})")

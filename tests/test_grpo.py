@@ -173,6 +173,7 @@ def test_aggregate_ignores_padding_values():
     ({"batch_size": 12, "num_generations": 8}, "multiple of --num-generations"),
     ({"batch_size": 8, "num_generations": 1}, "multiple of --num-generations"),
     ({"batch_size": 16, "num_mini_batches": 4}, "divisible by the data axis"),
+    ({"num_mini_batches": 0}, "--num-mini-batches"),
     ({"loss_type": "bnpo"}, "--loss-type"),
     ({"scale_rewards": "std"}, "--scale-rewards"),
     ({"reward_weights": (1.0, 2.0)}, "2 weights for 1 --reward-fn"),
