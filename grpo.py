@@ -313,6 +313,10 @@ def reward_scores(backbone, params, frozen, head, token_ids, padding_mask, last_
 # ---------------------------------------------------------------------------
 # ALGO LOGIC: group-relative advantages, the k3 KL, the clipped surrogate
 # ---------------------------------------------------------------------------
+def masked_mean(x, mask):
+    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)
+
+
 def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
     """Â_i = (r_i − mean(group)) / (std(group) + ε)   (eq. 2 of docs/grpo.md).
 
@@ -368,10 +372,6 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
     metrics.update({"clip_ratio/low_mean": masked_mean(low, mask), "clip_ratio/high_mean": masked_mean(high, mask),
                     "clip_ratio": masked_mean(low | high, mask)})
     return aggregate(per_token, mask, loss_type), metrics
-
-
-def masked_mean(x, mask):
-    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)
 
 
 # ---------------------------------------------------------------------------
@@ -462,7 +462,7 @@ def main(args):
         prompts, queries, query_mask = tokenize_prompts(args.dataset, tokenizer, chat_template(backbone),
                                                         args.max_prompt_length)
         reward_fns = [] if args.reward_model else [load_reward_fn(s) for s in args.reward_fn]
-        weights = np.asarray(args.reward_weights or [1.0] * len(reward_fns), np.float32)
+        weights = np.asarray(args.reward_weights or [1.0] * max(len(reward_fns), 1), np.float32)  # RM: [1]
         rm = load_reward_model(args.reward_model, mesh, args.dtype) if args.reward_model else None
         if rm is not None and rm[0].preprocessor.tokenizer.vocabulary_size() != tokenizer.vocabulary_size():
             raise common.UsageError(f"--reward-model {args.reward_model}: its tokenizer differs from the policy's "
@@ -498,18 +498,19 @@ def main(args):
     params, opt_state, key, start, log = resume_or_start(args, checkpoints, output_dir, params, opt_state, key, rng)
     state = (params, opt_state)
 
-    gen_fn = jax.jit(lambda p, qs, qm, k: generate(backbone, p, frozen, qs, qm, k, r, args.temperature))
-    logps_fn = jax.jit(lambda p, rp, b: rollout_logps(backbone, p, rp, frozen, b, q, args.temperature))
+    # Weights go in as arguments (as in ppo.py), so every input of a compiled function shows at its call.
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
+    logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, q, args.temperature))
     # The updated state keeps the shardings it started with, so the sampler (which takes the
     # params) sees the same input types every step.
     state_shardings = (common.shardings(params), opt_shardings)
-    step_fn = jax.jit(lambda s, b: train_step(backbone, optimizer, s, frozen, b, q, args), donate_argnums=0,
+    step_fn = jax.jit(lambda s, f, b: train_step(backbone, optimizer, s, f, b, q, args), donate_argnums=0,
                       out_shardings=(state_shardings, common.replicated(mesh)))
     if rm is not None:
         rm_params, rm_frozen = common.split_variables(rm[0].backbone)
         rm_head = jax.tree.map(lambda x: common.put_global(x, common.replicated(mesh)), rm[1])
-        score_fn = jax.jit(lambda ids, m, last: reward_scores(rm[0].backbone, rm_params, rm_frozen, rm_head,
-                                                              ids, m, last))
+        rm_weights = (rm_params, rm_frozen, rm_head)
+        score_fn = jax.jit(lambda w, ids, m, last: reward_scores(rm[0].backbone, *w, ids, m, last))
     on_data = NamedSharding(mesh, P("data"))  # rollout arrays [B, ...]: batch over `data`
     # Every process samples, scores and updates the same global batch; host arrays go in with
     # put_global and come out whole with to_host (an allgather when there are several processes).
@@ -530,7 +531,7 @@ def main(args):
         idx = np.repeat(order[step * n_prompts:(step + 1) * n_prompts], g)  # [B] prompt index per completion
         key, gen_key = jax.random.split(key)
         qs, qm = common.put_global(queries[idx], on_data), common.put_global(query_mask[idx], on_data)
-        responses, sequence_lengths = truncate_response(gen_fn(state[0], qs, qm, gen_key), eos, pad)
+        responses, sequence_lengths = truncate_response(gen_fn(state[0], frozen, qs, qm, gen_key), eos, pad)
         responses.block_until_ready()
         t_generate = time.perf_counter() - t0
 
@@ -542,11 +543,11 @@ def main(args):
         has_eos = (host_responses == eos).any(1)
         texts = tokenizer.detokenize([list(x[:k + (x[k] != eos)]) for x, k in zip(host_responses, host_lengths)])
         if rm is not None:
-            per_fn = {"reward_model": common.to_host(score_fn(batch["query_responses"], batch["padding_mask"],
-                                                              q + sequence_lengths))}
+            scores = score_fn(rm_weights, batch["query_responses"], batch["padding_mask"], q + sequence_lengths)
+            per_fn = {"reward_model": common.to_host(scores)}
         else:
             per_fn = {f.__name__: np.asarray(f([prompts[i] for i in idx], texts), np.float32) for f in reward_fns}
-        rewards = np.sum([w * v for w, v in zip(weights if rm is None else [1.0], per_fn.values())], 0)
+        rewards = np.sum([w * v for w, v in zip(weights, per_fn.values())], 0)
 
         # advantages: relative to the other completions of the same prompt
         advantages, group_std = jax.device_get(group_advantages(jnp.asarray(rewards, jnp.float32), g,
@@ -554,7 +555,8 @@ def main(args):
         if args.mask_truncated_completions:  # DAPO: a cut-off completion is not judged at all
             response_mask = response_mask & common.put_global(has_eos[:, None], on_data)
         batch.update(advantages=common.put_global(advantages, on_data), response_mask=response_mask)
-        batch.update(logps_fn(state[0] if off_policy else None, ref_params, batch))
+        if off_policy or ref_params is not None:  # else neither π_old nor π_ref needs a forward
+            batch.update(logps_fn(state[0] if off_policy else None, ref_params, frozen, batch))
         jax.block_until_ready(batch)
         t_score = time.perf_counter() - t0 - t_generate
 
@@ -564,7 +566,7 @@ def main(args):
             perm = rng.permutation(args.batch_size)
             for m in range(args.num_mini_batches):
                 mb_idx = common.put_global(perm[m * mini:(m + 1) * mini], on_data)
-                state, metrics = step_fn(state, jax.tree.map(lambda x: x[mb_idx], batch))
+                state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
                 pending.append(metrics)
         fetched = jax.device_get(pending)
         t_update = time.perf_counter() - t0 - t_generate - t_score

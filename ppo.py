@@ -528,8 +528,8 @@ def main(args):
     step_fn = jax.jit(lambda s, b: train_step(models, optimizer, s, b, q, args), donate_argnums=0,
                       out_shardings=(state_shardings, common.replicated(mesh)))
     if rm is not None:  # the reward model keeps its own (initial) values: the value copy trains
-        score_fn = jax.jit(lambda ids, m, last: reward_scores(value_bb, rm_params, value_frozen, rm_head,
-                                                              ids, m, last))
+        rm_weights = (rm_params, value_frozen, rm_head)  # an argument, like every other function's weights
+        score_fn = jax.jit(lambda w, ids, m, last: reward_scores(value_bb, *w, ids, m, last))
     on_data = NamedSharding(mesh, P("data"))  # rollout arrays [B, ...]: batch over `data`
     # Every process samples, scores and updates the same global batch; host arrays go in with
     # put_global and come out whole with to_host (an allgather when there are several processes).
@@ -562,7 +562,7 @@ def main(args):
         host_responses, host_lengths = common.to_host(responses), common.to_host(sequence_lengths)
         texts = tokenizer.detokenize([list(x[:n + (x[n] != eos)]) for x, n in zip(host_responses, host_lengths)])
         if rm is not None:
-            scores = score_fn(batch["query_responses"], batch["padding_mask"], q + sequence_lengths)
+            scores = score_fn(rm_weights, batch["query_responses"], batch["padding_mask"], q + sequence_lengths)
         else:
             scores = common.put_global(np.asarray(reward_fn([prompts[i] for i in idx], texts), np.float32), on_data)
         has_eos = (host_responses == eos).any(1)
