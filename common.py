@@ -1,17 +1,135 @@
-"""Shared plumbing: model loading/saving, the device mesh and sharding, run outputs.
+"""What every script needs and no one reads to learn an algorithm (DESIGN §1).
 
-Nothing here is algorithm: losses, data and training loops live in each script.
-Mesh axes are ("data", "model") everywhere: batch over `data`, parameters sharded
-over both (FSDP over `data`, tensor parallel over `model`).
+Contents (in file order)
+  1. Start-up    --help from Args' source before any heavy import (grouped by its comments);
+                 `cli` (tyro, errors in one line); UsageError -> one line on stderr, exit 2
+  2. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global,
+                 to_host, init_optimizer (optimizer state laid out like the params)
+  3. Models      resolve_model, load_model (created sharded), enable_remat, split_variables,
+                 save_model, count_params; reward models (save/load_reward_model) and load_reward_fn
+  4. Files       read_rows (.jsonl/.json/.parquet/Hub), chat templates, TRL's formats -> text
+                 (sft_segments, preference_triple, prompt_text), read_dataset
+  5. Data order  batch_indices (a pure function of the step: resume is exact), per_example
+  6. The run     Run: output dir and --resume/--overwrite, args.json, metrics.jsonl + TensorBoard
+                 (+ W&B), progress bar, tokens/s and MFU, the non-finite stop, eval and
+                 checkpoint cadence, SIGTERM/SIGINT, the final model and a summary line
+  7. Accounting  peak_flops (DESIGN §8)
+Mesh axes are ("data", "model") everywhere: batch over `data`, parameters over both.
 """
 
+import ast
 import glob
 import json
 import os
 import shutil
 import signal
 import sys
+import textwrap
 import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---------------------------------------------------------------------------
+# 1. Start-up: fast --help, one-line errors
+# ---------------------------------------------------------------------------
+def _help_from_source(path, width=100):
+    """--help of the script at `path`, read from its `class Args` source (no import, so it is
+    instant): one section per `# comment` in Args, each flag with its type or choices, its
+    docstring and its default. Returns None if the file has no Args dataclass."""
+    source = open(path).read()
+    tree = ast.parse(source)
+    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args"), None)
+    if cls is None:
+        return None
+    lines, names = source.splitlines(), {"os": os, "common": sys.modules[__name__]}
+    out = [f"usage: {os.path.basename(path)} [OPTIONS]", "", ast.get_docstring(tree) or "", ""]
+    previous = cls.lineno
+    for i, node in enumerate(cls.body):
+        if not isinstance(node, ast.AnnAssign):
+            continue
+        for line in lines[previous:node.lineno - 1]:  # a comment between fields opens a section
+            if line.strip().startswith("#"):
+                out += ["", line.strip("# ").rstrip() + ":"]
+        previous = node.end_lineno
+        doc = cls.body[i + 1].value.value if i + 1 < len(cls.body) and isinstance(
+            cls.body[i + 1], ast.Expr) and isinstance(cls.body[i + 1].value, ast.Constant) else ""
+        flag, kind = "--" + node.target.id.replace("_", "-"), ast.unparse(node.annotation)
+        if kind == "bool":
+            flag = f"{flag}, --no-{flag[2:]}"
+        elif kind.startswith("Literal["):
+            flag += " {" + ",".join(str(c.value) for c in node.annotation.slice.elts) + "}"
+        else:
+            flag += " " + kind.replace(" | None", "").upper()
+        try:
+            default = eval(compile(ast.Expression(node.value), path, "eval"), names)
+            default = os.path.relpath(default, HERE) if isinstance(default, str) and default.startswith(HERE) else default
+        except Exception:
+            default = ast.unparse(node.value)
+        text = " ".join(doc.split()) + f" (default: {default!r})"
+        out += [f"  {flag}"] + textwrap.wrap(text, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+    return "\n".join(out)
+
+
+def _help_if_asked():
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None) or ""
+    if {"-h", "--help"} & set(sys.argv[1:]) and path.endswith(".py") and os.path.dirname(
+            os.path.abspath(path)) in (HERE, os.path.join(HERE, "benchmarks")):
+        text = _help_from_source(path)
+        if text is not None:
+            try:
+                print(text)
+            except BrokenPipeError:  # `--help | head`
+                pass
+            os._exit(0)
+
+
+_help_if_asked()  # before the imports below, which take seconds (keras-hub, TensorFlow)
+
+
+class UsageError(Exception):
+    """Bad input (flag, file, model name): reported in one line, exit code 2."""
+
+
+def fail(message):
+    """Print one clear line and exit 2 (no traceback): the bad-input contract."""
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _excepthook(kind, value, tb, _default=sys.excepthook):
+    if issubclass(kind, UsageError):  # raised anywhere in a script's set-up: one line, exit 2
+        print(f"error: {value}", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(2)
+    _default(kind, value, tb)
+
+
+sys.excepthook = _excepthook
+
+
+def cli(args_class):
+    """tyro.cli(Args), with tyro's boxed parse errors (bad choice, bad number…) in one line."""
+    import contextlib
+    import io
+    import tyro
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return tyro.cli(args_class)
+    except SystemExit as e:
+        if not e.code:
+            raise
+        text = []
+        for line in err.getvalue().splitlines()[1:]:  # the first line is the box's title
+            line = line.strip("│╭╮╰╯ \n")
+            if set(line) <= {"─"}:
+                break
+            text.append(line)
+        fail(" ".join(text) or err.getvalue().strip())
+
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 if not (os.environ.get("JAX_PLATFORMS") or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
@@ -19,9 +137,9 @@ if not (os.environ.get("JAX_PLATFORMS") or glob.glob("/dev/accel*") or glob.glob
     os.environ["JAX_PLATFORMS"] = "cpu"  # no accelerator: skip libtpu's noisy TPU probe
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")  # keras-hub imports TF for tokenizers only
 
-import jax
-import keras
-import numpy as np
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
 
 
 def _import_quietly(module):
@@ -39,9 +157,8 @@ def _import_quietly(module):
 
 
 keras_hub = _import_quietly("keras_hub")
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_TOKENIZER = os.path.join(HERE, "data", "tiny_tokenizer.model")
 
 # Short names -> KerasHub preset names (the full list: keras_hub.models.CausalLM.presets).
@@ -59,23 +176,13 @@ TINY_CONFIG = dict(num_layers=4, num_query_heads=4, num_key_value_heads=1, hidde
                    intermediate_dim=1024, head_dim=48)
 
 
-class UsageError(Exception):
-    """Bad input (flag, file, model name): reported in one line, exit code 2."""
-
-
-def fail(message):
-    """Print one clear line and exit 2 (no traceback): the bad-input contract."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
-
-
 def default_dtype():
     """bfloat16 on accelerators, float32 on CPU (bf16 matmuls are slow on CPU)."""
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
 
 
 # ---------------------------------------------------------------------------
-# Multi-host start-up and the mesh
+# 2. Multi-host start-up and the mesh
 # ---------------------------------------------------------------------------
 def init_distributed(coordinator_address=None, num_processes=None, process_id=None):
     """Start `jax.distributed` when several processes take part (flags or cluster env)."""
@@ -195,7 +302,7 @@ def init_optimizer(optimizer, params, mesh):
 
 
 # ---------------------------------------------------------------------------
-# Models
+# 3. Models
 # ---------------------------------------------------------------------------
 def resolve_model(name):
     """--model -> what `CausalLM.from_preset` takes (or 'tiny'); unknown names raise."""
@@ -297,10 +404,231 @@ def count_params(backbone):
     return int(sum(np.prod(v.shape) for v in backbone.weights if "lora" not in v.path))
 
 
+# A reward model (reward.py's `model/`): the CausalLM preset + reward_head.npz (+ .json: how it was normalised).
+HEAD_FILE, HEAD_INFO = "reward_head.npz", "reward_head.json"
+
+
+def check_reward_model(path, flag="--reward-model"):
+    if not os.path.exists(os.path.join(path, HEAD_FILE)):
+        raise UsageError(f"{flag} {path}: no {HEAD_FILE} here; expected the model/ dir written by reward.py")
+
+
+def save_reward_model(model, params, head, info, path):
+    """The backbone as a KerasHub preset (see save_model) + the scalar head {weight [D, 1], bias []}."""
+    save_model(model, params, path)
+    if jax.process_index() == 0:
+        np.savez(os.path.join(path, HEAD_FILE), weight=np.asarray(head["weight"]), bias=np.asarray(head["bias"]))
+        with open(os.path.join(path, HEAD_INFO), "w") as f:
+            json.dump(info, f, indent=2)
+
+
+def load_reward_model(path, mesh, dtype=None, lora_rank=0, flag="--reward-model"):
+    """-> (CausalLM, head {weight [D, 1], bias []}, float32) from a reward.py `model/` directory."""
+    check_reward_model(path, flag)
+    model = load_model(path, mesh, dtype, 0, lora_rank)
+    with np.load(os.path.join(path, HEAD_FILE)) as f:
+        head = {"weight": np.asarray(f["weight"], np.float32), "bias": np.asarray(f["bias"], np.float32)}
+    return model, jax.tree.map(lambda x: put_global(x, replicated(mesh)), head)
+
+
+def load_reward_fn(spec, flag="--reward-fn"):
+    """`path.py:function` -> the function f(prompts, responses) -> scores."""
+    import importlib.util
+    path, _, name = spec.rpartition(":")
+    if not path or not os.path.exists(path):
+        raise UsageError(f"{flag} {spec!r}: expected an existing `path.py:function`")
+    module_spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+    module = importlib.util.module_from_spec(module_spec)
+    module_spec.loader.exec_module(module)
+    if not callable(getattr(module, name, None)):
+        raise UsageError(f"{flag} {spec!r}: {path} has no function {name!r}")
+    return getattr(module, name)
+
+
 # ---------------------------------------------------------------------------
-# Run outputs: args.json, metrics.jsonl, TensorBoard, checkpoints
+# 4. File formats: dataset files and TRL's row formats -> text
+# ---------------------------------------------------------------------------
+def read_rows(path, flag="--dataset"):
+    """[(row, line number)] from .jsonl/.json, or through `datasets` for .parquet and Hub ids/dirs."""
+    local = path.endswith((".jsonl", ".json", ".parquet")) or os.sep in path or path.startswith(".")
+    if local and not os.path.exists(path):
+        raise UsageError(f"{flag} {path}: no such file")
+    if path.endswith(".jsonl"):
+        rows = []
+        with open(path) as f:
+            for i, line in enumerate(f, 1):
+                if line.strip():
+                    try:
+                        rows.append((json.loads(line), i))
+                    except json.JSONDecodeError as e:
+                        raise UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
+    elif path.endswith(".json"):
+        with open(path) as f:
+            try:
+                data = json.load(f)
+            except json.JSONDecodeError as e:
+                raise UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})")
+        rows = [(r, i) for i, r in enumerate(data if isinstance(data, list) else [data], 1)]
+    else:
+        try:
+            import datasets
+        except ImportError:
+            raise UsageError(f"{flag} {path}: parquet files and Hub datasets need `pip install datasets`")
+        ds = (datasets.load_dataset("parquet", data_files=path, split="train") if path.endswith(".parquet")
+              else datasets.load_from_disk(path) if os.path.isdir(path)
+              else datasets.load_dataset(path, split="train"))
+        rows = [(r, i) for i, r in enumerate(ds, 1)]
+    if not rows:
+        raise UsageError(f"{path}: no examples")
+    return rows
+
+
+# (user turn prefix, assistant turn prefix, turn end) per model family
+CHAT_TEMPLATES = {
+    "gemma": ("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n"),
+    "llama3": ("<|start_header_id|>user<|end_header_id|>\n\n",
+               "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+    "chatml": ("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"),
+}
+
+
+def chat_template(model_name):
+    """The chat template of --model's family, known from its config before any weight loads."""
+    name = backbone_class(resolve_model(model_name)).__name__.lower()
+    return CHAT_TEMPLATES["llama3" if "llama3" in name else "chatml" if "qwen" in name else "gemma"]
+
+
+def render(messages, template):
+    """Chat turns -> text (system turns fold into user turns, as Gemma's template does)."""
+    user, model, end = template
+    return "".join((model if m["role"] == "assistant" else user) + m["content"] + end for m in messages)
+
+
+def _messages(value, key, where):
+    if not isinstance(value, list) or not value or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in value):
+        raise UsageError(f"{where}: field {key!r} must be a non-empty list of {{role, content}} objects")
+    return value
+
+
+def _text(row, key, where):
+    v = row.get(key)
+    if not isinstance(v, str) or not v.strip():
+        raise UsageError(f"{where}: field {key!r} must be a non-empty string, got {v!r:.40}")
+    return v
+
+
+def sft_segments(row, where, template):
+    """An SFT row (`text`, `prompt`+`completion`, or `messages`) -> [(text, is_completion)] in order."""
+    if not isinstance(row, dict):
+        raise UsageError(f"{where}: expected a JSON object")
+    if "messages" in row:
+        user, model, end = template
+        segments = []
+        for m in _messages(row["messages"], "messages", where):
+            if m["role"] == "assistant":
+                segments += [(model, False), (m["content"] + end.strip("\n"), True), ("\n", False)]
+            else:
+                segments.append((user + m["content"] + end, False))
+        return segments[:-1]  # the EOS follows the last assistant turn directly
+    if "prompt" in row or "completion" in row:
+        return [(_text(row, "prompt", where), False), (_text(row, "completion", where), True)]
+    if "text" in row:
+        return [(_text(row, "text", where), True)]
+    raise UsageError(f"{where}: need 'text', 'prompt'+'completion' or 'messages' (got {sorted(row)})")
+
+
+def preference_triple(row, where, template):
+    """A preference row -> (prompt, chosen, rejected) texts: explicit or implicit prompt, strings or messages.
+
+    Implicit prompt (only `chosen`/`rejected`): their longest common prefix (of messages for
+    chats; of characters for strings, a split space going to the responses).
+    """
+    if not isinstance(row, dict):
+        raise UsageError(f"{where}: expected a JSON object")
+    for key in ("chosen", "rejected"):
+        if key not in row:
+            raise UsageError(f"{where}: missing field {key!r} (need 'chosen', 'rejected', optional 'prompt')")
+    keys = [k for k in ("prompt", "chosen", "rejected") if k in row]
+    if isinstance(row["chosen"], list):  # conversational: message lists
+        prompt, chosen, rejected = (_messages(row[k], k, where) if k in row else [] for k in ("prompt", "chosen", "rejected"))
+        if "prompt" not in row:
+            n = 0
+            while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
+                n += 1
+            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
+        model, end = template[1], template[2]
+        responses = []
+        for name, msgs in (("chosen", chosen), ("rejected", rejected)):
+            if not msgs or msgs[0]["role"] != "assistant":
+                raise UsageError(f"{where}: {name!r} must continue the prompt with an assistant turn")
+            responses.append(render(msgs, template)[len(model):-len(end)] + end.strip("\n"))  # EOS follows
+        return (render(prompt, template) + model, *responses)
+    for k in keys:
+        _text(row, k, where)
+    chosen, rejected = row["chosen"], row["rejected"]
+    if "prompt" in row:
+        return row["prompt"], chosen, rejected
+    n = len(os.path.commonprefix([chosen, rejected]))
+    n -= n > 0 and chosen[n - 1] == " "  # " 2 8 9" vs " 2 5 9": the responses keep their leading space
+    if n == 0 or not chosen[n:].strip() or not rejected[n:].strip():
+        raise UsageError(f"{where}: without 'prompt', the prompt is the longest common prefix of "
+                         "'chosen' and 'rejected', which here leaves an empty prompt or response")
+    return chosen[:n], chosen[n:], rejected[n:]
+
+
+def prompt_text(row, where, template):
+    """A prompt row: `prompt` as a string, or a message list rendered to open the model's turn."""
+    value = row.get("prompt") if isinstance(row, dict) else None
+    if isinstance(value, str) and value.strip():
+        return value
+    if isinstance(value, list):
+        return render(_messages(value, "prompt", where), template) + template[1]
+    raise UsageError(f"{where}: need 'prompt' (a non-empty string or a list of {{role, content}})")
+
+
+FORMATS = {"sft": sft_segments, "preference": preference_triple, "prompt": prompt_text}
+
+
+def read_dataset(path, form, template, flag="--dataset"):
+    """Every row of `path` in TRL's format `form` ('sft', 'preference', 'prompt'), validated
+    and rendered to text; a bad row stops with its file and line (exit 2)."""
+    return [FORMATS[form](row, f"{path}:{line}", template) for row, line in read_rows(path, flag)]
+
+
+# ---------------------------------------------------------------------------
+# 5. Data order: a pure function of (seed, step), so a resumed run sees the same batches
+# ---------------------------------------------------------------------------
+def batch_indices(n, step, batch_size, seed):
+    """This process's example indices for `step` of an endless, per-epoch reshuffled stream
+    over n examples: batch_size / processes of them (each process loads its own slice)."""
+    start = step * batch_size
+    idx = np.concatenate([np.random.default_rng([seed, e]).permutation(n)
+                          for e in range(start // n, (start + batch_size - 1) // n + 1)])
+    per_proc = batch_size // jax.process_count()
+    return idx[start % n:][:batch_size][jax.process_index() * per_proc:][:per_proc]
+
+
+def per_example(fn, data, batch_size, mesh):
+    """fn(batch [1, B, ...]) -> tuple of [B] arrays, over every example once in fixed-size
+    batches (the last wraps around, then is trimmed): one shape, one compilation."""
+    n = len(next(iter(data.values())))
+    outs = []
+    for i in range(0, n, batch_size):
+        idx = np.arange(i, i + batch_size) % n
+        outs.append([to_host(x) for x in fn(shard_batch(mesh, {k: v[None, idx] for k, v in data.items()}))])
+    return tuple(np.concatenate(o)[:n] for o in zip(*outs))
+
+
+# ---------------------------------------------------------------------------
+# 6. The run's lifecycle
 # ---------------------------------------------------------------------------
 RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model")
+# (flag, lowest allowed value, whether the lowest value itself is refused)
+FLAG_RANGES = (("learning_rate", 0, True), ("batch_size", 1, False), ("grad_accum_steps", 1, False),
+               ("max_steps", 0, False), ("warmup_steps", 0, False), ("log_every", 1, False),
+               ("eval_every", 0, False), ("save_every", 0, False))
 
 
 def default_output_dir(script, model, seed):
@@ -308,110 +636,282 @@ def default_output_dir(script, model, seed):
     return os.path.join("runs", f"{script}__{tag}__{seed}__{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-def check_output_dir(output_dir, resume, overwrite):
-    """Refuse to destroy a previous run: an --output-dir holding one needs --resume or --overwrite."""
-    held = [f for f in RUN_FILES if os.path.exists(os.path.join(output_dir, f))]
-    if held and not (resume or overwrite):
-        raise UsageError(f"--output-dir {output_dir} already holds a run ({', '.join(held)}); "
-                         "pass --resume to continue it or --overwrite to replace it")
-    if held and overwrite and not resume and jax.process_index() == 0:
-        for f in os.listdir(output_dir):
-            if f in RUN_FILES or f.startswith("events.out.tfevents"):
-                path = os.path.join(output_dir, f)
-                shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+def checkpoint_steps(output_dir):
+    """Steps of the complete checkpoints (orbax renames a step's directory into place once written)."""
+    path = os.path.join(output_dir, "checkpoints")
+    return sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
 
 
-class RunLog:
-    """Writes `args.json`, appends rows to `metrics.jsonl`, mirrors them to TensorBoard.
+class Run:
+    """One training run's life, so that each script's loop shows only its algorithm:
 
-    `resume_step`: rows logged after that step (by the interrupted run, past its last
-    checkpoint) are dropped, so the resumed run neither duplicates nor skips a step.
+        run = common.Run("dpo", args)      # flags, --output-dir and --resume checked; nothing written
+        ...                                # read and check data, load the model, build the state
+        state, _ = run.resume(state)       # the newest checkpoint with --resume, else as given
+        for step in run.steps(flops_per_token, schedule):   # progress bar
+            state, metrics = step_fn(state, ...)
+            run.log(metrics, tokens)       # kept on device; one host sync per --log-every steps
+            if run.eval_due():
+                run.log_eval(evaluate(state[0]))
+            run.checkpoint(state)          # every --save-every steps, and on SIGTERM/SIGINT (then exit 0)
+        run.finish(lambda path: common.save_model(model, state[0], path))
+
+    Nothing is written until the first step has run: until then SIGINT/SIGTERM end the process
+    at once. From then on the first signal checkpoints at the next step boundary and exits 0, and
+    a second one ends the process at once. model/ is renamed into place only once complete.
     """
 
-    def __init__(self, output_dir, args, track=False, resume_step=None):
-        self.dir = output_dir
-        self.main = jax.process_index() == 0
+    def __init__(self, script, args):
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)  # start-up: nothing to save, so stop at once
+        init_distributed(getattr(args, "coordinator_address", None), getattr(args, "num_processes", None),
+                         getattr(args, "process_id", None))
+        self.script, self.args, self.main = script, args, jax.process_index() == 0
+        for name, low, strict in FLAG_RANGES:
+            value = getattr(args, name, None)
+            if value is not None and (value <= low if strict else value < low):
+                raise UsageError(f"--{name.replace('_', '-')} {value}: must be {'>' if strict else '>='} {low}")
+        if getattr(args, "dtype", None) not in (None, "bfloat16", "float32"):
+            raise UsageError(f"--dtype {args.dtype}: expected bfloat16 or float32")
+        if getattr(args, "track", False):
+            import importlib.util
+            if importlib.util.find_spec("wandb") is None:
+                raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
+        if hasattr(args, "dtype"):
+            args.dtype = args.dtype or default_dtype()  # args.json records what ran
+        args.output_dir = self.dir = args.output_dir or default_output_dir(script, args.model, args.seed)
+        self.model_dir = os.path.join(self.dir, "model")
+        self.mesh = make_mesh(getattr(args, "mesh", None))
+        accum = getattr(args, "grad_accum_steps", None)
+        if accum and args.batch_size % (self.mesh.shape["data"] * accum):
+            raise UsageError(f"--batch-size {args.batch_size} must divide by data axis "
+                             f"({self.mesh.shape['data']}) × --grad-accum-steps ({accum})")
+        self.start = self.step = self._check_output_dir()
+        self.stop_signal, self.last_train, self.last_eval = None, {}, {}
+        self._pending, self._tokens, self._flops, self._paused, self._eval_started = [], 0, 0.0, 0.0, None
+        self._opened, self._buffered, self._manager, self._started = False, [], None, time.perf_counter()
+
+    def _check_output_dir(self):
+        """The step to start from; refuses to touch a previous run unless asked (exit 2)."""
+        args, d = self.args, self.dir
+        held = [f for f in RUN_FILES if os.path.exists(os.path.join(d, f))]
+        steps = checkpoint_steps(d)
+        last = steps[-1] if steps else None
+        finished = os.path.isdir(self.model_dir)
+        if args.resume:
+            if finished:
+                with open(os.path.join(d, "args.json")) as f:
+                    done = max(last or 0, json.load(f).get("max_steps", 0))
+                if args.max_steps <= done:
+                    print(f"{d}: this run is complete ({done} steps, model/ saved); nothing to resume")
+                    sys.exit(0)
+            if last is None:
+                raise UsageError(f"--resume: {d} holds no checkpoint to continue from"
+                                 + ("" if held else " (no run there)")
+                                 + "; checkpoints are written by --save-every N and on SIGTERM/SIGINT")
+            return last
+        if held and not args.overwrite:
+            what, hint = "a run without checkpoints", "pass --overwrite to replace it, or choose another --output-dir"
+            if finished:
+                what = "a finished run (model/)"
+            elif last is not None:
+                what, hint = f"an unfinished run (checkpoint at step {last})", \
+                    "pass --resume to continue it or --overwrite to replace it"
+            raise UsageError(f"--output-dir {d} already holds {what}; {hint}")
+        return 0
+
+    def _on_signal(self, signum, frame):
+        self.stop_signal = signal.Signals(signum).name
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_DFL)  # a second signal ends the process at once
+
+    def _open(self):
+        """After the first step: signals now checkpoint; the outputs are created (process 0)."""
+        if self._opened:
+            return
+        self._opened = True
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
         if not self.main:
             return
-        os.makedirs(output_dir, exist_ok=True)
-        with open(os.path.join(output_dir, "args.json"), "w") as f:
-            json.dump(vars(args), f, indent=2, default=str)
-        path = os.path.join(output_dir, "metrics.jsonl")
-        if resume_step is not None and os.path.exists(path):
+        if self.args.overwrite and not self.args.resume and os.path.isdir(self.dir):
+            for f in os.listdir(self.dir):
+                if f in RUN_FILES or f.startswith("events.out.tfevents"):
+                    path = os.path.join(self.dir, f)
+                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
+        os.makedirs(self.dir, exist_ok=True)
+        with open(os.path.join(self.dir, "args.json.tmp"), "w") as f:
+            json.dump(vars(self.args), f, indent=2, default=str)
+        os.replace(os.path.join(self.dir, "args.json.tmp"), os.path.join(self.dir, "args.json"))
+        path = os.path.join(self.dir, "metrics.jsonl")
+        if self.args.resume and os.path.exists(path):  # drop rows logged past the checkpoint
             with open(path) as f:
-                kept = [line for line in f if line.strip() and json.loads(line)["step"] <= resume_step]
+                kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= self.start]
             with open(path, "w") as f:
                 f.writelines(kept)
         from tensorboardX import SummaryWriter
-        self.tb = SummaryWriter(output_dir)
-        self.metrics = open(path, "a")
-        self.wandb = None
-        if track:
+        self._metrics, self._tb, self._wandb = open(path, "a"), SummaryWriter(self.dir), None
+        if getattr(self.args, "track", False):
             import wandb
-            self.wandb = wandb.init(config=vars(args), name=os.path.basename(output_dir))
+            self._wandb = wandb.init(config=vars(self.args), name=os.path.basename(self.dir))
+        for step, row in self._buffered:
+            self._write(step, row)
 
-    def log(self, step, metrics):
-        if not self.main:
+    def _write(self, step, row):
+        if not self._opened:
+            self._buffered.append((step, row))
+        elif self.main:
+            self._metrics.write(json.dumps({"step": int(step), **row}) + "\n")
+            self._metrics.flush()
+            for k, v in row.items():
+                self._tb.add_scalar(k, v, step)
+            if self._wandb:
+                self._wandb.log(row, step=step)
+
+    def resume(self, state, meta=None):
+        """(state, meta) of the newest checkpoint with --resume (shaped and sharded like `state`:
+        a pytree of arrays), else as given. The data position is the step itself."""
+        if not self.start:
+            return state, meta
+        ocp = self._checkpoints()
+        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+        restored = self._manager.restore(self.start, args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        print(f"resumed from step {self.start}")
+        return restored.state, restored.meta
+
+    def _checkpoints(self):
+        """orbax (the JAX standard): each process writes its shards; the newest 3 are kept."""
+        import orbax.checkpoint as ocp
+        if self._manager is None:
+            self._manager = ocp.CheckpointManager(
+                os.path.abspath(os.path.join(self.dir, "checkpoints")),
+                options=ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=False))
+        return ocp
+
+    def steps(self, flops_per_token=0, learning_rate=None, show=(), summed=()):
+        """Step indices from the start (or the resumed step) to --max-steps, with a progress bar.
+
+        flops_per_token: for charts/mfu (DESIGN §8); learning_rate: the schedule, for
+        charts/learning_rate; show: metrics on the progress bar; summed: metrics logged as a
+        count per interval rather than a mean.
+        """
+        from tqdm import tqdm
+        self._flops_per_token, self._lr, self._show, self._summed = flops_per_token, learning_rate, show, summed
+        self._peak, self._t0, self._paused = peak_flops(), time.perf_counter(), 0.0
+        self._bar = tqdm(total=self.args.max_steps, initial=self.start, desc=self.script, dynamic_ncols=True,
+                         disable=not self.main)
+        for step in range(self.start, self.args.max_steps):
+            self.step = step + 1  # updates done once this step's body has run
+            yield step
+            self._open()
+            self._bar.update(1)
+        self._bar.close()
+
+    def log(self, metrics, tokens=0, flops=None):
+        """Keep one step's metrics (device arrays: no host sync) and the tokens it trained on
+        (flops: when not tokens × flops_per_token); every --log-every steps and at the last,
+        fetch them in one sync, stop on a non-finite train/loss, and log their means."""
+        self._pending.append(metrics)
+        self._tokens += tokens
+        self._flops += tokens * self._flops_per_token if flops is None else flops
+        if self.step % getattr(self.args, "log_every", 1) == 0 or self.step == self.args.max_steps:
+            self._flush()
+
+    def _flush(self):
+        if not self._pending:
             return
-        row = {"step": int(step), **{k: float(v) for k, v in metrics.items()}}
-        self.metrics.write(json.dumps(row) + "\n")
-        self.metrics.flush()
-        for k, v in row.items():
-            if k != "step":
-                self.tb.add_scalar(k, v, step)
-        if self.wandb:
-            self.wandb.log(row, step=step)
+        fetched = jax.device_get(self._pending)
+        elapsed = time.perf_counter() - self._t0 - self._paused  # after the fetch: dispatch is async
+        first = self.step - len(fetched) + 1
+        bad = [first + i for i, m in enumerate(fetched) if not np.isfinite(m.get("train/loss", 0.0))]
+        skip = getattr(self.args, "skip_nonfinite", None)
+        if bad and not skip:
+            self.close()
+            print(f"error: non-finite train/loss at step {bad[0]}; the newest checkpoint is the last good "
+                  "state (rerun with --resume and a lower --learning-rate"
+                  + (", or --skip-nonfinite)" if skip is not None else ")"), file=sys.stderr)
+            sys.exit(1)
+        row = {k: float((np.sum if k in self._summed else np.mean)([m[k] for m in fetched])) for k in fetched[0]}
+        if self._lr is not None:
+            row["charts/learning_rate"] = float(self._lr(self.step - 1))
+        row["charts/tokens_per_sec"] = self._tokens / elapsed
+        row["charts/mfu"] = self._flops / elapsed / self._peak
+        self._write(self.step, row)
+        self.last_train = row
+        shown = {k.split("/")[-1]: f"{row[k]:.4g}" for k in ("train/loss", *self._show) if k in row}
+        self._bar.set_postfix(**shown, tok_s=f"{row['charts/tokens_per_sec']:.0f}")
+        self._pending, self._tokens, self._flops = [], 0, 0.0
+        self._t0, self._paused = time.perf_counter(), 0.0
+
+    def eval_due(self):
+        """True every --eval-every steps and at the last (eval time is kept out of tokens/s)."""
+        every = getattr(self.args, "eval_every", 0)
+        due = bool(every) and (self.step % every == 0 or self.step == self.args.max_steps)
+        self._eval_started = time.perf_counter() if due else None
+        return due
+
+    def log_eval(self, row):
+        """Log eval metrics (host floats, names prefixed eval/) at the current step, and print them."""
+        row = {k: float(v) for k, v in row.items()}
+        self._write(self.step, row)
+        self.last_eval = row
+        print(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3]), flush=True)
+        if self._eval_started is not None:
+            self._paused += time.perf_counter() - self._eval_started
+            self._eval_started = None
+
+    def checkpoint(self, state, meta=None):
+        """Every --save-every steps, and when a SIGTERM/SIGINT has arrived: log what is pending,
+        save `state` (a pytree of arrays) + meta (JSON) + the step; after a signal, exit 0."""
+        stopping = self.stop_signal  # read once: a signal arriving later is handled at the next step
+        every = getattr(self.args, "save_every", 0)
+        if not (stopping or (every and self.step % every == 0)):
+            return
+        self._open()
+        self._flush()
+        t = time.perf_counter()
+        ocp = self._checkpoints()
+        self._manager.save(self.step, force=True, args=ocp.args.Composite(
+            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({"step": self.step, **(meta or {})})))
+        self._manager.wait_until_finished()
+        self._paused += time.perf_counter() - t
+        if stopping:
+            self.close()
+            print(f"{stopping}: checkpoint saved at step {self.step}; continue with --resume", flush=True)
+            sys.exit(0)
+
+    def finish(self, save):
+        """save(path) writes the final model into model.tmp/, renamed to model/ once complete;
+        then one summary line (last train and eval metrics, where the outputs are)."""
+        self._open()
+        self._flush()
+        tmp = self.model_dir + ".tmp"
+        if self.main and os.path.exists(tmp):
+            shutil.rmtree(tmp)
+        save(tmp)
+        if self.main:
+            if os.path.exists(self.model_dir):
+                shutil.rmtree(self.model_dir)
+            os.replace(tmp, self.model_dir)
+        self.close()
+        shown = {k: v for k, v in self.last_train.items() if k in ("train/loss", *self._show)}
+        shown.update(list(self.last_eval.items())[:2])
+        took = time.perf_counter() - self._started
+        print(f"done: {self.args.max_steps} steps in {took // 60:.0f}m{took % 60:02.0f}s; "
+              + ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
+              + f"; outputs in {self.dir} (model/, metrics.jsonl, args.json)", flush=True)
 
     def close(self):
-        if self.main:
-            self.metrics.close()
-            self.tb.close()
+        if self._opened and self.main:
+            self._metrics.close()
+            self._tb.close()
+            if self._wandb:
+                self._wandb.finish()
 
-
-class Checkpoints:
-    """Resumable state in `output_dir/checkpoints/<step>` via orbax (the JAX standard):
-    sharded arrays are written by the processes that hold them, a step directory
-    appears only once complete (atomic rename), and the newest `keep` are kept."""
-
-    def __init__(self, output_dir, keep=3):
-        import orbax.checkpoint as ocp
-        self.ocp = ocp
-        self.manager = ocp.CheckpointManager(
-            os.path.abspath(os.path.join(output_dir, "checkpoints")),
-            options=ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=False))
-
-    def save(self, step, state, meta):
-        """state: pytree of arrays (params, optimizer, RNG keys); meta: JSON (data position…)."""
-        self.manager.save(step, force=True, args=self.ocp.args.Composite(
-            state=self.ocp.args.StandardSave(state), meta=self.ocp.args.JsonSave(meta)))
-        self.manager.wait_until_finished()
-
-    def restore_latest(self, like):
-        """(step, state, meta) of the newest complete checkpoint, shaped and sharded like
-        `like`; None when there is none."""
-        step = self.manager.latest_step()
-        if step is None:
-            return None
-        abstract = jax.tree.map(self.ocp.utils.to_shape_dtype_struct, like)
-        restored = self.manager.restore(step, args=self.ocp.args.Composite(
-            state=self.ocp.args.StandardRestore(abstract), meta=self.ocp.args.JsonRestore()))
-        return step, restored.state, restored.meta
-
-
-class StopSignal:
-    """SIGTERM (how TPU preemption arrives) and SIGINT set a flag; the training loop
-    checkpoints at the next step boundary and exits 0."""
-
-    def __init__(self):
-        self.name = None
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame):
-        self.name = signal.Signals(signum).name
 
 # ---------------------------------------------------------------------------
-# Performance accounting (DESIGN §8)
+# 7. Performance accounting (DESIGN §8)
 # ---------------------------------------------------------------------------
 # Dense bf16 peak FLOP/s per chip, from the vendors' datasheets.
 PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,

@@ -6,23 +6,19 @@ Offline, a couple of minutes on a laptop CPU:
     python sft.py --model tiny
 """
 
-import json
 import math
 import os
-import sys
-import time
 from dataclasses import dataclass
 from functools import partial
+from typing import Literal
 
-import common  # first: sets KERAS_BACKEND=jax before keras loads
+import common  # first: --help without heavy imports, KERAS_BACKEND=jax before keras loads
 
 import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
 import optax
-import tyro
-from tqdm import tqdm
 
 
 @dataclass
@@ -30,12 +26,12 @@ class Args:
     # model
     model: str = "tiny"
     """alias (gemma_2b, …), KerasHub preset, kaggle:// or hf:// handle, local preset / HF dir, or `tiny`"""
-    dtype: str | None = None
-    """parameter dtype: bfloat16 or float32 (default: bfloat16 on TPU/GPU, float32 on CPU)"""
+    dtype: Literal["bfloat16", "float32"] | None = None
+    """parameter dtype; None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = KerasHub LoRA of this rank on the backbone"""
     mesh: str | None = None
-    """device mesh, e.g. `data=4,model=2` (default: every device on `data`)"""
+    """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
     remat: bool = True
     """recompute each decoder block's activations in the backward pass (memory for ~1/3 more FLOPs)"""
     # data
@@ -66,7 +62,7 @@ class Args:
     """seeds init (tiny), data order and sampling"""
     # logging and outputs
     output_dir: str | None = None
-    """default: runs/sft__{model}__{seed}__{time}"""
+    """None: runs/sft__{model}__{seed}__{time}"""
     log_every: int = 10
     """fetch metrics from the device and log every N steps"""
     eval_every: int = 50
@@ -93,91 +89,15 @@ class Args:
 
 
 # ---------------------------------------------------------------------------
-# Data: rows -> (token ids, loss mask) -> fixed-shape batches
+# Data: rows (common.read_dataset: TRL formats -> text segments) -> (token ids, loss mask) -> batches
 # ---------------------------------------------------------------------------
-CHAT_TEMPLATES = {  # (user turn prefix, assistant turn prefix, turn end) per model family
-    "gemma": ("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n"),
-    "llama3": ("<|start_header_id|>user<|end_header_id|>\n\n",
-               "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
-    "chatml": ("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"),
-}
+def tokenize_dataset(segs, tokenizer, max_length, completion_only_loss, path):
+    """[(text, is_completion)] per example -> list of (ids, mask), plus counts.
 
-
-def chat_template(backbone):
-    name = type(backbone).__name__.lower()
-    return CHAT_TEMPLATES["llama3" if "llama3" in name else "chatml" if "qwen" in name else "gemma"]
-
-
-def read_rows(path):
-    """List of (row, line number) from .jsonl/.json, or via `datasets` for anything else."""
-    if path.endswith(".jsonl"):
-        rows = []
-        with open(path) as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append((json.loads(line), i))
-                    except json.JSONDecodeError as e:
-                        raise common.UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
-    elif path.endswith(".json"):
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise common.UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})")
-        rows = [(r, i) for i, r in enumerate(data if isinstance(data, list) else [data], 1)]
-    else:
-        try:
-            import datasets
-        except ImportError:
-            raise common.UsageError(f"{path}: parquet files and Hub datasets need `pip install datasets`")
-        ds = (datasets.load_dataset("parquet", data_files=path, split="train") if path.endswith(".parquet")
-              else datasets.load_from_disk(path) if os.path.isdir(path)
-              else datasets.load_dataset(path, split="train"))
-        rows = [(r, i) for i, r in enumerate(ds, 1)]
-    if not rows:
-        raise common.UsageError(f"{path}: no examples")
-    return rows
-
-
-def to_segments(row, where, template):
-    """One row -> [(text, is_completion)] in order; validates field names and types."""
-    def text(key):
-        v = row.get(key)
-        if not isinstance(v, str) or not v.strip():
-            raise common.UsageError(f"{where}: field {key!r} must be a non-empty string, got {v!r:.40}")
-        return v
-
-    if not isinstance(row, dict):
-        raise common.UsageError(f"{where}: expected a JSON object")
-    if "messages" in row:
-        msgs = row["messages"]
-        if not isinstance(msgs, list) or not msgs or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) for m in msgs):
-            raise common.UsageError(f"{where}: 'messages' must be a list of {{role, content}} objects")
-        user, model, end = template
-        segments = []
-        for m in msgs:  # system turns are folded into the user prefix, as Gemma's template does
-            if m.get("role") == "assistant":
-                segments += [(model, False), (m["content"] + end.strip("\n"), True), ("\n", False)]
-            else:
-                segments.append((user + m["content"] + end, False))
-        return segments[:-1]  # the EOS follows the last assistant turn directly
-    if "prompt" in row or "completion" in row:
-        return [(text("prompt"), False), (text("completion"), True)]
-    if "text" in row:
-        return [(text("text"), True)]
-    raise common.UsageError(f"{where}: need 'text', 'prompt'+'completion' or 'messages' (got {sorted(row)})")
-
-
-def tokenize_dataset(path, tokenizer, template, max_length, completion_only_loss):
-    """-> list of (ids, mask), plus counts. ids = [BOS] + segments + [EOS].
-
-    EOS is appended (and trained on) so the model learns to stop. Too long:
-    cut the prompt from the left (BOS kept), then drop what still does not fit.
+    ids = [BOS] + segments + [EOS]. EOS is appended (and trained on) so the model
+    learns to stop. Too long: cut the prompt from the left (BOS kept), then drop what
+    still does not fit.
     """
-    rows = read_rows(path)
-    segs = [to_segments(r, f"{path}:{line}", template) for r, line in rows]
     flat = [t for s in segs for t, _ in s]
     ids_flat = iter(tokenizer.tokenize(flat))  # one batched call: fast
     examples, truncated, dropped = [], 0, 0
@@ -213,19 +133,10 @@ def pad_examples(examples, length):
     return {"token_ids": token_ids, "padding_mask": padding_mask, "loss_mask": loss_mask}
 
 
-def get_batch(data, step, batch_size, accum, seed):
-    """Batch for `step` of an endless, per-epoch reshuffled stream: [A, B/A/P, T] per process.
-
-    A pure function of the step, so a resumed run sees exactly the same data order.
-    """
-    n = len(data["token_ids"])
-    start = step * batch_size
-    idx = np.concatenate([np.random.default_rng([seed, e]).permutation(n)
-                          for e in range(start // n, (start + batch_size - 1) // n + 1)])
-    idx = idx[start % n:start % n + batch_size]
-    per_proc = batch_size // jax.process_count()
-    idx = idx[jax.process_index() * per_proc:(jax.process_index() + 1) * per_proc]
-    return {k: v[idx].reshape(accum, per_proc // accum, -1) for k, v in data.items()}
+def get_batch(data, step, args):
+    """Batch for `step` (a pure function of it, so --resume is exact): [A, B/A/P, T] per process."""
+    idx = common.batch_indices(len(data["token_ids"]), step, args.batch_size, args.seed)
+    return {k: v[idx].reshape(args.grad_accum_steps, -1, v.shape[-1]) for k, v in data.items()}
 
 
 # ---------------------------------------------------------------------------
@@ -271,7 +182,7 @@ def sft_loss(logps, loss_mask, num_loss_tokens):
 # ---------------------------------------------------------------------------
 # train_step: one optimizer update over `A` accumulated micro-batches
 # ---------------------------------------------------------------------------
-def train_step(backbone, optimizer, state, frozen, batch, skip_nonfinite=False):
+def train_step(backbone, optimizer, args, state, frozen, batch):
     """state = (params, opt_state); batch arrays are [A, B/A, T].
 
     `frozen` (non-trainable weights: the whole base model under LoRA) is an input only,
@@ -293,7 +204,7 @@ def train_step(backbone, optimizer, state, frozen, batch, skip_nonfinite=False):
     new_params = optax.apply_updates(params, updates)
     loss, grad_norm = losses.sum(), optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
-    if skip_nonfinite:  # keep the old weights and optimizer state for a non-finite batch
+    if args.skip_nonfinite:  # keep the old weights and optimizer state for a non-finite batch
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
     metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/num_loss_tokens": num_loss_tokens,
@@ -318,27 +229,18 @@ def make_optimizer(args):
 
 
 def main(args):
-    # ---- set-up: mesh, model, data (all validation before any compute) ----
-    common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
-    output_dir = args.output_dir or common.default_output_dir("sft", args.model, args.seed)
-    stop = common.StopSignal()  # before anything is written: a preemption is never lost
-    try:
-        common.check_output_dir(output_dir, args.resume, args.overwrite)
-        mesh = common.make_mesh(args.mesh)
-        if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
-            raise common.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
-                                    f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
-        model = common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank)
-        backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
-        if args.remat:
-            common.enable_remat(backbone)
-        template = chat_template(backbone)
-        train, counts = tokenize_dataset(args.dataset, tokenizer, template, args.max_length,
-                                         args.completion_only_loss)
-        evals = (tokenize_dataset(args.eval_dataset, tokenizer, template, args.max_length,
-                                  args.completion_only_loss)[0] if args.eval_dataset else [])
-    except (common.UsageError, FileNotFoundError) as e:
-        common.fail(e)
+    # ---- set-up: every flag, file and row checked before the model loads ----
+    run = common.Run("sft", args)
+    template = common.chat_template(args.model)
+    train_rows = common.read_dataset(args.dataset, "sft", template)
+    eval_rows = common.read_dataset(args.eval_dataset, "sft", template, "--eval-dataset") if args.eval_dataset else []
+    model = common.load_model(args.model, run.mesh, args.dtype, args.seed, args.lora_rank)
+    backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
+    if args.remat:
+        common.enable_remat(backbone)
+    train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.completion_only_loss, args.dataset)
+    evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, args.completion_only_loss,
+                             args.eval_dataset)[0] if eval_rows else []
     print(f"data: {counts['examples']} examples ({counts['truncated']} prompt-truncated, "
           f"{counts['dropped']} dropped as too long); {len(evals)} eval examples")
     # One fixed padded length for the whole run: one compilation.
@@ -347,88 +249,45 @@ def main(args):
 
     optimizer, schedule = make_optimizer(args)
     params, frozen = common.split_variables(backbone)
-    opt_state, opt_shardings = common.init_optimizer(optimizer, params, mesh)
-    checkpoints, start = common.Checkpoints(output_dir), 0
-    if args.resume and (restored := checkpoints.restore_latest((params, opt_state))):
-        start, (params, opt_state), _ = restored  # data position = step (get_batch is a function of it)
-        print(f"resumed from step {start}")
+    opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
+    (params, opt_state), _ = run.resume((params, opt_state))
     state_shardings = (common.shardings(params), opt_shardings)
     state = jax.device_put((params, opt_state), state_shardings)
-    log = common.RunLog(output_dir, args, args.track, resume_step=start if args.resume else None)
     # Layouts pinned in and out (donated, updated in place): one compilation for the run.
-    step_fn = jax.jit(partial(train_step, backbone, optimizer, skip_nonfinite=args.skip_nonfinite),
-                      donate_argnums=0, out_shardings=(state_shardings, common.replicated(mesh)))
+    step_fn = jax.jit(partial(train_step, backbone, optimizer, args),
+                      donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
     eval_fn = jax.jit(partial(eval_loss, backbone))
 
-    # FLOPs per token: 6N (forward + backward), N = all matmul weights incl. embedding.
-    flops_per_token = 6 * common.count_params(backbone)
-    peak = common.peak_flops()
-
     def evaluate(params):
-        nll, n = 0.0, 0
-        bs = args.batch_size
+        nll, n, bs = 0.0, 0, args.batch_size
         for i in range(0, len(eval_data["token_ids"]) - bs + 1, bs):  # full batches only: one shape
-            batch = common.shard_batch(mesh, {k: v[None, i:i + bs] for k, v in eval_data.items()})
+            batch = common.shard_batch(run.mesh, {k: v[None, i:i + bs] for k, v in eval_data.items()})
             s, c = eval_fn(params, frozen, batch)
             nll, n = nll + float(s), n + int(c)
-        return nll / max(n, 1)
+        return {"eval/loss": nll / max(n, 1)}
 
-    def flush(step, pending, t0, tokens):
-        """Fetch the interval's metrics (one host sync), stop on a non-finite loss, log."""
-        fetched = jax.device_get(pending)
-        elapsed = time.perf_counter() - t0  # after the fetch: dispatch is asynchronous
-        row = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
-        row["train/skipped_nonfinite"] *= len(fetched)  # a count per interval, not a mean
-        bad = [step - len(fetched) + 1 + i for i, m in enumerate(fetched) if not np.isfinite(m["train/loss"])]
-        if bad and not args.skip_nonfinite:
-            log.close()
-            print(f"error: non-finite train/loss at step {bad[0]}; the last good checkpoint is kept "
-                  f"(rerun with --resume and a lower --learning-rate, or --skip-nonfinite)", file=sys.stderr)
-            sys.exit(1)
-        row.update({"charts/learning_rate": float(schedule(step - 1)),
-                    "charts/tokens_per_sec": tokens / elapsed,
-                    "charts/mfu": tokens / elapsed * flops_per_token / peak})
-        log.log(step, row)
-        bar.set_postfix(loss=f"{row['train/loss']:.4f}", tok_s=f"{row['charts/tokens_per_sec']:.0f}")
-
-    # ---- the loop ----
-    if eval_data is not None and start == 0:
-        log.log(0, {"eval/loss": evaluate(state[0])})  # the starting point, before any update
-    pending, t0, tokens = [], time.perf_counter(), 0
-    bar = tqdm(range(start, args.max_steps), desc="sft", dynamic_ncols=True, initial=start, total=args.max_steps)
-    for step in bar:
-        batch = common.shard_batch(mesh, get_batch(train_data, step, args.batch_size,
-                                                   args.grad_accum_steps, args.seed))
+    # ---- the loop: batch -> step -> log -> eval -> checkpoint ----
+    # FLOPs per token: 6N (forward + backward), N = all matmul weights incl. embedding (DESIGN §8).
+    if eval_data is not None and run.start == 0:
+        run.log_eval(evaluate(state[0]))  # the starting point, before any update
+    for step in run.steps(6 * common.count_params(backbone), schedule, summed=("train/skipped_nonfinite",)):
+        batch = common.shard_batch(run.mesh, get_batch(train_data, step, args))
         state, metrics = step_fn(state, frozen, batch)
-        pending.append(metrics)
-        tokens += args.batch_size * length
-        done = step + 1
-        stopping = stop.name  # read once: a signal arriving later in this step is handled at the next
-        saving = stopping or (args.save_every and done % args.save_every == 0)
-        if done % args.log_every == 0 or done == args.max_steps or saving:
-            flush(done, pending, t0, tokens)
-            pending, t0, tokens = [], time.perf_counter(), 0
-        if eval_data is not None and (done % args.eval_every == 0 or done == args.max_steps):
-            log.log(done, {"eval/loss": evaluate(state[0])})
-            t0 = time.perf_counter()  # eval time is not training throughput
-        if saving:
-            checkpoints.save(done, state, {"step": done})
-        if stopping:
-            log.close()
-            print(f"{stopping}: checkpoint saved at step {done}; continue with --resume")
-            return
+        run.log(metrics, tokens=args.batch_size * length)
+        if eval_data is not None and run.eval_due():
+            run.log_eval(evaluate(state[0]))
+        run.checkpoint(state)
 
-    # ---- outputs: final model (LoRA merged) and a few samples ----
-    common.save_model(model, state[0], os.path.join(output_dir, "model"))
-    log.close()
-    if args.num_samples and evals:
-        rows = read_rows(args.eval_dataset)[:args.num_samples]
-        prompts = [r.get("prompt") or "".join(t for t, c in to_segments(r, "", template) if not c)
-                   for r, _ in rows]
-        for p, out in zip(prompts, model.generate(prompts, max_length=length, strip_prompt=True)):
+    # ---- outputs: final model (LoRA merged) and a few greedy samples from it ----
+    def save_and_sample(path):
+        common.save_model(model, state[0], path)  # also writes the trained values into `model`
+        prompts = ["".join(t for t, is_completion in segs if not is_completion)
+                   for segs in eval_rows[:args.num_samples]]
+        for p, out in zip(prompts, model.generate(prompts, max_length=length, strip_prompt=True) if prompts else []):
             print(f"sample: {p!r} -> {out!r}")
-    print(f"done: outputs in {output_dir}")
+
+    run.finish(save_and_sample)
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(common.cli(Args))
