@@ -16,11 +16,11 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
+from typing import Literal
 
-import common  # first: sets KERAS_BACKEND=jax before keras loads (JAX starts only to evaluate)
+import common  # first: --help without heavy imports, KERAS_BACKEND=jax (JAX's devices start only to evaluate)
 
 import numpy as np
-import tyro
 
 METHODS = ("sft", "dpo", "simpo", "orpo", "ppo", "grpo")
 PREFERENCE = ("dpo", "simpo", "orpo")  # started from the SFT model on the same preference data
@@ -52,7 +52,7 @@ class Args:
     learning_rate: float = 5e-5
     """peak learning rate of every method after SFT (dpo, simpo, orpo, --extra, ppo, grpo): lower than the
     scripts' defaults, which are set for training `tiny` from scratch"""
-    ppo_reward: str = "both"
+    ppo_reward: Literal["model", "fn", "both"] = "both"
     """`model`: PPO optimises a reward model trained on the same preference pairs (the same
     information the preference methods get); `fn`: the task score itself (--reward-fn, a
     verifiable reward); `both`: two PPO rows, `ppo` (reward model) and `ppo_fn`"""
@@ -62,11 +62,11 @@ class Args:
     dpo_args: str = ""
     """extra flags for dpo.py, e.g. --dpo-args="--beta 0.2 --precompute-ref" """
     simpo_args: str = "--sft-weight 1.0"
-    """extra flags for simpo.py; default: SimPO plus an NLL on the chosen response with weight 1
+    """extra flags for simpo.py; the default adds an NLL on the chosen response with weight 1
     (TRL's CPO-SimPO default `cpo_alpha=1`; pure SimPO lowers the chosen likelihood too here)"""
     orpo_args: str = "--no-prompt-nll"
-    """extra flags for orpo.py; default: NLL on the chosen response only, like sft.py (the toy
-    prompts are random digits: an NLL on them teaches nothing and swamps the loss)"""
+    """extra flags for orpo.py; the default puts the NLL on the chosen response only, like sft.py
+    (the toy prompts are random digits: an NLL on them teaches nothing and swamps the loss)"""
     reward_args: str = ""
     """extra flags for reward.py"""
     ppo_args: str = ""
@@ -90,7 +90,7 @@ class Args:
     """passed to every script and to the evaluation"""
     # outputs
     output_dir: str | None = None
-    """default: runs/compare__{model}__{seed}__{time}; one sub-directory per run"""
+    """None: runs/compare__{model}__{seed}__{time}; one sub-directory per run"""
     overwrite: bool = False
     """replace the runs already in --output-dir (otherwise refused)"""
 
@@ -104,8 +104,6 @@ def plan(args, output_dir):
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not (methods or args.extra):
         raise common.UsageError(f"--methods {args.methods!r}: choose from {','.join(METHODS)}")
-    if args.ppo_reward not in ("model", "fn", "both"):
-        raise common.UsageError(f"--ppo-reward {args.ppo_reward!r}: `model`, `fn` or `both`")
     base = os.path.join(output_dir, "sft", "model") if "sft" in methods else args.model
     common_flags = ["--seed", str(args.seed)]
     tuned = ["--learning-rate", str(args.learning_rate)]
@@ -217,10 +215,10 @@ def evaluate_models(args, base, models, reward_model, output_dir):
                           reward_fn=args.reward_fn, reward_model=reward_model,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     mesh = common.make_mesh(None)
+    prompts, reward_fn = evaluate.check_args(eargs, mesh)
     base_policy = evaluate.load_policy(base, mesh, eargs)
-    data = evaluate.prepare(eargs, mesh, base_policy.model.preprocessor.tokenizer,
-                            evaluate.chat_template(base_policy.model.backbone))
-    scorer = evaluate.make_scorer(eargs, mesh, data)
+    data = evaluate.prepare(eargs, mesh, prompts, base_policy.model.preprocessor.tokenizer)
+    scorer = evaluate.make_scorer(eargs, mesh, data, reward_fn)
     base_outs = evaluate.evaluate_policy(base_policy, data, scorer, eargs, mesh, baseline=base_policy)
     results = {}
     for name, model_dir in models.items():
@@ -229,7 +227,7 @@ def evaluate_models(args, base, models, reward_model, output_dir):
             outs = base_outs
         else:
             policy = evaluate.load_policy(model_dir, mesh, eargs, like=base_policy)
-            evaluate.check_same_tokens(policy.model, data, eargs, model_dir)
+            evaluate.check_same_tokens(model_dir, policy.model, data, eargs, name)
             outs = evaluate.evaluate_policy(policy, data, scorer, eargs, mesh, baseline=base_policy)
         results[name] = evaluate.summarize(outs, base_outs)
         eval_dir = os.path.join(output_dir, name, "eval")
@@ -356,15 +354,11 @@ Commands run:
 
 def main(args):
     output_dir = args.output_dir or common.default_output_dir("compare", args.model, args.seed)
-    try:
-        stages, base = plan(args, output_dir)
-        if not os.path.exists(args.reward_fn.rpartition(":")[0]) or not os.path.exists(args.eval_prompts):
-            raise common.UsageError(f"--reward-fn {args.reward_fn} / --eval-prompts {args.eval_prompts}: no such file")
-        if base == args.model:
-            common.resolve_model(args.model)  # no SFT stage: the base itself must exist
-        prepare_output_dir(output_dir, stages, args.overwrite)
-    except common.UsageError as e:
-        common.fail(e)
+    stages, base = plan(args, output_dir)
+    common.load_reward_fn(args.reward_fn)
+    # --model resolves (no SFT stage: it is the base itself) and every held-out prompt reads
+    common.read_dataset(args.eval_prompts, "prompt", common.chat_template(args.model), "--eval-prompts")
+    prepare_output_dir(output_dir, stages, args.overwrite)
     t_start, ok, walls = time.perf_counter(), {}, {}
     for i, stage in enumerate(stages, 1):
         missing = [n for n in stage["needs"] if not ok.get(n)]
@@ -374,7 +368,8 @@ def main(args):
             continue
         ok[stage["name"]], walls[stage["name"]] = run_stage(i, len(stages), stage, output_dir)
     if any(s["name"] == "sft" for s in stages) and not ok["sft"]:
-        common.fail(f"sft failed: nothing to compare (see {output_dir}/sft.log)")
+        print(f"error: sft failed: nothing to compare (see {output_dir}/sft.log)", file=sys.stderr)
+        sys.exit(1)
     md = evaluate_and_report(args, output_dir, stages, base, ok, walls, t_start)
     print(f"\n{md}\n\ndone in {(time.perf_counter() - t_start) / 60:.1f} min: "
           f"{output_dir}/comparison.md, comparison.png")
@@ -407,4 +402,4 @@ def evaluate_and_report(args, output_dir, stages, base, ok, walls, t_start):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(common.cli(Args))

@@ -7,22 +7,20 @@ Offline (toy task, bundled held-out prompts):
     python evaluate.py --model tiny --baseline tiny
 """
 
-import importlib.util
 import json
 import math
 import os
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import NamedTuple
+from typing import Literal, NamedTuple
 
-import common  # first: sets KERAS_BACKEND=jax before keras loads
+import common  # first: --help without heavy imports, KERAS_BACKEND=jax before keras loads
 
 import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
-import tyro
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 
@@ -33,10 +31,10 @@ class Args:
     """the model to evaluate: any --model form (alias, preset, handle, local dir, a run's model/ dir, `tiny`)"""
     baseline: str | None = None
     """model to compare against (win rate, KL); same tokenizer as --model"""
-    dtype: str | None = None
-    """parameter dtype: bfloat16 or float32 (default: bfloat16 on TPU/GPU, float32 on CPU)"""
+    dtype: Literal["bfloat16", "float32"] | None = None
+    """parameter dtype; None: bfloat16 on TPU/GPU, float32 on CPU"""
     mesh: str | None = None
-    """device mesh, e.g. `data=4,model=2` (default: every device on `data`)"""
+    """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
     # data and scorers
     prompts: str = os.path.join(common.HERE, "data", "prompts_eval.jsonl")
     """held-out prompts (`prompt`: string or message list): .jsonl/.json/.parquet or a HF dataset"""
@@ -59,115 +57,28 @@ class Args:
     """seeds the sampled responses (same seed, same numbers)"""
     # outputs
     output_dir: str | None = None
-    """default: the run dir holding --model (…/eval) or runs/eval__{model}__{seed}__{time}"""
+    """None: the run dir holding --model (…/eval), else runs/eval__{model}__{seed}__{time}"""
     num_examples: int = 8
     """example generations written to samples.jsonl"""
 
 
 # ---------------------------------------------------------------------------
-# Data: prompts -> left-padded queries (copied from ppo.py: each script is self-contained)
+# Data: prompt texts (common.read_dataset) -> left-padded queries (as in ppo.py: each script is self-contained)
 # ---------------------------------------------------------------------------
-CHAT_TEMPLATES = {  # (user turn prefix, assistant turn prefix, turn end) per model family
-    "gemma": ("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n"),
-    "llama3": ("<|start_header_id|>user<|end_header_id|>\n\n",
-               "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
-    "chatml": ("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"),
-}
-
-
-def chat_template(backbone):
-    name = type(backbone).__name__.lower()
-    return CHAT_TEMPLATES["llama3" if "llama3" in name else "chatml" if "qwen" in name else "gemma"]
-
-
-def read_rows(path):
-    """List of (row, line number) from .jsonl/.json, or via `datasets` for anything else."""
-    if path.endswith((".jsonl", ".json")) and not os.path.exists(path):
-        raise common.UsageError(f"--prompts {path}: no such file")
-    if path.endswith(".jsonl"):
-        rows = []
-        with open(path) as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append((json.loads(line), i))
-                    except json.JSONDecodeError as e:
-                        raise common.UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
-    elif path.endswith(".json"):
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise common.UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})")
-        rows = [(r, i) for i, r in enumerate(data if isinstance(data, list) else [data], 1)]
-    else:
-        try:
-            import datasets
-        except ImportError:
-            raise common.UsageError(f"{path}: parquet files and Hub datasets need `pip install datasets`")
-        ds = (datasets.load_dataset("parquet", data_files=path, split="train") if path.endswith(".parquet")
-              else datasets.load_from_disk(path) if os.path.isdir(path)
-              else datasets.load_dataset(path, split="train"))
-        rows = [(r, i) for i, r in enumerate(ds, 1)]
-    if not rows:
-        raise common.UsageError(f"{path}: no examples")
-    return rows
-
-
-def to_prompt(row, where, template):
-    """`prompt` string as is; a message list rendered with the chat template, opening the model turn."""
-    value = row.get("prompt") if isinstance(row, dict) else None
-    if isinstance(value, str) and value.strip():
-        return value
-    if isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("content"), str)
-                                                 for m in value):
-        user, model, end = template
-        return "".join((model if m.get("role") == "assistant" else user) + m["content"] + end
-                       for m in value) + model
-    raise common.UsageError(f"{where}: need 'prompt' (a non-empty string or a list of {{role, content}})")
-
-
-def tokenize_prompts(rows, path, tokenizer, template, max_prompt_length):
-    """-> (prompt strings, queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
-    prompts = [to_prompt(r, f"{path}:{line}", template) for r, line in rows]
+def tokenize_prompts(prompts, tokenizer, max_prompt_length):
+    """-> (queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
     ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
     ids = [x[:1] + x[1:][-(max_prompt_length - 1):] for x in ids]  # cut from the left, BOS kept
     q = min(max_prompt_length, 8 * math.ceil(max(len(x) for x in ids) / 8))
     queries, mask = np.zeros((len(ids), q), np.int32), np.zeros((len(ids), q), bool)
     for i, x in enumerate(ids):  # left padding: every prompt ends at column Q-1, responses start at Q
         queries[i, q - len(x):], mask[i, q - len(x):] = x, True
-    return prompts, queries, mask
+    return queries, mask
 
 
 # ---------------------------------------------------------------------------
-# Scorers: a reward function and a reward model (loader copied from reward.py / ppo.py)
+# Scorers: a reward function (common.load_reward_fn) and a reward model (common.load_reward_model)
 # ---------------------------------------------------------------------------
-def load_reward_fn(spec):
-    """`path.py:function` -> the function."""
-    path, _, name = spec.rpartition(":")
-    if not path or not os.path.exists(path):
-        raise common.UsageError(f"--reward-fn {spec!r}: expected an existing `path.py:function`")
-    module_spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not callable(getattr(module, name, None)):
-        raise common.UsageError(f"--reward-fn {spec!r}: {path} has no function {name!r}")
-    return getattr(module, name)
-
-
-HEAD_FILE = "reward_head.npz"
-
-
-def load_reward_model(path, mesh, dtype=None):
-    """-> (CausalLM, head {weight [D, 1], bias []}) from a reward.py `model/` directory."""
-    if not os.path.exists(os.path.join(path, HEAD_FILE)):
-        raise common.UsageError(f"--reward-model {path}: no {HEAD_FILE} here; expected reward.py's model/ dir")
-    model = common.load_model(path, mesh, dtype, 0)
-    with np.load(os.path.join(path, HEAD_FILE)) as f:
-        head = {"weight": jnp.asarray(f["weight"], jnp.float32), "bias": jnp.asarray(f["bias"], jnp.float32)}
-    return model, head
-
-
 def reward_scores(backbone, params, frozen, head, token_ids, padding_mask, last_index):
     """Reward-model score r(x, y) = w·h + b at the last real token (index [B] into T): [B]."""
     hidden = hidden_states(backbone, params, frozen, token_ids, padding_mask)
@@ -299,11 +210,10 @@ def make_fns(backbone, args):
             "logps": jax.jit(partial(response_logps, backbone, temperature=t), static_argnums=4)}
 
 
-def load_policy(name, mesh, args, like=None):
+def load_policy(name, mesh, args, like=None, flag="--model"):
     """Load a model; with `like` (a Policy of the same architecture) its compiled functions are reused."""
+    check_sampler(name, flag)
     model = common.load_model(name, mesh, args.dtype, args.seed)
-    if "gemma" not in type(model.backbone).__name__.lower():
-        raise common.UsageError(f"--model {name}: the KV-cached sampler supports Gemma backbones")
     params, frozen = common.split_variables(model.backbone)
     same = like is not None and like.model.backbone.get_config() == model.backbone.get_config()
     return Policy(name, model, params, frozen, like.fns if same else make_fns(model.backbone, args))
@@ -399,40 +309,60 @@ def examples(outs, data, n, baseline_outs=None):
     return rows
 
 
-def prepare(args, mesh, tokenizer, template):
-    """Prompts (first --num-prompts), left-padded queries and the fixed generation batch size."""
+def check_sampler(name, flag):
+    """The KV-cached sampler is Gemma's: known from the model's config before any weight loads."""
+    if "gemma" not in common.backbone_class(common.resolve_model(name)).__name__.lower():
+        raise common.UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma backbones")
+
+
+def check_args(args, mesh):
+    """Every flag and file, before any model loads -> (prompt texts: the first --num-prompts,
+    the reward function or None)."""
     if args.max_new_tokens < 1 or args.temperature <= 0 or args.num_prompts < 0 or args.batch_size < 1:
         raise common.UsageError("--max-new-tokens and --batch-size must be >= 1, --temperature > 0, "
                                 "--num-prompts >= 0")
     if args.batch_size % mesh.shape["data"]:
         raise common.UsageError(f"--batch-size {args.batch_size} must divide by the data axis ({mesh.shape['data']})")
-    rows = read_rows(args.prompts)
-    rows = rows[:args.num_prompts] if args.num_prompts else rows
-    prompts, queries, query_mask = tokenize_prompts(rows, args.prompts, tokenizer, template, args.max_prompt_length)
+    if not args.reward_fn and not args.reward_model:
+        raise common.UsageError("give --reward-fn and/or --reward-model: nothing to score with")
+    check_sampler(args.model, "--model")
+    if args.baseline:
+        check_sampler(args.baseline, "--baseline")
+    reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    if args.reward_model:
+        common.check_reward_model(args.reward_model)
+    prompts = common.read_dataset(args.prompts, "prompt", common.chat_template(args.model), "--prompts")
+    return prompts[:args.num_prompts] if args.num_prompts else prompts, reward_fn
+
+
+def prepare(args, mesh, prompts, tokenizer):
+    """Prompt texts -> left-padded queries and the fixed generation batch size."""
+    queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
     d = mesh.shape["data"]
     return {"prompts": prompts, "queries": queries, "query_mask": query_mask, "tokenizer": tokenizer,
-            "eos": tokenizer.end_token_id, "pad": tokenizer.pad_token_id, "rows": rows,
+            "eos": tokenizer.end_token_id, "pad": tokenizer.pad_token_id,
+            "template": common.chat_template(args.model),
             "batch_size": min(args.batch_size, d * math.ceil(len(prompts) / d))}
 
 
-def check_same_tokens(model, data, args, what):
-    """Win rate, KL and reward-model scores compare token ids: the tokenizers must agree."""
-    _, queries, _ = tokenize_prompts(data["rows"], args.prompts, model.preprocessor.tokenizer,
-                                     chat_template(model.backbone), args.max_prompt_length)
+def check_same_tokens(name, model, data, args, what):
+    """Win rate, KL and reward-model scores compare token ids: the prompts, rendered with the
+    chat template of `name`'s family and tokenized by `model`, must be --model's."""
+    template = common.chat_template(name)
+    prompts = data["prompts"] if template == data["template"] else common.read_dataset(
+        args.prompts, "prompt", template, "--prompts")[:len(data["prompts"])]
+    queries, _ = tokenize_prompts(prompts, model.preprocessor.tokenizer, args.max_prompt_length)
     if queries.shape != data["queries"].shape or (queries != data["queries"]).any():
-        raise common.UsageError(f"{what}: its tokenizer differs from --model's; KL and scores need the same one")
+        raise common.UsageError(f"{what} {name}: its tokenizer differs from --model's; KL and scores need the same one")
 
 
-def make_scorer(args, mesh, data):
+def make_scorer(args, mesh, data, reward_fn):
     """{'reward_fn': f or None, 'rm': jitted (ids, mask, last) -> scores, or None}."""
-    if not args.reward_fn and not args.reward_model:
-        raise common.UsageError("give --reward-fn and/or --reward-model: nothing to score with")
-    scorer = {"reward_fn": load_reward_fn(args.reward_fn) if args.reward_fn else None, "rm": None}
+    scorer = {"reward_fn": reward_fn, "rm": None}
     if args.reward_model:
-        rm_model, head = load_reward_model(args.reward_model, mesh, args.dtype)
-        check_same_tokens(rm_model, data, args, f"--reward-model {args.reward_model}")
+        rm_model, head = common.load_reward_model(args.reward_model, mesh, args.dtype)  # head: replicated
+        check_same_tokens(args.reward_model, rm_model, data, args, "--reward-model")
         params, frozen = common.split_variables(rm_model.backbone)
-        head = jax.device_put(head, common.replicated(mesh))
         scorer["rm"] = jax.jit(partial(reward_scores, rm_model.backbone, params, frozen, head))
     return scorer
 
@@ -454,18 +384,16 @@ def write_outputs(output_dir, metrics, samples):
 
 def main(args):
     t0 = time.perf_counter()
-    try:
-        mesh = common.make_mesh(args.mesh)
-        policy = load_policy(args.model, mesh, args)
-        tokenizer = policy.model.preprocessor.tokenizer
-        data = prepare(args, mesh, tokenizer, chat_template(policy.model.backbone))
-        scorer = make_scorer(args, mesh, data)
-        baseline = None
-        if args.baseline:
-            baseline = load_policy(args.baseline, mesh, args, like=policy)
-            check_same_tokens(baseline.model, data, args, f"--baseline {args.baseline}")
-    except (common.UsageError, FileNotFoundError) as e:
-        common.fail(e)
+    # ---- set-up: every flag and file checked before any model loads ----
+    mesh = common.make_mesh(args.mesh)
+    prompts, reward_fn = check_args(args, mesh)
+    policy = load_policy(args.model, mesh, args)
+    data = prepare(args, mesh, prompts, policy.model.preprocessor.tokenizer)
+    scorer = make_scorer(args, mesh, data, reward_fn)
+    baseline = None
+    if args.baseline:
+        baseline = load_policy(args.baseline, mesh, args, like=policy, flag="--baseline")
+        check_same_tokens(args.baseline, baseline.model, data, args, "--baseline")
     print(f"eval: {len(data['prompts'])} prompts, {args.max_new_tokens} new tokens, greedy and "
           f"sampled (T={args.temperature}, seed {args.seed}); baseline: {args.baseline}")
     outs = evaluate_policy(policy, data, scorer, args, mesh, baseline)
@@ -484,4 +412,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(common.cli(Args))

@@ -12,29 +12,29 @@ script's own `train_step` for the mesh, and reads XLA's memory_analysis():
 import json
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import harness  # first: puts the repo root on sys.path and imports common
 
 import common
 import jax
 import numpy as np
-import tyro
 
 GIB = 2**30
 
 
 @dataclass
 class Args:
-    algo: str = "sft"
-    """sft | dpo | simpo | orpo | reward | ppo: whose train_step is compiled"""
+    algo: Literal["sft", "dpo", "simpo", "orpo", "reward", "ppo"] = "sft"
+    """whose train_step is compiled"""
     model: str = "gemma_2b"
     """architecture at published shapes: tiny, gemma_2b or gemma_7b (benchmarks/harness.py ARCHS)"""
     num_layers: int = 0
     """override the architecture's decoder-block count (0: as published); for quick scaling checks"""
-    dtype: str = "bfloat16"
+    dtype: Literal["bfloat16", "float32"] = "bfloat16"
     """parameter dtype (optimizer state follows it, as optax does)"""
     mesh: str | None = None
-    """device mesh, e.g. `data=8` or `data=4,model=2` (default: every device on `data`)"""
+    """device mesh, e.g. `data=8` or `data=4,model=2`; None: every device on `data`"""
     batch_size: int = 8
     """examples per step (a preference pair is one example), global"""
     max_length: int = 1024
@@ -47,7 +47,7 @@ class Args:
     """DPO: reference log-probs precomputed (no reference weights, no reference forward)"""
     remat: bool = True
     """activation checkpointing per decoder block, as the scripts' default `--remat` (--no-remat: off)"""
-    target: str = "tpu_v5e"
+    target: Literal["tpu_v5e", "tpu_v5p", "cpu"] = "tpu_v5e"
     """compile for: tpu_v5e (16 GiB chips) or tpu_v5p (95 GiB) with libtpu's ahead-of-time compiler
     (no TPU needed), or cpu (simulated host devices; the CPU compiler upcasts bf16 matmuls to
     float32, so bf16 numbers run high)"""
@@ -120,15 +120,11 @@ def compile_step(args, mesh):
 
 
 def main(args):
-    try:
-        mesh = make_target_mesh(args.mesh, args.target)
-        if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
-            raise common.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
-                                    f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
-        harness.import_algo(args.algo)
-        harness.script_args(harness.import_algo(args.algo), args)  # unknown options fail here
-    except (common.UsageError, FileNotFoundError) as e:
-        common.fail(e)
+    mesh = make_target_mesh(args.mesh, args.target)
+    if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
+        raise common.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
+                                f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
+    harness.script_args(harness.import_algo(args.algo), args)  # unknown algorithms and options fail here
     over = None
     try:
         compiled, bench, backbone, compile_s = compile_step(args, mesh)
@@ -164,4 +160,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(common.cli(Args))

@@ -14,28 +14,28 @@ import json
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import harness  # first: puts the repo root on sys.path and imports common
 
 import common
 import jax
-import tyro
 
 
 @dataclass
 class Args:
-    algo: str = "sft"
-    """sft | dpo | simpo | orpo | reward | ppo: whose train_step is timed"""
+    algo: Literal["sft", "dpo", "simpo", "orpo", "reward", "ppo"] = "sft"
+    """whose train_step is timed"""
     model: str = "tiny"
     """any common.load_model name; with --random-init one of tiny, gemma_2b, gemma_7b"""
     random_init: bool = False
     """build the backbone at published shapes with random weights (no download)"""
     num_layers: int = 0
     """with --random-init: override the decoder-block count (0: as published); for smoke tests"""
-    dtype: str | None = None
-    """bfloat16 or float32 (default: bfloat16 on accelerators, float32 on CPU)"""
+    dtype: Literal["bfloat16", "float32"] | None = None
+    """parameter dtype; None: bfloat16 on accelerators, float32 on CPU"""
     mesh: str | None = None
-    """device mesh, e.g. `data=4,model=2` (default: every device on `data`)"""
+    """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
     batch_size: int = 8
     """examples per step (a preference pair is one example), global"""
     max_length: int = 128
@@ -81,20 +81,17 @@ def ppo_split(bench, state, step, args):
 
 
 def main(args):
-    try:
-        mesh = common.make_mesh(args.mesh)
-        if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
-            raise common.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
-                                    f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
-        if args.steps < 1 or args.warmup < 1:
-            raise common.UsageError("need --steps >= 1 and --warmup >= 1 (the first step compiles)")
-        harness.import_algo(args.algo)
-        backbone = harness.load_backbone(args, mesh)
-        if args.remat:
-            common.enable_remat(backbone)
-        bench = harness.setup(args, backbone, mesh)
-    except (common.UsageError, FileNotFoundError) as e:
-        common.fail(e)
+    mesh = common.make_mesh(args.mesh)
+    if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
+        raise common.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
+                                f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
+    if args.steps < 1 or args.warmup < 1:
+        raise common.UsageError("need --steps >= 1 and --warmup >= 1 (the first step compiles)")
+    harness.import_algo(args.algo)
+    backbone = harness.load_backbone(args, mesh)
+    if args.remat:
+        common.enable_remat(backbone)
+    bench = harness.setup(args, backbone, mesh)
     n_params = common.count_params(backbone)
     state = bench.state
     # The state keeps its layout from step to step (as in the scripts): one compilation.
@@ -133,4 +130,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(common.cli(Args))
