@@ -7,22 +7,19 @@ Offline, a couple of minutes on a laptop CPU:
     python simpo.py --model tiny
 """
 
-import json
 import math
 import os
-import sys
-import time
 from dataclasses import dataclass
+from functools import partial
+from typing import Literal
 
-import common  # first: sets KERAS_BACKEND=jax before keras loads
+import common  # first: --help without heavy imports, KERAS_BACKEND=jax before keras loads
 
 import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
 import optax
-import tyro
-from tqdm import tqdm
 
 
 @dataclass
@@ -30,12 +27,12 @@ class Args:
     # model
     model: str = "tiny"
     """alias (gemma_2b, …), KerasHub preset, kaggle:// or hf:// handle, local preset / HF dir, or `tiny`"""
-    dtype: str | None = None
-    """parameter dtype: bfloat16 or float32 (default: bfloat16 on TPU/GPU, float32 on CPU)"""
+    dtype: Literal["bfloat16", "float32"] | None = None
+    """parameter dtype; None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = KerasHub LoRA of this rank on the backbone"""
     mesh: str | None = None
-    """device mesh, e.g. `data=4,model=2` (default: every device on `data`)"""
+    """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
     remat: bool = True
     """recompute each decoder block's activations in the backward pass (memory for ~1/3 more FLOPs)"""
     # data
@@ -71,7 +68,7 @@ class Args:
     """weight of an added NLL on the chosen response (0: pure SimPO; TRL's CPO-SimPO default cpo_alpha is 1)"""
     # logging and outputs
     output_dir: str | None = None
-    """default: runs/simpo__{model}__{seed}__{time}"""
+    """None: runs/simpo__{model}__{seed}__{time}"""
     log_every: int = 10
     """fetch metrics from the device and log every N steps"""
     eval_every: int = 20
@@ -93,117 +90,17 @@ class Args:
     """this process's index"""
 
 
+
 # ---------------------------------------------------------------------------
-# Data: rows -> (prompt, chosen, rejected) texts -> token ids + masks -> batches
+# Data: (prompt, chosen, rejected) texts (common.read_dataset) -> token ids + masks -> batches
 # ---------------------------------------------------------------------------
-CHAT_TEMPLATES = {  # (user turn prefix, assistant turn prefix, turn end) per model family
-    "gemma": ("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n"),
-    "llama3": ("<|start_header_id|>user<|end_header_id|>\n\n",
-               "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
-    "chatml": ("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"),
-}
-
-
-def chat_template(backbone):
-    name = type(backbone).__name__.lower()
-    return CHAT_TEMPLATES["llama3" if "llama3" in name else "chatml" if "qwen" in name else "gemma"]
-
-
-def read_rows(path):
-    """List of (row, line number) from .jsonl/.json, or via `datasets` for anything else."""
-    if path.endswith(".jsonl"):
-        rows = []
-        with open(path) as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append((json.loads(line), i))
-                    except json.JSONDecodeError as e:
-                        raise common.UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
-    elif path.endswith(".json"):
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise common.UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})")
-        rows = [(r, i) for i, r in enumerate(data if isinstance(data, list) else [data], 1)]
-    else:
-        try:
-            import datasets
-        except ImportError:
-            raise common.UsageError(f"{path}: parquet files and Hub datasets need `pip install datasets`")
-        ds = (datasets.load_dataset("parquet", data_files=path, split="train") if path.endswith(".parquet")
-              else datasets.load_from_disk(path) if os.path.isdir(path)
-              else datasets.load_dataset(path, split="train"))
-        rows = [(r, i) for i, r in enumerate(ds, 1)]
-    if not rows:
-        raise common.UsageError(f"{path}: no examples")
-    return rows
-
-
-def render(messages, template):
-    """Chat turns -> text, as sft.py renders them (system turns fold into user turns)."""
-    user, model, end = template
-    return "".join((model if m["role"] == "assistant" else user) + m["content"] + end for m in messages)
-
-
-def to_triple(row, where, template):
-    """One row -> (prompt, chosen, rejected) texts; explicit or implicit prompt, strings or messages.
-
-    Implicit prompt (only `chosen`/`rejected`): their longest common prefix (of
-    messages for chats, of characters for strings, a split space going to the responses).
-    """
-    if not isinstance(row, dict):
-        raise common.UsageError(f"{where}: expected a JSON object")
-    for key in ("chosen", "rejected"):
-        if key not in row:
-            raise common.UsageError(f"{where}: missing field {key!r} (need 'chosen', 'rejected', optional 'prompt')")
-    keys = [k for k in ("prompt", "chosen", "rejected") if k in row]
-    if isinstance(row["chosen"], list):  # conversational: message lists
-        for k in keys:
-            v = row[k]
-            if not isinstance(v, list) or not v or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in v):
-                raise common.UsageError(f"{where}: field {k!r} must be a non-empty list of {{role, content}} objects")
-        prompt, chosen, rejected = row.get("prompt", []), row["chosen"], row["rejected"]
-        if "prompt" not in row:
-            n = 0
-            while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-                n += 1
-            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-        user, model, end = template
-        responses = []
-        for name, msgs in (("chosen", chosen), ("rejected", rejected)):
-            if not msgs or msgs[0]["role"] != "assistant":
-                raise common.UsageError(f"{where}: {name!r} must continue the prompt with an assistant turn")
-            responses.append(render(msgs, template)[len(model):-len(end)] + end.strip("\n"))  # EOS follows
-        return (render(prompt, template) + model, *responses)
-    for k in keys:
-        if not isinstance(row[k], str) or not row[k].strip():
-            raise common.UsageError(f"{where}: field {k!r} must be a non-empty string, got {row[k]!r:.40}")
-    chosen, rejected = row["chosen"], row["rejected"]
-    if "prompt" in row:
-        return row["prompt"], chosen, rejected
-    n = 0
-    while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-        n += 1
-    n -= n > 0 and chosen[n - 1] == " "  # " 2 8 9" vs " 2 5 9": the responses keep their leading space
-    if n == 0 or not chosen[n:].strip() or not rejected[n:].strip():
-        raise common.UsageError(f"{where}: without 'prompt', the prompt is the longest common prefix of "
-                                "'chosen' and 'rejected', which here leaves an empty prompt or response")
-    return chosen[:n], chosen[n:], rejected[n:]
-
-
-def tokenize_dataset(path, tokenizer, template, max_length):
-    """-> list of ((chosen ids, mask), (rejected ids, mask)), plus counts.
+def tokenize_dataset(triples, tokenizer, max_length, path):
+    """(prompt, chosen, rejected) texts -> list of ((chosen ids, mask), (rejected ids, mask)), plus counts.
 
     ids = [BOS] + prompt + response + [EOS]; the mask marks response tokens and
     EOS. Too long: cut the prompt from the left (BOS kept) by the same amount for
     both sequences, then drop the pair if a response still does not fit.
     """
-    rows = read_rows(path)
-    triples = [to_triple(r, f"{path}:{line}", template) for r, line in rows]
     pieces = iter(tokenizer.tokenize([t for triple in triples for t in triple]))  # one batched call
     examples, truncated, dropped = [], 0, 0
     for _ in triples:
@@ -236,19 +133,10 @@ def pad_examples(examples, length):
     return data
 
 
-def get_batch(data, step, batch_size, accum, seed):
-    """Batch for `step` of an endless, per-epoch reshuffled stream: [A, B/A/P, ...] per process.
-
-    A pure function of the step, so a resumed run sees exactly the same data order.
-    """
-    n = len(data["chosen_ids"])
-    start = step * batch_size
-    idx = np.concatenate([np.random.default_rng([seed, e]).permutation(n)
-                          for e in range(start // n, (start + batch_size - 1) // n + 1)])
-    idx = idx[start % n:start % n + batch_size]
-    per_proc = batch_size // jax.process_count()
-    idx = idx[jax.process_index() * per_proc:(jax.process_index() + 1) * per_proc]
-    return {k: v[idx].reshape(accum, per_proc // accum, *v.shape[1:]) for k, v in data.items()}
+def get_batch(data, step, args):
+    """Batch for `step` (a pure function of it, so --resume is exact): [A, B/A/P, ...] per process."""
+    idx = common.batch_indices(len(data["chosen_ids"]), step, args.batch_size, args.seed)
+    return {k: v[idx].reshape(args.grad_accum_steps, -1, *v.shape[1:]) for k, v in data.items()}
 
 
 # ---------------------------------------------------------------------------
@@ -316,9 +204,9 @@ def simpo_loss(chosen_logps, rejected_logps, nll_loss=0.0, beta=2.0, gamma=0.5, 
     rejected_rewards = beta * rejected_logps
     losses = -jax.nn.log_sigmoid(chosen_rewards - rejected_rewards - gamma)  # [B]
     chosen_rewards, rejected_rewards = jax.lax.stop_gradient((chosen_rewards, rejected_rewards))
-    metrics = {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
-               "rewards/accuracies": (chosen_rewards > rejected_rewards).mean(),
+    metrics = {"rewards/accuracies": (chosen_rewards > rejected_rewards).mean(),
                "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+               "rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
                "logps/chosen": jax.lax.stop_gradient(chosen_logps).mean(),
                "logps/rejected": jax.lax.stop_gradient(rejected_logps).mean(),
                "nll_loss": jax.lax.stop_gradient(nll_loss)}
@@ -357,17 +245,6 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     return (params, opt_state), metrics
 
 
-def per_example(fn, data, batch_size, mesh):
-    """fn(batch) -> tuple of [B] arrays, applied to every example once in fixed-size batches
-    (the last wraps around, then is trimmed): one shape, one compilation."""
-    n = len(data["chosen_ids"])
-    outs = []
-    for i in range(0, n, batch_size):
-        idx = np.arange(i, i + batch_size) % n
-        outs.append(jax.device_get(fn(common.shard_batch(mesh, {k: v[None, idx] for k, v in data.items()}))))
-    return tuple(np.concatenate(o)[:n] for o in zip(*outs))
-
-
 def make_optimizer(args):
     schedule = optax.warmup_cosine_decay_schedule(
         0.0, args.learning_rate, max(args.warmup_steps, 1), max(args.max_steps, args.warmup_steps + 1),
@@ -377,39 +254,21 @@ def make_optimizer(args):
                        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask)), schedule
 
 
-def resume_or_start(args, checkpoints, output_dir, params, opt_state):
-    """(params, opt_state, first step, RunLog): restored from the newest checkpoint with --resume
-    (the data position is the step: get_batch is a function of it), else as given."""
-    start = 0
-    if args.resume and (restored := checkpoints.restore_latest((params, opt_state))):
-        start, (params, opt_state), _ = restored
-        print(f"resumed from step {start}")
-    log = common.RunLog(output_dir, args, args.track, resume_step=start if args.resume else None)
-    return params, opt_state, start, log
-
-
 def main(args):
-    # ---- set-up: mesh, model, data (all validation before any compute) ----
-    common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
-    output_dir = args.output_dir or common.default_output_dir("simpo", args.model, args.seed)
-    stop = common.StopSignal()  # before anything is written: a preemption is never lost
-    try:
-        common.check_output_dir(output_dir, args.resume, args.overwrite)
-        mesh = common.make_mesh(args.mesh)
-        if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
-            raise common.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
-                                    f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
-        if args.beta <= 0 or args.sft_weight < 0:
-            raise common.UsageError("need --beta > 0 and --sft-weight >= 0")
-        model = common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank)
-        backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
-        if args.remat:
-            common.enable_remat(backbone)
-        template = chat_template(backbone)
-        train, counts = tokenize_dataset(args.dataset, tokenizer, template, args.max_length)
-        evals = tokenize_dataset(args.eval_dataset, tokenizer, template, args.max_length)[0] if args.eval_dataset else []
-    except (common.UsageError, FileNotFoundError) as e:
-        common.fail(e)
+    # ---- set-up: every flag, file and row checked before the model loads ----
+    run = common.Run("simpo", args)
+    if args.beta <= 0 or args.sft_weight < 0:
+        raise common.UsageError("need --beta > 0 and --sft-weight >= 0")
+    template = common.chat_template(args.model)
+    train_rows = common.read_dataset(args.dataset, "preference", template)
+    eval_rows = (common.read_dataset(args.eval_dataset, "preference", template, "--eval-dataset")
+                 if args.eval_dataset else [])
+    model = common.load_model(args.model, run.mesh, args.dtype, args.seed, args.lora_rank)
+    backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
+    if args.remat:
+        common.enable_remat(backbone)
+    train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.dataset)
+    evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, args.eval_dataset)[0] if eval_rows else []
     print(f"data: {counts['examples']} pairs ({counts['truncated']} prompt-truncated, "
           f"{counts['dropped']} dropped as too long); {len(evals)} eval pairs")
     # One fixed padded length for the whole run: one compilation.
@@ -418,76 +277,41 @@ def main(args):
 
     optimizer, schedule = make_optimizer(args)
     params, frozen = common.split_variables(backbone)
-    opt_state, opt_shardings = common.init_optimizer(optimizer, params, mesh)
-    checkpoints = common.Checkpoints(output_dir)
-    params, opt_state, start, log = resume_or_start(args, checkpoints, output_dir, params, opt_state)
+    opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
+    (params, opt_state), _ = run.resume((params, opt_state))
     state_shardings = (common.shardings(params), opt_shardings)
     state = jax.device_put((params, opt_state), state_shardings)
-    # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     # Layouts pinned in and out (donated, updated in place): one compilation for the run.
-    step_fn = jax.jit(lambda s, f, b: train_step(backbone, optimizer, args, s, f, b), donate_argnums=0,
-                      out_shardings=(state_shardings, common.replicated(mesh)))
-    eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, jax.tree.map(lambda x: x[0], b)))
-
-    # FLOPs per token: 6N (forward + backward; no reference model), N = all matmul weights incl.
-    # embedding; tokens = chosen + rejected.
-    flops_per_token = 6 * common.count_params(backbone)
-    peak = common.peak_flops()
+    step_fn = jax.jit(partial(train_step, backbone, optimizer, args), donate_argnums=0,
+                      out_shardings=(state_shardings, common.replicated(run.mesh)))
+    # Weights are jit arguments, never closed over (that would bake them into the program as constants).
+    first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
+    eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b)))
 
     def evaluate(params):
-        chosen, rejected, nll, count = per_example(lambda b: eval_fn(params, frozen, b), eval_data,
-                                                   args.batch_size, mesh)
+        chosen, rejected, nll, count = common.per_example(lambda b: eval_fn(params, frozen, b), eval_data,
+                                                          args.batch_size, run.mesh)
         loss, metrics = simpo_loss(chosen, rejected, nll.sum() / count.sum(), args.beta, args.gamma, args.sft_weight)
-        return {"eval/loss": float(loss), **{f"eval/{k}": float(v) for k, v in metrics.items()}}
+        metrics = {f"eval/{k}": v for k, v in metrics.items()}  # accuracy and margin first: Run prints those
+        return {**metrics, "eval/loss": loss}
 
-    # ---- the loop ----
-    if eval_data is not None and start == 0:
-        log.log(0, evaluate(state[0]))  # the starting point
-    pending, t0, tokens = [], time.perf_counter(), 0
-    bar = tqdm(range(start, args.max_steps), desc="simpo", dynamic_ncols=True, initial=start, total=args.max_steps)
-    for step in bar:
-        batch = common.shard_batch(mesh, get_batch(train_data, step, args.batch_size,
-                                                   args.grad_accum_steps, args.seed))
+    # ---- the loop: batch -> step -> log -> eval -> checkpoint ----
+    # FLOPs per token: 6N (forward + backward; no reference model), N = all matmul weights incl.
+    # embedding (DESIGN §8); tokens = chosen + rejected.
+    flops_per_token = 6 * common.count_params(backbone)
+    if eval_data is not None and run.start == 0:
+        run.log_eval(evaluate(state[0]))  # the starting point
+    for step in run.steps(flops_per_token, schedule, show=("rewards/margins",)):
+        batch = common.shard_batch(run.mesh, get_batch(train_data, step, args))
         state, metrics = step_fn(state, frozen, batch)  # metrics: from the pre-update forward
-        pending.append(metrics)
-        tokens += 2 * args.batch_size * length
-        done = step + 1
-        stopping = stop.name  # read once: a signal arriving later in this step is handled at the next
-        saving = stopping or (args.save_every and done % args.save_every == 0)
-        if done % args.log_every == 0 or done == args.max_steps or saving:
-            fetched = jax.device_get(pending)  # one host sync per logging interval
-            bad = [done - len(fetched) + 1 + i for i, m in enumerate(fetched) if not np.isfinite(m["train/loss"])]
-            if bad:  # stop before a checkpoint can store the broken state
-                log.close()
-                sys.exit(f"error: non-finite train/loss at step {bad[0]}; the last good checkpoint is kept "
-                         "(rerun with --resume and a lower --learning-rate)")
-            elapsed = time.perf_counter() - t0
-            row = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
-            row.update({"charts/learning_rate": float(schedule(step)),
-                        "charts/tokens_per_sec": tokens / elapsed,
-                        "charts/mfu": tokens / elapsed * flops_per_token / peak})
-            log.log(done, row)
-            bar.set_postfix(loss=f"{row['train/loss']:.4f}", margin=f"{row['rewards/margins']:.3f}",
-                            tok_s=f"{row['charts/tokens_per_sec']:.0f}")
-            pending, t0, tokens = [], time.perf_counter(), 0
-        if eval_data is not None and (done % args.eval_every == 0 or done == args.max_steps):
-            row = evaluate(state[0])
-            log.log(done, row)
-            print(f"step {done}: eval accuracy {row['eval/rewards/accuracies']:.3f}, "
-                  f"margin {row['eval/rewards/margins']:.4f}")
-            t0 = time.perf_counter()  # eval time is not training throughput
-        if saving:
-            checkpoints.save(done, state, {"step": done})
-        if stopping:
-            log.close()
-            print(f"{stopping}: checkpoint saved at step {done}; continue with --resume")
-            return
+        run.log(metrics, tokens=2 * args.batch_size * length)
+        if eval_data is not None and run.eval_due():
+            run.log_eval(evaluate(state[0]))
+        run.checkpoint(state)
 
     # ---- outputs: the final model (LoRA merged) ----
-    common.save_model(model, state[0], os.path.join(output_dir, "model"))
-    log.close()
-    print(f"done: outputs in {output_dir}")
+    run.finish(lambda path: common.save_model(model, state[0], path))
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(common.cli(Args))
