@@ -57,8 +57,9 @@ def _help_from_source(path, width=100):
         flag, kind = "--" + node.target.id.replace("_", "-"), ast.unparse(node.annotation)
         if kind == "bool":
             flag = f"{flag}, --no-{flag[2:]}"
-        elif kind.startswith("Literal["):
-            flag += " {" + ",".join(str(c.value) for c in node.annotation.slice.elts) + "}"
+        elif "Literal[" in kind:  # Literal[...] or Literal[...] | None: list the choices
+            literal = next(n for n in ast.walk(node.annotation) if isinstance(n, ast.Subscript))
+            flag += " {" + ",".join(str(c.value) for c in ast.walk(literal.slice) if isinstance(c, ast.Constant)) + "}"
         else:
             flag += " " + kind.replace(" | None", "").upper()
         try:
@@ -66,7 +67,7 @@ def _help_from_source(path, width=100):
             default = os.path.relpath(default, HERE) if isinstance(default, str) and default.startswith(HERE) else default
         except Exception:
             default = ast.unparse(node.value)
-        text = " ".join(doc.split()) + f" (default: {default!r})"
+        text = " ".join(doc.split()) + f" (default: {default if default != '' else repr(default)})"
         out += [f"  {flag}"] + textwrap.wrap(text, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(out)
 
@@ -724,6 +725,8 @@ class Run:
         self.stop_signal = signal.Signals(signum).name
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)  # a second signal ends the process at once
+        os.write(1, f"\n{self.stop_signal}: checkpoint at the end of this step, then exit "
+                    "(again to quit at once)\n".encode())  # os.write: safe inside a handler
 
     def _open(self):
         """After the first step: signals now checkpoint; the outputs are created (process 0)."""

@@ -61,7 +61,7 @@ def run_steps(model, mesh, args, steps=2):
     optimizer, _ = sft.make_optimizer(args)
     params, frozen = common.split_variables(model.backbone)
     state = (params, jax.jit(optimizer.init)(params))
-    step = jax.jit(lambda s, f, b: sft.train_step(model.backbone, optimizer, s, f, b))
+    step = jax.jit(lambda s, f, b: sft.train_step(model.backbone, optimizer, args, s, f, b))
     losses = []
     for i in range(steps):
         batch = {k: v[i * 8:(i + 1) * 8].reshape(2, 4, -1) for k, v in data.items()}  # A=2 micro-batches
