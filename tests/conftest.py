@@ -1,5 +1,7 @@
-"""Every test process sees 8 simulated CPU devices (set before JAX is imported); the reward
-model that PPO and GRPO tests score with is trained once per session."""
+"""Fixtures only (shared utilities are in helpers.py). Every test process sees 8 simulated CPU
+devices (set before JAX is imported); tests/ and the repository root are put on sys.path (for
+`from helpers import ...` and the scripts); the reward model that PPO and GRPO tests score with
+is trained once per session."""
 
 import os
 import subprocess
@@ -9,9 +11,13 @@ import pytest
 
 os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(TESTS)
+if TESTS not in sys.path:
+    sys.path.insert(0, TESTS)
+sys.path.insert(0, ROOT)
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import one_device_env  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -27,9 +33,15 @@ def reward_run(tmp_path_factory):
     return str(out)
 
 
-def one_device_env():
-    """The environment of a subprocess that sees one CPU device instead of 8 simulated ones."""
-    env = dict(os.environ)
-    flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count=1".strip()
-    return env
+@pytest.fixture(scope="module")
+def prefs():
+    """The tiny model (LoRA rank 4: base weights = plain `tiny`, seed 0) and 8 tokenised eval pairs
+    (test_preference.py and test_losses.py)."""
+    import common  # here, not at the top: JAX is imported after XLA_FLAGS is set
+    import dpo
+    mesh = common.make_mesh()
+    model = common.load_model("tiny", mesh, "float32", seed=0, lora_rank=4)
+    template = dpo.chat_template(model.backbone)
+    pairs, _ = dpo.tokenize_dataset(os.path.join(ROOT, "data", "prefs_eval.jsonl"),
+                                    model.preprocessor.tokenizer, template, 512)
+    return mesh, model, pairs[:8]

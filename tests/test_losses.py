@@ -1,8 +1,9 @@
-"""SFT loss vs hand-computed values, masking/shift checks, and log-prob correctness.
+"""Every loss and its pure math helpers, imported from the scripts: for each of the seven losses
+(sft, dpo, simpo, orpo, reward, ppo, grpo) a case whose expected value is written as arithmetic
+here, a float64 NumPy re-derivation on random inputs and a sign/direction check; and padding
+invariance of the log-probs (sequence_logps, token_logps against the model's full logits).
 
-The preference and RL losses are tested beside their scripts' other tests
-(test_preference.py, test_rlhf.py); this file holds the SFT loss and the
-chunked log-prob helper every script copies.
+The scripts' CLIs, updates on real rollouts and learning are tested in the per-script files.
 """
 
 import math
@@ -10,12 +11,36 @@ import math
 import numpy as np
 import pytest
 
-import common
+import common  # first: KERAS_BACKEND=jax
+import dpo
 import jax
 import jax.numpy as jnp
+import orpo
+import simpo
+from dpo import dpo_loss
+from grpo import aggregate, group_advantages, grpo_loss, k3_kl
+from orpo import orpo_loss
+from ppo import compute_gae, compute_rewards, ppo_loss, whiten
+from reward import reward_loss
 from sft import sft_loss, token_logps
+from simpo import simpo_loss
+
+LOG2 = math.log(2)
+EPS = 1e-4  # group_advantages' default ε
 
 
+def log_sigmoid64(x):
+    return -np.logaddexp(0.0, -x)
+
+
+def random_logps(seed, n=16):
+    rng = np.random.default_rng(seed)
+    return [rng.uniform(-30, -1, n) for _ in range(4)]
+
+
+# ---------------------------------------------------------------------------
+# SFT
+# ---------------------------------------------------------------------------
 def test_sft_loss_hand_computed():
     # tokens:     t0   t1   t2   t3   (t0 = BOS, t1 prompt, t2-t3 completion)
     # loss_mask:   F    F    T    T   -> logps positions 1, 2 score tokens t2, t3
@@ -57,6 +82,467 @@ def test_sft_loss_whole_batch_token_mean_under_accumulation():
     whole = sft_loss(logps, loss_mask, n)[0]
     split = sft_loss(logps[:1], loss_mask[:1], n)[0] + sft_loss(logps[1:], loss_mask[1:], n)[0]
     assert float(split) == pytest.approx(float(whole), rel=1e-6)
+
+
+def test_sft_loss_direction():
+    # d loss / d logps = −1/n at the loss tokens' positions (the mask shifted by one), 0 elsewhere:
+    # raising a completion token's log-prob lowers the loss; prompt and padding get no gradient
+    logps = jnp.log(jnp.array([[0.9, 0.5, 0.25, 0.7]]))
+    loss_mask = jnp.array([[False, False, True, True, False]])  # tokens 2, 3 -> logps positions 1, 2
+    g = jax.grad(lambda x: sft_loss(x, loss_mask, 2)[0])(logps)
+    np.testing.assert_allclose(g, [[0.0, -1 / 2, -1 / 2, 0.0]], rtol=1e-6)
+    # token 2 from p = 0.5 to 0.8: the loss falls by (log 0.8 − log 0.5) / 2
+    before = float(sft_loss(logps, loss_mask, 2)[0])
+    after = float(sft_loss(logps.at[0, 1].set(math.log(0.8)), loss_mask, 2)[0])
+    assert after == pytest.approx(before - (math.log(0.8) - math.log(0.5)) / 2, rel=1e-6) and after < before
+
+
+# ---------------------------------------------------------------------------
+# DPO
+# ---------------------------------------------------------------------------
+def test_dpo_hand_worked():
+    loss, m = dpo_loss(jnp.array([-5.0, -9.0]), jnp.array([-7.0, -2.0]), jnp.array([-5.0, -9.0]),
+                       jnp.array([-7.0, -2.0]), beta=0.1)
+    assert float(loss) == pytest.approx(LOG2, abs=1e-6)  # policy == reference: equal margins
+    assert float(m["rewards/margins"]) == 0 and float(m["rewards/accuracies"]) == 0
+    # h = (−1 − (−3)) − (−2 − (−2)) = 2, β = 0.5: loss = −log σ(1) = log(1 + e^−1)
+    loss, m = dpo_loss(jnp.array([-1.0]), jnp.array([-3.0]), jnp.array([-2.0]), jnp.array([-2.0]), beta=0.5)
+    assert float(loss) == pytest.approx(math.log(1 + math.exp(-1)), abs=1e-6)
+    assert float(m["rewards/chosen"]) == pytest.approx(0.5) and float(m["rewards/rejected"]) == pytest.approx(-0.5)
+    assert float(m["rewards/margins"]) == pytest.approx(1.0) and float(m["rewards/accuracies"]) == 1.0
+    assert float(m["logps/chosen"]) == -1.0 and float(m["logps/rejected"]) == -3.0
+
+
+def test_dpo_variants_hand_worked():
+    same = [jnp.array([-4.0])] * 4  # h = 0
+    assert float(dpo_loss(*same, beta=0.1, loss_type="ipo")[0]) == pytest.approx((0 - 1 / 0.2) ** 2)  # 25
+    assert float(dpo_loss(*same, beta=0.1, loss_type="hinge")[0]) == pytest.approx(1.0)
+    h20 = [jnp.array([-1.0]), jnp.array([-21.0]), jnp.array([-5.0]), jnp.array([-5.0])]  # h = 20
+    assert float(dpo_loss(*h20, beta=0.1, loss_type="hinge")[0]) == 0.0  # relu(1 − 2)
+    assert float(dpo_loss(*h20, beta=0.1, loss_type="ipo")[0]) == pytest.approx((20 - 5) ** 2, rel=1e-6)
+    # cDPO with ε = 0.5 is symmetric: ½(softplus(−βh) + softplus(βh)), βh = 2
+    x = 2.0
+    expected = 0.5 * (math.log1p(math.exp(-x)) + math.log1p(math.exp(x)))
+    assert float(dpo_loss(*h20, beta=0.1, label_smoothing=0.5)[0]) == pytest.approx(expected, rel=1e-6)
+    with pytest.raises(ValueError):
+        dpo_loss(*same, loss_type="kto")
+
+
+@pytest.mark.parametrize("loss_type, eps", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("hinge", 0.0)])
+def test_dpo_float64_rederivation(loss_type, eps):
+    c, r, rc, rr = random_logps(1)
+    beta = 0.3
+    h = (c - r) - (rc - rr)
+    if loss_type == "sigmoid":
+        want = np.mean(-(1 - eps) * log_sigmoid64(beta * h) - eps * log_sigmoid64(-beta * h))
+    elif loss_type == "ipo":
+        want = np.mean((h - 1 / (2 * beta)) ** 2)
+    else:
+        want = np.mean(np.maximum(0.0, 1 - beta * h))
+    loss, m = dpo_loss(*map(jnp.asarray, (c, r, rc, rr)), beta, loss_type, eps)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(float(m["rewards/margins"]), np.mean(beta * h), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(float(m["rewards/accuracies"]), np.mean(beta * (c - rc) > beta * (r - rr)))
+
+
+@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
+def test_dpo_direction(loss_type):
+    args = [jnp.array([-10.0, -12.0]), jnp.array([-11.0, -9.0]), jnp.array([-10.5, -11.0]), jnp.array([-10.0, -10.0])]
+    g = jax.grad(lambda c, r: dpo_loss(c, r, *args[2:], beta=0.1, loss_type=loss_type)[0], argnums=(0, 1))(*args[:2])
+    assert (g[0] < 0).all() and (g[1] > 0).all()  # raising chosen / lowering rejected lowers the loss
+
+
+# ---------------------------------------------------------------------------
+# SimPO
+# ---------------------------------------------------------------------------
+def test_simpo_hand_worked():
+    same = jnp.array([-0.7, -1.3])
+    assert float(simpo_loss(same, same, 0.0, beta=2.0, gamma=0.0)[0]) == pytest.approx(LOG2, abs=1e-6)
+    # equal rewards with margin γ = 1: −log σ(−1) = log(1 + e)
+    assert float(simpo_loss(same, same, 0.0, beta=2.0, gamma=1.0)[0]) == pytest.approx(math.log(1 + math.e))
+    # β·Δ = 2·0.5 = γ: back at log 2; sft_weight adds 0.5·NLL = 0.5·3
+    loss, m = simpo_loss(jnp.array([-1.0]), jnp.array([-1.5]), 3.0, beta=2.0, gamma=1.0, sft_weight=0.5)
+    assert float(loss) == pytest.approx(LOG2 + 1.5, abs=1e-6)
+    assert float(m["rewards/chosen"]) == -2.0 and float(m["rewards/rejected"]) == -3.0
+    assert float(m["rewards/margins"]) == 1.0 and float(m["nll_loss"]) == 3.0
+
+
+def test_simpo_float64_rederivation_and_direction():
+    c, r, _, _ = random_logps(2)
+    c, r = c / 10, r / 10  # per-token means
+    beta, gamma, w, nll = 2.5, 0.7, 0.3, 1.9
+    want = np.mean(-log_sigmoid64(beta * c - beta * r - gamma)) + w * nll
+    loss, m = simpo_loss(jnp.asarray(c), jnp.asarray(r), nll, beta, gamma, w)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(float(m["rewards/accuracies"]), np.mean(c > r))
+    g = jax.grad(lambda c, r: simpo_loss(c, r, 0.0, beta, gamma)[0], argnums=(0, 1))(jnp.asarray(c), jnp.asarray(r))
+    assert (g[0] < 0).all() and (g[1] > 0).all()
+
+
+# ---------------------------------------------------------------------------
+# ORPO
+# ---------------------------------------------------------------------------
+def test_orpo_hand_worked():
+    half = jnp.log(jnp.array([0.5, 0.5]))  # P = 0.5: odds 1 each, odds ratio 1, log σ(0) = −log 2
+    loss, m = orpo_loss(half, half, 1.0, beta=0.1)
+    assert float(loss) == pytest.approx(1.0 + 0.1 * LOG2, abs=1e-6)
+    assert float(m["log_odds_chosen"]) == pytest.approx(0.0, abs=1e-6)
+    assert float(m["log_odds_ratio"]) == pytest.approx(-LOG2, abs=1e-6)
+    # P+ = 0.8, P− = 0.2: odds 4 and 1/4, log OR = log 16, −log σ(log 16) = log(17/16)
+    loss, m = orpo_loss(jnp.log(jnp.array([0.8])), jnp.log(jnp.array([0.2])), 0.5, beta=1.0)
+    assert float(loss) == pytest.approx(0.5 + math.log(17 / 16), rel=1e-5)
+    assert float(m["log_odds_chosen"]) == pytest.approx(math.log(16), rel=1e-5)
+    assert float(m["rewards/margins"]) == pytest.approx(math.log(4), rel=1e-5)  # β(log .8 − log .2)
+
+
+def test_orpo_float64_rederivation_and_direction():
+    c, r, _, _ = random_logps(3)
+    c, r = c / 10, r / 10
+    lam, nll = 0.25, 2.2
+    log_odds = (c - np.log1p(-np.exp(c))) - (r - np.log1p(-np.exp(r)))
+    want = nll - lam * np.mean(log_sigmoid64(log_odds))
+    loss, m = orpo_loss(jnp.asarray(c), jnp.asarray(r), nll, lam)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(float(m["log_odds_chosen"]), np.mean(log_odds), rtol=1e-4)
+    g = jax.grad(lambda c, r: orpo_loss(c, r, 0.0, lam)[0], argnums=(0, 1))(jnp.asarray(c), jnp.asarray(r))
+    assert (g[0] < 0).all() and (g[1] > 0).all()
+
+
+def test_orpo_numerically_safe_at_extremes():
+    x = np.array([0.0, -1e-9, -1e-6, -1e-3, -0.69, -0.7, -5.0, -50.0, -1e4])
+    np.testing.assert_allclose(np.asarray(orpo.log1mexp(jnp.asarray(x[2:]))), np.log1p(-np.exp(x[2:])), rtol=1e-5)
+    assert np.isfinite(np.asarray(orpo.log1mexp(jnp.asarray(x[:2])))).all()  # P = 1 is capped, not −inf
+    c, r = jnp.asarray(x), jnp.asarray(x[::-1].copy())
+    loss, m = orpo_loss(c, r, 1.0, 0.1)
+    g = jax.grad(lambda c, r: orpo_loss(c, r, 1.0, 0.1)[0], argnums=(0, 1))(c, r)
+    assert np.isfinite(float(loss)) and all(np.isfinite(float(v)) for v in m.values())
+    assert np.isfinite(np.asarray(g[0])).all() and np.isfinite(np.asarray(g[1])).all()
+
+
+# ---------------------------------------------------------------------------
+# reward.py: Bradley–Terry loss
+# ---------------------------------------------------------------------------
+def test_reward_loss_by_hand_numpy_and_direction():
+    loss, m = reward_loss(jnp.array([1.0, 0.0]), jnp.array([1.0, 2.0]))
+    # margins 0 and -2: mean of -log σ(0) = log 2 and -log σ(-2) = log(1 + e^2)
+    np.testing.assert_allclose(loss, (np.log(2) + np.log(1 + np.exp(2))) / 2, rtol=1e-6)
+    np.testing.assert_allclose([m["rewards/accuracies"], m["rewards/margins"]], [0.0, -1.0])
+    rng = np.random.default_rng(0)
+    c, r = rng.normal(size=64) * 5, rng.normal(size=64) * 5
+    expected = np.mean(-np.log(1 / (1 + np.exp(-(c - r)))))  # float64
+    np.testing.assert_allclose(reward_loss(jnp.array(c), jnp.array(r))[0], expected, rtol=1e-5)
+    grad = jax.grad(lambda x: reward_loss(x, jnp.zeros(3))[0])(jnp.zeros(3))
+    assert (grad < 0).all()  # raising the chosen score lowers the loss
+
+
+def test_reward_loss_equal_scores_extremes_and_gradients_float64():
+    # equal scores: every margin 0, −log σ(0) = log 2 whatever the scores; a tie is not a correct ranking
+    loss, m = reward_loss(jnp.array([3.0, -7.0]), jnp.array([3.0, -7.0]))
+    assert float(loss) == pytest.approx(LOG2, abs=1e-6)
+    assert float(m["rewards/chosen"]) == pytest.approx((3 - 7) / 2) and float(m["rewards/rejected"]) == pytest.approx(-2.0)
+    assert float(m["rewards/accuracies"]) == 0.0 and float(m["rewards/margins"]) == 0.0
+    # margins +100 and −100: softplus(−100) ≈ 0 and softplus(100) ≈ 100, no overflow: mean 50
+    loss, m = reward_loss(jnp.array([100.0, 0.0]), jnp.array([0.0, 100.0]))
+    assert np.isfinite(float(loss)) and float(loss) == pytest.approx(100 / 2, rel=1e-6)
+    assert float(m["rewards/accuracies"]) == 0.5
+    # float64 on random scores: the loss, and d loss/d chosen = −σ(−margin)/B, d loss/d rejected = +σ(−margin)/B
+    rng = np.random.default_rng(1)
+    c, r = rng.normal(size=32) * 3, rng.normal(size=32) * 3
+    margin = c - r
+    loss, m = reward_loss(jnp.array(c, jnp.float32), jnp.array(r, jnp.float32))
+    np.testing.assert_allclose(float(loss), np.mean(np.logaddexp(0.0, -margin)), rtol=1e-5)
+    np.testing.assert_allclose([m["rewards/margins"], m["rewards/accuracies"]], [margin.mean(), np.mean(margin > 0)],
+                               rtol=1e-5, atol=1e-6)
+    gc, gr = jax.grad(lambda a, b: reward_loss(a, b)[0], argnums=(0, 1))(jnp.array(c, jnp.float32),
+                                                                          jnp.array(r, jnp.float32))
+    sig = 1 / (1 + np.exp(margin))  # σ(−margin)
+    np.testing.assert_allclose(gc, -sig / 32, rtol=1e-4, atol=1e-9)
+    np.testing.assert_allclose(gr, sig / 32, rtol=1e-4, atol=1e-9)
+    assert (np.asarray(gc) < 0).all() and (np.asarray(gr) > 0).all()  # raise chosen, lower rejected
+
+
+# ---------------------------------------------------------------------------
+# ppo.py: rewards, GAE, whitening, the clipped policy and value losses
+# ---------------------------------------------------------------------------
+def test_ppo_reward_placement_and_kl():
+    logprobs = jnp.array([[-1.0, -2.0, -0.5, -3.0], [-1.0, -1.0, -1.0, -1.0]])
+    ref = jnp.array([[-1.5, -1.0, -0.5, -9.0], [-2.0, -1.0, -1.0, -1.0]])
+    scores, lengths = jnp.array([2.0, -1.0]), jnp.array([2, 3])
+    rewards, kl, nsr = compute_rewards(scores, logprobs, ref, lengths, kl_coef=0.1)
+    # k1 = logπ - logπref on real tokens; 0 after the EOS (row 0, position 3)
+    np.testing.assert_allclose(kl, [[0.5, -1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
+    # score added on the last real token only: -0.1·kl + score there
+    np.testing.assert_allclose(rewards, [[-0.05, 0.1, 2.0, 0.0], [-0.1, 0.0, 0.0, -1.0]], rtol=1e-6)
+    np.testing.assert_allclose(nsr, -0.1 * np.asarray(kl))
+    _, kl3, _ = compute_rewards(scores, logprobs, ref, lengths, 0.1, "k3")
+    logr = np.array([[-0.5, 1.0, 0.0, 0.0], [-1.0, 0.0, 0.0, 0.0]])
+    np.testing.assert_allclose(kl3, np.expm1(logr) - logr, rtol=1e-6)
+    assert (np.asarray(kl3) >= 0).all()
+
+
+def test_ppo_gae_worked_example():
+    rewards, values = jnp.array([[0.0, 0.0, 1.0]]), jnp.array([[0.5, 0.5, 0.5]])
+    adv, ret = compute_gae(rewards, values, jnp.ones((1, 3), bool), gamma=0.9, lam=0.5)
+    d2 = 1.0 + 0.9 * 0.0 - 0.5  # the value after the last token is 0
+    d1 = d0 = 0.0 + 0.9 * 0.5 - 0.5
+    a2 = d2
+    a1 = d1 + 0.9 * 0.5 * a2
+    a0 = d0 + 0.9 * 0.5 * a1
+    np.testing.assert_allclose(adv, [[a0, a1, a2]], rtol=1e-6)
+    np.testing.assert_allclose(ret, [[a0 + 0.5, a1 + 0.5, a2 + 0.5]], rtol=1e-6)
+
+
+def test_ppo_gae_matches_python_loop_and_ignores_padding():
+    rng = np.random.default_rng(1)
+    b, t, gamma, lam = 4, 7, 0.97, 0.9
+    rewards, values = rng.normal(size=(b, t)), rng.normal(size=(b, t))
+    lengths = np.array([6, 3, 0, 4])
+    mask = np.arange(t)[None] <= lengths[:, None]
+    expected = np.zeros((b, t))
+    for i in range(b):  # TRL's loop, on the real tokens only
+        last = 0.0
+        for j in reversed(range(lengths[i] + 1)):
+            next_value = values[i, j + 1] if j < lengths[i] else 0.0
+            last = rewards[i, j] + gamma * next_value - values[i, j] + gamma * lam * last
+            expected[i, j] = last
+    adv, ret = compute_gae(jnp.array(rewards), jnp.array(values), jnp.array(mask), gamma, lam)
+    np.testing.assert_allclose(np.where(mask, adv, 0), expected, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.where(mask, ret, 0), np.where(mask, expected + values, 0), rtol=1e-4, atol=1e-5)
+    garbage = np.where(mask, values, 1e3)  # padded values must not leak in
+    adv2, _ = compute_gae(jnp.array(np.where(mask, rewards, 1e3)), jnp.array(garbage), jnp.array(mask), gamma, lam)
+    np.testing.assert_allclose(np.where(mask, adv2, 0), expected, rtol=1e-4, atol=1e-5)
+
+
+def test_ppo_masked_whitening():
+    rng = np.random.default_rng(2)
+    x = rng.normal(3.0, 2.0, size=(3, 5))
+    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], bool)
+    w = np.asarray(whiten(jnp.array(np.where(mask, x, 1e6)), jnp.array(mask)))
+    v = x[mask]
+    np.testing.assert_allclose(w[mask], (v - v.mean()) / v.std(ddof=1), rtol=1e-4)
+    assert (w[~mask] == 0).all()
+    kept = np.asarray(whiten(jnp.array(x), jnp.array(mask), shift_mean=False))
+    np.testing.assert_allclose(kept[mask], (v - v.mean()) / v.std(ddof=1) + v.mean(), rtol=1e-4)
+
+
+def _ppo_loss(new_lp, new_v, lp, v, adv, ret, mask=None, **kw):
+    args = [jnp.array([x], jnp.float32) for x in (new_lp, new_v, lp, v, adv, ret)]
+    mask = jnp.ones((1, len(new_lp)), bool) if mask is None else jnp.array([mask])
+    return ppo_loss(*args, mask, cliprange=kw.get("c", 0.2), cliprange_value=kw.get("cv", 0.2), vf_coef=0.1)
+
+
+def test_ppo_policy_loss_hand_cases():
+    # ratio e^0.5 ≈ 1.65 outside [0.8, 1.2], advantage +1: the clipped term wins, -1.2
+    _, m = _ppo_loss([0.5], [0.0], [0.0], [0.0], [1.0], [0.0])
+    np.testing.assert_allclose(m["loss/policy_avg"], -1.2, rtol=1e-6)
+    assert m["policy/clipfrac_avg"] == 1.0
+    # same ratio, advantage -1: the pessimistic max keeps the unclipped e^0.5
+    _, m = _ppo_loss([0.5], [0.0], [0.0], [0.0], [-1.0], [0.0])
+    np.testing.assert_allclose(m["loss/policy_avg"], np.exp(0.5), rtol=1e-6)
+    assert m["policy/clipfrac_avg"] == 0.0
+    # ratio e^0.1 inside the range, advantage 2: plain -2·e^0.1; approxkl = ½·0.1²
+    _, m = _ppo_loss([0.1], [0.0], [0.0], [0.0], [2.0], [0.0])
+    np.testing.assert_allclose([m["loss/policy_avg"], m["policy/approxkl_avg"]], [-2 * np.exp(0.1), 0.005],
+                               rtol=1e-5)
+
+
+def test_ppo_value_loss_hand_cases():
+    # new value 0.5 moves 0.5 from the rollout value 0 > cliprange_value 0.2: clipped 0.2,
+    # (0.2 - 1)² = 0.64 > (0.5 - 1)² = 0.25, the max is 0.64, loss ½·0.64
+    loss, m = _ppo_loss([0.0], [0.5], [0.0], [0.0], [0.0], [1.0])
+    np.testing.assert_allclose(m["loss/value_avg"], 0.5 * 0.64, rtol=1e-6)
+    np.testing.assert_allclose(loss, 0.1 * 0.32, rtol=1e-6)
+    assert m["val/clipfrac_avg"] == 1.0
+    # inside the clip range: ½·(0.1 - 1)²
+    _, m = _ppo_loss([0.0], [0.1], [0.0], [0.0], [0.0], [1.0])
+    np.testing.assert_allclose(m["loss/value_avg"], 0.5 * 0.81, rtol=1e-6)
+    assert m["val/clipfrac_avg"] == 0.0
+    # a padded token counts nowhere
+    _, m = _ppo_loss([0.0, 3.0], [0.1, 9.0], [0.0, 0.0], [0.0, 0.0], [0.0, 5.0], [1.0, -9.0], mask=[True, False])
+    np.testing.assert_allclose([m["loss/value_avg"], m["loss/policy_avg"]], [0.5 * 0.81, 0.0], atol=1e-6)
+
+
+def test_ppo_loss_numpy_and_direction():
+    rng = np.random.default_rng(3)
+    shape = (4, 6)
+    new_lp, lp = rng.normal(-2, 0.3, shape), rng.normal(-2, 0.3, shape)
+    new_v, v, adv, ret = (rng.normal(size=shape) for _ in range(4))
+    mask = rng.random(shape) > 0.3
+    ratio = np.exp(new_lp - lp)
+    pg = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2))[mask].mean()
+    vc = v + np.clip(new_v - v, -0.2, 0.2)
+    vf = 0.5 * np.maximum((new_v - ret) ** 2, (vc - ret) ** 2)[mask].mean()
+    args = [jnp.array(x, jnp.float32) for x in (new_lp, new_v, lp, v, adv, ret)]
+    loss, m = ppo_loss(*args, jnp.array(mask), 0.2, 0.2, 0.1)
+    np.testing.assert_allclose([m["loss/policy_avg"], m["loss/value_avg"], loss], [pg, vf, pg + 0.1 * vf], rtol=1e-5)
+    # direction: with a positive advantage, raising the token's log-prob lowers the loss
+    grad = jax.grad(lambda x: ppo_loss(x, *[jnp.zeros((1, 1))] * 3, jnp.ones((1, 1)), jnp.zeros((1, 1)),
+                                       jnp.ones((1, 1), bool), 0.2, 0.2, 0.1)[0])(jnp.zeros((1, 1)))
+    assert grad[0, 0] < 0
+
+
+def test_ppo_value_loss_direction_and_clipped_values_have_no_gradient():
+    def grad(new_v, ret):  # d loss / d V_new on one token: old value 0, advantage 0, vf_coef 0.1
+        zero = jnp.zeros((1, 1))
+        f = lambda x: ppo_loss(zero, x, zero, zero, zero, jnp.full((1, 1), ret), jnp.ones((1, 1), bool),
+                               0.2, 0.2, 0.1)[0]
+        return float(jax.grad(f)(jnp.full((1, 1), new_v))[0, 0])
+    # inside the clip range: d/dV ½·0.1·(V − R)² = 0.1·(V − R), so V moves toward the return
+    assert grad(0.1, 1.0) == pytest.approx(0.1 * (0.1 - 1.0), rel=1e-6) and grad(0.1, 1.0) < 0
+    assert grad(-0.1, -1.0) == pytest.approx(0.1 * (-0.1 + 1.0), rel=1e-6) and grad(-0.1, -1.0) > 0
+    # V_new 0.5 beyond V_old + 0.2, return 1: the clipped term (0.2 − 1)² = 0.64 > (0.5 − 1)² is the
+    # max, and it does not depend on V_new
+    assert grad(0.5, 1.0) == 0.0
+
+
+# ---------------------------------------------------------------------------
+# grpo.py: group advantages, the k3 KL estimator, the clipped loss in each aggregation mode
+# ---------------------------------------------------------------------------
+def test_grpo_group_advantages_worked_example():
+    # two groups of G=4: rewards 1, 0, 0, 1 (mean ½) and 0.5 × 4 (all equal: no signal)
+    rewards = jnp.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
+    adv, std = group_advantages(rewards, 4)
+    s = np.sqrt(4 * 0.5 ** 2 / 3)  # sample std (÷ G-1) of 1, 0, 0, 1
+    a = 0.5 / (s + EPS)
+    np.testing.assert_allclose(adv, [a, -a, -a, a, 0, 0, 0, 0], rtol=1e-6)
+    np.testing.assert_allclose(std, [s, 0.0], rtol=1e-6)
+    # Dr. GRPO: no division, the raw centred rewards
+    np.testing.assert_allclose(group_advantages(rewards, 4, "none")[0], [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
+    # batch: ÷ the std of all eight rewards (mean 0.5; four deviations of ±0.5, four of 0)
+    sb = np.sqrt(4 * 0.5 ** 2 / 7)
+    np.testing.assert_allclose(group_advantages(rewards, 4, "batch")[0],
+                               np.array([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]) / (sb + EPS), rtol=1e-6)
+
+
+def test_grpo_group_advantages_numpy_float64():
+    rng = np.random.default_rng(0)
+    rewards = rng.normal(size=48)
+    grouped = rewards.reshape(6, 8)
+    centred = grouped - grouped.mean(1, keepdims=True)
+    expected = {"group": centred / (grouped.std(1, ddof=1, keepdims=True) + EPS),
+                "batch": centred / (rewards.std(ddof=1) + EPS), "none": centred}
+    for scale, want in expected.items():
+        got, std = group_advantages(jnp.array(rewards, jnp.float32), 8, scale)
+        np.testing.assert_allclose(got, want.reshape(-1), rtol=1e-4, atol=1e-5, err_msg=scale)
+    np.testing.assert_allclose(std, grouped.std(1, ddof=1), rtol=1e-5)
+    # every group's advantages sum to zero: the group mean is the baseline
+    np.testing.assert_allclose(np.asarray(got).reshape(6, 8).sum(1), 0, atol=1e-5)
+
+
+def test_grpo_k3_by_hand_and_unbiased_on_samples_from_pi():
+    # π(y) = 0.5, π_ref(y) = 0.25: ratio π_ref/π = 0.5, k3 = 0.5 − log 0.5 − 1 = log 2 − 0.5
+    np.testing.assert_allclose(k3_kl(jnp.log(0.5), jnp.log(0.25)), np.log(2) - 0.5, rtol=1e-6)
+    assert k3_kl(jnp.log(0.3), jnp.log(0.3)) == 0.0  # identical models: exactly 0
+    # E_{y~π}[k3] = KL(π ‖ π_ref): check the mean over 200k samples against the exact float64 KL
+    rng = np.random.default_rng(0)
+    p, q = rng.dirichlet(np.ones(6)), rng.dirichlet(np.ones(6))
+    y = rng.choice(6, size=200_000, p=p)
+    k3 = np.asarray(k3_kl(jnp.log(jnp.array(p[y], jnp.float32)), jnp.log(jnp.array(q[y], jnp.float32))))
+    exact = np.sum(p * np.log(p / q))
+    assert (k3 >= 0).all()
+    np.testing.assert_allclose(k3.mean(), exact, rtol=0.03)
+
+
+def _grpo_loss(logps, old, advantages, mask, ref=None, beta=0.0, loss_type="dapo", eps=0.2, eps_high=0.2):
+    arr = lambda x: None if x is None else jnp.array(x, jnp.float32)
+    return grpo_loss(arr(logps), arr(old), arr(ref), arr(advantages), jnp.array(mask, bool), eps, eps_high,
+                     beta, loss_type)
+
+
+def test_grpo_aggregation_modes_by_hand():
+    # ratio 1 everywhere, advantages 1 and 2: per-token losses -1, -1 (2 real tokens) and -2 (1 real
+    # token, the rest padding that holds garbage and must not count)
+    lp = [[-1.0, -2.0, -9.0], [-1.0, -9.0, -9.0]]
+    mask = [[True, True, False], [True, False, False]]
+    by_mode = {"dapo": (-1 - 1 - 2) / 3,  # token mean over the batch's 3 real tokens
+               "grpo": (-(1 + 1) / 2 - 2 / 1) / 2,  # each completion's mean, then the mean of those
+               "dr_grpo": (-1 - 1 - 2) / (2 * 3)}  # ÷ (B × R), fixed
+    for mode, want in by_mode.items():
+        loss, m = _grpo_loss(lp, lp, [1.0, 2.0], mask, loss_type=mode)
+        np.testing.assert_allclose(loss, want, rtol=1e-6, err_msg=mode)
+        assert m["clip_ratio"] == 0.0 and "kl" not in m  # β = 0: no KL term, no reference
+
+
+def test_grpo_clipping_by_hand():
+    # ratio e^0.5 ≈ 1.65, advantage +1: clipped at 1+ε → loss −1.2; with ε_high 0.28 → −1.28
+    loss, m = _grpo_loss([[0.5]], [[0.0]], [1.0], [[True]])
+    np.testing.assert_allclose(loss, -1.2, rtol=1e-6)
+    assert m["clip_ratio/high_mean"] == 1.0 and m["clip_ratio"] == 1.0
+    np.testing.assert_allclose(_grpo_loss([[0.5]], [[0.0]], [1.0], [[True]], eps_high=0.28)[0], -1.28, rtol=1e-6)
+    # ratio e^-0.5 ≈ 0.61, advantage −1: min(−0.61, −0.8) = −0.8 → loss +0.8, clipped from below
+    loss, m = _grpo_loss([[-0.5]], [[0.0]], [-1.0], [[True]])
+    np.testing.assert_allclose(loss, 0.8, rtol=1e-6)
+    assert m["clip_ratio/low_mean"] == 1.0
+    # ratio e^0.5 with advantage −1: the pessimistic min keeps the unclipped e^0.5, not clipped
+    loss, m = _grpo_loss([[0.5]], [[0.0]], [-1.0], [[True]])
+    np.testing.assert_allclose(loss, np.exp(0.5), rtol=1e-6)
+    assert m["clip_ratio"] == 0.0
+
+
+def test_grpo_kl_term_by_hand():
+    # π = 0.5, π_ref = 0.25 on one token, ratio 1, advantage 0: loss = β · (log 2 − 0.5)
+    loss, m = _grpo_loss([[np.log(0.5)]], [[np.log(0.5)]], [0.0], [[True]], ref=[[np.log(0.25)]], beta=0.04)
+    np.testing.assert_allclose(loss, 0.04 * (np.log(2) - 0.5), rtol=1e-5)
+    np.testing.assert_allclose(m["kl"], np.log(2) - 0.5, rtol=1e-5)
+
+
+def test_grpo_loss_numpy_float64_every_mode():
+    rng = np.random.default_rng(1)
+    b, r, eps, eps_high, beta = 6, 7, 0.2, 0.28, 0.1
+    lp, old, ref = (rng.normal(-2, 0.3, (b, r)) for _ in range(3))
+    adv = rng.normal(size=b)
+    mask = rng.random((b, r)) > 0.3
+    mask[:, 0] = True
+    ratio = np.exp(lp - old)
+    per_token = -np.minimum(ratio * adv[:, None], np.clip(ratio, 1 - eps, 1 + eps_high) * adv[:, None])
+    per_token += beta * (np.exp(ref - lp) - (ref - lp) - 1)
+    x = np.where(mask, per_token, 0.0)
+    want = {"dapo": x.sum() / mask.sum(), "grpo": np.mean(x.sum(1) / mask.sum(1)), "dr_grpo": x.sum() / (b * r)}
+    for mode, w in want.items():
+        loss, _ = _grpo_loss(lp, old, adv, mask, ref=ref, beta=beta, loss_type=mode, eps=eps, eps_high=eps_high)
+        np.testing.assert_allclose(loss, w, rtol=1e-5, err_msg=mode)
+
+
+def test_grpo_loss_direction_and_clipped_tokens_have_no_gradient():
+    """A positive advantage raises the token's log-prob; a clipped token gets no gradient; with
+    old = stop_gradient(new) (one update per batch) the gradient is the plain policy gradient −A."""
+    def grad(lp, old, adv):
+        return jax.grad(lambda x: _grpo_loss(x, old, adv, [[True, True]])[0])(jnp.array(lp))
+    g = np.asarray(grad([[0.0, 0.5]], [[0.0, 0.0]], [1.0]))
+    assert g[0, 0] < 0 and g[0, 1] == 0.0  # token 2 sits above 1+ε with A > 0: clipped, no gradient
+    on_policy = jax.grad(lambda x: _grpo_loss(x, jax.lax.stop_gradient(x), [2.0], [[True, True]])[0])(jnp.zeros((1, 2)))
+    np.testing.assert_allclose(on_policy, [[-2.0 / 2, -2.0 / 2]], rtol=1e-6)  # −A / (number of tokens)
+
+
+def test_grpo_aggregate_ignores_padding_values():
+    x = jnp.array([[1.0, 2.0, 5.0]])
+    mask = jnp.array([[True, True, False]])
+    for mode in ("dapo", "grpo", "dr_grpo"):
+        assert aggregate(x, mask, mode) == aggregate(x.at[0, 2].set(1e9), mask, mode)
+
+
+# ---------------------------------------------------------------------------
+# Log-probs: sequence_logps (shift, padding), token_logps against the model's full logits
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("module", [dpo, simpo, orpo])
+def test_sequence_logps_shift_and_padding(module):
+    logps = jnp.array([[-1.0, -2.0, -3.0, -4.0, 9.0, 9.0]])  # position t scores token t+1
+    mask = jnp.array([[False, False, True, True, True, False, False]])  # BOS, prompt, 3 response, 2 pad
+    assert float(module.sequence_logps(logps, mask)[0]) == -2.0 - 3.0 - 4.0
+    assert float(module.sequence_logps(logps, mask, average=True)[0]) == pytest.approx(-3.0)
+    padded = module.sequence_logps(jnp.pad(logps, ((0, 0), (0, 5)), constant_values=7.0), jnp.pad(mask, ((0, 0), (0, 5))))
+    assert float(padded[0]) == -9.0
+
+
+def test_padding_invariance_of_sequence_logps_through_the_model(prefs):
+    mesh, model, pairs = prefs
+    params, frozen = common.split_variables(model.backbone)
+    fwd = jax.jit(lambda b: dpo.concatenated_forward(model.backbone, params, frozen, b))
+    short = fwd(dpo.pad_examples(pairs, 32))
+    long = fwd(dpo.pad_examples(pairs, 48))
+    for a, b in zip(short, long):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+    assert np.all(np.asarray(short[0]) < 0) and not np.allclose(short[0], short[1])
 
 
 @pytest.fixture(scope="module")

@@ -1,6 +1,7 @@
-"""dpo.py, simpo.py, orpo.py: the losses against hand-worked numbers and float64 NumPy,
-the log-prob helpers, the reference model three ways, data validation, and each script
-through its CLI on `tiny` (outputs, first-batch metrics before any update, learning)."""
+"""dpo.py, simpo.py, orpo.py beyond their losses and log-prob helpers (those are in
+test_losses.py): the reference model three ways, one DPO step precomputed + accumulated ==
+online, data validation, and each script through its CLI on `tiny` (outputs, first-batch
+metrics before any update, learning)."""
 
 import json
 import math
@@ -18,179 +19,16 @@ import dpo
 import orpo
 import simpo
 from dpo import dpo_loss
+from helpers import ROOT, metrics as read_metrics
 from orpo import orpo_loss
 from simpo import simpo_loss
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LOG2 = math.log(2)
 
 
-def log_sigmoid64(x):
-    return -np.logaddexp(0.0, -x)
-
-
-def random_logps(seed, n=16):
-    rng = np.random.default_rng(seed)
-    return [rng.uniform(-30, -1, n) for _ in range(4)]
-
-
 # ---------------------------------------------------------------------------
-# DPO
+# The reference model (tiny, in process; `prefs` is in conftest.py) and data
 # ---------------------------------------------------------------------------
-def test_dpo_hand_worked():
-    loss, m = dpo_loss(jnp.array([-5.0, -9.0]), jnp.array([-7.0, -2.0]), jnp.array([-5.0, -9.0]),
-                       jnp.array([-7.0, -2.0]), beta=0.1)
-    assert float(loss) == pytest.approx(LOG2, abs=1e-6)  # policy == reference: equal margins
-    assert float(m["rewards/margins"]) == 0 and float(m["rewards/accuracies"]) == 0
-    # h = (−1 − (−3)) − (−2 − (−2)) = 2, β = 0.5: loss = −log σ(1) = log(1 + e^−1)
-    loss, m = dpo_loss(jnp.array([-1.0]), jnp.array([-3.0]), jnp.array([-2.0]), jnp.array([-2.0]), beta=0.5)
-    assert float(loss) == pytest.approx(math.log(1 + math.exp(-1)), abs=1e-6)
-    assert float(m["rewards/chosen"]) == pytest.approx(0.5) and float(m["rewards/rejected"]) == pytest.approx(-0.5)
-    assert float(m["rewards/margins"]) == pytest.approx(1.0) and float(m["rewards/accuracies"]) == 1.0
-    assert float(m["logps/chosen"]) == -1.0 and float(m["logps/rejected"]) == -3.0
-
-
-def test_dpo_variants_hand_worked():
-    same = [jnp.array([-4.0])] * 4  # h = 0
-    assert float(dpo_loss(*same, beta=0.1, loss_type="ipo")[0]) == pytest.approx((0 - 1 / 0.2) ** 2)  # 25
-    assert float(dpo_loss(*same, beta=0.1, loss_type="hinge")[0]) == pytest.approx(1.0)
-    h20 = [jnp.array([-1.0]), jnp.array([-21.0]), jnp.array([-5.0]), jnp.array([-5.0])]  # h = 20
-    assert float(dpo_loss(*h20, beta=0.1, loss_type="hinge")[0]) == 0.0  # relu(1 − 2)
-    assert float(dpo_loss(*h20, beta=0.1, loss_type="ipo")[0]) == pytest.approx((20 - 5) ** 2, rel=1e-6)
-    # cDPO with ε = 0.5 is symmetric: ½(softplus(−βh) + softplus(βh)), βh = 2
-    x = 2.0
-    expected = 0.5 * (math.log1p(math.exp(-x)) + math.log1p(math.exp(x)))
-    assert float(dpo_loss(*h20, beta=0.1, label_smoothing=0.5)[0]) == pytest.approx(expected, rel=1e-6)
-    with pytest.raises(ValueError):
-        dpo_loss(*same, loss_type="kto")
-
-
-@pytest.mark.parametrize("loss_type, eps", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("hinge", 0.0)])
-def test_dpo_float64_rederivation(loss_type, eps):
-    c, r, rc, rr = random_logps(1)
-    beta = 0.3
-    h = (c - r) - (rc - rr)
-    if loss_type == "sigmoid":
-        want = np.mean(-(1 - eps) * log_sigmoid64(beta * h) - eps * log_sigmoid64(-beta * h))
-    elif loss_type == "ipo":
-        want = np.mean((h - 1 / (2 * beta)) ** 2)
-    else:
-        want = np.mean(np.maximum(0.0, 1 - beta * h))
-    loss, m = dpo_loss(*map(jnp.asarray, (c, r, rc, rr)), beta, loss_type, eps)
-    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
-    np.testing.assert_allclose(float(m["rewards/margins"]), np.mean(beta * h), rtol=1e-5, atol=1e-5)
-    np.testing.assert_allclose(float(m["rewards/accuracies"]), np.mean(beta * (c - rc) > beta * (r - rr)))
-
-
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
-def test_dpo_direction(loss_type):
-    args = [jnp.array([-10.0, -12.0]), jnp.array([-11.0, -9.0]), jnp.array([-10.5, -11.0]), jnp.array([-10.0, -10.0])]
-    g = jax.grad(lambda c, r: dpo_loss(c, r, *args[2:], beta=0.1, loss_type=loss_type)[0], argnums=(0, 1))(*args[:2])
-    assert (g[0] < 0).all() and (g[1] > 0).all()  # raising chosen / lowering rejected lowers the loss
-
-
-# ---------------------------------------------------------------------------
-# SimPO
-# ---------------------------------------------------------------------------
-def test_simpo_hand_worked():
-    same = jnp.array([-0.7, -1.3])
-    assert float(simpo_loss(same, same, 0.0, beta=2.0, gamma=0.0)[0]) == pytest.approx(LOG2, abs=1e-6)
-    # equal rewards with margin γ = 1: −log σ(−1) = log(1 + e)
-    assert float(simpo_loss(same, same, 0.0, beta=2.0, gamma=1.0)[0]) == pytest.approx(math.log(1 + math.e))
-    # β·Δ = 2·0.5 = γ: back at log 2; sft_weight adds 0.5·NLL = 0.5·3
-    loss, m = simpo_loss(jnp.array([-1.0]), jnp.array([-1.5]), 3.0, beta=2.0, gamma=1.0, sft_weight=0.5)
-    assert float(loss) == pytest.approx(LOG2 + 1.5, abs=1e-6)
-    assert float(m["rewards/chosen"]) == -2.0 and float(m["rewards/rejected"]) == -3.0
-    assert float(m["rewards/margins"]) == 1.0 and float(m["nll_loss"]) == 3.0
-
-
-def test_simpo_float64_rederivation_and_direction():
-    c, r, _, _ = random_logps(2)
-    c, r = c / 10, r / 10  # per-token means
-    beta, gamma, w, nll = 2.5, 0.7, 0.3, 1.9
-    want = np.mean(-log_sigmoid64(beta * c - beta * r - gamma)) + w * nll
-    loss, m = simpo_loss(jnp.asarray(c), jnp.asarray(r), nll, beta, gamma, w)
-    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
-    np.testing.assert_allclose(float(m["rewards/accuracies"]), np.mean(c > r))
-    g = jax.grad(lambda c, r: simpo_loss(c, r, 0.0, beta, gamma)[0], argnums=(0, 1))(jnp.asarray(c), jnp.asarray(r))
-    assert (g[0] < 0).all() and (g[1] > 0).all()
-
-
-# ---------------------------------------------------------------------------
-# ORPO
-# ---------------------------------------------------------------------------
-def test_orpo_hand_worked():
-    half = jnp.log(jnp.array([0.5, 0.5]))  # P = 0.5: odds 1 each, odds ratio 1, log σ(0) = −log 2
-    loss, m = orpo_loss(half, half, 1.0, beta=0.1)
-    assert float(loss) == pytest.approx(1.0 + 0.1 * LOG2, abs=1e-6)
-    assert float(m["log_odds_chosen"]) == pytest.approx(0.0, abs=1e-6)
-    assert float(m["log_odds_ratio"]) == pytest.approx(-LOG2, abs=1e-6)
-    # P+ = 0.8, P− = 0.2: odds 4 and 1/4, log OR = log 16, −log σ(log 16) = log(17/16)
-    loss, m = orpo_loss(jnp.log(jnp.array([0.8])), jnp.log(jnp.array([0.2])), 0.5, beta=1.0)
-    assert float(loss) == pytest.approx(0.5 + math.log(17 / 16), rel=1e-5)
-    assert float(m["log_odds_chosen"]) == pytest.approx(math.log(16), rel=1e-5)
-    assert float(m["rewards/margins"]) == pytest.approx(math.log(4), rel=1e-5)  # β(log .8 − log .2)
-
-
-def test_orpo_float64_rederivation_and_direction():
-    c, r, _, _ = random_logps(3)
-    c, r = c / 10, r / 10
-    lam, nll = 0.25, 2.2
-    log_odds = (c - np.log1p(-np.exp(c))) - (r - np.log1p(-np.exp(r)))
-    want = nll - lam * np.mean(log_sigmoid64(log_odds))
-    loss, m = orpo_loss(jnp.asarray(c), jnp.asarray(r), nll, lam)
-    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
-    np.testing.assert_allclose(float(m["log_odds_chosen"]), np.mean(log_odds), rtol=1e-4)
-    g = jax.grad(lambda c, r: orpo_loss(c, r, 0.0, lam)[0], argnums=(0, 1))(jnp.asarray(c), jnp.asarray(r))
-    assert (g[0] < 0).all() and (g[1] > 0).all()
-
-
-def test_orpo_numerically_safe_at_extremes():
-    x = np.array([0.0, -1e-9, -1e-6, -1e-3, -0.69, -0.7, -5.0, -50.0, -1e4])
-    np.testing.assert_allclose(np.asarray(orpo.log1mexp(jnp.asarray(x[2:]))), np.log1p(-np.exp(x[2:])), rtol=1e-5)
-    assert np.isfinite(np.asarray(orpo.log1mexp(jnp.asarray(x[:2])))).all()  # P = 1 is capped, not −inf
-    c, r = jnp.asarray(x), jnp.asarray(x[::-1].copy())
-    loss, m = orpo_loss(c, r, 1.0, 0.1)
-    g = jax.grad(lambda c, r: orpo_loss(c, r, 1.0, 0.1)[0], argnums=(0, 1))(c, r)
-    assert np.isfinite(float(loss)) and all(np.isfinite(float(v)) for v in m.values())
-    assert np.isfinite(np.asarray(g[0])).all() and np.isfinite(np.asarray(g[1])).all()
-
-
-# ---------------------------------------------------------------------------
-# Log-prob helpers, data, and the reference model (tiny, in process)
-# ---------------------------------------------------------------------------
-@pytest.mark.parametrize("module", [dpo, simpo, orpo])
-def test_sequence_logps_shift_and_padding(module):
-    logps = jnp.array([[-1.0, -2.0, -3.0, -4.0, 9.0, 9.0]])  # position t scores token t+1
-    mask = jnp.array([[False, False, True, True, True, False, False]])  # BOS, prompt, 3 response, 2 pad
-    assert float(module.sequence_logps(logps, mask)[0]) == -2.0 - 3.0 - 4.0
-    assert float(module.sequence_logps(logps, mask, average=True)[0]) == pytest.approx(-3.0)
-    padded = module.sequence_logps(jnp.pad(logps, ((0, 0), (0, 5)), constant_values=7.0), jnp.pad(mask, ((0, 0), (0, 5))))
-    assert float(padded[0]) == -9.0
-
-
-@pytest.fixture(scope="module")
-def prefs():
-    """The tiny model (LoRA rank 4: base weights = plain `tiny`, seed 0) and 8 tokenised eval pairs."""
-    mesh = common.make_mesh()
-    model = common.load_model("tiny", mesh, "float32", seed=0, lora_rank=4)
-    template = dpo.chat_template(model.backbone)
-    pairs, _ = dpo.tokenize_dataset(os.path.join(ROOT, "data", "prefs_eval.jsonl"),
-                                    model.preprocessor.tokenizer, template, 512)
-    return mesh, model, pairs[:8]
-
-
-def test_padding_invariance_of_sequence_logps_through_the_model(prefs):
-    mesh, model, pairs = prefs
-    params, frozen = common.split_variables(model.backbone)
-    fwd = jax.jit(lambda b: dpo.concatenated_forward(model.backbone, params, frozen, b))
-    short = fwd(dpo.pad_examples(pairs, 32))
-    long = fwd(dpo.pad_examples(pairs, 48))
-    for a, b in zip(short, long):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
-    assert np.all(np.asarray(short[0]) < 0) and not np.allclose(short[0], short[1])
-
-
 def test_reference_logps_agree_three_ways(prefs):
     """πref = the initial model, whether a frozen copy of the full weights, the LoRA-off
     base of a trained LoRA policy, or log-probs precomputed in one pass."""
@@ -289,11 +127,6 @@ def run(script, *args, check=True):
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
-
-
-def read_metrics(output_dir):
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 @pytest.fixture(scope="module")

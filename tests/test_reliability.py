@@ -2,57 +2,21 @@
 run ends), SIGTERM (preemption: checkpoint and exit 0), an occupied --output-dir,
 a non-finite loss, and a run split over two processes."""
 
-import json
 import os
 import signal
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, assert_same_rows, coordinator_address, env_with_devices, metrics, wait_for
+
 FAST = ["--model", "tiny", "--batch-size", "16", "--log-every", "5", "--eval-dataset", "",
         "--num-samples", "0", "--seed", "3"]
-TIMING = ("charts/tokens_per_sec", "charts/mfu")
 
 
 def cmd(script, *args):
     return [sys.executable, os.path.join(ROOT, script), *FAST, *args]
-
-
-def env_with_devices(n):
-    env = dict(os.environ)
-    flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
-    return env
-
-
-def metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def without_timing(rows):
-    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
-
-
-def assert_same_rows(a, b, rel=1e-5):
-    a, b = without_timing(a), without_timing(b)
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    for ra, rb in zip(a, b):
-        assert ra.keys() == rb.keys()
-        for k in ra:
-            assert rb[k] == pytest.approx(ra[k], rel=rel, abs=1e-7), (ra["step"], k)
-
-
-def wait_for(path, proc, timeout=300):
-    start = time.time()
-    while not os.path.exists(path):
-        assert proc.poll() is None, "run ended before reaching the point to interrupt it"
-        assert time.time() - start < timeout
-        time.sleep(0.2)
 
 
 @pytest.fixture(scope="module")
@@ -132,10 +96,7 @@ def test_nonfinite_loss_stops_naming_the_step_or_is_skipped(tmp_path):
 
 
 def test_two_processes_match_one(tmp_path):
-    port = socket.socket()
-    port.bind(("localhost", 0))
-    address = f"localhost:{port.getsockname()[1]}"
-    port.close()
+    address = coordinator_address()
     common_args = ["--max-steps", "3", "--log-every", "1", "--batch-size", "16"]
     one = str(tmp_path / "one")
     subprocess.run(cmd("sft.py", *common_args, "--output-dir", one), check=True, capture_output=True,

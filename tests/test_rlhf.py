@@ -1,12 +1,9 @@
-"""reward.py and ppo.py: losses by hand and in float64 NumPy, GAE, whitening, reward placement,
-KV-cached sampling (== uncached greedy, compiled once), the CLIs, and learning on the toy task."""
+"""reward.py and ppo.py beyond their losses (those are in test_losses.py): response truncation,
+one PPO update's direction on a real rollout, KV-cached sampling (== uncached greedy, compiled
+once), the CLIs, and learning on the toy task."""
 
 import json
 import os
-import signal
-import subprocess
-import sys
-import time
 
 import numpy as np
 import pytest
@@ -16,42 +13,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ppo import (Args, advantages_of, compute_gae, compute_rewards, generate, hidden_states, ppo_loss,
-                 response_logps, rollout_stats, train_step, truncate_response, whiten)
-from reward import reward_loss
-from conftest import one_device_env
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def run(script, *flags, env=None):
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=ROOT,
-                          capture_output=True, text=True, timeout=900, env=env)
-
-
-def metrics(output_dir):
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
+from helpers import assert_same_rows, metrics, one_device_env, preempt_then_resume, run_script as run
+from ppo import Args, advantages_of, generate, hidden_states, response_logps, rollout_stats, train_step, truncate_response
 
 
 # ---------------------------------------------------------------------------
-# reward.py: Bradley–Terry loss
-# ---------------------------------------------------------------------------
-def test_reward_loss_by_hand_numpy_and_direction():
-    loss, m = reward_loss(jnp.array([1.0, 0.0]), jnp.array([1.0, 2.0]))
-    # margins 0 and -2: mean of -log σ(0) = log 2 and -log σ(-2) = log(1 + e^2)
-    np.testing.assert_allclose(loss, (np.log(2) + np.log(1 + np.exp(2))) / 2, rtol=1e-6)
-    np.testing.assert_allclose([m["rewards/accuracies"], m["rewards/margins"]], [0.0, -1.0])
-    rng = np.random.default_rng(0)
-    c, r = rng.normal(size=64) * 5, rng.normal(size=64) * 5
-    expected = np.mean(-np.log(1 / (1 + np.exp(-(c - r)))))  # float64
-    np.testing.assert_allclose(reward_loss(jnp.array(c), jnp.array(r))[0], expected, rtol=1e-5)
-    grad = jax.grad(lambda x: reward_loss(x, jnp.zeros(3))[0])(jnp.zeros(3))
-    assert (grad < 0).all()  # raising the chosen score lowers the loss
-
-
-# ---------------------------------------------------------------------------
-# ppo.py: response processing, rewards, GAE, whitening, losses
+# ppo.py: response processing and one update
 # ---------------------------------------------------------------------------
 def test_truncate_response_after_first_eos():
     eos, pad = 1, 0
@@ -59,123 +26,6 @@ def test_truncate_response_after_first_eos():
     out, lengths = truncate_response(responses, eos, pad)
     np.testing.assert_array_equal(out, [[5, 1, 0, 0], [5, 6, 7, 8], [1, 0, 0, 0]])
     np.testing.assert_array_equal(lengths, [1, 3, 0])  # index of the EOS, or R-1 without one
-
-
-def test_reward_placement_and_kl():
-    logprobs = jnp.array([[-1.0, -2.0, -0.5, -3.0], [-1.0, -1.0, -1.0, -1.0]])
-    ref = jnp.array([[-1.5, -1.0, -0.5, -9.0], [-2.0, -1.0, -1.0, -1.0]])
-    scores, lengths = jnp.array([2.0, -1.0]), jnp.array([2, 3])
-    rewards, kl, nsr = compute_rewards(scores, logprobs, ref, lengths, kl_coef=0.1)
-    # k1 = logπ - logπref on real tokens; 0 after the EOS (row 0, position 3)
-    np.testing.assert_allclose(kl, [[0.5, -1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0]])
-    # score added on the last real token only: -0.1·kl + score there
-    np.testing.assert_allclose(rewards, [[-0.05, 0.1, 2.0, 0.0], [-0.1, 0.0, 0.0, -1.0]], rtol=1e-6)
-    np.testing.assert_allclose(nsr, -0.1 * np.asarray(kl))
-    _, kl3, _ = compute_rewards(scores, logprobs, ref, lengths, 0.1, "k3")
-    logr = np.array([[-0.5, 1.0, 0.0, 0.0], [-1.0, 0.0, 0.0, 0.0]])
-    np.testing.assert_allclose(kl3, np.expm1(logr) - logr, rtol=1e-6)
-    assert (np.asarray(kl3) >= 0).all()
-
-
-def test_gae_worked_example():
-    rewards, values = jnp.array([[0.0, 0.0, 1.0]]), jnp.array([[0.5, 0.5, 0.5]])
-    adv, ret = compute_gae(rewards, values, jnp.ones((1, 3), bool), gamma=0.9, lam=0.5)
-    d2 = 1.0 + 0.9 * 0.0 - 0.5  # the value after the last token is 0
-    d1 = d0 = 0.0 + 0.9 * 0.5 - 0.5
-    a2 = d2
-    a1 = d1 + 0.9 * 0.5 * a2
-    a0 = d0 + 0.9 * 0.5 * a1
-    np.testing.assert_allclose(adv, [[a0, a1, a2]], rtol=1e-6)
-    np.testing.assert_allclose(ret, [[a0 + 0.5, a1 + 0.5, a2 + 0.5]], rtol=1e-6)
-
-
-def test_gae_matches_python_loop_and_ignores_padding():
-    rng = np.random.default_rng(1)
-    b, t, gamma, lam = 4, 7, 0.97, 0.9
-    rewards, values = rng.normal(size=(b, t)), rng.normal(size=(b, t))
-    lengths = np.array([6, 3, 0, 4])
-    mask = np.arange(t)[None] <= lengths[:, None]
-    expected = np.zeros((b, t))
-    for i in range(b):  # TRL's loop, on the real tokens only
-        last = 0.0
-        for j in reversed(range(lengths[i] + 1)):
-            next_value = values[i, j + 1] if j < lengths[i] else 0.0
-            last = rewards[i, j] + gamma * next_value - values[i, j] + gamma * lam * last
-            expected[i, j] = last
-    adv, ret = compute_gae(jnp.array(rewards), jnp.array(values), jnp.array(mask), gamma, lam)
-    np.testing.assert_allclose(np.where(mask, adv, 0), expected, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(np.where(mask, ret, 0), np.where(mask, expected + values, 0), rtol=1e-4, atol=1e-5)
-    garbage = np.where(mask, values, 1e3)  # padded values must not leak in
-    adv2, _ = compute_gae(jnp.array(np.where(mask, rewards, 1e3)), jnp.array(garbage), jnp.array(mask), gamma, lam)
-    np.testing.assert_allclose(np.where(mask, adv2, 0), expected, rtol=1e-4, atol=1e-5)
-
-
-def test_masked_whitening():
-    rng = np.random.default_rng(2)
-    x = rng.normal(3.0, 2.0, size=(3, 5))
-    mask = np.array([[1, 1, 1, 0, 0], [1, 1, 1, 1, 1], [1, 0, 0, 0, 0]], bool)
-    w = np.asarray(whiten(jnp.array(np.where(mask, x, 1e6)), jnp.array(mask)))
-    v = x[mask]
-    np.testing.assert_allclose(w[mask], (v - v.mean()) / v.std(ddof=1), rtol=1e-4)
-    assert (w[~mask] == 0).all()
-    kept = np.asarray(whiten(jnp.array(x), jnp.array(mask), shift_mean=False))
-    np.testing.assert_allclose(kept[mask], (v - v.mean()) / v.std(ddof=1) + v.mean(), rtol=1e-4)
-
-
-def _loss(new_lp, new_v, lp, v, adv, ret, mask=None, **kw):
-    args = [jnp.array([x], jnp.float32) for x in (new_lp, new_v, lp, v, adv, ret)]
-    mask = jnp.ones((1, len(new_lp)), bool) if mask is None else jnp.array([mask])
-    return ppo_loss(*args, mask, cliprange=kw.get("c", 0.2), cliprange_value=kw.get("cv", 0.2), vf_coef=0.1)
-
-
-def test_ppo_policy_loss_hand_cases():
-    # ratio e^0.5 ≈ 1.65 outside [0.8, 1.2], advantage +1: the clipped term wins, -1.2
-    _, m = _loss([0.5], [0.0], [0.0], [0.0], [1.0], [0.0])
-    np.testing.assert_allclose(m["loss/policy_avg"], -1.2, rtol=1e-6)
-    assert m["policy/clipfrac_avg"] == 1.0
-    # same ratio, advantage -1: the pessimistic max keeps the unclipped e^0.5
-    _, m = _loss([0.5], [0.0], [0.0], [0.0], [-1.0], [0.0])
-    np.testing.assert_allclose(m["loss/policy_avg"], np.exp(0.5), rtol=1e-6)
-    assert m["policy/clipfrac_avg"] == 0.0
-    # ratio e^0.1 inside the range, advantage 2: plain -2·e^0.1; approxkl = ½·0.1²
-    _, m = _loss([0.1], [0.0], [0.0], [0.0], [2.0], [0.0])
-    np.testing.assert_allclose([m["loss/policy_avg"], m["policy/approxkl_avg"]], [-2 * np.exp(0.1), 0.005],
-                               rtol=1e-5)
-
-
-def test_ppo_value_loss_hand_cases():
-    # new value 0.5 moves 0.5 from the rollout value 0 > cliprange_value 0.2: clipped 0.2,
-    # (0.2 - 1)² = 0.64 > (0.5 - 1)² = 0.25, the max is 0.64, loss ½·0.64
-    loss, m = _loss([0.0], [0.5], [0.0], [0.0], [0.0], [1.0])
-    np.testing.assert_allclose(m["loss/value_avg"], 0.5 * 0.64, rtol=1e-6)
-    np.testing.assert_allclose(loss, 0.1 * 0.32, rtol=1e-6)
-    assert m["val/clipfrac_avg"] == 1.0
-    # inside the clip range: ½·(0.1 - 1)²
-    _, m = _loss([0.0], [0.1], [0.0], [0.0], [0.0], [1.0])
-    np.testing.assert_allclose(m["loss/value_avg"], 0.5 * 0.81, rtol=1e-6)
-    assert m["val/clipfrac_avg"] == 0.0
-    # a padded token counts nowhere
-    _, m = _loss([0.0, 3.0], [0.1, 9.0], [0.0, 0.0], [0.0, 0.0], [0.0, 5.0], [1.0, -9.0], mask=[True, False])
-    np.testing.assert_allclose([m["loss/value_avg"], m["loss/policy_avg"]], [0.5 * 0.81, 0.0], atol=1e-6)
-
-
-def test_ppo_loss_numpy_and_direction():
-    rng = np.random.default_rng(3)
-    shape = (4, 6)
-    new_lp, lp = rng.normal(-2, 0.3, shape), rng.normal(-2, 0.3, shape)
-    new_v, v, adv, ret = (rng.normal(size=shape) for _ in range(4))
-    mask = rng.random(shape) > 0.3
-    ratio = np.exp(new_lp - lp)
-    pg = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2))[mask].mean()
-    vc = v + np.clip(new_v - v, -0.2, 0.2)
-    vf = 0.5 * np.maximum((new_v - ret) ** 2, (vc - ret) ** 2)[mask].mean()
-    args = [jnp.array(x, jnp.float32) for x in (new_lp, new_v, lp, v, adv, ret)]
-    loss, m = ppo_loss(*args, jnp.array(mask), 0.2, 0.2, 0.1)
-    np.testing.assert_allclose([m["loss/policy_avg"], m["loss/value_avg"], loss], [pg, vf, pg + 0.1 * vf], rtol=1e-5)
-    # direction: with a positive advantage, raising the token's log-prob lowers the loss
-    grad = jax.grad(lambda x: ppo_loss(x, *[jnp.zeros((1, 1))] * 3, jnp.ones((1, 1)), jnp.zeros((1, 1)),
-                                       jnp.ones((1, 1), bool), 0.2, 0.2, 0.1)[0])(jnp.zeros((1, 1)))
-    assert grad[0, 0] < 0
 
 
 def test_ppo_update_moves_logprobs_along_advantages():
@@ -274,47 +124,6 @@ def test_reward_model_learns_and_saves_head(reward_run):
 # Reliability: SIGTERM (preemption) checkpoints and exits 0; --resume ends where an
 # uninterrupted run ends (same per-step rows, same final loss)
 # ---------------------------------------------------------------------------
-TIMING = ("charts/tokens_per_sec", "charts/mfu", "charts/generate_tokens_per_sec", "charts/generate_time",
-          "charts/score_time", "charts/update_time")
-
-
-
-
-def preempt_then_resume(script, flags, first_checkpoint, tmp_path):
-    """Runs `flags` uninterrupted and (concurrently) a copy that gets SIGTERM once checkpoint
-    `first_checkpoint` exists, then resumes the copy; -> (clean rows, resumed rows, stop step)."""
-    clean, cut = str(tmp_path / "clean"), str(tmp_path / "cut")
-    argv = lambda out: [sys.executable, os.path.join(ROOT, script), *flags, "--output-dir", out]
-    env = one_device_env()
-    runs = [subprocess.Popen(argv(out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env) for out in (clean, cut)]
-    start = time.time()
-    while not os.path.exists(os.path.join(cut, "checkpoints", str(first_checkpoint))):
-        assert runs[1].poll() is None, "run ended before it could be interrupted"
-        assert time.time() - start < 600
-        time.sleep(0.1)
-    runs[1].send_signal(signal.SIGTERM)
-    outs = [p.communicate(timeout=600) for p in runs]
-    assert [p.returncode for p in runs] == [0, 0], outs[1][1][-2000:] + outs[0][1][-2000:]
-    line = [s for s in outs[1][0].splitlines() if s.startswith("SIGTERM: checkpoint saved at step ")]
-    assert line and line[0].endswith("continue with --resume"), outs[1][0][-2000:]
-    stopped = int(line[0].split("step ")[1].split(";")[0])
-    assert not os.path.exists(os.path.join(cut, "model"))  # stopped early, nothing final written
-    res = subprocess.run(argv(cut) + ["--resume"], cwd=ROOT, capture_output=True, text=True, env=env)
-    assert res.returncode == 0, res.stderr[-2000:]
-    assert f"resumed from step {stopped}" in res.stdout
-    strip = lambda rows: [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
-    return strip(metrics(clean)), strip(metrics(cut)), stopped
-
-
-def assert_same_rows(a, b, rel=1e-5):
-    assert [r["step"] for r in a] == [r["step"] for r in b]
-    for ra, rb in zip(a, b):
-        assert ra.keys() == rb.keys()
-        for k in ra:
-            assert rb[k] == pytest.approx(ra[k], rel=rel, abs=1e-7), (ra["step"], k)
-
-
 def test_reward_sigterm_then_resume_equals_uninterrupted(tmp_path):
     """--log-every 1: every row is one step, so the row the stopped run logs at its stop step is
     also a row of the uninterrupted run (with --log-every 5 it would average a partial interval)."""

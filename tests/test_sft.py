@@ -8,7 +8,8 @@ import sys
 import numpy as np
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from helpers import ROOT, metrics as read_metrics
+
 sys.path.insert(0, os.path.join(ROOT, "data"))
 import toy  # noqa: E402
 
@@ -22,11 +23,6 @@ def run(*args, check=True, one_device=False):
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
-
-
-def read_metrics(output_dir):
-    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
 
 
 def exact_match(model, n=100):

@@ -1,0 +1,103 @@
+"""Utilities the test files share for running scripts as subprocesses and comparing their
+metrics: a plain module (not a test file, no fixtures), imported as `from helpers import ...`
+(conftest.py puts tests/ on sys.path). Test files import from here, never from each other."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# Wall-clock metrics: they differ between two runs of the same steps, so row comparisons drop them.
+TIMING = ("charts/tokens_per_sec", "charts/mfu", "charts/generate_tokens_per_sec", "charts/generate_time",
+          "charts/score_time", "charts/update_time")
+
+
+def env_with_devices(n):
+    """The environment of a subprocess that sees `n` CPU devices instead of 8 simulated ones."""
+    env = dict(os.environ)
+    flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
+    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    return env
+
+
+def one_device_env():
+    """The environment of a subprocess that sees one CPU device instead of 8 simulated ones."""
+    return env_with_devices(1)
+
+
+def run_script(script, *flags, env=None, timeout=900):
+    """`python <script> <flags>` from the repository root; -> the CompletedProcess (text output)."""
+    return subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=ROOT,
+                          capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def metrics(output_dir):
+    """The rows of `<output_dir>/metrics.jsonl`."""
+    with open(os.path.join(output_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def without_timing(rows):
+    return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
+
+
+def assert_same_rows(a, b, rel=1e-5):
+    """Same steps, same keys, same values (timing metrics left out)."""
+    a, b = without_timing(a), without_timing(b)
+    assert [r["step"] for r in a] == [r["step"] for r in b]
+    for ra, rb in zip(a, b):
+        assert ra.keys() == rb.keys()
+        for k in ra:
+            assert rb[k] == pytest.approx(ra[k], rel=rel, abs=1e-7), (ra["step"], k)
+
+
+def wait_for(path, proc, timeout=300):
+    """Polls until `path` exists; fails if `proc` ends first or `timeout` seconds pass."""
+    start = time.time()
+    while not os.path.exists(path):
+        assert proc.poll() is None, "run ended before reaching the point to interrupt it"
+        assert time.time() - start < timeout
+        time.sleep(0.2)
+
+
+def coordinator_address():
+    """localhost:<a free port> for jax.distributed's coordinator."""
+    port = socket.socket()
+    port.bind(("localhost", 0))
+    address = f"localhost:{port.getsockname()[1]}"
+    port.close()
+    return address
+
+
+def preempt_then_resume(script, flags, first_checkpoint, tmp_path):
+    """Runs `flags` uninterrupted and (concurrently) a copy that gets SIGTERM once checkpoint
+    `first_checkpoint` exists, then resumes the copy; -> (clean rows, resumed rows, stop step),
+    the rows without timing metrics."""
+    clean, cut = str(tmp_path / "clean"), str(tmp_path / "cut")
+    argv = lambda out: [sys.executable, os.path.join(ROOT, script), *flags, "--output-dir", out]
+    env = one_device_env()
+    runs = [subprocess.Popen(argv(out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             env=env) for out in (clean, cut)]
+    start = time.time()
+    while not os.path.exists(os.path.join(cut, "checkpoints", str(first_checkpoint))):
+        assert runs[1].poll() is None, "run ended before it could be interrupted"
+        assert time.time() - start < 600
+        time.sleep(0.1)
+    runs[1].send_signal(signal.SIGTERM)
+    outs = [p.communicate(timeout=600) for p in runs]
+    assert [p.returncode for p in runs] == [0, 0], outs[1][1][-2000:] + outs[0][1][-2000:]
+    line = [s for s in outs[1][0].splitlines() if s.startswith("SIGTERM: checkpoint saved at step ")]
+    assert line and line[0].endswith("continue with --resume"), outs[1][0][-2000:]
+    stopped = int(line[0].split("step ")[1].split(";")[0])
+    assert not os.path.exists(os.path.join(cut, "model"))  # stopped early, nothing final written
+    res = subprocess.run(argv(cut) + ["--resume"], cwd=ROOT, capture_output=True, text=True, env=env)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert f"resumed from step {stopped}" in res.stdout
+    return without_timing(metrics(clean)), without_timing(metrics(cut)), stopped
