@@ -1,0 +1,176 @@
+"""The run's lifecycle (common.Run) as a user meets it, through sft.py's CLI: --resume on runs
+that cannot or need not continue, flags and files checked before the model loads, Ctrl-C during
+start-up and twice, fast grouped --help, and what a run records and prints at its end."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from helpers import ROOT, one_device_env, run_script
+
+FAST = ["--model", "tiny", "--batch-size", "8", "--log-every", "2", "--eval-dataset", "", "--num-samples", "0"]
+SCRIPTS = ("sft.py", "dpo.py", "simpo.py", "orpo.py", "reward.py", "ppo.py", "grpo.py", "evaluate.py",
+           "compare.py")
+
+
+def sft(*flags):
+    return run_script("sft.py", *FAST, *flags, env=one_device_env())
+
+
+def snapshot(path):
+    """{relative path: (size, mtime)} of every file under `path`: 'nothing touched' means equal."""
+    out = {}
+    for root, _, files in os.walk(path):
+        for f in files:
+            p = os.path.join(root, f)
+            out[os.path.relpath(p, path)] = (os.path.getsize(p), os.stat(p).st_mtime_ns)
+    return out
+
+
+def one_line_exit_2(proc):
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in proc.stderr, proc.stderr
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def finished(tmp_path_factory):
+    """A finished 4-step run with the default --save-every 0 (no checkpoint)."""
+    out = str(tmp_path_factory.mktemp("life") / "done")
+    proc = sft("--max-steps", "4", "--output-dir", out)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out, proc
+
+
+def test_finished_run_records_resolved_args_and_prints_a_summary(finished):
+    out, proc = finished
+    with open(os.path.join(out, "args.json")) as f:
+        saved = json.load(f)
+    assert saved["output_dir"] == out and saved["dtype"] == "float32"  # resolved, not null
+    last = proc.stdout.strip().splitlines()[-1]
+    assert last.startswith("done: 4 steps in ") and "train/loss " in last and f"outputs in {out}" in last
+    assert not os.path.exists(os.path.join(out, "model.tmp"))
+
+
+def test_resume_without_checkpoint_exits_2_and_touches_nothing(finished, tmp_path):
+    out, _ = finished
+    before = snapshot(out)
+    line = one_line_exit_2(sft("--max-steps", "8", "--output-dir", out, "--resume"))
+    assert out in line and "no checkpoint" in line
+    assert snapshot(out) == before
+    empty = str(tmp_path / "nothing")
+    assert "no checkpoint" in one_line_exit_2(sft("--max-steps", "8", "--output-dir", empty, "--resume"))
+    assert not os.path.exists(empty)
+
+
+def test_resume_of_a_complete_run_says_so_and_exits_0(finished):
+    out, _ = finished
+    before = snapshot(out)
+    proc = sft("--max-steps", "4", "--output-dir", out, "--resume")
+    assert proc.returncode == 0 and "complete" in proc.stdout, proc.stderr[-2000:]
+    assert snapshot(out) == before
+
+
+def test_occupied_dir_message_fits_the_run_it_holds(finished):
+    out, _ = finished
+    line = one_line_exit_2(sft("--max-steps", "4", "--output-dir", out))
+    assert "already holds a finished run" in line and "--overwrite" in line and "--resume" not in line
+
+
+def test_flags_and_files_are_checked_before_the_model_loads(tmp_path):
+    # A --model dir that would fail to load: each error below must come first (before any load).
+    broken = tmp_path / "broken_model"
+    broken.mkdir()
+    (broken / "config.json").write_text("{}")
+    out = str(tmp_path / "out")
+    cases = [(["--dataset", "/nonexistent.jsonl"], "--dataset /nonexistent.jsonl: no such file"),
+             (["--eval-dataset", "/nope/eval.jsonl"], "--eval-dataset /nope/eval.jsonl: no such file"),
+             (["--learning-rate", "-1"], "--learning-rate -1.0: must be > 0"),
+             (["--learning-rate", "0"], "--learning-rate 0.0: must be > 0"),
+             (["--dtype", "fp16"], "--dtype")]
+    for flags, message in cases:
+        proc = run_script("sft.py", "--model", str(broken), *flags, "--output-dir", out, env=one_device_env())
+        assert message in one_line_exit_2(proc), (flags, proc.stderr)
+        assert not os.path.exists(out)
+
+
+def test_track_without_wandb_exits_2_writing_nothing(tmp_path):
+    import importlib.util
+    if importlib.util.find_spec("wandb") is not None:
+        pytest.skip("wandb is installed here")
+    out = str(tmp_path / "out")
+    assert "pip install wandb" in one_line_exit_2(sft("--max-steps", "2", "--track", "--output-dir", out))
+    assert not os.path.exists(out)
+    assert sft("--max-steps", "2", "--output-dir", out).returncode == 0  # a plain rerun is not refused
+
+
+def start(out, *flags):
+    env = {**one_device_env(), "PYTHONUNBUFFERED": "1"}
+    return subprocess.Popen([sys.executable, os.path.join(ROOT, "sft.py"), *FAST, "--output-dir", out, *flags],
+                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+
+
+def read_until(proc, prefix, timeout=300):
+    """Lines of the process's stdout up to the first that starts with `prefix`."""
+    start_time = time.time()
+    for line in proc.stdout:
+        if line.lstrip("\n").startswith(prefix):
+            return line
+        assert time.time() - start_time < timeout
+    raise AssertionError(f"no line starting with {prefix!r}; exit code {proc.wait()}")
+
+
+def test_ctrl_c_during_start_up_exits_at_once_writing_nothing(tmp_path):
+    out = str(tmp_path / "startup")
+    proc = start(out, "--max-steps", "50")
+    read_until(proc, "data:")  # the model is loaded; the first step (compilation) is next
+    t = time.time()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGINT and time.time() - t < 5
+    assert not os.path.exists(out)  # nothing half-written: outputs appear after the first step
+
+
+def test_second_ctrl_c_exits_at_once(tmp_path):
+    # A long eval after every step: the first Ctrl-C arrives while there is still work to do
+    # before the step boundary where it would checkpoint; the second must not wait for it.
+    out = str(tmp_path / "twice")
+    proc = start(out, "--max-steps", "50", "--eval-every", "1",
+                 "--eval-dataset", os.path.join(ROOT, "data", "sft_train.jsonl"))
+    read_until(proc, "step 1:")  # the first eval row: step 1 is done, outputs exist
+    proc.send_signal(signal.SIGINT)
+    assert "again to quit at once" in read_until(proc, "SIGINT:")
+    t = time.time()
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGINT and time.time() - t < 5
+    assert not os.path.exists(os.path.join(out, "checkpoints"))  # it did not wait to save
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_help_is_fast_grouped_and_lists_choices(script):
+    t = time.time()
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True,
+                          text=True, cwd=ROOT, env=one_device_env())
+    took = time.time() - t
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert took < 3, took
+    text = proc.stdout
+    flags = [line for line in text.splitlines() if line.startswith("  --")]
+    assert flags and text.count("(default:") == len(flags)  # each default printed once
+    groups = [line for line in text.splitlines() if line and not line.startswith(" ") and line.endswith(":")]
+    assert len(groups) >= 2, text  # the sections named by the comments in Args
+    if "--dtype" in text:
+        assert "--dtype {bfloat16,float32}" in text
+    choices = {"ppo.py": ["--kl-estimator {k1,k3}"], "grpo.py": ["--loss-type {", "--scale-rewards {"],
+               "dpo.py": ["--loss-type {sigmoid,ipo,hinge}"]}
+    for flag in choices.get(script, []):
+        assert flag in text, flag
+    for line in text.splitlines():
+        assert line.count("(default:") <= 1 and "(default: None) (default" not in line
