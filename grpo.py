@@ -6,44 +6,40 @@ Offline, on CPU, with the toy task's checker (data/toy.py:batch_score):
     python grpo.py --model tiny
 """
 
-import importlib.util
-import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
+from functools import partial
+from typing import Literal
 
-import common  # first: sets KERAS_BACKEND=jax before keras loads
+import common  # first: --help without heavy imports, KERAS_BACKEND=jax before keras loads
 
 import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
 import optax
-import tyro
-from jax.sharding import NamedSharding, PartitionSpec as P
-from tqdm import tqdm
 
 
 @dataclass
 class Args:
     # model
     model: str = "tiny"
-    """policy init: alias (gemma_2b, …), KerasHub preset, kaggle:// or hf:// handle, local preset / HF dir, or `tiny`"""
-    dtype: str | None = None
-    """parameter dtype: bfloat16 or float32 (default: bfloat16 on TPU/GPU, float32 on CPU)"""
+    """policy init: alias (gemma_2b, …), KerasHub preset, kaggle:// / hf:// handle, local preset / HF dir, `tiny`"""
+    dtype: Literal["bfloat16", "float32"] | None = None
+    """parameter dtype; None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = LoRA on the backbone (the reference is then the LoRA-off base)"""
     mesh: str | None = None
-    """device mesh, e.g. `data=4,model=2` (default: every device on `data`)"""
+    """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
     remat: bool = True
     """recompute each decoder block's activations in the backward pass (KV-cached sampling is not affected)"""
     # rewards
     reward_fn: tuple[str, ...] = (os.path.join(common.HERE, "data", "toy.py") + ":batch_score",)
     """one or more `path.py:function`, each f(prompts, responses) -> scores; used when --reward-model is not given"""
     reward_weights: tuple[float, ...] = ()
-    """weight of each --reward-fn in the summed reward (default: all 1)"""
+    """weight of each --reward-fn in the summed reward; empty: all 1"""
     reward_model: str | None = None
     """reward.py's `model/` dir: its score on the last real token is the reward"""
     # data
@@ -82,17 +78,17 @@ class Args:
     epsilon: float = 0.2
     """ε: ratio clip, lower side (and upper side unless --epsilon-high is given)"""
     epsilon_high: float | None = None
-    """ε_high: upper ratio clip (DAPO's clip-higher: 0.28); default: --epsilon"""
-    scale_rewards: str = "group"
+    """ε_high: upper ratio clip (DAPO's clip-higher: 0.28); None: --epsilon"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantage scale: `group` (÷ group std, GRPO), `batch` (÷ batch std), `none` (Dr. GRPO: no division)"""
-    loss_type: str = "dapo"
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
     """aggregation: `dapo` (token mean over the batch), `grpo` (per-sequence mean, then batch mean),
     `dr_grpo` (token sum ÷ (batch × response_length)); see docs/grpo.md for why `dapo` is the default"""
     mask_truncated_completions: bool = False
     """leave completions without EOS out of the loss (DAPO's overlong filtering)"""
     # logging and outputs
     output_dir: str | None = None
-    """default: runs/grpo__{model}__{seed}__{time}"""
+    """None: runs/grpo__{model}__{seed}__{time}"""
     sample_every: int = 10
     """print one group's decoded completions with their rewards every N steps (0: never)"""
     save_every: int = 0
@@ -112,109 +108,24 @@ class Args:
     """this process's index"""
 
 
+
 # ---------------------------------------------------------------------------
-# Data: prompts -> left-padded query ids [N, Q]
+# Data: prompt texts (common.read_dataset: strings or chats) -> left-padded query ids [N, Q]
 # ---------------------------------------------------------------------------
-CHAT_TEMPLATES = {  # (user turn prefix, assistant turn prefix, turn end) per model family
-    "gemma": ("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n"),
-    "llama3": ("<|start_header_id|>user<|end_header_id|>\n\n",
-               "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
-    "chatml": ("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"),
-}
-
-
-def chat_template(backbone):
-    name = type(backbone).__name__.lower()
-    return CHAT_TEMPLATES["llama3" if "llama3" in name else "chatml" if "qwen" in name else "gemma"]
-
-
-def read_rows(path):
-    """List of (row, line number) from .jsonl/.json, or via `datasets` for anything else."""
-    if path.endswith(".jsonl"):
-        rows = []
-        with open(path) as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append((json.loads(line), i))
-                    except json.JSONDecodeError as e:
-                        raise common.UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
-    elif path.endswith(".json"):
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise common.UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})")
-        rows = [(r, i) for i, r in enumerate(data if isinstance(data, list) else [data], 1)]
-    else:
-        try:
-            import datasets
-        except ImportError:
-            raise common.UsageError(f"{path}: parquet files and Hub datasets need `pip install datasets`")
-        ds = (datasets.load_dataset("parquet", data_files=path, split="train") if path.endswith(".parquet")
-              else datasets.load_from_disk(path) if os.path.isdir(path)
-              else datasets.load_dataset(path, split="train"))
-        rows = [(r, i) for i, r in enumerate(ds, 1)]
-    if not rows:
-        raise common.UsageError(f"{path}: no examples")
-    return rows
-
-
-def to_prompt(row, where, template):
-    """`prompt` string as is; a message list rendered with the chat template, opening the model turn."""
-    value = row.get("prompt") if isinstance(row, dict) else None
-    if isinstance(value, str) and value.strip():
-        return value
-    if isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("content"), str)
-                                                 for m in value):
-        user, model, end = template
-        return "".join((model if m.get("role") == "assistant" else user) + m["content"] + end
-                       for m in value) + model
-    raise common.UsageError(f"{where}: need 'prompt' (a non-empty string or a list of {{role, content}})")
-
-
-def tokenize_prompts(path, tokenizer, template, max_prompt_length):
-    """-> (prompt strings, queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
-    rows = read_rows(path)
-    prompts = [to_prompt(r, f"{path}:{line}", template) for r, line in rows]
+def tokenize_prompts(prompts, tokenizer, max_prompt_length):
+    """-> (queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
     ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
     ids = [x[:1] + x[1:][-(max_prompt_length - 1):] for x in ids]  # cut from the left, BOS kept
     q = min(max_prompt_length, 8 * math.ceil(max(len(x) for x in ids) / 8))
     queries, mask = np.zeros((len(ids), q), np.int32), np.zeros((len(ids), q), bool)
     for i, x in enumerate(ids):  # left padding: every prompt ends at column Q-1, responses start at Q
         queries[i, q - len(x):], mask[i, q - len(x):] = x, True
-    return prompts, queries, mask
-
-
-def load_reward_fn(spec):
-    """`path.py:function` -> the function."""
-    path, _, name = spec.rpartition(":")
-    if not path or not os.path.exists(path):
-        raise common.UsageError(f"--reward-fn {spec!r}: expected an existing `path.py:function`")
-    module_spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not callable(getattr(module, name, None)):
-        raise common.UsageError(f"--reward-fn {spec!r}: {path} has no function {name!r}")
-    return getattr(module, name)
-
-
-# Copied from reward.py (each script is self-contained): model/ = preset + reward_head.npz.
-HEAD_FILE = "reward_head.npz"
-
-
-def load_reward_model(path, mesh, dtype=None):
-    """-> (CausalLM, head {weight [D, 1], bias []}) from a reward.py `model/` directory."""
-    if not os.path.exists(os.path.join(path, HEAD_FILE)):
-        raise common.UsageError(f"{path}: no {HEAD_FILE} here; expected the model/ dir written by reward.py")
-    model = common.load_model(path, mesh, dtype, 0)
-    with np.load(os.path.join(path, HEAD_FILE)) as f:
-        head = {"weight": jnp.asarray(f["weight"], jnp.float32), "bias": jnp.asarray(f["bias"], jnp.float32)}
-    return model, head
+    return queries, mask
 
 
 # ---------------------------------------------------------------------------
-# Rollouts: jitted KV-cached sampling with fixed shapes (compiles once)
+# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once), forwards of the policy, reference and
+# reward model on query + response, group-relative advantages, the k3 KL, the clipped surrogate
 # ---------------------------------------------------------------------------
 def cached_forward(backbone, token_ids, padding_mask, cache, index):
     """GemmaCausalLM.call_with_cache plus a key padding mask, so left-padded prompts work.
@@ -272,9 +183,6 @@ def truncate_response(responses, eos_id, pad_id):
     return jnp.where(jnp.arange(r)[None] > first_eos[:, None], pad_id, responses), first_eos
 
 
-# ---------------------------------------------------------------------------
-# Forwards of the policy / reference / reward model on query + response
-# ---------------------------------------------------------------------------
 def hidden_states(backbone, params, frozen, token_ids, padding_mask):
     """Final-norm hidden states [B, T, D] (stateless: weights passed as values)."""
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
@@ -310,9 +218,6 @@ def reward_scores(backbone, params, frozen, head, token_ids, padding_mask, last_
     return (h @ head["weight"])[:, 0] + head["bias"]
 
 
-# ---------------------------------------------------------------------------
-# ALGO LOGIC: group-relative advantages, the k3 KL, the clipped surrogate
-# ---------------------------------------------------------------------------
 def masked_mean(x, mask):
     return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)
 
@@ -374,10 +279,21 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
     return aggregate(per_token, mask, loss_type), metrics
 
 
+def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, temperature):
+    """π_old and π_ref log-probs of a finished generation batch ({} entries left out when not needed)."""
+    ids, mask = batch["query_responses"], batch["padding_mask"]
+    out = {}
+    if params is not None:
+        out["old_logps"] = response_logps(backbone, params, frozen, ids, mask, context_length, temperature)[0]
+    if ref_params is not None:
+        out["ref_logps"] = response_logps(backbone, ref_params, frozen, ids, mask, context_length, temperature)[0]
+    return out
+
+
 # ---------------------------------------------------------------------------
-# train_step
+# train_step: one update of the policy on a (mini-)batch of completions
 # ---------------------------------------------------------------------------
-def train_step(backbone, optimizer, state, frozen, batch, context_length, args):
+def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
     """One update on a (mini-)batch of completions. state = (params, opt_state).
 
     batch: query_responses / padding_mask [B, Q+R], response_mask [B, R], advantages [B],
@@ -401,42 +317,18 @@ def train_step(backbone, optimizer, state, frozen, batch, context_length, args):
     return (params, opt_state), {**metrics, "train/loss": loss, "train/grad_norm": optax.global_norm(grads)}
 
 
-def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, temperature):
-    """π_old and π_ref log-probs of a finished generation batch ({} entries left out when not needed)."""
-    ids, mask = batch["query_responses"], batch["padding_mask"]
-    out = {}
-    if params is not None:
-        out["old_logps"] = response_logps(backbone, params, frozen, ids, mask, context_length, temperature)[0]
-    if ref_params is not None:
-        out["ref_logps"] = response_logps(backbone, ref_params, frozen, ids, mask, context_length, temperature)[0]
-    return out
-
-
-def resume_or_start(args, checkpoints, output_dir, params, opt_state, key, rng):
-    """(params, opt_state, key, first step, RunLog): with --resume, the params, the optimizer state,
-    the sampling key and the NumPy generator (mini-batch shuffles) from the newest checkpoint."""
-    start = 0
-    like = (params, opt_state, jax.random.key_data(key))
-    if args.resume and (restored := checkpoints.restore_latest(like)):
-        start, (params, opt_state, key_data), meta = restored
-        params, opt_state = jax.device_put((params, opt_state), jax.tree.map(lambda x: x.sharding, like[:2]))
-        key = jax.random.wrap_key_data(key_data)
-        rng.bit_generator.state = meta["rng"]
-        print(f"resumed from step {start}")
-    log = common.RunLog(output_dir, args, args.track, resume_step=start if args.resume else None)
-    return params, opt_state, key, start, log
-
-
+# ---------------------------------------------------------------------------
+# main's pieces: flag checks, optimizer, rollout, rewards, phase times
+# ---------------------------------------------------------------------------
 def check_args(args, mesh):
-    """Inconsistent sizes and unknown choices stop before any compute (UsageError)."""
+    """Inconsistent sizes, unsupported choices, a --reward-model that is not one: stop before the model loads."""
     g, b = args.num_generations, args.batch_size
     if args.num_mini_batches < 1 or args.num_iterations < 1 or args.temperature <= 0:
         raise common.UsageError("--num-mini-batches and --num-iterations must be ≥ 1, --temperature > 0")
-    mini = b // args.num_mini_batches
     if g < 2 or b % g:
         raise common.UsageError(f"--batch-size {b} must be a multiple of --num-generations {g} (≥ 2: a group "
                                 "of one has no relative advantage)")
-    if b % args.num_mini_batches or mini % mesh.shape["data"]:
+    if b % args.num_mini_batches or b // args.num_mini_batches % mesh.shape["data"]:
         raise common.UsageError(f"--batch-size {b} must split into --num-mini-batches {args.num_mini_batches} "
                                 f"each divisible by the data axis ({mesh.shape['data']})")
     if args.scale_rewards not in ("group", "batch", "none") or args.loss_type not in ("dapo", "grpo", "dr_grpo"):
@@ -444,174 +336,165 @@ def check_args(args, mesh):
     if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
         raise common.UsageError(f"--reward-weights: {len(args.reward_weights)} weights for "
                                 f"{len(args.reward_fn)} --reward-fn functions")
+    if "gemma" not in common.backbone_class(common.resolve_model(args.model)).__name__.lower():
+        raise common.UsageError(f"--model {args.model}: the KV-cached sampler supports Gemma backbones")
+
+
+def make_optimizer(args):
+    """Clip, AdamW (optax defaults), linear warm-up then a constant learning rate. -> (optimizer, schedule)"""
+    schedule = optax.join_schedules([optax.linear_schedule(0.0, args.learning_rate, args.warmup_steps),
+                                     optax.constant_schedule(args.learning_rate)], [args.warmup_steps])
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adamw(schedule)), schedule
+
+
+def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
+    """Responses to host queries [B, Q] (whole on every process), cut after the first EOS -> (batch, lengths [B])."""
+    qs, qm = common.put_global(queries, on_data), common.put_global(query_mask, on_data)
+    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key), eos, pad)
+    response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
+    return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
+            "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
+
+
+def score_completions(reward, weights, tokenizer, prompts, batch, sequence_lengths, context_length):
+    """r_i, eq. (1): the weighted sum of the reward functions on the decoded texts, or the reward model's
+    score at the last real token. -> (rewards [B], texts, has_eos [B], rewards/* and completions/* metrics)"""
+    responses = common.to_host(batch["query_responses"][:, context_length:])  # whole on every process
+    lengths, eos = common.to_host(sequence_lengths), tokenizer.end_token_id
+    texts = tokenizer.detokenize([list(x[:n + (x[n] != eos)]) for x, n in zip(responses, lengths)])  # no EOS
+    has_eos = (responses == eos).any(1)
+    if isinstance(reward, tuple):  # (score_fn, weights): r_φ(x, y) on the token ids
+        per_fn = {"reward_model": common.to_host(reward[0](reward[1], batch["query_responses"],
+                                                           batch["padding_mask"], sequence_lengths))}
+    else:  # the reward functions f_k(x, y) on the texts
+        per_fn = {f.__name__: np.asarray(f(prompts, texts), np.float32) for f in reward}
+    rewards = np.sum([w * v for w, v in zip(weights, per_fn.values())], 0)
+    lengths = lengths + 1 - has_eos  # completion tokens before the EOS
+    return rewards, texts, has_eos, {
+        "reward": float(rewards.mean()), **{f"rewards/{k}/mean": float(v.mean()) for k, v in per_fn.items()},
+        **{f"rewards/{k}/std": float(v.std()) for k, v in per_fn.items()},
+        "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(1.0 - has_eos.mean())}
+
+
+def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
+    """Index arrays [B / num_mini_batches]: num_epochs passes over the batch, reshuffled for each."""
+    mini = batch_size // num_mini_batches
+    for _ in range(num_epochs):
+        perm = rng.permutation(batch_size)
+        for m in range(num_mini_batches):
+            yield common.put_global(perm[m * mini:(m + 1) * mini], on_data)
+
+
+def synced(tree):
+    """The time once every array of `tree` is computed (dispatch is asynchronous)."""
+    jax.block_until_ready(tree)
+    return time.perf_counter()
+
+
+def step_row(updates, ticks, new_tokens):
+    """The update metrics averaged on the host (one sync); each phase's seconds from [start, generated, scored]."""
+    fetched = jax.device_get(updates)
+    generate, score, update = np.diff(ticks + [time.perf_counter()])
+    return {**{k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]},
+            "charts/generate_tokens_per_sec": new_tokens / generate, "charts/generate_time": generate,
+            "charts/score_time": score, "charts/update_time": update}
 
 
 def main(args):
-    # ---- set-up: mesh, model, data, rewards (all validation before any compute) ----
-    common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
-    output_dir = args.output_dir or common.default_output_dir("grpo", args.model, args.seed)
-    stop = common.StopSignal()  # before anything is written: a preemption is never lost
-    try:
-        common.check_output_dir(output_dir, args.resume, args.overwrite)
-        mesh = common.make_mesh(args.mesh)
-        check_args(args, mesh)
-        model = common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank)
-        backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
-        if "gemma" not in type(backbone).__name__.lower():
-            raise common.UsageError(f"--model {args.model}: the KV-cached sampler supports Gemma backbones")
-        prompts, queries, query_mask = tokenize_prompts(args.dataset, tokenizer, chat_template(backbone),
-                                                        args.max_prompt_length)
-        reward_fns = [] if args.reward_model else [load_reward_fn(s) for s in args.reward_fn]
-        weights = np.asarray(args.reward_weights or [1.0] * max(len(reward_fns), 1), np.float32)  # RM: [1]
-        rm = load_reward_model(args.reward_model, mesh, args.dtype) if args.reward_model else None
-        if rm is not None and rm[0].preprocessor.tokenizer.vocabulary_size() != tokenizer.vocabulary_size():
-            raise common.UsageError(f"--reward-model {args.reward_model}: its tokenizer differs from the policy's "
-                                    "(it scores the policy's token ids directly)")
-    except (common.UsageError, FileNotFoundError) as e:
-        common.fail(e)
+    # ---- set-up: every flag, file and row checked before the models load ----
+    run = common.Run("grpo", args)
+    check_args(args, run.mesh)
+    prompts = common.read_dataset(args.dataset, "prompt", common.chat_template(args.model))
+    reward = [] if args.reward_model else [common.load_reward_fn(s) for s in args.reward_fn]
+    weights = np.asarray(args.reward_weights or [1.0] * max(len(reward), 1), np.float32)  # reward model: [1]
+    rm = common.load_reward_model(args.reward_model, run.mesh, args.dtype) if args.reward_model else None
+    model = common.load_model(args.model, run.mesh, args.dtype, args.seed, args.lora_rank)
+    backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
+    if rm is not None and rm[0].preprocessor.tokenizer.vocabulary_size() != tokenizer.vocabulary_size():
+        raise common.UsageError(f"--reward-model {args.reward_model}: its tokenizer differs from the policy's "
+                                "(it scores the policy's token ids directly)")
+    queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
     if args.remat:  # calls with a KV cache (the sampler) are left alone
         common.enable_remat(backbone)
-    q, r, g, eos, pad = queries.shape[1], args.response_length, args.num_generations, tokenizer.end_token_id, \
-        tokenizer.pad_token_id
-    n_prompts, mini = args.batch_size // g, args.batch_size // args.num_mini_batches
+    q, r, g = queries.shape[1], args.response_length, args.num_generations
+    n_prompts = args.batch_size // g
     print(f"data: {len(prompts)} prompts, queries padded to {q} tokens; {n_prompts} prompts × G={g} completions "
           f"of {r} tokens per step; reward: {args.reward_model or ', '.join(args.reward_fn)}")
 
     # Policy trainable; reference = frozen copy of its initial values (with LoRA: the zero-init
     # adapters, i.e. the LoRA-off base), only when β > 0.
     params, frozen = common.split_variables(backbone)
-    # Through one jit with explicit out_shardings, so the trainable values carry the mesh in their
-    # types and are committed to their devices, as the updated ones will be: the sampler then sees
-    # identical input types every step (no recompilation, on one device too).
+    # Through one jit with explicit out_shardings, so the trainable values carry the mesh in their types and are
+    # committed to their devices, as the updated ones will be: the sampler sees the same input types every step.
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
     ref_params = jax.tree.map(jnp.copy, params) if args.beta else None
     off_policy = args.num_iterations > 1 or args.num_mini_batches > 1  # π_old differs from π_θ at some update
-    schedule = optax.join_schedules([optax.linear_schedule(0.0, args.learning_rate, args.warmup_steps),
-                                     optax.constant_schedule(args.learning_rate)], [args.warmup_steps])
-    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adamw(schedule))
-    opt_state, opt_shardings = common.init_optimizer(optimizer, params, mesh)  # scalars replicated
-    key = jax.random.key(args.seed)
-    rng = np.random.default_rng(args.seed)
+    optimizer, schedule = make_optimizer(args)
+    opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
+    state_shardings = (common.shardings(params), opt_shardings)
+    key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
     order = np.concatenate([rng.permutation(len(prompts)) for _ in range(
         -(-args.max_steps * n_prompts // len(prompts)))])
-    checkpoints = common.Checkpoints(output_dir)
-    params, opt_state, key, start, log = resume_or_start(args, checkpoints, output_dir, params, opt_state, key, rng)
-    state = (params, opt_state)
+    # --resume: params, optimizer state, sampling key, mini-batch shuffler (the prompt order is a function of the step)
+    (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
+                                                     {"rng": rng.bit_generator.state})
+    key, rng.bit_generator.state = jax.random.wrap_key_data(key_data), meta["rng"]
+    state = jax.device_put((params, opt_state), state_shardings)
 
-    # Weights go in as arguments (as in ppo.py), so every input of a compiled function shows at its call.
     gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
     logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, q, args.temperature))
-    # The updated state keeps the shardings it started with, so the sampler (which takes the
-    # params) sees the same input types every step.
-    state_shardings = (common.shardings(params), opt_shardings)
-    step_fn = jax.jit(lambda s, f, b: train_step(backbone, optimizer, s, f, b, q, args), donate_argnums=0,
-                      out_shardings=(state_shardings, common.replicated(mesh)))
-    if rm is not None:
-        rm_params, rm_frozen = common.split_variables(rm[0].backbone)
-        rm_head = jax.tree.map(lambda x: common.put_global(x, common.replicated(mesh)), rm[1])
-        rm_weights = (rm_params, rm_frozen, rm_head)
-        score_fn = jax.jit(lambda w, ids, m, last: reward_scores(rm[0].backbone, *w, ids, m, last))
-    on_data = NamedSharding(mesh, P("data"))  # rollout arrays [B, ...]: batch over `data`
-    # Every process samples, scores and updates the same global batch; host arrays go in with
-    # put_global and come out whole with to_host (an allgather when there are several processes).
-
+    step_fn = jax.jit(partial(train_step, backbone, optimizer, args, context_length=q), donate_argnums=0,
+                      out_shardings=(state_shardings, common.replicated(run.mesh)))
+    if rm is not None:  # r_φ(x, y) at the last real token, from the reward model's loaded weights
+        score_fn = jax.jit(lambda w, ids, m, sl: reward_scores(rm[0].backbone, *w, ids, m, q + sl))
+        reward = (score_fn, (*common.split_variables(rm[0].backbone), rm[1]))
+    # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
+    on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
     # FLOPs: 2N per token per forward (sampling; π_old and π_ref when needed; reward model),
     # 6N per token per trained forward+backward (every iteration).
-    n = common.count_params(backbone)
-    flops_per_seq = (q + r) * (2 * n * (1 + off_policy + (args.beta > 0))
-                               + (2 * common.count_params(rm[0].backbone) if rm is not None else 0)
-                               + args.num_iterations * 6 * n)
-    peak = common.peak_flops()
+    n, n_rm = common.count_params(backbone), common.count_params(rm[0].backbone) if rm is not None else 0
+    flops_per_seq = (q + r) * (2 * n * (1 + off_policy + (args.beta > 0)) + 2 * n_rm + args.num_iterations * 6 * n)
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
-    bar = tqdm(range(start, args.max_steps), desc="grpo", dynamic_ncols=True, initial=start, total=args.max_steps)
-    for step in bar:
+    for step in run.steps(learning_rate=lambda s: schedule(s * args.num_iterations * args.num_mini_batches),
+                          show=("reward", "frac_reward_zero_std")):
+        ticks, idx = [time.perf_counter()], np.repeat(order[step * n_prompts:(step + 1) * n_prompts], g)  # [B]
         # rollout: G completions of each of B/G prompts (a group = G consecutive rows), cut after EOS
-        t0 = time.perf_counter()
-        idx = np.repeat(order[step * n_prompts:(step + 1) * n_prompts], g)  # [B] prompt index per completion
         key, gen_key = jax.random.split(key)
-        qs, qm = common.put_global(queries[idx], on_data), common.put_global(query_mask[idx], on_data)
-        responses, sequence_lengths = truncate_response(gen_fn(state[0], frozen, qs, qm, gen_key), eos, pad)
-        responses.block_until_ready()
-        t_generate = time.perf_counter() - t0
-
+        batch, sequence_lengths = rollout(gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key,
+                                          tokenizer.end_token_id, tokenizer.pad_token_id, on_data)
+        ticks.append(synced(batch))
         # rewards: one scalar per completion, a weighted sum over the reward functions (or the RM score)
-        response_mask = jnp.arange(r)[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
-        batch = {"query_responses": jnp.concatenate([qs, responses], 1),
-                 "padding_mask": jnp.concatenate([qm, response_mask], 1)}
-        host_responses, host_lengths = common.to_host(responses), common.to_host(sequence_lengths)
-        has_eos = (host_responses == eos).any(1)
-        texts = tokenizer.detokenize([list(x[:k + (x[k] != eos)]) for x, k in zip(host_responses, host_lengths)])
-        if rm is not None:
-            scores = score_fn(rm_weights, batch["query_responses"], batch["padding_mask"], q + sequence_lengths)
-            per_fn = {"reward_model": common.to_host(scores)}
-        else:
-            per_fn = {f.__name__: np.asarray(f([prompts[i] for i in idx], texts), np.float32) for f in reward_fns}
-        rewards = np.sum([w * v for w, v in zip(weights, per_fn.values())], 0)
-
+        rewards, texts, has_eos, reward_metrics = score_completions(
+            reward, weights, tokenizer, [prompts[i] for i in idx], batch, sequence_lengths, q)
         # advantages: relative to the other completions of the same prompt
         advantages, group_std = jax.device_get(group_advantages(jnp.asarray(rewards, jnp.float32), g,
                                                                 args.scale_rewards))
         if args.mask_truncated_completions:  # DAPO: a cut-off completion is not judged at all
-            response_mask = response_mask & common.put_global(has_eos[:, None], on_data)
-        batch.update(advantages=common.put_global(advantages, on_data), response_mask=response_mask)
+            batch["response_mask"] = batch["response_mask"] & common.put_global(has_eos[:, None], on_data)
+        batch["advantages"] = common.put_global(advantages, on_data)
         if off_policy or ref_params is not None:  # else neither π_old nor π_ref needs a forward
             batch.update(logps_fn(state[0] if off_policy else None, ref_params, frozen, batch))
-        jax.block_until_ready(batch)
-        t_score = time.perf_counter() - t0 - t_generate
-
+        ticks.append(synced(batch))
         # update: num_iterations passes, each over num_mini_batches shuffled mini-batches
-        pending = []
-        for _ in range(args.num_iterations):
-            perm = rng.permutation(args.batch_size)
-            for m in range(args.num_mini_batches):
-                mb_idx = common.put_global(perm[m * mini:(m + 1) * mini], on_data)
-                state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
-                pending.append(metrics)
-        fetched = jax.device_get(pending)
-        t_update = time.perf_counter() - t0 - t_generate - t_score
-
-        elapsed = time.perf_counter() - t0
-        lengths = host_lengths + 1 - has_eos  # completion tokens before the EOS
-        row = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
-        row.update({"reward": float(rewards.mean()), "reward_std": float(np.mean(group_std)),
-                    "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
-                    **{f"rewards/{k}/mean": float(v.mean()) for k, v in per_fn.items()},
-                    **{f"rewards/{k}/std": float(v.std()) for k, v in per_fn.items()},
-                    "completions/mean_length": float(lengths.mean()),
-                    "completions/min_length": float(lengths.min()), "completions/max_length": float(lengths.max()),
-                    "completions/clipped_ratio": float(1.0 - has_eos.mean()),
-                    "charts/learning_rate": float(schedule(step * args.num_iterations * args.num_mini_batches)),
-                    "charts/generate_tokens_per_sec": args.batch_size * r / t_generate,
-                    "charts/generate_time": t_generate, "charts/score_time": t_score, "charts/update_time": t_update,
-                    "charts/tokens_per_sec": args.batch_size * (q + r) / elapsed,
-                    "charts/mfu": args.batch_size * flops_per_seq / elapsed / peak,
-                    "charts/generate_compilations": float(gen_fn._cache_size())})
-        if not np.isfinite(row["train/loss"]):
-            log.close()
-            print(f"error: non-finite train/loss at step {step + 1}; the last good checkpoint is kept "
-                  f"(rerun with --resume and a lower --learning-rate)", file=sys.stderr)
-            sys.exit(1)
-        log.log(step + 1, row)
-        bar.set_postfix(reward=f"{row['reward']:.3f}", zero_std=f"{row['frac_reward_zero_std']:.2f}")
+        updates = []
+        for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data):
+            state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
+            updates.append(metrics)
+        run.log({**step_row(updates, ticks, len(idx) * r), **reward_metrics, "reward_std": float(np.mean(group_std)),
+                 "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
+                 "charts/generate_compilations": float(gen_fn._cache_size())},
+                tokens=len(idx) * (q + r), flops=len(idx) * flops_per_seq)
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == args.max_steps):
             for i in range(min(4, g)):  # the first group: one prompt, its completions, their advantages
-                tqdm.write(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} reward {rewards[i]:.3f} "
-                           f"advantage {float(advantages[i]):+.2f}")
-        stopping = stop.name  # read once, so a signal arriving now is handled at the next step
-        if stopping or (args.save_every and (step + 1) % args.save_every == 0):
-            checkpoints.save(step + 1, (state[0], state[1], jax.random.key_data(key)),
-                             {"step": step + 1, "rng": rng.bit_generator.state})
-        if stopping:
-            log.close()
-            print(f"{stopping}: checkpoint saved at step {step + 1}; continue with --resume")
-            return
+                print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} reward {rewards[i]:.3f} "
+                      f"advantage {float(advantages[i]):+.2f}")
+        run.checkpoint((state[0], state[1], jax.random.key_data(key)), {"rng": rng.bit_generator.state})
 
     # ---- outputs: the policy (LoRA merged) as a KerasHub preset ----
-    common.save_model(model, state[0], os.path.join(output_dir, "model"))
-    log.close()
-    print(f"done: outputs in {output_dir}")
+    run.finish(lambda path: common.save_model(model, state[0], path))
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(common.cli(Args))

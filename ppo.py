@@ -6,40 +6,35 @@ Offline, on CPU, with the toy task's programmatic reward (data/toy.py:batch_scor
     python ppo.py --model tiny
 """
 
-import importlib.util
-import json
 import math
 import os
-import sys
 import time
 from dataclasses import dataclass
+from functools import partial
+from typing import Literal
 
-import common  # first: sets KERAS_BACKEND=jax before keras loads
+import common  # first: --help without heavy imports, KERAS_BACKEND=jax before keras loads
 
 import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
 import optax
-import tyro
-from jax.sharding import NamedSharding, PartitionSpec as P
-from tqdm import tqdm
 
 
 @dataclass
 class Args:
     # model
     model: str = "tiny"
-    """policy init: alias (gemma_2b, …), KerasHub preset, kaggle:// or hf:// handle, local preset / HF dir, or `tiny`"""
-    dtype: str | None = None
-    """parameter dtype: bfloat16 or float32 (default: bfloat16 on TPU/GPU, float32 on CPU)"""
+    """policy init: alias (gemma_2b, …), KerasHub preset, kaggle:// / hf:// handle, local preset / HF dir, or `tiny`"""
+    dtype: Literal["bfloat16", "float32"] | None = None
+    """parameter dtype; None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = LoRA on policy and value (the reference is then the LoRA-off base)"""
     mesh: str | None = None
-    """device mesh, e.g. `data=4,model=2` (default: every device on `data`)"""
+    """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
     remat: bool = True
-    """recompute each decoder block's activations in the backward pass (memory for ~1/3 more FLOPs;
-    KV-cached sampling is not affected)"""
+    """recompute each decoder block's activations in the backward pass (KV-cached sampling is not affected)"""
     reward_model: str | None = None
     """reward.py's `model/` dir: scores responses and initialises the value model"""
     reward_fn: str = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
@@ -75,7 +70,7 @@ class Args:
     # algorithm
     kl_coef: float = 0.05
     """β: per-token KL penalty coefficient"""
-    kl_estimator: str = "k1"
+    kl_estimator: Literal["k1", "k3"] = "k1"
     """`k1` (log-ratio, unbiased, can be negative) or `k3` ((r-1) - log r, non-negative)"""
     whiten_rewards: bool = False
     """whiten per-token rewards (scale only, mean kept) before GAE"""
@@ -91,9 +86,9 @@ class Args:
     """value loss weight"""
     # logging and outputs
     output_dir: str | None = None
-    """default: runs/ppo__{model}__{seed}__{time}"""
+    """None: runs/ppo__{model}__{seed}__{time}"""
     sample_every: int = 10
-    """print a few decoded samples with their scores every N steps"""
+    """print a few decoded samples with their scores every N steps (0: never)"""
     save_every: int = 0
     """checkpoint every N steps (0: only on SIGTERM/SIGINT); the newest 3 are kept"""
     resume: bool = False
@@ -112,108 +107,22 @@ class Args:
 
 
 # ---------------------------------------------------------------------------
-# Data: prompts -> left-padded query ids [N, Q]
+# Data: prompt texts (common.read_dataset: strings or chats) -> left-padded query ids [N, Q]
 # ---------------------------------------------------------------------------
-CHAT_TEMPLATES = {  # (user turn prefix, assistant turn prefix, turn end) per model family
-    "gemma": ("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n"),
-    "llama3": ("<|start_header_id|>user<|end_header_id|>\n\n",
-               "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
-    "chatml": ("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"),
-}
-
-
-def chat_template(backbone):
-    name = type(backbone).__name__.lower()
-    return CHAT_TEMPLATES["llama3" if "llama3" in name else "chatml" if "qwen" in name else "gemma"]
-
-
-def read_rows(path):
-    """List of (row, line number) from .jsonl/.json, or via `datasets` for anything else."""
-    if path.endswith(".jsonl"):
-        rows = []
-        with open(path) as f:
-            for i, line in enumerate(f, 1):
-                if line.strip():
-                    try:
-                        rows.append((json.loads(line), i))
-                    except json.JSONDecodeError as e:
-                        raise common.UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
-    elif path.endswith(".json"):
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise common.UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})")
-        rows = [(r, i) for i, r in enumerate(data if isinstance(data, list) else [data], 1)]
-    else:
-        try:
-            import datasets
-        except ImportError:
-            raise common.UsageError(f"{path}: parquet files and Hub datasets need `pip install datasets`")
-        ds = (datasets.load_dataset("parquet", data_files=path, split="train") if path.endswith(".parquet")
-              else datasets.load_from_disk(path) if os.path.isdir(path)
-              else datasets.load_dataset(path, split="train"))
-        rows = [(r, i) for i, r in enumerate(ds, 1)]
-    if not rows:
-        raise common.UsageError(f"{path}: no examples")
-    return rows
-
-
-def to_prompt(row, where, template):
-    """`prompt` string as is; a message list rendered with the chat template, opening the model turn."""
-    value = row.get("prompt") if isinstance(row, dict) else None
-    if isinstance(value, str) and value.strip():
-        return value
-    if isinstance(value, list) and value and all(isinstance(m, dict) and isinstance(m.get("content"), str)
-                                                 for m in value):
-        user, model, end = template
-        return "".join((model if m.get("role") == "assistant" else user) + m["content"] + end
-                       for m in value) + model
-    raise common.UsageError(f"{where}: need 'prompt' (a non-empty string or a list of {{role, content}})")
-
-
-def tokenize_prompts(path, tokenizer, template, max_prompt_length):
-    """-> (prompt strings, queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
-    rows = read_rows(path)
-    prompts = [to_prompt(r, f"{path}:{line}", template) for r, line in rows]
+def tokenize_prompts(prompts, tokenizer, max_prompt_length):
+    """-> (queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
     ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
     ids = [x[:1] + x[1:][-(max_prompt_length - 1):] for x in ids]  # cut from the left, BOS kept
     q = min(max_prompt_length, 8 * math.ceil(max(len(x) for x in ids) / 8))
     queries, mask = np.zeros((len(ids), q), np.int32), np.zeros((len(ids), q), bool)
     for i, x in enumerate(ids):  # left padding: every prompt ends at column Q-1, responses start at Q
         queries[i, q - len(x):], mask[i, q - len(x):] = x, True
-    return prompts, queries, mask
-
-
-def load_reward_fn(spec):
-    """`path.py:function` -> the function."""
-    path, _, name = spec.rpartition(":")
-    if not path or not os.path.exists(path):
-        raise common.UsageError(f"--reward-fn {spec!r}: expected an existing `path.py:function`")
-    module_spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
-    module = importlib.util.module_from_spec(module_spec)
-    module_spec.loader.exec_module(module)
-    if not callable(getattr(module, name, None)):
-        raise common.UsageError(f"--reward-fn {spec!r}: {path} has no function {name!r}")
-    return getattr(module, name)
-
-
-# Copied from reward.py (each script is self-contained): model/ = preset + reward_head.npz.
-HEAD_FILE = "reward_head.npz"
-
-
-def load_reward_model(path, mesh, dtype=None, lora_rank=0):
-    """-> (CausalLM, head {weight [D, 1], bias []}) from a reward.py `model/` directory."""
-    if not os.path.exists(os.path.join(path, HEAD_FILE)):
-        raise common.UsageError(f"{path}: no {HEAD_FILE} here; expected the model/ dir written by reward.py")
-    model = common.load_model(path, mesh, dtype, 0, lora_rank)
-    with np.load(os.path.join(path, HEAD_FILE)) as f:
-        head = {"weight": jnp.asarray(f["weight"], jnp.float32), "bias": jnp.asarray(f["bias"], jnp.float32)}
-    return model, head
+    return queries, mask
 
 
 # ---------------------------------------------------------------------------
-# Rollouts: jitted KV-cached sampling with fixed shapes (compiles once)
+# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once), forwards of policy, reference, value
+# and reward models on query + response, per-token rewards, GAE, whitening, the PPO losses
 # ---------------------------------------------------------------------------
 def cached_forward(backbone, token_ids, padding_mask, cache, index):
     """GemmaCausalLM.call_with_cache plus a key padding mask, so left-padded prompts work.
@@ -272,9 +181,6 @@ def truncate_response(responses, eos_id, pad_id):
     return jnp.where(jnp.arange(r)[None] > first_eos[:, None], pad_id, responses), first_eos
 
 
-# ---------------------------------------------------------------------------
-# Forwards of policy, reference, value and reward models on query + response
-# ---------------------------------------------------------------------------
 def hidden_states(backbone, params, frozen, token_ids, padding_mask):
     """Final-norm hidden states [B, T, D] (stateless: weights passed as values)."""
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
@@ -316,9 +222,6 @@ def reward_scores(backbone, params, frozen, head, token_ids, padding_mask, last_
     return (h @ head["weight"])[:, 0] + head["bias"]
 
 
-# ---------------------------------------------------------------------------
-# ALGO LOGIC: rewards, GAE, whitening, the PPO losses
-# ---------------------------------------------------------------------------
 def masked_mean(x, mask):
     return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)
 
@@ -385,9 +288,6 @@ def ppo_loss(new_logprobs, new_values, logprobs, values, advantages, returns, ma
     return pg_loss + vf_coef * vf_loss, metrics
 
 
-# ---------------------------------------------------------------------------
-# Rollout statistics and train_step
-# ---------------------------------------------------------------------------
 def rollout_stats(models, params, ref_params, frozen, batch, context_length, temperature):
     """Log-probs of policy and reference, and values, for a finished rollout batch."""
     policy_bb, value_bb = models
@@ -408,21 +308,23 @@ def advantages_of(scores, logprobs, ref_logprobs, values, sequence_lengths, args
     advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
     advantages = whiten(advantages, mask)
     metrics = {"objective/kl": kl.sum(1).mean(), "objective/entropy": -jnp.where(mask, logprobs, 0).sum(1).mean(),
-               "objective/non_score_reward": non_score_reward.sum(1).mean(),
-               "objective/rlhf_reward": non_score_reward.sum(1).mean() + scores.mean(),
-               "objective/scores": scores.mean()}
+               "objective/non_score_reward": non_score_reward.sum(1).mean(), "objective/scores": scores.mean(),
+               "objective/rlhf_reward": non_score_reward.sum(1).mean() + scores.mean()}
     return advantages, returns, metrics
 
 
-def train_step(models, optimizer, state, batch, context_length, args):
-    """One PPO update on a mini-batch. state = (params=(policy, (value, head)), opt_state, frozen)."""
-    params, opt_state, frozen = state
+# ---------------------------------------------------------------------------
+# train_step: one PPO update of policy and value on a mini-batch
+# ---------------------------------------------------------------------------
+def train_step(models, optimizer, args, state, frozen, batch, context_length):
+    """One PPO update on a mini-batch. state = (params=(policy, (value, head)), opt_state);
+    frozen = (policy's, value's) non-trainable weights, an input only (never donated)."""
+    params, opt_state = state
     policy_bb, value_bb = models
     ids, mask = batch["query_responses"], batch["padding_mask"]
 
     def loss_fn(p):
-        new_logprobs, entropy = response_logps(policy_bb, p[0], frozen[0], ids, mask, context_length,
-                                               args.temperature)
+        new_logprobs, entropy = response_logps(policy_bb, p[0], frozen[0], ids, mask, context_length, args.temperature)
         new_values = response_values(value_bb, p[1][0], frozen[1], p[1][1], ids, mask, context_length)
         loss, metrics = ppo_loss(new_logprobs, new_values, batch["logprobs"], batch["values"],
                                  batch["advantages"], batch["returns"], batch["response_mask"],
@@ -432,197 +334,167 @@ def train_step(models, optimizer, state, batch, context_length, args):
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    return (params, opt_state, frozen), {**metrics, "train/loss": loss, "train/grad_norm": optax.global_norm(grads)}
+    return (params, opt_state), {**metrics, "train/loss": loss, "train/grad_norm": optax.global_norm(grads)}
 
 
-def resume_or_start(args, checkpoints, output_dir, params, opt_state, key, rng):
-    """(params, opt_state, key, first step, RunLog): with --resume, policy + value params, the optimizer
-    state, the sampling key and the NumPy generator (mini-batch shuffles) from the newest checkpoint;
-    the prompt order is a function of the seed and the step."""
-    start = 0
-    like = (params, opt_state, jax.random.key_data(key))
-    if args.resume and (restored := checkpoints.restore_latest(like)):
-        start, (params, opt_state, key_data), meta = restored
-        params, opt_state = jax.device_put((params, opt_state), jax.tree.map(lambda x: x.sharding, like[:2]))
-        key = jax.random.wrap_key_data(key_data)
-        rng.bit_generator.state = meta["rng"]
-        print(f"resumed from step {start}")
-    log = common.RunLog(output_dir, args, args.track, resume_step=start if args.resume else None)
-    return params, opt_state, key, start, log
+# ---------------------------------------------------------------------------
+# main's pieces: optimizer, rollout, scores, phase times
+# ---------------------------------------------------------------------------
+def make_optimizer(args):
+    """Clip (policy and value together), AdamW with ε = 1e-5, learning rate annealed linearly to 0."""
+    total_updates = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
+    schedule = optax.linear_schedule(args.learning_rate, 0.0, max(total_updates, 1))
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adamw(schedule, eps=1e-5)), schedule
+
+
+def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
+    """Responses to host queries [B, Q] (whole on every process), cut after the first EOS -> (batch, lengths [B])."""
+    qs, qm = common.put_global(queries, on_data), common.put_global(query_mask, on_data)
+    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key), eos, pad)
+    response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
+    return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
+            "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
+
+
+def score_responses(reward, tokenizer, prompts, batch, sequence_lengths, context_length, penalty, on_data):
+    """s per response, eq. (1): a reward function's on the decoded texts, or the reward model's at the last
+    real token; minus `penalty` where there is no EOS. -> (scores [B], texts, has_eos [B] on the host)"""
+    responses = common.to_host(batch["query_responses"][:, context_length:])  # whole on every process
+    lengths, eos = common.to_host(sequence_lengths), tokenizer.end_token_id
+    texts = tokenizer.detokenize([list(x[:n + (x[n] != eos)]) for x, n in zip(responses, lengths)])  # no EOS
+    has_eos = (responses == eos).any(1)
+    if callable(reward):  # f(x, y) on the texts
+        scores = common.put_global(np.asarray(reward(prompts, texts), np.float32), on_data)
+    else:  # (score_fn, weights): r_φ(x, y) on the token ids
+        scores = reward[0](reward[1], batch["query_responses"], batch["padding_mask"], sequence_lengths)
+    if penalty is not None:
+        scores = scores - penalty * common.put_global(np.float32(~has_eos), on_data)
+    return scores, texts, has_eos
+
+
+def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
+    """Index arrays [B / num_mini_batches]: num_epochs passes over the batch, reshuffled for each."""
+    mini = batch_size // num_mini_batches
+    for _ in range(num_epochs):
+        perm = rng.permutation(batch_size)
+        for m in range(num_mini_batches):
+            yield common.put_global(perm[m * mini:(m + 1) * mini], on_data)
+
+
+def synced(tree):
+    """The time once every array of `tree` is computed (dispatch is asynchronous)."""
+    jax.block_until_ready(tree)
+    return time.perf_counter()
+
+
+def step_row(updates, ticks, new_tokens):
+    """The update metrics averaged on the host (one sync); each phase's seconds from [start, generated, scored]."""
+    fetched = jax.device_get(updates)
+    generate, score, update = np.diff(ticks + [time.perf_counter()])
+    return {**{k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]},
+            "charts/generate_tokens_per_sec": new_tokens / generate, "charts/generate_time": generate,
+            "charts/score_time": score, "charts/update_time": update}
 
 
 def main(args):
-    # ---- set-up: mesh, models, data, reward (all validation before any compute) ----
-    common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
-    output_dir = args.output_dir or common.default_output_dir("ppo", args.model, args.seed)
-    stop = common.StopSignal()  # before anything is written: a preemption is never lost
-    try:
-        common.check_output_dir(output_dir, args.resume, args.overwrite)
-        mesh = common.make_mesh(args.mesh)
-        if args.num_mini_batches < 1 or args.num_ppo_epochs < 1:
-            raise common.UsageError("--num-mini-batches and --num-ppo-epochs must be ≥ 1")
-        mini = args.batch_size // args.num_mini_batches
-        if args.batch_size % args.num_mini_batches or mini % mesh.shape["data"]:
-            raise common.UsageError(f"--batch-size {args.batch_size} must split into --num-mini-batches "
-                                    f"{args.num_mini_batches} each divisible by the data axis ({mesh.shape['data']})")
-        if args.temperature <= 0 or args.kl_estimator not in ("k1", "k3"):
-            raise common.UsageError("--temperature must be > 0 and --kl-estimator one of k1, k3")
-        model = common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank)
-        backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
-        if "gemma" not in type(backbone).__name__.lower():
-            raise common.UsageError(f"--model {args.model}: the KV-cached sampler supports Gemma backbones")
-        prompts, queries, query_mask = tokenize_prompts(args.dataset, tokenizer, chat_template(backbone),
-                                                        args.max_prompt_length)
-        reward_fn = None if args.reward_model else load_reward_fn(args.reward_fn)
-        rm = load_reward_model(args.reward_model, mesh, args.dtype, args.lora_rank) if args.reward_model else None
-        if rm is not None and rm[0].preprocessor.tokenizer.vocabulary_size() != tokenizer.vocabulary_size():
-            raise common.UsageError(f"--reward-model {args.reward_model}: its tokenizer differs from the policy's "
-                                    "(it scores the policy's token ids directly)")
-    except (common.UsageError, FileNotFoundError) as e:
-        common.fail(e)
+    # ---- set-up: every flag, file and row checked before the models load ----
+    run = common.Run("ppo", args)
+    if args.num_mini_batches < 1 or args.num_ppo_epochs < 1 or args.temperature <= 0:
+        raise common.UsageError("--num-mini-batches and --num-ppo-epochs must be ≥ 1, --temperature > 0")
+    if args.batch_size % args.num_mini_batches or args.batch_size // args.num_mini_batches % run.mesh.shape["data"]:
+        raise common.UsageError(f"--batch-size {args.batch_size} must split into --num-mini-batches "
+                                f"{args.num_mini_batches} each divisible by the data axis ({run.mesh.shape['data']})")
+    if "gemma" not in common.backbone_class(common.resolve_model(args.model)).__name__.lower():
+        raise common.UsageError(f"--model {args.model}: the KV-cached sampler supports Gemma backbones")
+    prompts = common.read_dataset(args.dataset, "prompt", common.chat_template(args.model))
+    reward = None if args.reward_model else common.load_reward_fn(args.reward_fn)
+    rm = common.load_reward_model(args.reward_model, run.mesh, args.dtype, args.lora_rank) if reward is None else None
+    model = common.load_model(args.model, run.mesh, args.dtype, args.seed, args.lora_rank)
+    backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
+    if rm is not None and rm[0].preprocessor.tokenizer.vocabulary_size() != tokenizer.vocabulary_size():
+        raise common.UsageError(f"--reward-model {args.reward_model}: its tokenizer differs from the policy's "
+                                "(it scores the policy's token ids directly)")
+    queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
+    value_bb = rm[0].backbone if rm is not None else backbone
     if args.remat:  # calls with a KV cache (the sampler) are left alone
-        common.enable_remat(backbone)
-        if rm is not None:  # the value model is then a separate backbone
-            common.enable_remat(rm[0].backbone)
+        for bb in {backbone, value_bb}:  # the value model's backbone when it is a separate one
+            common.enable_remat(bb)
     q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
     print(f"data: {len(prompts)} prompts, queries padded to {q} tokens; responses {r} tokens; "
           f"reward: {args.reward_model or args.reward_fn}")
 
-    # Policy trainable; reference = frozen copy of its initial values (with LoRA: the zero-init
-    # adapters, i.e. the LoRA-off base); value = its own copy of the reward model (or policy) + head.
+    # Policy trainable; reference = frozen copy of its initial values (with LoRA: the zero-init adapters,
+    # i.e. the LoRA-off base); value = a copy of the reward model (Huang et al.), else of the policy + a zero head.
     policy_params, policy_frozen = common.split_variables(backbone)
     ref_params = jax.tree.map(jnp.copy, policy_params)
-    if rm is not None:
-        value_bb = rm[0].backbone
-        rm_head = jax.tree.map(lambda x: common.put_global(x, common.replicated(mesh)), rm[1])
-        rm_params, value_frozen = common.split_variables(value_bb)
-        value = (jax.tree.map(jnp.copy, rm_params), jax.tree.map(jnp.copy, rm_head))
-    else:
-        value_bb, value_frozen = backbone, policy_frozen
-        head = {"weight": jnp.zeros((backbone.hidden_dim, 1), jnp.float32), "bias": jnp.zeros((), jnp.float32)}
-        value = (jax.tree.map(jnp.copy, policy_params),
-                 jax.tree.map(lambda x: common.put_global(x, common.replicated(mesh)), head))
+    value_params, value_frozen = common.split_variables(value_bb)  # the reward model's loaded values stay
+    head = rm[1] if rm is not None else jax.tree.map(lambda x: common.put_global(x, common.replicated(run.mesh)), {
+        "weight": np.zeros((backbone.hidden_dim, 1), np.float32), "bias": np.zeros((), np.float32)})
     models, frozen = (backbone, value_bb), (policy_frozen, value_frozen)
-    # Through one jit, so the trainable values carry the mesh in their types as the updated
-    # ones will: the sampler then sees identical input types every step (no recompilation).
-    params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))((policy_params, value))
-    total_updates = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
-    schedule = optax.linear_schedule(args.learning_rate, 0.0, max(total_updates, 1))  # lr annealing
-    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adamw(schedule, eps=1e-5))
-    opt_state, opt_shardings = common.init_optimizer(optimizer, params, mesh)  # scalars replicated
-    key = jax.random.key(args.seed)
-    rng = np.random.default_rng(args.seed)
+    # Copied through one jit, so the trainable values carry the mesh in their types as the updated ones will (train_step
+    # keeps its out_shardings): the sampler and the rollout forwards see the same input types every step (one compile).
+    params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))((policy_params, (value_params, head)))
+    optimizer, schedule = make_optimizer(args)
+    opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
+    state_shardings = (common.shardings(params), opt_shardings)
+    key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
     order = np.concatenate([rng.permutation(len(prompts)) for _ in range(
         -(-args.max_steps * args.batch_size // len(prompts)))])
-    checkpoints = common.Checkpoints(output_dir)
-    params, opt_state, key, start, log = resume_or_start(args, checkpoints, output_dir, params, opt_state,
-                                                         key, rng)
-    state = (params, opt_state, frozen)
+    # --resume: params, optimizer state, sampling key, mini-batch shuffler (the prompt order is a function of the step)
+    (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
+                                                     {"rng": rng.bit_generator.state})
+    key, rng.bit_generator.state = jax.random.wrap_key_data(key_data), meta["rng"]
+    state = jax.device_put((params, opt_state), state_shardings)
 
     gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
     stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, q, args.temperature))
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: advantages_of(s, lp, rlp, v, sl, args))
-    # The updated state keeps the shardings it started with, so the sampler and the
-    # rollout forwards (which take the policy params) see the same input types every step.
-    state_shardings = (common.shardings(params), opt_shardings, common.shardings(frozen))
-    step_fn = jax.jit(lambda s, b: train_step(models, optimizer, s, b, q, args), donate_argnums=0,
-                      out_shardings=(state_shardings, common.replicated(mesh)))
-    if rm is not None:  # the reward model keeps its own (initial) values: the value copy trains
-        rm_weights = (rm_params, value_frozen, rm_head)  # an argument, like every other function's weights
-        score_fn = jax.jit(lambda w, ids, m, last: reward_scores(value_bb, *w, ids, m, last))
-    on_data = NamedSharding(mesh, P("data"))  # rollout arrays [B, ...]: batch over `data`
-    # Every process samples, scores and updates the same global batch; host arrays go in with
-    # put_global and come out whole with to_host (an allgather when there are several processes).
-
+    step_fn = jax.jit(partial(train_step, models, optimizer, args, context_length=q), donate_argnums=0,
+                      out_shardings=(state_shardings, common.replicated(run.mesh)))
+    if rm is not None:  # r_φ(x, y) from the reward model's loaded weights, an argument like every function's
+        reward = (jax.jit(lambda w, ids, m, sl: reward_scores(value_bb, *w, ids, m, q + sl)),  # at the last real token
+                  (value_params, value_frozen, head))
+    # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
+    on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
     # FLOPs: 2N per token per forward (sampling, policy + reference + value, reward model),
     # 6N per token per trained forward+backward (policy and value, every epoch).
     n_pol, n_val = common.count_params(backbone), common.count_params(value_bb)
     flops_per_seq = (q + r) * (2 * n_pol + 2 * (2 * n_pol + n_val) + 2 * n_val * (rm is not None)
                      + args.num_ppo_epochs * 6 * (n_pol + n_val))
-    peak = common.peak_flops()
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
-    bar = tqdm(range(start, args.max_steps), desc="ppo", dynamic_ncols=True, initial=start, total=args.max_steps)
-    for step in bar:
+    for step in run.steps(learning_rate=lambda s: schedule(s * args.num_ppo_epochs * args.num_mini_batches),
+                          show=("objective/scores", "objective/kl")):
+        ticks, idx = [time.perf_counter()], order[step * args.batch_size:(step + 1) * args.batch_size]
         # rollout: sample responses to a batch of prompts, cut them after the first EOS
-        t0 = time.perf_counter()
-        idx = order[step * args.batch_size:(step + 1) * args.batch_size]
         key, gen_key = jax.random.split(key)
-        qs, qm = common.put_global(queries[idx], on_data), common.put_global(query_mask[idx], on_data)
-        responses, sequence_lengths = truncate_response(gen_fn(state[0][0], policy_frozen, qs, qm, gen_key),
-                                                        eos, pad)
-        responses.block_until_ready()
-        t_generate = time.perf_counter() - t0
-
-        # rewards: scores from the reward model / function, log-probs of policy and reference, values
-        response_mask = jnp.arange(r)[None] <= sequence_lengths[:, None]  # [B, R]
-        batch = {"query_responses": jnp.concatenate([qs, responses], 1),
-                 "padding_mask": jnp.concatenate([qm, response_mask], 1)}
+        batch, sequence_lengths = rollout(gen_fn, state[0][0], policy_frozen, queries[idx], query_mask[idx],
+                                          gen_key, eos, pad, on_data)
+        ticks.append(synced(batch))
+        # rewards: a score per response (1); log-probs of policy and reference; values
+        scores, texts, has_eos = score_responses(reward, tokenizer, [prompts[i] for i in idx], batch, sequence_lengths,
+                                                 q, args.missing_eos_penalty, on_data)
         logprobs, ref_logprobs, values = stats_fn(state[0], ref_params, frozen, batch)
-        host_responses, host_lengths = common.to_host(responses), common.to_host(sequence_lengths)
-        texts = tokenizer.detokenize([list(x[:n + (x[n] != eos)]) for x, n in zip(host_responses, host_lengths)])
-        if rm is not None:
-            scores = score_fn(rm_weights, batch["query_responses"], batch["padding_mask"], q + sequence_lengths)
-        else:
-            scores = common.put_global(np.asarray(reward_fn([prompts[i] for i in idx], texts), np.float32), on_data)
-        has_eos = (host_responses == eos).any(1)
-        if args.missing_eos_penalty is not None:
-            scores = scores - args.missing_eos_penalty * common.put_global(np.float32(~has_eos), on_data)
-
-        # advantages: per-token KL-penalised rewards -> GAE -> whitening
+        # advantages: per-token KL-penalised rewards (2) -> GAE (3) -> whitening
         advantages, returns, objective = adv_fn(scores, logprobs, ref_logprobs, values, sequence_lengths)
-        batch.update(logprobs=logprobs, values=values, advantages=advantages, returns=returns,
-                     response_mask=response_mask)
-        jax.block_until_ready(batch)
-        t_score = time.perf_counter() - t0 - t_generate
-
+        batch.update(logprobs=logprobs, values=values, advantages=advantages, returns=returns)
+        ticks.append(synced(batch))
         # update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches
-        pending = []
-        for _ in range(args.num_ppo_epochs):
-            perm = rng.permutation(args.batch_size)
-            for m in range(args.num_mini_batches):
-                mb_idx = common.put_global(perm[m * mini:(m + 1) * mini], on_data)
-                state, metrics = step_fn(state, jax.tree.map(lambda x: x[mb_idx], batch))
-                pending.append(metrics)
-        fetched = jax.device_get(pending)
-        t_update = time.perf_counter() - t0 - t_generate - t_score
-
-        elapsed = time.perf_counter() - t0
-        row = {k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]}
-        row.update({k: float(v) for k, v in jax.device_get(objective).items()})
-        row.update({"val/num_eos_tokens": float(has_eos.sum()),
-                    "charts/learning_rate": float(schedule(step * args.num_ppo_epochs * args.num_mini_batches)),
-                    "charts/generate_tokens_per_sec": args.batch_size * r / t_generate,
-                    "charts/generate_time": t_generate, "charts/score_time": t_score,
-                    "charts/update_time": t_update,
-                    "charts/tokens_per_sec": args.batch_size * (q + r) / elapsed,
-                    "charts/mfu": args.batch_size * flops_per_seq / elapsed / peak,
-                    "charts/generate_compilations": float(gen_fn._cache_size())})
-        if not np.isfinite(row["train/loss"]):
-            log.close()
-            print(f"error: non-finite train/loss at step {step + 1}; the last good checkpoint is kept "
-                  f"(rerun with --resume and a lower --learning-rate)", file=sys.stderr)
-            sys.exit(1)
-        log.log(step + 1, row)
-        bar.set_postfix(score=f"{row['objective/scores']:.3f}", kl=f"{row['objective/kl']:.3f}")
+        updates = []
+        for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_ppo_epochs, on_data):
+            state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
+            updates.append(metrics)
+        run.log({**step_row(updates, ticks, len(idx) * r), **objective, "val/num_eos_tokens": float(has_eos.sum()),
+                 "charts/generate_compilations": float(gen_fn._cache_size())},
+                tokens=len(idx) * (q + r), flops=len(idx) * flops_per_seq)
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == args.max_steps):
-            host_scores = common.to_host(scores)
-            for i in range(min(3, len(idx))):
-                tqdm.write(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} score {host_scores[i]:.3f}")
-        stopping = stop.name  # read once, so a signal arriving now is handled at the next step
-        if stopping or (args.save_every and (step + 1) % args.save_every == 0):
-            checkpoints.save(step + 1, (state[0], state[1], jax.random.key_data(key)),
-                             {"step": step + 1, "rng": rng.bit_generator.state})
-        if stopping:
-            log.close()
-            print(f"{stopping}: checkpoint saved at step {step + 1}; continue with --resume")
-            return
+            for i, s in enumerate(common.to_host(scores)[:3]):
+                print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} score {s:.3f}")
+        run.checkpoint((state[0], state[1], jax.random.key_data(key)), {"rng": rng.bit_generator.state})
 
     # ---- outputs: the policy (LoRA merged) as a KerasHub preset ----
-    common.save_model(model, state[0][0], os.path.join(output_dir, "model"))
-    log.close()
-    print(f"done: outputs in {output_dir}")
+    run.finish(lambda path: common.save_model(model, state[0][0], path))
 
 
 if __name__ == "__main__":
-    main(tyro.cli(Args))
+    main(common.cli(Args))
