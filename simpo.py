@@ -61,9 +61,10 @@ class Args:
     """seeds init (tiny) and data order"""
     # algorithm
     beta: float = 2.0
-    """β: scale of the reward β·avg logπ(y|x) (paper default 2.0)"""
+    """β: scale of the reward β·avg logπ(y|x) (the paper's value)"""
     gamma: float = 0.5
-    """γ: target reward margin, as in the paper's loss (Eq. 2); TRL's `simpo_gamma`; SimPO repo: γ/β = gamma_beta_ratio"""
+    """γ: target reward margin, as in the paper's loss (Eq. 2); TRL's `simpo_gamma`; the SimPO
+    repo's gamma_beta_ratio is γ/β"""
     sft_weight: float = 0.0
     """weight of an added NLL on the chosen response (0: pure SimPO; TRL's CPO-SimPO default cpo_alpha is 1)"""
     # logging and outputs

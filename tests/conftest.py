@@ -41,7 +41,7 @@ def prefs():
     import dpo
     mesh = common.make_mesh()
     model = common.load_model("tiny", mesh, "float32", seed=0, lora_rank=4)
-    template = dpo.chat_template(model.backbone)
-    pairs, _ = dpo.tokenize_dataset(os.path.join(ROOT, "data", "prefs_eval.jsonl"),
-                                    model.preprocessor.tokenizer, template, 512)
+    path = os.path.join(ROOT, "data", "prefs_eval.jsonl")
+    triples = common.read_dataset(path, "preference", common.chat_template("tiny"))
+    pairs, _ = dpo.tokenize_dataset(triples, model.preprocessor.tokenizer, 512, path)
     return mesh, model, pairs[:8]

@@ -46,7 +46,7 @@ def test_reference_logps_agree_three_ways(prefs):
     policy = dpo.concatenated_forward(model.backbone, trained, frozen, data)
     lora = dpo.reference_logps(model.backbone, dpo.lora_off(model.backbone, trained), frozen, data)
     fwd = jax.jit(lambda p, b: dpo.concatenated_forward(plain.backbone, p, full_frozen, jax.tree.map(lambda x: x[0], b)))
-    pre = dpo.per_example(lambda b: fwd(full_params, b), data, 8, mesh)
+    pre = common.per_example(lambda b: fwd(full_params, b), data, 8, mesh)
     batch = {**data, "ref_chosen_logps": pre[0], "ref_rejected_logps": pre[1]}
     precomputed = dpo.reference_logps(None, None, None, batch)
     for i in range(2):
@@ -82,21 +82,24 @@ def test_dpo_step_precomputed_and_accumulated_equals_online(prefs):
     assert any(np.abs(np.asarray(a) - np.asarray(p)).max() > 1e-4 for a, p in zip(online, params))  # it moved
 
 
-def test_prompt_forms_and_bad_rows(tmp_path):
-    gemma = dpo.CHAT_TEMPLATES["gemma"]
-    assert dpo.to_triple({"prompt": "Sort: 2 1", "chosen": " 1 2", "rejected": " 2 1"}, "f:1", gemma) == \
+def test_prompt_forms_and_bad_rows(tmp_path, prefs):
+    """Rows -> (prompt, chosen, rejected) texts (common.py, shared by the three scripts), then each
+    script's tokenize_dataset, which refuses a dataset where no pair fits --max-length."""
+    triple = common.preference_triple
+    gemma = common.CHAT_TEMPLATES["gemma"]
+    assert triple({"prompt": "Sort: 2 1", "chosen": " 1 2", "rejected": " 2 1"}, "f:1", gemma) == \
         ("Sort: 2 1", " 1 2", " 2 1")
     # implicit prompt: longest common prefix; the split space goes with the responses
-    assert dpo.to_triple({"chosen": "Sort: 2 1 1 2", "rejected": "Sort: 2 1 2 1"}, "f:1", gemma) == \
+    assert triple({"chosen": "Sort: 2 1 1 2", "rejected": "Sort: 2 1 2 1"}, "f:1", gemma) == \
         ("Sort: 2 1", " 1 2", " 2 1")
     user = {"role": "user", "content": "Sort: 2 1"}
     chat = {"chosen": [user, {"role": "assistant", "content": "1 2"}],
             "rejected": [user, {"role": "assistant", "content": "2 1"}]}
     want = ("<start_of_turn>user\nSort: 2 1<end_of_turn>\n<start_of_turn>model\n",
             "1 2<end_of_turn>", "2 1<end_of_turn>")  # as sft.py renders a chat; EOS follows
-    assert dpo.to_triple(chat, "f:1", gemma) == want
+    assert triple(chat, "f:1", gemma) == want
     explicit = {"prompt": [user], "chosen": chat["chosen"][1:], "rejected": chat["rejected"][1:]}
-    assert simpo.to_triple(explicit, "f:1", gemma) == orpo.to_triple(explicit, "f:1", gemma) == want
+    assert triple(explicit, "f:1", gemma) == want
     for content, message in [
         ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n',
          "bad.jsonl:2: missing field 'rejected'"),
@@ -107,9 +110,15 @@ def test_prompt_forms_and_bad_rows(tmp_path):
         ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{oops\n', "bad.jsonl:2: invalid JSON"),
     ]:
         (tmp_path / "bad.jsonl").write_text(content)
-        for module in (dpo, simpo, orpo):
-            with pytest.raises(common.UsageError, match=message):
-                module.tokenize_dataset(str(tmp_path / "bad.jsonl"), None, gemma, 512)
+        with pytest.raises(common.UsageError, match=message):
+            common.read_dataset(str(tmp_path / "bad.jsonl"), "preference", gemma)
+    tokenizer = prefs[1].preprocessor.tokenizer
+    long = [("Sort: 2 1 " * 20, " 1 2", " 2 1")]  # a long prompt, short responses
+    for module in (dpo, simpo, orpo):
+        pairs, counts = module.tokenize_dataset(long, tokenizer, 16, "f.jsonl")  # prompt cut from the left
+        assert counts == {"examples": 1, "truncated": 1, "dropped": 0} and len(pairs[0][0][0]) == 16
+        with pytest.raises(common.UsageError, match="f.jsonl: every pair is longer than --max-length 3"):
+            module.tokenize_dataset(long, tokenizer, 3, "f.jsonl")  # BOS + EOS + a response > 3
 
 
 # ---------------------------------------------------------------------------
@@ -161,13 +170,15 @@ def assert_logged(row, loss, metrics, script):
 
 
 def test_issue_command_logs_first_batch_before_any_update(hf_checkpoint, prefs, tmp_path):
-    """`--model <HF dir> --dataset <jsonl> --dtype float32 --learning-rate 0 --max-steps 1`."""
+    """`--model <HF dir> --dataset <jsonl> --dtype float32 --max-steps 1`: the logged row is the
+    initial model on the first batch, whatever the learning rate (metrics come from the forward
+    before the update; `--learning-rate 0` itself is refused by common.Run: it must be > 0)."""
     mesh, model, pairs = prefs
     with open(os.path.join(ROOT, "data", "prefs_eval.jsonl")) as f:
         (tmp_path / "pairs.jsonl").write_text("".join(f.readlines()[:8]))
     out = str(tmp_path / "run")
     run("dpo.py", "--model", hf_checkpoint, "--dataset", str(tmp_path / "pairs.jsonl"), "--dtype", "float32",
-        "--learning-rate", "0", "--max-steps", "1", "--batch-size", "8", "--eval-dataset", "", "--output-dir", out)
+        "--max-steps", "1", "--batch-size", "8", "--eval-dataset", "", "--output-dir", out)
     (row,) = read_metrics(out)
     assert row["step"] == 1 and row["train/loss"] == pytest.approx(LOG2, abs=1e-6)
     assert_logged(row, *expected_metrics(dpo, model, pairs), "dpo.py")
@@ -186,9 +197,11 @@ def test_first_batch_metrics_logged_before_the_update(trained, prefs):
     script, out = trained
     mesh, model, _ = prefs
     module = SCRIPTS[script]
-    pairs, _ = module.tokenize_dataset(os.path.join(ROOT, "data", "prefs_train.jsonl"), model.preprocessor.tokenizer,
-                                       module.chat_template(model.backbone), 512)
-    first = module.get_batch({"chosen_ids": np.arange(len(pairs))}, 0, 32, 1, 0)["chosen_ids"][0]  # batch 0's pairs
+    path = os.path.join(ROOT, "data", "prefs_train.jsonl")
+    triples = common.read_dataset(path, "preference", common.chat_template("tiny"))
+    pairs, _ = module.tokenize_dataset(triples, model.preprocessor.tokenizer, 512, path)
+    args = module.Args(batch_size=32, grad_accum_steps=1, seed=0)  # as the `trained` run
+    first = module.get_batch({"chosen_ids": np.arange(len(pairs))}, 0, args)["chosen_ids"][0]  # batch 0's pairs
     row = read_metrics(out)[1]  # [0] is the step-0 evaluation
     assert row["step"] == 1
     assert_logged(row, *expected_metrics(module, model, [pairs[i] for i in first]), script)
@@ -250,7 +263,7 @@ def test_lora_precomputed_reference_checkpoint_and_resume(tmp_path):
     run("dpo.py", "--max-steps", "2", *common_flags)
     assert {"model", "checkpoints"} <= set(os.listdir(out)) and "2" in os.listdir(os.path.join(out, "checkpoints"))
     refused = run("dpo.py", "--max-steps", "4", *common_flags, check=False)
-    assert refused.returncode == 2 and "already holds a run" in refused.stderr
+    assert refused.returncode == 2 and "already holds a finished run" in refused.stderr
     resumed = run("dpo.py", "--max-steps", "4", "--resume", *common_flags)
     assert "resumed from step 2" in resumed.stdout
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
