@@ -79,8 +79,8 @@ def test_evaluate_worked_example(tmp_path):
     args = evaluate.Args(model="tiny", num_prompts=12, max_new_tokens=8, batch_size=8)
     mesh = common.make_mesh(None)
     policy = evaluate.load_policy("tiny", mesh, args)
-    data = evaluate.prepare(args, mesh, policy.model.preprocessor.tokenizer,
-                            evaluate.chat_template(policy.model.backbone))
+    prompts, _ = evaluate.check_args(args, mesh)
+    data = evaluate.prepare(args, mesh, prompts, policy.model.preprocessor.tokenizer)
     again = evaluate.respond(policy, data, "sampled", jax.random.key(0), data["batch_size"], mesh)
     assert again["texts"] == [s["sampled"] for s in samples]
 
@@ -93,19 +93,23 @@ def test_evaluate_worked_example(tmp_path):
     assert list(outs) == [s["greedy"] for s in same]
 
 
-def test_evaluate_bad_flags_exit_2(tmp_path, capsys):
-    """Bad input: one line on stderr, exit 2, before any compute (once through the CLI)."""
+def test_evaluate_bad_flags_exit_2(tmp_path, monkeypatch):
+    """Bad input: one line on stderr, exit 2, before any model loads (through the CLI once; in
+    process, the UsageError that the CLI turns into that line, naming the flag)."""
     out = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--reward-fn", "nope.py:f"],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and out.stderr.startswith("error: --reward-fn"), out.stderr[-500:]
-    for flags in ({"model": "no_such_model"}, {"prompts": str(tmp_path / "missing.jsonl")}, {"batch_size": 3},
-                  {"reward_model": str(tmp_path)}, {"reward_fn": None}, {"temperature": 0.0}):
-        with pytest.raises(SystemExit) as e:
+    assert len(out.stderr.strip().splitlines()) == 1, out.stderr[-500:]
+    loads = []
+    monkeypatch.setattr(common, "load_model", lambda *a, **k: loads.append(a) or pytest.fail("a model loaded"))
+    cases = [({"model": "no_such_model"}, "--model"), ({"prompts": str(tmp_path / "missing.jsonl")}, "--prompts"),
+             ({"batch_size": 3}, "--batch-size"), ({"reward_model": str(tmp_path)}, "--reward-model"),
+             ({"reward_fn": None}, "--reward-fn"), ({"temperature": 0.0}, "--temperature")]
+    for flags, named in cases:
+        with pytest.raises(common.UsageError) as e:
             evaluate.main(evaluate.Args(output_dir=str(tmp_path / "e"), **flags))
-        assert e.value.code == 2, flags
-        err = capsys.readouterr().err
-        assert err.startswith("error: ") and len(err.strip().splitlines()) == 1, (flags, err)
-    assert not (tmp_path / "e").exists()
+        assert named in str(e.value) and len(str(e.value).splitlines()) == 1, (flags, str(e.value))
+    assert not loads and not (tmp_path / "e").exists()
 
 
 # ---------------------------------------------------------------------------
