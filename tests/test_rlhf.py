@@ -104,6 +104,43 @@ def test_bad_input_fails_fast_with_file_and_line(tmp_path):
     assert out.returncode == 2 and f"{bad}:2" in out.stderr and "chosen" in out.stderr, out.stderr
 
 
+def test_reward_tokenizes_pairs_as_dpo(tmp_path):
+    """reward.py scores what dpo.py trains on: the same prompt / response texts go to the
+    tokenizer and the same ids come out. An implicit prompt splits with the space going to the
+    responses ('Sort: 9 2' + ' 8 9' / ' 5 9'; reward.py's own os.path.commonprefix split gave
+    'Sort: 9 2 ' + '8 9'), and chats render as dpo.py renders them."""
+    import dpo
+    import reward
+
+    class Recording:  # the tiny tokenizer, keeping the texts it was given
+        def __init__(self):
+            self.inner = common.keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER)
+            self.start_token_id, self.end_token_id, self.texts = self.inner.start_token_id, self.inner.end_token_id, []
+
+        def tokenize(self, texts):
+            self.texts.append(list(texts))
+            return self.inner.tokenize(texts)
+
+    turn = lambda role, text: {"role": role, "content": text}
+    rows = [{"chosen": "Sort: 9 2 8 9", "rejected": "Sort: 9 2 5 9"},
+            {"chosen": [turn("user", "Sort: 3 1"), turn("assistant", " 1 3")],
+             "rejected": [turn("user", "Sort: 3 1"), turn("assistant", " 3 1")]},
+            {"prompt": [turn("user", "Sort: 2 1")], "chosen": [turn("assistant", " 1 2")],
+             "rejected": [turn("assistant", " 2 1")]}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    triples = common.read_dataset(str(path), "preference", common.chat_template("tiny"))  # as both mains do
+    assert triples[0] == ("Sort: 9 2", " 8 9", " 5 9")
+    ours, theirs = Recording(), Recording()
+    pairs, counts = reward.tokenize_pairs(triples, ours, 512, str(path))
+    dpo_pairs, _ = dpo.tokenize_dataset(triples, theirs, 512, str(path))
+    assert ours.texts == theirs.texts and ours.texts[0][:3] == ["Sort: 9 2", " 8 9", " 5 9"]
+    assert counts == {"examples": 3, "truncated": 0, "dropped": 0}
+    for (chosen, rejected), ((dpo_chosen, _), (dpo_rejected, _)) in zip(pairs, dpo_pairs, strict=True):
+        np.testing.assert_array_equal(chosen, dpo_chosen)
+        np.testing.assert_array_equal(rejected, dpo_rejected)
+
+
 def test_reward_model_learns_and_saves_head(reward_run):
     rows = metrics(reward_run)
     acc = [r["eval/accuracy"] for r in rows if "eval/accuracy" in r]
