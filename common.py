@@ -771,6 +771,21 @@ class Run:
             if self._wandb:
                 self._wandb.log(row, step=step)
 
+    def read_data(self, form):
+        """(train rows, eval rows) of --dataset / --eval-dataset in TRL's `form`, rendered with
+        --model's chat template: checked before the model loads."""
+        args, template = self.args, chat_template(self.args.model)
+        evals = read_dataset(args.eval_dataset, form, template, "--eval-dataset") if args.eval_dataset else []
+        return read_dataset(args.dataset, form, template), evals
+
+    def load_model(self):
+        """--model created sharded over the mesh, with --lora-rank and --remat applied."""
+        args = self.args
+        model = load_model(args.model, self.mesh, args.dtype, args.seed, args.lora_rank)
+        if args.remat:
+            enable_remat(model.backbone)
+        return model
+
     def resume(self, state, meta=None):
         """(state, meta) of the newest checkpoint with --resume (shaped and sharded like `state`:
         a pytree of arrays), else as given. The data position is the step itself."""
@@ -898,7 +913,7 @@ class Run:
                 shutil.rmtree(self.model_dir)
             os.replace(tmp, self.model_dir)
         self.close()
-        shown = {k: v for k, v in self.last_train.items() if k in ("train/loss", *self._show)}
+        shown = {k: self.last_train[k] for k in ("train/loss", *self._show) if k in self.last_train}
         shown.update(list(self.last_eval.items())[:2])
         took = time.perf_counter() - self._started
         print(f"done: {self.args.max_steps} steps in {took // 60:.0f}m{took % 60:02.0f}s; "

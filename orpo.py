@@ -269,14 +269,9 @@ def main(args):
     run = common.Run("orpo", args)
     if args.beta < 0:
         raise common.UsageError("need --beta (λ) >= 0")
-    template = common.chat_template(args.model)
-    train_rows = common.read_dataset(args.dataset, "preference", template)
-    eval_rows = (common.read_dataset(args.eval_dataset, "preference", template, "--eval-dataset")
-                 if args.eval_dataset else [])
-    model = common.load_model(args.model, run.mesh, args.dtype, args.seed, args.lora_rank)
+    train_rows, eval_rows = run.read_data("preference")
+    model = run.load_model()
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
-    if args.remat:
-        common.enable_remat(backbone)
     train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.dataset)
     evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, args.eval_dataset)[0] if eval_rows else []
     print(f"data: {counts['examples']} pairs ({counts['truncated']} prompt-truncated, "

@@ -220,14 +220,9 @@ def main(args):
     run = common.Run("reward", args)
     if args.normalize and args.normalize_samples < 1:
         raise common.UsageError(f"--normalize-samples {args.normalize_samples}: must be >= 1 with --normalize")
-    template = common.chat_template(args.model)
-    train_rows = common.read_dataset(args.dataset, "preference", template)
-    eval_rows = (common.read_dataset(args.eval_dataset, "preference", template, "--eval-dataset")
-                 if args.eval_dataset else [])
-    model = common.load_model(args.model, run.mesh, args.dtype, args.seed, args.lora_rank)
+    train_rows, eval_rows = run.read_data("preference")
+    model = run.load_model()
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
-    if args.remat:
-        common.enable_remat(backbone)
     train, counts = tokenize_pairs(train_rows, tokenizer, args.max_length, args.dataset)
     evals = tokenize_pairs(eval_rows, tokenizer, args.max_length, args.eval_dataset)[0] if eval_rows else []
     print(f"data: {counts['examples']} pairs ({counts['truncated']} prompt-truncated, "

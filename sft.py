@@ -231,13 +231,9 @@ def make_optimizer(args):
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
     run = common.Run("sft", args)
-    template = common.chat_template(args.model)
-    train_rows = common.read_dataset(args.dataset, "sft", template)
-    eval_rows = common.read_dataset(args.eval_dataset, "sft", template, "--eval-dataset") if args.eval_dataset else []
-    model = common.load_model(args.model, run.mesh, args.dtype, args.seed, args.lora_rank)
+    train_rows, eval_rows = run.read_data("sft")
+    model = run.load_model()
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
-    if args.remat:
-        common.enable_remat(backbone)
     train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.completion_only_loss, args.dataset)
     evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, args.completion_only_loss,
                              args.eval_dataset)[0] if eval_rows else []
