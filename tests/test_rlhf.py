@@ -48,8 +48,9 @@ def test_ppo_update_moves_logprobs_along_advantages():
     adv, ret, _ = advantages_of(scores, lp, ref, values, jnp.full((8,), r - 1), args)
     batch.update(logprobs=lp, values=values, advantages=adv, returns=ret)
     optimizer = optax.adam(1e-3)
-    state = (params, optimizer.init(params), (frozen, frozen))
-    state, m = jax.jit(lambda s, b: train_step((bb, bb), optimizer, s, b, q, args))(state, batch)
+    state = (params, optimizer.init(params))
+    step = jax.jit(lambda s, f, b: train_step((bb, bb), optimizer, args, s, f, b, q))
+    state, m = step(state, (frozen, frozen), batch)
     new_lp, _ = response_logps(bb, state[0][0], frozen, batch["query_responses"], batch["padding_mask"], q, 1.0)
     delta = np.asarray(new_lp - lp)
     assert np.sum(delta * np.asarray(adv)) > 0
@@ -213,6 +214,8 @@ def test_ppo_raises_toy_score_from_scratch(tmp_path):
     assert np.mean(scores[-2:]) > scores[0] + 0.3, scores
     assert os.path.exists(tmp_path / "model" / "config.json")
     assert "sample:" in out.stdout + out.stderr  # decoded samples with their scores
+    last = out.stdout.strip().splitlines()[-1]  # common.Run's summary line
+    assert last.startswith("done: 12 steps in ") and "objective/scores " in last and f"outputs in {tmp_path}" in last
 
 
 def test_ppo_with_reward_model(reward_run, tmp_path):
