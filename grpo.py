@@ -409,14 +409,12 @@ def main(args):
     reward = [] if args.reward_model else [common.load_reward_fn(s) for s in args.reward_fn]
     weights = np.asarray(args.reward_weights or [1.0] * max(len(reward), 1), np.float32)  # reward model: [1]
     rm = common.load_reward_model(args.reward_model, run.mesh, args.dtype) if args.reward_model else None
-    model = common.load_model(args.model, run.mesh, args.dtype, args.seed, args.lora_rank)
+    model = run.load_model()  # sharded, with --lora-rank and --remat (calls with a KV cache are left alone)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     if rm is not None and rm[0].preprocessor.tokenizer.vocabulary_size() != tokenizer.vocabulary_size():
         raise common.UsageError(f"--reward-model {args.reward_model}: its tokenizer differs from the policy's "
                                 "(it scores the policy's token ids directly)")
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    if args.remat:  # calls with a KV cache (the sampler) are left alone
-        common.enable_remat(backbone)
     q, r, g = queries.shape[1], args.response_length, args.num_generations
     n_prompts = args.batch_size // g
     print(f"data: {len(prompts)} prompts, queries padded to {q} tokens; {n_prompts} prompts × G={g} completions "

@@ -26,7 +26,7 @@ import optax
 class Args:
     # model
     model: str = "tiny"
-    """policy init: alias (gemma_2b, …), KerasHub preset, kaggle:// / hf:// handle, local preset / HF dir, or `tiny`"""
+    """policy init: alias (gemma_2b, …), KerasHub preset, kaggle:// / hf:// handle, local preset / HF dir, `tiny`"""
     dtype: Literal["bfloat16", "float32"] | None = None
     """parameter dtype; None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0
@@ -409,16 +409,15 @@ def main(args):
     prompts = common.read_dataset(args.dataset, "prompt", common.chat_template(args.model))
     reward = None if args.reward_model else common.load_reward_fn(args.reward_fn)
     rm = common.load_reward_model(args.reward_model, run.mesh, args.dtype, args.lora_rank) if reward is None else None
-    model = common.load_model(args.model, run.mesh, args.dtype, args.seed, args.lora_rank)
+    model = run.load_model()  # sharded, with --lora-rank and --remat (calls with a KV cache are left alone)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     if rm is not None and rm[0].preprocessor.tokenizer.vocabulary_size() != tokenizer.vocabulary_size():
         raise common.UsageError(f"--reward-model {args.reward_model}: its tokenizer differs from the policy's "
                                 "(it scores the policy's token ids directly)")
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
     value_bb = rm[0].backbone if rm is not None else backbone
-    if args.remat:  # calls with a KV cache (the sampler) are left alone
-        for bb in {backbone, value_bb}:  # the value model's backbone when it is a separate one
-            common.enable_remat(bb)
+    if args.remat and rm is not None:  # the value model is then a separate backbone
+        common.enable_remat(value_bb)
     q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
     print(f"data: {len(prompts)} prompts, queries padded to {q} tokens; responses {r} tokens; "
           f"reward: {args.reward_model or args.reward_fn}")
