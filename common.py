@@ -18,6 +18,7 @@ Mesh axes are ("data", "model") everywhere: batch over `data`, parameters over b
 """
 
 import ast
+import contextlib
 import glob
 import json
 import os
@@ -72,31 +73,18 @@ def _help_from_source(path, width=100):
     return "\n".join(out)
 
 
-def _help_if_asked():
-    main = sys.modules.get("__main__")
-    path = getattr(main, "__file__", None) or ""
-    if {"-h", "--help"} & set(sys.argv[1:]) and path.endswith(".py") and os.path.dirname(
-            os.path.abspath(path)) in (HERE, os.path.join(HERE, "benchmarks")):
-        text = _help_from_source(path)
-        if text is not None:
-            try:
-                print(text)
-            except BrokenPipeError:  # `--help | head`
-                pass
-            os._exit(0)
-
-
-_help_if_asked()  # before the imports below, which take seconds (keras-hub, TensorFlow)
+_main = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+if {"-h", "--help"} & set(sys.argv[1:]) and _main.endswith(".py") and os.path.dirname(
+        os.path.abspath(_main)) in (HERE, os.path.join(HERE, "benchmarks")):  # one of our scripts
+    _text = _help_from_source(_main)  # before the imports below, which take seconds (keras-hub)
+    if _text is not None:
+        with contextlib.suppress(BrokenPipeError):  # `--help | head`
+            print(_text)
+        os._exit(0)
 
 
 class UsageError(Exception):
     """Bad input (flag, file, model name): reported in one line, exit code 2."""
-
-
-def fail(message):
-    """Print one clear line and exit 2 (no traceback): the bad-input contract."""
-    print(f"error: {message}", file=sys.stderr)
-    sys.exit(2)
 
 
 def _excepthook(kind, value, tb, _default=sys.excepthook):
@@ -113,7 +101,6 @@ sys.excepthook = _excepthook
 
 def cli(args_class):
     """tyro.cli(Args), with tyro's boxed parse errors (bad choice, bad number…) in one line."""
-    import contextlib
     import io
     import tyro
     err = io.StringIO()
@@ -129,7 +116,7 @@ def cli(args_class):
             if set(line) <= {"─"}:
                 break
             text.append(line)
-        fail(" ".join(text) or err.getvalue().strip())
+        raise UsageError(" ".join(text) or err.getvalue().strip()) from None
 
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -700,7 +687,7 @@ class Run:
         last = steps[-1] if steps else None
         finished = os.path.isdir(self.model_dir)
         if args.resume:
-            if finished:
+            if finished and "args.json" in held:
                 with open(os.path.join(d, "args.json")) as f:
                     done = max(last or 0, json.load(f).get("max_steps", 0))
                 if args.max_steps <= done:
@@ -775,7 +762,8 @@ class Run:
         """(train rows, eval rows) of --dataset / --eval-dataset in TRL's `form`, rendered with
         --model's chat template: checked before the model loads."""
         args, template = self.args, chat_template(self.args.model)
-        evals = read_dataset(args.eval_dataset, form, template, "--eval-dataset") if args.eval_dataset else []
+        path = getattr(args, "eval_dataset", None)
+        evals = read_dataset(path, form, template, "--eval-dataset") if path else []
         return read_dataset(args.dataset, form, template), evals
 
     def load_model(self):

@@ -405,7 +405,7 @@ def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
     run = common.Run("grpo", args)
     check_args(args, run.mesh)
-    prompts = common.read_dataset(args.dataset, "prompt", common.chat_template(args.model))
+    prompts, _ = run.read_data("prompt")
     reward = [] if args.reward_model else [common.load_reward_fn(s) for s in args.reward_fn]
     weights = np.asarray(args.reward_weights or [1.0] * max(len(reward), 1), np.float32)  # reward model: [1]
     rm = common.load_reward_model(args.reward_model, run.mesh, args.dtype) if args.reward_model else None

@@ -406,7 +406,7 @@ def main(args):
                                 f"{args.num_mini_batches} each divisible by the data axis ({run.mesh.shape['data']})")
     if "gemma" not in common.backbone_class(common.resolve_model(args.model)).__name__.lower():
         raise common.UsageError(f"--model {args.model}: the KV-cached sampler supports Gemma backbones")
-    prompts = common.read_dataset(args.dataset, "prompt", common.chat_template(args.model))
+    prompts, _ = run.read_data("prompt")
     reward = None if args.reward_model else common.load_reward_fn(args.reward_fn)
     rm = common.load_reward_model(args.reward_model, run.mesh, args.dtype, args.lora_rank) if reward is None else None
     model = run.load_model()  # sharded, with --lora-rank and --remat (calls with a KV cache are left alone)
