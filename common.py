@@ -12,7 +12,8 @@ Contents (in file order)
   5. Data order  batch_indices (a pure function of the step: resume is exact), per_example
   6. The run     Run: output dir and --resume/--overwrite, args.json, metrics.jsonl + TensorBoard
                  (+ W&B), progress bar, tokens/s and MFU, the non-finite stop, eval and
-                 checkpoint cadence, SIGTERM/SIGINT, the final model and a summary line
+                 checkpoint cadence, SIGTERM/SIGINT, the final model and a summary line;
+                 synced / phase_metrics: the generate / score / update timing of RL steps
   7. Accounting  peak_flops (DESIGN §8)
 Mesh axes are ("data", "model") everywhere: batch over `data`, parameters over both.
 """
@@ -65,7 +66,8 @@ def _help_from_source(path, width=100):
             flag += " " + kind.replace(" | None", "").upper()
         try:
             default = eval(compile(ast.Expression(node.value), path, "eval"), names)
-            default = os.path.relpath(default, HERE) if isinstance(default, str) and default.startswith(HERE) else default
+            if isinstance(default, str) and default.startswith(HERE):
+                default = os.path.relpath(default, HERE)  # a bundled file: show data/…
         except Exception:
             default = ast.unparse(node.value)
         text = " ".join(doc.split()) + f" (default: {default if default != '' else repr(default)})"
@@ -529,7 +531,8 @@ def preference_triple(row, where, template):
             raise UsageError(f"{where}: missing field {key!r} (need 'chosen', 'rejected', optional 'prompt')")
     keys = [k for k in ("prompt", "chosen", "rejected") if k in row]
     if isinstance(row["chosen"], list):  # conversational: message lists
-        prompt, chosen, rejected = (_messages(row[k], k, where) if k in row else [] for k in ("prompt", "chosen", "rejected"))
+        prompt, chosen, rejected = (_messages(row[k], k, where) if k in row else []
+                                    for k in ("prompt", "chosen", "rejected"))
         if "prompt" not in row:
             n = 0
             while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
@@ -619,6 +622,22 @@ def checkpoint_steps(output_dir):
     return sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
 
 
+def synced(tree):
+    """The time once every array of `tree` is computed (dispatch is asynchronous): a phase's end."""
+    jax.block_until_ready(tree)
+    return time.perf_counter()
+
+
+def phase_metrics(updates, ticks, new_tokens):
+    """An RL step's row (ppo, grpo): its updates' metrics averaged on the host (one sync), and the
+    seconds of each phase from ticks [start, generated, scored] to now: generate, score, update."""
+    fetched = jax.device_get(updates)
+    generate, score, update = np.diff(ticks + [time.perf_counter()])
+    return {**{k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]},
+            "charts/generate_tokens_per_sec": new_tokens / generate, "charts/generate_time": generate,
+            "charts/score_time": score, "charts/update_time": update}
+
+
 class Run:
     """One training run's life, so that each script's loop shows only its algorithm:
 
@@ -634,8 +653,9 @@ class Run:
         run.finish(lambda path: common.save_model(model, state[0], path))
 
     Nothing is written until the first step has been compiled and dispatched (its run.log):
-    until then SIGINT/SIGTERM end the process at once. From then on the first signal checkpoints at the next step boundary and exits 0, and
-    a second one ends the process at once. model/ is renamed into place only once complete.
+    until then SIGINT/SIGTERM end the process at once. From then on the first signal checkpoints
+    at the next step boundary and exits 0, and a second one ends the process at once. model/ is
+    renamed into place only once complete.
     """
 
     def __init__(self, script, args):

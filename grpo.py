@@ -386,21 +386,6 @@ def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
             yield common.put_global(perm[m * mini:(m + 1) * mini], on_data)
 
 
-def synced(tree):
-    """The time once every array of `tree` is computed (dispatch is asynchronous)."""
-    jax.block_until_ready(tree)
-    return time.perf_counter()
-
-
-def step_row(updates, ticks, new_tokens):
-    """The update metrics averaged on the host (one sync); each phase's seconds from [start, generated, scored]."""
-    fetched = jax.device_get(updates)
-    generate, score, update = np.diff(ticks + [time.perf_counter()])
-    return {**{k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]},
-            "charts/generate_tokens_per_sec": new_tokens / generate, "charts/generate_time": generate,
-            "charts/score_time": score, "charts/update_time": update}
-
-
 def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
     run = common.Run("grpo", args)
@@ -462,7 +447,7 @@ def main(args):
         key, gen_key = jax.random.split(key)
         batch, sequence_lengths = rollout(gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key,
                                           tokenizer.end_token_id, tokenizer.pad_token_id, on_data)
-        ticks.append(synced(batch))
+        ticks.append(common.synced(batch))
         # rewards: one scalar per completion, a weighted sum over the reward functions (or the RM score)
         rewards, texts, has_eos, reward_metrics = score_completions(
             reward, weights, tokenizer, [prompts[i] for i in idx], batch, sequence_lengths, q)
@@ -474,13 +459,14 @@ def main(args):
         batch["advantages"] = common.put_global(advantages, on_data)
         if off_policy or ref_params is not None:  # else neither π_old nor π_ref needs a forward
             batch.update(logps_fn(state[0] if off_policy else None, ref_params, frozen, batch))
-        ticks.append(synced(batch))
+        ticks.append(common.synced(batch))
         # update: num_iterations passes, each over num_mini_batches shuffled mini-batches
         updates = []
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        run.log({**step_row(updates, ticks, len(idx) * r), **reward_metrics, "reward_std": float(np.mean(group_std)),
+        run.log({**common.phase_metrics(updates, ticks, len(idx) * r), **reward_metrics,
+                 "reward_std": float(np.mean(group_std)),
                  "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
                  "charts/generate_compilations": float(gen_fn._cache_size())},
                 tokens=len(idx) * (q + r), flops=len(idx) * flops_per_seq)

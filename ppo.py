@@ -381,21 +381,6 @@ def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
             yield common.put_global(perm[m * mini:(m + 1) * mini], on_data)
 
 
-def synced(tree):
-    """The time once every array of `tree` is computed (dispatch is asynchronous)."""
-    jax.block_until_ready(tree)
-    return time.perf_counter()
-
-
-def step_row(updates, ticks, new_tokens):
-    """The update metrics averaged on the host (one sync); each phase's seconds from [start, generated, scored]."""
-    fetched = jax.device_get(updates)
-    generate, score, update = np.diff(ticks + [time.perf_counter()])
-    return {**{k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]},
-            "charts/generate_tokens_per_sec": new_tokens / generate, "charts/generate_time": generate,
-            "charts/score_time": score, "charts/update_time": update}
-
-
 def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
     run = common.Run("ppo", args)
@@ -469,7 +454,7 @@ def main(args):
         key, gen_key = jax.random.split(key)
         batch, sequence_lengths = rollout(gen_fn, state[0][0], policy_frozen, queries[idx], query_mask[idx],
                                           gen_key, eos, pad, on_data)
-        ticks.append(synced(batch))
+        ticks.append(common.synced(batch))
         # rewards: a score per response (1); log-probs of policy and reference; values
         scores, texts, has_eos = score_responses(reward, tokenizer, [prompts[i] for i in idx], batch, sequence_lengths,
                                                  q, args.missing_eos_penalty, on_data)
@@ -477,13 +462,14 @@ def main(args):
         # advantages: per-token KL-penalised rewards (2) -> GAE (3) -> whitening
         advantages, returns, objective = adv_fn(scores, logprobs, ref_logprobs, values, sequence_lengths)
         batch.update(logprobs=logprobs, values=values, advantages=advantages, returns=returns)
-        ticks.append(synced(batch))
+        ticks.append(common.synced(batch))
         # update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches
         updates = []
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_ppo_epochs, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        run.log({**step_row(updates, ticks, len(idx) * r), **objective, "val/num_eos_tokens": float(has_eos.sum()),
+        run.log({**common.phase_metrics(updates, ticks, len(idx) * r), **objective,
+                 "val/num_eos_tokens": float(has_eos.sum()),
                  "charts/generate_compilations": float(gen_fn._cache_size())},
                 tokens=len(idx) * (q + r), flops=len(idx) * flops_per_seq)
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == args.max_steps):
