@@ -788,21 +788,22 @@ class Run:
         a pytree of arrays), else as given. The data position is the step itself."""
         if not self.start:
             return state, meta
-        ocp = self._checkpoints()
+        ocp, manager = self._checkpoints()
         abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        restored = self._manager.restore(self.start, args=ocp.args.Composite(
+        restored = manager.restore(self.start, args=ocp.args.Composite(
             state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
         print(f"resumed from step {self.start}")
         return restored.state, restored.meta
 
     def _checkpoints(self):
-        """orbax (the JAX standard): each process writes its shards; the newest 3 are kept."""
+        """(orbax, its manager), made on first use. orbax is the JAX standard: each process writes
+        its shards, a step appears only once complete, and the newest 3 are kept."""
         import orbax.checkpoint as ocp
         if self._manager is None:
             self._manager = ocp.CheckpointManager(
                 os.path.abspath(os.path.join(self.dir, "checkpoints")),
                 options=ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=False))
-        return ocp
+        return ocp, self._manager
 
     def steps(self, flops_per_token=0, learning_rate=None, show=(), summed=()):
         """Step indices from the start (or the resumed step) to --max-steps, with a progress bar.
@@ -818,8 +819,7 @@ class Run:
                          disable=not self.main)
         for step in range(self.start, self.args.max_steps):
             self.step = step + 1  # updates done once this step's body has run
-            yield step
-            self._open()
+            yield step  # the body's run.log opens the outputs after the first step
             self._bar.update(1)
         self._bar.close()
 
@@ -887,10 +887,10 @@ class Run:
         self._open()
         self._flush()
         t = time.perf_counter()
-        ocp = self._checkpoints()
-        self._manager.save(self.step, force=True, args=ocp.args.Composite(
+        ocp, manager = self._checkpoints()
+        manager.save(self.step, force=True, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({"step": self.step, **(meta or {})})))
-        self._manager.wait_until_finished()
+        manager.wait_until_finished()
         self._paused += time.perf_counter() - t
         if stopping:
             self.close()
