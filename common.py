@@ -5,8 +5,9 @@ Contents (in file order)
                  `cli` (tyro, errors in one line); UsageError -> one line on stderr, exit 2
   2. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global,
                  to_host, init_optimizer (optimizer state laid out like the params)
-  3. Models      resolve_model, load_model (created sharded), enable_remat, split_variables,
-                 save_model, count_params; reward models (save/load_reward_model) and load_reward_fn
+  3. Models      resolve_model, hub_errors (a hub failure in one line), load_model (created sharded),
+                 enable_remat, split_variables, save_model, export_hf (--export-hf), count_params;
+                 reward models (save/load_reward_model) and load_reward_fn
   4. Files       read_rows (.jsonl/.json/.parquet/Hub), chat templates, TRL's formats -> text
                  (sft_segments, preference_triple, prompt_text), read_dataset
   5. Data order  batch_indices (a pure function of the step: resume is exact), per_example
@@ -313,13 +314,122 @@ def tiny_causal_lm(seed, dtype):
 
 
 def backbone_class(preset):
+    """The preset's backbone class, from its config.json (downloaded: the first hub contact)."""
     if preset == "tiny":
         return keras_hub.models.GemmaBackbone
+    from keras_hub.src.utils.preset_utils import get_preset_loader
+    with hub_errors(preset):
+        _fetch_config(preset)  # a hub failure stops here, in one line; it is not a fallback
     try:
-        from keras_hub.src.utils.preset_utils import get_preset_loader
         return get_preset_loader(preset).check_backbone_class()
     except Exception:  # an unknown architecture falls back to the generic sharding rule
         return keras_hub.models.Backbone
+
+
+def _fetch_config(preset):
+    """Download (or find cached) the preset's config.json, raising the hub's own error: KerasHub's
+    loader turns a missing, gated or unreachable model into one generic 'has no config.json'."""
+    from keras_hub.src.utils.preset_utils import get_file
+    if preset.startswith("hf://"):
+        import huggingface_hub as hf
+        from huggingface_hub import constants
+        repo = preset.removeprefix("hf://")
+        if hf.try_to_load_from_cache(repo, "config.json") is None and not constants.HF_HUB_OFFLINE:
+            # one HEAD request, no retries: when nothing is cached, hf_hub_download retries network
+            # errors with backoff (23 s here) before failing
+            hf.get_hf_file_metadata(hf.hf_hub_url(repo, "config.json"))
+    get_file(preset, "config.json")
+
+
+@contextlib.contextmanager
+def hub_errors(preset):
+    """A model-hub failure inside (Kaggle, Hugging Face, no network) -> UsageError: one line, exit 2."""
+    try:
+        yield
+    except Exception as e:
+        message = hub_error(preset, e)
+        if message is None:
+            raise
+        raise UsageError(message) from None
+
+
+def hub_error(preset, error):
+    """What to do about `error` raised while fetching `preset` from a hub, in one line; None when
+    it is no hub failure. Reads the whole exception chain: KerasHub re-raises the hubs' errors."""
+    if preset == "tiny" or os.path.isdir(preset):
+        return None
+    chain, e = [], error
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    kinds = {c.__name__ for x in chain for c in type(x).__mro__}
+    text = " ".join(str(x) for x in chain)
+    statuses = [getattr(getattr(x, "response", None), "status_code", None) for x in chain]
+    status = next((s for s in statuses if isinstance(s, int)), None)  # HTTP errors carry their response
+    offline = bool(kinds & {"ConnectionError", "ConnectError", "NetworkError", "TimeoutException", "Timeout",
+                            "gaierror", "LocalEntryNotFoundError"})
+    if preset.startswith("hf://"):
+        return _hf_error(preset, kinds, text, status, offline)
+    if "://" in preset and not preset.startswith("kaggle://"):
+        return None  # modelscope:// and the like: their own messages
+    return _kaggle_error(preset, kinds, text, status, offline)
+
+
+_LOCAL = "or pass a local directory (a KerasHub preset or a Hugging Face checkpoint), or --model tiny"
+
+
+def _hf_error(preset, kinds, text, status, offline):
+    """hub_error for an hf:// handle."""
+    repo = preset.removeprefix("hf://")
+    page, token = f"https://huggingface.co/{repo}", "set HF_TOKEN or run `hf auth login`"
+    if "GatedRepoError" in kinds:
+        return f"--model {preset}: the repo is gated: accept its licence at {page}, then {token}; {_LOCAL}"
+    if "RepositoryNotFoundError" in kinds:
+        return (f"--model {preset}: no Hugging Face repo {repo!r} is visible: check the repo id at {page} "
+                f"(for a private repo, {token}); {_LOCAL}")
+    if "HFValidationError" in kinds or "Unexpected Hugging Face preset" in text:
+        return f"--model {preset}: not a Hugging Face repo id; expected hf://{{org}}/{{model}}; {_LOCAL}"
+    if "EntryNotFoundError" in kinds and not offline:
+        return f"--model {preset}: the repo has no config.json at {page}: not a checkpoint KerasHub loads; {_LOCAL}"
+    if offline:
+        from huggingface_hub import constants
+        why, fix = (("HF_HUB_OFFLINE is set", "unset it") if constants.HF_HUB_OFFLINE else
+                    ("cannot reach the Hugging Face Hub (no network?)", "connect"))
+        return (f"--model {preset}: {why} and the model is not in the local cache: {fix}, then {token} "
+                f"if the repo is gated; {_LOCAL}")
+    return f"--model {preset}: the Hugging Face Hub answered HTTP {status} for {page}; {_LOCAL}" if status else None
+
+
+def _kaggle_error(preset, kinds, text, status, offline):
+    """hub_error for a Kaggle handle or a KerasHub preset name (their files live on Kaggle)."""
+    from keras_hub.src.utils.preset_utils import BUILTIN_PRESETS
+    handle = BUILTIN_PRESETS.get(preset, {}).get("kaggle_handle", preset).removeprefix("kaggle://")
+    page = "https://www.kaggle.com/models/" + "/".join(handle.split("/")[:2])
+    try:
+        import kagglehub.config
+        user = kagglehub.config.get_kaggle_credentials()
+    except ValueError as e:  # a malformed ~/.kaggle/kaggle.json
+        return f"--model {preset}: {e}: fix it, or set KAGGLE_USERNAME and KAGGLE_KEY"
+    creds = "set Kaggle credentials (KAGGLE_USERNAME and KAGGLE_KEY, or ~/.kaggle/kaggle.json)"
+    who = f"the Kaggle account {user.username!r}" if user and user.username else "your Kaggle account"
+    if status in (401, 403) or "is not accessible in preset directory" in text or kinds & {
+            "CredentialError", "UnauthenticatedError"}:
+        if user is None:
+            return (f"--model {preset}: Kaggle refused kaggle://{handle} without credentials: {creds} for an "
+                    f"account that has accepted the model's licence at {page}; {_LOCAL}")
+        return (f"--model {preset}: Kaggle refused kaggle://{handle} to {who}: accept the model's licence at "
+                f"{page} with that account, and check that its KAGGLE_KEY is current; {_LOCAL}")
+    if status == 404 or "doesn't exist in preset directory" in text:
+        return (f"--model {preset}: Kaggle has no model kaggle://{handle}: check the handle "
+                f"(kaggle://{{org}}/{{model}}/keras/{{variant}}[/{{version}}], see {page}); {_LOCAL}")
+    if "Unexpected Kaggle preset" in text:
+        return (f"--model {preset}: not a Kaggle model handle; expected "
+                f"kaggle://{{org}}/{{model}}/keras/{{variant}}[/{{version}}]; {_LOCAL}")
+    if offline:
+        then = f" and {creds} for an account that has accepted the model's licence at {page}" if user is None else ""
+        return (f"--model {preset}: cannot reach Kaggle (no network?) to download kaggle://{handle}: "
+                f"connect{then}; {_LOCAL}")
+    return f"--model {preset}: Kaggle answered HTTP {status} for kaggle://{handle}; {_LOCAL}" if status else None
 
 
 def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
@@ -330,7 +440,7 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
     """
     preset = resolve_model(name)
     dtype = dtype or default_dtype()
-    with distribution_for(mesh, backbone_class(preset)).scope():
+    with hub_errors(preset), distribution_for(mesh, backbone_class(preset)).scope():
         if preset == "tiny":
             model = tiny_causal_lm(seed, dtype)
         else:
@@ -376,6 +486,46 @@ def save_model(model, params, path):
             var._value = jax.numpy.asarray(value)  # keras 3.15 internals: a local copy, only to save
     os.makedirs(path, exist_ok=True)
     model.save_to_preset(path)
+
+
+# `architectures` per family where keras-hub 0.32's exporter leaves it out of config.json
+# (transformers and KerasHub's own loader read it); the other families' exporters write it.
+HF_ARCHITECTURES = {"GemmaBackbone": "GemmaForCausalLM", "QwenBackbone": "Qwen2ForCausalLM",
+                    "GPT2Backbone": "GPT2LMHeadModel"}
+
+
+def check_export_hf(name):
+    """--export-hf: refuse (at start-up) a family keras-hub cannot write as a transformers checkpoint."""
+    from keras_hub.src.utils.preset_utils import load_json
+    from keras_hub.src.utils.transformers.export.hf_exporter import MODEL_EXPORTERS
+    preset = resolve_model(name)
+    family = backbone_class(preset).__name__
+    if family == "GemmaBackbone" and preset != "tiny":  # Gemma 2 is a GemmaBackbone too, which the
+        config = load_json(preset, "config.json")  # Gemma exporter would write as Gemma 1 (no post-norms)
+        if config.get("model_type") == "gemma2" or any(config.get("config", {}).get(k) for k in (
+                "use_post_ffw_norm", "use_post_attention_norm", "final_logit_soft_cap", "attention_logit_soft_cap")):
+            family = "Gemma 2 (GemmaBackbone with post-norms and soft-caps)"
+    if family not in MODEL_EXPORTERS:
+        raise UsageError(f"--export-hf: keras-hub {keras_hub.__version__} cannot write {family} as a Hugging Face "
+                         f"checkpoint (--model {name}); it can write {', '.join(sorted(MODEL_EXPORTERS))}")
+
+
+def export_hf(preset_dir, path):
+    """The saved KerasHub preset `preset_dir` (LoRA merged) -> a Hugging Face checkpoint in `path`:
+    model.safetensors, config.json (with `architectures`), tokenizer files; written to path.tmp
+    and renamed once complete. Loaded on the host CPU: the exporter needs whole weights."""
+    tmp = path + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    with jax.default_device(jax.local_devices(backend="cpu")[0]):
+        model = keras_hub.models.CausalLM.from_preset(preset_dir)
+        model.export_to_transformers(tmp)
+    with open(os.path.join(tmp, "config.json")) as f:
+        config = json.load(f)
+    config.setdefault("architectures", [HF_ARCHITECTURES.get(type(model.backbone).__name__)])
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
 
 
 def count_params(backbone):
@@ -604,7 +754,7 @@ def per_example(fn, data, batch_size, mesh):
 # ---------------------------------------------------------------------------
 # 6. The run's lifecycle
 # ---------------------------------------------------------------------------
-RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model")
+RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model", "model_hf")
 # (flag, lowest allowed value, whether the lowest value itself is refused)
 FLAG_RANGES = (("learning_rate", 0, True), ("batch_size", 1, False), ("grad_accum_steps", 1, False),
                ("max_steps", 0, False), ("warmup_steps", 0, False), ("log_every", 1, False),
@@ -670,6 +820,8 @@ class Run:
                 raise UsageError(f"--{name.replace('_', '-')} {value}: must be {'>' if strict else '>='} {low}")
         if getattr(args, "dtype", None) not in (None, "bfloat16", "float32"):
             raise UsageError(f"--dtype {args.dtype}: expected bfloat16 or float32")
+        if getattr(args, "export_hf", False):
+            check_export_hf(args.model)
         if getattr(args, "track", False):
             import importlib.util
             if importlib.util.find_spec("wandb") is None:
@@ -910,13 +1062,16 @@ class Run:
             if os.path.exists(self.model_dir):
                 shutil.rmtree(self.model_dir)
             os.replace(tmp, self.model_dir)
+            if getattr(self.args, "export_hf", False):
+                export_hf(self.model_dir, os.path.join(self.dir, "model_hf"))
         self.close()
         shown = {k: self.last_train[k] for k in ("train/loss", *self._show) if k in self.last_train}
         shown.update(list(self.last_eval.items())[:2])
         took = time.perf_counter() - self._started
         print(f"done: {self.args.max_steps} steps in {took // 60:.0f}m{took % 60:02.0f}s; "
               + ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
-              + f"; outputs in {self.dir} (model/, metrics.jsonl, args.json)", flush=True)
+              + f"; outputs in {self.dir} (model/{', model_hf/' if getattr(self.args, 'export_hf', False) else ''}"
+              + ", metrics.jsonl, args.json)", flush=True)
 
     def close(self):
         if self._opened and self.main:

@@ -69,6 +69,8 @@ class Args:
     precompute_ref: bool = False
     """compute reference log-probs in one pass before training, then run no reference forward"""
     # logging and outputs
+    export_hf: bool = False
+    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
     output_dir: str | None = None
     """None: runs/dpo__{model}__{seed}__{time}"""
     log_every: int = 10

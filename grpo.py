@@ -87,6 +87,8 @@ class Args:
     mask_truncated_completions: bool = False
     """leave completions without EOS out of the loss (DAPO's overlong filtering)"""
     # logging and outputs
+    export_hf: bool = False
+    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
     output_dir: str | None = None
     """None: runs/grpo__{model}__{seed}__{time}"""
     sample_every: int = 10

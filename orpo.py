@@ -65,6 +65,8 @@ class Args:
     prompt_nll: bool = True
     """NLL over prompt + chosen tokens, as the official ORPO code and TRL do; False: chosen response only"""
     # logging and outputs
+    export_hf: bool = False
+    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
     output_dir: str | None = None
     """None: runs/orpo__{model}__{seed}__{time}"""
     log_every: int = 10

@@ -85,6 +85,8 @@ class Args:
     vf_coef: float = 0.1
     """value loss weight"""
     # logging and outputs
+    export_hf: bool = False
+    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
     output_dir: str | None = None
     """None: runs/ppo__{model}__{seed}__{time}"""
     sample_every: int = 10

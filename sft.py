@@ -61,6 +61,8 @@ class Args:
     seed: int = 0
     """seeds init (tiny), data order and sampling"""
     # logging and outputs
+    export_hf: bool = False
+    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
     output_dir: str | None = None
     """None: runs/sft__{model}__{seed}__{time}"""
     log_every: int = 10

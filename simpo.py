@@ -68,6 +68,8 @@ class Args:
     sft_weight: float = 0.0
     """weight of an added NLL on the chosen response (0: pure SimPO; TRL's CPO-SimPO default cpo_alpha is 1)"""
     # logging and outputs
+    export_hf: bool = False
+    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
     output_dir: str | None = None
     """None: runs/simpo__{model}__{seed}__{time}"""
     log_every: int = 10
