@@ -119,7 +119,8 @@ def one_device_mesh():
 def test_cached_forward_matches_keras_hub(presets, family):
     """Prefill + one decode step of common.cached_forward == the family's CausalLM.call_with_cache
     (no padding) and == backbone() + common.logits; the same prompt left-padded gives the same
-    logits (the key padding mask); Gemma 2's soft-cap bounds the logits by 30."""
+    logits (the key padding mask); common.logits is h·Wᵀ with the family's output matrix (tied or
+    not), soft-capped 30·tanh(z/30) for Gemma 2."""
     import common
     import jax.numpy as jnp
     import numpy as np
@@ -131,8 +132,8 @@ def test_cached_forward_matches_keras_hub(presets, family):
     ours, ours_cache = common.cached_forward(backbone, ids, jnp.ones((1, s), bool), cache, 0)
     theirs, _, theirs_cache = model.call_with_cache(ids, cache, 0)
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
-    full = common.logits(backbone, backbone({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}))
-    np.testing.assert_allclose(ours, full, atol=1e-4)
+    hidden = backbone({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)})  # [1, t, D]
+    np.testing.assert_allclose(ours, common.logits(backbone, hidden), atol=1e-4)
     nxt = np.array([[7]], np.int32)
     step, _ = common.cached_forward(backbone, nxt, jnp.ones((1, s), bool), ours_cache, t)
     np.testing.assert_allclose(step, model.call_with_cache(nxt, theirs_cache, t)[0], atol=1e-5)
@@ -140,10 +141,12 @@ def test_cached_forward_matches_keras_hub(presets, family):
     mask = np.concatenate([np.zeros((1, pad), bool), np.ones((1, t + 1), bool)], 1)
     left, _ = common.cached_forward(backbone, padded, mask, common.empty_cache(backbone, 1, s + pad), 0)
     np.testing.assert_allclose(left[:, pad:], ours, atol=1e-4)
-    if family == "gemma2":
-        assert backbone.final_logit_soft_cap == 30.0 and np.abs(np.asarray(ours)).max() < 30.0
-    if family in ("llama3", "mistral"):
-        assert not backbone.token_embedding.tie_weights  # the untied output matrix is the one used
+    embedding = backbone.token_embedding
+    out = np.asarray(embedding.embeddings if embedding.tie_weights else embedding.reverse_embeddings.numpy().T)
+    raw = 100 * np.asarray(hidden) @ out.T  # [1, t, V]: large enough for the soft-cap to bite
+    want = 30.0 * np.tanh(raw / 30.0) if family == "gemma2" else raw  # c·tanh(z/c), c = 30
+    np.testing.assert_allclose(common.logits(backbone, 100 * hidden), want, rtol=1e-4, atol=1e-3)
+    assert embedding.tie_weights == (family not in ("llama3", "mistral"))  # Llama 3, Mistral: own output matrix
 
 
 @pytest.mark.parametrize("family", FAMILIES)
