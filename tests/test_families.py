@@ -189,17 +189,23 @@ def test_templates_render_as_the_model_cards():
 
 
 def test_unknown_family_needs_chat_template(presets, tmp_path):
-    """A family outside common.FAMILIES (GPT-2): plain text trains; a chat stops with exit 2 naming
+    """A family outside common.FAMILIES (GPT-2): plain-text rows read; a chat stops with exit 2 naming
     --chat-template; an unknown --chat-template name exits 2 listing the names; no sampler."""
     import common
     from helpers import run_script
     assert common.chat_template(presets["gpt2"]) is None
+    plain = os.path.join(ROOT, "data", "sft_train.jsonl")
+    assert common.read_dataset(plain, "sft", None)[0] == [("Sort: 0 9 1 6 6 2", False), (" 0 1 2 6 6 9", True)]
     with pytest.raises(common.UsageError, match="sampler supports .* not GPT2Backbone"):
         common.check_sampler(presets["gpt2"])
     chats = os.path.join(ROOT, "data", "sft_messages_train.jsonl")
     res = run_script("sft.py", "--model", presets["gpt2"], "--dataset", chats, "--output-dir", str(tmp_path / "a"))
     assert res.returncode == 2 and "--chat-template (gemma, llama3, mistral, chatml)" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
+    import sft  # with the flag, Run.read_data renders the chats
+    args = sft.Args(model=presets["gpt2"], dataset=chats, chat_template="chatml", output_dir=str(tmp_path / "c"))
+    rows, _ = common.Run("sft", args).read_data("sft")
+    assert rows[0][0] == ("<|im_start|>user\nSort: 0 9 1 6 6 2<|im_end|>\n", False)
     res = run_script("sft.py", "--chat-template", "vicuna", "--output-dir", str(tmp_path / "b"))
     assert res.returncode == 2 and "gemma" in res.stderr and "chatml" in res.stderr, res.stderr
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
