@@ -537,10 +537,8 @@ CHAT_TEMPLATES = {
     # Llama 3 / 3.1 / 3.2 Instruct (meta-llama/Meta-Llama-3-8B-Instruct)
     "llama3": ("<|start_header_id|>user<|end_header_id|>\n\n",
                "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
-    # Mistral Instruct v0.1-v0.3 (mistralai/Mistral-7B-Instruct-v0.2): "[INST] {user} [/INST]{answer}</s>".
-    # " [/INST]" opens the answer and the turn end is empty: </s> is the EOS id, which no text
-    # renders to (a SentencePiece vocab splits the string), so the scripts' EOS ends the last answer
-    # and earlier answers of a multi-turn chat go without theirs.
+    # Mistral Instruct v0.1-v0.3 (mistralai/Mistral-7B-Instruct-v0.2): "[INST] {user} [/INST]{answer}</s>";
+    # </s> is the EOS id, which no text tokenizes to: the scripts' EOS ends the last answer only.
     "mistral": ("[INST] ", " [/INST]", ""),
     # ChatML: Qwen 2.5 / Qwen 3 (Qwen/Qwen2.5-7B-Instruct; without a system turn Qwen 2.5's template
     # adds its default system prompt, which this one does not)
