@@ -5,11 +5,12 @@ Contents (in file order)
                  `cli` (tyro, errors in one line); UsageError -> one line on stderr, exit 2
   2. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global,
                  to_host, init_optimizer (optimizer state laid out like the params)
-  3. Models      resolve_model, hub_errors (a hub failure in one line), load_model (created sharded),
-                 enable_remat, split_variables, save_model, export_hf (--export-hf), count_params;
-                 reward models (save/load_reward_model) and load_reward_fn
-  4. Files       read_rows (.jsonl/.json/.parquet/Hub), chat templates, TRL's formats -> text
-                 (sft_segments, preference_triple, prompt_text), read_dataset
+  3. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors (a hub failure in one line),
+                 load_model (created sharded), check_sampler; per-family model I/O: logits, empty_cache,
+                 cached_forward (KV-cached, left padding); enable_remat, split_variables, save_model,
+                 export_hf (--export-hf), count_params; reward models (save/load_reward_model), load_reward_fn
+  4. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render,
+                 TRL's formats -> text (sft_segments, preference_triple, prompt_text), read_dataset
   5. Data order  batch_indices (a pure function of the step: resume is exact), per_example
   6. The run     Run: output dir and --resume/--overwrite, args.json, metrics.jsonl + TensorBoard
                  (+ W&B), progress bar, tokens/s and MFU, the non-finite stop, eval and
@@ -136,12 +137,14 @@ for _name in ("tensorflow", "tensorflow_text"):
 import jax  # noqa: E402
 import keras  # noqa: E402
 import keras_hub  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 TINY_TOKENIZER = os.path.join(HERE, "data", "tiny_tokenizer.model")
 
-# Short names -> KerasHub preset names (the full list: keras_hub.models.CausalLM.presets).
+# Short names -> KerasHub preset names (the full list: keras_hub.models.CausalLM.presets). Each
+# family here is checked offline by tests/test_families.py (README, "Model families").
 MODEL_ALIASES = {
     "gemma_2b": "gemma_2b_en", "gemma_7b": "gemma_7b_en",
     "gemma_2b_it": "gemma_instruct_2b_en", "gemma_7b_it": "gemma_instruct_7b_en",
@@ -149,8 +152,14 @@ MODEL_ALIASES = {
     "gemma2_2b_it": "gemma2_instruct_2b_en", "gemma2_9b_it": "gemma2_instruct_9b_en",
     "llama3_8b": "llama3_8b_en", "llama3_8b_it": "llama3_instruct_8b_en",
     "mistral_7b": "mistral_7b_en", "mistral_7b_it": "mistral_instruct_7b_en",
-    "qwen2.5_0.5b": "qwen2.5_0.5b_en", "qwen2.5_7b": "qwen2.5_7b_en",
+    "qwen2.5_0.5b": "qwen2.5_0.5b_en", "qwen2.5_0.5b_it": "qwen2.5_instruct_0.5b_en", "qwen2.5_7b": "qwen2.5_7b_en",
+    "qwen3_0.6b": "qwen3_0.6b_en", "qwen3_8b": "qwen3_8b_en",
 }
+# Backbone class -> its chat template (CHAT_TEMPLATES). These are the families the KV-cached sampler
+# (cached_forward) knows; Gemma 2 is a GemmaBackbone. Another family trains (its logits come from
+# KerasHub's own output layer) but needs --chat-template for chats and has no sampler.
+FAMILIES = {"GemmaBackbone": "gemma", "Llama3Backbone": "llama3", "MistralBackbone": "mistral",
+            "QwenBackbone": "chatml", "Qwen3Backbone": "chatml"}
 # The `tiny` model: a 4-layer Gemma (about 1.5M parameters) with the bundled tokenizer.
 TINY_CONFIG = dict(num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=192,
                    intermediate_dim=1024, head_dim=48)
@@ -432,6 +441,14 @@ def _kaggle_error(preset, kinds, text, status, offline):
     return f"--model {preset}: Kaggle answered HTTP {status} for kaggle://{handle}; {_LOCAL}" if status else None
 
 
+def check_sampler(name, flag="--model"):
+    """The KV-cached sampler (cached_forward) knows the FAMILIES' decoder layers: refuse others early."""
+    cls = backbone_class(resolve_model(name))
+    if cls.__name__ not in FAMILIES:
+        raise UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Llama 3, Mistral, "
+                         f"Qwen 2.5 and Qwen 3 backbones, not {cls.__name__}")
+
+
 def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
     """Resolve --model and build the CausalLM with every weight created sharded.
 
@@ -447,7 +464,55 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
             model = keras_hub.models.CausalLM.from_preset(preset, dtype=dtype)
         if lora_rank:
             model.backbone.enable_lora(lora_rank)
+    ensure_start_token(getattr(model.preprocessor, "tokenizer", None), name)
     return model
+
+
+def ensure_start_token(tokenizer, name):
+    """Every script writes [BOS] + text + [EOS]; Qwen's tokenizers have no BOS. Theirs becomes
+    <|endoftext|>, which separates the packed documents of Qwen's pretraining: it opens a new one."""
+    if tokenizer is not None and tokenizer.start_token_id is None:
+        if "<|endoftext|>" not in tokenizer.get_vocabulary():
+            raise UsageError(f"--model {name}: its tokenizer has no start token (BOS) and no <|endoftext|>")
+        tokenizer.start_token_id = tokenizer.token_to_id("<|endoftext|>")
+
+
+def logits(backbone, hidden):
+    """Final hidden states [..., D] -> float32 logits [..., V]. KerasHub's ReversibleEmbedding is every
+    family's output layer: tied (Gemma, Qwen) or its own matrix (Llama 3, Mistral), and Gemma 2's
+    final_logit_soft_cap (c·tanh(z/c)) is applied inside it."""
+    return backbone.token_embedding(hidden, reverse=True).astype(jnp.float32)  # f32 upcast
+
+
+def empty_cache(backbone, batch, length):
+    """A zero KV cache [B, L, 2, S, K, H], the layout of every FAMILIES' CausalLM.call_with_cache."""
+    head_dim = getattr(backbone, "head_dim", None) or backbone.hidden_dim // backbone.num_query_heads
+    return jnp.zeros((batch, backbone.num_layers, 2, length, backbone.num_key_value_heads, head_dim),
+                     backbone.compute_dtype)
+
+
+def cached_forward(backbone, token_ids, padding_mask, cache, index):
+    """The family's CausalLM.call_with_cache plus a key padding mask, so left-padded prompts work.
+
+    token_ids [B, t] are written at cache positions index…index+t-1; padding_mask [B, S] covers the
+    whole cache, masking the prompts' left padding as attention keys (the decoder layers broadcast it
+    over queries and AND it with their causal, and Mistral's sliding-window, mask). RoPE positions
+    count the padding too, which changes nothing: RoPE scores depend only on the distance between
+    query and key. -> (logits [B, t, V] float32, cache [B, L, 2, S, K, H]).
+    """
+    gemma = isinstance(backbone, keras_hub.models.GemmaBackbone)
+    x = backbone.token_embedding(token_ids)
+    if gemma:
+        x = x * jnp.sqrt(jnp.asarray(backbone.hidden_dim, x.dtype))  # Gemma's embedding scale
+    caches = []
+    for i, layer in enumerate(backbone.transformer_layers):
+        if gemma:
+            x, c = layer(x, padding_mask=padding_mask, cache=cache[:, i], cache_update_index=index)
+        else:  # Llama 3, Mistral, Qwen 2.5 / 3 decoders
+            x, c = layer(x, decoder_padding_mask=padding_mask, self_attention_cache=cache[:, i],
+                         self_attention_cache_update_index=index)
+        caches.append(c)
+    return logits(backbone, backbone.layer_norm(x)), jnp.stack(caches, 1)
 
 
 def enable_remat(backbone):
@@ -612,19 +677,32 @@ def read_rows(path, flag="--dataset"):
     return rows
 
 
-# (user turn prefix, assistant turn prefix, turn end) per model family
+# (user turn prefix, assistant turn prefix, turn end) per template; each follows the chat_template of
+# its models' Hugging Face tokenizer_config.json (the BOS that opens them is the scripts' start token).
 CHAT_TEMPLATES = {
+    # Gemma 1, 2 and 3 (google/gemma-2b-it, gemma-2-2b-it, gemma-3-1b-it): the model's turn is "model"
     "gemma": ("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n"),
+    # Llama 3 / 3.1 / 3.2 Instruct (meta-llama/Meta-Llama-3-8B-Instruct)
     "llama3": ("<|start_header_id|>user<|end_header_id|>\n\n",
                "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
+    # Mistral Instruct v0.1-v0.3 (mistralai/Mistral-7B-Instruct-v0.2): "[INST] {user} [/INST]{answer}</s>";
+    # </s> is the EOS id, which no text tokenizes to: the scripts' EOS ends the last answer only.
+    "mistral": ("[INST] ", " [/INST]", ""),
+    # ChatML: Qwen 2.5 / Qwen 3 (Qwen/Qwen2.5-7B-Instruct; without a system turn Qwen 2.5's template
+    # adds its default system prompt, which this one does not)
     "chatml": ("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"),
 }
 
 
-def chat_template(model_name):
-    """The chat template of --model's family, known from its config before any weight loads."""
-    name = backbone_class(resolve_model(model_name)).__name__.lower()
-    return CHAT_TEMPLATES["llama3" if "llama3" in name else "chatml" if "qwen" in name else "gemma"]
+def chat_template(model_name, name=None):
+    """The template `name` (--chat-template), else the one of --model's family, known from its config
+    before any weight loads; None for a family not in FAMILIES (a chat then stops with a UsageError)."""
+    if name is not None:
+        if name not in CHAT_TEMPLATES:
+            raise UsageError(f"--chat-template {name!r}: expected one of {', '.join(CHAT_TEMPLATES)}")
+        return CHAT_TEMPLATES[name]
+    family = FAMILIES.get(backbone_class(resolve_model(model_name)).__name__)
+    return CHAT_TEMPLATES[family] if family else None
 
 
 def render(messages, template):
@@ -633,7 +711,10 @@ def render(messages, template):
     return "".join((model if m["role"] == "assistant" else user) + m["content"] + end for m in messages)
 
 
-def _messages(value, key, where):
+def _messages(value, key, where, template):
+    if template is None:
+        raise UsageError(f"{where}: field {key!r} is a chat, and --model's family has no known chat template: "
+                         f"pass --chat-template ({', '.join(CHAT_TEMPLATES)})")
     if not isinstance(value, list) or not value or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in value):
@@ -653,11 +734,13 @@ def sft_segments(row, where, template):
     if not isinstance(row, dict):
         raise UsageError(f"{where}: expected a JSON object")
     if "messages" in row:
+        messages = _messages(row["messages"], "messages", where, template)
         user, model, end = template
         segments = []
-        for m in _messages(row["messages"], "messages", where):
+        for m in messages:
             if m["role"] == "assistant":
-                segments += [(model, False), (m["content"] + end.strip("\n"), True), ("\n", False)]
+                segments += [(model, False), (m["content"] + end.rstrip("\n"), True),
+                             (end[len(end.rstrip("\n")):], False)]  # the turn end's newline, if any
             else:
                 segments.append((user + m["content"] + end, False))
         return segments[:-1]  # the EOS follows the last assistant turn directly
@@ -681,7 +764,7 @@ def preference_triple(row, where, template):
             raise UsageError(f"{where}: missing field {key!r} (need 'chosen', 'rejected', optional 'prompt')")
     keys = [k for k in ("prompt", "chosen", "rejected") if k in row]
     if isinstance(row["chosen"], list):  # conversational: message lists
-        prompt, chosen, rejected = (_messages(row[k], k, where) if k in row else []
+        prompt, chosen, rejected = (_messages(row[k], k, where, template) if k in row else []
                                     for k in ("prompt", "chosen", "rejected"))
         if "prompt" not in row:
             n = 0
@@ -693,7 +776,8 @@ def preference_triple(row, where, template):
         for name, msgs in (("chosen", chosen), ("rejected", rejected)):
             if not msgs or msgs[0]["role"] != "assistant":
                 raise UsageError(f"{where}: {name!r} must continue the prompt with an assistant turn")
-            responses.append(render(msgs, template)[len(model):-len(end)] + end.strip("\n"))  # EOS follows
+            text = render(msgs, template)
+            responses.append(text[len(model):len(text) - len(end)] + end.rstrip("\n"))  # EOS follows
         return (render(prompt, template) + model, *responses)
     for k in keys:
         _text(row, k, where)
@@ -714,7 +798,7 @@ def prompt_text(row, where, template):
     if isinstance(value, str) and value.strip():
         return value
     if isinstance(value, list):
-        return render(_messages(value, "prompt", where), template) + template[1]
+        return render(_messages(value, "prompt", where, template), template) + template[1]
     raise UsageError(f"{where}: need 'prompt' (a non-empty string or a list of {{role, content}})")
 
 
@@ -921,8 +1005,9 @@ class Run:
 
     def read_data(self, form):
         """(train rows, eval rows) of --dataset / --eval-dataset in TRL's `form`, rendered with
-        --model's chat template: checked before the model loads."""
-        args, template = self.args, chat_template(self.args.model)
+        --chat-template or --model's family's chat template: checked before the model loads."""
+        args = self.args
+        template = chat_template(args.model, getattr(args, "chat_template", None))
         path = getattr(args, "eval_dataset", None)
         evals = read_dataset(path, form, template, "--eval-dataset") if path else []
         return read_dataset(args.dataset, form, template), evals

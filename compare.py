@@ -32,6 +32,9 @@ class Args:
     # what to run
     model: str = "tiny"
     """the base: any --model form (alias, preset, handle, local dir, `tiny`)"""
+    chat_template: Literal["gemma", "llama3", "mistral", "chatml"] | None = None
+    """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
+    Mistral: mistral, Qwen: chatml)"""
     methods: str = "sft,dpo,simpo,orpo,ppo,grpo"
     """comma-separated subset of sft,dpo,simpo,orpo,ppo,grpo (ppo trains a reward model first, see
     --ppo-reward; grpo optimises the task score, --reward-fn)"""
@@ -105,7 +108,8 @@ def plan(args, output_dir):
     if unknown or not (methods or args.extra):
         raise common.UsageError(f"--methods {args.methods!r}: choose from {','.join(METHODS)}")
     base = os.path.join(output_dir, "sft", "model") if "sft" in methods else args.model
-    common_flags = ["--seed", str(args.seed)]
+    common_flags = ["--seed", str(args.seed)] + (["--chat-template", args.chat_template] if args.chat_template
+                                                 else [])
     tuned = ["--learning-rate", str(args.learning_rate)]
     stage = lambda name, script, flags, extra, needs=(): {
         "name": name, "script": script, "needs": [n for n in needs if n in methods or n == "reward"],
@@ -212,7 +216,7 @@ def evaluate_models(args, base, models, reward_model, output_dir):
     import evaluate  # JAX starts only now, after the training processes ended (a TPU admits one)
 
     eargs = evaluate.Args(model=base, baseline=base, prompts=args.eval_prompts, num_prompts=args.num_prompts,
-                          reward_fn=args.reward_fn, reward_model=reward_model,
+                          reward_fn=args.reward_fn, reward_model=reward_model, chat_template=args.chat_template,
                           max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
     mesh = common.make_mesh(None)
     prompts, reward_fn = evaluate.check_args(eargs, mesh)
@@ -357,7 +361,8 @@ def main(args):
     stages, base = plan(args, output_dir)
     common.load_reward_fn(args.reward_fn)
     # --model resolves (no SFT stage: it is the base itself) and every held-out prompt reads
-    common.read_dataset(args.eval_prompts, "prompt", common.chat_template(args.model), "--eval-prompts")
+    common.read_dataset(args.eval_prompts, "prompt", common.chat_template(args.model, args.chat_template),
+                        "--eval-prompts")
     prepare_output_dir(output_dir, stages, args.overwrite)
     t_start, ok, walls = time.perf_counter(), {}, {}
     for i, stage in enumerate(stages, 1):

@@ -29,6 +29,9 @@ class Args:
     # models
     model: str = "tiny"
     """the model to evaluate: any --model form (alias, preset, handle, local dir, a run's model/ dir, `tiny`)"""
+    chat_template: Literal["gemma", "llama3", "mistral", "chatml"] | None = None
+    """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
+    Mistral: mistral, Qwen: chatml)"""
     baseline: str | None = None
     """model to compare against (win rate, KL); same tokenizer as --model"""
     dtype: Literal["bfloat16", "float32"] | None = None
@@ -89,23 +92,6 @@ def reward_scores(backbone, params, frozen, head, token_ids, padding_mask, last_
 # ---------------------------------------------------------------------------
 # Generation: jitted KV-cached sampling with fixed shapes (copied from ppo.py)
 # ---------------------------------------------------------------------------
-def cached_forward(backbone, token_ids, padding_mask, cache, index):
-    """GemmaCausalLM.call_with_cache plus a key padding mask, so left-padded prompts work.
-
-    token_ids [B, t] are written at cache positions index…index+t-1; padding_mask [B, S]
-    covers the whole cache. RoPE positions count the padding too, which changes nothing:
-    RoPE scores depend only on the distance between query and key.
-    """
-    x = backbone.token_embedding(token_ids)
-    x = x * jnp.sqrt(jnp.asarray(backbone.hidden_dim, x.dtype))  # Gemma's embedding scale
-    caches = []
-    for i, layer in enumerate(backbone.transformer_layers):
-        x, c = layer(x, padding_mask=padding_mask, cache=cache[:, i], cache_update_index=index)
-        caches.append(c)
-    logits = backbone.token_embedding(backbone.layer_norm(x), reverse=True).astype(jnp.float32)
-    return logits, jnp.stack(caches, 1)  # [B, t, V], [B, L, 2, S, K, H]
-
-
 def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature):
     """`response_length` tokens after left-padded queries [B, Q] -> responses [B, R].
 
@@ -115,16 +101,15 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):
-        cache = jnp.zeros((b, backbone.num_layers, 2, q + response_length, backbone.num_key_value_heads,
-                           backbone.head_dim), backbone.compute_dtype)
-        logits, cache = cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
+        cache = common.empty_cache(backbone, b, q + response_length)  # [B, L, 2, S, K, H]
+        logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
         def step(carry, _):
             logits, cache, index, key = carry
             key, sample_key = jax.random.split(key)
             token = (jnp.argmax(logits, -1) if temperature == 0 else
                      jax.random.categorical(sample_key, logits / temperature)).astype(jnp.int32)
-            logits, cache = cached_forward(backbone, token[:, None], padding_mask, cache, index)
+            logits, cache = common.cached_forward(backbone, token[:, None], padding_mask, cache, index)
             return (logits[:, -1], cache, index + 1, key), token
 
         _, tokens = jax.lax.scan(step, (logits[:, -1], cache, jnp.int32(q), key), None, length=response_length)
@@ -160,7 +145,7 @@ def response_logps(backbone, params, frozen, token_ids, padding_mask, context_le
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):
         def position(h, y):  # [B, D], [B] -> [B]
-            logits = backbone.token_embedding(h, reverse=True).astype(jnp.float32) / temperature  # f32
+            logits = common.logits(backbone, h) / temperature  # f32
             return jnp.take_along_axis(logits, y[:, None], -1)[:, 0] - jax.nn.logsumexp(logits, -1)
 
         logps = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
@@ -212,7 +197,7 @@ def make_fns(backbone, args):
 
 def load_policy(name, mesh, args, like=None, flag="--model"):
     """Load a model; with `like` (a Policy of the same architecture) its compiled functions are reused."""
-    check_sampler(name, flag)
+    common.check_sampler(name, flag)
     model = common.load_model(name, mesh, args.dtype, args.seed)
     params, frozen = common.split_variables(model.backbone)
     same = like is not None and like.model.backbone.get_config() == model.backbone.get_config()
@@ -309,12 +294,6 @@ def examples(outs, data, n, baseline_outs=None):
     return rows
 
 
-def check_sampler(name, flag):
-    """The KV-cached sampler is Gemma's: known from the model's config before any weight loads."""
-    if "gemma" not in common.backbone_class(common.resolve_model(name)).__name__.lower():
-        raise common.UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma backbones")
-
-
 def check_args(args, mesh):
     """Every flag and file, before any model loads -> (prompt texts: the first --num-prompts,
     the reward function or None)."""
@@ -325,13 +304,14 @@ def check_args(args, mesh):
         raise common.UsageError(f"--batch-size {args.batch_size} must divide by the data axis ({mesh.shape['data']})")
     if not args.reward_fn and not args.reward_model:
         raise common.UsageError("give --reward-fn and/or --reward-model: nothing to score with")
-    check_sampler(args.model, "--model")
+    common.check_sampler(args.model, "--model")
     if args.baseline:
-        check_sampler(args.baseline, "--baseline")
+        common.check_sampler(args.baseline, "--baseline")
     reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
     if args.reward_model:
         common.check_reward_model(args.reward_model)
-    prompts = common.read_dataset(args.prompts, "prompt", common.chat_template(args.model), "--prompts")
+    prompts = common.read_dataset(args.prompts, "prompt", common.chat_template(args.model, args.chat_template),
+                                 "--prompts")
     return prompts[:args.num_prompts] if args.num_prompts else prompts, reward_fn
 
 
@@ -341,14 +321,14 @@ def prepare(args, mesh, prompts, tokenizer):
     d = mesh.shape["data"]
     return {"prompts": prompts, "queries": queries, "query_mask": query_mask, "tokenizer": tokenizer,
             "eos": tokenizer.end_token_id, "pad": tokenizer.pad_token_id,
-            "template": common.chat_template(args.model),
+            "template": common.chat_template(args.model, args.chat_template),
             "batch_size": min(args.batch_size, d * math.ceil(len(prompts) / d))}
 
 
 def check_same_tokens(name, model, data, args, what):
     """Win rate, KL and reward-model scores compare token ids: the prompts, rendered with the
     chat template of `name`'s family and tokenized by `model`, must be --model's."""
-    template = common.chat_template(name)
+    template = common.chat_template(name, args.chat_template)
     prompts = data["prompts"] if template == data["template"] else common.read_dataset(
         args.prompts, "prompt", template, "--prompts")[:len(data["prompts"])]
     queries, _ = tokenize_prompts(prompts, model.preprocessor.tokenizer, args.max_prompt_length)

@@ -27,6 +27,9 @@ class Args:
     # model
     model: str = "tiny"
     """policy init: alias (gemma_2b, …), KerasHub preset, kaggle:// / hf:// handle, local preset / HF dir, `tiny`"""
+    chat_template: Literal["gemma", "llama3", "mistral", "chatml"] | None = None
+    """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
+    Mistral: mistral, Qwen: chatml)"""
     dtype: Literal["bfloat16", "float32"] | None = None
     """parameter dtype; None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0
@@ -126,24 +129,6 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 # ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once), forwards of policy, reference, value
 # and reward models on query + response, per-token rewards, GAE, whitening, the PPO losses
 # ---------------------------------------------------------------------------
-def cached_forward(backbone, token_ids, padding_mask, cache, index):
-    """GemmaCausalLM.call_with_cache plus a key padding mask, so left-padded prompts work.
-
-    token_ids [B, t] are written at cache positions index…index+t-1; padding_mask [B, S]
-    covers the whole cache, masking the prompts' left padding as attention keys.
-    RoPE positions then count the padding too, which changes nothing: RoPE scores
-    depend only on the distance between query and key.
-    """
-    x = backbone.token_embedding(token_ids)
-    x = x * jnp.sqrt(jnp.asarray(backbone.hidden_dim, x.dtype))  # Gemma's embedding scale
-    caches = []
-    for i, layer in enumerate(backbone.transformer_layers):
-        x, c = layer(x, padding_mask=padding_mask, cache=cache[:, i], cache_update_index=index)
-        caches.append(c)
-    logits = backbone.token_embedding(backbone.layer_norm(x), reverse=True).astype(jnp.float32)
-    return logits, jnp.stack(caches, 1)  # [B, t, V], [B, L, 2, S, K, H]
-
-
 def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature):
     """Sample `response_length` tokens after left-padded queries [B, Q] -> responses [B, R].
 
@@ -155,16 +140,15 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):
-        cache = jnp.zeros((b, backbone.num_layers, 2, q + response_length, backbone.num_key_value_heads,
-                           backbone.head_dim), backbone.compute_dtype)
-        logits, cache = cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
+        cache = common.empty_cache(backbone, b, q + response_length)  # [B, L, 2, S, K, H]
+        logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
         def step(carry, _):
             logits, cache, index, key = carry
             key, sample_key = jax.random.split(key)
             token = (jnp.argmax(logits, -1) if temperature == 0 else
                      jax.random.categorical(sample_key, logits / temperature)).astype(jnp.int32)
-            logits, cache = cached_forward(backbone, token[:, None], padding_mask, cache, index)
+            logits, cache = common.cached_forward(backbone, token[:, None], padding_mask, cache, index)
             return (logits[:, -1], cache, index + 1, key), token
 
         _, tokens = jax.lax.scan(step, (logits[:, -1], cache, jnp.int32(q), key), None, length=response_length)
@@ -202,7 +186,7 @@ def response_logps(backbone, params, frozen, token_ids, padding_mask, context_le
     with keras.StatelessScope(state_mapping=state):
         @jax.checkpoint
         def position(h, y):  # [B, D], [B] -> [B], [B]
-            logits = backbone.token_embedding(h, reverse=True).astype(jnp.float32) / temperature  # f32
+            logits = common.logits(backbone, h) / temperature  # f32
             logz = jax.nn.logsumexp(logits, -1)
             entropy = logz - jnp.sum(jax.nn.softmax(logits, -1) * logits, -1)
             return jnp.take_along_axis(logits, y[:, None], -1)[:, 0] - logz, entropy
@@ -391,8 +375,7 @@ def main(args):
     if args.batch_size % args.num_mini_batches or args.batch_size // args.num_mini_batches % run.mesh.shape["data"]:
         raise common.UsageError(f"--batch-size {args.batch_size} must split into --num-mini-batches "
                                 f"{args.num_mini_batches} each divisible by the data axis ({run.mesh.shape['data']})")
-    if "gemma" not in common.backbone_class(common.resolve_model(args.model)).__name__.lower():
-        raise common.UsageError(f"--model {args.model}: the KV-cached sampler supports Gemma backbones")
+    common.check_sampler(args.model)  # a family whose decoder layers the sampler knows
     prompts, _ = run.read_data("prompt")
     reward = None if args.reward_model else common.load_reward_fn(args.reward_fn)
     rm = common.load_reward_model(args.reward_model, run.mesh, args.dtype, args.lora_rank) if reward is None else None

@@ -26,6 +26,9 @@ class Args:
     # model
     model: str = "tiny"
     """alias (gemma_2b, …), KerasHub preset, kaggle:// or hf:// handle, local preset / HF dir, or `tiny`"""
+    chat_template: Literal["gemma", "llama3", "mistral", "chatml"] | None = None
+    """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
+    Mistral: mistral, Qwen: chatml)"""
     dtype: Literal["bfloat16", "float32"] | None = None
     """parameter dtype; None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0

@@ -27,6 +27,9 @@ class Args:
     # model
     model: str = "tiny"
     """alias (gemma_2b, …), KerasHub preset, kaggle:// or hf:// handle, local preset / HF dir, or `tiny`"""
+    chat_template: Literal["gemma", "llama3", "mistral", "chatml"] | None = None
+    """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
+    Mistral: mistral, Qwen: chatml)"""
     dtype: Literal["bfloat16", "float32"] | None = None
     """parameter dtype; None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0
@@ -163,7 +166,7 @@ def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
 
         @jax.checkpoint
         def chunk_logps(h, y):  # [B, C, D], [B, C] -> [B, C]
-            logits = backbone.token_embedding(h, reverse=True).astype(jnp.float32)  # f32 upcast
+            logits = common.logits(backbone, h)  # f32
             return jnp.take_along_axis(logits, y[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
 
         logps = jax.lax.map(lambda hy: chunk_logps(*hy), (hidden.swapaxes(0, 1), labels.swapaxes(0, 1)))

@@ -1,0 +1,274 @@
+"""Every advertised model family (common.FAMILIES) offline: a tiny random model of each backbone
+class with a real tokenizer of its kind (SentencePiece for Gemma / Mistral, byte-level BPE for
+Llama 3 / Qwen, trained here on the toy data), saved as a local KerasHub preset. Checked: the
+sampler's forward (common.cached_forward) against KerasHub's own call_with_cache and backbone,
+left padding, the chat template per family and --chat-template, and one step of sft, dpo and grpo
+and one evaluate call (SCRIPT_FAMILIES, in one subprocess on one device)."""
+
+import io
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+from helpers import ROOT, metrics
+
+FAMILIES = ("gemma", "gemma2", "llama3", "mistral", "qwen2.5", "qwen3")
+TEMPLATE = {"gemma": "gemma", "gemma2": "gemma", "llama3": "llama3", "mistral": "mistral",
+            "qwen2.5": "chatml", "qwen3": "chatml"}
+SIZE = dict(num_layers=2, hidden_dim=64, intermediate_dim=128, num_query_heads=4, num_key_value_heads=2)
+
+
+def corpus():
+    """The toy texts (prompts, completions) and every chat template's words: what the tokenizers learn."""
+    lines = []
+    for name in ("sft_train.jsonl", "sft_eval.jsonl"):
+        with open(os.path.join(ROOT, "data", name)) as f:
+            lines += [t for row in map(json.loads, f) for t in (row["prompt"], row["completion"])]
+    return lines + ["user model assistant system INST Sort: the quick brown fox"] * 20
+
+
+def sentencepiece(**ids):
+    """A SentencePiece BPE model (bytes) in a family's special-token layout."""
+    import sentencepiece as spm
+    proto = io.BytesIO()
+    spm.SentencePieceTrainer.train(sentence_iterator=iter(corpus()), model_writer=proto, vocab_size=400,
+                                   model_type="bpe", split_digits=True, byte_fallback=True,
+                                   hard_vocab_limit=False, minloglevel=2, **ids)
+    return proto.getvalue()
+
+
+def byte_bpe(specials):
+    """(vocabulary, merges) of a byte-level BPE (as Llama 3's and Qwen's tokenizer.json) whose
+    special tokens are `specials`, each one id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(corpus(), trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    return tok.get_vocab(), [m if isinstance(m, str) else " ".join(m) for m in merges]
+
+
+def causal_lm(family):
+    """A tiny random CausalLM of `family` with its tokenizer class."""
+    import keras_hub.models as m
+    if family in ("gemma", "gemma2"):
+        tokenizer = m.GemmaTokenizer(proto=sentencepiece(
+            pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
+            unk_piece="<unk>", user_defined_symbols=["<start_of_turn>", "<end_of_turn>"]))
+        gemma2 = dict(query_head_dim_normalize=False, use_post_ffw_norm=True, use_post_attention_norm=True,
+                      final_logit_soft_cap=30.0, attention_logit_soft_cap=50.0,
+                      use_sliding_window_attention=True, sliding_window_size=8)
+        backbone = m.GemmaBackbone(vocabulary_size=tokenizer.vocabulary_size(), head_dim=16, **SIZE,
+                                   **(gemma2 if family == "gemma2" else {}))
+        return m.GemmaCausalLM(backbone, m.GemmaCausalLMPreprocessor(tokenizer))
+    if family == "mistral":
+        tokenizer = m.MistralTokenizer(proto=sentencepiece(unk_id=0, bos_id=1, eos_id=2, pad_id=-1))
+        backbone = m.MistralBackbone(vocabulary_size=tokenizer.vocabulary_size(), sliding_window=8, **SIZE)
+        return m.MistralCausalLM(backbone, m.MistralCausalLMPreprocessor(tokenizer))
+    if family == "llama3":
+        specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+        vocab, merges = byte_bpe(specials)
+        tokenizer = m.Llama3Tokenizer(vocabulary=vocab, merges=merges)
+        backbone = m.Llama3Backbone(vocabulary_size=len(vocab), **SIZE)  # untied output embedding
+        return m.Llama3CausalLM(backbone, m.Llama3CausalLMPreprocessor(tokenizer))
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    vocab, merges = byte_bpe(specials)
+    if family == "qwen2.5":
+        tokenizer = m.QwenTokenizer(vocabulary=vocab, merges=merges, unsplittable_tokens=specials)
+        backbone = m.QwenBackbone(vocabulary_size=len(vocab), **SIZE)  # tied, as Qwen2.5-0.5B
+        return m.QwenCausalLM(backbone, m.QwenCausalLMPreprocessor(tokenizer))
+    tokenizer = m.Qwen3Tokenizer(vocabulary=vocab, merges=merges, unsplittable_tokens=specials)
+    backbone = m.Qwen3Backbone(vocabulary_size=len(vocab), head_dim=16, **SIZE)
+    return m.Qwen3CausalLM(backbone, m.Qwen3CausalLMPreprocessor(tokenizer))
+
+
+@pytest.fixture(scope="module")
+def presets(tmp_path_factory):
+    """{family: local KerasHub preset dir}, plus "gpt2": a family outside common.FAMILIES."""
+    import common  # noqa: F401  (first: it keeps TensorFlow out of the process)
+    import keras
+    import keras_hub.models as m
+    root, dirs = tmp_path_factory.mktemp("families"), {}
+    for i, family in enumerate(FAMILIES):
+        keras.utils.set_random_seed(i)
+        dirs[family] = str(root / family)
+        causal_lm(family).save_to_preset(dirs[family])
+    vocab, merges = byte_bpe(["<|endoftext|>"])
+    tokenizer = m.GPT2Tokenizer(vocabulary=vocab, merges=merges)
+    backbone = m.GPT2Backbone(vocabulary_size=len(vocab), num_layers=1, num_heads=2, hidden_dim=32,
+                              intermediate_dim=64, max_sequence_length=64)
+    dirs["gpt2"] = str(root / "gpt2")
+    m.GPT2CausalLM(backbone, m.GPT2CausalLMPreprocessor(tokenizer)).save_to_preset(dirs["gpt2"])
+    return dirs
+
+
+def one_device_mesh():
+    """A ("data", "model") mesh of one device: eager calls on weights spread over 8 simulated devices
+    are several times slower, and these tests shard nothing."""
+    import jax
+    import numpy as np
+    return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_cached_forward_matches_keras_hub(presets, family):
+    """Prefill + one decode step of common.cached_forward == the family's CausalLM.call_with_cache
+    (no padding) and == backbone() + common.logits; the same prompt left-padded gives the same
+    logits (the key padding mask); common.logits is h·Wᵀ with the family's output matrix (tied or
+    not), soft-capped 30·tanh(z/30) for Gemma 2."""
+    import common
+    import jax.numpy as jnp
+    import numpy as np
+    model = common.load_model(presets[family], one_device_mesh(), "float32")
+    backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
+    ids = np.array([[tokenizer.start_token_id] + list(tokenizer.tokenize("Sort: 3 1 2 9 0 5 7"))], np.int32)
+    t, s, pad = ids.shape[1], ids.shape[1] + 1, 5
+    cache = common.empty_cache(backbone, 1, s)
+    ours, ours_cache = common.cached_forward(backbone, ids, jnp.ones((1, s), bool), cache, 0)
+    theirs, _, theirs_cache = model.call_with_cache(ids, cache, 0)
+    np.testing.assert_allclose(ours, theirs, atol=1e-5)
+    hidden = backbone({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)})  # [1, t, D]
+    np.testing.assert_allclose(ours, common.logits(backbone, hidden), atol=1e-4)
+    nxt = np.array([[7]], np.int32)
+    step, _ = common.cached_forward(backbone, nxt, jnp.ones((1, s), bool), ours_cache, t)
+    np.testing.assert_allclose(step, model.call_with_cache(nxt, theirs_cache, t)[0], atol=1e-5)
+    padded = np.concatenate([np.zeros((1, pad), np.int32), ids], 1)
+    mask = np.concatenate([np.zeros((1, pad), bool), np.ones((1, t + 1), bool)], 1)
+    left, _ = common.cached_forward(backbone, padded, mask, common.empty_cache(backbone, 1, s + pad), 0)
+    np.testing.assert_allclose(left[:, pad:], ours, atol=1e-4)
+    embedding = backbone.token_embedding
+    out = np.asarray(embedding.embeddings if embedding.tie_weights else embedding.reverse_embeddings.numpy().T)
+    raw = 100 * np.asarray(hidden) @ out.T  # [1, t, V]: large enough for the soft-cap to bite
+    want = 30.0 * np.tanh(raw / 30.0) if family == "gemma2" else raw  # c·tanh(z/c), c = 30
+    np.testing.assert_allclose(common.logits(backbone, 100 * hidden), want, rtol=1e-4, atol=1e-3)
+    assert embedding.tie_weights == (family not in ("llama3", "mistral"))  # Llama 3, Mistral: own output matrix
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_chat_template_follows_the_family(presets, family):
+    """common.chat_template reads the family from the preset's config; --chat-template overrides;
+    the template's turn markers are single tokens of the family's tokenizer (where it has them)."""
+    import common
+    assert common.chat_template(presets[family]) == common.CHAT_TEMPLATES[TEMPLATE[family]]
+    assert common.chat_template(presets[family], "mistral") == common.CHAT_TEMPLATES["mistral"]
+    with pytest.raises(common.UsageError, match="gemma, llama3, mistral, chatml"):
+        common.chat_template(presets[family], "vicuna")
+    tokenizer = common.load_model(presets[family], one_device_mesh(), "float32").preprocessor.tokenizer
+    markers = {"gemma": ["<start_of_turn>", "<end_of_turn>"], "llama3": ["<|start_header_id|>", "<|eot_id|>"],
+               "chatml": ["<|im_start|>", "<|im_end|>"], "mistral": []}[TEMPLATE[family]]
+    for marker in markers:  # one piece (SentencePiece may put its word-start piece before it)
+        assert list(tokenizer.tokenize(marker))[-1:] == [tokenizer.token_to_id(marker)], marker
+    assert tokenizer.start_token_id is not None  # Qwen: <|endoftext|> (common.ensure_start_token)
+
+
+def test_templates_render_as_the_model_cards():
+    """One user turn + answer, rendered as each family's Hugging Face chat_template writes it
+    (the BOS, and Mistral's </s>, are token ids the scripts add)."""
+    import common
+    chat = [{"role": "user", "content": "Sort: 2 1"}, {"role": "assistant", "content": "1 2"}]
+    want = {"gemma": "<start_of_turn>user\nSort: 2 1<end_of_turn>\n<start_of_turn>model\n1 2<end_of_turn>\n",
+            "llama3": "<|start_header_id|>user<|end_header_id|>\n\nSort: 2 1<|eot_id|>"
+                      "<|start_header_id|>assistant<|end_header_id|>\n\n1 2<|eot_id|>",
+            "mistral": "[INST] Sort: 2 1 [/INST]1 2",
+            "chatml": "<|im_start|>user\nSort: 2 1<|im_end|>\n<|im_start|>assistant\n1 2<|im_end|>\n"}
+    assert set(want) == set(common.CHAT_TEMPLATES)
+    for name, text in want.items():
+        template = common.CHAT_TEMPLATES[name]
+        assert common.render(chat, template) == text
+        segments = common.sft_segments({"messages": chat}, "f:1", template)
+        assert "".join(t for t, _ in segments) == text.rstrip("\n")  # the EOS follows the last answer
+        assert [t for t, done in segments if done] == ["1 2" + template[2].rstrip("\n")]
+        prompt, chosen, _ = common.preference_triple({"prompt": chat[:1], "chosen": chat[1:], "rejected": chat[1:]},
+                                                     "f:1", template)
+        assert prompt + chosen == text.rstrip("\n")
+
+
+def test_unknown_family_needs_chat_template(presets, tmp_path):
+    """A family outside common.FAMILIES (GPT-2): plain-text rows read; a chat stops with exit 2 naming
+    --chat-template; an unknown --chat-template name exits 2 listing the names; no sampler."""
+    import common
+    from helpers import run_script
+    assert common.chat_template(presets["gpt2"]) is None
+    plain = os.path.join(ROOT, "data", "sft_train.jsonl")
+    assert common.read_dataset(plain, "sft", None)[0] == [("Sort: 0 9 1 6 6 2", False), (" 0 1 2 6 6 9", True)]
+    with pytest.raises(common.UsageError, match="sampler supports .* not GPT2Backbone"):
+        common.check_sampler(presets["gpt2"])
+    chats = os.path.join(ROOT, "data", "sft_messages_train.jsonl")
+    res = run_script("sft.py", "--model", presets["gpt2"], "--dataset", chats, "--output-dir", str(tmp_path / "a"))
+    assert res.returncode == 2 and "--chat-template (gemma, llama3, mistral, chatml)" in res.stderr, res.stderr
+    assert len(res.stderr.strip().splitlines()) == 1
+    import sft  # with the flag, Run.read_data renders the chats
+    args = sft.Args(model=presets["gpt2"], dataset=chats, chat_template="chatml", output_dir=str(tmp_path / "c"))
+    rows, _ = common.Run("sft", args).read_data("sft")
+    assert rows[0][0] == ("<|im_start|>user\nSort: 0 9 1 6 6 2<|im_end|>\n", False)
+    res = run_script("sft.py", "--chat-template", "vicuna", "--output-dir", str(tmp_path / "b"))
+    assert res.returncode == 2 and "gemma" in res.stderr and "chatml" in res.stderr, res.stderr
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+
+
+def run_scripts(preset, out):
+    """One step of sft (on chats), dpo and grpo (sampler included, chat prompts) from `preset`, then
+    evaluate.py on grpo's model/, each through its main(), in this process; outputs under `out`."""
+    import dpo
+    import evaluate
+    import grpo
+    import sft
+    prompts = os.path.join(out, "prompts.jsonl")
+    with open(prompts, "w") as f:
+        f.writelines(json.dumps({"prompt": [{"role": "user", "content": f"Sort: {i} 2 7"}]}) + "\n" for i in range(4))
+    run = dict(model=preset, max_steps=1, batch_size=4, seed=0, remat=False)
+    sft.main(sft.Args(**run, max_length=32, dataset=os.path.join(ROOT, "data", "sft_messages_train.jsonl"),
+                      eval_dataset=None, output_dir=os.path.join(out, "sft")))
+    dpo.main(dpo.Args(**run, max_length=32, eval_dataset=None, output_dir=os.path.join(out, "dpo")))
+    grpo.main(grpo.Args(**run, dataset=prompts, num_generations=2, response_length=4, max_prompt_length=32,
+                        output_dir=os.path.join(out, "grpo")))
+    evaluate.main(evaluate.Args(model=os.path.join(out, "grpo", "model"), prompts=prompts, num_prompts=4,
+                                max_new_tokens=4, batch_size=4, output_dir=os.path.join(out, "eval")))
+
+
+# The families whose script runs take paths the rest of the suite does not: the Llama-style decoder
+# call, untied output matrices, byte-level BPE, Qwen's stand-in BOS, Mistral's template. Gemma is
+# `tiny` (every other test); Gemma 2 and Qwen 3 differ from Gemma and Qwen 2.5 only inside KerasHub's
+# layers and the tokenizer's specials, checked above. All six passed run_scripts when this was
+# written; each family costs ~25 s of CPU here, so the suite runs these three.
+SCRIPT_FAMILIES = ("llama3", "mistral", "qwen2.5")
+
+
+def test_one_step_of_each_script(presets, tmp_path):
+    """run_scripts for SCRIPT_FAMILIES, in one process on one device (8 simulated devices on 2 cores
+    compile 2.5x slower) with XLA's CPU code generation unoptimised (compiling is most of the time
+    here: half of it so): finite losses, a model/ of the same family, eval.json with a score."""
+    import common
+    from helpers import one_device_env
+    env = one_device_env()
+    env["XLA_FLAGS"] += " --xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+    outs = {family: tmp_path / family for family in SCRIPT_FAMILIES}
+    calls = "; ".join(f"run_scripts({presets[f]!r}, {str(o)!r})" for f, o in outs.items())
+    for o in outs.values():
+        o.mkdir()
+    res = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); "
+                          f"from test_families import run_scripts; {calls}"],
+                         cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
+                         timeout=900, env=env)
+    assert res.returncode == 0, res.stderr[-3000:]
+    for family, out in outs.items():
+        for name in ("sft", "dpo", "grpo"):
+            rows = metrics(out / name)
+            assert rows[-1]["step"] == 1 and math.isfinite(rows[-1]["train/loss"]), (family, name)
+            assert common.backbone_class(str(out / name / "model")) is common.backbone_class(presets[family])
+        with open(out / "eval" / "eval.json") as f:
+            result = json.load(f)
+        assert result["num_prompts"] == 4 and math.isfinite(result["score"]), family
+
+
+def test_compare_passes_chat_template_to_every_stage(tmp_path):
+    """compare.py forwards --chat-template to each script it runs (and to its evaluation)."""
+    import compare
+    stages, _ = compare.plan(compare.Args(chat_template="chatml"), str(tmp_path))
+    assert stages and all(s["flags"][s["flags"].index("--chat-template") + 1] == "chatml" for s in stages)
+    assert all("--chat-template" not in s["flags"] for s in compare.plan(compare.Args(), str(tmp_path))[0])
