@@ -22,6 +22,7 @@ import ast
 import contextlib
 import glob
 import json
+import math
 import os
 import shutil
 import signal
@@ -607,7 +608,7 @@ def per_example(fn, data, batch_size, mesh):
 RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model")
 # (flag, lowest allowed value, whether the lowest value itself is refused)
 FLAG_RANGES = (("learning_rate", 0, True), ("batch_size", 1, False), ("grad_accum_steps", 1, False),
-               ("max_steps", 0, False), ("warmup_steps", 0, False), ("log_every", 1, False),
+               ("max_steps", 0, False), ("num_epochs", 0, True), ("warmup_steps", 0, False), ("log_every", 1, False),
                ("eval_every", 0, False), ("save_every", 0, False))
 
 
@@ -683,6 +684,7 @@ class Run:
         if accum and args.batch_size % (self.mesh.shape["data"] * accum):
             raise UsageError(f"--batch-size {args.batch_size} must divide by data axis "
                              f"({self.mesh.shape['data']}) × --grad-accum-steps ({accum})")
+        self._done, self._no_checkpoint = None, None  # --resume: steps of a finished run; why it cannot resume
         self.start = self.step = self._check_output_dir()
         self.stop_signal, self.last_train, self.last_eval = None, {}, {}
         self._pending, self._tokens, self._flops, self._paused, self._eval_started = [], 0, 0.0, 0.0, None
@@ -698,15 +700,13 @@ class Run:
         if args.resume:
             if finished and "args.json" in held:
                 with open(os.path.join(d, "args.json")) as f:
-                    done = max(last or 0, json.load(f).get("max_steps", 0))
-                if args.max_steps <= done:
-                    print(f"{d}: this run is complete ({done} steps, model/ saved); nothing to resume")
-                    sys.exit(0)
+                    self._done = max(last or 0, json.load(f).get("max_steps") or 0)
             if last is None:
-                raise UsageError(f"--resume: {d} holds no checkpoint to continue from"
-                                 + ("" if held else " (no run there)")
-                                 + "; checkpoints are written by --save-every N and on SIGTERM/SIGINT")
-            return last
+                self._no_checkpoint = (f"--resume: {d} holds no checkpoint to continue from"
+                                       + ("" if held else " (no run there)")
+                                       + "; checkpoints are written by --save-every N and on SIGTERM/SIGINT")
+            self._exit_if_complete()  # with --max-steps None: in read_data, once it is derived
+            return last or 0
         if held and not args.overwrite:
             what, hint = "a run without checkpoints", "pass --overwrite to replace it, or choose another --output-dir"
             if finished:
@@ -716,6 +716,16 @@ class Run:
                     "pass --resume to continue it or --overwrite to replace it"
             raise UsageError(f"--output-dir {d} already holds {what}; {hint}")
         return 0
+
+    def _exit_if_complete(self):
+        """--resume on a complete run: exit 0; with no checkpoint to continue from: exit 2."""
+        if self.args.max_steps is None:
+            return
+        if self._done is not None and self.args.max_steps <= self._done:
+            print(f"{self.dir}: this run is complete ({self._done} steps, model/ saved); nothing to resume")
+            sys.exit(0)
+        if self._no_checkpoint:
+            raise UsageError(self._no_checkpoint)
 
     def _on_signal(self, signum, frame):
         self.stop_signal = signal.Signals(signum).name
@@ -769,11 +779,19 @@ class Run:
 
     def read_data(self, form):
         """(train rows, eval rows) of --dataset / --eval-dataset in TRL's `form`, rendered with
-        --model's chat template: checked before the model loads."""
+        --model's chat template: checked before the model loads. --max-steps None becomes
+        ceil(--num-epochs × rows / rows per step) here (GRPO: batch_size / num_generations prompts
+        a step), before training starts; args.json records it, so --resume derives the same."""
         args, template = self.args, chat_template(self.args.model)
         path = getattr(args, "eval_dataset", None)
         evals = read_dataset(path, form, template, "--eval-dataset") if path else []
-        return read_dataset(args.dataset, form, template), evals
+        train = read_dataset(args.dataset, form, template)
+        if args.max_steps is None:
+            per_step = args.batch_size // getattr(args, "num_generations", 1)
+            args.max_steps = max(1, math.ceil(args.num_epochs * len(train) / per_step))
+            print(f"--max-steps {args.max_steps}: {args.num_epochs:g} epochs of {len(train)} rows, {per_step} a step")
+        self._exit_if_complete()
+        return train, evals
 
     def load_model(self):
         """--model created sharded over the mesh, with --lora-rank and --remat applied."""
