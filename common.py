@@ -10,7 +10,8 @@ Contents (in file order)
   4. Files       read_rows (.jsonl/.json/.parquet/Hub), chat templates, TRL's formats -> text
                  (sft_segments, preference_triple, prompt_text), read_dataset
   5. Data order  batch_indices (a pure function of the step: resume is exact), per_example
-  6. The run     Run: output dir and --resume/--overwrite, args.json, metrics.jsonl + TensorBoard
+  6. The run     Run: output dir and --resume/--overwrite, --max-steps from --num-epochs, args.json,
+                 metrics.jsonl + TensorBoard
                  (+ W&B), progress bar, tokens/s and MFU, the non-finite stop, eval and
                  checkpoint cadence, SIGTERM/SIGINT, the final model and a summary line;
                  synced / phase_metrics: the generate / score / update timing of RL steps
@@ -789,7 +790,9 @@ class Run:
         if args.max_steps is None:
             per_step = args.batch_size // getattr(args, "num_generations", 1)
             args.max_steps = max(1, math.ceil(args.num_epochs * len(train) / per_step))
-            print(f"--max-steps {args.max_steps}: {args.num_epochs:g} epochs of {len(train)} rows, {per_step} a step")
+            if self.main:
+                print(f"--max-steps {args.max_steps}: {args.num_epochs:g} epochs of {len(train)} rows, "
+                      f"{per_step} a step")
         self._exit_if_complete()
         return train, evals
 

@@ -3,8 +3,9 @@
 Rafailov et al. 2023 (arXiv:2305.18290); also IPO (`--loss-type ipo`), hinge and cDPO
 label smoothing. Data: `prompt` / `chosen` / `rejected` (strings or chat messages, TRL formats).
     python dpo.py --model gemma_2b --dataset my_prefs.jsonl
-Offline, a couple of minutes on a laptop CPU:
-    python dpo.py --model tiny
+Offline, minutes on a laptop CPU (the defaults are for real models; `tiny` from scratch takes its own):
+    python dpo.py --model tiny --max-steps 60 --batch-size 32 --learning-rate 3e-4 --warmup-steps 5 \
+        --max-length 512
 """
 
 import math

@@ -3,8 +3,9 @@
 Hong et al. 2024 (arXiv:2403.07691). Data: `prompt` / `chosen` / `rejected` (strings or chat
 messages, TRL formats).
     python orpo.py --model gemma_2b --dataset my_prefs.jsonl
-Offline, a couple of minutes on a laptop CPU:
-    python orpo.py --model tiny
+Offline, minutes on a laptop CPU (the defaults are for real models; `tiny` from scratch takes its own):
+    python orpo.py --model tiny --max-steps 60 --batch-size 32 --learning-rate 3e-4 --warmup-steps 5 \
+        --max-length 512
 """
 
 import math

@@ -2,8 +2,9 @@
 
 Ouyang et al. 2022; "The N+ implementation details of RLHF with PPO" (Huang et al. 2024); TRL PPOTrainer.
     python ppo.py --model runs/sft…/model --reward-model runs/reward…/model
-Offline, on CPU, with the toy task's programmatic reward (data/toy.py:batch_score):
-    python ppo.py --model tiny
+Offline, toy reward data/toy.py:batch_score (the defaults are for real models; `tiny` takes its own):
+    python ppo.py --model tiny --max-steps 30 --batch-size 32 --num-mini-batches 2 \
+        --learning-rate 3e-4 --max-prompt-length 64 --response-length 16 --missing-eos-penalty 1.0
 """
 
 import math

@@ -2,8 +2,9 @@
 
 Ouyang et al. 2022 (InstructGPT) §3.5; data: `prompt` + `chosen` + `rejected` (TRL formats).
     python reward.py --model gemma_2b --dataset my_prefs.jsonl
-Offline, a couple of minutes on a laptop CPU (an SFT'd start learns faster: --model runs/sft…/model):
-    python reward.py --model tiny
+Offline, minutes on a laptop CPU (the defaults are for real models; `tiny` from scratch takes its own):
+    python reward.py --model tiny --max-steps 80 --batch-size 32 --learning-rate 1e-3 \
+        --warmup-steps 10 --max-length 512
 """
 
 import math

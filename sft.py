@@ -2,8 +2,9 @@
 
 Data: `text`, `prompt` + `completion`, or chat `messages` (TRL formats).
     python sft.py --model gemma_2b --dataset my_data.jsonl
-Offline, a couple of minutes on a laptop CPU:
-    python sft.py --model tiny
+Offline, minutes on a laptop CPU (the defaults are for real models; `tiny` from scratch takes its own):
+    python sft.py --model tiny --max-steps 200 --batch-size 32 --learning-rate 1e-3 \
+        --warmup-steps 20 --max-length 512
 """
 
 import math

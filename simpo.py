@@ -3,8 +3,9 @@
 Meng et al. 2024 (arXiv:2405.14734). Data: `prompt` / `chosen` / `rejected` (strings or chat
 messages, TRL formats).
     python simpo.py --model gemma_2b --dataset my_prefs.jsonl
-Offline, a couple of minutes on a laptop CPU:
-    python simpo.py --model tiny
+Offline, minutes on a laptop CPU (the defaults are for real models; `tiny` from scratch takes its own):
+    python simpo.py --model tiny --max-steps 60 --batch-size 32 --grad-accum-steps 1 \
+        --learning-rate 3e-4 --warmup-steps 5 --max-length 512 --gamma 0.5
 """
 
 import math
