@@ -12,7 +12,8 @@ Contents (in file order)
   4. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render,
                  TRL's formats -> text (sft_segments, preference_triple, prompt_text), read_dataset
   5. Data order  batch_indices (a pure function of the step: resume is exact), per_example
-  6. The run     Run: output dir and --resume/--overwrite, args.json, metrics.jsonl + TensorBoard
+  6. The run     Run: output dir and --resume/--overwrite, --max-steps from --num-epochs, args.json,
+                 metrics.jsonl + TensorBoard
                  (+ W&B), progress bar, tokens/s and MFU, the non-finite stop, eval and
                  checkpoint cadence, SIGTERM/SIGINT, the final model and a summary line;
                  synced / phase_metrics: the generate / score / update timing of RL steps
@@ -24,6 +25,7 @@ import ast
 import contextlib
 import glob
 import json
+import math
 import os
 import shutil
 import signal
@@ -841,7 +843,7 @@ def per_example(fn, data, batch_size, mesh):
 RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model", "model_hf")
 # (flag, lowest allowed value, whether the lowest value itself is refused)
 FLAG_RANGES = (("learning_rate", 0, True), ("batch_size", 1, False), ("grad_accum_steps", 1, False),
-               ("max_steps", 0, False), ("warmup_steps", 0, False), ("log_every", 1, False),
+               ("max_steps", 0, False), ("num_epochs", 0, True), ("warmup_steps", 0, False), ("log_every", 1, False),
                ("eval_every", 0, False), ("save_every", 0, False))
 
 
@@ -919,6 +921,7 @@ class Run:
         if accum and args.batch_size % (self.mesh.shape["data"] * accum):
             raise UsageError(f"--batch-size {args.batch_size} must divide by data axis "
                              f"({self.mesh.shape['data']}) × --grad-accum-steps ({accum})")
+        self._done, self._no_checkpoint = None, None  # --resume: steps of a finished run; why it cannot resume
         self.start = self.step = self._check_output_dir()
         self.stop_signal, self.last_train, self.last_eval = None, {}, {}
         self._pending, self._tokens, self._flops, self._paused, self._eval_started = [], 0, 0.0, 0.0, None
@@ -934,15 +937,13 @@ class Run:
         if args.resume:
             if finished and "args.json" in held:
                 with open(os.path.join(d, "args.json")) as f:
-                    done = max(last or 0, json.load(f).get("max_steps", 0))
-                if args.max_steps <= done:
-                    print(f"{d}: this run is complete ({done} steps, model/ saved); nothing to resume")
-                    sys.exit(0)
+                    self._done = max(last or 0, json.load(f).get("max_steps") or 0)
             if last is None:
-                raise UsageError(f"--resume: {d} holds no checkpoint to continue from"
-                                 + ("" if held else " (no run there)")
-                                 + "; checkpoints are written by --save-every N and on SIGTERM/SIGINT")
-            return last
+                self._no_checkpoint = (f"--resume: {d} holds no checkpoint to continue from"
+                                       + ("" if held else " (no run there)")
+                                       + "; checkpoints are written by --save-every N and on SIGTERM/SIGINT")
+            self._exit_if_complete()  # with --max-steps None: in read_data, once it is derived
+            return last or 0
         if held and not args.overwrite:
             what, hint = "a run without checkpoints", "pass --overwrite to replace it, or choose another --output-dir"
             if finished:
@@ -952,6 +953,16 @@ class Run:
                     "pass --resume to continue it or --overwrite to replace it"
             raise UsageError(f"--output-dir {d} already holds {what}; {hint}")
         return 0
+
+    def _exit_if_complete(self):
+        """--resume on a complete run: exit 0; with no checkpoint to continue from: exit 2."""
+        if self.args.max_steps is None:
+            return
+        if self._done is not None and self.args.max_steps <= self._done:
+            print(f"{self.dir}: this run is complete ({self._done} steps, model/ saved); nothing to resume")
+            sys.exit(0)
+        if self._no_checkpoint:
+            raise UsageError(self._no_checkpoint)
 
     def _on_signal(self, signum, frame):
         self.stop_signal = signal.Signals(signum).name
@@ -1005,12 +1016,23 @@ class Run:
 
     def read_data(self, form):
         """(train rows, eval rows) of --dataset / --eval-dataset in TRL's `form`, rendered with
-        --chat-template or --model's family's chat template: checked before the model loads."""
+        --chat-template or --model's family's chat template: checked before the model loads.
+        --max-steps None becomes ceil(--num-epochs × rows / rows per step) here (GRPO: batch_size /
+        num_generations prompts a step), before training starts; args.json records it, so --resume
+        derives the same."""
         args = self.args
         template = chat_template(args.model, getattr(args, "chat_template", None))
         path = getattr(args, "eval_dataset", None)
         evals = read_dataset(path, form, template, "--eval-dataset") if path else []
-        return read_dataset(args.dataset, form, template), evals
+        train = read_dataset(args.dataset, form, template)
+        if args.max_steps is None:
+            per_step = args.batch_size // getattr(args, "num_generations", 1)
+            args.max_steps = max(1, math.ceil(args.num_epochs * len(train) / per_step))
+            if self.main:
+                print(f"--max-steps {args.max_steps}: {args.num_epochs:g} epochs of {len(train)} rows, "
+                      f"{per_step} a step")
+        self._exit_if_complete()
+        return train, evals
 
     def load_model(self):
         """--model created sharded over the mesh, with --lora-rank and --remat applied."""

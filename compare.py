@@ -53,8 +53,8 @@ class Args:
     """GRPO iterations (one generation batch of 8 prompts × 8 completions + one update each: about
     PPO's wall time at its 20 iterations of 8 updates)"""
     learning_rate: float = 5e-5
-    """peak learning rate of every method after SFT (dpo, simpo, orpo, --extra, ppo, grpo): lower than the
-    scripts' defaults, which are set for training `tiny` from scratch"""
+    """peak learning rate of every method after SFT (dpo, simpo, orpo, --extra, ppo, grpo); the other fixed
+    flags of the recipe are in RECIPE (the scripts' defaults are TRL's, for real pretrained models)"""
     ppo_reward: Literal["model", "fn", "both"] = "both"
     """`model`: PPO optimises a reward model trained on the same preference pairs (the same
     information the preference methods get); `fn`: the task score itself (--reward-fn, a
@@ -101,6 +101,19 @@ class Args:
 # ---------------------------------------------------------------------------
 # The plan: which script runs, from which model, with which flags
 # ---------------------------------------------------------------------------
+# The recipe's fixed flags per script, ahead of the budgets, --learning-rate and the pass-through flags.
+# The scripts' defaults are TRL's for real pretrained models (README: "Defaults"); these are the values
+# the committed comparison (docs/comparison.md) was measured with, sized for `tiny` and the toy task.
+RECIPE = {
+    "sft": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 20 --max-length 512",
+    "dpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1",
+    "simpo": "--batch-size 32 --grad-accum-steps 1 --warmup-steps 5 --max-length 512 --beta 2.0 --gamma 0.5",
+    "orpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1",
+    "reward": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 10 --max-length 512",
+    "ppo": "--batch-size 32 --num-mini-batches 2 --max-prompt-length 64 --response-length 16 "
+           "--missing-eos-penalty 1.0 --kl-coef 0.05",
+    "grpo": "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 16 --beta 0.04",
+}
 def plan(args, output_dir):
     """-> list of stages {name, script, flags, needs}, in run order; bad choices raise UsageError."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
@@ -111,9 +124,10 @@ def plan(args, output_dir):
     common_flags = ["--seed", str(args.seed)] + (["--chat-template", args.chat_template] if args.chat_template
                                                  else [])
     tuned = ["--learning-rate", str(args.learning_rate)]
-    stage = lambda name, script, flags, extra, needs=(): {
+    stage = lambda name, script, flags, extra, needs=(), recipe=None: {
         "name": name, "script": script, "needs": [n for n in needs if n in methods or n == "reward"],
-        "flags": flags + common_flags + ["--output-dir", os.path.join(output_dir, name)] + shlex.split(extra)}
+        "flags": flags + shlex.split(RECIPE[recipe or name.split("_")[0]]) + common_flags
+        + ["--output-dir", os.path.join(output_dir, name)] + shlex.split(extra)}
     script = lambda name: os.path.join(common.HERE, f"{name}.py")
     stages = []
     if "sft" in methods:
@@ -127,7 +141,7 @@ def plan(args, output_dir):
         if not path.endswith(".py") or not os.path.exists(path) or name in METHODS + ("reward",):
             raise common.UsageError(f"--extra {path}: expected an existing script whose name is not a built-in")
         stages.append(stage(name, os.path.abspath(path), ["--model", base, "--max-steps", str(args.steps)] + tuned,
-                            args.extra_args, ["sft"]))
+                            args.extra_args, ["sft"], recipe="dpo"))
     if "ppo" in methods:
         ppo = lambda name, reward, needs: stage(name, script("ppo"), ["--model", base, "--max-steps",
                                                                      str(args.ppo_steps)] + tuned + reward,

@@ -2,8 +2,9 @@
 
 Shao et al. 2024 (DeepSeekMath); loss variants from DAPO (Yu et al. 2025) and Dr. GRPO (Liu et al. 2025).
     python grpo.py --model runs/sft…/model --reward-fn my_checks.py:correct my_checks.py:formatted
-Offline, on CPU, with the toy task's checker (data/toy.py:batch_score):
-    python grpo.py --model tiny
+Offline, toy checker data/toy.py:batch_score (the defaults are for real models; `tiny` takes its own):
+    python grpo.py --model tiny --max-steps 30 --batch-size 64 --learning-rate 3e-4 \
+        --max-prompt-length 64 --response-length 16 --beta 0.04
 """
 
 import math
@@ -48,27 +49,29 @@ class Args:
     # data
     dataset: str = os.path.join(common.HERE, "data", "prompts_train.jsonl")
     """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, or a Hugging Face dataset"""
-    max_prompt_length: int = 64
-    """prompt tokens (BOS included); longer prompts are cut from the left"""
+    max_prompt_length: int = 512
+    """prompt tokens (BOS included); longer prompts are cut from the left (TRL GRPOConfig ≤ 0.2x: 512)"""
     # rollouts
     num_generations: int = 8
     """G: completions sampled per prompt (one group)"""
-    response_length: int = 16
-    """new tokens sampled per completion; a completion without EOS by then is `clipped`"""
+    response_length: int = 256
+    """new tokens sampled per completion (TRL's max_completion_length: 256); without EOS by then: `clipped`"""
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
     # optimisation
-    max_steps: int = 30
-    """GRPO iterations (one generation batch each)"""
-    batch_size: int = 64
-    """completions per generation batch, global (prompts per step = batch_size / G)"""
+    max_steps: int | None = None
+    """GRPO iterations (one generation batch each); None: ceil(--num-epochs × prompts / prompts a step)"""
+    num_epochs: float = 3.0
+    """passes over --dataset that set --max-steps when it is None (TRL's num_train_epochs: 3)"""
+    batch_size: int = 8
+    """completions per generation batch, global (prompts a step = batch_size / G; TRL: 8 per device)"""
     num_iterations: int = 1
     """μ: optimisation passes over each generation batch (>1 keeps the rollout log-probs as π_old)"""
     num_mini_batches: int = 1
     """mini-batches per pass (each a whole number of groups is not required: advantages are fixed first)"""
-    learning_rate: float = 3e-4
-    """AdamW learning rate, constant after warm-up; 3e-4 suits `tiny` from scratch, an SFT'd model wants
-    about 3e-5 (TRL's default for real models: 1e-6)"""
+    learning_rate: float = 1e-6
+    """AdamW learning rate (TRL GRPOConfig: 1e-6), constant after warm-up (TRL: linear decay to 0);
+    the `tiny` demos use 5e-5"""
     warmup_steps: int = 0
     """linear warm-up, in optimizer updates"""
     max_grad_norm: float = 1.0
@@ -76,8 +79,9 @@ class Args:
     seed: int = 0
     """seeds init (tiny), prompt order and sampling"""
     # algorithm
-    beta: float = 0.04
-    """β: weight of the k3 KL to the reference (DeepSeekMath: 0.04); 0 drops the reference model entirely"""
+    beta: float = 0.0
+    """β: weight of the k3 KL to the reference (TRL GRPOConfig: 0.0; DeepSeekMath: 0.04); 0 drops the
+    reference model entirely"""
     epsilon: float = 0.2
     """ε: ratio clip, lower side (and upper side unless --epsilon-high is given)"""
     epsilon_high: float | None = None

@@ -3,8 +3,9 @@
 Hong et al. 2024 (arXiv:2403.07691). Data: `prompt` / `chosen` / `rejected` (strings or chat
 messages, TRL formats).
     python orpo.py --model gemma_2b --dataset my_prefs.jsonl
-Offline, a couple of minutes on a laptop CPU:
-    python orpo.py --model tiny
+Offline, minutes on a laptop CPU (the defaults are for real models; `tiny` from scratch takes its own):
+    python orpo.py --model tiny --max-steps 60 --batch-size 32 --learning-rate 3e-4 --warmup-steps 5 \
+        --max-length 512
 """
 
 import math
@@ -43,19 +44,21 @@ class Args:
     """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "prefs_eval.jsonl")
     """held-out pairs for eval/ metrics (same formats); empty to skip evaluation"""
-    max_length: int = 512
-    """tokens per sequence (prompt + response); longer prompts are cut from the left, then pairs dropped"""
+    max_length: int = 1024
+    """tokens per prompt + response (TRL ORPOConfig: 1024); longer: prompt cut from the left, then pair dropped"""
     # optimisation
-    max_steps: int = 60
-    """optimizer updates"""
-    batch_size: int = 32
-    """preference pairs per update, global over all devices and accumulation steps"""
+    max_steps: int | None = None
+    """optimizer updates; None: ceil(--num-epochs × rows of --dataset / --batch-size), resolved before training"""
+    num_epochs: float = 3.0
+    """passes over --dataset that set --max-steps when it is None (TRL's num_train_epochs: 3)"""
+    batch_size: int = 8
+    """preference pairs per update, global over devices and accumulation (TRL: 8 per device)"""
     grad_accum_steps: int = 1
     """micro-batches per update (memory ÷ this; same result)"""
-    learning_rate: float = 3e-4
-    """peak AdamW learning rate (after linear warmup, cosine decay to 10%)"""
-    warmup_steps: int = 5
-    """linear warmup steps"""
+    learning_rate: float = 1e-6
+    """peak AdamW learning rate (TRL ORPOConfig: 1e-6); after the warmup, cosine decay to 10% (TRL: linear to 0)"""
+    warmup_steps: int = 0
+    """linear warmup steps (TRL: 0)"""
     weight_decay: float = 0.0
     """AdamW weight decay (matrices only)"""
     max_grad_norm: float = 1.0
@@ -262,7 +265,7 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
 
 def make_optimizer(args):
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.learning_rate, max(args.warmup_steps, 1), max(args.max_steps, args.warmup_steps + 1),
+        0.0, args.learning_rate, args.warmup_steps, max(args.max_steps, args.warmup_steps + 1),
         end_value=0.1 * args.learning_rate)
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),

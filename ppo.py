@@ -2,8 +2,9 @@
 
 Ouyang et al. 2022; "The N+ implementation details of RLHF with PPO" (Huang et al. 2024); TRL PPOTrainer.
     python ppo.py --model runs/sft…/model --reward-model runs/reward…/model
-Offline, on CPU, with the toy task's programmatic reward (data/toy.py:batch_score):
-    python ppo.py --model tiny
+Offline, toy reward data/toy.py:batch_score (the defaults are for real models; `tiny` takes its own):
+    python ppo.py --model tiny --max-steps 30 --batch-size 32 --num-mini-batches 2 \
+        --learning-rate 3e-4 --max-prompt-length 64 --response-length 16 --missing-eos-penalty 1.0
 """
 
 import math
@@ -45,27 +46,29 @@ class Args:
     # data
     dataset: str = os.path.join(common.HERE, "data", "prompts_train.jsonl")
     """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, or a Hugging Face dataset"""
-    max_prompt_length: int = 64
-    """prompt tokens (BOS included); longer prompts are cut from the left"""
+    max_prompt_length: int = 512
+    """prompt tokens (BOS included); longer prompts are cut from the left (TRL's PPO: no limit)"""
     # rollouts
-    response_length: int = 16
-    """new tokens sampled per prompt"""
+    response_length: int = 53
+    """new tokens sampled per prompt (TRL PPOConfig: 53)"""
     temperature: float = 0.7
     """sampling temperature; log-probs are computed from logits / temperature to match"""
-    missing_eos_penalty: float | None = 1.0
-    """subtracted from the score of a response without EOS (None: off)"""
+    missing_eos_penalty: float | None = None
+    """subtracted from the score of a response without EOS (None: off, as in TRL)"""
     # optimisation
-    max_steps: int = 30
-    """PPO iterations (one rollout batch each)"""
-    batch_size: int = 32
-    """prompts per rollout, global over all devices"""
-    num_mini_batches: int = 2
+    max_steps: int | None = None
+    """PPO iterations (one rollout batch each); None: ceil(--num-epochs × prompts / --batch-size)"""
+    num_epochs: float = 3.0
+    """passes over --dataset that set --max-steps when it is None (TRL: num_train_epochs 3 × prompts episodes)"""
+    batch_size: int = 8
+    """prompts per rollout, global over all devices (TRL: 8 per device)"""
+    num_mini_batches: int = 1
     """mini-batches per PPO epoch"""
     num_ppo_epochs: int = 4
     """passes over each rollout batch"""
-    learning_rate: float = 3e-4
-    """AdamW learning rate, annealed linearly to 0 over all updates (policy and value together);
-    3e-4 suits `tiny` from scratch, an SFT'd model wants about 3e-5 (TRL's default for real models: 3e-6)"""
+    learning_rate: float = 3e-6
+    """AdamW learning rate (TRL PPOConfig: 3e-6), annealed linearly to 0 over all updates (policy and value
+    together); the `tiny` demos use 5e-5"""
     max_grad_norm: float = 1.0
     """global gradient-norm clip (policy and value together)"""
     seed: int = 0

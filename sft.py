@@ -2,8 +2,9 @@
 
 Data: `text`, `prompt` + `completion`, or chat `messages` (TRL formats).
     python sft.py --model gemma_2b --dataset my_data.jsonl
-Offline, a couple of minutes on a laptop CPU:
-    python sft.py --model tiny
+Offline, minutes on a laptop CPU (the defaults are for real models; `tiny` from scratch takes its own):
+    python sft.py --model tiny --max-steps 200 --batch-size 32 --learning-rate 1e-3 \
+        --warmup-steps 20 --max-length 512
 """
 
 import math
@@ -42,21 +43,23 @@ class Args:
     """training data: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "sft_eval.jsonl")
     """held-out data for eval/loss (same formats); empty to skip evaluation"""
-    max_length: int = 512
-    """tokens per example; longer prompts are cut from the left, then whole examples dropped"""
+    max_length: int = 1024
+    """tokens per example (TRL SFTConfig: 1024); longer prompts are cut from the left, then whole examples dropped"""
     completion_only_loss: bool = True
     """loss on completion / assistant tokens only; False also trains on the prompt"""
     # optimisation
-    max_steps: int = 200
-    """optimizer updates"""
-    batch_size: int = 32
-    """examples per update, global over all devices and accumulation steps"""
+    max_steps: int | None = None
+    """optimizer updates; None: ceil(--num-epochs × rows of --dataset / --batch-size), resolved before training"""
+    num_epochs: float = 3.0
+    """passes over --dataset that set --max-steps when it is None (TRL's num_train_epochs: 3)"""
+    batch_size: int = 8
+    """examples per update, global over devices and accumulation (TRL: 8 per device)"""
     grad_accum_steps: int = 1
     """micro-batches per update (memory ÷ this; same result)"""
-    learning_rate: float = 1e-3
-    """peak AdamW learning rate (after linear warmup, cosine decay to 10%)"""
-    warmup_steps: int = 20
-    """linear warmup steps"""
+    learning_rate: float = 2e-5
+    """peak AdamW learning rate (TRL SFTConfig: 2e-5); after the warmup, cosine decay to 10% (TRL: linear to 0)"""
+    warmup_steps: int = 0
+    """linear warmup steps (TRL: 0)"""
     weight_decay: float = 0.0
     """AdamW weight decay (matrices only)"""
     max_grad_norm: float = 1.0
@@ -226,7 +229,7 @@ def eval_loss(backbone, params, frozen, batch):
 
 def make_optimizer(args):
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.learning_rate, max(args.warmup_steps, 1), max(args.max_steps, args.warmup_steps + 1),
+        0.0, args.learning_rate, args.warmup_steps, max(args.max_steps, args.warmup_steps + 1),
         end_value=0.1 * args.learning_rate)
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),

@@ -3,8 +3,9 @@
 Meng et al. 2024 (arXiv:2405.14734). Data: `prompt` / `chosen` / `rejected` (strings or chat
 messages, TRL formats).
     python simpo.py --model gemma_2b --dataset my_prefs.jsonl
-Offline, a couple of minutes on a laptop CPU:
-    python simpo.py --model tiny
+Offline, minutes on a laptop CPU (the defaults are for real models; `tiny` from scratch takes its own):
+    python simpo.py --model tiny --max-steps 60 --batch-size 32 --grad-accum-steps 1 \
+        --learning-rate 3e-4 --warmup-steps 5 --max-length 512 --gamma 0.5
 """
 
 import math
@@ -43,19 +44,21 @@ class Args:
     """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "prefs_eval.jsonl")
     """held-out pairs for eval/ metrics (same formats); empty to skip evaluation"""
-    max_length: int = 512
-    """tokens per sequence (prompt + response); longer prompts are cut from the left, then pairs dropped"""
+    max_length: int = 2048
+    """tokens per prompt + response (SimPO's recipe: 2048); longer: prompt cut from the left, then pair dropped"""
     # optimisation
-    max_steps: int = 60
-    """optimizer updates"""
-    batch_size: int = 32
-    """preference pairs per update, global over all devices and accumulation steps"""
-    grad_accum_steps: int = 1
+    max_steps: int | None = None
+    """optimizer updates; None: ceil(--num-epochs × rows of --dataset / --batch-size), resolved before training"""
+    num_epochs: float = 1.0
+    """passes over --dataset that set --max-steps when it is None (SimPO's recipe: 1)"""
+    batch_size: int = 128
+    """preference pairs per update, global over devices and accumulation (SimPO paper: 128)"""
+    grad_accum_steps: int = 16
     """micro-batches per update (memory ÷ this; same result)"""
-    learning_rate: float = 3e-4
-    """peak AdamW learning rate (after linear warmup, cosine decay to 10%)"""
-    warmup_steps: int = 5
-    """linear warmup steps"""
+    learning_rate: float = 6e-7
+    """peak AdamW learning rate (SimPO's Llama-3-Base recipe: 6e-7); after the warmup, cosine decay to 10%"""
+    warmup_steps: int = 0
+    """linear warmup steps (SimPO's recipe warms up over 10% of the steps)"""
     weight_decay: float = 0.0
     """AdamW weight decay (matrices only)"""
     max_grad_norm: float = 1.0
@@ -65,9 +68,9 @@ class Args:
     # algorithm
     beta: float = 2.0
     """β: scale of the reward β·avg logπ(y|x) (the paper's value)"""
-    gamma: float = 0.5
+    gamma: float = 1.0
     """γ: target reward margin, as in the paper's loss (Eq. 2); TRL's `simpo_gamma`; the SimPO
-    repo's gamma_beta_ratio is γ/β"""
+    repo's gamma_beta_ratio is γ/β (its Llama-3-Base recipe: β 2.0, γ/β 0.5)"""
     sft_weight: float = 0.0
     """weight of an added NLL on the chosen response (0: pure SimPO; TRL's CPO-SimPO default cpo_alpha is 1)"""
     # logging and outputs
@@ -253,7 +256,7 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
 
 def make_optimizer(args):
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.learning_rate, max(args.warmup_steps, 1), max(args.max_steps, args.warmup_steps + 1),
+        0.0, args.learning_rate, args.warmup_steps, max(args.max_steps, args.warmup_steps + 1),
         end_value=0.1 * args.learning_rate)
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),

@@ -26,8 +26,9 @@ def reward_run(tmp_path_factory):
     long; the sharded path is tested elsewhere): eval/accuracy must reach 0.75 (50 steps: 0.88
     measured on one device and on 8; the documented 80-step command reaches 0.92)."""
     out = tmp_path_factory.mktemp("reward")
+    tiny = ["--batch-size", "32", "--learning-rate", "1e-3", "--warmup-steps", "10"]  # the defaults are TRL's
     res = subprocess.run([sys.executable, os.path.join(ROOT, "reward.py"), "--model", "tiny", "--max-steps", "50",
-                          "--eval-every", "50", "--normalize", "--output-dir", str(out)],
+                          *tiny, "--eval-every", "50", "--normalize", "--output-dir", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=one_device_env())
     assert res.returncode == 0, res.stderr[-2000:]
     return str(out)

@@ -16,6 +16,10 @@ from helpers import (ROOT, assert_same_rows, coordinator_address, env_with_devic
                      preempt_then_resume, run_script)
 
 
+# `tiny` from scratch (the defaults are TRL's for real models: β 0, lr 1e-6): the values these tests measured
+TINY = ["--learning-rate", "3e-4", "--beta", "0.04", "--max-prompt-length", "64"]
+
+
 def run(*flags, env=None):
     return run_script("grpo.py", *flags, env=env)
 
@@ -58,7 +62,7 @@ def test_end_to_end_weighted_rewards_off_policy_updates(tmp_path):
               "--num-iterations", "2", "--num-mini-batches", "2", "--response-length", "8",
               "--scale-rewards", "none", "--loss-type", "dr_grpo", "--epsilon-high", "0.28",
               "--reward-fn", os.path.join(ROOT, "data", "toy.py") + ":batch_score", f"{const}:one",
-              "--reward-weights", "1.0", "0.5", "--sample-every", "2", "--output-dir", str(out_dir))
+              "--reward-weights", "1.0", "0.5", "--sample-every", "2", *TINY, "--output-dir", str(out_dir))
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(out_dir)
     assert [r["step"] for r in rows] == [1, 2, 3]
@@ -89,7 +93,7 @@ def test_with_reward_model_and_no_reference(reward_run, tmp_path):
 
 def test_sigterm_then_resume_equals_uninterrupted(tmp_path):
     flags = ["--model", "tiny", "--max-steps", "4", "--save-every", "2", "--batch-size", "16",
-             "--num-generations", "4", "--response-length", "8", "--sample-every", "0", "--seed", "3"]
+             "--num-generations", "4", "--response-length", "8", "--sample-every", "0", "--seed", "3", *TINY]
     clean, resumed, stopped = preempt_then_resume("grpo.py", flags, 2, tmp_path)
     assert 2 <= stopped < 4
     assert [r["step"] for r in clean] == [1, 2, 3, 4]
@@ -104,7 +108,7 @@ def test_two_processes_match_one(tmp_path):
     address = coordinator_address()
     flags = [sys.executable, os.path.join(ROOT, "grpo.py"), "--model", "tiny", "--max-steps", "2",
              "--batch-size", "16", "--num-generations", "4", "--response-length", "8", "--num-mini-batches", "2",
-             "--mask-truncated-completions", "--sample-every", "0", "--seed", "5"]
+             "--mask-truncated-completions", "--sample-every", "0", "--seed", "5", *TINY]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     procs = [subprocess.Popen(flags + ["--output-dir", one], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                               text=True, env=env_with_devices(8))]
@@ -122,8 +126,8 @@ def test_two_processes_match_one(tmp_path):
 def test_grpo_raises_toy_reward_from_scratch(tmp_path):
     """`python grpo.py --model tiny --max-steps 30` raises `reward` (on one device: the sharded
     path is covered above, and 8 simulated devices on 2 cores take twice as long)."""
-    out = run("--model", "tiny", "--max-steps", "30", "--sample-every", "0", "--output-dir", str(tmp_path),
-              env=one_device_env())
+    out = run("--model", "tiny", "--max-steps", "30", "--batch-size", "64", "--response-length", "16", *TINY,
+              "--sample-every", "0", "--output-dir", str(tmp_path), env=one_device_env())
     assert out.returncode == 0, out.stderr[-3000:]
     rewards = [r["reward"] for r in metrics(tmp_path)]
     # measured (seeds 0, 1, 2 on one device): first five 0.043, 0.033, 0.033 -> last five 0.083, 0.085, 0.096

@@ -173,3 +173,40 @@ def test_help_is_fast_grouped_and_lists_choices(script):
         assert flag in text, flag
     for line in text.splitlines():
         assert line.count("(default:") <= 1 and "(default: None) (default" not in line
+    # the defaults are for real pretrained models: TRL's learning rate (SimPO: its paper's recipe)
+    trl_rate = {"sft.py": "2e-05", "dpo.py": "1e-06", "simpo.py": "6e-07", "orpo.py": "1e-06", "reward.py": "0.0001",
+                "ppo.py": "3e-06", "grpo.py": "1e-06"}
+    if script in trl_rate:
+        rate = text.split("  --learning-rate FLOAT\n")[1].split("  --")[0]
+        assert f"(default: {trl_rate[script]})" in rate, rate
+        steps = text.split("  --max-steps INT\n")[1].split("  --")[0]
+        assert "(default: None)" in steps and "  --num-epochs FLOAT" in text, steps
+
+
+def test_max_steps_none_derives_from_epochs_and_is_recorded(tmp_path):
+    """--max-steps None: ceil(num_epochs × rows / rows a step), fixed before training, kept in args.json;
+    --resume on that finished run derives the same number and finds it complete."""
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "data", "sft_train.jsonl"))][:5]
+    (tmp_path / "five.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "run")
+    flags = ["--dataset", str(tmp_path / "five.jsonl"), "--num-epochs", "2", "--output-dir", out]
+    proc = sft(*flags)  # batch 8 (FAST): ceil(2 × 5 / 8) = 2 steps
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    with open(os.path.join(out, "args.json")) as f:
+        assert json.load(f)["max_steps"] == 2
+    assert "--max-steps 2: 2 epochs of 5 rows, 8 a step" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1].startswith("done: 2 steps in ")
+    again = sft(*flags, "--resume")
+    assert again.returncode == 0 and "this run is complete (2 steps" in again.stdout, again.stderr[-2000:]
+    # GRPO: a step takes batch_size / num_generations prompts: ceil(1.5 × 5 / (16 / 4)) = 2
+    import common  # here: JAX is imported after conftest set XLA_FLAGS
+    import grpo
+    args = grpo.Args(dataset=str(tmp_path / "five.jsonl"), batch_size=16, num_generations=4, num_epochs=1.5,
+                     output_dir=str(tmp_path / "g"))
+    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
+    try:
+        common.Run("grpo", args).read_data("prompt")  # no model, no compute: rows and flags only
+    finally:  # Run resets SIGINT/SIGTERM for its own process: give pytest its handlers back
+        for sig, handler in zip((signal.SIGINT, signal.SIGTERM), handlers):
+            signal.signal(sig, handler)
+    assert args.max_steps == 2

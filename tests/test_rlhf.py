@@ -36,7 +36,7 @@ def test_ppo_update_moves_logprobs_along_advantages():
     params, frozen = common.split_variables(bb)
     head = {"weight": jnp.zeros((bb.hidden_dim, 1)), "bias": jnp.zeros(())}
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))((params, (params, head)))
-    args = Args(learning_rate=1e-3, temperature=1.0)
+    args = Args(learning_rate=1e-3, temperature=1.0, num_mini_batches=2)
     q, r = 8, 6
     rng = np.random.default_rng(0)
     queries = jnp.array(rng.integers(3, 300, (8, q)), jnp.int32)
@@ -187,12 +187,17 @@ def test_ppo_sigterm_then_resume_equals_uninterrupted(tmp_path):
     shuffler; the resumed run samples the same responses (same scores, KL) and the sampler
     still compiles once."""
     flags = ["--model", "tiny", "--max-steps", "4", "--save-every", "2", "--batch-size", "8",
-             "--response-length", "8", "--sample-every", "0", "--seed", "3"]
+             "--response-length", "8", "--sample-every", "0", "--seed", "3", *TINY_PPO]
     clean, resumed, stopped = preempt_then_resume("ppo.py", flags, 2, tmp_path)
     assert 2 <= stopped < 4
     assert [r["step"] for r in clean] == [1, 2, 3, 4]
     assert_same_rows(clean, resumed)
     assert all(r["charts/generate_compilations"] == 1 for r in resumed)
+
+
+# `tiny` from scratch (the defaults are TRL's, for real models): the values these tests were measured with
+TINY_PPO = ["--learning-rate", "3e-4", "--num-mini-batches", "2", "--missing-eos-penalty", "1.0",
+            "--max-prompt-length", "64"]
 
 
 def ppo_scores(output_dir):
@@ -208,7 +213,8 @@ def ppo_scores(output_dir):
 def test_ppo_raises_toy_score_from_scratch(tmp_path):
     """`tiny` from random init rarely ends with EOS (score ≈ -0.9 after the missing-EOS
     penalty); PPO with the programmatic reward learns to stop within a few iterations."""
-    out = run("ppo.py", "--model", "tiny", "--max-steps", "12", "--output-dir", str(tmp_path), env=one_device_env())
+    out = run("ppo.py", "--model", "tiny", "--max-steps", "12", "--batch-size", "32", "--response-length", "16",
+              *TINY_PPO, "--output-dir", str(tmp_path), env=one_device_env())
     assert out.returncode == 0, out.stderr[-2000:]
     scores = ppo_scores(str(tmp_path))
     assert np.mean(scores[-2:]) > scores[0] + 0.3, scores
@@ -221,6 +227,7 @@ def test_ppo_raises_toy_score_from_scratch(tmp_path):
 def test_ppo_with_reward_model(reward_run, tmp_path):
     """--reward-model: scores from reward.py's model, value model initialised from it."""
     out = run("ppo.py", "--model", "tiny", "--reward-model", os.path.join(reward_run, "model"),
-              "--max-steps", "2", "--batch-size", "16", "--output-dir", str(tmp_path), env=one_device_env())
+              "--max-steps", "2", "--batch-size", "16", "--response-length", "16", *TINY_PPO,
+              "--output-dir", str(tmp_path), env=one_device_env())
     assert out.returncode == 0, out.stderr[-2000:]
     assert len(ppo_scores(str(tmp_path))) == 2

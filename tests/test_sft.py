@@ -35,7 +35,8 @@ def exact_match(model, n=100):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sft") / "run")
-    run("--model", "tiny", "--max-steps", "200", "--eval-every", "100", "--output-dir", out, one_device=True)
+    tiny = ["--batch-size", "32", "--learning-rate", "1e-3", "--warmup-steps", "20"]  # the defaults are TRL's
+    run("--model", "tiny", "--max-steps", "200", *tiny, "--eval-every", "100", "--output-dir", out, one_device=True)
     return out
 
 
