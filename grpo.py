@@ -28,7 +28,7 @@ class Args:
     model: str = "tiny"
     """policy init: alias (gemma_2b, …), KerasHub preset, kaggle:// / hf:// handle, local preset / HF dir, `tiny`"""
     dtype: Literal["bfloat16", "float32"] | None = None
-    """parameter dtype; None: bfloat16 on TPU/GPU, float32 on CPU"""
+    """compute dtype; weights and optimizer state stay float32. None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = LoRA on the backbone (the reference is then the LoRA-off base)"""
     mesh: str | None = None

@@ -27,7 +27,7 @@ class Args:
     model: str = "tiny"
     """alias (gemma_2b, …), KerasHub preset, kaggle:// or hf:// handle, local preset / HF dir, or `tiny`"""
     dtype: Literal["bfloat16", "float32"] | None = None
-    """parameter dtype; None: bfloat16 on TPU/GPU, float32 on CPU"""
+    """compute dtype; weights and optimizer state stay float32. None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = KerasHub LoRA of this rank on the backbone (the head is always trained)"""
     mesh: str | None = None
