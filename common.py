@@ -168,8 +168,15 @@ TINY_CONFIG = dict(num_layers=4, num_query_heads=4, num_key_value_heads=1, hidde
 
 
 def default_dtype():
-    """bfloat16 on accelerators, float32 on CPU (bf16 matmuls are slow on CPU)."""
+    """The compute dtype: bfloat16 on accelerators, float32 on CPU (bf16 matmuls are slow on CPU)."""
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+
+
+def dtype_policy(dtype):
+    """Compute dtype -> Keras policy. Variables are always float32 (master weights, hence float32
+    Adam moments: a bf16 weight near 0.01 has a step of 6e-5, so lr 1e-6 updates would round
+    away); "mixed_bfloat16" casts each weight to bf16 as a layer reads it, stateless_call too."""
+    return "mixed_bfloat16" if (dtype or default_dtype()) == "bfloat16" else "float32"
 
 
 # ---------------------------------------------------------------------------
@@ -315,11 +322,12 @@ def resolve_model(name):
 
 
 def tiny_causal_lm(seed, dtype):
-    """The offline `tiny` Gemma: random init from `seed`, bundled SentencePiece vocab."""
+    """The offline `tiny` Gemma: random init from `seed`, bundled SentencePiece vocab;
+    float32 weights computing in `dtype` (see dtype_policy)."""
     keras.utils.set_random_seed(seed)
     tokenizer = keras_hub.models.GemmaTokenizer(proto=TINY_TOKENIZER)
     backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=tokenizer.vocabulary_size(), dtype=dtype, **TINY_CONFIG)
+        vocabulary_size=tokenizer.vocabulary_size(), dtype=dtype_policy(dtype), **TINY_CONFIG)
     preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=128)
     return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=preprocessor)
 
@@ -456,14 +464,14 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
 
     Returns the KerasHub CausalLM (backbone + preprocessor/tokenizer). With
     `lora_rank > 0` the backbone's LoRA is enabled: only LoRA weights are trainable.
+    `dtype` is the compute dtype; weights load as float32 whatever the checkpoint holds.
     """
     preset = resolve_model(name)
-    dtype = dtype or default_dtype()
     with hub_errors(preset), distribution_for(mesh, backbone_class(preset)).scope():
         if preset == "tiny":
             model = tiny_causal_lm(seed, dtype)
         else:
-            model = keras_hub.models.CausalLM.from_preset(preset, dtype=dtype)
+            model = keras_hub.models.CausalLM.from_preset(preset, dtype=dtype_policy(dtype))
         if lora_rank:
             model.backbone.enable_lora(lora_rank)
     ensure_start_token(getattr(model.preprocessor, "tokenizer", None), name)

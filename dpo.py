@@ -32,7 +32,7 @@ class Args:
     """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
     Mistral: mistral, Qwen: chatml)"""
     dtype: Literal["bfloat16", "float32"] | None = None
-    """parameter dtype; None: bfloat16 on TPU/GPU, float32 on CPU"""
+    """compute dtype; weights and optimizer state stay float32. None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = KerasHub LoRA of this rank (the reference is then the LoRA-off base)"""
     mesh: str | None = None

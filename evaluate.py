@@ -35,7 +35,7 @@ class Args:
     baseline: str | None = None
     """model to compare against (win rate, KL); same tokenizer as --model"""
     dtype: Literal["bfloat16", "float32"] | None = None
-    """parameter dtype; None: bfloat16 on TPU/GPU, float32 on CPU"""
+    """compute dtype; weights and optimizer state stay float32. None: bfloat16 on TPU/GPU, float32 on CPU"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
     # data and scorers

@@ -51,7 +51,8 @@ def import_algo(name):
 # Models: random init at published shapes, or abstract (shapes + shardings only)
 # ---------------------------------------------------------------------------
 def build_backbone(name, mesh, dtype, lora_rank=0, seed=0, abstract=False, overrides=None):
-    """GemmaBackbone at `ARCHS[name]` shapes, created inside the distribution scope.
+    """GemmaBackbone at `ARCHS[name]` shapes, created inside the distribution scope: float32
+    weights computing in `dtype`, as common.load_model builds them.
 
     abstract=True: variables are created under a StatelessScope that defers their
     initialisation (nothing is allocated); `abstract_variables` then gives their
@@ -64,7 +65,7 @@ def build_backbone(name, mesh, dtype, lora_rank=0, seed=0, abstract=False, overr
     distribution = common.distribution_for(mesh, cls)
     scope = keras.StatelessScope(initialize_variables=False) if abstract else _nullcontext()
     with distribution.scope(), scope:
-        backbone = cls(dtype=dtype, **{**ARCHS[name], **(overrides or {})})
+        backbone = cls(dtype=common.dtype_policy(dtype), **{**ARCHS[name], **(overrides or {})})
         if lora_rank:
             backbone.enable_lora(lora_rank)
     if abstract:

@@ -32,7 +32,7 @@ class Args:
     num_layers: int = 0
     """override the architecture's decoder-block count (0: as published); for quick scaling checks"""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
-    """parameter dtype (optimizer state follows it, as optax does)"""
+    """compute dtype; weights and optimizer state stay float32"""
     mesh: str | None = None
     """device mesh, e.g. `data=8` or `data=4,model=2`; None: every device on `data`"""
     batch_size: int = 8

@@ -33,7 +33,7 @@ class Args:
     num_layers: int = 0
     """with --random-init: override the decoder-block count (0: as published); for smoke tests"""
     dtype: Literal["bfloat16", "float32"] | None = None
-    """parameter dtype; None: bfloat16 on accelerators, float32 on CPU"""
+    """compute dtype; weights and optimizer state stay float32. None: bfloat16 on accelerators, float32 on CPU"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
     batch_size: int = 8
@@ -117,7 +117,7 @@ def main(args):
     peak = common.peak_flops()
     print(json.dumps({
         "algo": args.algo, "model": args.model, "random_init": args.random_init,
-        "dtype": str(jax.tree.leaves(bench.state)[0].dtype), "mesh": dict(mesh.shape),
+        "dtype": args.dtype or common.default_dtype(), "mesh": dict(mesh.shape),
         "batch_size": args.batch_size, "max_length": args.max_length, "lora_rank": args.lora_rank,
         "remat": args.remat, "tokens_per_step": bench.tokens_per_step, "steps": args.steps,
         "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
