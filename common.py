@@ -604,8 +604,12 @@ def export_hf(preset_dir, path):
 
 
 def count_params(backbone):
-    """N for FLOP accounting: every weight used in a matmul, embedding included (tied)."""
-    return int(sum(np.prod(v.shape) for v in backbone.weights if "lora" not in v.path))
+    """N for FLOP accounting (DESIGN §8): every weight used in a matmul. A tied embedding is also the
+    output matmul (Gemma, Qwen); an untied one (Llama 3, Mistral) is a lookup, and its output matrix
+    is the matmul."""
+    embedding = backbone.token_embedding
+    lookup = embedding.embeddings if not embedding.tie_weights else None
+    return int(sum(np.prod(v.shape) for v in backbone.weights if "lora" not in v.path and v is not lookup))
 
 
 # A reward model (reward.py's `model/`): the CausalLM preset + reward_head.npz (+ .json: how it was normalised).

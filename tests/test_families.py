@@ -147,6 +147,10 @@ def test_cached_forward_matches_keras_hub(presets, family):
     want = 30.0 * np.tanh(raw / 30.0) if family == "gemma2" else raw  # c·tanh(z/c), c = 30
     np.testing.assert_allclose(common.logits(backbone, 100 * hidden), want, rtol=1e-4, atol=1e-3)
     assert embedding.tie_weights == (family not in ("llama3", "mistral"))  # Llama 3, Mistral: own output matrix
+    # FLOPs count the output matmul once; an untied input embedding is a lookup, not a matmul
+    total = sum(int(np.prod(v.shape)) for v in backbone.weights)
+    v, d = embedding.embeddings.shape
+    assert common.count_params(backbone) == total - (0 if embedding.tie_weights else v * d)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
