@@ -23,6 +23,7 @@ Mesh axes are ("data", "model") everywhere: batch over `data`, parameters over b
 
 import ast
 import contextlib
+import functools
 import glob
 import json
 import math
@@ -332,8 +333,10 @@ def tiny_causal_lm(seed, dtype):
     return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=preprocessor)
 
 
+@functools.cache  # asked by the chat template, load_model, the sampler and --export-hf checks
 def backbone_class(preset):
-    """The preset's backbone class, from its config.json (downloaded: the first hub contact)."""
+    """The preset's backbone class, from its config.json (downloaded: the first hub contact),
+    fetched once per process however many callers ask."""
     if preset == "tiny":
         return keras_hub.models.GemmaBackbone
     from keras_hub.src.utils.preset_utils import get_preset_loader
