@@ -11,7 +11,8 @@ Contents (in file order)
                  export_hf (--export-hf), count_params; reward models (save/load_reward_model), load_reward_fn
   4. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render,
                  TRL's formats -> text (sft_segments, preference_triple, prompt_text), read_dataset
-  5. Data order  batch_indices (a pure function of the step: resume is exact), per_example
+  5. Data order  batch_indices, length_batch (padded to a length bucket, optionally grouped by
+                 length; pure functions of the step: resume is exact), bucket_length, per_example
   6. The run     Run: output dir and --resume/--overwrite, --max-steps from --num-epochs, args.json,
                  metrics.jsonl + TensorBoard
                  (+ W&B), progress bar, tokens/s and MFU, the non-finite stop, eval and
@@ -831,25 +832,75 @@ def read_dataset(path, form, template, flag="--dataset"):
 # ---------------------------------------------------------------------------
 # 5. Data order: a pure function of (seed, step), so a resumed run sees the same batches
 # ---------------------------------------------------------------------------
-def batch_indices(n, step, batch_size, seed):
-    """This process's example indices for `step` of an endless, per-epoch reshuffled stream
-    over n examples: batch_size / processes of them (each process loads its own slice)."""
-    start = step * batch_size
+GROUP_WINDOW = 50  # --group-by-length: batches per length-sorted window (HF's megabatch of 50)
+
+
+def _stream(n, start, count, seed):
+    """Positions [start, start + count) of an endless stream over n examples, reshuffled per epoch."""
     idx = np.concatenate([np.random.default_rng([seed, e]).permutation(n)
-                          for e in range(start // n, (start + batch_size - 1) // n + 1)])
-    per_proc = batch_size // jax.process_count()
-    return idx[start % n:][:batch_size][jax.process_index() * per_proc:][:per_proc]
+                          for e in range(start // n, (start + count - 1) // n + 1)])
+    return idx[start % n:][:count]
 
 
-def per_example(fn, data, batch_size, mesh):
+def _local(idx):
+    """This process's part of a global batch (each process loads its own slice)."""
+    per_proc = len(idx) // jax.process_count()
+    return idx[jax.process_index() * per_proc:][:per_proc]
+
+
+def batch_indices(n, step, batch_size, seed):
+    """This process's example indices for `step` of the stream: batch_size / processes of them."""
+    return _local(_stream(n, step * batch_size, batch_size, seed))
+
+
+def bucket_length(n, max_length):
+    """The padded length of a batch whose longest sequence has n tokens: the smallest of 32, 48,
+    64, 96, 128, 192, ... (powers of two and their 1.5x midpoints) that holds it, at most
+    max_length. A batch pads at most 1/3 of its length beyond its longest sequence, and a run
+    compiles its step at most once per bucket: 11 shapes up to 1024, 13 up to 2048."""
+    b = 32
+    while b < n:
+        b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
+    return min(b, max_length)
+
+
+def length_batch(lengths, step, batch_size, seed, max_length, group=False):
+    """`step`'s batch: (this process's indices, its padded length, its real tokens), where
+    lengths [N] or [N, k] are the real lengths of each example's k sequences (a pair: 2).
+
+    The length is the bucket of the whole batch's longest sequence (every process agrees on
+    it); real tokens count the whole batch. group: each window of GROUP_WINDOW batches of the
+    stream is sorted by length and dealt out in an order drawn from (seed, window), so a batch
+    holds similar lengths and pads less; both are pure functions of (seed, step): resume is exact.
+    """
+    lengths = np.asarray(lengths).reshape(len(lengths), -1)
+    if group:
+        window, i = divmod(step, GROUP_WINDOW)
+        idx = _stream(len(lengths), window * GROUP_WINDOW * batch_size, GROUP_WINDOW * batch_size, seed)
+        idx = idx[np.argsort(lengths[idx].max(-1), kind="stable")].reshape(GROUP_WINDOW, batch_size)
+        idx = idx[np.random.default_rng([seed, window, 1]).permutation(GROUP_WINDOW)[i]]
+    else:
+        idx = _stream(len(lengths), step * batch_size, batch_size, seed)
+    return _local(idx), bucket_length(int(lengths[idx].max()), max_length), int(lengths[idx].sum())
+
+
+def per_example(fn, data, batch_size, mesh, lengths=None, max_length=None):
     """fn(batch [1, B, ...]) -> tuple of [B] arrays, over every example once in fixed-size
-    batches (the last wraps around, then is trimmed): one shape, one compilation."""
+    batches (the last wraps around, then is trimmed). With lengths ([N] or [N, k], as
+    length_batch): examples go in length order and each batch's [N, T] arrays are cut to its
+    bucket (bucket_length), so padding is small and compilations are at most the bucket count;
+    without: one shape, one compilation."""
     n = len(next(iter(data.values())))
+    longest = None if lengths is None else np.asarray(lengths).reshape(n, -1).max(-1)
+    order = np.arange(n) if lengths is None else np.argsort(longest, kind="stable")
     outs = []
     for i in range(0, n, batch_size):
-        idx = np.arange(i, i + batch_size) % n
-        outs.append([to_host(x) for x in fn(shard_batch(mesh, {k: v[None, idx] for k, v in data.items()}))])
-    return tuple(np.concatenate(o)[:n] for o in zip(*outs))
+        idx = order[np.arange(i, i + batch_size) % n]
+        t = None if lengths is None else bucket_length(int(longest[idx].max()), max_length)
+        batch = {k: v[None, idx, :t] if v.ndim > 1 else v[None, idx] for k, v in data.items()}
+        outs.append([to_host(x) for x in fn(shard_batch(mesh, batch))])
+    inverse = np.argsort(order)  # outputs come in `order`; put them back in the data's
+    return tuple(np.concatenate(o)[:n][inverse] for o in zip(*outs))
 
 
 # ---------------------------------------------------------------------------
@@ -940,6 +991,7 @@ class Run:
         self.start = self.step = self._check_output_dir()
         self.stop_signal, self.last_train, self.last_eval = None, {}, {}
         self._pending, self._tokens, self._flops, self._paused, self._eval_started = [], 0, 0.0, 0.0, None
+        self._padded, self._shapes = 0, set()
         self._opened, self._buffered, self._manager, self._started = False, [], None, time.perf_counter()
 
     def _check_output_dir(self):
@@ -1097,13 +1149,19 @@ class Run:
             self._bar.update(1)
         self._bar.close()
 
-    def log(self, metrics, tokens=0, flops=None):
-        """Keep one step's metrics (device arrays: no host sync) and the tokens it trained on
-        (flops: when not tokens × flops_per_token); every --log-every steps and at the last,
-        fetch them in one sync, stop on a non-finite train/loss, and log their means."""
+    def log(self, metrics, tokens=0, padded=None, flops=None):
+        """Keep one step's metrics (device arrays: no host sync) and the real (non-pad) tokens it
+        trained on, which tokens/s and MFU count (flops: when not tokens × flops_per_token);
+        padded: the tokens of its padded batch, for charts/padding_fraction and charts/compilations
+        (the distinct batch shapes so far: the step compiles once per shape). Every --log-every
+        steps and at the last, fetch them in one sync, stop on a non-finite train/loss, and log
+        their means."""
         self._open()  # the first step is compiled and dispatched: from here on a signal checkpoints
         self._pending.append(metrics)
         self._tokens += tokens
+        if padded:
+            self._padded += padded
+            self._shapes.add(padded)  # a fixed --batch-size: one padded size per length bucket
         self._flops += tokens * self._flops_per_token if flops is None else flops
         if self.step % getattr(self.args, "log_every", 1) == 0 or self.step == self.args.max_steps:
             self._flush()
@@ -1127,11 +1185,14 @@ class Run:
             row["charts/learning_rate"] = float(self._lr(self.step - 1))
         row["charts/tokens_per_sec"] = self._tokens / elapsed
         row["charts/mfu"] = self._flops / elapsed / self._peak
+        if self._padded:
+            row["charts/padding_fraction"] = 1.0 - self._tokens / self._padded
+            row["charts/compilations"] = float(len(self._shapes))
         self._write(self.step, row)
         self.last_train = row
         shown = {k.split("/")[-1]: f"{row[k]:.4g}" for k in ("train/loss", *self._show) if k in row}
         self._bar.set_postfix(**shown, tok_s=f"{row['charts/tokens_per_sec']:.0f}")
-        self._pending, self._tokens, self._flops = [], 0, 0.0
+        self._pending, self._tokens, self._flops, self._padded = [], 0, 0.0, 0
         self._t0, self._paused = time.perf_counter(), 0.0
 
     def eval_due(self):

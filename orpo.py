@@ -46,6 +46,9 @@ class Args:
     """held-out pairs for eval/ metrics (same formats); empty to skip evaluation"""
     max_length: int = 1024
     """tokens per prompt + response (TRL ORPOConfig: 1024); longer: prompt cut from the left, then pair dropped"""
+    group_by_length: bool = False
+    """batches of similar lengths (less padding): each window of 50 batches is sorted by length and dealt
+    out in a seeded order (TRL/HF group_by_length)"""
     # optimisation
     max_steps: int | None = None
     """optimizer updates; None: ceil(--num-epochs × rows of --dataset / --batch-size), resolved before training"""
@@ -139,10 +142,19 @@ def pad_examples(examples, length):
     return data
 
 
-def get_batch(data, step, args):
-    """Batch for `step` (a pure function of it, so --resume is exact): [A, B/A/P, ...] per process."""
-    idx = common.batch_indices(len(data["chosen_ids"]), step, args.batch_size, args.seed)
-    return {k: v[idx].reshape(args.grad_accum_steps, -1, *v.shape[1:]) for k, v in data.items()}
+def pair_lengths(data):
+    """[N, 2]: the real tokens of each pair's chosen and rejected sequences."""
+    return np.stack([data["chosen_padding_mask"].sum(-1), data["rejected_padding_mask"].sum(-1)], -1)
+
+
+def get_batch(data, lengths, step, args):
+    """Batch for `step` (a pure function of it, so --resume is exact), cut to the length bucket of
+    its longest sequence: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes."""
+    idx, length, real = common.length_batch(lengths, step, args.batch_size, args.seed, args.max_length,
+                                            args.group_by_length)
+    cut = {k: v[idx, :length] if v.ndim > 1 else v[idx] for k, v in data.items()}
+    batch = {k: v.reshape(args.grad_accum_steps, -1, *v.shape[1:]) for k, v in cut.items()}
+    return batch, (real, 2 * args.batch_size * length)
 
 
 # ---------------------------------------------------------------------------
@@ -284,9 +296,10 @@ def main(args):
     evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, args.eval_dataset)[0] if eval_rows else []
     print(f"data: {counts['examples']} pairs ({counts['truncated']} prompt-truncated, "
           f"{counts['dropped']} dropped as too long); {len(evals)} eval pairs")
-    # One fixed padded length for the whole run: one compilation.
-    length = min(args.max_length, 8 * math.ceil(max(len(s[0]) for x in train + evals for s in x) / 8))
+    # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).
+    length = common.bucket_length(max(len(s[0]) for x in train + evals for s in x), args.max_length)
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
+    lengths, eval_lengths = pair_lengths(train_data), pair_lengths(eval_data) if evals else None
 
     optimizer, schedule = make_optimizer(args)
     params, frozen = common.split_variables(backbone)
@@ -294,7 +307,7 @@ def main(args):
     (params, opt_state), _ = run.resume((params, opt_state))
     state_shardings = (common.shardings(params), opt_shardings)
     state = jax.device_put((params, opt_state), state_shardings)
-    # Layouts pinned in and out (donated, updated in place): one compilation for the run.
+    # Layouts pinned in and out (donated, updated in place): one compilation per length bucket.
     step_fn = jax.jit(partial(train_step, backbone, optimizer, args), donate_argnums=0,
                       out_shardings=(state_shardings, common.replicated(run.mesh)))
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
@@ -303,7 +316,7 @@ def main(args):
 
     def evaluate(params):
         chosen, rejected, nll, count = common.per_example(lambda b: eval_fn(params, frozen, b), eval_data,
-                                                          args.batch_size, run.mesh)
+                                                          args.batch_size, run.mesh, eval_lengths, args.max_length)
         loss, metrics = orpo_loss(chosen, rejected, nll.sum() / count.sum(), args.beta)
         metrics = {f"eval/{k}": v for k, v in metrics.items()}  # accuracy and margin first: Run prints those
         return {**metrics, "eval/loss": loss}
@@ -315,9 +328,9 @@ def main(args):
     if eval_data is not None and run.start == 0:
         run.log_eval(evaluate(state[0]))  # the starting point
     for step in run.steps(flops_per_token, schedule, show=("rewards/margins",)):
-        batch = common.shard_batch(run.mesh, get_batch(train_data, step, args))
-        state, metrics = step_fn(state, frozen, batch)  # metrics: from the pre-update forward
-        run.log(metrics, tokens=2 * args.batch_size * length)
+        batch, tokens = get_batch(train_data, lengths, step, args)  # tokens: (real, padded)
+        state, metrics = step_fn(state, frozen, common.shard_batch(run.mesh, batch))
+        run.log(metrics, *tokens)  # metrics of the pre-update forward; tokens/s, MFU: real tokens
         if eval_data is not None and run.eval_due():
             run.log_eval(evaluate(state[0]))
         run.checkpoint(state)

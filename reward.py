@@ -45,6 +45,9 @@ class Args:
     """held-out pairs for eval/accuracy (same formats); empty to skip evaluation"""
     max_length: int = 1024
     """tokens per prompt + response (TRL RewardConfig: 1024); longer: prompt cut from the left, then pair dropped"""
+    group_by_length: bool = False
+    """batches of similar lengths (less padding): each window of 50 batches is sorted by length and dealt
+    out in a seeded order (TRL/HF group_by_length)"""
     # optimisation
     max_steps: int | None = None
     """optimizer updates; None: ceil(--num-epochs × rows of --dataset / --batch-size), resolved before training"""
@@ -131,10 +134,18 @@ def pad_pairs(pairs, length):
     return out
 
 
-def get_batch(data, step, args):
-    """Batch for `step` (a pure function of it, so --resume is exact): [A, B/A/P, T] per process."""
-    idx = common.batch_indices(len(data["chosen_token_ids"]), step, args.batch_size, args.seed)
-    return {k: v[idx].reshape(args.grad_accum_steps, -1, v.shape[-1]) for k, v in data.items()}
+def pair_lengths(data):
+    """[N, 2]: the real tokens of each pair's chosen and rejected sequences."""
+    return np.stack([data["chosen_padding_mask"].sum(-1), data["rejected_padding_mask"].sum(-1)], -1)
+
+
+def get_batch(data, lengths, step, args):
+    """Batch for `step` (a pure function of it, so --resume is exact), cut to the length bucket of
+    its longest sequence: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes."""
+    idx, length, real = common.length_batch(lengths, step, args.batch_size, args.seed, args.max_length,
+                                            args.group_by_length)
+    batch = {k: v[idx, :length].reshape(args.grad_accum_steps, -1, length) for k, v in data.items()}
+    return batch, (real, 2 * args.batch_size * length)
 
 
 # ---------------------------------------------------------------------------
@@ -233,16 +244,17 @@ def main(args):
     evals = tokenize_pairs(eval_rows, tokenizer, args.max_length, args.eval_dataset)[0] if eval_rows else []
     print(f"data: {counts['examples']} pairs ({counts['truncated']} prompt-truncated, "
           f"{counts['dropped']} dropped as too long); {len(evals)} eval pairs")
-    # One fixed padded length for the whole run: one compilation.
-    length = min(args.max_length, 8 * math.ceil(max(len(s) for p in train + evals for s in p) / 8))
+    # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).
+    length = common.bucket_length(max(len(s) for p in train + evals for s in p), args.max_length)
     train_data, eval_data = pad_pairs(train, length), pad_pairs(evals, length) if evals else None
+    lengths = pair_lengths(train_data)
 
     optimizer, schedule = make_optimizer(args)
     params, frozen = common.split_variables(backbone)
     head = jax.tree.map(lambda x: common.put_global(x, common.replicated(run.mesh)), init_head(backbone, args.seed))
     opt_state, opt_shardings = common.init_optimizer(optimizer, (params, head), run.mesh)
     state, _ = run.resume(((params, head), opt_state))  # params incl. the head, optimizer state
-    # Layouts pinned in and out (donated, updated in place): one compilation for the run.
+    # Layouts pinned in and out (donated, updated in place): one compilation per length bucket.
     state_shardings = (common.shardings(state[0]), opt_shardings)
     state = jax.device_put(state, state_shardings)
     step_fn = jax.jit(partial(train_step, backbone, optimizer, args),
@@ -250,9 +262,10 @@ def main(args):
     score_fn = jax.jit(lambda p, f, b: (sequence_scores(backbone, p[0], f, p[1], b["ids"][0], b["mask"][0]),))
 
     def scores_of(params, data, side):
-        """r(x, y) of every `side` sequence of padded pairs, in fixed-size batches: [N]."""
+        """r(x, y) of every `side` sequence of padded pairs, in length-bucketed batches: [N]."""
         seqs = {"ids": data[f"{side}_token_ids"], "mask": data[f"{side}_padding_mask"]}
-        return common.per_example(partial(score_fn, params, frozen), seqs, args.batch_size, run.mesh)[0]
+        return common.per_example(partial(score_fn, params, frozen), seqs, args.batch_size, run.mesh,
+                                  seqs["mask"].sum(-1), args.max_length)[0]
 
     def evaluate(params):
         chosen, rejected = scores_of(params, eval_data, "chosen"), scores_of(params, eval_data, "rejected")
@@ -261,9 +274,9 @@ def main(args):
     # ---- the loop: batch -> step -> log -> eval -> checkpoint ----
     # FLOPs per token: 6N (forward + backward) on chosen and rejected tokens alike (DESIGN §8).
     for step in run.steps(6 * common.count_params(backbone), schedule, show=("rewards/accuracies",)):
-        batch = common.shard_batch(run.mesh, get_batch(train_data, step, args))
-        state, metrics = step_fn(state, frozen, batch)
-        run.log(metrics, tokens=2 * args.batch_size * length)
+        batch, tokens = get_batch(train_data, lengths, step, args)  # tokens: (real, padded)
+        state, metrics = step_fn(state, frozen, common.shard_batch(run.mesh, batch))
+        run.log(metrics, *tokens)  # tokens/s and MFU count real tokens
         if eval_data is not None and run.eval_due():
             run.log_eval(evaluate(state[0]))
         run.checkpoint(state)

@@ -7,7 +7,6 @@ Offline, minutes on a laptop CPU (the defaults are for real models; `tiny` from 
         --warmup-steps 20 --max-length 512
 """
 
-import math
 import os
 from dataclasses import dataclass
 from functools import partial
@@ -45,6 +44,9 @@ class Args:
     """held-out data for eval/loss (same formats); empty to skip evaluation"""
     max_length: int = 1024
     """tokens per example (TRL SFTConfig: 1024); longer prompts are cut from the left, then whole examples dropped"""
+    group_by_length: bool = False
+    """batches of similar lengths (less padding): each window of 50 batches is sorted by length and dealt
+    out in a seeded order (TRL/HF group_by_length)"""
     completion_only_loss: bool = True
     """loss on completion / assistant tokens only; False also trains on the prompt"""
     # optimisation
@@ -141,10 +143,13 @@ def pad_examples(examples, length):
     return {"token_ids": token_ids, "padding_mask": padding_mask, "loss_mask": loss_mask}
 
 
-def get_batch(data, step, args):
-    """Batch for `step` (a pure function of it, so --resume is exact): [A, B/A/P, T] per process."""
-    idx = common.batch_indices(len(data["token_ids"]), step, args.batch_size, args.seed)
-    return {k: v[idx].reshape(args.grad_accum_steps, -1, v.shape[-1]) for k, v in data.items()}
+def get_batch(data, lengths, step, args):
+    """Batch for `step` (a pure function of it, so --resume is exact), cut to the length bucket of
+    its longest example: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes."""
+    idx, length, real = common.length_batch(lengths, step, args.batch_size, args.seed, args.max_length,
+                                            args.group_by_length)
+    batch = {k: v[idx, :length].reshape(args.grad_accum_steps, -1, length) for k, v in data.items()}
+    return batch, (real, args.batch_size * length)
 
 
 # ---------------------------------------------------------------------------
@@ -247,9 +252,10 @@ def main(args):
                              args.eval_dataset)[0] if eval_rows else []
     print(f"data: {counts['examples']} examples ({counts['truncated']} prompt-truncated, "
           f"{counts['dropped']} dropped as too long); {len(evals)} eval examples")
-    # One fixed padded length for the whole run: one compilation.
-    length = min(args.max_length, 8 * math.ceil(max(len(x[0]) for x in train + evals) / 8))
+    # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).
+    length = common.bucket_length(max(len(x[0]) for x in train + evals), args.max_length)
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
+    lengths = train_data["padding_mask"].sum(-1)
 
     optimizer, schedule = make_optimizer(args)
     params, frozen = common.split_variables(backbone)
@@ -257,15 +263,16 @@ def main(args):
     (params, opt_state), _ = run.resume((params, opt_state))
     state_shardings = (common.shardings(params), opt_shardings)
     state = jax.device_put((params, opt_state), state_shardings)
-    # Layouts pinned in and out (donated, updated in place): one compilation for the run.
+    # Layouts pinned in and out (donated, updated in place): one compilation per length bucket.
     step_fn = jax.jit(partial(train_step, backbone, optimizer, args),
                       donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
     eval_fn = jax.jit(partial(eval_loss, backbone))
 
     def evaluate(params):
         nll, n, bs = 0.0, 0, args.batch_size
-        for i in range(0, len(eval_data["token_ids"]) - bs + 1, bs):  # full batches only: one shape
-            batch = common.shard_batch(run.mesh, {k: v[None, i:i + bs] for k, v in eval_data.items()})
+        for i in range(0, len(eval_data["token_ids"]) - bs + 1, bs):  # full batches only, cut to their bucket
+            t = common.bucket_length(eval_data["padding_mask"][i:i + bs].sum(-1).max(), args.max_length)
+            batch = common.shard_batch(run.mesh, {k: v[None, i:i + bs, :t] for k, v in eval_data.items()})
             s, c = eval_fn(params, frozen, batch)
             nll, n = nll + float(s), n + int(c)
         return {"eval/loss": nll / max(n, 1)}
@@ -275,9 +282,9 @@ def main(args):
     if eval_data is not None and run.start == 0:
         run.log_eval(evaluate(state[0]))  # the starting point, before any update
     for step in run.steps(6 * common.count_params(backbone), schedule, summed=("train/skipped_nonfinite",)):
-        batch = common.shard_batch(run.mesh, get_batch(train_data, step, args))
-        state, metrics = step_fn(state, frozen, batch)
-        run.log(metrics, tokens=args.batch_size * length)
+        batch, tokens = get_batch(train_data, lengths, step, args)  # tokens: (real, padded)
+        state, metrics = step_fn(state, frozen, common.shard_batch(run.mesh, batch))
+        run.log(metrics, *tokens)  # tokens/s and MFU count real tokens
         if eval_data is not None and run.eval_due():
             run.log_eval(evaluate(state[0]))
         run.checkpoint(state)
