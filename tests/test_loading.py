@@ -1,7 +1,7 @@
 """--model resolution and the offline-reachable loading paths: a KerasHub preset
 directory saved from `tiny`, and a Hugging Face-format Gemma directory written from
-the same weights, must both give the original model's logits; so must the checkpoint that
-`--export-hf` writes."""
+the same weights, must both give the original model's logits (the checkpoint that
+`--export-hf` writes: tests/test_sft.py)."""
 
 import json
 import os
@@ -11,7 +11,6 @@ import pytest
 
 import common
 import keras_hub
-from helpers import one_device_env, run_script
 
 
 @pytest.fixture(scope="module")
@@ -73,26 +72,3 @@ def test_lora_is_merged_on_save(tiny):
     loaded = keras_hub.models.CausalLM.from_preset(str(tmp / "lora"))
     assert not any("lora" in v.path for v in loaded.backbone.weights)  # a plain preset
     np.testing.assert_allclose(np.asarray(loaded(inputs)), adapted, rtol=1e-4, atol=1e-4)
-
-
-def test_export_hf(tiny, tmp_path):
-    """sft.py --export-hf: model_hf/ is a transformers checkpoint (`architectures` in its config.json)
-    that KerasHub's Hugging Face converter loads with model/'s logits and tokenizer."""
-    _, _, inputs, _, _ = tiny
-    out = str(tmp_path / "run")
-    res = run_script("sft.py", "--model", "tiny", "--max-steps", "2", "--batch-size", "8", "--max-length", "64",
-                     "--eval-dataset", "", "--num-samples", "0", "--export-hf", "--output-dir", out,
-                     env=one_device_env())
-    assert res.returncode == 0, res.stderr[-3000:]
-    assert "(model/, model_hf/, metrics.jsonl" in res.stdout
-    hf = os.path.join(out, "model_hf")
-    assert not os.path.exists(hf + ".tmp")
-    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"]
-    with open(os.path.join(hf, "config.json")) as f:
-        config = json.load(f)
-    assert config["architectures"] == ["GemmaForCausalLM"] and config["model_type"] == "gemma"
-    saved, exported = (keras_hub.models.CausalLM.from_preset(d) for d in (os.path.join(out, "model"), hf))
-    assert type(exported.backbone).__name__ == "GemmaBackbone"
-    np.testing.assert_allclose(np.asarray(exported(inputs)), np.asarray(saved(inputs)), rtol=1e-5, atol=1e-5)
-    text = "Sort: 3 1 2"
-    assert list(exported.preprocessor.tokenizer.tokenize(text)) == list(saved.preprocessor.tokenizer.tokenize(text))

@@ -203,7 +203,8 @@ def test_first_batch_metrics_logged_before_the_update(trained, prefs):
     triples = common.read_dataset(path, "preference", common.chat_template("tiny"))
     pairs, _ = module.tokenize_dataset(triples, model.preprocessor.tokenizer, 512, path)
     args = module.Args(batch_size=32, grad_accum_steps=1, seed=0)  # as the `trained` run
-    first = module.get_batch({"chosen_ids": np.arange(len(pairs))}, 0, args)["chosen_ids"][0]  # batch 0's pairs
+    ids, lengths = {"chosen_ids": np.arange(len(pairs))}, np.ones((len(pairs), 2), int)
+    first = module.get_batch(ids, lengths, 0, args)[0]["chosen_ids"][0]  # batch 0's pairs
     row = read_metrics(out)[1]  # [0] is the step-0 evaluation
     assert row["step"] == 1
     assert_logged(row, *expected_metrics(module, model, [pairs[i] for i in first]), script)

@@ -36,7 +36,9 @@ def exact_match(model, n=100):
 def trained(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sft") / "run")
     tiny = ["--batch-size", "32", "--learning-rate", "1e-3", "--warmup-steps", "20"]  # the defaults are TRL's
-    run("--model", "tiny", "--max-steps", "200", *tiny, "--eval-every", "100", "--output-dir", out, one_device=True)
+    done = run("--model", "tiny", "--max-steps", "200", *tiny, "--eval-every", "100", "--export-hf",
+               "--output-dir", out, one_device=True)
+    assert "(model/, model_hf/, metrics.jsonl" in done.stdout
     return out
 
 
@@ -52,6 +54,26 @@ def test_outputs(trained):
     assert {"charts/learning_rate", "charts/tokens_per_sec", "charts/mfu"} <= set(train[-1])
     assert 0 < train[-1]["charts/mfu"] <= 1
     assert {"config.json", "model.weights.h5", "tokenizer.json"} <= set(os.listdir(os.path.join(trained, "model")))
+
+
+def test_export_hf(trained):
+    """--export-hf: model_hf/ is a transformers checkpoint (`architectures` in its config.json)
+    that KerasHub's Hugging Face converter loads with model/'s logits and tokenizer."""
+    import common  # noqa: F401  (sets the Keras backend)
+    import keras_hub
+    hf = os.path.join(trained, "model_hf")
+    assert not os.path.exists(hf + ".tmp")
+    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"]
+    with open(os.path.join(hf, "config.json")) as f:
+        config = json.load(f)
+    assert config["architectures"] == ["GemmaForCausalLM"] and config["model_type"] == "gemma"
+    saved, exported = (keras_hub.models.CausalLM.from_preset(d) for d in (os.path.join(trained, "model"), hf))
+    assert type(exported.backbone).__name__ == "GemmaBackbone"
+    ids = np.array([[2, 265, 283, 279, 286, 279, 293, 0]], np.int32)
+    inputs = {"token_ids": ids, "padding_mask": ids != 0}
+    np.testing.assert_allclose(np.asarray(exported(inputs)), np.asarray(saved(inputs)), rtol=1e-5, atol=1e-5)
+    text = "Sort: 3 1 2"
+    assert list(exported.preprocessor.tokenizer.tokenize(text)) == list(saved.preprocessor.tokenizer.tokenize(text))
 
 
 def test_learns_toy_task(trained):
