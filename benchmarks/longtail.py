@@ -18,6 +18,7 @@ import dataclasses
 import json
 import math
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -215,6 +216,8 @@ def main(args):
             first = shape not in batches[mode]
             batches[mode].setdefault(shape, batch)
             rows[mode].append((shape, timed(mode, batch), real, padded, first))
+        print(f"step {step + 1}/{args.steps}: " + ", ".join(f"{m} {rows[m][-1][0]} tokens {rows[m][-1][1]:.2f}s"
+                                                           for m in args.modes), file=sys.stderr, flush=True)
     again = {m: {s: timed(m, b) for s, b in batches[m].items()} for m in args.modes}  # compiled: steady
 
     results = [summarise(m, rows[m], again[m], steps[m]._cache_size(), flops_per_token, peak) for m in args.modes]
