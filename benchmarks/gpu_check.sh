@@ -18,7 +18,7 @@ want() { [[ " $PARTS " == *" $1 "* ]]; }
 PY=${PY:-python3}
 if [ -n "${SMOKE:-}" ]; then  # CPU: tiny shapes, every length / size cut down
   MODEL="--model tiny --random-init --num-layers 1 --dtype float32"; MATMUL_N=256; SCALE=32
-  LONGTAIL="--lengths lognormal:12,48 --max-length 48 --num-examples 64 --steps 2"
+  LONGTAIL="--lengths lognormal:8,48 --max-length 48 --num-examples 64 --steps 2"
 else
   MODEL="--model gemma_2b --random-init --dtype bfloat16"; MATMUL_N=8192; SCALE=1
   LONGTAIL="--lengths lognormal:128,1024 --max-length 1024 --steps 30 --num-layers 4"  # 4 of 18 blocks: compiles
@@ -32,7 +32,7 @@ if [ -z "${SMOKE:-}" ] && compgen -G ".whl/*.whl" > /dev/null; then
     || { echo "wheel install failed"; exit 1; }
   export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
-export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 TF_CPP_MIN_LOG_LEVEL=3
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 TF_CPP_MIN_LOG_LEVEL=3 KERAS_BACKEND=jax  # keras: else TensorFlow
 command -v nvidia-smi > /dev/null && nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 $PY -c "import jax, keras, keras_hub, optax, tyro; print('jax', jax.__version__, jax.devices(), 'keras', keras.__version__, 'keras_hub', keras_hub.__version__)" \
   || { echo "imports failed"; exit 1; }

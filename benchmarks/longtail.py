@@ -155,9 +155,12 @@ def mode_batch(module, data, lengths, step, script_args, mode, run_length):
 
 def summarise(mode, rows, again, compilations, flops_per_token, peak):
     """One mode's numbers from its steps [(shape, seconds, real, padded, first)] and a second run of
-    each shape (again: shape -> seconds): steady state replaces each first step by that."""
-    steady = [again[s] if first else t for s, t, _, _, first in rows]
-    compile_s = sum(t - again[s] for s, t, _, _, first in rows if first)
+    each shape (again: shape -> seconds). A shape's steady time is the median of that second run and
+    its later steps; steady state replaces each first step by it, compile time is the first step's excess."""
+    of = {s: statistics.median([t for s2, t, *_, first in rows if s2 == s and not first] + [again[s]])
+          for s in again}
+    steady = [of[s] if first else t for s, t, _, _, first in rows]
+    compile_s = sum(t - of[s] for s, t, _, _, first in rows if first)
     real, padded = sum(r[2] for r in rows), sum(r[3] for r in rows)
     steady_s, end_to_end_s = sum(steady), sum(r[1] for r in rows)
     return {"mode": mode, "steps": len(rows), "real_tokens": real, "padded_tokens": padded,
