@@ -135,7 +135,7 @@ def test_longtail_modes(capsys):
     """longtail.py on tiny: the three modes see the same stream (run_wide and buckets the same examples),
     run-wide pads every batch to the dataset's longest bucket and compiles once, buckets pad less."""
     import longtail
-    rows = longtail.main(longtail.Args(algo="dpo", model="tiny", random_init=True, num_layers=1,
+    rows = longtail.main(longtail.Args(algo="sft", model="tiny", random_init=True, num_layers=1,
                                        lengths="lognormal:8,48", num_examples=64, min_length=4,
                                        batch_size=8, max_length=48, steps=2, remat=False))
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()[-3:]]
@@ -143,7 +143,7 @@ def test_longtail_modes(capsys):
     assert [x["mode"] for x in lines] == ["run_wide", "buckets", "grouped"]
     assert 32 < lines[0]["longest"] <= 48 and lines[0]["run_wide_length"] == 48  # the longest example's bucket
     assert wide["shapes"] == [48] and wide["compilations"] == 1
-    assert wide["padded_tokens"] == 2 * 2 * 8 * 48  # 2 steps of 8 pairs, 2 sequences each
+    assert wide["padded_tokens"] == 2 * 8 * 48  # 2 steps of 8 examples
     assert buckets["real_tokens"] == wide["real_tokens"] and buckets["padded_tokens"] < wide["padded_tokens"]
     # this stream (seed 0): buckets 32 then 48 (two compilations), grouped 32 twice (one)
     assert buckets["shapes"] == [32, 48] and buckets["compilations"] == 2
