@@ -33,7 +33,7 @@ ARCHS = {
     "gemma_7b": dict(vocabulary_size=256000, num_layers=28, num_query_heads=16, num_key_value_heads=16,
                      hidden_dim=3072, intermediate_dim=49152, head_dim=256),
 }
-ALGOS = ("sft", "dpo", "simpo", "orpo", "reward", "ppo")
+ALGOS = ("sft", "dpo", "simpo", "orpo", "reward", "ppo", "grpo")
 BOS, EOS = 2, 1
 
 
@@ -187,6 +187,8 @@ def script_args(module, cfg):
     """The script's own Args with the benchmark's sizes (every other field at its default).
     PPO: --max-length T = prompt T/2 + response T/2; --batch-size = rollout batch."""
     fields = module.Args.__dataclass_fields__
+    if "num_generations" in fields:
+        return grpo_args(module, cfg)
     if "response_length" in fields:
         if cfg.grad_accum_steps != 1 or cfg.max_length < 4:
             raise common.UsageError("ppo: --grad-accum-steps must be 1 (it splits into mini-batches) "
@@ -376,5 +378,83 @@ def ppo_rollout(module, args, models, mesh, rng, vocab, ref_params):
     return iteration
 
 
+def grpo_args(module, cfg):
+    """grpo.py's Args at its defaults (TRL's: β = 0, one update per generation batch, so neither a
+    reference nor a π_old forward) with --max-length T = prompt T/2 + response T/2 and G = 8
+    completions a prompt (the whole batch when it is not a multiple of 8)."""
+    if cfg.grad_accum_steps != 1 or cfg.max_length < 4:
+        raise common.UsageError("grpo: --grad-accum-steps must be 1 and --max-length >= 4")
+    g = 8 if cfg.batch_size % 8 == 0 else cfg.batch_size
+    return module.Args(batch_size=cfg.batch_size, lora_rank=cfg.lora_rank, max_steps=max(cfg.steps, 100),
+                       max_prompt_length=cfg.max_length // 2, response_length=cfg.max_length - cfg.max_length // 2,
+                       num_generations=g)
+
+
+def _grpo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
+    """grpo.py's train_step on one synthetic generation batch; `rollout` times generate / score / update."""
+    b, vocab = shape[1], shape[3]
+    q, r = args.max_prompt_length, args.response_length
+    if b % args.num_generations or b % mesh.shape["data"]:
+        raise common.UsageError(f"grpo: --batch-size {b} must divide by G ({args.num_generations}) and by the "
+                                f"data axis ({mesh.shape['data']})")
+    step, state, extra = script_step(module, params, init_opt_state(optimizer, params, mesh, abstract), frozen,
+                                     dict(backbone=backbone, optimizer=optimizer, args=args, context_length=q))
+    ids, pad, mask = sequences(rng, 1, b, q + r, vocab)
+    host = {"query_responses": ids[0], "padding_mask": pad[0], "response_mask": mask[0, :, q:],
+            "advantages": rng.normal(0, 1, b).astype(np.float32)}
+    sharding = NamedSharding(mesh, P("data"))  # grpo.py's rollout arrays: [B, ...], batch over `data`
+    batch = ({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in host.items()} if abstract
+             else {k: jax.device_put(v, sharding) for k, v in host.items()})
+    bench = Bench(module, step, state, extra, batch, b * (q + r), 6,
+                  "update step: one forward + backward (beta 0: no reference forward)")
+    if not abstract:
+        bench.rollout = grpo_rollout(module, args, backbone, mesh, rng, vocab)
+    return bench
+
+
+GRPO_REWARD_FN = os.path.join(ROOT, "data", "toy.py") + ":batch_score"  # grpo.py's default --reward-fn
+
+
+class IdsText:
+    """Stand-in tokenizer for shapes with no tokenizer (random-init Gemma-2B): ids as space-separated text."""
+    end_token_id = EOS
+
+    def detokenize(self, ids):
+        return [" ".join(map(str, x)) for x in ids]
+
+
+def grpo_rollout(module, args, backbone, mesh, rng, vocab):
+    """fn(state, extra, step_fn, key) -> (state, seconds of (generate, score, update)) for one GRPO
+    iteration with grpo.py's own rollout (its KV-cached sampler), score_completions (decode + the
+    reward function GRPO_REWARD_FN), group_advantages and mini_batches. Random prompt ids, G copies each."""
+    import time
+    q, r, b, g = args.max_prompt_length, args.response_length, args.batch_size, args.num_generations
+    on_data = NamedSharding(mesh, P("data"))
+    queries = np.repeat(rng.integers(3, vocab, (b // g, q), dtype=np.int32), g, 0)  # [B, Q], a group = G rows
+    queries[:, 0] = BOS
+    query_mask = np.ones((b, q), bool)
+    prompts = [f"Sort: {' '.join(map(str, rng.integers(0, 10, 6)))}" for _ in range(b // g) for _ in range(g)]
+    tiny = common.keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER)
+    tokenizer = tiny if tiny.vocabulary_size() == vocab else IdsText()
+    reward, weights = [common.load_reward_fn(GRPO_REWARD_FN)], np.ones(1, np.float32)
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(backbone, p, f, qs, qm, k, r, args.temperature))
+    order = np.random.default_rng(0)
+
+    def iteration(state, extra, step_fn, key):
+        t0 = time.perf_counter()
+        batch, lengths = module.rollout(gen_fn, state[0], extra["frozen"], queries, query_mask, key, EOS, 0, on_data)
+        t1 = common.synced(batch)
+        rewards = module.score_completions(reward, weights, tokenizer, prompts, batch, lengths, q)[0]
+        advantages, _ = jax.device_get(module.group_advantages(jnp.asarray(rewards, jnp.float32), g,
+                                                               args.scale_rewards))
+        batch["advantages"] = common.put_global(advantages, on_data)
+        t2 = common.synced(batch)
+        for idx in module.mini_batches(order, b, args.num_mini_batches, args.num_iterations, on_data):
+            state, metrics = step_fn(state, jax.tree.map(lambda x: x[idx], batch), extra)
+        return state, (t1 - t0, t2 - t1, common.synced((state, metrics)) - t2)
+
+    return iteration
+
+
 SETUPS = {"sft": _sft, "dpo": _preference, "simpo": _preference, "orpo": _preference, "reward": _reward,
-          "ppo": _ppo}
+          "ppo": _ppo, "grpo": _grpo}

@@ -24,7 +24,7 @@ import jax
 
 @dataclass
 class Args:
-    algo: Literal["sft", "dpo", "simpo", "orpo", "reward", "ppo"] = "sft"
+    algo: Literal["sft", "dpo", "simpo", "orpo", "reward", "ppo", "grpo"] = "sft"
     """whose train_step is timed"""
     model: str = "tiny"
     """any common.load_model name; with --random-init one of tiny, gemma_2b, gemma_7b"""
@@ -64,7 +64,7 @@ def peak_bytes():
 
 
 def ppo_split(bench, state, step, args):
-    """PPO: whole iterations (generate → score → update epochs), median seconds of each part."""
+    """PPO, GRPO: whole iterations (generate → score → update epochs), median seconds of each part."""
     key = jax.random.key(args.seed)
     parts = []
     for i in range(1 + args.steps):  # the first iteration compiles the sampler and the scorers

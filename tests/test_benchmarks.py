@@ -116,3 +116,51 @@ def test_remat_decoder_blocks_keeps_the_step_and_cuts_memory(full_row):
     np.testing.assert_allclose(out[1]["train/loss"], out[0]["train/loss"], rtol=1e-6)
     np.testing.assert_allclose(out[1]["train/grad_norm"], out[0]["train/grad_norm"], rtol=1e-5)
     assert memory_row(remat=True)["temp_bytes"] < full_row["temp_bytes"]
+
+
+def test_throughput_grpo_splits_an_iteration(capsys):
+    """--algo grpo: grpo.py's train_step (6N, β = 0), then whole iterations through its own sampler,
+    scorer and advantages, timed per phase; generation speed counts the new tokens only."""
+    throughput.main(throughput.Args(algo="grpo", model="tiny", random_init=True, num_layers=1, batch_size=8,
+                                    max_length=16, steps=1, warmup=1, remat=False))
+    r = last_json(capsys)
+    assert r["tokens_per_step"] == 8 * 16 and r["flops_per_token"] % 6 == 0
+    assert 0 < r["mfu"] <= 1
+    assert r["iteration_s"] == pytest.approx(r["generate_s"] + r["score_s"] + r["update_s"])
+    assert r["generate_tokens_per_sec"] == pytest.approx(8 * 8 / r["generate_s"])  # response = 16 / 2
+    assert min(r["generate_s"], r["score_s"], r["update_s"]) > 0
+
+
+def test_longtail_modes(capsys):
+    """longtail.py on tiny: the three modes see the same stream (run_wide and buckets the same examples),
+    run-wide pads every batch to the dataset's longest bucket and compiles once, buckets pad less."""
+    import longtail
+    rows = longtail.main(longtail.Args(algo="sft", model="tiny", random_init=True, num_layers=1,
+                                       lengths="lognormal:8,48", num_examples=64, min_length=4,
+                                       batch_size=8, max_length=48, steps=2, remat=False))
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()[-3:]]
+    wide, buckets, grouped = rows
+    assert [x["mode"] for x in lines] == ["run_wide", "buckets", "grouped"]
+    assert 32 < lines[0]["longest"] <= 48 and lines[0]["run_wide_length"] == 48  # the longest example's bucket
+    assert wide["shapes"] == [48] and wide["compilations"] == 1
+    assert wide["padded_tokens"] == 2 * 8 * 48  # 2 steps of 8 examples
+    assert buckets["real_tokens"] == wide["real_tokens"] and buckets["padded_tokens"] < wide["padded_tokens"]
+    # this stream (seed 0): buckets 32 then 48 (two compilations), grouped 32 twice (one)
+    assert buckets["shapes"] == [32, 48] and buckets["compilations"] == 2
+    assert grouped["shapes"] == [32] and grouped["compilations"] == 1
+    for r in rows:
+        assert r["padding_fraction"] == pytest.approx(1 - r["real_tokens"] / r["padded_tokens"])
+        assert r["end_to_end_s"] > r["steady_s"] > 0 and r["compile_s"] > 0
+        assert r["mfu"] == pytest.approx(r["real_tokens_per_sec"] * lines[0]["flops_per_token"]
+                                         / lines[0]["peak_flops"])
+
+
+def test_longtail_lognormal_lengths():
+    """median and p99 as asked (σ = log 8 / z_0.99 for p99 = 8 × median), clipped to [low, high]."""
+    import longtail
+    import numpy as np
+    x = longtail.lognormal_lengths(np.random.default_rng(0), 200000, 128, 1024, 8, 4096)
+    assert np.median(x) == pytest.approx(128, rel=0.02)
+    assert np.percentile(x, 99) == pytest.approx(1024, rel=0.05)
+    y = longtail.lognormal_lengths(np.random.default_rng(0), 1000, 128, 1024, 16, 512)
+    assert y.min() >= 16 and y.max() == 512
