@@ -58,13 +58,13 @@ while read -r algo bs len; do
   if [ "$left" -lt 60 ]; then echo "skip $algo: ${left}s left of the ${BUDGET_S}s budget"; continue; fi
   echo "== $algo batch $bs length $len (${left}s left)"
   timeout "$left" python3 benchmarks/throughput.py --algo "$algo" --model gemma_2b --random-init \
-    --dtype bfloat16 --batch-size "$bs" --max-length "$len" --steps 5 --warmup 2 --no-remat > "/tmp/$algo.out" 2>&1
+    --dtype bfloat16 --batch-size "$bs" --max-length "$len" --steps 5 --warmup 2 --remat off > "/tmp/$algo.out" 2>&1
   rc=$?
   if [ $rc -ne 0 ] && grep -q "RESOURCE_EXHAUSTED\|Out of memory" "/tmp/$algo.out"; then
     left=$(( BUDGET_S - ($(date +%s) - start) ))
-    echo "$algo: out of memory; again with --remat (${left}s left)"
+    echo "$algo: out of memory; again with --remat on (${left}s left)"
     [ "$left" -ge 60 ] && timeout "$left" python3 benchmarks/throughput.py --algo "$algo" --model gemma_2b \
-      --random-init --dtype bfloat16 --batch-size "$bs" --max-length "$len" --steps 5 --warmup 2 --remat \
+      --random-init --dtype bfloat16 --batch-size "$bs" --max-length "$len" --steps 5 --warmup 2 --remat on \
       > "/tmp/$algo.out" 2>&1
     rc=$?
   fi
