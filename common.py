@@ -7,8 +7,9 @@ Contents (in file order)
                  to_host, init_optimizer (optimizer state laid out like the params)
   3. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors (a hub failure in one line),
                  load_model (created sharded), check_sampler; per-family model I/O: logits, empty_cache,
-                 cached_forward (KV-cached, left padding); enable_remat + jit_step (--remat), split_variables, save_model,
-                 export_hf (--export-hf), count_params; reward models (save/load_reward_model), load_reward_fn
+                 cached_forward (KV-cached, left padding); enable_remat + jit_step (--remat), split_variables,
+                 save_model, export_hf (--export-hf), count_params; reward models (save/load_reward_model),
+                 load_reward_fn
   4. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render,
                  TRL's formats -> text (sft_segments, preference_triple, prompt_text), read_dataset
   5. Data order  batch_indices (a pure function of the step: resume is exact), per_example
@@ -565,32 +566,30 @@ def jit_step(fn, args, backbones, length=None, **jit_kwargs):
     Costs one extra compile of the step (CPU-measured in benchmarks/RESULTS.md "Step performance").
     args.remat becomes the resolved "on"/"off" (args.json records it); one console line says why.
     """
-    limit, mode = device_memory_limit(), args.remat
-    if mode != "auto" or limit is None:
-        args.remat = "off" if mode == "auto" else mode
+    limit, resolved = device_memory_limit(), []
+
+    def resolve(value, why):
+        args.remat = value
         for backbone in backbones:
-            backbone.remat_on = args.remat == "on"
-        if mode == "auto" and jax.process_index() == 0:
-            print(f"remat: auto -> off ({jax.devices()[0].platform}: no device memory limit)")
-        return jax.jit(functools.partial(fn), **jit_kwargs)
-    resolved = []
+            backbone.remat_on = value == "on"
+        if why and jax.process_index() == 0:
+            print(f"remat: auto -> {value} ({why})")
+        return jax.jit(functools.partial(fn), **jit_kwargs)  # a new callable: traced afresh, with the switch
+
+    if args.remat != "auto" or limit is None:
+        return resolve("off" if args.remat == "auto" else args.remat,
+                       args.remat == "auto" and f"{jax.devices()[0].platform}: no device memory limit")
 
     def step(*a):
         if not resolved:
-            spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), a)
-            if length:
-                at = lambda s: s.update(shape=s.shape[:2] + (length,) + s.shape[3:]) if s.ndim >= 3 else s
-                spec = (*spec[:2], jax.tree.map(at, spec[2]), *spec[3:])
-            t = time.perf_counter()
-            m = jax.jit(functools.partial(fn), **jit_kwargs).lower(*spec).compile().memory_analysis()
+            spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), a)
+            at = lambda s: s.update(shape=s.shape[:2] + (length,) + s.shape[3:]) if length and s.ndim >= 3 else s
+            t, spec = time.perf_counter(), (*spec[:2], jax.tree.map(at, spec[2]), *spec[3:])
+            m = resolve("off", None).lower(*spec).compile().memory_analysis()
             peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-            args.remat = "on" if peak > 0.9 * limit else "off"
-            for backbone in backbones:
-                backbone.remat_on = args.remat == "on"
-            if jax.process_index() == 0:
-                print(f"remat: auto -> {args.remat} (compiled peak {peak / 2**30:.2f} GiB of "
-                      f"{limit / 2**30:.2f} GiB per device; checked in {time.perf_counter() - t:.1f} s)")
-            resolved.append(jax.jit(functools.partial(fn), **jit_kwargs))  # traced afresh, with the switch
+            why = (f"compiled peak {peak / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB per device; "
+                   f"checked in {time.perf_counter() - t:.1f} s")
+            resolved.append(resolve("on" if peak > 0.9 * limit else "off", why))
         return resolved[0](*a)
     return step
 
