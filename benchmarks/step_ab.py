@@ -1,4 +1,4 @@
-"""Before/after timing of one script's train_step in ONE process: the script as of a git
+r"""Before/after timing of one script's train_step in ONE process: the script as of a git
 revision (`--before`) against the working tree's, on the same weights and synthetic batch,
 their steps alternated so a shared, noisy machine loads both alike. Each round also times a
 float32 matmul (common.peak_flops' measurement), so MFU is a ratio of neighbouring timings.
