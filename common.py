@@ -573,7 +573,8 @@ def jit_step(fn, args, backbones, length=None, **jit_kwargs):
         for backbone in backbones:
             backbone.remat_on = value == "on"
         if why and jax.process_index() == 0:
-            print(f"remat: auto -> {value} ({why})")
+            from tqdm import tqdm
+            tqdm.write(f"remat: auto -> {value} ({why})")  # above the progress bar the first step runs under
         return jax.jit(functools.partial(fn), **jit_kwargs)  # a new callable: traced afresh, with the switch
 
     if args.remat != "auto" or limit is None:
