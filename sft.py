@@ -151,33 +151,28 @@ def get_batch(data, step, args):
 # ---------------------------------------------------------------------------
 # ALGO LOGIC: per-token log-probs and the SFT loss
 # ---------------------------------------------------------------------------
-def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=None):
+def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
     """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1].
 
-    At a large vocabulary the [B, T, V] float32 logits are never materialised whole: the
-    unembedding runs over sequence chunks under `jax.checkpoint`, so one [B, chunk, V] block is
-    alive at a time, forward and backward. chunk (None): 128 tokens at Gemma's 256k vocabulary,
-    more at smaller ones (chunk × V ≤ 2^25 logits per sequence); a sequence that fits one chunk
-    (V 8k up to 4096 tokens, `tiny` always) takes one plain pass: no loop, no recompute.
+    The [B, T, V] logits are never materialised: the unembedding runs over
+    sequence chunks of `chunk` tokens under `jax.checkpoint`, so only one
+    [B, chunk, V] float32 block is alive at a time, forward and backward.
     """
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):
         hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask})  # [B, T, D]
         hidden, labels = hidden[:, :-1], token_ids[:, 1:]  # logits at t predict token t+1
         b, t, d = hidden.shape
-        chunk = chunk or 128 * max(1, 2**18 // backbone.vocabulary_size)
+        n = -(-t // chunk)
+        hidden = jnp.pad(hidden, ((0, 0), (0, n * chunk - t), (0, 0))).reshape(b, n, chunk, d)
+        labels = jnp.pad(labels, ((0, 0), (0, n * chunk - t))).reshape(b, n, chunk)
 
+        @jax.checkpoint
         def chunk_logps(h, y):  # [B, C, D], [B, C] -> [B, C]
             logits = common.logits(backbone, h)  # f32
             return jnp.take_along_axis(logits, y[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
 
-        if t <= chunk:
-            return chunk_logps(hidden, labels)  # [B, T-1]
-        n = -(-t // chunk)
-        hidden = jnp.pad(hidden, ((0, 0), (0, n * chunk - t), (0, 0))).reshape(b, n, chunk, d)
-        labels = jnp.pad(labels, ((0, 0), (0, n * chunk - t))).reshape(b, n, chunk)
-        logps = jax.lax.map(lambda hy: jax.checkpoint(chunk_logps)(*hy),
-                            (hidden.swapaxes(0, 1), labels.swapaxes(0, 1)))
+        logps = jax.lax.map(lambda hy: chunk_logps(*hy), (hidden.swapaxes(0, 1), labels.swapaxes(0, 1)))
     return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]  # [B, T-1]
 
 
