@@ -7,8 +7,9 @@ Contents (in file order)
                  to_host, init_optimizer (optimizer state laid out like the params)
   3. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors (a hub failure in one line),
                  load_model (created sharded), check_sampler; per-family model I/O: logits, empty_cache,
-                 cached_forward (KV-cached, left padding); enable_remat, split_variables, save_model,
-                 export_hf (--export-hf), count_params; reward models (save/load_reward_model), load_reward_fn
+                 cached_forward (KV-cached, left padding); enable_remat + jit_step (--remat), split_variables,
+                 save_model, export_hf (--export-hf), count_params; reward models (save/load_reward_model),
+                 load_reward_fn
   4. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render,
                  TRL's formats -> text (sft_segments, preference_triple, prompt_text), read_dataset
   5. Data order  batch_indices, length_batch (padded to a length bucket, optionally grouped by
@@ -529,19 +530,70 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index):
     return logits(backbone, backbone.layer_norm(x)), jnp.stack(caches, 1)
 
 
-def enable_remat(backbone):
+def enable_remat(backbone, on=True):
     """Activation checkpointing per decoder block: each block's activations are recomputed
     in the backward pass, so only the block inputs [B, T, D] stay alive between forward and
     backward (about +1/3 FLOPs; what makes Gemma-2B DPO fit 16 GiB chips). Calls with a KV
-    cache (generation) are left alone: they have no backward pass."""
-    for layer in getattr(backbone, "transformer_layers", []):
+    cache (generation) are left alone: they have no backward pass. `backbone.remat_on`, read
+    when a step is traced, switches it (jit_step's --remat auto). Returns the backbone."""
+    backbone.remat_on = on
+    for layer in [] if hasattr(backbone, "_remat_layers") else getattr(backbone, "transformer_layers", []):
         def call(*args, _call=layer.call, **kwargs):
-            if any(v is not None for k, v in kwargs.items() if "cache" in k and "index" not in k):
+            if not backbone.remat_on or any(v is not None for k, v in kwargs.items()
+                                            if "cache" in k and "index" not in k):
                 return _call(*args, **kwargs)
             arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
             rest = {k: v for k, v in kwargs.items() if k not in arrays}
             return jax.checkpoint(lambda a, kw: _call(*a, **kw, **rest))(args, arrays)
         layer.call = call
+    backbone._remat_layers = True
+    return backbone
+
+
+def device_memory_limit():
+    """Bytes one device may allocate; None where the backend sets no limit (CPU)."""
+    return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+
+
+def jit_step(fn, args, backbones, length=None, **jit_kwargs):
+    """jax.jit(fn, **jit_kwargs) with --remat (`args.remat`) applied to `backbones` (enable_remat'd).
+
+    on / off: as asked. auto: off where the device sets no memory limit (CPU: remat is pure cost).
+    Else, at the first call, fn is compiled ahead of time without remat for that call's argument
+    shapes and shardings, the batch (third argument, leaves [A, B, T, ...]) at `length` tokens (the
+    run's longest), and remat is turned on when the compiled peak per device (argument + output +
+    temp − alias) exceeds 90% of the limit: the 10% covers what the analysis leaves out (allocator
+    fragmentation, the runtime's own buffers, the next batch and eval arrays living beside the step).
+    Costs one extra compile of the step (CPU-measured in benchmarks/RESULTS.md "Step performance").
+    args.remat becomes the resolved "on"/"off" (args.json records it); one console line says why.
+    """
+    limit, resolved = device_memory_limit(), []
+
+    def resolve(value, why):
+        args.remat = value
+        for backbone in backbones:
+            backbone.remat_on = value == "on"
+        if why and jax.process_index() == 0:
+            from tqdm import tqdm
+            tqdm.write(f"remat: auto -> {value} ({why})")  # above the progress bar the first step runs under
+        return jax.jit(functools.partial(fn), **jit_kwargs)  # a new callable: traced afresh, with the switch
+
+    if args.remat != "auto" or limit is None:
+        return resolve("off" if args.remat == "auto" else args.remat,
+                       args.remat == "auto" and f"{jax.devices()[0].platform}: no device memory limit")
+
+    def step(*a):
+        if not resolved:
+            spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), a)
+            at = lambda s: s.update(shape=s.shape[:2] + (length,) + s.shape[3:]) if length and s.ndim >= 3 else s
+            t, spec = time.perf_counter(), (*spec[:2], jax.tree.map(at, spec[2]), *spec[3:])
+            m = resolve("off", None).lower(*spec).compile().memory_analysis()
+            peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+            why = (f"compiled peak {peak / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB per device; "
+                   f"checked in {time.perf_counter() - t:.1f} s")
+            resolved.append(resolve("on" if peak > 0.9 * limit else "off", why))
+        return resolved[0](*a)
+    return step
 
 
 def split_variables(backbone):
@@ -965,7 +1017,7 @@ class Run:
             signal.signal(sig, signal.SIG_DFL)  # start-up: nothing to save, so stop at once
         init_distributed(getattr(args, "coordinator_address", None), getattr(args, "num_processes", None),
                          getattr(args, "process_id", None))
-        self.script, self.args, self.main = script, args, jax.process_index() == 0
+        self.script, self.args, self.main, self._remat = script, args, jax.process_index() == 0, []
         for name, low, strict in FLAG_RANGES:
             value = getattr(args, name, None)
             if value is not None and (value <= low if strict else value < low):
@@ -1102,12 +1154,20 @@ class Run:
         return train, evals
 
     def load_model(self):
-        """--model created sharded over the mesh, with --lora-rank and --remat applied."""
+        """--model created sharded over the mesh, with --lora-rank and --remat (see jit_step) applied."""
         args = self.args
         model = load_model(args.model, self.mesh, args.dtype, args.seed, args.lora_rank)
-        if args.remat:
-            enable_remat(model.backbone)
+        return self.remat(model)
+
+    def remat(self, model):
+        """--remat for `model` (a CausalLM) when jit_step builds the train step."""
+        if self.args.remat != "off":
+            self._remat.append(enable_remat(model.backbone, self.args.remat == "on"))
         return model
+
+    def jit_step(self, fn, length=None, **jit_kwargs):
+        """The train step, jitted with --remat resolved (common.jit_step)."""
+        return jit_step(fn, self.args, self._remat, length, **jit_kwargs)
 
     def resume(self, state, meta=None):
         """(state, meta) of the newest checkpoint with --resume (shaped and sharded like `state`:

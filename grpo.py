@@ -37,8 +37,9 @@ class Args:
     """0 = full fine-tuning; >0 = LoRA on the backbone (the reference is then the LoRA-off base)"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
-    remat: bool = True
-    """recompute each decoder block's activations in the backward pass (KV-cached sampling is not affected)"""
+    remat: Literal["auto", "on", "off"] = "auto"
+    """recompute each decoder block's activations in the backward pass (KV-cached sampling is not affected);
+    auto: on only if the step compiled without it would not fit the device's memory (never on CPU)"""
     # rewards
     reward_fn: tuple[str, ...] = (os.path.join(common.HERE, "data", "toy.py") + ":batch_score",)
     """one or more `path.py:function`, each f(prompts, responses) -> scores; used when --reward-model is not given"""
@@ -416,8 +417,8 @@ def main(args):
 
     gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
     logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, q, args.temperature))
-    step_fn = jax.jit(partial(train_step, backbone, optimizer, args, context_length=q), donate_argnums=0,
-                      out_shardings=(state_shardings, common.replicated(run.mesh)))
+    step_fn = run.jit_step(partial(train_step, backbone, optimizer, args, context_length=q), donate_argnums=0,
+                           out_shardings=(state_shardings, common.replicated(run.mesh)))
     if rm is not None:  # r_φ(x, y) at the last real token, from the reward model's loaded weights
         score_fn = jax.jit(lambda w, ids, m, sl: reward_scores(rm[0].backbone, *w, ids, m, q + sl))
         reward = (score_fn, (*common.split_variables(rm[0].backbone), rm[1]))

@@ -37,8 +37,9 @@ class Args:
     """0 = full fine-tuning; >0 = KerasHub LoRA of this rank on the backbone"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
-    remat: bool = True
-    """recompute each decoder block's activations in the backward pass (memory for ~1/3 more FLOPs)"""
+    remat: Literal["auto", "on", "off"] = "auto"
+    """recompute each decoder block's activations in the backward pass (memory for ~1/3 more FLOPs);
+    auto: on only if the step compiled without it would not fit the device's memory (never on CPU)"""
     # data
     dataset: str = os.path.join(common.HERE, "data", "prefs_train.jsonl")
     """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
@@ -308,8 +309,8 @@ def main(args):
     state_shardings = (common.shardings(params), opt_shardings)
     state = jax.device_put((params, opt_state), state_shardings)
     # Layouts pinned in and out (donated, updated in place): one compilation per length bucket.
-    step_fn = jax.jit(partial(train_step, backbone, optimizer, args), donate_argnums=0,
-                      out_shardings=(state_shardings, common.replicated(run.mesh)))
+    step_fn = run.jit_step(partial(train_step, backbone, optimizer, args), length, donate_argnums=0,
+                           out_shardings=(state_shardings, common.replicated(run.mesh)))
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
     eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), args.prompt_nll))

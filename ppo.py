@@ -37,8 +37,9 @@ class Args:
     """0 = full fine-tuning; >0 = LoRA on policy and value (the reference is then the LoRA-off base)"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
-    remat: bool = True
-    """recompute each decoder block's activations in the backward pass (KV-cached sampling is not affected)"""
+    remat: Literal["auto", "on", "off"] = "auto"
+    """recompute each decoder block's activations in the backward pass (KV-cached sampling is not affected);
+    auto: on only if the step compiled without it would not fit the device's memory (never on CPU)"""
     reward_model: str | None = None
     """reward.py's `model/` dir: scores responses and initialises the value model"""
     reward_fn: str = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
@@ -389,8 +390,8 @@ def main(args):
                                 "(it scores the policy's token ids directly)")
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
     value_bb = rm[0].backbone if rm is not None else backbone
-    if args.remat and rm is not None:  # the value model is then a separate backbone
-        common.enable_remat(value_bb)
+    if rm is not None:  # the value model is then a separate backbone, under --remat too
+        run.remat(rm[0])
     q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
     print(f"data: {len(prompts)} prompts, queries padded to {q} tokens; responses {r} tokens; "
           f"reward: {args.reward_model or args.reward_fn}")
@@ -421,8 +422,8 @@ def main(args):
     gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
     stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, q, args.temperature))
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: advantages_of(s, lp, rlp, v, sl, args))
-    step_fn = jax.jit(partial(train_step, models, optimizer, args, context_length=q), donate_argnums=0,
-                      out_shardings=(state_shardings, common.replicated(run.mesh)))
+    step_fn = run.jit_step(partial(train_step, models, optimizer, args, context_length=q), donate_argnums=0,
+                           out_shardings=(state_shardings, common.replicated(run.mesh)))
     if rm is not None:  # r_φ(x, y) from the reward model's loaded weights, an argument like every function's
         reward = (jax.jit(lambda w, ids, m, sl: reward_scores(value_bb, *w, ids, m, q + sl)),  # at the last real token
                   (value_params, value_frozen, head))

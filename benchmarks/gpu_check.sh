@@ -65,7 +65,7 @@ if want longtail; then
   left=$(( BUDGET_S - ($(date +%s) - start) ))
   echo "== longtail sft (${left}s left)"
   timeout "$(( left < 240 ? left : 240 ))" $PY benchmarks/longtail.py --algo sft $MODEL $LONGTAIL --batch-size 8 \
-    --no-remat > /tmp/longtail.out 2> /tmp/longtail.err
+    --remat off > /tmp/longtail.out 2> /tmp/longtail.err
   rc=$?
   if [ $rc -eq 0 ]; then tail -n 3 /tmp/longtail.out | tee -a "$OUT/longtail.jsonl"
   else tail -n 25 /tmp/longtail.err; echo "longtail failed (rc $rc)"; fi
@@ -87,13 +87,13 @@ while want throughput && read -r algo bs len; do
   len=$(( len / SCALE ))
   echo "== $algo batch $bs length $len (${left}s left)"
   timeout "$left" $PY benchmarks/throughput.py --algo "$algo" $MODEL \
-    --batch-size "$bs" --max-length "$len" --steps 5 --warmup 2 --no-remat > "/tmp/$algo.out" 2>&1
+    --batch-size "$bs" --max-length "$len" --steps 5 --warmup 2 --remat off > "/tmp/$algo.out" 2>&1
   rc=$?
   if [ $rc -ne 0 ] && grep -q "RESOURCE_EXHAUSTED\|Out of memory" "/tmp/$algo.out"; then
     left=$(( BUDGET_S - ($(date +%s) - start) ))
-    echo "$algo: out of memory; again with --remat (${left}s left)"
+    echo "$algo: out of memory; again with --remat on (${left}s left)"
     [ "$left" -ge 60 ] && timeout "$left" $PY benchmarks/throughput.py --algo "$algo" $MODEL \
-      --batch-size "$bs" --max-length "$len" --steps 5 --warmup 2 --remat \
+      --batch-size "$bs" --max-length "$len" --steps 5 --warmup 2 --remat on \
       > "/tmp/$algo.out" 2>&1
     rc=$?
   fi

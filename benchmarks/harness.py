@@ -97,7 +97,12 @@ def abstract_variables(backbone):
 def load_backbone(args, mesh, abstract=False):
     """--model through common.load_model, or at ARCHS shapes with --random-init / abstract."""
     if abstract or args.random_init:
-        overrides = {"num_layers": args.num_layers} if getattr(args, "num_layers", 0) else None
+        overrides = {"num_layers": args.num_layers} if getattr(args, "num_layers", 0) else {}
+        for item in filter(None, getattr(args, "arch", "").split(",")):  # --arch hidden_dim=512,...
+            key, _, value = item.partition("=")
+            if key not in ARCHS["tiny"] or not value.isdigit():
+                raise common.UsageError(f"--arch {item!r}: expected NAME=INT, NAME one of {', '.join(ARCHS['tiny'])}")
+            overrides[key] = int(value)
         return build_backbone(args.model, mesh, args.dtype or common.default_dtype(), args.lora_rank,
                               args.seed, abstract, overrides)
     return common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank).backbone

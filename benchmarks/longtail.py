@@ -59,8 +59,9 @@ class Args:
     """the scripts' --max-length: the largest bucket"""
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = LoRA of this rank"""
-    remat: bool = True
-    """activation checkpointing per decoder block, as the scripts' default (--no-remat: off)"""
+    remat: Literal["on", "off"] = "off"
+    """activation checkpointing per decoder block (the scripts' `--remat auto` turns it on only where
+    the step does not fit the device)"""
     steps: int = 20
     """steps timed in every mode (the same step indices: the data stream is the same)"""
     modes: tuple[str, ...] = MODES
@@ -188,7 +189,7 @@ def main(args):
     else:
         model = common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank)
         backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
-    if args.remat:
+    if args.remat == "on":
         common.enable_remat(backbone)
     data, lengths, described = make_data(args, module, backbone.vocabulary_size, tokenizer)
     run_length = data["padding_mask" if args.algo == "sft" else "chosen_padding_mask"].shape[1]

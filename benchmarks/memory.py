@@ -45,8 +45,9 @@ class Args:
     """0 = full fine-tuning; >0 = LoRA of this rank"""
     precompute_ref: bool = False
     """DPO: reference log-probs precomputed (no reference weights, no reference forward)"""
-    remat: bool = True
-    """activation checkpointing per decoder block, as the scripts' default `--remat` (--no-remat: off)"""
+    remat: Literal["on", "off"] = "on"
+    """activation checkpointing per decoder block, as the scripts' `--remat on|off` (their `auto` picks off
+    when the step without remat fits the device: compare the two here)"""
     target: Literal["tpu_v5e", "tpu_v5p", "cpu"] = "tpu_v5e"
     """compile for: tpu_v5e (16 GiB chips) or tpu_v5p (95 GiB) with libtpu's ahead-of-time compiler
     (no TPU needed), or cpu (simulated host devices; the CPU compiler upcasts bf16 matmuls to
@@ -110,7 +111,7 @@ def weight_bytes(tree):
 def compile_step(args, mesh):
     """(compiled train step, Bench, backbone, seconds) for abstract weights laid out on `mesh`."""
     backbone = harness.load_backbone(args, mesh, abstract=True)
-    if args.remat:
+    if args.remat == "on":
         common.enable_remat(backbone)
     t = time.perf_counter()
     bench = harness.setup(args, backbone, mesh, abstract=True)

@@ -32,6 +32,8 @@ class Args:
     """build the backbone at published shapes with random weights (no download)"""
     num_layers: int = 0
     """with --random-init: override the decoder-block count (0: as published); for smoke tests"""
+    arch: str = ""
+    """with --random-init: override GemmaBackbone arguments, e.g. `hidden_dim=512,vocabulary_size=8192`"""
     dtype: Literal["bfloat16", "float32"] | None = None
     """compute dtype; weights and optimizer state stay float32. None: bfloat16 on accelerators, float32 on CPU"""
     mesh: str | None = None
@@ -46,8 +48,8 @@ class Args:
     """0 = full fine-tuning; >0 = LoRA of this rank"""
     precompute_ref: bool = False
     """DPO: reference log-probs in the batch instead of a reference forward (6N, not 8N)"""
-    remat: bool = True
-    """activation checkpointing per decoder block, as the scripts' default `--remat` (--no-remat: off)"""
+    remat: Literal["auto", "on", "off"] = "auto"
+    """activation checkpointing per decoder block, as the scripts' `--remat` (auto: common.jit_step's rule)"""
     steps: int = 5
     """timed steps (after the warm-up)"""
     warmup: int = 2
@@ -89,13 +91,13 @@ def main(args):
         raise common.UsageError("need --steps >= 1 and --warmup >= 1 (the first step compiles)")
     harness.import_algo(args.algo)
     backbone = harness.load_backbone(args, mesh)
-    if args.remat:
-        common.enable_remat(backbone)
+    common.enable_remat(backbone, args.remat == "on")  # switched off: the plain call
     bench = harness.setup(args, backbone, mesh)
     n_params = common.count_params(backbone)
     state = bench.state
     # The state keeps its layout from step to step (as in the scripts): one compilation.
-    step = jax.jit(bench.step, donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), None))
+    step = common.jit_step(bench.step, args, [backbone], donate_argnums=0,
+                           out_shardings=(jax.tree.map(lambda x: x.sharding, state), None))
 
     t = time.perf_counter()
     for _ in range(args.warmup):
@@ -116,7 +118,7 @@ def main(args):
     flops_per_token = bench.flops_factor * n_params
     peak = common.peak_flops()
     print(json.dumps({
-        "algo": args.algo, "model": args.model, "random_init": args.random_init,
+        "algo": args.algo, "model": args.model, "random_init": args.random_init, "arch": args.arch,
         "dtype": args.dtype or common.default_dtype(), "mesh": dict(mesh.shape),
         "batch_size": args.batch_size, "max_length": args.max_length, "lora_rank": args.lora_rank,
         "remat": args.remat, "tokens_per_step": bench.tokens_per_step, "steps": args.steps,

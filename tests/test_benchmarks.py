@@ -3,6 +3,7 @@ memory.py compiles it with abstract weights and reports per-device bytes that fo
 sharding (full fine-tuning > LoRA; 8 shards of the weights, not 8 copies)."""
 
 import contextlib
+import functools
 import io
 import json
 import os
@@ -78,11 +79,11 @@ def memory_row(**kw):
 
 @pytest.fixture(scope="module")
 def full_row():
-    return memory_row(remat=False)
+    return memory_row(remat="off")
 
 
 def test_memory_full_vs_lora_and_sharding(full_row):
-    full, lora = full_row, memory_row(lora_rank=4, remat=False)
+    full, lora = full_row, memory_row(lora_rank=4, remat="off")
     assert full["peak_bytes_per_device"] > 0
     assert full["peak_bytes_per_device"] == (full["argument_bytes"] + full["output_bytes"]
                                              + full["temp_bytes"] - full["alias_bytes"])
@@ -104,7 +105,7 @@ def test_remat_decoder_blocks_keeps_the_step_and_cuts_memory(full_row):
     import jax
     import numpy as np
     mesh = harness.common.make_mesh("data=8")
-    cfg = throughput.Args(algo="sft", model="tiny", random_init=True, batch_size=8, max_length=32, remat=False)
+    cfg = throughput.Args(algo="sft", model="tiny", random_init=True, batch_size=8, max_length=32, remat="off")
     out = []
     for remat in (False, True):
         backbone = harness.load_backbone(cfg, mesh)
@@ -115,14 +116,14 @@ def test_remat_decoder_blocks_keeps_the_step_and_cuts_memory(full_row):
         out.append(jax.device_get(metrics))
     np.testing.assert_allclose(out[1]["train/loss"], out[0]["train/loss"], rtol=1e-6)
     np.testing.assert_allclose(out[1]["train/grad_norm"], out[0]["train/grad_norm"], rtol=1e-5)
-    assert memory_row(remat=True)["temp_bytes"] < full_row["temp_bytes"]
+    assert memory_row(remat="on")["temp_bytes"] < full_row["temp_bytes"]
 
 
 def test_throughput_grpo_splits_an_iteration(capsys):
     """--algo grpo: grpo.py's train_step (6N, β = 0), then whole iterations through its own sampler,
     scorer and advantages, timed per phase; generation speed counts the new tokens only."""
     throughput.main(throughput.Args(algo="grpo", model="tiny", random_init=True, num_layers=1, batch_size=8,
-                                    max_length=16, steps=1, warmup=1, remat=False))
+                                    max_length=16, steps=1, warmup=1, remat="off"))
     r = last_json(capsys)
     assert r["tokens_per_step"] == 8 * 16 and r["flops_per_token"] % 6 == 0
     assert 0 < r["mfu"] <= 1
@@ -137,7 +138,7 @@ def test_longtail_modes(capsys):
     import longtail
     rows = longtail.main(longtail.Args(algo="sft", model="tiny", random_init=True, num_layers=1,
                                        lengths="lognormal:8,48", num_examples=64, min_length=4,
-                                       batch_size=8, max_length=48, steps=2, remat=False))
+                                       batch_size=8, max_length=48, steps=2, remat="off"))
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()[-3:]]
     wide, buckets, grouped = rows
     assert [x["mode"] for x in lines] == ["run_wide", "buckets", "grouped"]
@@ -164,3 +165,32 @@ def test_longtail_lognormal_lengths():
     assert np.percentile(x, 99) == pytest.approx(1024, rel=0.05)
     y = longtail.lognormal_lengths(np.random.default_rng(0), 1000, 128, 1024, 16, 512)
     assert y.min() >= 16 and y.max() == 512
+
+
+def test_remat_auto_resolves_by_compiled_memory(monkeypatch, capsys):
+    """--remat auto (common.jit_step): off on CPU (no memory limit, nothing compiled); with a faked
+    1 MiB device the step compiled without remat does not fit, so remat turns on, and the step then
+    is --remat on's, number for number."""
+    import harness
+    import jax
+    import numpy as np
+    common, mesh, out = harness.common, harness.common.make_mesh("data=8"), {}
+    for mode, limit in (("auto", None), ("auto", 2**20), ("on", None)):
+        monkeypatch.setattr(common, "device_memory_limit", lambda: limit)
+        cfg = throughput.Args(algo="sft", model="tiny", random_init=True, batch_size=8, max_length=32, remat=mode)
+        backbone = common.enable_remat(harness.load_backbone(cfg, mesh), mode == "on")
+        bench = harness.setup(cfg, backbone, mesh)
+        step = common.jit_step(bench.step, cfg, [backbone], donate_argnums=0)
+        shapes = harness.shape_of((bench.state, bench.batch, bench.extra))  # the state is donated below
+        _, metrics = step(bench.state, bench.batch, bench.extra)  # resolves auto on the first call
+        # a fresh callable: traced anew (jax caches traces per function), as jit_step's own jit is
+        remats = str(jax.make_jaxpr(functools.partial(bench.step))(*shapes)).count("remat")
+        out[mode, limit] = cfg.remat, remats, jax.device_get(metrics), capsys.readouterr().out
+    assert out["auto", None][0] == "off" and "remat: auto -> off (cpu: no device memory limit)" in out["auto", None][3]
+    assert out["auto", 2**20][0] == "on"
+    assert out["auto", 2**20][1] == out["on", None][1] == out["auto", None][1] + 4  # + one per decoder block (tiny: 4)
+    assert "remat: auto -> on (compiled peak" in out["auto", 2**20][3] and "of 0.00 GiB per" in out["auto", 2**20][3]
+    assert out["on", None][0] == "on"
+    for k in ("train/loss", "train/grad_norm"):
+        np.testing.assert_array_equal(out["auto", 2**20][2][k], out["on", None][2][k])
+        np.testing.assert_allclose(out["auto", None][2][k], out["on", None][2][k], rtol=1e-5)

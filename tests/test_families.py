@@ -225,7 +225,7 @@ def run_scripts(preset, out):
     prompts = os.path.join(out, "prompts.jsonl")
     with open(prompts, "w") as f:
         f.writelines(json.dumps({"prompt": [{"role": "user", "content": f"Sort: {i} 2 7"}]}) + "\n" for i in range(4))
-    run = dict(model=preset, max_steps=1, batch_size=4, seed=0, remat=False)
+    run = dict(model=preset, max_steps=1, batch_size=4, seed=0, remat="off")
     sft.main(sft.Args(**run, max_length=32, dataset=os.path.join(ROOT, "data", "sft_messages_train.jsonl"),
                       eval_dataset=None, output_dir=os.path.join(out, "sft")))
     dpo.main(dpo.Args(**run, max_length=32, eval_dataset=None, output_dir=os.path.join(out, "dpo")))
