@@ -1127,6 +1127,7 @@ class Run:
             row["charts/learning_rate"] = float(self._lr(self.step - 1))
         row["charts/tokens_per_sec"] = self._tokens / elapsed
         row["charts/mfu"] = self._flops / elapsed / self._peak
+        row["charts/tokens"], row["charts/flops"] = float(self._tokens), float(self._flops)  # the interval's (sums)
         self._write(self.step, row)
         self.last_train = row
         shown = {k.split("/")[-1]: f"{row[k]:.4g}" for k in ("train/loss", *self._show) if k in row}
