@@ -387,7 +387,8 @@ def note(name, st, base_name, base_st, run_metrics, on_reward_model):
                        f"by pushing both answers down (likelihood displacement){longer}")
     if on_reward_model and "rm_score" in st and mean("rm_score") > mean("rm_score", base_st):
         return head + (f"reward hacking: reward-model score {mean('rm_score', base_st):.2f} → {mean('rm_score'):.2f} "
-                       f"while the task score fell; answers {mean('length', base_st):.1f} → {mean('length'):.1f} tokens")
+                       f"while the task score fell; answers {mean('length', base_st):.1f} → {mean('length'):.1f} "
+                       "tokens")
     return head + f"moved (KL {mean('kl'):.2f}) in a direction its training signal prefers but the task score does not"
 
 
@@ -402,9 +403,9 @@ def fmt(v, digits=3):
 
 def table(rows, base_name, with_rm):
     """rows: [(name, stats or None, cost [tokens trained, generated, FLOPs, wall s], note)] -> markdown."""
-    cols = ["method", "task score", f"Δ vs {base_name} (paired)", "sampled score"] + (["RM score"] if with_rm else []) + [
-        f"win rate vs {base_name}", f"KL from {base_name}", "length", "tokens trained", "tokens generated", "FLOPs",
-        "wall time", "notes"]
+    cols = ["method", "task score", f"Δ vs {base_name} (paired)", "sampled score"] + (
+        ["RM score"] if with_rm else []) + [f"win rate vs {base_name}", f"KL from {base_name}", "length",
+                                            "tokens trained", "tokens generated", "FLOPs", "wall time", "notes"]
     keys = ["score", "delta", "score_sampled"] + (["rm_score"] if with_rm else []) + ["win", "kl", "length"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 2) + ["---"]) + "|"]
     for name, st, cost, text in rows:
@@ -427,9 +428,9 @@ def plot(curves, stats, costs, base_name, temperature, path):
     for i, (name, runs) in enumerate(curves.items()):
         ax = fig.add_subplot(grid[i % 2, i // 2])
         for k, (metric, steps, values) in enumerate(runs):
-            ax.plot(steps, values, marker="." if k == 0 else None, lw=1.2 if k == 0 else 0.8, alpha=1 if k == 0 else 0.6)
-        ax.set_title(f"{name}: {runs[0][0]}", fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
+            first = k == 0  # seed --seed bold, the others thin
+            ax.plot(steps, values, marker="." if first else None, lw=1.2 if first else 0.8, alpha=1 if first else 0.6)
+        ax.set_title(f"{name}: {runs[0][0]}", fontsize=9), ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
     ax = fig.add_subplot(grid[:, cols])
     names = list(stats)
@@ -440,8 +441,7 @@ def plot(curves, stats, costs, base_name, temperature, path):
     if base_name in stats:
         ax.axhline(stats[base_name]["score"][0], ls="--", lw=1, color="gray", label=f"{base_name} greedy")
     ax.set_xticks(x, names, rotation=30, fontsize=8)
-    ax.set_ylim(0, 1.05)
-    ax.set_ylabel("test task score (mean ± 95% interval)")
+    ax.set(ylim=(0, 1.05), ylabel="test task score (mean ± 95% interval)")
     ax.set_title("final scores (evaluate.py protocol, test split)", fontsize=10)
     ax.legend(fontsize=8, loc="upper right")
     ax = fig.add_subplot(grid[:, cols + 1])
@@ -450,19 +450,16 @@ def plot(curves, stats, costs, base_name, temperature, path):
         flops = costs[n][2] + (sft_flops if n != base_name else 0.0)
         if np.isfinite(flops) and flops > 0:
             ax.errorbar(flops, stats[n]["score"][0], yerr=stats[n]["score"][1], fmt="o", capsize=3, label=n)
-    ax.set_xscale("log")
-    ax.set_xlabel("training FLOPs (SFT included; DESIGN §8 convention)")
-    ax.set_ylabel("test task score, greedy")
-    ax.set_title("score against compute", fontsize=10)
-    ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax.set(xscale="log", xlabel="training FLOPs (SFT included; DESIGN §8 convention)",
+           ylabel="test task score, greedy")
+    ax.set_title("score against compute", fontsize=10), ax.legend(fontsize=8), fig.tight_layout()
+    fig.savefig(path, dpi=110), plt.close(fig)
 
 
 def sweep_table(sweep, base_name):
     """sweep: {row: [(setting, stats on the eval split, chosen)]} -> markdown (every setting's eval score)."""
-    lines = ["| method | setting | eval task score | Δ vs " + base_name + " (eval, paired) | kept |", "|---|---|---:|---:|---|"]
+    lines = [f"| method | setting | eval task score | Δ vs {base_name} (eval, paired) | kept |",
+             "|---|---|---:|---:|---|"]
     for row, settings in sweep.items():
         lines += [f"| {row} | `{s}` | {fmt(st['score'])} | {fmt(st['delta'])} | {'**kept**' if kept else ''} |"
                   for s, st, kept in settings]
@@ -476,7 +473,8 @@ def write_report(args, output_dir, stages, rows, stats, costs, curves, sweep, ba
     runs = "\n".join(f"    python {short(s['script'])} {shlex.join(s['flags'])}" for s in stages)
     rm_line = (f"- reward model (PPO's reward, trained on the same preference pairs, one per seed): held-out pair "
                f"accuracy {reward_acc:.3f} (mean over seeds).\n" if reward_acc is not None else "")
-    sweep_md = (f"\n## Sweep (chosen on the eval split, {short(args.eval_prompts)})\n\n{sweep_table(sweep, base_name)}\n"
+    sweep_md = (f"\n## Sweep (chosen on the eval split, {short(args.eval_prompts)})\n\n"
+                f"{sweep_table(sweep, base_name)}\n"
                 "\nEach setting trained with every seed; the one with the best mean greedy task score on the eval "
                 "split is kept, and only it is scored on the test split (the table above).\n" if sweep else "")
     ppo_note = "; ppo includes its reward model" if any(s["row"] == "reward" for s in stages) else ""
@@ -541,10 +539,37 @@ def main(args):
 
 
 def stack(results, keys, base_keys):
-    """Per-prompt arrays of one row's seeds and the base's -> ({metric: [S, P]}, {metric: [S, P]})."""
+    """Per-prompt arrays of one row's seeds and of the base's -> ({metric: [S, P]}, {metric: [S, P]})."""
     names = set.intersection(*(set(results[k]) for k in keys + base_keys))
     return ({n: np.stack([results[k][n] for k in keys]) for n in names},
             {n: np.stack([results[k][n] for k in base_keys]) for n in names})
+
+
+def stage_cost(output_dir, stage, walls):
+    """run_cost + [wall s] of one run; PPO on a reward model pays for that model too."""
+    names = [stage["name"]] + [n for n in stage["needs"] if n.startswith("reward/")]
+    return list(np.sum([run_cost(os.path.join(output_dir, n)) + [walls.get(n, 0.0)] for n in names], 0))
+
+
+def choose_settings(args, output_dir, base, grid, swept, evaluate_on, base_keys):
+    """Every swept run scored on the eval split -> ({row: kept setting}, {row: [[setting, stats, kept]]}):
+    the setting with the best mean greedy task score over its seeds (the first of equals)."""
+    print(f"[eval] sweep: {len(swept)} runs on the eval split ({args.eval_prompts})", flush=True)
+    res = evaluate_on(args.eval_prompts, [(k, x, base, None) for x, k in base_keys.items()]
+                      + [(s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), None) for s in swept],
+                      "eval")
+    kept, sweep = {}, {}
+    for row in grid:
+        sweep[row] = []
+        for setting in dict.fromkeys(tag(g) for g in grid[row]):
+            runs = [s for s in swept if s["row"] == row and s["setting"] == setting]
+            if runs:
+                st = row_stats(*stack(res, [s["name"] for s in runs], [base_keys[s["seed"]] for s in runs]))
+                sweep[row].append([setting, st, False])
+        if sweep[row]:
+            best = max(sweep[row], key=lambda x: x[1]["score"][0])
+            best[2], kept[row] = True, best[0]
+    return kept, sweep
 
 
 def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, t_start):
@@ -552,60 +577,36 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
     (paired per prompt and seed), then write comparison.md / .png -> the table."""
     base_name = "sft" if "sft" in ok else "base"
     done = [s for s in stages if s["row"] not in ("sft", "reward") and ok[s["name"]]]
-    rm = lambda seed: (os.path.join(output_dir, "reward", f"seed{seed}", "model") if ok.get(f"reward/seed{seed}")
-                       else None)
-    model = lambda s: os.path.join(output_dir, s["name"], "model")
-    eval_dir = lambda split: lambda key, seed: (os.path.join(output_dir, key, f"eval_{split}") if key in ok else
-                                                os.path.join(output_dir, base_name, f"eval_{split}", f"seed{seed}"))
+    rm = lambda seed: os.path.join(output_dir, f"reward/seed{seed}/model") if ok.get(f"reward/seed{seed}") else None
+    evaluate_on = lambda prompts, jobs, split: evaluate_models(
+        args, prompts, base, jobs, lambda key, seed: os.path.join(output_dir, key, f"eval_{split}") if key in ok
+        else os.path.join(output_dir, base_name, f"eval_{split}", f"seed{seed}"))
     base_keys = {seed: f"{base_name} seed{seed}" for seed in seeds}
-    kept, sweep = {}, {}
     swept = [s for s in done if s["row"] in grid]
-    if swept:
-        print(f"[eval] sweep: {len(swept)} runs on the eval split ({args.eval_prompts})", flush=True)
-        res = evaluate_models(args, args.eval_prompts, base, [(base_keys[x], x, base, None) for x in seeds]
-                              + [(s["name"], s["seed"], model(s), None) for s in swept], eval_dir("eval"))
-        for row in grid:
-            settings = []
-            for setting in dict.fromkeys(tag(g) for g in grid[row]):
-                runs = [s for s in swept if s["row"] == row and s["setting"] == setting]
-                if runs:
-                    arrays, base_arrays = stack(res, [s["name"] for s in runs], [base_keys[s["seed"]] for s in runs])
-                    settings.append([setting, row_stats(arrays, base_arrays), False])
-            if settings:
-                best = max(settings, key=lambda x: x[1]["score"][0])
-                best[2], kept[row] = True, best[0]
-            sweep[row] = settings
+    kept, sweep = choose_settings(args, output_dir, base, grid, swept, evaluate_on, base_keys) if swept else ({}, {})
     final = [s for s in done if s["setting"] == kept.get(s["row"], "" if s["row"] not in grid else None)]
     print(f"[eval] {len(final)} runs and {base_name} on the test split ({args.test_prompts})", flush=True)
-    res = evaluate_models(args, args.test_prompts, base, [(base_keys[x], x, base, rm(x)) for x in seeds]
-                          + [(s["name"], s["seed"], model(s), rm(s["seed"])) for s in final], eval_dir("test"))
-    stats, costs, curves, rows = {}, {}, {}, []
-    stats[base_name] = row_stats(*stack(res, list(base_keys.values()), list(base_keys.values())))
-    costs[base_name] = run_cost(os.path.join(output_dir, "sft")) + [walls.get("sft", 0.0)] if base_name == "sft" \
-        else [float("nan")] * 3 + [0.0]
-    row_names = [base_name] + list(dict.fromkeys(s["row"] for s in stages if s["row"] not in ("sft", "reward")))
-    reward_acc = [next((r["eval/accuracy"] for r in reversed(read_metrics(os.path.join(output_dir, f"reward/seed{x}")))
-                        if "eval/accuracy" in r), None) for x in seeds]
-    for name in row_names:
-        runs = [s for s in final if s["row"] == name]
-        if runs:
+    res = evaluate_on(args.test_prompts, [(k, x, base, rm(x)) for x, k in base_keys.items()] + [
+        (s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), rm(s["seed"])) for s in final], "test")
+    stats = {base_name: row_stats(*stack(res, list(base_keys.values()), list(base_keys.values())))}
+    costs = {base_name: stage_cost(output_dir, stages[0], walls) if base_name == "sft" else [np.nan] * 3 + [0.0]}
+    curves, rows = {}, []
+    for name in [base_name] + list(dict.fromkeys(s["row"] for s in stages if s["row"] not in ("sft", "reward"))):
+        runs = [s for s in final if s["row"] == name] or [s for s in stages if s["name"] == name]
+        metrics = [read_metrics(os.path.join(output_dir, s["name"])) for s in runs]
+        if name != base_name and runs:
             stats[name] = row_stats(*stack(res, [s["name"] for s in runs], [base_keys[s["seed"]] for s in runs]))
-            per_seed = [run_cost(os.path.join(output_dir, s["name"])) + [walls[s["name"]]] for s in runs]
-            if any("--reward-model" in s["flags"] for s in runs):  # ppo pays for its reward model
-                per_seed = [[a + b for a, b in zip(c, run_cost(os.path.join(output_dir, f"reward/seed{s['seed']}"))
-                                                   + [walls.get(f"reward/seed{s['seed']}", 0.0)])]
-                            for c, s in zip(per_seed, runs)]
-            costs[name] = list(np.mean(per_seed, 0))
-        metrics = [read_metrics(os.path.join(output_dir, s["name"] if runs else "sft")) for s in runs or
-                   ([{}] if name == "sft" else [])]
+            costs[name] = list(np.mean([stage_cost(output_dir, s, walls) for s in runs], 0))
         if metrics and main_curve(metrics[0])[0]:
             curves[name] = [main_curve(m) for m in metrics]
         on_rm = any("--reward-model" in s["flags"] for s in runs)
         text = (note(name, stats[name], base_name, stats[base_name], metrics, on_rm) if name in stats
                 else f"failed or skipped: see {name}/*.log")
-        label = f"{name} (`{kept[name]}`)" if name in kept else name
-        rows.append((label, stats.get(name), costs.get(name, [float("nan")] * 3 + [0.0]), text))
-    accs = [a for a in reward_acc if a is not None]
+        rows.append((f"{name} (`{kept[name]}`)" if name in kept else name, stats.get(name),
+                     costs.get(name, [np.nan] * 3 + [0.0]), text))
+    accs = [[r["eval/accuracy"] for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
+             if "eval/accuracy" in r][-1:] for x in seeds]
+    accs = sum(accs, [])  # each reward model's last held-out accuracy
     return write_report(args, output_dir, stages, rows, stats, costs, curves, sweep, base_name,
                         float(np.mean(accs)) if accs else None, seeds, time.perf_counter() - t_start)
 

@@ -1,7 +1,7 @@
 """evaluate.py: win rate and KL by hand and in float64 NumPy, a worked example on `tiny`
 (scores re-derived from the decoded outputs, KL = 0 and win rate 0.5 against itself, greedy
-== KerasHub's own generate), bad flags exit 2; compare.py's statistics (intervals by hand and on synthetic tables with a known
-difference), sweep, costs and plan, and compare.py end to end with a tiny budget."""
+== KerasHub's own generate), bad flags exit 2; compare.py's statistics (intervals by hand and on synthetic tables with a
+known difference), sweep, costs and plan, and compare.py end to end with a tiny budget."""
 
 import json
 import os
@@ -275,7 +275,7 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
         assert result["num_prompts"] == 16 and result["prompts"].endswith("prompts_test.jsonl")
         assert result["seed"] == s and np.isclose(load(run / "eval_test").mean(), result["score"])
     other = "1e-5" if kept == "1e-3" else "1e-3"
-    assert not (out / "mydpo" / f"learning_rate_{other}" / "seed0" / "eval_test").exists()  # only the kept one is tested
+    assert not (out / "mydpo" / f"learning_rate_{other}" / "seed0" / "eval_test").exists()  # only the kept one
     # the paired difference: mean over seeds and prompts of (mydpo − sft) on the test split
     runs = [out / "mydpo" / f"learning_rate_{kept}" / f"seed{s}" for s in (0, 1)]
     diff = np.mean([load(r / "eval_test") - load(out / "sft" / "eval_test" / f"seed{s}") for s, r in enumerate(runs)])
