@@ -28,6 +28,7 @@ import tyro
 METHODS = ("sft", "dpo", "simpo", "orpo", "ppo", "grpo")
 PREFERENCE = ("dpo", "simpo", "orpo")  # started from the SFT model on the same preference data
 MAIN_METRIC = ("objective/scores", "reward", "train/loss")  # the curve plotted per run: the first one logged
+RepeatedStr = Annotated[tuple[str, ...], tyro.conf.UseAppendAction]  # `--flag a --flag b` -> ("a", "b")
 
 
 @dataclass
@@ -46,7 +47,7 @@ class Args:
     seeds: int = 3
     """training seeds of every method after SFT: --seed, --seed+1, …; SFT is trained once (seed --seed): the
     one shared base every method and seed starts from, so the paired differences measure the methods alone"""
-    sweep: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()
+    sweep: RepeatedStr = ()
     """`method.flag=v1,v2,…` (repeatable; two flags of one method: their grid), e.g. dpo.learning_rate=1e-5,5e-5:
     every setting trained with every seed, the best mean greedy task score on --eval-prompts kept and reported
     on --test-prompts; the flag is appended last (it overrides the recipe and --<method>-args)"""
