@@ -282,6 +282,6 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     assert cells["mydpo"][1].startswith(f"{diff:+.3f} ± ".lstrip("+"))
     # costs: the runs' own logged counts, mean over seeds
     cost = np.mean([compare.run_cost(str(r)) for r in runs], 0)
-    assert cells["mydpo"][7:10] == [compare.fmt(c) for c in cost] and cost[0] > 0 and cost[1] == 0
+    assert cells["mydpo"][6:9] == [compare.fmt(c) for c in cost] and cost[0] > 0 and cost[1] == 0
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| **sft**" in proc.stdout  # the table is printed at the end
