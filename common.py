@@ -1245,6 +1245,7 @@ class Run:
             row["charts/learning_rate"] = float(self._lr(self.step - 1))
         row["charts/tokens_per_sec"] = self._tokens / elapsed
         row["charts/mfu"] = self._flops / elapsed / self._peak
+        row["charts/tokens"], row["charts/flops"] = float(self._tokens), float(self._flops)  # the interval's (sums)
         if self._padded:
             row["charts/padding_fraction"] = 1.0 - self._tokens / self._padded
             row["charts/compilations"] = float(len(self._shapes))

@@ -2,13 +2,15 @@
 
 Every script runs through its real CLI (a subprocess), so a forked script slots in by name
 (`--extra mydpo.py`); every resulting model is scored with evaluate.py's protocol against
-the SFT model. Writes comparison.md (table) and comparison.png (curves + final scores).
+the SFT model, over --seeds seeds, with paired 95% intervals; --sweep picks settings on the eval split,
+the table reports the test split. Writes comparison.md (table, sweep, costs) and comparison.png.
     python compare.py --model gemma_2b --sft-args="--dataset sft.jsonl" --dpo-args="--dataset prefs.jsonl"
-Offline, the toy task on the `tiny` model (minutes on a laptop-class CPU):
-    python compare.py --model tiny
+Offline, the toy task on the `tiny` model (minutes a seed on a laptop-class CPU):
+    python compare.py --model tiny --seeds 3 --sweep dpo.learning_rate=1e-5,5e-5
 """
 
 import json
+import math
 import os
 import shlex
 import shutil
@@ -16,15 +18,17 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Annotated, Literal
 
 import common  # first: --help without heavy imports, KERAS_BACKEND=jax (JAX's devices start only to evaluate)
 
 import numpy as np
+import tyro
 
 METHODS = ("sft", "dpo", "simpo", "orpo", "ppo", "grpo")
 PREFERENCE = ("dpo", "simpo", "orpo")  # started from the SFT model on the same preference data
 MAIN_METRIC = ("objective/scores", "reward", "train/loss")  # the curve plotted per run: the first one logged
+RepeatedStr = Annotated[tuple[str, ...], tyro.conf.UseAppendAction]  # `--flag a --flag b` -> ("a", "b")
 
 
 @dataclass
@@ -40,6 +44,13 @@ class Args:
     --ppo-reward; grpo optimises the task score, --reward-fn)"""
     extra: tuple[str, ...] = ()
     """forked scripts (e.g. mydpo.py), each run like dpo from the SFT model; the row is the file's name"""
+    seeds: int = 3
+    """training seeds of every method after SFT: --seed, --seed+1, …; SFT is trained once (seed --seed): the
+    one shared base every method and seed starts from, so the paired differences measure the methods alone"""
+    sweep: RepeatedStr = ()
+    """`method.flag=v1,v2,…` (repeatable; two flags of one method: their grid), e.g. dpo.learning_rate=1e-5,5e-5:
+    every setting trained with every seed, the best mean greedy task score on --eval-prompts kept and reported
+    on --test-prompts; the flag is appended last (it overrides the recipe and --<method>-args)"""
     # budgets
     sft_steps: int = 150
     """SFT optimizer updates (the base every other method starts from)"""
@@ -80,9 +91,11 @@ class Args:
     """extra flags for every --extra script"""
     # evaluation (evaluate.py's protocol)
     eval_prompts: str = os.path.join(common.HERE, "data", "prompts_eval.jsonl")
-    """held-out prompts"""
-    num_prompts: int = 200
-    """held-out prompts evaluated (0: all)"""
+    """held-out prompts that choose among --sweep settings (the eval split)"""
+    test_prompts: str = os.path.join(common.HERE, "data", "prompts_test.jsonl")
+    """held-out prompts of the reported numbers (the test split: never used to choose anything)"""
+    num_prompts: int = 0
+    """the first N prompts of each split (0: all: 200 eval, 500 test)"""
     reward_fn: str = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
     """the task score, `path.py:function`"""
     max_new_tokens: int = 16
@@ -90,7 +103,7 @@ class Args:
     temperature: float = 1.0
     """temperature of the sampled responses (KL is measured on them)"""
     seed: int = 0
-    """passed to every script and to the evaluation"""
+    """SFT's seed and the first of --seeds; a model of seed s is evaluated with sampling seed s"""
     # outputs
     output_dir: str | None = None
     """None: runs/compare__{model}__{seed}__{time}; one sub-directory per run"""
@@ -99,7 +112,7 @@ class Args:
 
 
 # ---------------------------------------------------------------------------
-# The plan: which script runs, from which model, with which flags
+# The plan: which script runs, from which model, with which flags, for which seed and setting
 # ---------------------------------------------------------------------------
 # The recipe's fixed flags per script, ahead of the budgets, --learning-rate and the pass-through flags.
 # The scripts' defaults are TRL's for real pretrained models (README: "Defaults"); these are the values
@@ -114,55 +127,85 @@ RECIPE = {
            "--missing-eos-penalty 1.0 --kl-coef 0.05",
     "grpo": "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 16 --beta 0.04",
 }
+
+
+def parse_sweep(specs, rows):
+    """['dpo.learning_rate=1e-6,5e-6', …] -> {row: [setting, …]}, a setting a dict {flag: value} (the grid of
+    a row's swept flags, in the order given); a row not in `rows` or a spec without values raises UsageError."""
+    grid = {}
+    for spec in specs:
+        key, _, values = spec.partition("=")
+        row, _, flag = key.partition(".")
+        values = [v.strip() for v in values.split(",") if v.strip()]
+        if row not in rows or not flag.isidentifier() or not values:
+            raise common.UsageError(f"--sweep {spec!r}: expected row.flag=v1,v2,… with row one of {','.join(rows)}")
+        grid[row] = [{**s, flag: v} for s in grid.get(row, [{}]) for v in values]
+    return grid
+
+
+def tag(setting):
+    """A setting's directory name: {'learning_rate': '1e-6'} -> 'learning_rate_1e-6' ('' for no setting)."""
+    return "__".join(f"{k}_{v}" for k, v in setting.items())
+
+
 def plan(args, output_dir):
-    """-> list of stages {name, script, flags, needs}, in run order; bad choices raise UsageError."""
+    """-> (stages {name: run dir under output_dir, row, setting, seed, script, flags, needs} in run order,
+    the base model, the seeds, the sweep grid); bad choices raise UsageError."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
-    if unknown or not (methods or args.extra):
-        raise common.UsageError(f"--methods {args.methods!r}: choose from {','.join(METHODS)}")
+    if unknown or not (methods or args.extra) or args.seeds < 1:
+        raise common.UsageError(f"--methods {args.methods!r}: choose from {','.join(METHODS)}; --seeds >= 1")
     base = os.path.join(output_dir, "sft", "model") if "sft" in methods else args.model
-    common_flags = ["--seed", str(args.seed)] + (["--chat-template", args.chat_template] if args.chat_template
-                                                 else [])
-    tuned = ["--learning-rate", str(args.learning_rate)]
-    stage = lambda name, script, flags, extra, needs=(), recipe=None: {
-        "name": name, "script": script, "needs": [n for n in needs if n in methods or n == "reward"],
-        "flags": flags + shlex.split(RECIPE[recipe or name.split("_")[0]]) + common_flags
-        + ["--output-dir", os.path.join(output_dir, name)] + shlex.split(extra)}
+    sft = ["sft"] if "sft" in methods else []
+    lr = ["--learning-rate", str(args.learning_rate)]
     script = lambda name: os.path.join(common.HERE, f"{name}.py")
-    stages = []
-    if "sft" in methods:
-        stages.append(stage("sft", script("sft"), ["--model", args.model, "--max-steps", str(args.sft_steps)],
-                            args.sft_args))
-    for name in (m for m in PREFERENCE if m in methods):
-        stages.append(stage(name, script(name), ["--model", base, "--max-steps", str(args.steps)] + tuned,
-                            getattr(args, f"{name}_args"), ["sft"]))
+    rm_dir = lambda seed: os.path.join(output_dir, "reward", f"seed{seed}", "model")
+    # rows after SFT: (row, script, recipe key, steps, flags of a seed, pass-through flags, needs the reward model)
+    rows = [(m, script(m), m, args.steps, lambda s: [], getattr(args, f"{m}_args"), False)
+            for m in PREFERENCE if m in methods]
     for path in args.extra:
         name = os.path.splitext(os.path.basename(path))[0]
         if not path.endswith(".py") or not os.path.exists(path) or name in METHODS + ("reward",):
             raise common.UsageError(f"--extra {path}: expected an existing script whose name is not a built-in")
-        stages.append(stage(name, os.path.abspath(path), ["--model", base, "--max-steps", str(args.steps)] + tuned,
-                            args.extra_args, ["sft"], recipe="dpo"))
-    if "ppo" in methods:
-        ppo = lambda name, reward, needs: stage(name, script("ppo"), ["--model", base, "--max-steps",
-                                                                     str(args.ppo_steps)] + tuned + reward,
-                                                args.ppo_args, needs)
-        if args.ppo_reward in ("model", "both"):
-            stages.append(stage("reward", script("reward"), ["--model", base, "--max-steps", str(args.reward_steps),
-                                                              "--normalize"], args.reward_args, ["sft"]))
-            stages.append(ppo("ppo", ["--reward-model", os.path.join(output_dir, "reward", "model")],
-                              ["sft", "reward"]))
-        if args.ppo_reward in ("fn", "both"):
-            stages.append(ppo("ppo_fn" if args.ppo_reward == "both" else "ppo", ["--reward-fn", args.reward_fn],
-                              ["sft"]))
+        rows.append((name, os.path.abspath(path), "dpo", args.steps, lambda s: [], args.extra_args, False))
+    if "ppo" in methods and args.ppo_reward in ("model", "both"):
+        rows.append(("ppo", script("ppo"), "ppo", args.ppo_steps, lambda s: ["--reward-model", rm_dir(s)],
+                     args.ppo_args, True))
+    if "ppo" in methods and args.ppo_reward in ("fn", "both"):
+        rows.append(("ppo_fn" if args.ppo_reward == "both" else "ppo", script("ppo"), "ppo", args.ppo_steps,
+                     lambda s: ["--reward-fn", args.reward_fn], args.ppo_args, False))
     if "grpo" in methods:  # a verifiable reward: the task score itself, like ppo_fn
-        stages.append(stage("grpo", script("grpo"), ["--model", base, "--max-steps", str(args.grpo_steps)] + tuned
-                            + ["--reward-fn", args.reward_fn], args.grpo_args, ["sft"]))
-    return stages, base
+        rows.append(("grpo", script("grpo"), "grpo", args.grpo_steps, lambda s: ["--reward-fn", args.reward_fn],
+                     args.grpo_args, False))
+    grid = parse_sweep(args.sweep, [r[0] for r in rows])
+    template = ["--chat-template", args.chat_template] if args.chat_template else []
+
+    def stage(name, row, script, recipe, model, flags, seed, extra, needs, setting=None):
+        setting = setting or {}
+        swept = [x for k, v in setting.items() for x in ("--" + k.replace("_", "-"), v)]
+        return {"name": name, "row": row, "setting": tag(setting), "seed": seed, "script": script, "needs": needs,
+                "flags": ["--model", model] + flags + shlex.split(RECIPE[recipe]) + ["--seed", str(seed)] + template
+                + ["--output-dir", os.path.join(output_dir, name)] + shlex.split(extra) + swept}
+
+    seeds = [args.seed + k for k in range(args.seeds)]
+    stages = [stage("sft", "sft", script("sft"), "sft", args.model, ["--max-steps", str(args.sft_steps)], args.seed,
+                    args.sft_args, [])] if sft else []
+    for seed in seeds:
+        if any(r[6] for r in rows):
+            stages.append(stage(f"reward/seed{seed}", "reward", script("reward"), "reward", base,
+                                ["--max-steps", str(args.reward_steps), "--normalize"], seed, args.reward_args, sft))
+        for row, path, recipe, steps, seed_flags, extra, on_rm in rows:
+            for setting in grid.get(row, [{}]):
+                name = "/".join(filter(None, [row, tag(setting), f"seed{seed}"]))
+                flags = ["--max-steps", str(steps)] + lr + seed_flags(seed)
+                stages.append(stage(name, row, path, recipe, base, flags, seed, extra,
+                                    sft + ([f"reward/seed{seed}"] if on_rm else []), setting))
+    return stages, base, seeds, grid
 
 
 def prepare_output_dir(output_dir, stages, overwrite):
     """Refuse to mix with an earlier comparison unless --overwrite (which removes its runs)."""
-    held = [s["name"] for s in stages if os.path.exists(os.path.join(output_dir, s["name"]))]
+    held = sorted({s["name"].split("/")[0] for s in stages if os.path.exists(os.path.join(output_dir, s["name"]))})
     if held and not overwrite:
         raise common.UsageError(f"--output-dir {output_dir} already holds runs ({', '.join(held)}); "
                                 "pass --overwrite to replace them")
@@ -193,15 +236,23 @@ def main_curve(rows):
     return None, [], []
 
 
-def tokens_per_sec(rows):
-    """Median of the logged charts/tokens_per_sec (the median drops the compile-heavy first interval)."""
-    values = [r["charts/tokens_per_sec"] for r in rows if "charts/tokens_per_sec" in r]
-    return float(np.median(values)) if values else float("nan")
+def run_cost(run_dir):
+    """-> [tokens trained, tokens generated, FLOPs] of one run. Trained tokens and FLOPs are the sums of its
+    logged charts/tokens and charts/flops (the script's own count, DESIGN §8: 6N a trained token, 2N an extra
+    forward, sampling included; NaN when not logged); generated = iterations × batch × response length
+    (args.json; 0 for a script that does not sample)."""
+    rows = read_metrics(run_dir)
+    path = os.path.join(run_dir, "args.json")
+    a = json.load(open(path)) if os.path.exists(path) else {}
+    total = lambda k: float(sum(r[k] for r in rows if k in r)) if any(k in r for r in rows) else float("nan")
+    generated = a["max_steps"] * a["batch_size"] * a["response_length"] if "response_length" in a else 0
+    return [total("charts/tokens"), float(generated), total("charts/flops")]
 
 
 def run_stage(i, n, stage, output_dir):
     """Run one script to completion, its output in <name>.log -> (ok, wall seconds)."""
     log_path = os.path.join(output_dir, f"{stage['name']}.log")
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
     cmd = [sys.executable, stage["script"]] + stage["flags"]
     print(f"[{i}/{n}] {stage['name']}: {shlex.join(cmd[1:])}", flush=True)
     t0 = time.perf_counter()
@@ -224,141 +275,234 @@ def run_stage(i, n, stage, output_dir):
 # ---------------------------------------------------------------------------
 # Evaluation (evaluate.py's protocol, in this process: one compilation for every model)
 # ---------------------------------------------------------------------------
-def evaluate_models(args, base, models, reward_model, output_dir):
-    """models: {row name: model dir} -> {row name: evaluate.summarize numbers}; each model is
-    scored against `base` and its eval.json / samples.jsonl go to <run>/eval/."""
+def evaluate_models(args, prompts_path, base, jobs, eval_dir):
+    """jobs: [(key, seed, model dir, reward model dir or None)] -> {key: evaluate.per_prompt arrays}: each model
+    scored on `prompts_path` against `base` with sampling seed `seed` (the base sampled with the same seed:
+    paired per prompt and per seed); eval.json, samples.jsonl and scores.npz go to eval_dir(key, seed)."""
     import evaluate  # JAX starts only now, after the training processes ended (a TPU admits one)
 
-    eargs = evaluate.Args(model=base, baseline=base, prompts=args.eval_prompts, num_prompts=args.num_prompts,
-                          reward_fn=args.reward_fn, reward_model=reward_model, chat_template=args.chat_template,
-                          max_new_tokens=args.max_new_tokens, temperature=args.temperature, seed=args.seed)
+    eargs = lambda seed, rm: evaluate.Args(
+        model=base, baseline=base, prompts=prompts_path, num_prompts=args.num_prompts, reward_fn=args.reward_fn,
+        reward_model=rm, chat_template=args.chat_template, max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature, seed=seed)
     mesh = common.make_mesh(None)
-    prompts, reward_fn = evaluate.check_args(eargs, mesh)
-    base_policy = evaluate.load_policy(base, mesh, eargs)
-    data = evaluate.prepare(eargs, mesh, prompts, base_policy.model.preprocessor.tokenizer)
-    scorer = evaluate.make_scorer(eargs, mesh, data, reward_fn)
-    base_outs = evaluate.evaluate_policy(base_policy, data, scorer, eargs, mesh, baseline=base_policy)
-    results = {}
-    for name, model_dir in models.items():
-        t0 = time.perf_counter()
+    prompts, reward_fn = evaluate.check_args(eargs(args.seed, None), mesh)
+    base_policy = evaluate.load_policy(base, mesh, eargs(args.seed, None))
+    data = evaluate.prepare(eargs(args.seed, None), mesh, prompts, base_policy.model.preprocessor.tokenizer)
+    scorers, base_outs, results = {}, {}, {}
+    for key, seed, model_dir, rm in jobs:
+        t0, ea = time.perf_counter(), eargs(seed, rm)
+        if rm not in scorers:
+            scorers[rm] = evaluate.make_scorer(ea, mesh, data, reward_fn)
+        if (seed, rm) not in base_outs:
+            base_outs[seed, rm] = evaluate.evaluate_policy(base_policy, data, scorers[rm], ea, mesh, base_policy)
+        b = base_outs[seed, rm]
         if model_dir == base:
-            outs = base_outs
+            outs = b
         else:
-            policy = evaluate.load_policy(model_dir, mesh, eargs, like=base_policy)
-            evaluate.check_same_tokens(model_dir, policy.model, data, eargs, name)
-            outs = evaluate.evaluate_policy(policy, data, scorer, eargs, mesh, baseline=base_policy)
-        results[name] = evaluate.summarize(outs, base_outs)
-        eval_dir = os.path.join(output_dir, name, "eval")
-        evaluate.write_outputs(eval_dir, {"model": model_dir, "baseline": base, "num_prompts": len(data["prompts"]),
-                                          "seed": args.seed, "temperature": args.temperature, **results[name]},
-                               evaluate.examples(outs, data, 8, base_outs))
-        print(f"      eval {name}: task score {results[name]['score']:.3f}, KL {results[name]['kl']:.3f} "
+            policy = evaluate.load_policy(model_dir, mesh, ea, like=base_policy)
+            evaluate.check_same_tokens(model_dir, policy.model, data, ea, key)
+            outs = evaluate.evaluate_policy(policy, data, scorers[rm], ea, mesh, baseline=base_policy)
+        results[key] = evaluate.per_prompt(outs, b)
+        m = evaluate.summarize(outs, b)
+        evaluate.write_outputs(eval_dir(key, seed), {"model": model_dir, "baseline": base, "prompts": prompts_path,
+                                                     "num_prompts": len(data["prompts"]), "seed": seed,
+                                                     "temperature": args.temperature, **m},
+                               evaluate.examples(outs, data, 8, b), results[key])
+        print(f"      {key} (seed {seed}): task score {m['score']:.3f}, KL {m['kl']:.3f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return results
 
 
 # ---------------------------------------------------------------------------
+# STATISTICS: pure functions of per-prompt score tables [seeds S, prompts P]
+# ---------------------------------------------------------------------------
+def t_quantile(p, df):
+    """Student-t quantile t_p(df) for p > ½, numpy only: bisection on 0.5 + ∫_0^x density (Simpson, 2000 panels)."""
+    df = min(float(df), 1e7)  # beyond: the normal
+    logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
+
+    def cdf(x):
+        f = np.exp(logc - (df + 1) / 2 * np.log1p(np.linspace(0.0, x, 2001) ** 2 / df))
+        return 0.5 + x / 6000 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
+
+    lo, hi = 0.0, 1.0
+    while cdf(hi) < p:
+        hi *= 2
+    for _ in range(50):
+        lo, hi = ((lo + hi) / 2, hi) if cdf((lo + hi) / 2) < p else (lo, (lo + hi) / 2)
+    return (lo + hi) / 2
+
+
+def mean_interval(x, level=0.95):
+    """Mean of x [S seeds, P prompts] and the half-width of its `level` interval, seeds and prompts both
+    random draws (a crossed two-way random-effects design, Cornfield–Tukey):
+        Var(mean) = (MS_seed + MS_prompt − MS_resid) / (S·P),   t with Satterthwaite's df,
+    each mean square floored at MS_resid (variance components >= 0). S = 1: the t-interval over prompts
+    (the seed's own noise then goes unmeasured)."""
+    x = np.asarray(x, np.float64)
+    s, p = x.shape
+    m, rows, cols = x.mean(), x.mean(1), x.mean(0)
+    ms_p = s * np.sum((cols - m) ** 2) / max(p - 1, 1)
+    if s == 1:
+        terms = [(ms_p, p - 1)]
+    else:
+        ms_s = p * np.sum((rows - m) ** 2) / (s - 1)
+        ms_e = np.sum((x - rows[:, None] - cols[None] + m) ** 2) / ((s - 1) * max(p - 1, 1))
+        terms = [(max(ms_s, ms_e), s - 1), (max(ms_p, ms_e), p - 1), (-ms_e, (s - 1) * (p - 1))]
+    var = sum(t for t, _ in terms) / (s * p)
+    if var <= 0 or p < 2:
+        return float(m), 0.0
+    df = sum(t for t, _ in terms) ** 2 / sum(t * t / d for t, d in terms)
+    return float(m), float(t_quantile((1 + level) / 2, df) * math.sqrt(var))
+
+
+def row_stats(arrays, base_arrays):
+    """{metric: [S, P]} of one row and of the base (same seeds, same prompts) -> {metric: (mean, ±)}, plus
+    `delta`: the task score paired per prompt and per seed against the base, mean(row − base) ± its interval."""
+    out = {k: mean_interval(v) for k, v in arrays.items()}
+    out["delta"] = mean_interval(arrays["score"] - base_arrays["score"])
+    return out
+
+
+# ---------------------------------------------------------------------------
 # Report: the table (markdown), the picture
 # ---------------------------------------------------------------------------
-def note(name, m, base_name, base_m, run_metrics, on_reward_model):
-    """One honest line per row: does it beat the base on the task score, and if not, the likely
-    why, read from the numbers (the run's own held-out log-probs, the reward-model score, KL)."""
+def note(name, st, base_name, base_st, run_metrics, on_reward_model):
+    """One honest line per row: beats the base, within noise of it (the paired interval covers 0), or below
+    it, and then the likely why, read from the numbers (the runs' held-out log-probs, the RM score, KL)."""
     if name == base_name:
-        return "the base every other method starts from"
-    delta = m["score"] - base_m["score"]
-    if delta > 0:
-        return f"beats {base_name} (+{delta:.3f})"
-    head = f"does not beat {base_name} ({delta:+.3f}): "
-    chosen = [r["eval/logps/chosen"] for r in run_metrics if "eval/logps/chosen" in r]
-    if len(chosen) >= 2 and chosen[-1] < chosen[0]:
-        longer = "; greedy answers got longer" if m["length"] > base_m["length"] + 0.5 else ""
-        return head + (f"held-out chosen log-prob fell too ({chosen[0]:.2f} → {chosen[-1]:.2f}): the margin grew "
+        return "the base every other method starts from (one model, shared by every seed)"
+    d, h = st["delta"]
+    if d - h > 0:
+        return f"beats {base_name} (Δ {d:+.3f} ± {h:.3f})"
+    if d + h >= 0:
+        return f"within noise of {base_name} (Δ {d:+.3f} ± {h:.3f} covers 0)"
+    head, mean = f"below {base_name} (Δ {d:+.3f} ± {h:.3f}): ", lambda k, b=st: b[k][0]
+    chosen = [[r["eval/logps/chosen"] for r in rows if "eval/logps/chosen" in r] for rows in run_metrics]
+    chosen = [c for c in chosen if len(c) >= 2]
+    first, last = (np.mean([c[0] for c in chosen]), np.mean([c[-1] for c in chosen])) if chosen else (0, 0)
+    if chosen and last < first:
+        longer = "; greedy answers got longer" if mean("length") > mean("length", base_st) + 0.5 else ""
+        return head + (f"held-out chosen log-prob fell too ({first:.2f} → {last:.2f}): the margin grew "
                        f"by pushing both answers down (likelihood displacement){longer}")
-    if on_reward_model and "rm_score" in m and m["rm_score"] > base_m["rm_score"]:
-        return head + (f"reward hacking: reward-model score {base_m['rm_score']:.2f} → {m['rm_score']:.2f} while "
-                       f"the task score fell; answers got longer ({m['length']:.1f} vs {base_m['length']:.1f} tokens)")
-    if abs(delta) < 0.02 or m["kl"] < 0.05:
-        return head + f"about unchanged (KL {m['kl']:.2f}): the step budget is too small to move greedy answers"
-    return head + f"moved (KL {m['kl']:.2f}) in a direction its training signal prefers but the task score does not"
+    if on_reward_model and "rm_score" in st and mean("rm_score") > mean("rm_score", base_st):
+        return head + (f"reward hacking: reward-model score {mean('rm_score', base_st):.2f} → {mean('rm_score'):.2f} "
+                       f"while the task score fell; answers {mean('length', base_st):.1f} → {mean('length'):.1f} "
+                       "tokens")
+    return head + f"moved (KL {mean('kl'):.2f}) in a direction its training signal prefers but the task score does not"
+
+
+def fmt(v, digits=3):
+    """(mean, ±) -> '0.558 ± 0.031'; a count -> '5120' / '1.23M' / '3.40e12'; NaN or None -> '–'."""
+    if isinstance(v, tuple):
+        return f"{v[0]:.{digits}f} ± {v[1]:.{digits}f}"
+    if v is None or not np.isfinite(v):
+        return "–"
+    return f"{v:.2e}".replace("e+", "e") if v >= 1e10 else f"{v / 1e6:.2f}M" if v >= 1e5 else f"{v:.0f}"
 
 
 def table(rows, base_name, with_rm):
-    """rows: [(name, metrics or None, tokens/s, wall s, note)] -> markdown table."""
-    cols = ["method", "task score", "sampled score"] + (["RM score"] if with_rm else []) + [
-        f"win rate vs {base_name}", f"KL from {base_name}", "length", "tokens/s", "wall time", "notes"]
+    """rows: [(name, stats or None, cost [tokens trained, generated, FLOPs, wall s], note)] -> markdown."""
+    cols = ["method", "task score", f"Δ vs {base_name} (paired)", "sampled score"] + (
+        ["RM score"] if with_rm else []) + [f"win rate vs {base_name}", f"KL from {base_name}", "length",
+                                            "tokens trained", "tokens generated", "FLOPs", "wall time", "notes"]
+    keys = ["score", "delta", "score_sampled"] + (["rm_score"] if with_rm else []) + ["win", "kl", "length"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 2) + ["---"]) + "|"]
-    for name, m, tps, wall, text in rows:
-        if m is None:
-            cells = ["–"] * (len(cols) - 4)
-        else:
-            cells = [f"{m['score']:.3f}", f"{m['score_sampled']:.3f}"] + (
-                [f"{m['rm_score']:.2f}"] if with_rm else []) + [
-                f"{m['win_rate']:.3f}", f"{m['kl']:.3f}", f"{m['length']:.1f}"]
-        cells += [f"{tps:.0f}" if np.isfinite(tps) else "–", f"{wall:.0f} s" if wall else "–"]
+    for name, st, cost, text in rows:
+        cells = [fmt(st[k], 2 if k in ("rm_score", "kl", "length") else 3) if st and k in st else "–" for k in keys]
+        cells += [fmt(c) for c in cost[:3]] + [f"{cost[3]:.0f} s" if cost[3] else "–"]
         lines.append("| " + " | ".join([f"**{name}**"] + cells + [text]) + " |")
     return "\n".join(lines)
 
 
-def plot(curves, results, base_name, temperature, path):
-    """Each run's main training metric (left grid) and the held-out task scores (right)."""
+def plot(curves, stats, costs, base_name, temperature, path):
+    """Each row's main training metric (left grid; every seed), the test scores with their intervals
+    (middle) and the greedy task score against total training FLOPs, SFT included (right)."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     cols = max(1, -(-len(curves) // 2))
-    fig = plt.figure(figsize=(3.0 * cols + 5.0, 6.0))
-    grid = fig.add_gridspec(2, cols + 1, width_ratios=[1] * cols + [1.6])
-    for i, (name, (metric, steps, values)) in enumerate(curves.items()):
+    fig = plt.figure(figsize=(3.0 * cols + 10.0, 6.0))
+    grid = fig.add_gridspec(2, cols + 2, width_ratios=[1] * cols + [1.6, 1.6])
+    for i, (name, runs) in enumerate(curves.items()):
         ax = fig.add_subplot(grid[i % 2, i // 2])
-        ax.plot(steps, values, marker=".", lw=1.2)
-        ax.set_title(f"{name}: {metric}", fontsize=9)
-        ax.set_xlabel("step", fontsize=8)
+        for k, (metric, steps, values) in enumerate(runs):
+            first = k == 0  # seed --seed bold, the others thin
+            ax.plot(steps, values, marker="." if first else None, lw=1.2 if first else 0.8, alpha=1 if first else 0.6)
+        ax.set_title(f"{name}: {runs[0][0]}", fontsize=9), ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
     ax = fig.add_subplot(grid[:, cols])
-    names = list(results)
+    names = list(stats)
     x = np.arange(len(names))
-    ax.bar(x - 0.2, [results[n]["score"] for n in names], 0.4, label="greedy")
-    ax.bar(x + 0.2, [results[n]["score_sampled"] for n in names], 0.4, label=f"sampled (T={temperature:g})")
-    if base_name in results:
-        ax.axhline(results[base_name]["score"], ls="--", lw=1, color="gray", label=f"{base_name} greedy")
-    ax.set_xticks(x, names)
-    ax.set_ylim(0, 1.05)
-    ax.set_ylabel("held-out task score")
-    ax.set_title("final scores (evaluate.py protocol)", fontsize=10)
+    for dx, key, label in ((-0.2, "score", "greedy"), (0.2, "score_sampled", f"sampled (T={temperature:g})")):
+        ax.bar(x + dx, [stats[n][key][0] for n in names], 0.4, yerr=[stats[n][key][1] for n in names], capsize=3,
+               label=label)
+    if base_name in stats:
+        ax.axhline(stats[base_name]["score"][0], ls="--", lw=1, color="gray", label=f"{base_name} greedy")
+    ax.set_xticks(x, names, rotation=30, fontsize=8)
+    ax.set(ylim=(0, 1.05), ylabel="test task score (mean ± 95% interval)")
+    ax.set_title("final scores (evaluate.py protocol, test split)", fontsize=10)
     ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    ax = fig.add_subplot(grid[:, cols + 1])
+    sft_flops = costs.get(base_name, [0, 0, 0])[2] if base_name == "sft" else 0.0
+    for n in names:
+        flops = costs[n][2] + (sft_flops if n != base_name else 0.0)
+        if np.isfinite(flops) and flops > 0:
+            ax.errorbar(flops, stats[n]["score"][0], yerr=stats[n]["score"][1], fmt="o", capsize=3, label=n)
+    ax.set(xscale="log", xlabel="training FLOPs (SFT included; DESIGN §8 convention)",
+           ylabel="test task score, greedy")
+    ax.set_title("score against compute", fontsize=10), ax.legend(fontsize=8), fig.tight_layout()
+    fig.savefig(path, dpi=110), plt.close(fig)
 
 
-def write_report(args, output_dir, stages, rows, results, curves, base_name, reward_acc, total):
-    """comparison.md (table, protocol, commands) and comparison.png into output_dir."""
-    with_rm = any("rm_score" in m for m in results.values())
-    md = table(rows, base_name, with_rm)
+def sweep_table(sweep, base_name):
+    """sweep: {row: [(setting, stats on the eval split, chosen)]} -> markdown (every setting's eval score)."""
+    lines = [f"| method | setting | eval task score | Δ vs {base_name} (eval, paired) | kept |",
+             "|---|---|---:|---:|---|"]
+    for row, settings in sweep.items():
+        lines += [f"| {row} | `{s}` | {fmt(st['score'])} | {fmt(st['delta'])} | {'**kept**' if kept else ''} |"
+                  for s, st, kept in settings]
+    return "\n".join(lines)
+
+
+def write_report(args, output_dir, stages, rows, stats, costs, curves, sweep, base_name, reward_acc, seeds, total):
+    """comparison.md (table, sweep, protocol, commands) and comparison.png into output_dir."""
+    md = table(rows, base_name, any("rm_score" in st for st in stats.values()))
     short = lambda p: p if os.path.relpath(p).startswith("..") else os.path.relpath(p)
     runs = "\n".join(f"    python {short(s['script'])} {shlex.join(s['flags'])}" for s in stages)
-    rm_line = (f"- reward model (PPO's reward, trained on the same preference pairs): held-out pair accuracy "
-               f"{reward_acc:.3f}.\n" if reward_acc is not None else "")
-    n_prompts = args.num_prompts or "all"
-    ppo_note = "; ppo includes its reward model" if "reward" in curves else ""
+    rm_line = (f"- reward model (PPO's reward, trained on the same preference pairs, one per seed): held-out pair "
+               f"accuracy {reward_acc:.3f} (mean over seeds).\n" if reward_acc is not None else "")
+    sweep_md = (f"\n## Sweep (chosen on the eval split, {short(args.eval_prompts)})\n\n"
+                f"{sweep_table(sweep, base_name)}\n"
+                "\nEach setting trained with every seed; the one with the best mean greedy task score on the eval "
+                "split is kept, and only it is scored on the test split (the table above).\n" if sweep else "")
+    ppo_note = "; ppo includes its reward model" if any(s["row"] == "reward" for s in stages) else ""
     text = f"""# Post-training recipes compared on `{args.model}`
 
 `python compare.py {shlex.join(sys.argv[1:])}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, \
-{total / 60:.1f} min in all on {os.cpu_count()} CPU cores.
+{total / 60:.1f} min in all on {os.cpu_count()} CPU cores; seeds {', '.join(map(str, seeds))}.
 
 {md}
 
-- **task score**: mean `{short(args.reward_fn)}` over {n_prompts} held-out prompts \
-({short(args.eval_prompts)}), greedy responses; \
-**sampled score**: one sample per prompt at T={args.temperature:g} (seed {args.seed}).
+- Every cell: mean over {len(seeds)} training seed(s) × the test prompts ({short(args.test_prompts)}), ± the half-width \
+of a 95% interval that treats seeds and prompts both as random draws (crossed two-way random effects, \
+Satterthwaite t; docs/compare.md). **Δ vs {base_name}**: the greedy task score minus {base_name}'s, paired per prompt \
+and per seed; "within noise" where its interval covers 0. {base_name} is one model, shared by every seed.
+- **task score**: mean `{short(args.reward_fn)}`, greedy responses; **sampled score**: one sample per prompt at \
+T={args.temperature:g} (a seed-s model, and {base_name} against it, sampled with seed s).
 - **win rate vs {base_name}**: share of prompts whose greedy answer scores higher than {base_name}'s (ties count half).
 - **KL from {base_name}**: mean over prompts of Σ_t [log π(y_t) − log π_{base_name}(y_t)] on the model's own sampled \
 responses (nats per response, float32, prompt and padding masked).
-- **length**: greedy response tokens before EOS. **tokens/s**: median of the run's logged `charts/tokens_per_sec` \
-(PPO, GRPO: prompt + response tokens of a rollout batch per whole iteration). **wall time**: the script's whole run \
-(start-up, compilation, training, saving){ppo_note}.
-{rm_line}
-![training curves and final scores](comparison.png)
+- **length**: greedy response tokens before EOS. Costs are means over seeds of each run's own logged numbers: \
+**tokens trained** (`charts/tokens`: real, non-padding batch tokens; PPO, GRPO: prompt + response tokens of each rollout \
+batch, once), **tokens generated** (iterations × rollout batch × response length), **FLOPs** (`charts/flops`: \
+6N a trained token, 2N an extra forward — reference, value, reward model, sampling; N = weights used in \
+matmuls), **wall time** (the whole script: start-up, compilation, training, saving){ppo_note}; {base_name}'s \
+costs are paid once for every row.
+{rm_line}{sweep_md}
+![training curves, final scores, score against compute](comparison.png)
 
 Commands run:
 
@@ -366,17 +510,17 @@ Commands run:
 """
     with open(os.path.join(output_dir, "comparison.md"), "w") as f:
         f.write(text)
-    plot(curves, results, base_name, args.temperature, os.path.join(output_dir, "comparison.png"))
+    plot(curves, stats, costs, base_name, args.temperature, os.path.join(output_dir, "comparison.png"))
     return md
 
 
 def main(args):
     output_dir = args.output_dir or common.default_output_dir("compare", args.model, args.seed)
-    stages, base = plan(args, output_dir)
+    stages, base, seeds, grid = plan(args, output_dir)
     common.load_reward_fn(args.reward_fn)
     # --model resolves (no SFT stage: it is the base itself) and every held-out prompt reads
-    common.read_dataset(args.eval_prompts, "prompt", common.chat_template(args.model, args.chat_template),
-                        "--eval-prompts")
+    for path, flag in ((args.eval_prompts, "--eval-prompts"), (args.test_prompts, "--test-prompts")):
+        common.read_dataset(path, "prompt", common.chat_template(args.model, args.chat_template), flag)
     prepare_output_dir(output_dir, stages, args.overwrite)
     t_start, ok, walls = time.perf_counter(), {}, {}
     for i, stage in enumerate(stages, 1):
@@ -386,38 +530,86 @@ def main(args):
             ok[stage["name"]], walls[stage["name"]] = False, 0.0
             continue
         ok[stage["name"]], walls[stage["name"]] = run_stage(i, len(stages), stage, output_dir)
-    if any(s["name"] == "sft" for s in stages) and not ok["sft"]:
+    if "sft" in ok and not ok["sft"]:
         print(f"error: sft failed: nothing to compare (see {output_dir}/sft.log)", file=sys.stderr)
         sys.exit(1)
-    md = evaluate_and_report(args, output_dir, stages, base, ok, walls, t_start)
+    md = evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, t_start)
     print(f"\n{md}\n\ndone in {(time.perf_counter() - t_start) / 60:.1f} min: "
           f"{output_dir}/comparison.md, comparison.png")
     sys.exit(0 if all(ok.values()) else 1)
 
 
-def evaluate_and_report(args, output_dir, stages, base, ok, walls, t_start):
-    """Score every finished run against the base, then write comparison.md / .png -> the table."""
-    base_name = "sft" if any(s["name"] == "sft" for s in stages) else "base"
-    print(f"[eval] {args.num_prompts or 'all'} held-out prompts, every model against {base_name}", flush=True)
-    policies = [s["name"] for s in stages if s["name"] != "reward"]
-    models = {base_name: base, **{n: os.path.join(output_dir, n, "model") for n in policies
-                                  if n != "sft" and ok[n]}}
-    reward_model = os.path.join(output_dir, "reward", "model") if ok.get("reward") else None
-    results = evaluate_models(args, base, models, reward_model, output_dir)
+def stack(results, keys, base_keys):
+    """Per-prompt arrays of one row's seeds and of the base's -> ({metric: [S, P]}, {metric: [S, P]})."""
+    names = set.intersection(*(set(results[k]) for k in keys + base_keys))
+    return ({n: np.stack([results[k][n] for k in keys]) for n in names},
+            {n: np.stack([results[k][n] for k in base_keys]) for n in names})
 
-    metrics = {s["name"]: read_metrics(os.path.join(output_dir, s["name"])) for s in stages}
-    curves = {n: main_curve(m) for n, m in metrics.items() if main_curve(m)[0]}
-    reward_acc = next((r["eval/accuracy"] for r in reversed(metrics.get("reward", [])) if "eval/accuracy" in r), None)
-    rows = []
-    for name in ([base_name] if base_name == "base" else []) + policies:
-        wall = walls.get(name, 0.0) + (walls.get("reward", 0.0) if name == "ppo" else 0.0)
-        m = results.get(name)
-        on_rm = any(s["name"] == name and "--reward-model" in s["flags"] for s in stages)
-        text = (note(name, m, base_name, results[base_name], metrics.get(name, []), on_rm) if m is not None
-                else f"failed or skipped: see {name}.log")
-        rows.append((name, m, tokens_per_sec(metrics.get(name, [])), wall, text))
-    return write_report(args, output_dir, stages, rows, results, curves, base_name, reward_acc,
-                        time.perf_counter() - t_start)
+
+def stage_cost(output_dir, stage, walls):
+    """run_cost + [wall s] of one run; PPO on a reward model pays for that model too."""
+    names = [stage["name"]] + [n for n in stage["needs"] if n.startswith("reward/")]
+    return list(np.sum([run_cost(os.path.join(output_dir, n)) + [walls.get(n, 0.0)] for n in names], 0))
+
+
+def choose_settings(args, output_dir, base, grid, swept, evaluate_on, base_keys):
+    """Every swept run scored on the eval split -> ({row: kept setting}, {row: [[setting, stats, kept]]}):
+    the setting with the best mean greedy task score over its seeds (the first of equals)."""
+    print(f"[eval] sweep: {len(swept)} runs on the eval split ({args.eval_prompts})", flush=True)
+    res = evaluate_on(args.eval_prompts, [(k, x, base, None) for x, k in base_keys.items()]
+                      + [(s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), None) for s in swept],
+                      "eval")
+    kept, sweep = {}, {}
+    for row in grid:
+        sweep[row] = []
+        for setting in dict.fromkeys(tag(g) for g in grid[row]):
+            runs = [s for s in swept if s["row"] == row and s["setting"] == setting]
+            if runs:
+                st = row_stats(*stack(res, [s["name"] for s in runs], [base_keys[s["seed"]] for s in runs]))
+                sweep[row].append([setting, st, False])
+        if sweep[row]:
+            best = max(sweep[row], key=lambda x: x[1]["score"][0])
+            best[2], kept[row] = True, best[0]
+    return kept, sweep
+
+
+def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, t_start):
+    """Pick each swept row's setting on the eval split, score the kept runs and the base on the test split
+    (paired per prompt and seed), then write comparison.md / .png -> the table."""
+    base_name = "sft" if "sft" in ok else "base"
+    done = [s for s in stages if s["row"] not in ("sft", "reward") and ok[s["name"]]]
+    rm = lambda seed: os.path.join(output_dir, f"reward/seed{seed}/model") if ok.get(f"reward/seed{seed}") else None
+    evaluate_on = lambda prompts, jobs, split: evaluate_models(
+        args, prompts, base, jobs, lambda key, seed: os.path.join(output_dir, key, f"eval_{split}") if key in ok
+        else os.path.join(output_dir, base_name, f"eval_{split}", f"seed{seed}"))
+    base_keys = {seed: f"{base_name} seed{seed}" for seed in seeds}
+    swept = [s for s in done if s["row"] in grid]
+    kept, sweep = choose_settings(args, output_dir, base, grid, swept, evaluate_on, base_keys) if swept else ({}, {})
+    final = [s for s in done if s["setting"] == kept.get(s["row"], "" if s["row"] not in grid else None)]
+    print(f"[eval] {len(final)} runs and {base_name} on the test split ({args.test_prompts})", flush=True)
+    res = evaluate_on(args.test_prompts, [(k, x, base, rm(x)) for x, k in base_keys.items()] + [
+        (s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), rm(s["seed"])) for s in final], "test")
+    stats = {base_name: row_stats(*stack(res, list(base_keys.values()), list(base_keys.values())))}
+    costs = {base_name: stage_cost(output_dir, stages[0], walls) if base_name == "sft" else [np.nan] * 3 + [0.0]}
+    curves, rows = {}, []
+    for name in [base_name] + list(dict.fromkeys(s["row"] for s in stages if s["row"] not in ("sft", "reward"))):
+        runs = [s for s in final if s["row"] == name] or [s for s in stages if s["name"] == name]
+        metrics = [read_metrics(os.path.join(output_dir, s["name"])) for s in runs]
+        if name != base_name and runs:
+            stats[name] = row_stats(*stack(res, [s["name"] for s in runs], [base_keys[s["seed"]] for s in runs]))
+            costs[name] = list(np.mean([stage_cost(output_dir, s, walls) for s in runs], 0))
+        if metrics and main_curve(metrics[0])[0]:
+            curves[name] = [main_curve(m) for m in metrics]
+        on_rm = any("--reward-model" in s["flags"] for s in runs)
+        text = (note(name, stats[name], base_name, stats[base_name], metrics, on_rm) if name in stats
+                else f"failed or skipped: see {name}/*.log")
+        rows.append((f"{name} (`{kept[name]}`)" if name in kept else name, stats.get(name),
+                     costs.get(name, [np.nan] * 3 + [0.0]), text))
+    accs = [[r["eval/accuracy"] for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
+             if "eval/accuracy" in r][-1:] for x in seeds]
+    accs = sum(accs, [])  # each reward model's last held-out accuracy
+    return write_report(args, output_dir, stages, rows, stats, costs, curves, sweep, base_name,
+                        float(np.mean(accs)) if accs else None, seeds, time.perf_counter() - t_start)
 
 
 if __name__ == "__main__":

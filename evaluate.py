@@ -280,6 +280,22 @@ def summarize(outs, baseline_outs=None):
     return m
 
 
+def per_prompt(outs, baseline_outs=None):
+    """Per-prompt arrays [N] behind summarize's means (scores.npz; compare.py's paired intervals):
+    score, rm_score (+ _sampled), length (+ _sampled), kl, and win (1 / ½ / 0 against the baseline)."""
+    g, s = outs["greedy"], outs["sampled"]
+    arrays = {"length": g["lengths"], "length_sampled": s["lengths"]}
+    for name in ("score", "rm_score"):
+        if name in g:
+            arrays[name], arrays[name + "_sampled"] = g[name], s[name]
+    if baseline_outs is not None and "score" in g:
+        b = baseline_outs["greedy"]["score"]
+        arrays["win"] = (g["score"] > b) + 0.5 * (g["score"] == b)
+    if "kl" in outs:
+        arrays["kl"] = outs["kl"]
+    return {k: np.asarray(v, np.float64) for k, v in arrays.items()}
+
+
 def examples(outs, data, n, baseline_outs=None):
     """The first n prompts with their greedy and sampled responses (and scores) for samples.jsonl."""
     rows = []
@@ -354,8 +370,11 @@ def default_eval_dir(args):
     return common.default_output_dir("eval", args.model, args.seed)
 
 
-def write_outputs(output_dir, metrics, samples):
+def write_outputs(output_dir, metrics, samples, arrays=None):
+    """eval.json (the numbers), samples.jsonl (examples), scores.npz (per-prompt arrays, when given)."""
     os.makedirs(output_dir, exist_ok=True)
+    if arrays is not None:
+        np.savez(os.path.join(output_dir, "scores.npz"), **arrays)
     with open(os.path.join(output_dir, "eval.json"), "w") as f:
         json.dump(metrics, f, indent=2)
     with open(os.path.join(output_dir, "samples.jsonl"), "w") as f:
@@ -384,11 +403,11 @@ def main(args):
                "reward_model": args.reward_model, **summarize(outs, base_outs),
                "eval_seconds": time.perf_counter() - t0}
     output_dir = args.output_dir or default_eval_dir(args)
-    write_outputs(output_dir, metrics, examples(outs, data, args.num_examples, base_outs))
+    write_outputs(output_dir, metrics, examples(outs, data, args.num_examples, base_outs), per_prompt(outs, base_outs))
     for k, v in metrics.items():
         if isinstance(v, float):
             print(f"{k:>20}: {v:.4f}")
-    print(f"done: {output_dir}/eval.json, samples.jsonl")
+    print(f"done: {output_dir}/eval.json, samples.jsonl, scores.npz")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,9 @@ Deterministic (fixed seed). Files:
   sft_messages_{train,eval}.jsonl  the same as chat `messages`
   prefs_{train,eval}.jsonl         prompt, chosen (correct), rejected (subtly wrong)
   prompts_{train,eval}.jsonl       prompt only (PPO / GRPO / evaluation)
-Eval prompts never occur in any train split.
+  prompts_test.jsonl               prompt only: compare.py's reported numbers (the eval split picks settings)
+Eval prompts never occur in any train split; test prompts occur in neither (own RNG, drawn after the
+others, so the train and eval files are the same as before the test split existed).
 """
 
 import json
@@ -18,7 +20,7 @@ import sentencepiece as spm
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIN_LEN, MAX_LEN = 3, 6
-SIZES = {"train": 4000, "eval": 200}
+SIZES = {"train": 4000, "eval": 200, "test": 500}
 
 
 def make_prompt(rng):
@@ -71,6 +73,12 @@ def main():
         write(f"prefs_{split}.jsonl", [
             {"prompt": p, "chosen": fmt(a), "rejected": fmt(corrupt(rng, a))} for p, a in zip(ps, answers)])
         write(f"prompts_{split}.jsonl", [{"prompt": p} for p in ps])
+    test_rng, seen, test = random.Random(1), set(prompts["eval"]) | set(prompts["train"]), set()
+    while len(test) < SIZES["test"]:
+        p = make_prompt(test_rng)
+        if p not in seen:
+            test.add(p)
+    write("prompts_test.jsonl", [{"prompt": p} for p in sorted(test)])
 
     # Tokenizer: Gemma's special-token layout (pad=0, eos=1, bos=2, unk=3) plus its
     # chat-turn markers, digits split into single tokens, byte fallback for anything else.

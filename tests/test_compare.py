@@ -1,6 +1,7 @@
 """evaluate.py: win rate and KL by hand and in float64 NumPy, a worked example on `tiny`
 (scores re-derived from the decoded outputs, KL = 0 and win rate 0.5 against itself, greedy
-== KerasHub's own generate), bad flags exit 2; compare.py end to end with a tiny budget."""
+== KerasHub's own generate), bad flags exit 2; compare.py's statistics (intervals by hand and on synthetic tables with a
+known difference), sweep, costs and plan, and compare.py end to end with a tiny budget."""
 
 import json
 import os
@@ -74,6 +75,9 @@ def test_evaluate_worked_example(tmp_path):
     assert result["baseline_score"] == result["score"]
     assert [s["baseline_greedy"] for s in samples] == [s["greedy"] for s in samples]
     assert 0 <= result["length"] <= 8 and 0 <= result["eos_rate"] <= 1
+    arrays = np.load(out / "scores.npz")  # per prompt: the means of eval.json, and the ties against itself
+    assert arrays["score"].shape == (12,) and arrays["score"].mean() == result["score"]
+    assert (arrays["win"] == 0.5).all() and (arrays["kl"] == 0).all()
 
     # Deterministic for a seed: the same sampled responses again, from a fresh load.
     args = evaluate.Args(model="tiny", num_prompts=12, max_new_tokens=8, batch_size=8)
@@ -113,48 +117,171 @@ def test_evaluate_bad_flags_exit_2(tmp_path, monkeypatch):
 
 
 # ---------------------------------------------------------------------------
-# compare.py
+# compare.py: statistics, sweep, costs (pure functions, synthetic inputs)
+# ---------------------------------------------------------------------------
+def test_t_quantile_against_tables():
+    for p, df, table in [(0.975, 1, 12.7062), (0.975, 2, 4.302653), (0.975, 10, 2.228139), (0.95, 5, 2.015048),
+                         (0.975, 1e9, 1.959964)]:
+        assert abs(compare.t_quantile(p, df) - table) < 1e-4 * table, (p, df)
+
+
+def test_mean_interval_by_hand():
+    # one seed: the t-interval over prompts: var = s²/P = (5/3)/4, df 3, t_.975(3) = 3.182446
+    m, h = compare.mean_interval([[0.0, 1.0, 2.0, 3.0]])
+    assert m == 1.5 and abs(h - 3.182446 * np.sqrt(5 / 3 / 4)) < 1e-5
+    # 2 seeds × 2 prompts: MS_seed = 9, MS_prompt = 4, MS_resid = 1 -> Var = (9 + 4 - 1) / 4 = 3,
+    # Satterthwaite df = 12² / (9²/1 + 4²/1 + 1²/1) = 144/98
+    m, h = compare.mean_interval([[1.0, 2.0], [3.0, 6.0]])
+    assert m == 3.0 and abs(h - compare.t_quantile(0.975, 144 / 98) * np.sqrt(3)) < 1e-9
+    # identical seeds (the shared SFT base's greedy scores): only the prompts' spread counts
+    x = np.array([[0.0, 1.0, 2.0, 3.0]] * 3)
+    assert np.isclose(compare.mean_interval(x)[1], compare.mean_interval(x[:1])[1])
+    assert compare.mean_interval(np.zeros((3, 5))) == (0.0, 0.0)
+
+
+def synthetic(rng, delta, seeds=3, prompts=300):
+    """A shared base and one method whose true mean differs by `delta`: prompt difficulty shared by both,
+    a seed effect and per-(seed, prompt) noise on the method."""
+    difficulty = rng.normal(0, 0.2, prompts)
+    base = np.tile(0.5 + difficulty + rng.normal(0, 0.1, prompts), (seeds, 1))
+    row = 0.5 + delta + difficulty + rng.normal(0, 0.02, (seeds, 1)) + rng.normal(0, 0.1, (seeds, prompts))
+    ones = np.ones((seeds, prompts))
+    return {"score": row, "kl": ones, "length": 8 * ones}, {"score": base, "kl": 0 * ones, "length": 8 * ones}
+
+
+def test_paired_interval_covers_the_truth_and_within_noise_note():
+    rng = np.random.default_rng(0)
+    notes = {}
+    for name, delta in (("better", 0.08), ("same", 0.0), ("worse", -0.08)):
+        row, base = synthetic(rng, delta)
+        st, base_st = compare.row_stats(row, base), compare.row_stats(base, base)
+        d, h = st["delta"]
+        assert abs(d - delta) <= h < 0.05, (name, d, h)  # covers the truth, and is narrow enough to tell
+        notes[name] = compare.note(name, st, "sft", base_st, [[]], False)
+    assert notes["better"].startswith("beats sft") and notes["worse"].startswith("below sft")
+    assert notes["same"].startswith("within noise of sft")
+    assert ["within noise" in n for n in notes.values()] == [False, True, False]
+    assert base_st["delta"] == (0.0, 0.0)
+    # coverage over many synthetic tables: close to the nominal 95% with 3 seeds
+    hits = 0
+    for _ in range(300):
+        d, h = compare.row_stats(*synthetic(rng, 0.03, prompts=100))["delta"]
+        hits += abs(d - 0.03) <= h
+    assert 0.90 <= hits / 300 <= 0.99, hits / 300
+
+
+def test_sweep_parsing_and_plan(tmp_path):
+    grid = compare.parse_sweep(["dpo.learning_rate=1e-6,5e-6", "dpo.beta=0.1,0.2", "grpo.beta=0"], ["dpo", "grpo"])
+    assert grid["dpo"] == [{"learning_rate": "1e-6", "beta": "0.1"}, {"learning_rate": "1e-6", "beta": "0.2"},
+                           {"learning_rate": "5e-6", "beta": "0.1"}, {"learning_rate": "5e-6", "beta": "0.2"}]
+    assert grid["grpo"] == [{"beta": "0"}] and compare.tag(grid["dpo"][1]) == "learning_rate_1e-6__beta_0.2"
+    for bad in ("sft.learning_rate=1e-3", "dpo.learning_rate=", "dpo=1", "orpo.beta=0.1", "dpo.bad-flag=1"):
+        with pytest.raises(common.UsageError, match="--sweep"):
+            compare.parse_sweep([bad], ["dpo", "grpo"])
+    args = compare.Args(methods="sft,dpo,simpo", seeds=2, seed=5, sweep=("dpo.learning_rate=1e-6,5e-6",),
+                        dpo_args="--learning-rate 1e-5")
+    stages, base, seeds, _ = compare.plan(args, str(tmp_path))
+    assert seeds == [5, 6] and [s["name"] for s in stages] == [
+        "sft", "dpo/learning_rate_1e-6/seed5", "dpo/learning_rate_5e-6/seed5", "simpo/seed5",
+        "dpo/learning_rate_1e-6/seed6", "dpo/learning_rate_5e-6/seed6", "simpo/seed6"]
+    dpo = stages[4]["flags"]
+    assert dpo[-2:] == ["--learning-rate", "1e-6"]  # the swept value comes last: it overrides the pass-through
+    assert dpo[dpo.index("--seed") + 1] == "6" and dpo[dpo.index("--model") + 1] == base
+    assert stages[0]["flags"][stages[0]["flags"].index("--seed") + 1] == "5"  # one shared SFT base, seed --seed
+    assert dpo[dpo.index("--output-dir") + 1] == str(tmp_path / "dpo" / "learning_rate_1e-6" / "seed6")
+
+
+def test_run_cost_from_logged_numbers(tmp_path):
+    rl, plain, old = tmp_path / "ppo", tmp_path / "dpo", tmp_path / "fork"
+    for d in (rl, plain, old):
+        d.mkdir()
+    rows = [{"step": 1, "charts/tokens": 2560.0, "charts/flops": 1e9}, {"step": 1, "eval/accuracy": 0.5},
+            {"step": 2, "charts/tokens": 2560.0, "charts/flops": 1.5e9}]
+    for d in (rl, plain):
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (rl / "args.json").write_text(json.dumps({"max_steps": 20, "batch_size": 32, "response_length": 16}))
+    (plain / "args.json").write_text(json.dumps({"max_steps": 40, "batch_size": 32}))
+    (old / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0}) + "\n")
+    assert compare.run_cost(str(rl)) == [5120.0, 20 * 32 * 16, 2.5e9]
+    assert compare.run_cost(str(plain)) == [5120.0, 0.0, 2.5e9]  # no sampling: nothing generated
+    tokens, generated, flops = compare.run_cost(str(old))  # a script that logs no counts: unknown, not 0
+    assert np.isnan(tokens) and np.isnan(flops) and generated == 0
+    assert [compare.fmt(v) for v in (5120.0, 1.234e6, 2.5e12, float("nan"))] == ["5120", "1.23M", "2.50e12", "–"]
+    assert compare.fmt((0.5581, 0.0312)) == "0.558 ± 0.031"
+
+
+def test_test_split_is_disjoint():
+    read = lambda name: [json.loads(line)["prompt"] for line in open(os.path.join(ROOT, "data", name))]
+    test, held, train = read("prompts_test.jsonl"), read("prompts_eval.jsonl"), read("prompts_train.jsonl")
+    assert len(test) == len(set(test)) == 500 and len(held) == 200
+    assert not set(test) & (set(held) | set(train)) and not set(held) & set(train)
+
+
+# ---------------------------------------------------------------------------
+# compare.py: plan and end to end
 # ---------------------------------------------------------------------------
 def test_compare_plan_reward_model_for_ppo(tmp_path):
-    args = compare.Args(methods="sft,dpo,ppo", dpo_args="--beta 0.2 --learning-rate 1e-5", steps=7,
+    args = compare.Args(methods="sft,dpo,ppo", dpo_args="--beta 0.2 --learning-rate 1e-5", steps=7, seeds=1,
                         output_dir=str(tmp_path))
-    stages, base = compare.plan(args, str(tmp_path))
+    stages, base, _, _ = compare.plan(args, str(tmp_path))
     names = [s["name"] for s in stages]
-    assert names == ["sft", "dpo", "reward", "ppo", "ppo_fn"] and base == str(tmp_path / "sft" / "model")
-    dpo, ppo, ppo_fn = stages[1]["flags"], stages[3]["flags"], stages[4]["flags"]
+    assert names == ["sft", "reward/seed0", "dpo/seed0", "ppo/seed0", "ppo_fn/seed0"]
+    assert base == str(tmp_path / "sft" / "model")
+    dpo, ppo, ppo_fn = stages[2]["flags"], stages[3]["flags"], stages[4]["flags"]
     assert dpo[dpo.index("--model") + 1] == base and dpo[dpo.index("--max-steps") + 1] == "7"
     assert dpo[-4:] == ["--beta", "0.2", "--learning-rate", "1e-5"]  # pass-through comes last: it overrides
-    assert ppo[ppo.index("--reward-model") + 1] == str(tmp_path / "reward" / "model")
-    assert stages[3]["needs"] == ["sft", "reward"] and stages[4]["needs"] == ["sft"]
+    assert ppo[ppo.index("--reward-model") + 1] == str(tmp_path / "reward" / "seed0" / "model")
+    assert stages[3]["needs"] == ["sft", "reward/seed0"] and stages[4]["needs"] == ["sft"]
     assert ppo_fn[ppo_fn.index("--reward-fn") + 1] == args.reward_fn and "--reward-model" not in ppo_fn
-    only_fn, _ = compare.plan(compare.Args(methods="ppo", ppo_reward="fn"), str(tmp_path))
-    assert [s["name"] for s in only_fn] == ["ppo"] and "--model" in only_fn[0]["flags"]
+    only_fn = compare.plan(compare.Args(methods="ppo", ppo_reward="fn", seeds=1), str(tmp_path))[0]
+    assert [s["name"] for s in only_fn] == ["ppo/seed0"] and "--model" in only_fn[0]["flags"]
     assert only_fn[0]["flags"][only_fn[0]["flags"].index("--model") + 1] == "tiny"  # no sft: from --model
-    grpo = compare.plan(compare.Args(methods="sft,grpo", grpo_steps=5, grpo_args="--beta 0"), str(tmp_path))[0][1]
-    assert grpo["name"] == "grpo" and grpo["needs"] == ["sft"]
+    grpo = compare.plan(compare.Args(methods="sft,grpo", grpo_steps=5, grpo_args="--beta 0", seeds=1),
+                        str(tmp_path))[0][1]
+    assert grpo["name"] == "grpo/seed0" and grpo["needs"] == ["sft"]
     assert grpo["flags"][grpo["flags"].index("--max-steps") + 1] == "5" and grpo["flags"][-2:] == ["--beta", "0"]
     assert grpo["flags"][grpo["flags"].index("--reward-fn") + 1] == compare.Args().reward_fn
 
 
 def test_compare_end_to_end_tiny_budget(tmp_path):
-    """sft 20 steps, then dpo and a forked dpo (--extra) 4 steps each: one table row per method, the image."""
+    """sft 20 steps, then a forked dpo (--extra) 4 steps with a 2-value --sweep and 2 seeds: rows with intervals
+    and costs, the setting picked on the eval split and only it scored on the test split, the image."""
     fork = tmp_path / "mydpo.py"
     fork.write_text(open(os.path.join(ROOT, "dpo.py")).read())
     out = tmp_path / "cmp"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "compare.py"), "--model", "tiny", "--methods", "sft,dpo",
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "compare.py"), "--model", "tiny", "--methods", "sft",
                            "--extra", str(fork), "--sft-steps", "20", "--steps", "4", "--num-prompts", "16",
-                           "--dpo-args=--beta 0.2", "--output-dir", str(out)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=900,
-                          env={**os.environ, "XLA_FLAGS": ""})  # one CPU device: 3 scripts compile faster
+                           "--seeds", "2", "--sweep", "mydpo.learning_rate=1e-5,1e-3", "--output-dir", str(out)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=1200,
+                          env={**os.environ, "XLA_FLAGS": ""})  # one CPU device: the scripts compile faster
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     md = (out / "comparison.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| **")]
-    assert [r.split("**")[1] for r in rows] == ["sft", "dpo", "mydpo"]
-    cells = {r.split("**")[1]: [c.strip() for c in r.split("|")[2:-1]] for r in rows}
-    assert cells["sft"][2:4] == ["0.500", "0.000"]  # SFT against itself: win rate ½, KL 0
-    assert float(cells["dpo"][3]) != 0.0  # DPO moved away from SFT
+    cells = {r.split("**")[1].split(" ")[0]: [c.strip() for c in r.split("|")[2:-1]] for r in rows}
+    assert list(cells) == ["sft", "mydpo"]
+    assert cells["sft"][1] == "0.000 ± 0.000" and cells["sft"][3:5] == ["0.500 ± 0.000", "0.00 ± 0.00"]
+    assert all(" ± " in c for r in cells.values() for c in r[:6])  # every score cell an interval
+    # the sweep: every setting's eval-split score in the report, the best mean kept, the test split reported
+    load = lambda d: np.load(d / "scores.npz")["score"]
+    evals = {v: np.mean([load(out / "mydpo" / f"learning_rate_{v}" / f"seed{s}" / "eval_eval") for s in (0, 1)])
+             for v in ("1e-5", "1e-3")}
+    kept = max(evals, key=evals.get)
+    assert f"| mydpo | `learning_rate_{kept}` | {evals[kept]:.3f} ± " in md and md.count("**kept**") == 1
+    assert rows[1].startswith(f"| **mydpo (`learning_rate_{kept}`)**")
+    for s in (0, 1):
+        run = out / "mydpo" / f"learning_rate_{kept}" / f"seed{s}"
+        assert json.loads((run / "args.json").read_text())["learning_rate"] == float(kept)  # the swept flag reached it
+        result = json.loads((run / "eval_test" / "eval.json").read_text())
+        assert result["num_prompts"] == 16 and result["prompts"].endswith("prompts_test.jsonl")
+        assert result["seed"] == s and np.isclose(load(run / "eval_test").mean(), result["score"])
+    other = "1e-5" if kept == "1e-3" else "1e-3"
+    assert not (out / "mydpo" / f"learning_rate_{other}" / "seed0" / "eval_test").exists()  # only the kept one
+    # the paired difference: mean over seeds and prompts of (mydpo − sft) on the test split
+    runs = [out / "mydpo" / f"learning_rate_{kept}" / f"seed{s}" for s in (0, 1)]
+    diff = np.mean([load(r / "eval_test") - load(out / "sft" / "eval_test" / f"seed{s}") for s, r in enumerate(runs)])
+    assert cells["mydpo"][1].startswith(f"{diff:+.3f} ± ".lstrip("+"))
+    # costs: the runs' own logged counts, mean over seeds
+    cost = np.mean([compare.run_cost(str(r)) for r in runs], 0)
+    assert cells["mydpo"][6:9] == [compare.fmt(c) for c in cost] and cost[0] > 0 and cost[1] == 0
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    assert json.loads((out / "dpo" / "args.json").read_text())["beta"] == 0.2  # pass-through reached dpo.py
-    for name in ("sft", "dpo", "mydpo"):
-        assert json.loads((out / name / "eval" / "eval.json").read_text())["num_prompts"] == 16
     assert "| **sft**" in proc.stdout  # the table is printed at the end
