@@ -1000,7 +1000,7 @@ class Run:
         state, _ = run.resume(state)       # the newest checkpoint with --resume, else as given
         for step in run.steps(flops_per_token, schedule):   # progress bar
             state, metrics = step_fn(state, ...)
-            run.log(metrics, tokens)       # kept on device; one host sync per --log-every steps
+            run.log(metrics, real, padded) # on device; one host sync per --log-every; real-token tokens/s
             if run.eval_due():
                 run.log_eval(evaluate(state[0]))
             run.checkpoint(state)          # every --save-every steps, and on SIGTERM/SIGINT (then exit 0)
