@@ -273,6 +273,6 @@ def test_one_step_of_each_script(presets, tmp_path):
 def test_compare_passes_chat_template_to_every_stage(tmp_path):
     """compare.py forwards --chat-template to each script it runs (and to its evaluation)."""
     import compare
-    stages, _ = compare.plan(compare.Args(chat_template="chatml"), str(tmp_path))
+    stages = compare.plan(compare.Args(chat_template="chatml"), str(tmp_path))[0]
     assert stages and all(s["flags"][s["flags"].index("--chat-template") + 1] == "chatml" for s in stages)
     assert all("--chat-template" not in s["flags"] for s in compare.plan(compare.Args(), str(tmp_path))[0])
