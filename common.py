@@ -552,7 +552,7 @@ def enable_remat(backbone, on=True):
 
 def device_memory_limit():
     """Bytes one device may allocate; None where the backend sets no limit (CPU)."""
-    return (jax.devices()[0].memory_stats() or {}).get("bytes_limit")
+    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
 def jit_step(fn, args, backbones, length=None, **jit_kwargs):
