@@ -1348,14 +1348,18 @@ def peak_flops():
 
 def _measured_matmul_flops(kind):
     if kind not in _measured_peak:
-        n = 1024
-        x = jax.device_put(np.ones((n, n), np.float32), jax.devices()[0])
-        f = jax.jit(lambda a: a @ a)
-        f(x).block_until_ready()
-        times = []
-        for _ in range(5):
-            t = time.perf_counter()
-            f(x).block_until_ready()
-            times.append(time.perf_counter() - t)
-        _measured_peak[kind] = 2 * n**3 / min(times)
+        _measured_peak[kind] = matmul_flops_per_sec()
     return _measured_peak[kind]
+
+
+def matmul_flops_per_sec(n=1024, repeats=5):
+    """FLOP/s of a float32 n × n matmul on this process's first device, best of `repeats` (measured now)."""
+    x = jax.device_put(np.ones((n, n), np.float32), jax.local_devices()[0])
+    f = jax.jit(lambda a: a @ a)
+    f(x).block_until_ready()
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        f(x).block_until_ready()
+        times.append(time.perf_counter() - t)
+    return 2 * n**3 / min(times)

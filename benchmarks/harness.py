@@ -255,6 +255,13 @@ def script_step(module, trainable, opt_state, frozen, fixed, **extra):
     return step, state, extra
 
 
+def rollout_batch(host, mesh, abstract):
+    """ppo.py's / grpo.py's rollout arrays [B, ...], batch over `data` (abstract: shapes only)."""
+    sharding = NamedSharding(mesh, P("data"))
+    return ({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in host.items()} if abstract
+            else {k: jax.device_put(v, sharding) for k, v in host.items()})
+
+
 def state_parts(bench):
     """(trainable, optimizer state, frozen) of a Bench, wherever its script keeps `frozen`."""
     frozen = bench.extra["frozen"] if "frozen" in bench.extra else bench.state[2]
@@ -331,9 +338,7 @@ def _ppo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, ab
     host = {"query_responses": ids[0], "padding_mask": pad[0], "response_mask": mask[0, :, q:]}
     for k in ("logprobs", "values", "advantages", "returns"):
         host[k] = rng.normal(-1.0 if k == "logprobs" else 0.0, 0.5, (mini, r)).astype(np.float32)
-    sharding = NamedSharding(mesh, P("data"))  # ppo.py's rollout arrays: [B, ...], batch over `data`
-    batch = ({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in host.items()} if abstract
-             else {k: jax.device_put(v, sharding) for k, v in host.items()})
+    batch = rollout_batch(host, mesh, abstract)
     bench = Bench(module, step, state, extra, batch, mini * (q + r), 12,
                   "update step: policy + value forward+backward, 6N each")
     if not abstract:
@@ -407,9 +412,7 @@ def _grpo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, a
     ids, pad, mask = sequences(rng, 1, b, q + r, vocab)
     host = {"query_responses": ids[0], "padding_mask": pad[0], "response_mask": mask[0, :, q:],
             "advantages": rng.normal(0, 1, b).astype(np.float32)}
-    sharding = NamedSharding(mesh, P("data"))  # grpo.py's rollout arrays: [B, ...], batch over `data`
-    batch = ({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in host.items()} if abstract
-             else {k: jax.device_put(v, sharding) for k, v in host.items()})
+    batch = rollout_batch(host, mesh, abstract)
     bench = Bench(module, step, state, extra, batch, b * (q + r), 6,
                   "update step: one forward + backward (beta 0: no reference forward)")
     if not abstract:

@@ -20,7 +20,6 @@ import throughput
 
 import common
 import jax
-import numpy as np
 
 
 @dataclass
@@ -36,18 +35,6 @@ def script_at(name, revision):
     module = types.ModuleType(name)
     exec(compile(source, f"{revision}:{name}.py", "exec"), module.__dict__)
     return module
-
-
-def matmul_seconds(n=1024):
-    x = jax.device_put(np.ones((n, n), np.float32))
-    f = jax.jit(lambda a: a @ a)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(3):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * n**3, min(times)
 
 
 def main(args):
@@ -68,11 +55,11 @@ def main(args):
     flops = bench.flops_factor * common.count_params(backbone) * bench.tokens_per_step
     for _ in range(args.steps):
         for s in sides.values():
-            matmul, matmul_s = matmul_seconds()
+            peak = common.matmul_flops_per_sec(repeats=3)  # timed just before this step: the load now
             t = time.perf_counter()
             s["state"], metrics = jax.block_until_ready(s["step"](s["state"], s["bench"].batch, s["bench"].extra))
             s["times"].append(time.perf_counter() - t)
-            s["mfu"].append(flops / s["times"][-1] / (matmul / matmul_s))
+            s["mfu"].append(flops / s["times"][-1] / peak)
             s["loss"].append(float(metrics["train/loss"]))
     out = {"algo": args.algo, "arch": args.arch, "batch_size": args.batch_size, "max_length": args.max_length,
            "remat": args.remat, "before": args.before, "flops_per_step": flops}
