@@ -757,8 +757,8 @@ def length_batch(lengths, step, batch_size, seed, max_length, group=False):
 
 def per_example(fn, data, batch_size, mesh, lengths=None, max_length=None):
     """fn(batch [1, B, ...]) -> tuple of [B] arrays, over every example once in fixed-size global
-    batches (the last wraps around, then is trimmed; each process passes its slice, as in training). With lengths ([N] or [N, k], as
-    length_batch): examples go in length order and each batch's [N, T] arrays are cut to its
+    batches (the last wraps around, then is trimmed; each process passes its own slice of each batch,
+    as in training). With lengths ([N] or [N, k], as length_batch): examples go in length order and each batch's [N, T] arrays are cut to its
     bucket (bucket_length), so padding is small and compilations are at most the bucket count;
     without: one shape, one compilation."""
     n = len(next(iter(data.values())))
