@@ -90,14 +90,15 @@ def launch(main, args_class):
         _end(1, f"error: {e}", sys.stderr)
 
 
-def cli(args_class):
-    """tyro.cli(Args), with tyro's boxed parse errors (bad choice, bad number…) as one UsageError."""
+def cli(args_class, argv=None):
+    """tyro.cli(Args) on argv (None: sys.argv), with tyro's boxed parse errors (bad choice, bad
+    number…) as one UsageError."""
     import io
     import tyro
     err = io.StringIO()
     try:
         with contextlib.redirect_stderr(err):
-            return tyro.cli(args_class)
+            return tyro.cli(args_class, args=argv)
     except SystemExit as e:
         if not e.code:
             raise
