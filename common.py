@@ -6,7 +6,8 @@ Contents (in file order)
   2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors (a hub failure in one line),
                  load_model (created sharded), check_sampler; per-family model I/O: logits, empty_cache,
                  cached_forward (KV-cached, left padding); split_variables, save_model, export_hf
-                 (--export-hf); reward models (save/load_reward_model), load_reward_fn
+                 (--export-hf); reward models (save/load_reward_model), load_reward_fn; load_scorer
+                 (Scorer: a reward model or weighted reward functions, one call)
   3. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render,
                  TRL's formats -> text (sft_segments, preference_triple, prompt_text), read_dataset
   4. Data order  length_batch (padded to a length bucket, optionally grouped by length; a pure
@@ -531,6 +532,66 @@ def load_reward_fn(spec, flag="--reward-fn"):
     if not callable(getattr(module, name, None)):
         raise UsageError(f"{flag} {spec!r}: {path} has no function {name!r}")
     return getattr(module, name)
+
+
+def reward_model_scores(backbone, params, frozen, head, token_ids, padding_mask):
+    """reward.py's r_φ(x, y) = w·h + b, h the final hidden state at the last real token (the padding
+    mask's last True: right padding as in reward.py, or left-padded prompts + responses): [B] float32."""
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state):
+        hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask})  # [B, T, D]
+    last = padding_mask.shape[1] - 1 - jnp.argmax(padding_mask[:, ::-1], 1)
+    h = jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0].astype(jnp.float32)  # f32 head
+    return (h @ head["weight"])[:, 0] + head["bias"]
+
+
+class Scorer:
+    """s(x, y) per response: the one scoring call of ppo.py, grpo.py and evaluate.py (load_scorer makes it).
+
+        scores, parts = scorer(prompts, texts, batch)
+
+    s is the weighted sum of the parts: reward functions f(prompts, responses) -> floats on the decoded
+    texts, or reward.py's model on the token ids batch["query_responses"] / ["padding_mask"] [B, T]
+    (global arrays over `data`). -> scores [B] float32, a global array over `data`, and parts
+    {name: [B] float64 on the host} (a function's __name__, or "reward_model"), for per-part metrics.
+    Every process passes the whole batch (as the rollouts hold it). With a reward model, `model` (its
+    CausalLM) and `head` are its loaded weights (PPO's value model starts from them); else None.
+    """
+
+    def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None):
+        self.model, self.head, self.name, self.on_data = model, head, name, NamedSharding(mesh, P("data"))
+        self.parts = [(f.__name__, w, lambda prompts, texts, batch, f=f: f(prompts, texts))
+                      for f, w in zip(fns, weights or [1.0] * len(fns), strict=True)]
+        if model is not None:  # the weights are jit arguments: closed over, they would be baked in as constants
+            forward = jax.jit(functools.partial(reward_model_scores, model.backbone))
+            values = (*split_variables(model.backbone), head)
+            self.parts.append(("reward_model", 1.0, lambda prompts, texts, batch: to_host(forward(
+                *values, batch["query_responses"], batch["padding_mask"]))))
+
+    def __call__(self, prompts, texts, batch):
+        parts = {name: np.asarray(fn(prompts, texts, batch), np.float64) for name, _, fn in self.parts}
+        for name, values in parts.items():
+            if values.shape != (len(texts),):
+                raise UsageError(f"reward function {name}: {values.shape} scores for {len(texts)} responses")
+        total = sum(w * parts[name] for name, w, _ in self.parts)
+        return put_global(np.asarray(total, np.float32), self.on_data), parts
+
+    def check_tokenizer(self, tokenizer):
+        """The reward model scores the policy's token ids as they are: refuse another vocabulary."""
+        ours = self.model.preprocessor.tokenizer if self.model is not None else None
+        if ours is not None and ours.vocabulary_size() != tokenizer.vocabulary_size():
+            raise UsageError(f"--reward-model {self.name}: its tokenizer differs from the policy's "
+                             "(it scores the policy's token ids directly)")
+
+
+def load_scorer(mesh, dtype=None, reward_model=None, reward_fns=(), weights=(), lora_rank=0):
+    """The Scorer of --reward-model (reward.py's model/ dir, loaded sharded, with `lora_rank` LoRA for
+    PPO's value model) when given, else of the --reward-fn functions (`path.py:function` each) weighted
+    by --reward-weights (empty: all 1). Files are checked here: call it before the policy loads."""
+    if reward_model:
+        model, head = load_reward_model(reward_model, mesh, dtype, lora_rank)
+        return Scorer(mesh, model=model, head=head, name=reward_model)
+    return Scorer(mesh, [load_reward_fn(spec) for spec in reward_fns], weights)
 
 
 # ---------------------------------------------------------------------------
