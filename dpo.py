@@ -26,7 +26,7 @@ import optax  # noqa: E402
 
 @dataclass
 class Args(plumbing.SharedArgs):
-    """The shared flags (plumbing.SharedArgs: model, dtype, mesh, batch size, output dir, …) plus DPO's."""
+    """The shared flags (plumbing.SharedArgs: model, dtype, mesh, outputs, …) and DPO's own."""
     # data
     dataset: str = os.path.join(common.HERE, "data", "prefs_train.jsonl")
     """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""

@@ -1,7 +1,7 @@
 """The run shell: plumbing every script shares and no one needs to read to learn an algorithm.
 
 Contents (in file order)
-  1. The boundary  UsageError, RunComplete, Preempted, NonFiniteLoss; answer_help (`--help` from the
+  1. The boundary  UsageError, RunComplete, Preempted, RunFailed (NonFiniteLoss); answer_help (`--help` from the
                    script's source, before its heavy imports); cli (tyro, errors in one line); launch
                    (main under the one boundary that turns those exceptions into exit codes 2, 0, 0, 1)
   2. Shared flags  SharedArgs: the flags every script has (each script's Args extends it)
@@ -48,7 +48,11 @@ class Preempted(Exception):
     """SIGTERM/SIGINT arrived and the state was checkpointed: the message on stdout, exit code 0."""
 
 
-class NonFiniteLoss(Exception):
+class RunFailed(Exception):
+    """The work itself failed (not the input): the message on stderr, exit code 1."""
+
+
+class NonFiniteLoss(RunFailed):
     """train/loss became NaN or inf: the message on stderr, exit code 1 (the checkpoints stay)."""
 
 
@@ -74,7 +78,7 @@ def answer_help(module_name, path):
 
 def launch(main, args_class):
     """main(the parsed Args) under the boundary: UsageError -> `error: ...` on stderr, exit 2;
-    RunComplete and Preempted -> their line on stdout, exit 0; NonFiniteLoss -> stderr, exit 1.
+    RunComplete and Preempted -> their line on stdout, exit 0; RunFailed (NonFiniteLoss) -> stderr, exit 1.
     Until a Run's loop starts, SIGINT/SIGTERM end the process at once (nothing to save yet)."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
@@ -86,7 +90,7 @@ def launch(main, args_class):
         _end(2, f"error: {e}", sys.stderr)
     except (RunComplete, Preempted) as e:
         _end(0, str(e))
-    except NonFiniteLoss as e:
+    except RunFailed as e:
         _end(1, f"error: {e}", sys.stderr)
 
 
@@ -111,23 +115,20 @@ def cli(args_class, argv=None):
         raise UsageError(" ".join(text) or err.getvalue().strip()) from None
 
 
-def _class_fields(path, name, source=None):
-    """[(section, field name, flag, doc, default)] of class `name` in the file at `path`, and its bases."""
-    source = source or open(path).read()
+def _fields(path, name):
+    """(class `name`'s AST, its fields [(section, name, flag, doc, default)], the module's AST) of the
+    file at `path`, read without importing it; a `# comment` between fields opens a section."""
+    source = open(path).read()
     tree = ast.parse(source)
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
-    if cls is None:
-        return None, None, tree
     names = {"os": os, "common": types.SimpleNamespace(HERE=HERE), "plumbing": sys.modules[__name__]}
-    lines, fields, section, previous = source.splitlines(), [], None, cls.lineno
-    for i, node in enumerate(cls.body):
+    lines, fields, section, previous = source.splitlines(), [], None, getattr(cls, "lineno", 0)
+    for i, node in enumerate(cls.body if cls else []):
         if not isinstance(node, ast.AnnAssign):
             continue
-        for line in lines[previous:node.lineno - 1]:  # a comment between fields opens a section
-            if line.strip().startswith("#"):
-                section = line.strip("# ").rstrip()
-        previous = node.end_lineno
-        nxt = cls.body[i + 1] if i + 1 < len(cls.body) else None
+        section = next((x.strip("# ").rstrip() for x in lines[previous:node.lineno - 1][::-1]
+                        if x.strip().startswith("#")), section)
+        previous, nxt = node.end_lineno, cls.body[i + 1] if i + 1 < len(cls.body) else None
         doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else ""
         flag, kind = "--" + node.target.id.replace("_", "-"), ast.unparse(node.annotation)
         if kind == "bool":
@@ -139,8 +140,7 @@ def _class_fields(path, name, source=None):
             flag += " " + kind.replace(" | None", "").upper()
         try:
             default = eval(compile(ast.Expression(node.value), path, "eval"), names)
-            if isinstance(default, str) and default.startswith(HERE):
-                default = os.path.relpath(default, HERE)  # a bundled file: show data/…
+            default = os.path.relpath(default, HERE) if str(default).startswith(HERE) else default  # data/…
         except Exception:
             default = ast.unparse(node.value)
         fields.append((section, node.target.id, flag, doc, default))
@@ -148,28 +148,19 @@ def _class_fields(path, name, source=None):
 
 
 def help_from_source(path, width=100):
-    """--help of the script at `path`, read from its `class Args` source (no import, so it is
-    instant): the shared flags (SharedArgs, which Args extends) with the script's own defaults, then
-    the script's own flags; one section per `# comment`, each flag with its choices, doc and default.
-    Returns None if the file has no Args dataclass."""
-    cls, own, tree = _class_fields(path, "Args")
+    """--help of the script at `path` from its `class Args` source (no import, so it is instant): the
+    shared flags (SharedArgs) with the script's defaults, and its own flags in their sections (a new
+    section before the outputs'); each flag with its choices, doc and default. None without Args."""
+    cls, own, tree = _fields(path, "Args")
     if cls is None:
         return None
-    shared = []
-    if any(ast.unparse(b).endswith("SharedArgs") for b in cls.bases):
-        _, shared, _ = _class_fields(__file__, "SharedArgs")
-    overrides, names, sections = {f[1]: f for f in own}, {f[1] for f in shared}, {}
-    for f in [(f[0],) + overrides.get(f[1], f)[1:] for f in shared]:
+    shared = _fields(__file__, "SharedArgs")[1] if any("SharedArgs" in ast.unparse(b) for b in cls.bases) else []
+    mine, sections = {f[1]: f for f in own}, {}
+    for f in [(f[0],) + mine.pop(f[1], f)[1:] for f in shared] + list(mine.values()):
         sections.setdefault(f[0], []).append(f)
-    shared_sections = list(sections)
-    for f in own:  # the script's own flags join their section; a new section goes before the outputs'
-        if f[1] not in names:
-            sections.setdefault(f[0], []).append(f)
-    order = [s for s in sections if s not in shared_sections]
-    outputs = shared_sections.index("logging and outputs") if "logging and outputs" in shared_sections else 0
-    order = shared_sections[:outputs] + order + shared_sections[outputs:]
+    last = ("logging and outputs", "multi-host (TPU pods and clusters are detected without these)")
     out = [f"usage: {os.path.basename(path)} [OPTIONS]", "", ast.get_docstring(tree) or ""]
-    for section in order:
+    for section in sorted(sections, key=lambda s: s in last):
         out += ["", f"{section}:"]
         for _, _, flag, doc, default in sections[section]:
             text = " ".join(doc.split()) + f" (default: {default if default != '' else repr(default)})"
@@ -341,12 +332,10 @@ class Run:
 
     def _check_resumable(self):
         """--resume on a complete run: RunComplete; with no checkpoint to continue from: UsageError."""
-        if self.max_steps is None:
-            return
-        if self._done is not None and self.max_steps <= self._done:
+        if self.max_steps is not None and self._done is not None and self.max_steps <= self._done:
             raise RunComplete(f"{self.dir}: this run is complete ({self._done} steps, model/ saved); "
                               "nothing to resume")
-        if self._no_checkpoint:
+        if self.max_steps is not None and self._no_checkpoint:
             raise UsageError(self._no_checkpoint)
 
     def resolve_max_steps(self, num_rows, rows_per_step=None):
@@ -425,20 +414,18 @@ class Run:
             return state, meta
         import jax
         ocp, manager = self._checkpoints()
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        restored = manager.restore(self.start, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
+        restored = manager.restore(self.start, args=ocp.args.Composite(meta=ocp.args.JsonRestore(),
+            state=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))))
         print(f"resumed from step {self.start}")
         return restored.state, restored.meta
 
     def _checkpoints(self):
-        """(orbax, its manager), made on first use. orbax is the JAX standard: each process writes
-        its shards, a step appears only once complete, and the newest 3 are kept."""
+        """(orbax, its manager), made on first use: orbax, the JAX standard, writes each process's
+        shards, a step appears only once complete, and the newest 3 are kept."""
         import orbax.checkpoint as ocp
-        if self._manager is None:
-            self._manager = ocp.CheckpointManager(
-                os.path.abspath(os.path.join(self.dir, "checkpoints")),
-                options=ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=False))
+        options = ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=False)
+        self._manager = self._manager or ocp.CheckpointManager(os.path.abspath(os.path.join(self.dir, "checkpoints")),
+                                                               options=options)
         return ocp, self._manager
 
     def steps(self, flops_per_token=0, learning_rate=None, show=(), summed=()):
