@@ -294,8 +294,8 @@ class Run:
         self.mesh = common.make_mesh(args.mesh)
         self.main = common.jax.process_index() == 0
         if args.batch_size % (self.mesh.shape["data"] * grad_accum_steps):
-            raise UsageError(f"--batch-size {args.batch_size} must divide by data axis "
-                             f"({self.mesh.shape['data']}) × --grad-accum-steps ({grad_accum_steps})")
+            accum = f" × --grad-accum-steps ({grad_accum_steps})" if grad_accum_steps > 1 else ""
+            raise UsageError(f"--batch-size {args.batch_size} must divide by data axis ({self.mesh.shape['data']}){accum}")
         self._done, self._no_checkpoint = None, None  # --resume: steps of a finished run; why it cannot resume
         self.start = self.step = self._check_output_dir()
         self.stop_signal, self.last_train, self.last_eval = None, {}, {}

@@ -337,7 +337,7 @@ def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
-    run = plumbing.Run("ppo", args, export_hf=args.export_hf)  # shared flags and --output-dir checked; nothing written
+    run = plumbing.Run("ppo", args, export_hf=args.export_hf)  # flags and --output-dir checked; nothing written
     if args.num_mini_batches < 1 or args.num_ppo_epochs < 1 or args.temperature <= 0:
         raise common.UsageError("--num-mini-batches and --num-ppo-epochs must be ≥ 1, --temperature > 0")
     if args.batch_size % args.num_mini_batches or args.batch_size // args.num_mini_batches % run.mesh.shape["data"]:

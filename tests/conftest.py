@@ -61,3 +61,16 @@ def prefs():
     triples = common.read_dataset(path, "preference", common.chat_template("tiny"))
     pairs, _ = dpo.tokenize_dataset(triples, model.preprocessor.tokenizer, 512, path)
     return mesh, model, pairs[:8]
+
+
+# The heaviest test files first (their durations through .ci/run): pytest-xdist hands whole files
+# (--dist loadfile) to the workers in collection order, so the long ones start at once and the short
+# ones fill in at the end instead of one worker idling while the other runs a long file alone.
+HEAVY_FIRST = ("test_rlhf.py", "test_grpo.py", "test_compare.py", "test_preference.py", "test_sft.py",
+               "test_reliability.py", "test_families.py", "test_lifecycle.py", "test_benchmarks.py",
+               "test_buckets.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))  # stable: file order kept

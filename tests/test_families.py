@@ -123,6 +123,7 @@ def test_cached_forward_matches_keras_hub(presets, family):
     not), soft-capped 30·tanh(z/30) for Gemma 2."""
     import common
     import jax.numpy as jnp
+    import plumbing
     import numpy as np
     model = common.load_model(presets[family], one_device_mesh(), "float32")
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer

@@ -94,11 +94,13 @@ def test_two_processes_match_one(tmp_path):
     own slice of a global batch (common.per_example passed the whole batch to each on 76cc5f6: rows
     off by up to 2.1×). 24 eval pairs at batch 16: the second batch wraps around and is trimmed."""
     address = coordinator_address()
-    with open(os.path.join(ROOT, "data", "prefs_eval.jsonl")) as f:
-        (tmp_path / "eval.jsonl").write_text("".join(f.readlines()[:24]))
+    for name, n in (("train", 48), ("eval", 24)):  # small files: each process tokenizes and precomputes all
+        with open(os.path.join(ROOT, "data", f"prefs_{name}.jsonl")) as f:
+            (tmp_path / f"{name}.jsonl").write_text("".join(f.readlines()[:n]))
     flags = [sys.executable, os.path.join(ROOT, "dpo.py"), "--model", "tiny", "--max-steps", "3", "--log-every", "1",
              "--batch-size", "16", "--learning-rate", "3e-4", "--max-length", "128", "--precompute-ref",
-             "--eval-dataset", str(tmp_path / "eval.jsonl"), "--eval-every", "3"]
+             "--dataset", str(tmp_path / "train.jsonl"), "--eval-dataset", str(tmp_path / "eval.jsonl"),
+             "--eval-every", "3"]
     one = str(tmp_path / "one")
     subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=env_with_devices(8))
     two = str(tmp_path / "two")
