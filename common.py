@@ -1,132 +1,32 @@
-"""What every script needs and no one reads to learn an algorithm (DESIGN §1).
+"""What an algorithm touches: the mesh, the models, the data files and the batches.
 
 Contents (in file order)
-  1. Start-up    --help from Args' source before any heavy import (grouped by its comments);
-                 `cli` (tyro, errors in one line); UsageError -> one line on stderr, exit 2
-  2. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global,
+  1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global,
                  to_host, init_optimizer (optimizer state laid out like the params)
-  3. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors (a hub failure in one line),
+  2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors (a hub failure in one line),
                  load_model (created sharded), check_sampler; per-family model I/O: logits, empty_cache,
-                 cached_forward (KV-cached, left padding); enable_remat + jit_step (--remat), split_variables,
-                 save_model, export_hf (--export-hf), count_params; reward models (save/load_reward_model),
-                 load_reward_fn
-  4. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render,
+                 cached_forward (KV-cached, left padding); split_variables, save_model, export_hf
+                 (--export-hf); reward models (save/load_reward_model), load_reward_fn; load_scorer
+                 (Scorer: a reward model or weighted reward functions, one call)
+  3. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render,
                  TRL's formats -> text (sft_segments, preference_triple, prompt_text), read_dataset
-  5. Data order  batch_indices, length_batch (padded to a length bucket, optionally grouped by
-                 length; pure functions of the step: resume is exact), bucket_length, per_example
-  6. The run     Run: output dir and --resume/--overwrite, --max-steps from --num-epochs, args.json,
-                 metrics.jsonl + TensorBoard
-                 (+ W&B), progress bar, tokens/s and MFU, the non-finite stop, eval and
-                 checkpoint cadence, SIGTERM/SIGINT, the final model and a summary line;
-                 synced / phase_metrics: the generate / score / update timing of RL steps
-  7. Accounting  peak_flops (DESIGN §8)
-Mesh axes are ("data", "model") everywhere: batch over `data`, parameters over both.
+  4. Data order  length_batch (padded to a length bucket, optionally grouped by length; a pure
+                 function of the step: resume is exact), bucket_length, per_example
+The run shell (flags, Run, exits, remat, FLOP accounting) is plumbing.py: no algorithm needs it read.
+Mesh axes are ("data", "model") everywhere: batch over `data`, parameters over both (docs/design.md).
+Importing this module sets KERAS_BACKEND=jax (and JAX_PLATFORMS=cpu where no accelerator is present)
+before keras loads, and keeps TensorFlow out of the process; it prints nothing.
 """
 
-import ast
 import contextlib
 import functools
 import glob
 import json
-import math
 import os
 import shutil
-import signal
 import sys
-import textwrap
-import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-
-
-# ---------------------------------------------------------------------------
-# 1. Start-up: fast --help, one-line errors
-# ---------------------------------------------------------------------------
-def _help_from_source(path, width=100):
-    """--help of the script at `path`, read from its `class Args` source (no import, so it is
-    instant): one section per `# comment` in Args, each flag with its type or choices, its
-    docstring and its default. Returns None if the file has no Args dataclass."""
-    source = open(path).read()
-    tree = ast.parse(source)
-    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args"), None)
-    if cls is None:
-        return None
-    lines, names = source.splitlines(), {"os": os, "common": sys.modules[__name__]}
-    out = [f"usage: {os.path.basename(path)} [OPTIONS]", "", ast.get_docstring(tree) or "", ""]
-    previous = cls.lineno
-    for i, node in enumerate(cls.body):
-        if not isinstance(node, ast.AnnAssign):
-            continue
-        for line in lines[previous:node.lineno - 1]:  # a comment between fields opens a section
-            if line.strip().startswith("#"):
-                out += ["", line.strip("# ").rstrip() + ":"]
-        previous = node.end_lineno
-        doc = cls.body[i + 1].value.value if i + 1 < len(cls.body) and isinstance(
-            cls.body[i + 1], ast.Expr) and isinstance(cls.body[i + 1].value, ast.Constant) else ""
-        flag, kind = "--" + node.target.id.replace("_", "-"), ast.unparse(node.annotation)
-        if kind == "bool":
-            flag = f"{flag}, --no-{flag[2:]}"
-        elif "Literal[" in kind:  # Literal[...] or Literal[...] | None: list the choices
-            literal = next(n for n in ast.walk(node.annotation) if isinstance(n, ast.Subscript))
-            flag += " {" + ",".join(str(c.value) for c in ast.walk(literal.slice) if isinstance(c, ast.Constant)) + "}"
-        else:
-            flag += " " + kind.replace(" | None", "").upper()
-        try:
-            default = eval(compile(ast.Expression(node.value), path, "eval"), names)
-            if isinstance(default, str) and default.startswith(HERE):
-                default = os.path.relpath(default, HERE)  # a bundled file: show data/…
-        except Exception:
-            default = ast.unparse(node.value)
-        text = " ".join(doc.split()) + f" (default: {default if default != '' else repr(default)})"
-        out += [f"  {flag}"] + textwrap.wrap(text, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
-    return "\n".join(out)
-
-
-_main = getattr(sys.modules.get("__main__"), "__file__", None) or ""
-if {"-h", "--help"} & set(sys.argv[1:]) and _main.endswith(".py") and os.path.dirname(
-        os.path.abspath(_main)) in (HERE, os.path.join(HERE, "benchmarks")):  # one of our scripts
-    _text = _help_from_source(_main)  # before the imports below, which take seconds (keras-hub)
-    if _text is not None:
-        with contextlib.suppress(BrokenPipeError):  # `--help | head`
-            print(_text)
-        os._exit(0)
-
-
-class UsageError(Exception):
-    """Bad input (flag, file, model name): reported in one line, exit code 2."""
-
-
-def _excepthook(kind, value, tb, _default=sys.excepthook):
-    if issubclass(kind, UsageError):  # raised anywhere in a script's set-up: one line, exit 2
-        print(f"error: {value}", file=sys.stderr)
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(2)
-    _default(kind, value, tb)
-
-
-sys.excepthook = _excepthook
-
-
-def cli(args_class):
-    """tyro.cli(Args), with tyro's boxed parse errors (bad choice, bad number…) in one line."""
-    import io
-    import tyro
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return tyro.cli(args_class)
-    except SystemExit as e:
-        if not e.code:
-            raise
-        text = []
-        for line in err.getvalue().splitlines()[1:]:  # the first line is the box's title
-            line = line.strip("│╭╮╰╯ \n")
-            if set(line) <= {"─"}:
-                break
-            text.append(line)
-        raise UsageError(" ".join(text) or err.getvalue().strip()) from None
-
+from plumbing import HERE, UsageError  # noqa: F401  (common.UsageError: bad input, exit 2 at the boundary)
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 if not (os.environ.get("JAX_PLATFORMS") or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
@@ -183,7 +83,7 @@ def dtype_policy(dtype):
 
 
 # ---------------------------------------------------------------------------
-# 2. Multi-host start-up and the mesh
+# 1. Multi-host start-up and the mesh
 # ---------------------------------------------------------------------------
 def init_distributed(coordinator_address=None, num_processes=None, process_id=None):
     """Start `jax.distributed` when several processes take part (flags or cluster env)."""
@@ -219,7 +119,7 @@ def make_mesh(spec=None):
 
 
 class ShardedParallel(keras.distribution.ModelParallel):
-    """Keras ModelParallel with the rules of DESIGN §4 filled in.
+    """Keras ModelParallel with the sharding rules of docs/design.md ("Mesh") filled in.
 
     Variables the backbone's layout map names keep that layout; every other
     variable of rank >= 2 shards its largest divisible dim over `data` (FSDP).
@@ -303,7 +203,7 @@ def init_optimizer(optimizer, params, mesh):
 
 
 # ---------------------------------------------------------------------------
-# 3. Models
+# 2. Models
 # ---------------------------------------------------------------------------
 def resolve_model(name):
     """--model -> what `CausalLM.from_preset` takes (or 'tiny'); unknown names raise."""
@@ -530,72 +430,6 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index):
     return logits(backbone, backbone.layer_norm(x)), jnp.stack(caches, 1)
 
 
-def enable_remat(backbone, on=True):
-    """Activation checkpointing per decoder block: each block's activations are recomputed
-    in the backward pass, so only the block inputs [B, T, D] stay alive between forward and
-    backward (about +1/3 FLOPs; what makes Gemma-2B DPO fit 16 GiB chips). Calls with a KV
-    cache (generation) are left alone: they have no backward pass. `backbone.remat_on`, read
-    when a step is traced, switches it (jit_step's --remat auto). Returns the backbone."""
-    backbone.remat_on = on
-    for layer in [] if hasattr(backbone, "_remat_layers") else getattr(backbone, "transformer_layers", []):
-        def call(*args, _call=layer.call, **kwargs):
-            if not backbone.remat_on or any(v is not None for k, v in kwargs.items()
-                                            if "cache" in k and "index" not in k):
-                return _call(*args, **kwargs)
-            arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
-            rest = {k: v for k, v in kwargs.items() if k not in arrays}
-            return jax.checkpoint(lambda a, kw: _call(*a, **kw, **rest))(args, arrays)
-        layer.call = call
-    backbone._remat_layers = True
-    return backbone
-
-
-def device_memory_limit():
-    """Bytes one device may allocate; None where the backend sets no limit (CPU)."""
-    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
-
-
-def jit_step(fn, args, backbones, length=None, **jit_kwargs):
-    """jax.jit(fn, **jit_kwargs) with --remat (`args.remat`) applied to `backbones` (enable_remat'd).
-
-    on / off: as asked. auto: off where the device sets no memory limit (CPU: remat is pure cost).
-    Else, at the first call, fn is compiled ahead of time without remat for that call's argument
-    shapes and shardings, the batch (third argument, leaves [A, B, T, ...]) at `length` tokens (the
-    run's longest), and remat is turned on when the compiled peak per device (argument + output +
-    temp − alias) exceeds 90% of the limit: the 10% covers what the analysis leaves out (allocator
-    fragmentation, the runtime's own buffers, the next batch and eval arrays living beside the step).
-    Costs one extra compile of the step (CPU-measured in benchmarks/RESULTS.md "Step performance").
-    args.remat becomes the resolved "on"/"off" (args.json records it); one console line says why.
-    """
-    limit, resolved = device_memory_limit(), []
-
-    def resolve(value, why):
-        args.remat = value
-        for backbone in backbones:
-            backbone.remat_on = value == "on"
-        if why and jax.process_index() == 0:
-            from tqdm import tqdm
-            tqdm.write(f"remat: auto -> {value} ({why})")  # above the progress bar the first step runs under
-        return jax.jit(functools.partial(fn), **jit_kwargs)  # a new callable: traced afresh, with the switch
-
-    if args.remat != "auto" or limit is None:
-        return resolve("off" if args.remat == "auto" else args.remat,
-                       args.remat == "auto" and f"{jax.devices()[0].platform}: no device memory limit")
-
-    def step(*a):
-        if not resolved:
-            spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), a)
-            at = lambda s: s.update(shape=s.shape[:2] + (length,) + s.shape[3:]) if length and s.ndim >= 3 else s
-            t, spec = time.perf_counter(), (*spec[:2], jax.tree.map(at, spec[2]), *spec[3:])
-            m = resolve("off", None).lower(*spec).compile().memory_analysis()
-            peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-            why = (f"compiled peak {peak / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB per device; "
-                   f"checked in {time.perf_counter() - t:.1f} s")
-            resolved.append(resolve("on" if peak > 0.9 * limit else "off", why))
-        return resolved[0](*a)
-    return step
-
-
 def split_variables(backbone):
     """(trainable values, frozen values) in the order `stateless_call` expects."""
     return ([v.value for v in backbone.trainable_variables],
@@ -659,15 +493,6 @@ def export_hf(preset_dir, path):
     os.replace(tmp, path)
 
 
-def count_params(backbone):
-    """N for FLOP accounting (DESIGN §8): every weight used in a matmul. A tied embedding is also the
-    output matmul (Gemma, Qwen); an untied one (Llama 3, Mistral) is a lookup, and its output matrix
-    is the matmul."""
-    embedding = backbone.token_embedding
-    lookup = embedding.embeddings if not embedding.tie_weights else None
-    return int(sum(np.prod(v.shape) for v in backbone.weights if "lora" not in v.path and v is not lookup))
-
-
 # A reward model (reward.py's `model/`): the CausalLM preset + reward_head.npz (+ .json: how it was normalised).
 HEAD_FILE, HEAD_INFO = "reward_head.npz", "reward_head.json"
 
@@ -709,8 +534,68 @@ def load_reward_fn(spec, flag="--reward-fn"):
     return getattr(module, name)
 
 
+def reward_model_scores(backbone, params, frozen, head, token_ids, padding_mask):
+    """reward.py's r_φ(x, y) = w·h + b, h the final hidden state at the last real token (the padding
+    mask's last True: right padding as in reward.py, or left-padded prompts + responses): [B] float32."""
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state):
+        hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask})  # [B, T, D]
+    last = padding_mask.shape[1] - 1 - jnp.argmax(padding_mask[:, ::-1], 1)
+    h = jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0].astype(jnp.float32)  # f32 head
+    return (h @ head["weight"])[:, 0] + head["bias"]
+
+
+class Scorer:
+    """s(x, y) per response: the one scoring call of ppo.py, grpo.py and evaluate.py (load_scorer makes it).
+
+        scores, parts = scorer(prompts, texts, batch)
+
+    s is the weighted sum of the parts: reward functions f(prompts, responses) -> floats on the decoded
+    texts, or reward.py's model on the token ids batch["query_responses"] / ["padding_mask"] [B, T]
+    (global arrays over `data`). -> scores [B] float32, a global array over `data`, and parts
+    {name: [B] float64 on the host} (a function's __name__, or "reward_model"), for per-part metrics.
+    Every process passes the whole batch (as the rollouts hold it). With a reward model, `model` (its
+    CausalLM) and `head` are its loaded weights (PPO's value model starts from them); else None.
+    """
+
+    def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None):
+        self.model, self.head, self.name, self.on_data = model, head, name, NamedSharding(mesh, P("data"))
+        self.parts = [(f.__name__, w, lambda prompts, texts, batch, f=f: f(prompts, texts))
+                      for f, w in zip(fns, weights or [1.0] * len(fns), strict=True)]
+        if model is not None:  # the weights are jit arguments: closed over, they would be baked in as constants
+            forward = jax.jit(functools.partial(reward_model_scores, model.backbone))
+            values = (*split_variables(model.backbone), head)
+            self.parts.append(("reward_model", 1.0, lambda prompts, texts, batch: to_host(forward(
+                *values, batch["query_responses"], batch["padding_mask"]))))
+
+    def __call__(self, prompts, texts, batch):
+        parts = {name: np.asarray(fn(prompts, texts, batch), np.float64) for name, _, fn in self.parts}
+        for name, values in parts.items():
+            if values.shape != (len(texts),):
+                raise UsageError(f"reward function {name}: {values.shape} scores for {len(texts)} responses")
+        total = sum(w * parts[name] for name, w, _ in self.parts)
+        return put_global(np.asarray(total, np.float32), self.on_data), parts
+
+    def check_tokenizer(self, tokenizer):
+        """The reward model scores the policy's token ids as they are: refuse another vocabulary."""
+        ours = self.model.preprocessor.tokenizer if self.model is not None else None
+        if ours is not None and ours.vocabulary_size() != tokenizer.vocabulary_size():
+            raise UsageError(f"--reward-model {self.name}: its tokenizer differs from the policy's "
+                             "(it scores the policy's token ids directly)")
+
+
+def load_scorer(mesh, dtype=None, reward_model=None, reward_fns=(), weights=(), lora_rank=0):
+    """The Scorer of --reward-model (reward.py's model/ dir, loaded sharded, with `lora_rank` LoRA for
+    PPO's value model) when given, else of the --reward-fn functions (`path.py:function` each) weighted
+    by --reward-weights (empty: all 1). Files are checked here: call it before the policy loads."""
+    if reward_model:
+        model, head = load_reward_model(reward_model, mesh, dtype, lora_rank)
+        return Scorer(mesh, model=model, head=head, name=reward_model)
+    return Scorer(mesh, [load_reward_fn(spec) for spec in reward_fns], weights)
+
+
 # ---------------------------------------------------------------------------
-# 4. File formats: dataset files and TRL's row formats -> text
+# 3. File formats: dataset files and TRL's row formats -> text
 # ---------------------------------------------------------------------------
 def read_rows(path, flag="--dataset"):
     """[(row, line number)] from .jsonl/.json, or through `datasets` for .parquet and Hub ids/dirs."""
@@ -882,7 +767,7 @@ def read_dataset(path, form, template, flag="--dataset"):
 
 
 # ---------------------------------------------------------------------------
-# 5. Data order: a pure function of (seed, step), so a resumed run sees the same batches
+# 4. Data order: a pure function of (seed, step), so a resumed run sees the same batches
 # ---------------------------------------------------------------------------
 GROUP_WINDOW = 50  # --group-by-length: batches per length-sorted window (HF's megabatch of 50)
 
@@ -898,11 +783,6 @@ def _local(idx):
     """This process's part of a global batch (each process loads its own slice)."""
     per_proc = len(idx) // jax.process_count()
     return idx[jax.process_index() * per_proc:][:per_proc]
-
-
-def batch_indices(n, step, batch_size, seed):
-    """This process's example indices for `step` of the stream: batch_size / processes of them."""
-    return _local(_stream(n, step * batch_size, batch_size, seed))
 
 
 def bucket_length(n, max_length):
@@ -937,9 +817,9 @@ def length_batch(lengths, step, batch_size, seed, max_length, group=False):
 
 
 def per_example(fn, data, batch_size, mesh, lengths=None, max_length=None):
-    """fn(batch [1, B, ...]) -> tuple of [B] arrays, over every example once in fixed-size
-    batches (the last wraps around, then is trimmed). With lengths ([N] or [N, k], as
-    length_batch): examples go in length order and each batch's [N, T] arrays are cut to its
+    """fn(batch [1, B, ...]) -> tuple of [B] arrays, over every example once in fixed-size global
+    batches (the last wraps around, then is trimmed; each process passes its own slice of each batch,
+    as in training). With lengths ([N] or [N, k], as length_batch): examples go in length order and each batch's [N, T] arrays are cut to its
     bucket (bucket_length), so padding is small and compilations are at most the bucket count;
     without: one shape, one compilation."""
     n = len(next(iter(data.values())))
@@ -949,417 +829,8 @@ def per_example(fn, data, batch_size, mesh, lengths=None, max_length=None):
     for i in range(0, n, batch_size):
         idx = order[np.arange(i, i + batch_size) % n]
         t = None if lengths is None else bucket_length(int(longest[idx].max()), max_length)
-        batch = {k: v[None, idx, :t] if v.ndim > 1 else v[None, idx] for k, v in data.items()}
+        mine = _local(idx)  # shard_batch takes this process's slice of the global batch
+        batch = {k: v[None, mine, :t] if v.ndim > 1 else v[None, mine] for k, v in data.items()}
         outs.append([to_host(x) for x in fn(shard_batch(mesh, batch))])
     inverse = np.argsort(order)  # outputs come in `order`; put them back in the data's
     return tuple(np.concatenate(o)[:n][inverse] for o in zip(*outs))
-
-
-# ---------------------------------------------------------------------------
-# 6. The run's lifecycle
-# ---------------------------------------------------------------------------
-RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model", "model_hf")
-# (flag, lowest allowed value, whether the lowest value itself is refused)
-FLAG_RANGES = (("learning_rate", 0, True), ("batch_size", 1, False), ("grad_accum_steps", 1, False),
-               ("max_steps", 0, False), ("num_epochs", 0, True), ("warmup_steps", 0, False), ("log_every", 1, False),
-               ("eval_every", 0, False), ("save_every", 0, False))
-
-
-def default_output_dir(script, model, seed):
-    tag = os.path.basename(os.path.normpath(model))
-    return os.path.join("runs", f"{script}__{tag}__{seed}__{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-def checkpoint_steps(output_dir):
-    """Steps of the complete checkpoints (orbax renames a step's directory into place once written)."""
-    path = os.path.join(output_dir, "checkpoints")
-    return sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
-
-
-def synced(tree):
-    """The time once every array of `tree` is computed (dispatch is asynchronous): a phase's end."""
-    jax.block_until_ready(tree)
-    return time.perf_counter()
-
-
-def phase_metrics(updates, ticks, new_tokens):
-    """An RL step's row (ppo, grpo): its updates' metrics averaged on the host (one sync), and the
-    seconds of each phase from ticks [start, generated, scored] to now: generate, score, update."""
-    fetched = jax.device_get(updates)
-    generate, score, update = np.diff(ticks + [time.perf_counter()])
-    return {**{k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]},
-            "charts/generate_tokens_per_sec": new_tokens / generate, "charts/generate_time": generate,
-            "charts/score_time": score, "charts/update_time": update}
-
-
-class Run:
-    """One training run's life, so that each script's loop shows only its algorithm:
-
-        run = common.Run("dpo", args)      # flags, --output-dir and --resume checked; nothing written
-        ...                                # read and check data, load the model, build the state
-        state, _ = run.resume(state)       # the newest checkpoint with --resume, else as given
-        for step in run.steps(flops_per_token, schedule):   # progress bar
-            state, metrics = step_fn(state, ...)
-            run.log(metrics, real, padded) # on device; one host sync per --log-every; real-token tokens/s
-            if run.eval_due():
-                run.log_eval(evaluate(state[0]))
-            run.checkpoint(state)          # every --save-every steps, and on SIGTERM/SIGINT (then exit 0)
-        run.finish(lambda path: common.save_model(model, state[0], path))
-
-    Nothing is written until the first step has been compiled and dispatched (its run.log):
-    until then SIGINT/SIGTERM end the process at once. From then on the first signal checkpoints
-    at the next step boundary and exits 0, and a second one ends the process at once. model/ is
-    renamed into place only once complete.
-    """
-
-    def __init__(self, script, args):
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)  # start-up: nothing to save, so stop at once
-        init_distributed(getattr(args, "coordinator_address", None), getattr(args, "num_processes", None),
-                         getattr(args, "process_id", None))
-        self.script, self.args, self.main, self._remat = script, args, jax.process_index() == 0, []
-        for name, low, strict in FLAG_RANGES:
-            value = getattr(args, name, None)
-            if value is not None and (value <= low if strict else value < low):
-                raise UsageError(f"--{name.replace('_', '-')} {value}: must be {'>' if strict else '>='} {low}")
-        if getattr(args, "dtype", None) not in (None, "bfloat16", "float32"):
-            raise UsageError(f"--dtype {args.dtype}: expected bfloat16 or float32")
-        if getattr(args, "export_hf", False):
-            check_export_hf(args.model)
-        if getattr(args, "track", False):
-            import importlib.util
-            if importlib.util.find_spec("wandb") is None:
-                raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
-        if hasattr(args, "dtype"):
-            args.dtype = args.dtype or default_dtype()  # args.json records what ran
-        args.output_dir = self.dir = args.output_dir or default_output_dir(script, args.model, args.seed)
-        self.model_dir = os.path.join(self.dir, "model")
-        self.mesh = make_mesh(getattr(args, "mesh", None))
-        accum = getattr(args, "grad_accum_steps", None)
-        if accum and args.batch_size % (self.mesh.shape["data"] * accum):
-            raise UsageError(f"--batch-size {args.batch_size} must divide by data axis "
-                             f"({self.mesh.shape['data']}) × --grad-accum-steps ({accum})")
-        self._done, self._no_checkpoint = None, None  # --resume: steps of a finished run; why it cannot resume
-        self.start = self.step = self._check_output_dir()
-        self.stop_signal, self.last_train, self.last_eval = None, {}, {}
-        self._pending, self._tokens, self._flops, self._paused, self._eval_started = [], 0, 0.0, 0.0, None
-        self._padded, self._shapes = 0, set()
-        self._opened, self._buffered, self._manager, self._started = False, [], None, time.perf_counter()
-
-    def _check_output_dir(self):
-        """The step to start from; refuses to touch a previous run unless asked (exit 2)."""
-        args, d = self.args, self.dir
-        held = [f for f in RUN_FILES if os.path.exists(os.path.join(d, f))]
-        steps = checkpoint_steps(d)
-        last = steps[-1] if steps else None
-        finished = os.path.isdir(self.model_dir)
-        if args.resume:
-            if finished and "args.json" in held:
-                with open(os.path.join(d, "args.json")) as f:
-                    self._done = max(last or 0, json.load(f).get("max_steps") or 0)
-            if last is None:
-                self._no_checkpoint = (f"--resume: {d} holds no checkpoint to continue from"
-                                       + ("" if held else " (no run there)")
-                                       + "; checkpoints are written by --save-every N and on SIGTERM/SIGINT")
-            self._exit_if_complete()  # with --max-steps None: in read_data, once it is derived
-            return last or 0
-        if held and not args.overwrite:
-            what, hint = "a run without checkpoints", "pass --overwrite to replace it, or choose another --output-dir"
-            if finished:
-                what = "a finished run (model/)"
-            elif last is not None:
-                what, hint = f"an unfinished run (checkpoint at step {last})", \
-                    "pass --resume to continue it or --overwrite to replace it"
-            raise UsageError(f"--output-dir {d} already holds {what}; {hint}")
-        return 0
-
-    def _exit_if_complete(self):
-        """--resume on a complete run: exit 0; with no checkpoint to continue from: exit 2."""
-        if self.args.max_steps is None:
-            return
-        if self._done is not None and self.args.max_steps <= self._done:
-            print(f"{self.dir}: this run is complete ({self._done} steps, model/ saved); nothing to resume")
-            sys.exit(0)
-        if self._no_checkpoint:
-            raise UsageError(self._no_checkpoint)
-
-    def _on_signal(self, signum, frame):
-        self.stop_signal = signal.Signals(signum).name
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, signal.SIG_DFL)  # a second signal ends the process at once
-        os.write(1, f"\n{self.stop_signal}: checkpoint at the end of this step, then exit "
-                    "(again to quit at once)\n".encode())  # os.write: safe inside a handler
-
-    def _open(self):
-        """After the first step: signals now checkpoint; the outputs are created (process 0)."""
-        if self._opened:
-            return
-        self._opened = True
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
-        if not self.main:
-            return
-        if self.args.overwrite and not self.args.resume and os.path.isdir(self.dir):
-            for f in os.listdir(self.dir):
-                if f in RUN_FILES or f.startswith("events.out.tfevents"):
-                    path = os.path.join(self.dir, f)
-                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
-        os.makedirs(self.dir, exist_ok=True)
-        with open(os.path.join(self.dir, "args.json.tmp"), "w") as f:
-            json.dump(vars(self.args), f, indent=2, default=str)
-        os.replace(os.path.join(self.dir, "args.json.tmp"), os.path.join(self.dir, "args.json"))
-        path = os.path.join(self.dir, "metrics.jsonl")
-        if self.args.resume and os.path.exists(path):  # drop rows logged past the checkpoint
-            with open(path) as f:
-                kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= self.start]
-            with open(path, "w") as f:
-                f.writelines(kept)
-        from tensorboardX import SummaryWriter
-        self._metrics, self._tb, self._wandb = open(path, "a"), SummaryWriter(self.dir), None
-        if getattr(self.args, "track", False):
-            import wandb
-            self._wandb = wandb.init(config=vars(self.args), name=os.path.basename(self.dir))
-        for step, row in self._buffered:
-            self._write(step, row)
-
-    def _write(self, step, row):
-        if not self._opened:
-            self._buffered.append((step, row))
-        elif self.main:
-            self._metrics.write(json.dumps({"step": int(step), **row}) + "\n")
-            self._metrics.flush()
-            for k, v in row.items():
-                self._tb.add_scalar(k, v, step)
-            if self._wandb:
-                self._wandb.log(row, step=step)
-
-    def read_data(self, form):
-        """(train rows, eval rows) of --dataset / --eval-dataset in TRL's `form`, rendered with
-        --chat-template or --model's family's chat template: checked before the model loads.
-        --max-steps None becomes ceil(--num-epochs × rows / rows per step) here (GRPO: batch_size /
-        num_generations prompts a step), before training starts; args.json records it, so --resume
-        derives the same."""
-        args = self.args
-        template = chat_template(args.model, getattr(args, "chat_template", None))
-        path = getattr(args, "eval_dataset", None)
-        evals = read_dataset(path, form, template, "--eval-dataset") if path else []
-        train = read_dataset(args.dataset, form, template)
-        if args.max_steps is None:
-            per_step = args.batch_size // getattr(args, "num_generations", 1)
-            args.max_steps = max(1, math.ceil(args.num_epochs * len(train) / per_step))
-            if self.main:
-                print(f"--max-steps {args.max_steps}: {args.num_epochs:g} epochs of {len(train)} rows, "
-                      f"{per_step} a step")
-        self._exit_if_complete()
-        return train, evals
-
-    def load_model(self):
-        """--model created sharded over the mesh, with --lora-rank and --remat (see jit_step) applied."""
-        args = self.args
-        model = load_model(args.model, self.mesh, args.dtype, args.seed, args.lora_rank)
-        return self.remat(model)
-
-    def remat(self, model):
-        """--remat for `model` (a CausalLM) when jit_step builds the train step."""
-        if self.args.remat != "off":
-            self._remat.append(enable_remat(model.backbone, self.args.remat == "on"))
-        return model
-
-    def jit_step(self, fn, length=None, **jit_kwargs):
-        """The train step, jitted with --remat resolved (common.jit_step)."""
-        return jit_step(fn, self.args, self._remat, length, **jit_kwargs)
-
-    def resume(self, state, meta=None):
-        """(state, meta) of the newest checkpoint with --resume (shaped and sharded like `state`:
-        a pytree of arrays), else as given. The data position is the step itself."""
-        if not self.start:
-            return state, meta
-        ocp, manager = self._checkpoints()
-        abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-        restored = manager.restore(self.start, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()))
-        print(f"resumed from step {self.start}")
-        return restored.state, restored.meta
-
-    def _checkpoints(self):
-        """(orbax, its manager), made on first use. orbax is the JAX standard: each process writes
-        its shards, a step appears only once complete, and the newest 3 are kept."""
-        import orbax.checkpoint as ocp
-        if self._manager is None:
-            self._manager = ocp.CheckpointManager(
-                os.path.abspath(os.path.join(self.dir, "checkpoints")),
-                options=ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=False))
-        return ocp, self._manager
-
-    def steps(self, flops_per_token=0, learning_rate=None, show=(), summed=()):
-        """Step indices from the start (or the resumed step) to --max-steps, with a progress bar.
-
-        flops_per_token: for charts/mfu (DESIGN §8); learning_rate: the schedule, for
-        charts/learning_rate; show: metrics on the progress bar; summed: metrics logged as a
-        count per interval rather than a mean.
-        """
-        from tqdm import tqdm
-        self._flops_per_token, self._lr, self._show, self._summed = flops_per_token, learning_rate, show, summed
-        self._peak, self._t0, self._paused = peak_flops(), time.perf_counter(), 0.0
-        self._bar = tqdm(total=self.args.max_steps, initial=self.start, desc=self.script, dynamic_ncols=True,
-                         disable=not self.main)
-        for step in range(self.start, self.args.max_steps):
-            self.step = step + 1  # updates done once this step's body has run
-            yield step  # the body's run.log opens the outputs after the first step
-            self._bar.update(1)
-        self._bar.close()
-
-    def log(self, metrics, tokens=0, padded=None, flops=None):
-        """Keep one step's metrics (device arrays: no host sync) and the real (non-pad) tokens it
-        trained on, which tokens/s and MFU count (flops: when not tokens × flops_per_token);
-        padded: the tokens of its padded batch, for charts/padding_fraction and charts/compilations
-        (the distinct batch shapes so far: the step compiles once per shape). Every --log-every
-        steps and at the last, fetch them in one sync, stop on a non-finite train/loss, and log
-        their means."""
-        self._open()  # the first step is compiled and dispatched: from here on a signal checkpoints
-        self._pending.append(metrics)
-        self._tokens += tokens
-        if padded:
-            self._padded += padded
-            self._shapes.add(padded)  # a fixed --batch-size: one padded size per length bucket
-        self._flops += tokens * self._flops_per_token if flops is None else flops
-        if self.step % getattr(self.args, "log_every", 1) == 0 or self.step == self.args.max_steps:
-            self._flush()
-
-    def _flush(self):
-        if not self._pending:
-            return
-        fetched = jax.device_get(self._pending)
-        elapsed = time.perf_counter() - self._t0 - self._paused  # after the fetch: dispatch is async
-        first = self.step - len(fetched) + 1
-        bad = [first + i for i, m in enumerate(fetched) if not np.isfinite(m.get("train/loss", 0.0))]
-        skip = getattr(self.args, "skip_nonfinite", None)
-        if bad and not skip:
-            self.close()
-            print(f"error: non-finite train/loss at step {bad[0]}; the newest checkpoint is the last good "
-                  "state (rerun with --resume and a lower --learning-rate"
-                  + (", or --skip-nonfinite)" if skip is not None else ")"), file=sys.stderr)
-            sys.exit(1)
-        row = {k: float((np.sum if k in self._summed else np.mean)([m[k] for m in fetched])) for k in fetched[0]}
-        if self._lr is not None:
-            row["charts/learning_rate"] = float(self._lr(self.step - 1))
-        row["charts/tokens_per_sec"] = self._tokens / elapsed
-        row["charts/mfu"] = self._flops / elapsed / self._peak
-        row["charts/tokens"], row["charts/flops"] = float(self._tokens), float(self._flops)  # the interval's (sums)
-        if self._padded:
-            row["charts/padding_fraction"] = 1.0 - self._tokens / self._padded
-            row["charts/compilations"] = float(len(self._shapes))
-        self._write(self.step, row)
-        self.last_train = row
-        shown = {k.split("/")[-1]: f"{row[k]:.4g}" for k in ("train/loss", *self._show) if k in row}
-        self._bar.set_postfix(**shown, tok_s=f"{row['charts/tokens_per_sec']:.0f}")
-        self._pending, self._tokens, self._flops, self._padded = [], 0, 0.0, 0
-        self._t0, self._paused = time.perf_counter(), 0.0
-
-    def eval_due(self):
-        """True every --eval-every steps and at the last (eval time is kept out of tokens/s)."""
-        every = getattr(self.args, "eval_every", 0)
-        due = bool(every) and (self.step % every == 0 or self.step == self.args.max_steps)
-        self._eval_started = time.perf_counter() if due else None
-        return due
-
-    def log_eval(self, row):
-        """Log eval metrics (host floats, names prefixed eval/) at the current step, and print them."""
-        row = {k: float(v) for k, v in row.items()}
-        self._write(self.step, row)
-        self.last_eval = row
-        print(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3]), flush=True)
-        if self._eval_started is not None:
-            self._paused += time.perf_counter() - self._eval_started
-            self._eval_started = None
-
-    def checkpoint(self, state, meta=None):
-        """Every --save-every steps, and when a SIGTERM/SIGINT has arrived: log what is pending,
-        save `state` (a pytree of arrays) + meta (JSON) + the step; after a signal, exit 0."""
-        stopping = self.stop_signal  # read once: a signal arriving later is handled at the next step
-        every = getattr(self.args, "save_every", 0)
-        if not (stopping or (every and self.step % every == 0)):
-            return
-        self._open()
-        self._flush()
-        t = time.perf_counter()
-        ocp, manager = self._checkpoints()
-        manager.save(self.step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({"step": self.step, **(meta or {})})))
-        manager.wait_until_finished()
-        self._paused += time.perf_counter() - t
-        if stopping:
-            self.close()
-            print(f"{stopping}: checkpoint saved at step {self.step}; continue with --resume", flush=True)
-            sys.exit(0)
-
-    def finish(self, save):
-        """save(path) writes the final model into model.tmp/, renamed to model/ once complete;
-        then one summary line (last train and eval metrics, where the outputs are)."""
-        self._open()
-        self._flush()
-        tmp = self.model_dir + ".tmp"
-        if self.main and os.path.exists(tmp):
-            shutil.rmtree(tmp)
-        save(tmp)
-        if self.main:
-            if os.path.exists(self.model_dir):
-                shutil.rmtree(self.model_dir)
-            os.replace(tmp, self.model_dir)
-            if getattr(self.args, "export_hf", False):
-                export_hf(self.model_dir, os.path.join(self.dir, "model_hf"))
-        self.close()
-        shown = {k: self.last_train[k] for k in ("train/loss", *self._show) if k in self.last_train}
-        shown.update(list(self.last_eval.items())[:2])
-        took = time.perf_counter() - self._started
-        print(f"done: {self.args.max_steps} steps in {took // 60:.0f}m{took % 60:02.0f}s; "
-              + ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
-              + f"; outputs in {self.dir} (model/{', model_hf/' if getattr(self.args, 'export_hf', False) else ''}"
-              + ", metrics.jsonl, args.json)", flush=True)
-
-    def close(self):
-        if self._opened and self.main:
-            self._metrics.close()
-            self._tb.close()
-            if self._wandb:
-                self._wandb.finish()
-
-
-# ---------------------------------------------------------------------------
-# 7. Performance accounting (DESIGN §8)
-# ---------------------------------------------------------------------------
-# Dense bf16 peak FLOP/s per chip, from the vendors' datasheets.
-PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
-              "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12,
-              "H100": 989e12, "H200": 989e12, "A100": 312e12}
-_measured_peak = {}
-
-
-def peak_flops():
-    """Peak FLOP/s of all devices together: the table above per chip, or on CPU (and
-    unknown kinds) a measured float32 matmul. Simulated CPU devices share the host's
-    cores, so on CPU the host peak counts once per process, not once per device."""
-    kind = jax.devices()[0].device_kind
-    for name, flops in PEAK_FLOPS.items():
-        if name.lower() in kind.lower():
-            return flops * jax.device_count()
-    return _measured_matmul_flops(kind) * jax.process_count()
-
-
-def _measured_matmul_flops(kind):
-    if kind not in _measured_peak:
-        _measured_peak[kind] = matmul_flops_per_sec()
-    return _measured_peak[kind]
-
-
-def matmul_flops_per_sec(n=1024, repeats=5):
-    """FLOP/s of a float32 n × n matmul on this process's first device, best of `repeats` (measured now)."""
-    x = jax.device_put(np.ones((n, n), np.float32), jax.local_devices()[0])
-    f = jax.jit(lambda a: a @ a)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / min(times)

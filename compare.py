@@ -20,15 +20,23 @@ import time
 from dataclasses import dataclass
 from typing import Annotated, Literal
 
-import common  # first: --help without heavy imports, KERAS_BACKEND=jax (JAX's devices start only to evaluate)
+import plumbing  # the run shell: the exit boundary, --help from this file's source (instant to import)
+plumbing.answer_help(__name__, __file__)  # `python compare.py --help`: before the imports below
 
-import numpy as np
-import tyro
+import common  # noqa: E402  (data files, reward functions, mesh; JAX's devices start only to evaluate)
+import numpy as np  # noqa: E402
+import tyro  # noqa: E402
 
 METHODS = ("sft", "dpo", "simpo", "orpo", "ppo", "grpo")
 PREFERENCE = ("dpo", "simpo", "orpo")  # started from the SFT model on the same preference data
 MAIN_METRIC = ("objective/scores", "reward", "train/loss")  # the curve plotted per run: the first one logged
 RepeatedStr = Annotated[tuple[str, ...], tyro.conf.UseAppendAction]  # `--flag a --flag b` -> ("a", "b")
+FLOPS_LABEL = 'training FLOPs (SFT included; docs/design.md, "FLOPs")'  # the score-against-compute x axis
+
+
+class RunsFailed(plumbing.RunFailed):
+    """A script exited non-zero (or was skipped for one that did): the message on stderr, exit code 1,
+    after the report of the runs that finished."""
 
 
 @dataclass
@@ -138,7 +146,7 @@ def parse_sweep(specs, rows):
         row, _, flag = key.partition(".")
         values = [v.strip() for v in values.split(",") if v.strip()]
         if row not in rows or not flag.isidentifier() or not values:
-            raise common.UsageError(f"--sweep {spec!r}: expected row.flag=v1,v2,… with row one of {','.join(rows)}")
+            raise plumbing.UsageError(f"--sweep {spec!r}: expected row.flag=v1,v2,… with row one of {','.join(rows)}")
         grid[row] = [{**s, flag: v} for s in grid.get(row, [{}]) for v in values]
     return grid
 
@@ -154,7 +162,7 @@ def plan(args, output_dir):
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = [m for m in methods if m not in METHODS]
     if unknown or not (methods or args.extra) or args.seeds < 1:
-        raise common.UsageError(f"--methods {args.methods!r}: choose from {','.join(METHODS)}; --seeds >= 1")
+        raise plumbing.UsageError(f"--methods {args.methods!r}: choose from {','.join(METHODS)}; --seeds >= 1")
     base = os.path.join(output_dir, "sft", "model") if "sft" in methods else args.model
     sft = ["sft"] if "sft" in methods else []
     lr = ["--learning-rate", str(args.learning_rate)]
@@ -166,7 +174,7 @@ def plan(args, output_dir):
     for path in args.extra:
         name = os.path.splitext(os.path.basename(path))[0]
         if not path.endswith(".py") or not os.path.exists(path) or name in METHODS + ("reward",):
-            raise common.UsageError(f"--extra {path}: expected an existing script whose name is not a built-in")
+            raise plumbing.UsageError(f"--extra {path}: expected an existing script whose name is not a built-in")
         rows.append((name, os.path.abspath(path), "dpo", args.steps, lambda s: [], args.extra_args, False))
     if "ppo" in methods and args.ppo_reward in ("model", "both"):
         rows.append(("ppo", script("ppo"), "ppo", args.ppo_steps, lambda s: ["--reward-model", rm_dir(s)],
@@ -207,8 +215,8 @@ def prepare_output_dir(output_dir, stages, overwrite):
     """Refuse to mix with an earlier comparison unless --overwrite (which removes its runs)."""
     held = sorted({s["name"].split("/")[0] for s in stages if os.path.exists(os.path.join(output_dir, s["name"]))})
     if held and not overwrite:
-        raise common.UsageError(f"--output-dir {output_dir} already holds runs ({', '.join(held)}); "
-                                "pass --overwrite to replace them")
+        raise plumbing.UsageError(f"--output-dir {output_dir} already holds runs ({', '.join(held)}); "
+                                  "pass --overwrite to replace them")
     for name in held:
         shutil.rmtree(os.path.join(output_dir, name))
     os.makedirs(output_dir, exist_ok=True)
@@ -238,8 +246,8 @@ def main_curve(rows):
 
 def run_cost(run_dir):
     """-> [tokens trained, tokens generated, FLOPs] of one run. Trained tokens and FLOPs are the sums of its
-    logged charts/tokens and charts/flops (the script's own count, DESIGN §8: 6N a trained token, 2N an extra
-    forward, sampling included; NaN when not logged); generated = iterations × batch × response length
+    logged charts/tokens and charts/flops (the script's own count, docs/design.md "FLOPs": 6N a trained token,
+    2N an extra forward, sampling included; NaN when not logged); generated = iterations × batch × response length
     (args.json; 0 for a script that does not sample)."""
     rows = read_metrics(run_dir)
     path = os.path.join(run_dir, "args.json")
@@ -451,8 +459,7 @@ def plot(curves, stats, costs, base_name, temperature, path):
         flops = costs[n][2] + (sft_flops if n != base_name else 0.0)
         if np.isfinite(flops) and flops > 0:
             ax.errorbar(flops, stats[n]["score"][0], yerr=stats[n]["score"][1], fmt="o", capsize=3, label=n)
-    ax.set(xscale="log", xlabel="training FLOPs (SFT included; DESIGN §8 convention)",
-           ylabel="test task score, greedy")
+    ax.set(xscale="log", xlabel=FLOPS_LABEL, ylabel="test task score, greedy")
     ax.set_title("score against compute", fontsize=10), ax.legend(fontsize=8), fig.tight_layout()
     fig.savefig(path, dpi=110), plt.close(fig)
 
@@ -515,7 +522,7 @@ Commands run:
 
 
 def main(args):
-    output_dir = args.output_dir or common.default_output_dir("compare", args.model, args.seed)
+    output_dir = args.output_dir or plumbing.default_output_dir("compare", args.model, args.seed)
     stages, base, seeds, grid = plan(args, output_dir)
     common.load_reward_fn(args.reward_fn)
     # --model resolves (no SFT stage: it is the base itself) and every held-out prompt reads
@@ -531,12 +538,14 @@ def main(args):
             continue
         ok[stage["name"]], walls[stage["name"]] = run_stage(i, len(stages), stage, output_dir)
     if "sft" in ok and not ok["sft"]:
-        print(f"error: sft failed: nothing to compare (see {output_dir}/sft.log)", file=sys.stderr)
-        sys.exit(1)
+        raise RunsFailed(f"sft failed: nothing to compare (see {output_dir}/sft.log)")
     md = evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, t_start)
     print(f"\n{md}\n\ndone in {(time.perf_counter() - t_start) / 60:.1f} min: "
           f"{output_dir}/comparison.md, comparison.png")
-    sys.exit(0 if all(ok.values()) else 1)
+    failed = [name for name, done in ok.items() if not done]
+    if failed:
+        raise RunsFailed(f"{len(failed)} of {len(ok)} runs failed or were skipped ({', '.join(failed)}); "
+                         f"the report covers the rest (logs in {output_dir})")
 
 
 def stack(results, keys, base_keys):
@@ -613,4 +622,4 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
 
 
 if __name__ == "__main__":
-    main(common.cli(Args))
+    plumbing.launch(main, Args)  # the one boundary: exceptions -> exit codes and one-line messages

@@ -15,17 +15,19 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Literal, NamedTuple
 
-import common  # first: --help without heavy imports, KERAS_BACKEND=jax before keras loads
+import plumbing  # the exit boundary and fast --help (instant to import)
+plumbing.answer_help(__name__, __file__)  # `python evaluate.py --help`: from Args' source, before the imports below
 
-import jax
-import jax.numpy as jnp
-import keras
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+import common  # noqa: E402  (mesh, models, data files, the scorer)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 
 @dataclass
-class Args:
+class Args:  # not plumbing.SharedArgs: an evaluation has no training flags
     # models
     model: str = "tiny"
     """the model to evaluate: any --model form (alias, preset, handle, local dir, a run's model/ dir, `tiny`)"""
@@ -77,16 +79,6 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
     for i, x in enumerate(ids):  # left padding: every prompt ends at column Q-1, responses start at Q
         queries[i, q - len(x):], mask[i, q - len(x):] = x, True
     return queries, mask
-
-
-# ---------------------------------------------------------------------------
-# Scorers: a reward function (common.load_reward_fn) and a reward model (common.load_reward_model)
-# ---------------------------------------------------------------------------
-def reward_scores(backbone, params, frozen, head, token_ids, padding_mask, last_index):
-    """Reward-model score r(x, y) = w·h + b at the last real token (index [B] into T): [B]."""
-    hidden = hidden_states(backbone, params, frozen, token_ids, padding_mask)
-    h = jnp.take_along_axis(hidden, last_index[:, None, None], 1)[:, 0].astype(jnp.float32)  # f32 head
-    return (h @ head["weight"])[:, 0] + head["bias"]
 
 
 # ---------------------------------------------------------------------------
@@ -205,19 +197,20 @@ def load_policy(name, mesh, args, like=None, flag="--model"):
 
 
 def batched(fn, arrays, batch_size, mesh):
-    """fn(i, *batch) over rows of host arrays [N, ...] in fixed-size batches (the last one padded
-    with repeats: one compiled shape), batch sharded over `data` -> host outputs [N, ...]."""
+    """fn(i, rows, *batch) over rows of host arrays [N, ...] in fixed-size batches i (the last one padded
+    with repeats: one compiled shape), rows: the batch's row indices, batch sharded over `data` -> host
+    outputs [N, ...]."""
     n, on_data, outs = len(arrays[0]), NamedSharding(mesh, P("data")), []
     for i, start in enumerate(range(0, n, batch_size)):
         idx = np.minimum(np.arange(start, start + batch_size), n - 1)
-        outs.append(jax.device_get(fn(i, *[jax.device_put(a[idx], on_data) for a in arrays])))
+        outs.append(jax.device_get(fn(i, idx, *[jax.device_put(a[idx], on_data) for a in arrays])))
     return jax.tree.map(lambda *xs: np.concatenate(xs)[:n], *outs)
 
 
 def respond(policy, data, kind, key, batch_size, mesh):
     """Greedy or sampled responses to every prompt -> dict of host arrays and decoded texts."""
     eos, pad = data["eos"], data["pad"]
-    gen = lambda i, qs, qm: truncate_response(
+    gen = lambda i, rows, qs, qm: truncate_response(
         policy.fns[kind](policy.params, policy.frozen, qs, qm, jax.random.fold_in(key, i)), eos, pad)
     responses, seq_lens = batched(gen, (data["queries"], data["query_mask"]), batch_size, mesh)
     lengths, has_eos = response_lengths(responses, seq_lens, eos)
@@ -235,14 +228,15 @@ def full_sequences(data, out):
             np.concatenate([data["query_mask"], response_mask], 1), response_mask)
 
 
-def score(scorer, data, out, batch_size, mesh):
-    """Adds `score` (reward fn) and `rm_score` (reward model) per prompt to a response dict."""
-    if scorer["reward_fn"] is not None:
-        out["score"] = np.asarray(scorer["reward_fn"](data["prompts"], out["texts"]), np.float64)
-    if scorer["rm"] is not None:
-        ids, mask, _ = full_sequences(data, out)
-        last = data["queries"].shape[1] + out["sequence_lengths"]  # the EOS, or the last token
-        out["rm_score"] = batched(lambda i, *b: scorer["rm"](*b), (ids, mask, last), batch_size, mesh)
+def score(scorers, data, out, batch_size, mesh):
+    """Adds each scorer's scores per prompt (`score`: --reward-fn's, `rm_score`: --reward-model's) to a
+    response dict, in the generation's fixed-size batches (the reward model compiles once)."""
+    ids, mask, _ = full_sequences(data, out)
+    for name, scorer in scorers.items():
+        if scorer is not None:
+            scores = lambda i, rows, ids, m: scorer([data["prompts"][j] for j in rows], [out["texts"][j] for j in rows],
+                                                    {"query_responses": ids, "padding_mask": m})[0]
+            out[name] = batched(scores, (ids, mask), batch_size, mesh).astype(np.float64)
     return out
 
 
@@ -255,9 +249,9 @@ def evaluate_policy(policy, data, scorer, args, mesh, baseline=None):
             for kind in ("greedy", "sampled")}
     if baseline is not None:
         ids, mask, response_mask = full_sequences(data, outs["sampled"])
-        kl_of = lambda i, ids, m, rm: sequence_kl(policy.fns["logps"](policy.params, policy.frozen, ids, m, q),
-                                                  baseline.fns["logps"](baseline.params, baseline.frozen,
-                                                                        ids, m, q), rm)
+        kl_of = lambda i, rows, ids, m, rm: sequence_kl(
+            policy.fns["logps"](policy.params, policy.frozen, ids, m, q),
+            baseline.fns["logps"](baseline.params, baseline.frozen, ids, m, q), rm)
         outs["kl"] = batched(kl_of, (ids, mask, response_mask), bs, mesh)
     return outs
 
@@ -312,7 +306,7 @@ def examples(outs, data, n, baseline_outs=None):
 
 def check_args(args, mesh):
     """Every flag and file, before any model loads -> (prompt texts: the first --num-prompts,
-    the reward function or None)."""
+    the Scorer of --reward-fn or None)."""
     if args.max_new_tokens < 1 or args.temperature <= 0 or args.num_prompts < 0 or args.batch_size < 1:
         raise common.UsageError("--max-new-tokens and --batch-size must be >= 1, --temperature > 0, "
                                 "--num-prompts >= 0")
@@ -323,7 +317,7 @@ def check_args(args, mesh):
     common.check_sampler(args.model, "--model")
     if args.baseline:
         common.check_sampler(args.baseline, "--baseline")
-    reward_fn = common.load_reward_fn(args.reward_fn) if args.reward_fn else None
+    reward_fn = common.load_scorer(mesh, reward_fns=[args.reward_fn]) if args.reward_fn else None
     if args.reward_model:
         common.check_reward_model(args.reward_model)
     prompts = common.read_dataset(args.prompts, "prompt", common.chat_template(args.model, args.chat_template),
@@ -353,21 +347,18 @@ def check_same_tokens(name, model, data, args, what):
 
 
 def make_scorer(args, mesh, data, reward_fn):
-    """{'reward_fn': f or None, 'rm': jitted (ids, mask, last) -> scores, or None}."""
-    scorer = {"reward_fn": reward_fn, "rm": None}
-    if args.reward_model:
-        rm_model, head = common.load_reward_model(args.reward_model, mesh, args.dtype)  # head: replicated
-        check_same_tokens(args.reward_model, rm_model, data, args, "--reward-model")
-        params, frozen = common.split_variables(rm_model.backbone)
-        scorer["rm"] = jax.jit(partial(reward_scores, rm_model.backbone, params, frozen, head))
-    return scorer
+    """{"score": the Scorer of --reward-fn (check_args'), "rm_score": of --reward-model}, None where not given."""
+    rm = common.load_scorer(mesh, args.dtype, reward_model=args.reward_model) if args.reward_model else None
+    if rm is not None:
+        check_same_tokens(args.reward_model, rm.model, data, args, "--reward-model")
+    return {"score": reward_fn, "rm_score": rm}
 
 
 def default_eval_dir(args):
     model = os.path.normpath(args.model)
     if os.path.isdir(model) and os.path.basename(model) == "model":
         return os.path.join(os.path.dirname(model), "eval")  # a run's model/ -> that run's eval/
-    return common.default_output_dir("eval", args.model, args.seed)
+    return plumbing.default_output_dir("eval", args.model, args.seed)
 
 
 def write_outputs(output_dir, metrics, samples, arrays=None):
@@ -411,4 +402,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(common.cli(Args))
+    plumbing.launch(main, Args)  # the one boundary: exceptions -> exit codes and one-line messages

@@ -14,32 +14,20 @@ from dataclasses import dataclass
 from functools import partial
 from typing import Literal
 
-import common  # first: --help without heavy imports, KERAS_BACKEND=jax before keras loads
+import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
+plumbing.answer_help(__name__, __file__)  # `python grpo.py --help`: from Args' source, before the imports below
 
-import jax
-import jax.numpy as jnp
-import keras
-import numpy as np
-import optax
+import common  # noqa: E402  (mesh, models, data files, the scorer)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 
 @dataclass
-class Args:
-    # model
-    model: str = "tiny"
-    """policy init: alias (gemma_2b, …), KerasHub preset, kaggle:// / hf:// handle, local preset / HF dir, `tiny`"""
-    chat_template: Literal["gemma", "llama3", "mistral", "chatml"] | None = None
-    """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
-    Mistral: mistral, Qwen: chatml)"""
-    dtype: Literal["bfloat16", "float32"] | None = None
-    """compute dtype; weights and optimizer state stay float32. None: bfloat16 on TPU/GPU, float32 on CPU"""
-    lora_rank: int = 0
-    """0 = full fine-tuning; >0 = LoRA on the backbone (the reference is then the LoRA-off base)"""
-    mesh: str | None = None
-    """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
-    remat: Literal["auto", "on", "off"] = "auto"
-    """recompute each decoder block's activations in the backward pass (KV-cached sampling is not affected);
-    auto: on only if the step compiled without it would not fit the device's memory (never on CPU)"""
+class Args(plumbing.SharedArgs):
+    """The shared flags (plumbing.SharedArgs: model, dtype, mesh, batch size, output dir, …) plus GRPO's."""
     # rewards
     reward_fn: tuple[str, ...] = (os.path.join(common.HERE, "data", "toy.py") + ":batch_score",)
     """one or more `path.py:function`, each f(prompts, responses) -> scores; used when --reward-model is not given"""
@@ -54,31 +42,18 @@ class Args:
     """prompt tokens (BOS included); longer prompts are cut from the left (TRL GRPOConfig ≤ 0.2x: 512)"""
     # rollouts
     num_generations: int = 8
-    """G: completions sampled per prompt (one group)"""
+    """G: completions sampled per prompt (one group); --batch-size counts completions: B/G prompts a step"""
     response_length: int = 256
     """new tokens sampled per completion (TRL's max_completion_length: 256); without EOS by then: `clipped`"""
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
     # optimisation
-    max_steps: int | None = None
-    """GRPO iterations (one generation batch each); None: ceil(--num-epochs × prompts / prompts a step)"""
-    num_epochs: float = 3.0
-    """passes over --dataset that set --max-steps when it is None (TRL's num_train_epochs: 3)"""
-    batch_size: int = 8
-    """completions per generation batch, global (prompts a step = batch_size / G; TRL: 8 per device)"""
     num_iterations: int = 1
     """μ: optimisation passes over each generation batch (>1 keeps the rollout log-probs as π_old)"""
     num_mini_batches: int = 1
     """mini-batches per pass (each a whole number of groups is not required: advantages are fixed first)"""
-    learning_rate: float = 1e-6
-    """AdamW learning rate (TRL GRPOConfig: 1e-6), constant after warm-up (TRL: linear decay to 0);
-    the `tiny` demos use 5e-5"""
     warmup_steps: int = 0
-    """linear warm-up, in optimizer updates"""
-    max_grad_norm: float = 1.0
-    """global gradient-norm clip"""
-    seed: int = 0
-    """seeds init (tiny), prompt order and sampling"""
+    """linear warm-up, in optimizer updates; then --learning-rate stays constant (TRL: linear decay to 0)"""
     # algorithm
     beta: float = 0.0
     """β: weight of the k3 KL to the reference (TRL GRPOConfig: 0.0; DeepSeekMath: 0.04); 0 drops the
@@ -97,26 +72,8 @@ class Args:
     # logging and outputs
     export_hf: bool = False
     """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
-    output_dir: str | None = None
-    """None: runs/grpo__{model}__{seed}__{time}"""
     sample_every: int = 10
     """print one group's decoded completions with their rewards every N steps (0: never)"""
-    save_every: int = 0
-    """checkpoint every N steps (0: only on SIGTERM/SIGINT); the newest 3 are kept"""
-    resume: bool = False
-    """continue from the newest complete checkpoint in --output-dir"""
-    overwrite: bool = False
-    """replace a run already in --output-dir (otherwise refused)"""
-    track: bool = False
-    """also log to Weights & Biases"""
-    # multi-host (TPU pods and clusters are detected without these)
-    coordinator_address: str | None = None
-    """host:port of process 0, for jax.distributed"""
-    num_processes: int | None = None
-    """number of processes in the run"""
-    process_id: int | None = None
-    """this process's index"""
-
 
 
 # ---------------------------------------------------------------------------
@@ -134,15 +91,15 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 
 
 # ---------------------------------------------------------------------------
-# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once), forwards of the policy, reference and
-# reward model on query + response, group-relative advantages, the k3 KL, the clipped surrogate
+# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once), forwards of the policy and reference
+# on query + response, group-relative advantages, the k3 KL, the clipped surrogate
 # ---------------------------------------------------------------------------
 def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature):
     """Sample `response_length` tokens after left-padded queries [B, Q] -> responses [B, R].
 
     One prefill writes the prompt into the cache; a `lax.scan` then feeds one token
-    per step. Tokens after an EOS are sampled too and cut later (truncate_response),
-    so every shape is fixed: one compilation per run.
+    per step. temperature 0 = greedy. Tokens after an EOS are sampled too and cut
+    later (truncate_response), so every shape is fixed: one compilation per run.
     """
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
@@ -154,7 +111,8 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
         def step(carry, _):
             logits, cache, index, key = carry
             key, sample_key = jax.random.split(key)
-            token = jax.random.categorical(sample_key, logits / temperature).astype(jnp.int32)
+            token = (jnp.argmax(logits, -1) if temperature == 0 else
+                     jax.random.categorical(sample_key, logits / temperature)).astype(jnp.int32)
             logits, cache = common.cached_forward(backbone, token[:, None], padding_mask, cache, index)
             return (logits[:, -1], cache, index + 1, key), token
 
@@ -200,13 +158,6 @@ def response_logps(backbone, params, frozen, token_ids, padding_mask, context_le
 
         logps, entropy = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
     return logps.T, entropy.T
-
-
-def reward_scores(backbone, params, frozen, head, token_ids, padding_mask, last_index):
-    """Reward-model score r(x, y) at the last real token (index [B] into T): [B]."""
-    hidden = hidden_states(backbone, params, frozen, token_ids, padding_mask)
-    h = jnp.take_along_axis(hidden, last_index[:, None, None], 1)[:, 0].astype(jnp.float32)
-    return (h @ head["weight"])[:, 0] + head["bias"]
 
 
 def masked_mean(x, mask):
@@ -309,10 +260,10 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
 
 
 # ---------------------------------------------------------------------------
-# main's pieces: flag checks, optimizer, rollout, rewards, phase times
+# main's pieces: flag checks, optimizer, rollout, decoding, reward metrics, mini-batches
 # ---------------------------------------------------------------------------
 def check_args(args, mesh):
-    """Inconsistent sizes, unsupported choices, a --reward-model that is not one: stop before the model loads."""
+    """Inconsistent sizes, unsupported choices, weights that do not match the functions: stop before the model loads."""
     g, b = args.num_generations, args.batch_size
     if args.num_mini_batches < 1 or args.num_iterations < 1 or args.temperature <= 0:
         raise common.UsageError("--num-mini-batches and --num-iterations must be ≥ 1, --temperature > 0")
@@ -330,11 +281,14 @@ def check_args(args, mesh):
     common.check_sampler(args.model)  # a family whose decoder layers the sampler knows
 
 
-def make_optimizer(args):
-    """Clip, AdamW (optax defaults), linear warm-up then a constant learning rate. -> (optimizer, schedule)"""
+def make_optimizer(args, max_steps):
+    """Clip, AdamW with --weight-decay on matrices only (not norms or biases), linear warm-up then a constant
+    learning rate (so max_steps, every script's make_optimizer argument, is not used). -> (optimizer, schedule)"""
     schedule = optax.join_schedules([optax.linear_schedule(0.0, args.learning_rate, args.warmup_steps),
                                      optax.constant_schedule(args.learning_rate)], [args.warmup_steps])
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adamw(schedule)), schedule
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
+                       optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask)), schedule
 
 
 def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
@@ -346,25 +300,22 @@ def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data)
             "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
 
 
-def score_completions(reward, weights, tokenizer, prompts, batch, sequence_lengths, context_length):
-    """r_i, eq. (1): the weighted sum of the reward functions on the decoded texts, or the reward model's
-    score at the last real token. -> (rewards [B], texts, has_eos [B], rewards/* and completions/* metrics)"""
-    responses = common.to_host(batch["query_responses"][:, context_length:])  # whole on every process
-    lengths, eos = common.to_host(sequence_lengths), tokenizer.end_token_id
-    texts = tokenizer.detokenize([list(x[:n + (x[n] != eos)]) for x, n in zip(responses, lengths)])  # no EOS
-    has_eos = (responses == eos).any(1)
-    if isinstance(reward, tuple):  # (score_fn, weights): r_φ(x, y) on the token ids
-        per_fn = {"reward_model": common.to_host(reward[0](reward[1], batch["query_responses"],
-                                                           batch["padding_mask"], sequence_lengths))}
-    else:  # the reward functions f_k(x, y) on the texts
-        per_fn = {f.__name__: np.asarray(f(prompts, texts), np.float32) for f in reward}
-    rewards = np.sum([w * v for w, v in zip(weights, per_fn.values())], 0)
-    lengths = lengths + 1 - has_eos  # completion tokens before the EOS
-    return rewards, texts, has_eos, {
-        "reward": float(rewards.mean()), **{f"rewards/{k}/mean": float(v.mean()) for k, v in per_fn.items()},
-        **{f"rewards/{k}/std": float(v.std()) for k, v in per_fn.items()},
-        "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-        "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(1.0 - has_eos.mean())}
+def decode(tokenizer, batch, sequence_lengths, context_length):
+    """The responses as texts, cut before the EOS -> (texts, lengths [B]: tokens before the EOS (all R
+    without one), has_eos [B]), whole on every process (on the host)."""
+    responses = common.to_host(batch["query_responses"][:, context_length:])
+    has_eos = (responses == tokenizer.end_token_id).any(1)
+    lengths = common.to_host(sequence_lengths) + 1 - has_eos
+    texts = tokenizer.detokenize([list(x[:n]) for x, n in zip(responses, lengths)])
+    return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], lengths, has_eos
+
+
+def reward_metrics(rewards, parts, lengths, has_eos):
+    """The summed reward, each reward function's (or the reward model's) mean and std, completion lengths."""
+    return {"reward": float(rewards.mean()), **{f"rewards/{k}/mean": float(v.mean()) for k, v in parts.items()},
+            **{f"rewards/{k}/std": float(v.std()) for k, v in parts.items()},
+            "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(1.0 - has_eos.mean())}
 
 
 def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
@@ -378,20 +329,21 @@ def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
-    run = common.Run("grpo", args)
+    run = plumbing.Run("grpo", args, warmup_steps=args.warmup_steps,
+                       export_hf=args.export_hf)  # shared flags and --output-dir checked; nothing written
     check_args(args, run.mesh)
-    prompts, _ = run.read_data("prompt")
-    reward = [] if args.reward_model else [common.load_reward_fn(s) for s in args.reward_fn]
-    weights = np.asarray(args.reward_weights or [1.0] * max(len(reward), 1), np.float32)  # reward model: [1]
-    rm = common.load_reward_model(args.reward_model, run.mesh, args.dtype) if args.reward_model else None
-    model = run.load_model()  # sharded, with --lora-rank and --remat (calls with a KV cache are left alone)
-    backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
-    if rm is not None and rm[0].preprocessor.tokenizer.vocabulary_size() != tokenizer.vocabulary_size():
-        raise common.UsageError(f"--reward-model {args.reward_model}: its tokenizer differs from the policy's "
-                                "(it scores the policy's token ids directly)")
-    queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    q, r, g = queries.shape[1], args.response_length, args.num_generations
+    prompts = common.read_dataset(args.dataset, "prompt", common.chat_template(args.model, args.chat_template))
+    g = args.num_generations
     n_prompts = args.batch_size // g
+    max_steps = run.resolve_max_steps(len(prompts), n_prompts)  # --max-steps, or --num-epochs' worth of B/G prompts
+    scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=args.reward_fn,
+                                weights=args.reward_weights)  # r(x, y): the reward model, or the weighted functions
+    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
+    backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
+    scorer.check_tokenizer(tokenizer)
+    remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each block (not the sampler's calls)
+    queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
+    q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
     print(f"data: {len(prompts)} prompts, queries padded to {q} tokens; {n_prompts} prompts × G={g} completions "
           f"of {r} tokens per step; reward: {args.reward_model or ', '.join(args.reward_fn)}")
 
@@ -403,12 +355,12 @@ def main(args):
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
     ref_params = jax.tree.map(jnp.copy, params) if args.beta else None
     off_policy = args.num_iterations > 1 or args.num_mini_batches > 1  # π_old differs from π_θ at some update
-    optimizer, schedule = make_optimizer(args)
+    optimizer, schedule = make_optimizer(args, max_steps)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
-    order = np.concatenate([rng.permutation(len(prompts)) for _ in range(
-        -(-args.max_steps * n_prompts // len(prompts)))])
+    order = np.concatenate([rng.permutation(len(prompts))
+                            for _ in range(-(-max_steps * n_prompts // len(prompts)))])
     # --resume: params, optimizer state, sampling key, mini-batch shuffler (the prompt order is a function of the step)
     (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
                                                      {"rng": rng.bit_generator.state})
@@ -417,16 +369,15 @@ def main(args):
 
     gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
     logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, q, args.temperature))
-    step_fn = run.jit_step(partial(train_step, backbone, optimizer, args, context_length=q), donate_argnums=0,
-                           out_shardings=(state_shardings, common.replicated(run.mesh)))
-    if rm is not None:  # r_φ(x, y) at the last real token, from the reward model's loaded weights
-        score_fn = jax.jit(lambda w, ids, m, sl: reward_scores(rm[0].backbone, *w, ids, m, q + sl))
-        reward = (score_fn, (*common.split_variables(rm[0].backbone), rm[1]))
+    step_fn = remat.jit(partial(train_step, backbone, optimizer, args, context_length=q), donate_argnums=0,
+                        out_shardings=(state_shardings, common.replicated(run.mesh)))
+    run.record(remat=remat)  # args.json: the mode --remat auto chose
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
-    # FLOPs: 2N per token per forward (sampling; π_old and π_ref when needed; reward model),
+    # FLOPs (docs/design.md): 2N per token per forward (sampling; π_old and π_ref when needed; reward model),
     # 6N per token per trained forward+backward (every iteration).
-    n, n_rm = common.count_params(backbone), common.count_params(rm[0].backbone) if rm is not None else 0
+    n = plumbing.count_params(backbone)
+    n_rm = plumbing.count_params(scorer.model.backbone) if scorer.model is not None else 0
     flops_per_seq = (q + r) * (2 * n * (1 + off_policy + (args.beta > 0)) + 2 * n_rm + args.num_iterations * 6 * n)
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
@@ -436,31 +387,31 @@ def main(args):
         # rollout: G completions of each of B/G prompts (a group = G consecutive rows), cut after EOS
         key, gen_key = jax.random.split(key)
         batch, sequence_lengths = rollout(gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key,
-                                          tokenizer.end_token_id, tokenizer.pad_token_id, on_data)
-        ticks.append(common.synced(batch))
-        # rewards: one scalar per completion, a weighted sum over the reward functions (or the RM score)
-        rewards, texts, has_eos, reward_metrics = score_completions(
-            reward, weights, tokenizer, [prompts[i] for i in idx], batch, sequence_lengths, q)
-        # advantages: relative to the other completions of the same prompt
-        advantages, group_std = jax.device_get(group_advantages(jnp.asarray(rewards, jnp.float32), g,
-                                                                args.scale_rewards))
+                                          eos, pad, on_data)
+        ticks.append(plumbing.synced(batch))
+        # rewards: one scalar per completion (1), a weighted sum over the reward functions (or the RM score)
+        texts, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, q)
+        scores, parts = scorer([prompts[i] for i in idx], texts, batch)
+        rewards = common.to_host(scores)
+        # advantages: relative to the other completions of the same prompt (2)
+        advantages, group_std = jax.device_get(group_advantages(jnp.asarray(rewards), g, args.scale_rewards))
         if args.mask_truncated_completions:  # DAPO: a cut-off completion is not judged at all
             batch["response_mask"] = batch["response_mask"] & common.put_global(has_eos[:, None], on_data)
         batch["advantages"] = common.put_global(advantages, on_data)
         if off_policy or ref_params is not None:  # else neither π_old nor π_ref needs a forward
             batch.update(logps_fn(state[0] if off_policy else None, ref_params, frozen, batch))
-        ticks.append(common.synced(batch))
+        ticks.append(plumbing.synced(batch))
         # update: num_iterations passes, each over num_mini_batches shuffled mini-batches
         updates = []
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        run.log({**common.phase_metrics(updates, ticks, len(idx) * r), **reward_metrics,
-                 "reward_std": float(np.mean(group_std)),
+        run.log({**plumbing.phase_metrics(updates, ticks, len(idx) * r),
+                 **reward_metrics(rewards, parts, lengths, has_eos), "reward_std": float(np.mean(group_std)),
                  "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
                  "charts/generate_compilations": float(gen_fn._cache_size())},
                 tokens=len(idx) * (q + r), flops=len(idx) * flops_per_seq)
-        if args.sample_every and (step % args.sample_every == 0 or step + 1 == args.max_steps):
+        if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
             for i in range(min(4, g)):  # the first group: one prompt, its completions, their advantages
                 print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} reward {rewards[i]:.3f} "
                       f"advantage {float(advantages[i]):+.2f}")
@@ -471,4 +422,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(common.cli(Args))
+    plumbing.launch(main, Args)  # the one boundary: exceptions -> exit codes and one-line messages

@@ -12,34 +12,21 @@ import math
 import os
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
-import common  # first: --help without heavy imports, KERAS_BACKEND=jax before keras loads
+import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
+plumbing.answer_help(__name__, __file__)  # `python orpo.py --help`: from Args' source, before the imports below
 
-import jax
-import jax.numpy as jnp
-import keras
-import numpy as np
-import optax
+import common  # noqa: E402  (mesh, models, data files, batches)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 
 @dataclass
-class Args:
-    # model
-    model: str = "tiny"
-    """alias (gemma_2b, …), KerasHub preset, kaggle:// or hf:// handle, local preset / HF dir, or `tiny`"""
-    chat_template: Literal["gemma", "llama3", "mistral", "chatml"] | None = None
-    """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
-    Mistral: mistral, Qwen: chatml)"""
-    dtype: Literal["bfloat16", "float32"] | None = None
-    """compute dtype; weights and optimizer state stay float32. None: bfloat16 on TPU/GPU, float32 on CPU"""
-    lora_rank: int = 0
-    """0 = full fine-tuning; >0 = KerasHub LoRA of this rank on the backbone"""
-    mesh: str | None = None
-    """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
-    remat: Literal["auto", "on", "off"] = "auto"
-    """recompute each decoder block's activations in the backward pass (memory for ~1/3 more FLOPs);
-    auto: on only if the step compiled without it would not fit the device's memory (never on CPU)"""
+class Args(plumbing.SharedArgs):
+    """The shared flags (plumbing.SharedArgs: model, dtype, mesh, outputs, …) and ORPO's own."""
     # data
     dataset: str = os.path.join(common.HERE, "data", "prefs_train.jsonl")
     """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
@@ -51,24 +38,12 @@ class Args:
     """batches of similar lengths (less padding): each window of 50 batches is sorted by length and dealt
     out in a seeded order (TRL/HF group_by_length)"""
     # optimisation
-    max_steps: int | None = None
-    """optimizer updates; None: ceil(--num-epochs × rows of --dataset / --batch-size), resolved before training"""
-    num_epochs: float = 3.0
-    """passes over --dataset that set --max-steps when it is None (TRL's num_train_epochs: 3)"""
-    batch_size: int = 8
-    """preference pairs per update, global over devices and accumulation (TRL: 8 per device)"""
     grad_accum_steps: int = 1
     """micro-batches per update (memory ÷ this; same result)"""
     learning_rate: float = 1e-6
     """peak AdamW learning rate (TRL ORPOConfig: 1e-6); after the warmup, cosine decay to 10% (TRL: linear to 0)"""
     warmup_steps: int = 0
     """linear warmup steps (TRL: 0)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay (matrices only)"""
-    max_grad_norm: float = 1.0
-    """global gradient-norm clip"""
-    seed: int = 0
-    """seeds init (tiny) and data order"""
     # algorithm
     beta: float = 0.1
     """λ: weight of the odds-ratio term (TRL's name `beta`; the paper's λ)"""
@@ -77,27 +52,10 @@ class Args:
     # logging and outputs
     export_hf: bool = False
     """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
-    output_dir: str | None = None
-    """None: runs/orpo__{model}__{seed}__{time}"""
     log_every: int = 10
     """fetch metrics from the device and log every N steps"""
     eval_every: int = 20
     """evaluate every N steps (and before the first and after the last)"""
-    save_every: int = 0
-    """checkpoint every N steps (0: only on SIGTERM/SIGINT); the newest 3 are kept"""
-    resume: bool = False
-    """continue from the newest complete checkpoint in --output-dir"""
-    overwrite: bool = False
-    """replace a run already in --output-dir (otherwise refused)"""
-    track: bool = False
-    """also log to Weights & Biases"""
-    # multi-host (TPU pods and clusters are detected without these)
-    coordinator_address: str | None = None
-    """host:port of process 0, for jax.distributed"""
-    num_processes: int | None = None
-    """number of processes in the run"""
-    process_id: int | None = None
-    """this process's index"""
 
 
 
@@ -276,9 +234,9 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     return (params, opt_state), metrics
 
 
-def make_optimizer(args):
+def make_optimizer(args, max_steps):
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.learning_rate, args.warmup_steps, max(args.max_steps, args.warmup_steps + 1),
+        0.0, args.learning_rate, args.warmup_steps, max(max_steps, args.warmup_steps + 1),
         end_value=0.1 * args.learning_rate)
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
@@ -287,11 +245,18 @@ def make_optimizer(args):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
-    run = common.Run("orpo", args)
+    run = plumbing.Run("orpo", args, log_every=args.log_every, eval_every=args.eval_every,
+                       grad_accum_steps=args.grad_accum_steps, warmup_steps=args.warmup_steps,
+                       export_hf=args.export_hf)  # shared flags and --output-dir checked; nothing written
     if args.beta < 0:
         raise common.UsageError("need --beta (λ) >= 0")
-    train_rows, eval_rows = run.read_data("preference")
-    model = run.load_model()
+    template = common.chat_template(args.model, args.chat_template)
+    eval_rows = common.read_dataset(args.eval_dataset, "preference", template, "--eval-dataset") \
+        if args.eval_dataset else []
+    train_rows = common.read_dataset(args.dataset, "preference", template)
+    max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of pairs
+    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
+    remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.dataset)
     evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, args.eval_dataset)[0] if eval_rows else []
@@ -302,15 +267,16 @@ def main(args):
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
     lengths, eval_lengths = pair_lengths(train_data), pair_lengths(eval_data) if evals else None
 
-    optimizer, schedule = make_optimizer(args)
+    optimizer, schedule = make_optimizer(args, max_steps)
     params, frozen = common.split_variables(backbone)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     (params, opt_state), _ = run.resume((params, opt_state))
     state_shardings = (common.shardings(params), opt_shardings)
     state = jax.device_put((params, opt_state), state_shardings)
     # Layouts pinned in and out (donated, updated in place): one compilation per length bucket.
-    step_fn = run.jit_step(partial(train_step, backbone, optimizer, args), length, donate_argnums=0,
-                           out_shardings=(state_shardings, common.replicated(run.mesh)))
+    step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length, donate_argnums=0,
+                        out_shardings=(state_shardings, common.replicated(run.mesh)))
+    run.record(remat=remat)  # args.json: the mode --remat auto chose
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
     eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), args.prompt_nll))
@@ -324,8 +290,8 @@ def main(args):
 
     # ---- the loop: batch -> step -> log -> eval -> checkpoint ----
     # FLOPs per token: 6N (forward + backward; no reference model), N = all matmul weights incl.
-    # embedding (DESIGN §8); tokens = chosen + rejected.
-    flops_per_token = 6 * common.count_params(backbone)
+    # embedding (docs/design.md); tokens = chosen + rejected.
+    flops_per_token = 6 * plumbing.count_params(backbone)
     if eval_data is not None and run.start == 0:
         run.log_eval(evaluate(state[0]))  # the starting point
     for step in run.steps(flops_per_token, schedule, show=("rewards/margins",)):
@@ -341,4 +307,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(common.cli(Args))
+    plumbing.launch(main, Args)  # the one boundary: exceptions -> exit codes and one-line messages

@@ -12,36 +12,25 @@ import os
 import time
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
+from typing import Literal, NamedTuple
 
-import common  # first: --help without heavy imports, KERAS_BACKEND=jax before keras loads
+import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
+plumbing.answer_help(__name__, __file__)  # `python ppo.py --help`: from Args' source, before the imports below
 
-import jax
-import jax.numpy as jnp
-import keras
-import numpy as np
-import optax
+import common  # noqa: E402  (mesh, models, data files, the scorer)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 
 @dataclass
-class Args:
-    # model
-    model: str = "tiny"
-    """policy init: alias (gemma_2b, …), KerasHub preset, kaggle:// / hf:// handle, local preset / HF dir, `tiny`"""
-    chat_template: Literal["gemma", "llama3", "mistral", "chatml"] | None = None
-    """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
-    Mistral: mistral, Qwen: chatml)"""
-    dtype: Literal["bfloat16", "float32"] | None = None
-    """compute dtype; weights and optimizer state stay float32. None: bfloat16 on TPU/GPU, float32 on CPU"""
-    lora_rank: int = 0
-    """0 = full fine-tuning; >0 = LoRA on policy and value (the reference is then the LoRA-off base)"""
-    mesh: str | None = None
-    """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
-    remat: Literal["auto", "on", "off"] = "auto"
-    """recompute each decoder block's activations in the backward pass (KV-cached sampling is not affected);
-    auto: on only if the step compiled without it would not fit the device's memory (never on CPU)"""
+class Args(plumbing.SharedArgs):
+    """The shared flags (plumbing.SharedArgs: model, dtype, mesh, batch size, output dir, …) plus PPO's."""
+    # rewards
     reward_model: str | None = None
-    """reward.py's `model/` dir: scores responses and initialises the value model"""
+    """reward.py's `model/` dir: scores responses and initialises the value model (--lora-rank: LoRA on both)"""
     reward_fn: str = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
     """`path.py:function`, f(prompts, responses) -> scores; used when --reward-model is not given"""
     # data
@@ -57,23 +46,12 @@ class Args:
     missing_eos_penalty: float | None = None
     """subtracted from the score of a response without EOS (None: off, as in TRL)"""
     # optimisation
-    max_steps: int | None = None
-    """PPO iterations (one rollout batch each); None: ceil(--num-epochs × prompts / --batch-size)"""
-    num_epochs: float = 3.0
-    """passes over --dataset that set --max-steps when it is None (TRL: num_train_epochs 3 × prompts episodes)"""
-    batch_size: int = 8
-    """prompts per rollout, global over all devices (TRL: 8 per device)"""
+    learning_rate: float = 3e-6
+    """AdamW learning rate (TRL PPOConfig: 3e-6) of policy and value together, annealed linearly to 0"""
     num_mini_batches: int = 1
     """mini-batches per PPO epoch"""
     num_ppo_epochs: int = 4
-    """passes over each rollout batch"""
-    learning_rate: float = 3e-6
-    """AdamW learning rate (TRL PPOConfig: 3e-6), annealed linearly to 0 over all updates (policy and value
-    together); the `tiny` demos use 5e-5"""
-    max_grad_norm: float = 1.0
-    """global gradient-norm clip (policy and value together)"""
-    seed: int = 0
-    """seeds init (tiny), data order and sampling"""
+    """passes over each rollout batch (one step: a rollout of --batch-size prompts, epochs × mini-batches updates)"""
     # algorithm
     kl_coef: float = 0.05
     """β: per-token KL penalty coefficient"""
@@ -94,25 +72,21 @@ class Args:
     # logging and outputs
     export_hf: bool = False
     """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
-    output_dir: str | None = None
-    """None: runs/ppo__{model}__{seed}__{time}"""
     sample_every: int = 10
     """print a few decoded samples with their scores every N steps (0: never)"""
-    save_every: int = 0
-    """checkpoint every N steps (0: only on SIGTERM/SIGINT); the newest 3 are kept"""
-    resume: bool = False
-    """continue from the newest complete checkpoint in --output-dir"""
-    overwrite: bool = False
-    """replace a run already in --output-dir (otherwise refused)"""
-    track: bool = False
-    """also log to Weights & Biases"""
-    # multi-host (TPU pods and clusters are detected without these)
-    coordinator_address: str | None = None
-    """host:port of process 0, for jax.distributed"""
-    num_processes: int | None = None
-    """number of processes in the run"""
-    process_id: int | None = None
-    """this process's index"""
+
+
+class PPOParams(NamedTuple):
+    """What PPO trains (one optimizer): the policy's weights, the value model's, and its scalar head."""
+    policy: list  # trainable values, in stateless_call order
+    value: list
+    head: dict  # {weight [D, 1], bias []}, float32
+
+
+class Pair(NamedTuple):
+    """One per model, policy and value: their backbones, or their frozen (non-trainable) values."""
+    policy: object
+    value: object
 
 
 # ---------------------------------------------------------------------------
@@ -130,8 +104,8 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 
 
 # ---------------------------------------------------------------------------
-# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once), forwards of policy, reference, value
-# and reward models on query + response, per-token rewards, GAE, whitening, the PPO losses
+# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once), forwards of policy, reference and
+# value model on query + response, per-token rewards, GAE, whitening, the PPO losses
 # ---------------------------------------------------------------------------
 def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature):
     """Sample `response_length` tokens after left-padded queries [B, Q] -> responses [B, R].
@@ -205,13 +179,6 @@ def response_values(backbone, params, frozen, head, token_ids, padding_mask, con
     return (hidden.astype(jnp.float32) @ head["weight"])[..., 0] + head["bias"]
 
 
-def reward_scores(backbone, params, frozen, head, token_ids, padding_mask, last_index):
-    """Reward-model score r(x, y) at the last real token (index [B] into T): [B]."""
-    hidden = hidden_states(backbone, params, frozen, token_ids, padding_mask)
-    h = jnp.take_along_axis(hidden, last_index[:, None, None], 1)[:, 0].astype(jnp.float32)
-    return (h @ head["weight"])[:, 0] + head["bias"]
-
-
 def masked_mean(x, mask):
     return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)
 
@@ -279,12 +246,12 @@ def ppo_loss(new_logprobs, new_values, logprobs, values, advantages, returns, ma
 
 
 def rollout_stats(models, params, ref_params, frozen, batch, context_length, temperature):
-    """Log-probs of policy and reference, and values, for a finished rollout batch."""
-    policy_bb, value_bb = models
+    """Log-probs of policy and reference, and values, for a finished rollout batch.
+    models, frozen: Pairs (backbones, frozen values); params: PPOParams; ref_params: policy values."""
     ids, mask = batch["query_responses"], batch["padding_mask"]
-    logprobs, _ = response_logps(policy_bb, params[0], frozen[0], ids, mask, context_length, temperature)
-    ref_logprobs, _ = response_logps(policy_bb, ref_params, frozen[0], ids, mask, context_length, temperature)
-    values = response_values(value_bb, params[1][0], frozen[1], params[1][1], ids, mask, context_length)
+    logprobs, _ = response_logps(models.policy, params.policy, frozen.policy, ids, mask, context_length, temperature)
+    ref_logprobs, _ = response_logps(models.policy, ref_params, frozen.policy, ids, mask, context_length, temperature)
+    values = response_values(models.value, params.value, frozen.value, params.head, ids, mask, context_length)
     return logprobs, ref_logprobs, values
 
 
@@ -307,15 +274,15 @@ def advantages_of(scores, logprobs, ref_logprobs, values, sequence_lengths, args
 # train_step: one PPO update of policy and value on a mini-batch
 # ---------------------------------------------------------------------------
 def train_step(models, optimizer, args, state, frozen, batch, context_length):
-    """One PPO update on a mini-batch. state = (params=(policy, (value, head)), opt_state);
-    frozen = (policy's, value's) non-trainable weights, an input only (never donated)."""
+    """One PPO update on a mini-batch. state = (PPOParams, opt_state); models = Pair of backbones;
+    frozen = Pair of their non-trainable values, an input only (never donated)."""
     params, opt_state = state
-    policy_bb, value_bb = models
     ids, mask = batch["query_responses"], batch["padding_mask"]
 
     def loss_fn(p):
-        new_logprobs, entropy = response_logps(policy_bb, p[0], frozen[0], ids, mask, context_length, args.temperature)
-        new_values = response_values(value_bb, p[1][0], frozen[1], p[1][1], ids, mask, context_length)
+        new_logprobs, entropy = response_logps(models.policy, p.policy, frozen.policy, ids, mask, context_length,
+                                               args.temperature)
+        new_values = response_values(models.value, p.value, frozen.value, p.head, ids, mask, context_length)
         loss, metrics = ppo_loss(new_logprobs, new_values, batch["logprobs"], batch["values"],
                                  batch["advantages"], batch["returns"], batch["response_mask"],
                                  args.cliprange, args.cliprange_value, args.vf_coef)
@@ -328,13 +295,16 @@ def train_step(models, optimizer, args, state, frozen, batch, context_length):
 
 
 # ---------------------------------------------------------------------------
-# main's pieces: optimizer, rollout, scores, phase times
+# main's pieces: optimizer, rollout, decoding, mini-batches
 # ---------------------------------------------------------------------------
-def make_optimizer(args):
-    """Clip (policy and value together), AdamW with ε = 1e-5, learning rate annealed linearly to 0."""
-    total_updates = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
+def make_optimizer(args, max_steps):
+    """Clip (policy and value together), AdamW with ε = 1e-5 and --weight-decay on matrices only (not
+    norms, biases or the value head's bias), learning rate annealed linearly to 0. -> (optimizer, schedule)"""
+    total_updates = max_steps * args.num_ppo_epochs * args.num_mini_batches
     schedule = optax.linear_schedule(args.learning_rate, 0.0, max(total_updates, 1))
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adamw(schedule, eps=1e-5)), schedule
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
+                       optax.adamw(schedule, eps=1e-5, weight_decay=args.weight_decay, mask=decay_mask)), schedule
 
 
 def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
@@ -346,20 +316,14 @@ def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data)
             "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
 
 
-def score_responses(reward, tokenizer, prompts, batch, sequence_lengths, context_length, penalty, on_data):
-    """s per response, eq. (1): a reward function's on the decoded texts, or the reward model's at the last
-    real token; minus `penalty` where there is no EOS. -> (scores [B], texts, has_eos [B] on the host)"""
-    responses = common.to_host(batch["query_responses"][:, context_length:])  # whole on every process
-    lengths, eos = common.to_host(sequence_lengths), tokenizer.end_token_id
-    texts = tokenizer.detokenize([list(x[:n + (x[n] != eos)]) for x, n in zip(responses, lengths)])  # no EOS
-    has_eos = (responses == eos).any(1)
-    if callable(reward):  # f(x, y) on the texts
-        scores = common.put_global(np.asarray(reward(prompts, texts), np.float32), on_data)
-    else:  # (score_fn, weights): r_φ(x, y) on the token ids
-        scores = reward[0](reward[1], batch["query_responses"], batch["padding_mask"], sequence_lengths)
-    if penalty is not None:
-        scores = scores - penalty * common.put_global(np.float32(~has_eos), on_data)
-    return scores, texts, has_eos
+def decode(tokenizer, batch, sequence_lengths, context_length):
+    """The responses as texts, cut before the EOS -> (texts, lengths [B]: tokens before the EOS (all R
+    without one), has_eos [B]), whole on every process (on the host)."""
+    responses = common.to_host(batch["query_responses"][:, context_length:])
+    has_eos = (responses == tokenizer.end_token_id).any(1)
+    lengths = common.to_host(sequence_lengths) + 1 - has_eos
+    texts = tokenizer.detokenize([list(x[:n]) for x, n in zip(responses, lengths)])
+    return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], lengths, has_eos
 
 
 def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
@@ -373,25 +337,23 @@ def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
-    run = common.Run("ppo", args)
+    run = plumbing.Run("ppo", args, export_hf=args.export_hf)  # flags and --output-dir checked; nothing written
     if args.num_mini_batches < 1 or args.num_ppo_epochs < 1 or args.temperature <= 0:
         raise common.UsageError("--num-mini-batches and --num-ppo-epochs must be ≥ 1, --temperature > 0")
     if args.batch_size % args.num_mini_batches or args.batch_size // args.num_mini_batches % run.mesh.shape["data"]:
         raise common.UsageError(f"--batch-size {args.batch_size} must split into --num-mini-batches "
                                 f"{args.num_mini_batches} each divisible by the data axis ({run.mesh.shape['data']})")
     common.check_sampler(args.model)  # a family whose decoder layers the sampler knows
-    prompts, _ = run.read_data("prompt")
-    reward = None if args.reward_model else common.load_reward_fn(args.reward_fn)
-    rm = common.load_reward_model(args.reward_model, run.mesh, args.dtype, args.lora_rank) if reward is None else None
-    model = run.load_model()  # sharded, with --lora-rank and --remat (calls with a KV cache are left alone)
+    prompts = common.read_dataset(args.dataset, "prompt", common.chat_template(args.model, args.chat_template))
+    max_steps = run.resolve_max_steps(len(prompts))  # --max-steps, or --num-epochs' worth of rollouts
+    scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=[args.reward_fn],
+                                lora_rank=args.lora_rank)  # s(x, y): the reward model, or the reward function
+    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
-    if rm is not None and rm[0].preprocessor.tokenizer.vocabulary_size() != tokenizer.vocabulary_size():
-        raise common.UsageError(f"--reward-model {args.reward_model}: its tokenizer differs from the policy's "
-                                "(it scores the policy's token ids directly)")
+    scorer.check_tokenizer(tokenizer)
+    value_bb = scorer.model.backbone if scorer.model is not None else backbone
+    remat = plumbing.Remat(args.remat, backbone, value_bb)  # --remat on policy and value (not the KV-cached sampler)
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    value_bb = rm[0].backbone if rm is not None else backbone
-    if rm is not None:  # the value model is then a separate backbone, under --remat too
-        run.remat(rm[0])
     q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
     print(f"data: {len(prompts)} prompts, queries padded to {q} tokens; responses {r} tokens; "
           f"reward: {args.reward_model or args.reward_fn}")
@@ -400,19 +362,21 @@ def main(args):
     # i.e. the LoRA-off base); value = a copy of the reward model (Huang et al.), else of the policy + a zero head.
     policy_params, policy_frozen = common.split_variables(backbone)
     ref_params = jax.tree.map(jnp.copy, policy_params)
-    value_params, value_frozen = common.split_variables(value_bb)  # the reward model's loaded values stay
-    head = rm[1] if rm is not None else jax.tree.map(lambda x: common.put_global(x, common.replicated(run.mesh)), {
-        "weight": np.zeros((backbone.hidden_dim, 1), np.float32), "bias": np.zeros((), np.float32)})
-    models, frozen = (backbone, value_bb), (policy_frozen, value_frozen)
-    # Copied through one jit, so the trainable values carry the mesh in their types as the updated ones will (train_step
-    # keeps its out_shardings): the sampler and the rollout forwards see the same input types every step (one compile).
-    params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))((policy_params, (value_params, head)))
-    optimizer, schedule = make_optimizer(args)
+    value_params, value_frozen = common.split_variables(value_bb)  # the scorer keeps the reward model's as loaded
+    head = scorer.head if scorer.model is not None else jax.tree.map(
+        lambda x: common.put_global(x, common.replicated(run.mesh)),
+        {"weight": np.zeros((backbone.hidden_dim, 1), np.float32), "bias": np.zeros((), np.float32)})
+    models, frozen = Pair(backbone, value_bb), Pair(policy_frozen, value_frozen)
+    params = PPOParams(policy_params, value_params, head)
+    # Through one jit with explicit out_shardings, so the trainable values carry the mesh in their types and are
+    # committed to their devices, as the updated ones will be: the sampler sees the same input types every step.
+    params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
+    optimizer, schedule = make_optimizer(args, max_steps)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
-    order = np.concatenate([rng.permutation(len(prompts)) for _ in range(
-        -(-args.max_steps * args.batch_size // len(prompts)))])
+    order = np.concatenate([rng.permutation(len(prompts))
+                            for _ in range(-(-max_steps * args.batch_size // len(prompts)))])
     # --resume: params, optimizer state, sampling key, mini-batch shuffler (the prompt order is a function of the step)
     (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
                                                      {"rng": rng.bit_generator.state})
@@ -422,17 +386,15 @@ def main(args):
     gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
     stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, q, args.temperature))
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: advantages_of(s, lp, rlp, v, sl, args))
-    step_fn = run.jit_step(partial(train_step, models, optimizer, args, context_length=q), donate_argnums=0,
-                           out_shardings=(state_shardings, common.replicated(run.mesh)))
-    if rm is not None:  # r_φ(x, y) from the reward model's loaded weights, an argument like every function's
-        reward = (jax.jit(lambda w, ids, m, sl: reward_scores(value_bb, *w, ids, m, q + sl)),  # at the last real token
-                  (value_params, value_frozen, head))
+    step_fn = remat.jit(partial(train_step, models, optimizer, args, context_length=q), donate_argnums=0,
+                        out_shardings=(state_shardings, common.replicated(run.mesh)))
+    run.record(remat=remat)  # args.json: the mode --remat auto chose
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
-    # FLOPs: 2N per token per forward (sampling, policy + reference + value, reward model),
+    # FLOPs (docs/design.md): 2N per token per forward (sampling, policy + reference + value, reward model),
     # 6N per token per trained forward+backward (policy and value, every epoch).
-    n_pol, n_val = common.count_params(backbone), common.count_params(value_bb)
-    flops_per_seq = (q + r) * (2 * n_pol + 2 * (2 * n_pol + n_val) + 2 * n_val * (rm is not None)
+    n_pol, n_val = plumbing.count_params(backbone), plumbing.count_params(value_bb)
+    flops_per_seq = (q + r) * (2 * n_pol + 2 * (2 * n_pol + n_val) + 2 * n_val * (scorer.model is not None)
                      + args.num_ppo_epochs * 6 * (n_pol + n_val))
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
@@ -441,34 +403,36 @@ def main(args):
         ticks, idx = [time.perf_counter()], order[step * args.batch_size:(step + 1) * args.batch_size]
         # rollout: sample responses to a batch of prompts, cut them after the first EOS
         key, gen_key = jax.random.split(key)
-        batch, sequence_lengths = rollout(gen_fn, state[0][0], policy_frozen, queries[idx], query_mask[idx],
+        batch, sequence_lengths = rollout(gen_fn, state[0].policy, frozen.policy, queries[idx], query_mask[idx],
                                           gen_key, eos, pad, on_data)
-        ticks.append(common.synced(batch))
-        # rewards: a score per response (1); log-probs of policy and reference; values
-        scores, texts, has_eos = score_responses(reward, tokenizer, [prompts[i] for i in idx], batch, sequence_lengths,
-                                                 q, args.missing_eos_penalty, on_data)
+        ticks.append(plumbing.synced(batch))
+        # rewards: a score per response (1), minus the missing-EOS penalty; log-probs of policy and reference; values
+        texts, _, has_eos = decode(tokenizer, batch, sequence_lengths, q)
+        scores, _ = scorer([prompts[i] for i in idx], texts, batch)
+        if args.missing_eos_penalty is not None:
+            scores = scores - args.missing_eos_penalty * common.put_global(np.float32(~has_eos), on_data)
         logprobs, ref_logprobs, values = stats_fn(state[0], ref_params, frozen, batch)
         # advantages: per-token KL-penalised rewards (2) -> GAE (3) -> whitening
         advantages, returns, objective = adv_fn(scores, logprobs, ref_logprobs, values, sequence_lengths)
         batch.update(logprobs=logprobs, values=values, advantages=advantages, returns=returns)
-        ticks.append(common.synced(batch))
+        ticks.append(plumbing.synced(batch))
         # update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches
         updates = []
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_ppo_epochs, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        run.log({**common.phase_metrics(updates, ticks, len(idx) * r), **objective,
+        run.log({**plumbing.phase_metrics(updates, ticks, len(idx) * r), **objective,
                  "val/num_eos_tokens": float(has_eos.sum()),
                  "charts/generate_compilations": float(gen_fn._cache_size())},
                 tokens=len(idx) * (q + r), flops=len(idx) * flops_per_seq)
-        if args.sample_every and (step % args.sample_every == 0 or step + 1 == args.max_steps):
+        if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
             for i, s in enumerate(common.to_host(scores)[:3]):
                 print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} score {s:.3f}")
         run.checkpoint((state[0], state[1], jax.random.key_data(key)), {"rng": rng.bit_generator.state})
 
     # ---- outputs: the policy (LoRA merged) as a KerasHub preset ----
-    run.finish(lambda path: common.save_model(model, state[0][0], path))
+    run.finish(lambda path: common.save_model(model, state[0].policy, path))
 
 
 if __name__ == "__main__":
-    main(common.cli(Args))
+    plumbing.launch(main, Args)  # the one boundary: exceptions -> exit codes and one-line messages

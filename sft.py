@@ -10,34 +10,21 @@ Offline, minutes on a laptop CPU (the defaults are for real models; `tiny` from 
 import os
 from dataclasses import dataclass
 from functools import partial
-from typing import Literal
 
-import common  # first: --help without heavy imports, KERAS_BACKEND=jax before keras loads
+import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
+plumbing.answer_help(__name__, __file__)  # `python sft.py --help`: from Args' source, before the imports below
 
-import jax
-import jax.numpy as jnp
-import keras
-import numpy as np
-import optax
+import common  # noqa: E402  (mesh, models, data files, batches)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 
 @dataclass
-class Args:
-    # model
-    model: str = "tiny"
-    """alias (gemma_2b, …), KerasHub preset, kaggle:// or hf:// handle, local preset / HF dir, or `tiny`"""
-    chat_template: Literal["gemma", "llama3", "mistral", "chatml"] | None = None
-    """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
-    Mistral: mistral, Qwen: chatml)"""
-    dtype: Literal["bfloat16", "float32"] | None = None
-    """compute dtype; weights and optimizer state stay float32. None: bfloat16 on TPU/GPU, float32 on CPU"""
-    lora_rank: int = 0
-    """0 = full fine-tuning; >0 = KerasHub LoRA of this rank on the backbone"""
-    mesh: str | None = None
-    """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
-    remat: Literal["auto", "on", "off"] = "auto"
-    """recompute each decoder block's activations in the backward pass (memory for ~1/3 more FLOPs);
-    auto: on only if the step compiled without it would not fit the device's memory (never on CPU)"""
+class Args(plumbing.SharedArgs):
+    """The shared flags (plumbing.SharedArgs: model, dtype, mesh, outputs, …) and SFT's own."""
     # data
     dataset: str = os.path.join(common.HERE, "data", "sft_train.jsonl")
     """training data: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
@@ -51,52 +38,23 @@ class Args:
     completion_only_loss: bool = True
     """loss on completion / assistant tokens only; False also trains on the prompt"""
     # optimisation
-    max_steps: int | None = None
-    """optimizer updates; None: ceil(--num-epochs × rows of --dataset / --batch-size), resolved before training"""
-    num_epochs: float = 3.0
-    """passes over --dataset that set --max-steps when it is None (TRL's num_train_epochs: 3)"""
-    batch_size: int = 8
-    """examples per update, global over devices and accumulation (TRL: 8 per device)"""
-    grad_accum_steps: int = 1
-    """micro-batches per update (memory ÷ this; same result)"""
     learning_rate: float = 2e-5
     """peak AdamW learning rate (TRL SFTConfig: 2e-5); after the warmup, cosine decay to 10% (TRL: linear to 0)"""
+    grad_accum_steps: int = 1
+    """micro-batches per update (memory ÷ this; same result)"""
     warmup_steps: int = 0
     """linear warmup steps (TRL: 0)"""
-    weight_decay: float = 0.0
-    """AdamW weight decay (matrices only)"""
-    max_grad_norm: float = 1.0
-    """global gradient-norm clip"""
-    seed: int = 0
-    """seeds init (tiny), data order and sampling"""
+    skip_nonfinite: bool = False
+    """skip (and count) updates whose loss or gradient is not finite, instead of stopping"""
     # logging and outputs
     export_hf: bool = False
     """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
-    output_dir: str | None = None
-    """None: runs/sft__{model}__{seed}__{time}"""
     log_every: int = 10
     """fetch metrics from the device and log every N steps"""
     eval_every: int = 50
     """evaluate every N steps (and at the end)"""
-    save_every: int = 0
-    """checkpoint every N steps (0: only on SIGTERM/SIGINT); the newest 3 are kept"""
-    resume: bool = False
-    """continue from the newest complete checkpoint in --output-dir"""
-    overwrite: bool = False
-    """replace a run already in --output-dir (otherwise refused)"""
-    skip_nonfinite: bool = False
-    """skip (and count) updates whose loss or gradient is not finite, instead of stopping"""
     num_samples: int = 4
     """greedy generations from eval prompts printed at the end"""
-    track: bool = False
-    """also log to Weights & Biases"""
-    # multi-host (TPU pods and clusters are detected without these)
-    coordinator_address: str | None = None
-    """host:port of process 0, for jax.distributed"""
-    num_processes: int | None = None
-    """number of processes in the run"""
-    process_id: int | None = None
-    """this process's index"""
 
 
 # ---------------------------------------------------------------------------
@@ -226,16 +184,17 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     return (new_params, new_opt_state), metrics
 
 
-def eval_loss(backbone, params, frozen, batch):
-    """Token-mean NLL of one eval batch: (nll sum, token count) to be summed over batches."""
+def eval_nll(backbone, params, frozen, batch):
+    """Per-example NLL summed over loss tokens, and their count: ([B], [B]) for one eval batch
+    [1, B, T], summed over every example afterwards (a token mean over the whole eval set)."""
     logps = token_logps(backbone, params, frozen, batch["token_ids"][0], batch["padding_mask"][0])
-    _, aux = sft_loss(logps, batch["loss_mask"][0], 1)
-    return aux["nll_sum"], aux["num_tokens"]
+    mask = batch["loss_mask"][0][:, 1:]  # [B, T-1]: is token t+1 a loss token (as in sft_loss)
+    return -jnp.sum(jnp.where(mask, logps, 0.0), -1), mask.sum(-1)
 
 
-def make_optimizer(args):
+def make_optimizer(args, max_steps):
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.learning_rate, args.warmup_steps, max(args.max_steps, args.warmup_steps + 1),
+        0.0, args.learning_rate, args.warmup_steps, max(max_steps, args.warmup_steps + 1),
         end_value=0.1 * args.learning_rate)
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
@@ -244,9 +203,15 @@ def make_optimizer(args):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
-    run = common.Run("sft", args)
-    train_rows, eval_rows = run.read_data("sft")
-    model = run.load_model()
+    run = plumbing.Run("sft", args, log_every=args.log_every, eval_every=args.eval_every,
+                       grad_accum_steps=args.grad_accum_steps, warmup_steps=args.warmup_steps,
+                       export_hf=args.export_hf, skip_nonfinite=args.skip_nonfinite)  # nothing written yet
+    template = common.chat_template(args.model, args.chat_template)
+    eval_rows = common.read_dataset(args.eval_dataset, "sft", template, "--eval-dataset") if args.eval_dataset else []
+    train_rows = common.read_dataset(args.dataset, "sft", template)
+    max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of rows
+    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
+    remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.completion_only_loss, args.dataset)
     evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, args.completion_only_loss,
@@ -258,31 +223,28 @@ def main(args):
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
     lengths = train_data["padding_mask"].sum(-1)
 
-    optimizer, schedule = make_optimizer(args)
+    optimizer, schedule = make_optimizer(args, max_steps)
     params, frozen = common.split_variables(backbone)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     (params, opt_state), _ = run.resume((params, opt_state))
     state_shardings = (common.shardings(params), opt_shardings)
     state = jax.device_put((params, opt_state), state_shardings)
     # Layouts pinned in and out (donated, updated in place): one compilation per length bucket.
-    step_fn = run.jit_step(partial(train_step, backbone, optimizer, args), length,
-                           donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
-    eval_fn = jax.jit(partial(eval_loss, backbone))
+    step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length,
+                        donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
+    run.record(remat=remat)  # args.json: the mode --remat auto chose
+    eval_fn = jax.jit(partial(eval_nll, backbone))
 
-    def evaluate(params):
-        nll, n, bs = 0.0, 0, args.batch_size
-        for i in range(0, len(eval_data["token_ids"]) - bs + 1, bs):  # full batches only, cut to their bucket
-            t = common.bucket_length(eval_data["padding_mask"][i:i + bs].sum(-1).max(), args.max_length)
-            batch = common.shard_batch(run.mesh, {k: v[None, i:i + bs, :t] for k, v in eval_data.items()})
-            s, c = eval_fn(params, frozen, batch)
-            nll, n = nll + float(s), n + int(c)
-        return {"eval/loss": nll / max(n, 1)}
+    def evaluate(params):  # every eval example once (the last batch wraps around, then is trimmed)
+        nll, n = common.per_example(lambda b: eval_fn(params, frozen, b), eval_data, args.batch_size, run.mesh,
+                                    eval_data["padding_mask"].sum(-1), args.max_length)
+        return {"eval/loss": float(nll.sum() / max(n.sum(), 1))}
 
     # ---- the loop: batch -> step -> log -> eval -> checkpoint ----
-    # FLOPs per token: 6N (forward + backward), N = all matmul weights incl. embedding (DESIGN §8).
+    # FLOPs per token: 6N (forward + backward), N = all matmul weights incl. embedding (docs/design.md).
     if eval_data is not None and run.start == 0:
         run.log_eval(evaluate(state[0]))  # the starting point, before any update
-    for step in run.steps(6 * common.count_params(backbone), schedule, summed=("train/skipped_nonfinite",)):
+    for step in run.steps(6 * plumbing.count_params(backbone), schedule, summed=("train/skipped_nonfinite",)):
         batch, tokens = get_batch(train_data, lengths, step, args)  # tokens: (real, padded)
         state, metrics = step_fn(state, frozen, common.shard_batch(run.mesh, batch))
         run.log(metrics, *tokens)  # tokens/s and MFU count real tokens
@@ -302,4 +264,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(common.cli(Args))
+    plumbing.launch(main, Args)  # the one boundary: exceptions -> exit codes and one-line messages

@@ -1,22 +1,28 @@
-"""Shared by throughput.py and memory.py: model shapes, synthetic batches, and the
-per-algorithm set-up that calls each script's OWN train_step (never a copy of it).
+"""Shared by throughput.py, memory.py, longtail.py and step_ab.py: model shapes, synthetic
+batches, and the per-algorithm set-up that calls each script's OWN train_step and
+make_optimizer (never a copy of them).
 
-One `Bench` per algorithm: the script module, an un-jitted `step(state, batch, extra)`,
-the initial `state` (donated), `extra` (not donated, e.g. DPO's reference weights),
-one synthetic `batch` [A, B/A, ...], tokens per step and the FLOP factor k (k·N per token).
-Set-up works on concrete arrays (throughput) or on `jax.ShapeDtypeStruct`s that carry
-their shardings (memory: nothing big is ever allocated).
+ALGOS maps each --algo to what it needs: its set-up, its Args at the benchmark's sizes, the
+models it trains. One `Bench` per algorithm: the script's Args, an un-jitted
+`step(state, batch, extra)`, the initial `state` = (trainable, optimizer state) (donated),
+`extra` (not donated: the frozen weights, DPO's reference), one synthetic `batch` [A, B/A, ...],
+tokens per step and the FLOP factor k (k·N per token). Set-up works on concrete arrays
+(throughput) or on `jax.ShapeDtypeStruct`s that carry their shardings (memory: nothing big
+is ever allocated).
 """
 
-import inspect
+import functools
 import os
 import sys
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, fields
+from typing import Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import common  # noqa: E402  (first: sets KERAS_BACKEND=jax)
+import plumbing  # noqa: E402
+import common  # noqa: E402  (sets KERAS_BACKEND=jax before keras loads)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -33,16 +39,36 @@ ARCHS = {
     "gemma_7b": dict(vocabulary_size=256000, num_layers=28, num_query_heads=16, num_key_value_heads=16,
                      hidden_dim=3072, intermediate_dim=49152, head_dim=256),
 }
-ALGOS = ("sft", "dpo", "simpo", "orpo", "reward", "ppo", "grpo")
 BOS, EOS = 2, 1
+MAX_STEPS = 1000  # the scripts' --max-steps here: only the length of their learning-rate schedules
+
+
+@dataclass
+class Config:
+    """What `setup` and `script_args` read of a benchmark's flags (`Config.of(args)`)."""
+    algo: str
+    batch_size: int = 8
+    max_length: int = 128
+    grad_accum_steps: int = 1
+    lora_rank: int = 0
+    precompute_ref: bool = False
+    """DPO: reference log-probs in the batch instead of a reference forward"""
+    seed: int = 0
+    """the synthetic tokens"""
+
+    @classmethod
+    def of(cls, args):
+        """The fields of this class that the benchmark's Args `args` has (a Config passes as it is)."""
+        return args if isinstance(args, cls) else cls(**{f.name: getattr(args, f.name) for f in fields(cls)
+                                                         if hasattr(args, f.name)})
 
 
 def import_algo(name):
     """The algorithm script as a module (`import dpo`); a clear error if it is not in the repo yet."""
     if name not in ALGOS:
-        raise common.UsageError(f"--algo {name!r}: expected one of {', '.join(ALGOS)}")
+        raise plumbing.UsageError(f"--algo {name!r}: expected one of {', '.join(ALGOS)}")
     if not os.path.exists(os.path.join(ROOT, f"{name}.py")):
-        raise common.UsageError(f"--algo {name}: {name}.py is not in {ROOT}")
+        raise plumbing.UsageError(f"--algo {name}: {name}.py is not in {ROOT}")
     import importlib
     return importlib.import_module(name)
 
@@ -59,7 +85,7 @@ def build_backbone(name, mesh, dtype, lora_rank=0, seed=0, abstract=False, overr
     shapes, dtypes and the shardings the real layout rules would give.
     """
     if name not in ARCHS:
-        raise common.UsageError(f"--model {name!r} with random/abstract init: one of {', '.join(ARCHS)}")
+        raise plumbing.UsageError(f"--model {name!r} with random/abstract init: one of {', '.join(ARCHS)}")
     keras.utils.set_random_seed(seed)
     cls = common.keras_hub.models.GemmaBackbone
     distribution = common.distribution_for(mesh, cls)
@@ -101,10 +127,10 @@ def load_backbone(args, mesh, abstract=False):
         for item in filter(None, getattr(args, "arch", "").split(",")):  # --arch hidden_dim=512,...
             key, _, value = item.partition("=")
             if key not in ARCHS["tiny"] or not value.isdigit():
-                raise common.UsageError(f"--arch {item!r}: expected NAME=INT, NAME one of {', '.join(ARCHS['tiny'])}")
+                raise plumbing.UsageError(f"--arch {item!r}: expected NAME=INT, NAME one of {', '.join(ARCHS['tiny'])}")
             overrides[key] = int(value)
         return build_backbone(args.model, mesh, args.dtype or common.default_dtype(), args.lora_rank,
-                              args.seed, abstract, overrides)
+                              getattr(args, "seed", 0), abstract, overrides)
     return common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank).backbone
 
 
@@ -177,43 +203,72 @@ def pair_batch(rng, accum, batch, length, vocab, ids_key, with_loss_mask=True):
 
 @dataclass
 class Bench:
-    module: object
+    args: object  # the script's Args at the benchmark's sizes
     step: object  # (state, batch, extra) -> (state, metrics), un-jitted; calls the script's train_step
-    state: object
-    extra: dict  # inputs not donated: frozen weights (where the script keeps them out of the state), ref
+    state: object  # (trainable, optimizer state): donated
+    extra: dict  # inputs not donated, by train_step's parameter names: frozen weights, DPO's ref_params
     batch: dict
     tokens_per_step: int
     flops_factor: int  # FLOPs per token = flops_factor × N
     note: str = ""
-    rollout: object = None  # ppo: (state, extra, step_fn, key) -> (state, (generate_s, score_s, update_s))
+    rollout: object = None  # ppo, grpo: (state, extra, step_fn, key) -> (state, (generate_s, score_s, update_s))
+
+
+@dataclass(frozen=True)
+class Algo:
+    """What the harness needs of one --algo (the table ALGOS, at the end of this file)."""
+    setup: Callable  # (module, args, backbone, optimizer, params, frozen, rng, (A, B, T, V), mesh, abstract) -> Bench
+    args: Callable  # (module, Config) -> the script's Args at the benchmark's sizes
+    trained_models: int = 1  # LoRA: -2N per trained model
 
 
 def script_args(module, cfg):
-    """The script's own Args with the benchmark's sizes (every other field at its default).
-    PPO: --max-length T = prompt T/2 + response T/2; --batch-size = rollout batch."""
-    fields = module.Args.__dataclass_fields__
-    if "num_generations" in fields:
-        return grpo_args(module, cfg)
-    if "response_length" in fields:
-        if cfg.grad_accum_steps != 1 or cfg.max_length < 4:
-            raise common.UsageError("ppo: --grad-accum-steps must be 1 (it splits into mini-batches) "
-                                    "and --max-length >= 4")
-        return module.Args(batch_size=cfg.batch_size, lora_rank=cfg.lora_rank, max_steps=max(cfg.steps, 100),
-                           max_prompt_length=cfg.max_length // 2, response_length=cfg.max_length - cfg.max_length // 2,
-                           num_mini_batches=2)  # as measured in RESULTS.md (ppo.py's default is now TRL's 1)
+    """The script's own Args for cfg.algo at the benchmark's sizes (every other field at its default)."""
+    cfg = Config.of(cfg)
+    return ALGOS[cfg.algo].args(module, cfg)
+
+
+def plain_args(module, cfg):
+    """sft, dpo, simpo, orpo, reward: --batch-size, --max-length, --lora-rank, --grad-accum-steps and
+    --precompute-ref as asked; a size the script has no flag for (e.g. sft --precompute-ref) is refused."""
+    known = module.Args.__dataclass_fields__
     wanted = dict(batch_size=cfg.batch_size, max_length=cfg.max_length, lora_rank=cfg.lora_rank,
-                  grad_accum_steps=cfg.grad_accum_steps, max_steps=max(cfg.steps, 100),
-                  precompute_ref=getattr(cfg, "precompute_ref", False))
-    unknown = [k for k, v in wanted.items() if k not in fields and v]
+                  grad_accum_steps=cfg.grad_accum_steps, precompute_ref=cfg.precompute_ref)
+    unknown = [k for k, v in wanted.items() if k not in known and v != getattr(Config(cfg.algo), k)]
     if unknown:
-        raise common.UsageError(f"{module.__name__}.py has no --{unknown[0].replace('_', '-')} option")
-    return module.Args(**{k: v for k, v in wanted.items() if k in fields})
+        raise plumbing.UsageError(f"{module.__name__}.py has no --{unknown[0].replace('_', '-')} option")
+    return module.Args(max_steps=MAX_STEPS, **{k: v for k, v in wanted.items() if k in known})
+
+
+def ppo_args(module, cfg):
+    """ppo.py's Args: --max-length T = prompt T/2 + response T/2; --batch-size = rollout batch."""
+    if cfg.grad_accum_steps != 1 or cfg.max_length < 4:
+        raise plumbing.UsageError("ppo: --grad-accum-steps must be 1 (it splits into mini-batches) "
+                                  "and --max-length >= 4")
+    return module.Args(batch_size=cfg.batch_size, lora_rank=cfg.lora_rank, max_steps=MAX_STEPS,
+                       max_prompt_length=cfg.max_length // 2, response_length=cfg.max_length - cfg.max_length // 2,
+                       num_mini_batches=2)  # as measured in RESULTS.md (ppo.py's default is now TRL's 1)
+
+
+def grpo_args(module, cfg):
+    """grpo.py's Args at its defaults (TRL's: β = 0, one update per generation batch, so neither a
+    reference nor a π_old forward) with --max-length T = prompt T/2 + response T/2 and G = 8
+    completions a prompt (the whole batch when it is not a multiple of 8)."""
+    if cfg.grad_accum_steps != 1 or cfg.max_length < 4:
+        raise plumbing.UsageError("grpo: --grad-accum-steps must be 1 and --max-length >= 4")
+    g = 8 if cfg.batch_size % 8 == 0 else cfg.batch_size
+    return module.Args(batch_size=cfg.batch_size, lora_rank=cfg.lora_rank, max_steps=MAX_STEPS,
+                       max_prompt_length=cfg.max_length // 2, response_length=cfg.max_length - cfg.max_length // 2,
+                       num_generations=g)
 
 
 def setup(cfg, backbone, mesh, abstract=False):
-    """Bench for cfg.algo: the script's optimizer, state and train_step on a synthetic batch."""
+    """Bench for cfg.algo (a Config, or a benchmark's Args: Config.of): the script's own optimizer
+    (make_optimizer), state and train_step on a synthetic batch."""
+    cfg = Config.of(cfg)
     module = import_algo(cfg.algo)
-    args = script_args(module, cfg)
+    algo = ALGOS[cfg.algo]
+    args = algo.args(module, cfg)
     if abstract:
         params, frozen = abstract_variables(backbone)
     else:
@@ -222,37 +277,23 @@ def setup(cfg, backbone, mesh, abstract=False):
         # will: the second step then finds the first step's compilation (ppo.py does the same).
         on_mesh = lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else NamedSharding(mesh, P())
         params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=jax.tree.map(on_mesh, params))(params)
-    optimizer = module.make_optimizer(args)[0] if hasattr(module, "make_optimizer") else ppo_optimizer(module, args)
+    optimizer = module.make_optimizer(args, args.max_steps)[0]
     a, b, t = cfg.grad_accum_steps, cfg.batch_size // cfg.grad_accum_steps, cfg.max_length
     rng = np.random.default_rng(cfg.seed)
-    vocab = backbone.vocabulary_size
-    build = SETUPS.get(cfg.algo)
-    if build is None:
-        raise common.UsageError(f"--algo {cfg.algo}: no benchmark set-up for it yet")
-    bench = build(module, args, backbone, optimizer, params, frozen, rng, (a, b, t, vocab), mesh, abstract)
+    bench = algo.setup(module, args, backbone, optimizer, params, frozen, rng, (a, b, t, backbone.vocabulary_size),
+                       mesh, abstract)
     if cfg.lora_rank:  # the frozen base needs no weight gradients: 4N, not 6N, per trained model
-        trained = 2 if cfg.algo == "ppo" else 1
-        bench.flops_factor -= 2 * trained
+        bench.flops_factor -= 2 * algo.trained_models
         bench.note = (bench.note + "; " if bench.note else "") + "LoRA: -2N per trained model"
     return bench
 
 
-def script_step(module, trainable, opt_state, frozen, fixed, **extra):
-    """(step(state, batch, extra), state, extra) for the script's train_step, whatever the order
-    of its arguments: they are passed by name. Scripts whose train_step takes `frozen` keep it
-    out of the donated state (state = (params, opt_state)); the others carry it in the state."""
-    names = inspect.signature(module.train_step).parameters
-    if "frozen" in names:
-        state, extra = (trainable, opt_state), {**extra, "frozen": frozen}
-    else:
-        state = (trainable, opt_state, frozen)
-    extra = {k: v for k, v in extra.items() if k in names}
-
+def script_step(module, **fixed):
+    """The script's train_step as step(state, batch, extra): `fixed` (its model, optimizer, args, …)
+    bound, `extra` (the inputs not donated: frozen weights, a reference) passed, both by parameter name."""
     def step(state, batch, extra):
-        return module.train_step(**{k: v for k, v in fixed.items() if k in names}, state=state, batch=batch,
-                                 **extra)
-
-    return step, state, extra
+        return module.train_step(**fixed, state=state, batch=batch, **extra)
+    return step
 
 
 def rollout_batch(host, mesh, abstract):
@@ -262,58 +303,43 @@ def rollout_batch(host, mesh, abstract):
             else {k: jax.device_put(v, sharding) for k, v in host.items()})
 
 
-def state_parts(bench):
-    """(trainable, optimizer state, frozen) of a Bench, wherever its script keeps `frozen`."""
-    frozen = bench.extra["frozen"] if "frozen" in bench.extra else bench.state[2]
-    return bench.state[0], bench.state[1], frozen
-
-
 def _sft(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
     a, b, t, vocab = shape
     ids, pad, mask = sequences(rng, a, b, t, vocab)
-    step, state, extra = script_step(module, params, init_opt_state(optimizer, params, mesh, abstract), frozen,
-                                     dict(backbone=backbone, optimizer=optimizer, args=args))
+    state = (params, init_opt_state(optimizer, params, mesh, abstract))
     batch = put_batch(mesh, {"token_ids": ids, "padding_mask": pad, "loss_mask": mask}, abstract)
-    return Bench(module, step, state, extra, batch, a * b * t, 6)
+    return Bench(args, script_step(module, backbone=backbone, optimizer=optimizer, args=args), state,
+                 {"frozen": frozen}, batch, a * b * t, 6)
 
 
-def _preference(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
-    """dpo.py, simpo.py, orpo.py: chosen/rejected batches; DPO adds its reference."""
+def _preference(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract, reference=False):
+    """dpo.py (reference=True: its train_step takes ref_params), simpo.py, orpo.py: chosen/rejected batches."""
     a, b, t, vocab = shape
     host = pair_batch(rng, a, b, t, vocab, "ids")
-    needs_ref = hasattr(module, "lora_off")  # DPO: a reference model
-    ref, factor, note = None, 6, "reference-free"
-    if needs_ref and getattr(args, "precompute_ref", False):
+    extra, factor, note = {"frozen": frozen}, 6, "reference-free"
+    if reference and args.precompute_ref:
         host["ref_chosen_logps"] = rng.normal(-50, 5, (a, b)).astype(np.float32)
         host["ref_rejected_logps"] = rng.normal(-50, 5, (a, b)).astype(np.float32)
-        note = "precomputed reference log-probs (no reference forward)"
-    elif needs_ref:
+        extra["ref_params"], note = None, "precomputed reference log-probs (no reference forward)"
+    elif reference:
         copy = ((lambda p: module.lora_off(backbone, p)) if args.lora_rank
                 else (lambda p: jax.tree.map(jnp.copy, p)))
-        ref = run(copy, params, abstract=abstract)
+        extra["ref_params"] = run(copy, params, abstract=abstract)
         factor, note = 8, "online reference forward (+2N)"
-    step, state, extra = script_step(module, params, init_opt_state(optimizer, params, mesh, abstract), frozen,
-                                     dict(backbone=backbone, optimizer=optimizer, args=args), ref_params=ref)
-    return Bench(module, step, state, extra, put_batch(mesh, host, abstract), 2 * a * b * t, factor, note)
+    state = (params, init_opt_state(optimizer, params, mesh, abstract))
+    return Bench(args, script_step(module, backbone=backbone, optimizer=optimizer, args=args), state, extra,
+                 put_batch(mesh, host, abstract), 2 * a * b * t, factor, note)
 
 
 def _reward(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
     a, b, t, vocab = shape
     head = jax.device_put(module.init_head(backbone, 0), NamedSharding(mesh, P()))  # [D, 1] + bias: tiny
     params = (params, shape_of(head) if abstract else head)
-    step, state, extra = script_step(module, params, init_opt_state(optimizer, params, mesh, abstract), frozen,
-                                     dict(backbone=backbone, optimizer=optimizer, args=args))
+    state = (params, init_opt_state(optimizer, params, mesh, abstract))
     host = pair_batch(rng, a, b, t, vocab, "token_ids", with_loss_mask=False)
-    return Bench(module, step, state, extra, put_batch(mesh, host, abstract), 2 * a * b * t, 6,
+    return Bench(args, script_step(module, backbone=backbone, optimizer=optimizer, args=args), state,
+                 {"frozen": frozen}, put_batch(mesh, host, abstract), 2 * a * b * t, 6,
                  "6N per token, N incl. the (unused) unembedding")
-
-
-def ppo_optimizer(module, args):
-    """As ppo.py's main builds it (it has no make_optimizer): clipped AdamW, eps 1e-5, linear decay."""
-    import optax
-    total = args.max_steps * args.num_ppo_epochs * args.num_mini_batches
-    schedule = optax.linear_schedule(args.learning_rate, 0.0, max(total, 1))
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adamw(schedule, eps=1e-5))
 
 
 def _ppo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
@@ -323,81 +349,56 @@ def _ppo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, ab
     q, r = args.max_prompt_length, args.response_length
     mini = b // args.num_mini_batches
     if b % args.num_mini_batches or mini % mesh.shape["data"]:
-        raise common.UsageError(f"ppo: --batch-size {b} must split into {args.num_mini_batches} mini-batches "
-                                f"each divisible by the data axis ({mesh.shape['data']})")
+        raise plumbing.UsageError(f"ppo: --batch-size {b} must split into {args.num_mini_batches} mini-batches "
+                                  f"each divisible by the data axis ({mesh.shape['data']})")
     head = {"weight": np.zeros((backbone.hidden_dim, 1), np.float32), "bias": np.zeros((), np.float32)}
     head = jax.device_put(head, NamedSharding(mesh, P()))
     head = shape_of(head) if abstract else head
     copy = lambda p: jax.tree.map(jnp.copy, p)
-    trainable = (run(copy, params, abstract=abstract), (run(copy, params, abstract=abstract), head))
-    models = (backbone, backbone)
-    step, state, extra = script_step(module, trainable, init_opt_state(optimizer, trainable, mesh, abstract),
-                                     (frozen, frozen), dict(models=models, optimizer=optimizer, args=args,
-                                                            context_length=q))
+    trainable = module.PPOParams(run(copy, params, abstract=abstract), run(copy, params, abstract=abstract), head)
+    models = module.Pair(backbone, backbone)
+    state = (trainable, init_opt_state(optimizer, trainable, mesh, abstract))
+    step = script_step(module, models=models, optimizer=optimizer, args=args, context_length=q)
     ids, pad, mask = sequences(rng, 1, mini, q + r, vocab)
     host = {"query_responses": ids[0], "padding_mask": pad[0], "response_mask": mask[0, :, q:]}
     for k in ("logprobs", "values", "advantages", "returns"):
         host[k] = rng.normal(-1.0 if k == "logprobs" else 0.0, 0.5, (mini, r)).astype(np.float32)
-    batch = rollout_batch(host, mesh, abstract)
-    bench = Bench(module, step, state, extra, batch, mini * (q + r), 12,
-                  "update step: policy + value forward+backward, 6N each")
+    bench = Bench(args, step, state, {"frozen": module.Pair(frozen, frozen)}, rollout_batch(host, mesh, abstract),
+                  mini * (q + r), 12, "update step: policy + value forward+backward, 6N each")
     if not abstract:
         bench.rollout = ppo_rollout(module, args, models, mesh, rng, vocab, run(copy, params))
     return bench
 
 
 def ppo_rollout(module, args, models, mesh, rng, vocab, ref_params):
-    """fn(state, step_fn) -> seconds of (generate, score, update) for one PPO iteration, with
-    ppo.py's own generate / rollout_stats / advantages_of / train_step; random scores stand
-    in for the reward function."""
-    import time
+    """fn(state, extra, step_fn, key) -> (state, seconds of (generate, score, update)) for one PPO
+    iteration, as ppo.py's loop runs it: its own rollout (KV-cached sampler), rollout_stats,
+    advantages_of, mini_batches and train_step; random scores stand in for the reward."""
     q, r, b = args.max_prompt_length, args.response_length, args.batch_size
     on_data = NamedSharding(mesh, P("data"))
-    queries = jax.device_put(rng.integers(3, vocab, (b, q), dtype=np.int32), on_data)
-    query_mask = jax.device_put(np.ones((b, q), bool), on_data)
-    scores = jax.device_put(rng.normal(0, 1, b).astype(np.float32), on_data)
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(models[0], p, f, qs, qm, k, r, args.temperature))
+    queries = rng.integers(3, vocab, (b, q), dtype=np.int32)
+    queries[:, 0] = BOS
+    query_mask = np.ones((b, q), bool)
+    scores = common.put_global(rng.normal(0, 1, b).astype(np.float32), on_data)
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(models.policy, p, f, qs, qm, k, r, args.temperature))
     stats_fn = jax.jit(lambda p, rp, f, bt: module.rollout_stats(models, p, rp, f, bt, q, args.temperature))
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: module.advantages_of(s, lp, rlp, v, sl, args))
-    mini = b // args.num_mini_batches
+    order = np.random.default_rng(0)
 
     def iteration(state, extra, step_fn, key):
-        t0 = time.perf_counter()
-        params, frozen = state[0], (extra["frozen"] if "frozen" in extra else state[2])
-        responses = gen_fn(params[0], frozen[0], queries, query_mask, key)
-        responses, lengths = module.truncate_response(responses, EOS, 0)  # PAD id 0
-        responses.block_until_ready()
-        t1 = time.perf_counter()
-        response_mask = jnp.arange(r)[None] <= lengths[:, None]
-        batch = {"query_responses": jnp.concatenate([queries, responses], 1),
-                 "padding_mask": jnp.concatenate([query_mask, response_mask], 1)}
-        logprobs, ref_logprobs, values = stats_fn(params, ref_params, frozen, batch)
+        t0, frozen = time.perf_counter(), extra["frozen"]
+        batch, lengths = module.rollout(gen_fn, state[0].policy, frozen.policy, queries, query_mask, key, EOS, 0,
+                                        on_data)
+        t1 = plumbing.synced(batch)
+        logprobs, ref_logprobs, values = stats_fn(state[0], ref_params, frozen, batch)
         advantages, returns, _ = adv_fn(scores, logprobs, ref_logprobs, values, lengths)
-        batch.update(logprobs=logprobs, values=values, advantages=advantages, returns=returns,
-                     response_mask=response_mask)
-        jax.block_until_ready(batch)
-        t2 = time.perf_counter()
-        for _ in range(args.num_ppo_epochs):
-            perm = rng.permutation(b)
-            for m in range(args.num_mini_batches):
-                idx = jax.device_put(perm[m * mini:(m + 1) * mini], on_data)
-                state, metrics = step_fn(state, jax.tree.map(lambda x: x[idx], batch), extra)
-        jax.block_until_ready((state, metrics))
-        return state, (t1 - t0, t2 - t1, time.perf_counter() - t2)
+        batch.update(logprobs=logprobs, values=values, advantages=advantages, returns=returns)
+        t2 = plumbing.synced(batch)
+        for idx in module.mini_batches(order, b, args.num_mini_batches, args.num_ppo_epochs, on_data):
+            state, metrics = step_fn(state, jax.tree.map(lambda x: x[idx], batch), extra)
+        return state, (t1 - t0, t2 - t1, plumbing.synced((state, metrics)) - t2)
 
     return iteration
-
-
-def grpo_args(module, cfg):
-    """grpo.py's Args at its defaults (TRL's: β = 0, one update per generation batch, so neither a
-    reference nor a π_old forward) with --max-length T = prompt T/2 + response T/2 and G = 8
-    completions a prompt (the whole batch when it is not a multiple of 8)."""
-    if cfg.grad_accum_steps != 1 or cfg.max_length < 4:
-        raise common.UsageError("grpo: --grad-accum-steps must be 1 and --max-length >= 4")
-    g = 8 if cfg.batch_size % 8 == 0 else cfg.batch_size
-    return module.Args(batch_size=cfg.batch_size, lora_rank=cfg.lora_rank, max_steps=max(cfg.steps, 100),
-                       max_prompt_length=cfg.max_length // 2, response_length=cfg.max_length - cfg.max_length // 2,
-                       num_generations=g)
 
 
 def _grpo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
@@ -405,15 +406,14 @@ def _grpo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, a
     b, vocab = shape[1], shape[3]
     q, r = args.max_prompt_length, args.response_length
     if b % args.num_generations or b % mesh.shape["data"]:
-        raise common.UsageError(f"grpo: --batch-size {b} must divide by G ({args.num_generations}) and by the "
-                                f"data axis ({mesh.shape['data']})")
-    step, state, extra = script_step(module, params, init_opt_state(optimizer, params, mesh, abstract), frozen,
-                                     dict(backbone=backbone, optimizer=optimizer, args=args, context_length=q))
+        raise plumbing.UsageError(f"grpo: --batch-size {b} must divide by G ({args.num_generations}) and by the "
+                                  f"data axis ({mesh.shape['data']})")
+    state = (params, init_opt_state(optimizer, params, mesh, abstract))
+    step = script_step(module, backbone=backbone, optimizer=optimizer, args=args, context_length=q)
     ids, pad, mask = sequences(rng, 1, b, q + r, vocab)
     host = {"query_responses": ids[0], "padding_mask": pad[0], "response_mask": mask[0, :, q:],
             "advantages": rng.normal(0, 1, b).astype(np.float32)}
-    batch = rollout_batch(host, mesh, abstract)
-    bench = Bench(module, step, state, extra, batch, b * (q + r), 6,
+    bench = Bench(args, step, state, {"frozen": frozen}, rollout_batch(host, mesh, abstract), b * (q + r), 6,
                   "update step: one forward + backward (beta 0: no reference forward)")
     if not abstract:
         bench.rollout = grpo_rollout(module, args, backbone, mesh, rng, vocab)
@@ -433,9 +433,8 @@ class IdsText:
 
 def grpo_rollout(module, args, backbone, mesh, rng, vocab):
     """fn(state, extra, step_fn, key) -> (state, seconds of (generate, score, update)) for one GRPO
-    iteration with grpo.py's own rollout (its KV-cached sampler), score_completions (decode + the
-    reward function GRPO_REWARD_FN), group_advantages and mini_batches. Random prompt ids, G copies each."""
-    import time
+    iteration with grpo.py's own rollout (its KV-cached sampler), decode, scorer (common.load_scorer of
+    the reward function GRPO_REWARD_FN), group_advantages and mini_batches. Random prompt ids, G copies each."""
     q, r, b, g = args.max_prompt_length, args.response_length, args.batch_size, args.num_generations
     on_data = NamedSharding(mesh, P("data"))
     queries = np.repeat(rng.integers(3, vocab, (b // g, q), dtype=np.int32), g, 0)  # [B, Q], a group = G rows
@@ -444,25 +443,33 @@ def grpo_rollout(module, args, backbone, mesh, rng, vocab):
     prompts = [f"Sort: {' '.join(map(str, rng.integers(0, 10, 6)))}" for _ in range(b // g) for _ in range(g)]
     tiny = common.keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER)
     tokenizer = tiny if tiny.vocabulary_size() == vocab else IdsText()
-    reward, weights = [common.load_reward_fn(GRPO_REWARD_FN)], np.ones(1, np.float32)
+    scorer = common.load_scorer(mesh, reward_fns=[GRPO_REWARD_FN])
     gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(backbone, p, f, qs, qm, k, r, args.temperature))
     order = np.random.default_rng(0)
 
     def iteration(state, extra, step_fn, key):
         t0 = time.perf_counter()
         batch, lengths = module.rollout(gen_fn, state[0], extra["frozen"], queries, query_mask, key, EOS, 0, on_data)
-        t1 = common.synced(batch)
-        rewards = module.score_completions(reward, weights, tokenizer, prompts, batch, lengths, q)[0]
-        advantages, _ = jax.device_get(module.group_advantages(jnp.asarray(rewards, jnp.float32), g,
-                                                               args.scale_rewards))
+        t1 = plumbing.synced(batch)
+        texts = module.decode(tokenizer, batch, lengths, q)[0]
+        rewards = common.to_host(scorer(prompts, texts, batch)[0])
+        advantages, _ = jax.device_get(module.group_advantages(jnp.asarray(rewards), g, args.scale_rewards))
         batch["advantages"] = common.put_global(advantages, on_data)
-        t2 = common.synced(batch)
+        t2 = plumbing.synced(batch)
         for idx in module.mini_batches(order, b, args.num_mini_batches, args.num_iterations, on_data):
             state, metrics = step_fn(state, jax.tree.map(lambda x: x[idx], batch), extra)
-        return state, (t1 - t0, t2 - t1, common.synced((state, metrics)) - t2)
+        return state, (t1 - t0, t2 - t1, plumbing.synced((state, metrics)) - t2)
 
     return iteration
 
 
-SETUPS = {"sft": _sft, "dpo": _preference, "simpo": _preference, "orpo": _preference, "reward": _reward,
-          "ppo": _ppo, "grpo": _grpo}
+# --algo -> its set-up, its Args at the benchmark's sizes, and how many models it trains
+ALGOS = {
+    "sft": Algo(_sft, plain_args),
+    "dpo": Algo(functools.partial(_preference, reference=True), plain_args),  # + a reference model
+    "simpo": Algo(_preference, plain_args),
+    "orpo": Algo(_preference, plain_args),
+    "reward": Algo(_reward, plain_args),
+    "ppo": Algo(_ppo, ppo_args, trained_models=2),  # policy and value
+    "grpo": Algo(_grpo, grpo_args),
+}

@@ -17,23 +17,26 @@ FLOPs per token as throughput.py (6N; DPO's online reference 8N), counted on REA
 import dataclasses
 import json
 import math
+import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
 
-import harness  # first: puts the repo root on sys.path and imports common
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+import plumbing  # noqa: E402  (instant: `--help` below answers before the heavy imports)
+plumbing.answer_help(__name__, __file__)
 
-import common
-import jax
-import numpy as np
-
-MODES = ("run_wide", "buckets", "grouped")
+import harness  # noqa: E402  (the set-up per --algo; imports common)
+import common  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 
 @dataclass
 class Args:
+    # what is timed, on which lengths
     algo: Literal["sft", "dpo"] = "sft"
     """whose get_batch / train_step is timed"""
     lengths: str = "lognormal:128,1024"
@@ -43,6 +46,7 @@ class Args:
     """synthetic examples drawn from a lognormal --lengths"""
     min_length: int = 8
     """shortest synthetic sequence (BOS + prompt + response + EOS)"""
+    # model
     model: str = "tiny"
     """any common.load_model name; with --random-init one of tiny, gemma_2b, gemma_7b"""
     random_init: bool = False
@@ -53,6 +57,7 @@ class Args:
     """compute dtype; None: bfloat16 on accelerators, float32 on CPU"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
+    # the step
     batch_size: int = 8
     """examples per step (a preference pair is one example), global"""
     max_length: int = 1024
@@ -62,12 +67,16 @@ class Args:
     remat: Literal["on", "off"] = "off"
     """activation checkpointing per decoder block (the scripts' `--remat auto` turns it on only where
     the step does not fit the device)"""
+    # timing
     steps: int = 20
     """steps timed in every mode (the same step indices: the data stream is the same)"""
-    modes: tuple[str, ...] = MODES
+    modes: tuple[str, ...] = ("run_wide", "buckets", "grouped")
     """which of run_wide, buckets, grouped to run"""
     seed: int = 0
     """seeds the random weights, the lengths, the synthetic tokens and the data order"""
+
+
+MODES = Args.modes
 
 
 # ---------------------------------------------------------------------------
@@ -105,7 +114,7 @@ def synthetic_examples(algo, rng, lengths, vocab):
 def dataset_examples(module, algo, path, tokenizer, model, max_length):
     """A dataset file through the script's own tokenize_dataset (its truncation and drops included)."""
     if tokenizer is None:
-        raise common.UsageError("--lengths FILE needs a tokenizer: leave out --random-init")
+        raise plumbing.UsageError("--lengths FILE needs a tokenizer: leave out --random-init")
     rows = common.read_dataset(path, "sft" if algo == "sft" else "preference", common.chat_template(model, None),
                                "--lengths")
     if algo == "sft":
@@ -119,7 +128,7 @@ def make_data(args, module, vocab, tokenizer):
     if args.lengths.startswith("lognormal:"):
         median, p99 = (float(x) for x in args.lengths.split(":", 1)[1].split(","))
         if not 0 < median <= p99:
-            raise common.UsageError(f"--lengths {args.lengths}: need 0 < MEDIAN <= P99")
+            raise plumbing.UsageError(f"--lengths {args.lengths}: need 0 < MEDIAN <= P99")
         lengths = lognormal_lengths(rng, args.num_examples, median, p99, args.min_length, args.max_length)
         examples = synthetic_examples(args.algo, rng, lengths, vocab)
     else:
@@ -175,13 +184,13 @@ def summarise(mode, rows, again, compilations, flops_per_token, peak):
 
 def main(args):
     if args.algo not in ("sft", "dpo"):
-        raise common.UsageError(f"--algo {args.algo}: sft or dpo")
+        raise plumbing.UsageError(f"--algo {args.algo}: sft or dpo")
     unknown = [m for m in args.modes if m not in MODES]
     if unknown or args.steps < 1:
-        raise common.UsageError(f"--modes: some of {', '.join(MODES)}; --steps >= 1")
+        raise plumbing.UsageError(f"--modes: some of {', '.join(MODES)}; --steps >= 1")
     mesh = common.make_mesh(args.mesh)
     if args.batch_size % mesh.shape["data"]:
-        raise common.UsageError(f"--batch-size {args.batch_size} must divide by the data axis ({mesh.shape['data']})")
+        raise plumbing.UsageError(f"--batch-size {args.batch_size} must divide by the data axis ({mesh.shape['data']})")
     module = harness.import_algo(args.algo)
     tokenizer = None
     if args.random_init:
@@ -189,21 +198,18 @@ def main(args):
     else:
         model = common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank)
         backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
-    if args.remat == "on":
-        common.enable_remat(backbone)
+    remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each decoder block
     data, lengths, described = make_data(args, module, backbone.vocabulary_size, tokenizer)
     run_length = data["padding_mask" if args.algo == "sft" else "chosen_padding_mask"].shape[1]
 
-    cfg = harness_config(args)
-    bench = harness.setup(cfg, backbone, mesh)
-    script_args = harness.script_args(module, cfg)
-    flops_per_token = bench.flops_factor * common.count_params(backbone)
-    peak = common.peak_flops()
+    bench = harness.setup(args, backbone, mesh)  # its synthetic batch is not used: the batches here are the script's
+    script_args = bench.args
+    flops_per_token = bench.flops_factor * plumbing.count_params(backbone)
+    peak = plumbing.peak_flops()
     state = bench.state
     out_shardings = (jax.tree.map(lambda x: x.sharding, state), None)
     # One jit per mode (a distinct function each: nothing compiled for one mode is reused by another).
-    steps = {m: jax.jit(lambda s, b, e: bench.step(s, b, e), donate_argnums=0, out_shardings=out_shardings)
-             for m in args.modes}
+    steps = {m: remat.jit(bench.step, donate_argnums=0, out_shardings=out_shardings) for m in args.modes}
     rows, batches = {m: [] for m in args.modes}, {m: {} for m in args.modes}
 
     def timed(mode, batch):
@@ -234,7 +240,7 @@ def main(args):
         print(json.dumps({
             **r, "algo": args.algo, "model": args.model, "random_init": args.random_init,
             "num_layers": args.num_layers or None, "dtype": args.dtype or common.default_dtype(),
-            "remat": args.remat, "batch_size": args.batch_size, "max_length": args.max_length,
+            "remat": str(remat), "batch_size": args.batch_size, "max_length": args.max_length,
             "lengths": args.lengths, "run_wide_length": run_length, **described,
             "flops_per_token": flops_per_token,
             "flops_convention": f"{bench.flops_factor}N on real tokens, N={flops_per_token // bench.flops_factor} "
@@ -243,19 +249,5 @@ def main(args):
     return results
 
 
-def harness_config(args):
-    """What harness.setup reads (its synthetic batch is not used: the batches here are the script's)."""
-    @dataclass
-    class Config:
-        algo: str = args.algo
-        batch_size: int = args.batch_size
-        max_length: int = args.max_length
-        lora_rank: int = args.lora_rank
-        grad_accum_steps: int = 1
-        steps: int = args.steps
-        seed: int = args.seed
-    return Config()
-
-
 if __name__ == "__main__":
-    main(common.cli(Args))
+    plumbing.launch(main, Args)

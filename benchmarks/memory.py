@@ -1,4 +1,4 @@
-"""Per-device memory of one algorithm's real train step at real model sizes, on CPU.
+r"""Per-device memory of one algorithm's real train step at real model sizes, on CPU.
 
 Builds the backbone at published shapes with ABSTRACT weights (shapes, dtypes and the
 shardings common.distribution_for gives; nothing allocated), lowers and compiles the
@@ -10,23 +10,30 @@ script's own `train_step` for the mesh, and reads XLA's memory_analysis():
 """
 
 import json
+import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
 
-import harness  # first: puts the repo root on sys.path and imports common
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+import plumbing  # noqa: E402  (instant: `--help` below answers before the heavy imports)
+plumbing.answer_help(__name__, __file__)
 
-import common
-import jax
-import numpy as np
+import harness  # noqa: E402  (the set-up per --algo; imports common)
+import common  # noqa: E402
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
 
 GIB = 2**30
 
 
 @dataclass
 class Args:
+    # what is compiled
     algo: Literal["sft", "dpo", "simpo", "orpo", "reward", "ppo"] = "sft"
     """whose train_step is compiled"""
+    # model
     model: str = "gemma_2b"
     """architecture at published shapes: tiny, gemma_2b or gemma_7b (benchmarks/harness.py ARCHS)"""
     num_layers: int = 0
@@ -35,6 +42,7 @@ class Args:
     """compute dtype; weights and optimizer state stay float32"""
     mesh: str | None = None
     """device mesh, e.g. `data=8` or `data=4,model=2`; None: every device on `data`"""
+    # the step
     batch_size: int = 8
     """examples per step (a preference pair is one example), global"""
     max_length: int = 1024
@@ -48,17 +56,13 @@ class Args:
     remat: Literal["on", "off"] = "on"
     """activation checkpointing per decoder block, as the scripts' `--remat on|off` (their `auto` picks off
     when the step without remat fits the device: compare the two here)"""
+    # the target
     target: Literal["tpu_v5e", "tpu_v5p", "cpu"] = "tpu_v5e"
     """compile for: tpu_v5e (16 GiB chips) or tpu_v5p (95 GiB) with libtpu's ahead-of-time compiler
     (no TPU needed), or cpu (simulated host devices; the CPU compiler upcasts bf16 matmuls to
     float32, so bf16 numbers run high)"""
     device_memory_gib: float = 16.0
     """chip memory the result is judged against (TPU v5e: 16 GiB)"""
-    seed: int = 0
-    random_init: bool = True
-    """(always: weights are abstract)"""
-    steps: int = 1
-    """(unused: kept so the scripts' Args get the same fields as throughput.py)"""
 
 
 TPU_TOPOLOGIES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
@@ -74,12 +78,12 @@ def tpu_mesh(kind, shape):
     name, topologies_by_chips = TARGETS[kind]
     chips = int(np.prod(shape))
     if chips not in topologies_by_chips:
-        raise common.UsageError(f"{chips} chips is no {kind} slice here ({sorted(topologies_by_chips)})")
+        raise plumbing.UsageError(f"{chips} chips is no {kind} slice here ({sorted(topologies_by_chips)})")
     from jax.experimental import topologies
     try:
         devices = topologies.get_topology_desc(f"{name}:{topologies_by_chips[chips]}", "tpu").devices
     except Exception as e:  # any failure to load libtpu: say so and name the way out
-        raise common.UsageError(f"--target {kind} needs libtpu (pip install libtpu), or use --target cpu: {e}")
+        raise plumbing.UsageError(f"--target {kind} needs libtpu (pip install libtpu), or use --target cpu: {e}")
     return jax.sharding.Mesh(np.asarray(devices).reshape(shape), ("data", "model"))
 
 
@@ -89,12 +93,12 @@ def make_target_mesh(spec, target):
     if target == "cpu":
         return common.make_mesh(spec)
     if target not in TARGETS:
-        raise common.UsageError(f"--target {target!r}: expected tpu_v5e, tpu_v5p or cpu")
+        raise plumbing.UsageError(f"--target {target!r}: expected tpu_v5e, tpu_v5p or cpu")
     sizes = {"data": 1, "model": 1}
     for part in (spec or "data=8").split(","):
         name, _, size = part.partition("=")
         if name.strip() not in sizes or not size.strip().isdigit():
-            raise common.UsageError(f"--mesh {spec!r}: expected e.g. 'data=4,model=2' (axes: data, model)")
+            raise plumbing.UsageError(f"--mesh {spec!r}: expected e.g. 'data=4,model=2' (axes: data, model)")
         sizes[name.strip()] = int(size)
     return tpu_mesh(target, (sizes["data"], sizes["model"]))
 
@@ -111,11 +115,10 @@ def weight_bytes(tree):
 def compile_step(args, mesh):
     """(compiled train step, Bench, backbone, seconds) for abstract weights laid out on `mesh`."""
     backbone = harness.load_backbone(args, mesh, abstract=True)
-    if args.remat == "on":
-        common.enable_remat(backbone)
+    remat = plumbing.Remat(args.remat, backbone)
     t = time.perf_counter()
     bench = harness.setup(args, backbone, mesh, abstract=True)
-    step = jax.jit(bench.step, donate_argnums=0)  # state donated, as in the scripts
+    step = remat.jit(bench.step, donate_argnums=0)  # state donated, as in the scripts
     compiled = step.lower(bench.state, bench.batch, bench.extra).compile()
     return compiled, bench, backbone, time.perf_counter() - t
 
@@ -123,8 +126,8 @@ def compile_step(args, mesh):
 def main(args):
     mesh = make_target_mesh(args.mesh, args.target)
     if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
-        raise common.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
-                                f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
+        raise plumbing.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
+                                  f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
     harness.script_args(harness.import_algo(args.algo), args)  # unknown algorithms and options fail here
     over = None
     try:
@@ -140,12 +143,12 @@ def main(args):
         compiled, bench, backbone, compile_s = compile_step(args, mesh)
     m = compiled.memory_analysis()
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    params, opt_state, frozen = harness.state_parts(bench)
+    (params, opt_state), frozen = bench.state, bench.extra["frozen"]
     result = {
         "algo": args.algo, "model": args.model, "dtype": args.dtype, "mesh": dict(mesh.shape),
         "batch_size": args.batch_size, "max_length": args.max_length, "grad_accum_steps": args.grad_accum_steps,
         "lora_rank": args.lora_rank, "precompute_ref": args.precompute_ref, "remat": args.remat,
-        "reference": bench.note, "params": common.count_params(backbone),
+        "reference": bench.note, "params": plumbing.count_params(backbone),
         "peak_bytes_per_device": int(peak), "peak_gib_per_device": peak / GIB,
         "formula": "argument + output + temp - alias",
         "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
@@ -154,11 +157,12 @@ def main(args):
         "trainable_bytes": weight_bytes(params), "optimizer_bytes": weight_bytes(opt_state),
         "frozen_bytes": weight_bytes(frozen), "reference_bytes": weight_bytes(bench.extra.get("ref_params")),
         "batch_bytes": weight_bytes(bench.batch),
-        "fits": over is None and peak <= args.device_memory_gib * GIB, "tpu_v5e_error": over, "device_memory_gib": args.device_memory_gib,
+        "fits": over is None and peak <= args.device_memory_gib * GIB, "tpu_v5e_error": over,
+        "device_memory_gib": args.device_memory_gib,
         "compile_s": compile_s, "compiled_for": str(mesh.devices.flat[0].device_kind),
     }
     print(json.dumps(result))
 
 
 if __name__ == "__main__":
-    main(common.cli(Args))
+    plumbing.launch(main, Args)

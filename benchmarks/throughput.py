@@ -11,21 +11,28 @@ the frozen base needs no weight gradients, -2N per trained model.
 """
 
 import json
+import os
 import statistics
+import sys
 import time
 from dataclasses import dataclass
 from typing import Literal
 
-import harness  # first: puts the repo root on sys.path and imports common
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+import plumbing  # noqa: E402  (instant: `--help` below answers before the heavy imports)
+plumbing.answer_help(__name__, __file__)
 
-import common
-import jax
+import harness  # noqa: E402  (the set-up per --algo; imports common)
+import common  # noqa: E402
+import jax  # noqa: E402
 
 
 @dataclass
 class Args:
+    # what is timed
     algo: Literal["sft", "dpo", "simpo", "orpo", "reward", "ppo", "grpo"] = "sft"
     """whose train_step is timed"""
+    # model
     model: str = "tiny"
     """any common.load_model name; with --random-init one of tiny, gemma_2b, gemma_7b"""
     random_init: bool = False
@@ -38,6 +45,7 @@ class Args:
     """compute dtype; weights and optimizer state stay float32. None: bfloat16 on accelerators, float32 on CPU"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
+    # the step
     batch_size: int = 8
     """examples per step (a preference pair is one example), global"""
     max_length: int = 128
@@ -49,7 +57,8 @@ class Args:
     precompute_ref: bool = False
     """DPO: reference log-probs in the batch instead of a reference forward (6N, not 8N)"""
     remat: Literal["auto", "on", "off"] = "auto"
-    """activation checkpointing per decoder block, as the scripts' `--remat` (auto: common.jit_step's rule)"""
+    """activation checkpointing per decoder block, as the scripts' `--remat` (auto: plumbing.Remat's rule)"""
+    # timing
     steps: int = 5
     """timed steps (after the warm-up)"""
     warmup: int = 2
@@ -75,8 +84,7 @@ def ppo_split(bench, state, step, args):
         if i:
             parts.append(times)
     generate, score, update = (statistics.median(p) for p in zip(*parts))
-    ppo_args = harness.script_args(bench.module, args)
-    return {"generate_tokens_per_sec": args.batch_size * ppo_args.response_length / generate,
+    return {"generate_tokens_per_sec": args.batch_size * bench.args.response_length / generate,
             "generate_s": generate, "score_s": score, "update_s": update,
             "iteration_s": generate + score + update,
             "iteration_tokens_per_sec": args.batch_size * args.max_length / (generate + score + update)}
@@ -85,19 +93,18 @@ def ppo_split(bench, state, step, args):
 def main(args):
     mesh = common.make_mesh(args.mesh)
     if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
-        raise common.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
-                                f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
+        raise plumbing.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
+                                  f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
     if args.steps < 1 or args.warmup < 1:
-        raise common.UsageError("need --steps >= 1 and --warmup >= 1 (the first step compiles)")
+        raise plumbing.UsageError("need --steps >= 1 and --warmup >= 1 (the first step compiles)")
     harness.import_algo(args.algo)
     backbone = harness.load_backbone(args, mesh)
-    common.enable_remat(backbone, args.remat == "on")  # switched off: the plain call
+    remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each decoder block
     bench = harness.setup(args, backbone, mesh)
-    n_params = common.count_params(backbone)
+    n_params = plumbing.count_params(backbone)
     state = bench.state
     # The state keeps its layout from step to step (as in the scripts): one compilation.
-    step = common.jit_step(bench.step, args, [backbone], donate_argnums=0,
-                           out_shardings=(jax.tree.map(lambda x: x.sharding, state), None))
+    step = remat.jit(bench.step, donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), None))
 
     t = time.perf_counter()
     for _ in range(args.warmup):
@@ -116,12 +123,12 @@ def main(args):
     step_time = statistics.median(times)
     tokens_per_sec = bench.tokens_per_step / step_time
     flops_per_token = bench.flops_factor * n_params
-    peak = common.peak_flops()
+    peak = plumbing.peak_flops()
     print(json.dumps({
         "algo": args.algo, "model": args.model, "random_init": args.random_init, "arch": args.arch,
         "dtype": args.dtype or common.default_dtype(), "mesh": dict(mesh.shape),
         "batch_size": args.batch_size, "max_length": args.max_length, "lora_rank": args.lora_rank,
-        "remat": args.remat, "tokens_per_step": bench.tokens_per_step, "steps": args.steps,
+        "remat": str(remat), "tokens_per_step": bench.tokens_per_step, "steps": args.steps,
         "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
         "step_time_min_s": min(times), "step_time_max_s": max(times), "warmup_s": warmup_s,
         "mfu": tokens_per_sec * flops_per_token / peak, "flops_per_token": flops_per_token,
@@ -132,4 +139,4 @@ def main(args):
 
 
 if __name__ == "__main__":
-    main(common.cli(Args))
+    plumbing.launch(main, Args)

@@ -1,7 +1,9 @@
 """Fixtures only (shared utilities are in helpers.py). Every test process sees 8 simulated CPU
 devices (set before JAX is imported); tests/ and the repository root are put on sys.path (for
 `from helpers import ...` and the scripts); the reward model that PPO and GRPO tests score with
-is trained once per session."""
+is trained once per test run, whichever worker asks first. Test processes, and the scripts they
+start, share JAX's persistent compilation cache (plumbing.compilation_cache: the user's, unless
+JAX_COMPILATION_CACHE_DIR says otherwise), so an identical program compiles once per machine."""
 
 import os
 import subprocess
@@ -18,20 +20,33 @@ if TESTS not in sys.path:
 sys.path.insert(0, ROOT)
 
 from helpers import one_device_env  # noqa: E402
+import plumbing  # noqa: E402  (light: no JAX until called)
+
+plumbing.compilation_cache()  # this process's in-process compilations; subprocesses: plumbing.launch
 
 
 @pytest.fixture(scope="session")
 def reward_run(tmp_path_factory):
     """reward.py from random init on one device (8 simulated devices on 2 cores take 2.5x as
     long; the sharded path is tested elsewhere): eval/accuracy must reach 0.75 (50 steps: 0.88
-    measured on one device and on 8; the documented 80-step command reaches 0.92)."""
-    out = tmp_path_factory.mktemp("reward")
+    measured on one device and on 8; the documented 80-step command reaches 0.92). Trained once
+    per test run: the pytest-xdist workers share the base temp dir, and a file lock."""
+    from filelock import FileLock
+    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else \
+        tmp_path_factory.getbasetemp()  # under xdist: this run's dir above every worker's own
+    out = shared / "reward_model_run"
+    with FileLock(str(out) + ".lock"):
+        if not (out / "model").is_dir():
+            train_reward_model(out)
+    return str(out)
+
+
+def train_reward_model(out):
     tiny = ["--batch-size", "32", "--learning-rate", "1e-3", "--warmup-steps", "10"]  # the defaults are TRL's
     res = subprocess.run([sys.executable, os.path.join(ROOT, "reward.py"), "--model", "tiny", "--max-steps", "50",
-                          *tiny, "--eval-every", "50", "--normalize", "--output-dir", str(out)],
+                          *tiny, "--eval-every", "50", "--normalize", "--output-dir", str(out), "--overwrite"],
                          cwd=ROOT, capture_output=True, text=True, timeout=900, env=one_device_env())
     assert res.returncode == 0, res.stderr[-2000:]
-    return str(out)
 
 
 @pytest.fixture(scope="module")
@@ -46,3 +61,16 @@ def prefs():
     triples = common.read_dataset(path, "preference", common.chat_template("tiny"))
     pairs, _ = dpo.tokenize_dataset(triples, model.preprocessor.tokenizer, 512, path)
     return mesh, model, pairs[:8]
+
+
+# The heaviest test files first (their durations through .ci/run): pytest-xdist hands whole files
+# (--dist loadfile) to the workers in collection order, so the long ones start at once and the short
+# ones fill in at the end instead of one worker idling while the other runs a long file alone.
+HEAVY_FIRST = ("test_rlhf.py", "test_grpo.py", "test_compare.py", "test_preference.py", "test_sft.py",
+               "test_reliability.py", "test_families.py", "test_lifecycle.py", "test_benchmarks.py",
+               "test_buckets.py")
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))  # stable: file order kept

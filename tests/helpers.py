@@ -39,6 +39,16 @@ def run_script(script, *flags, env=None, timeout=900):
                           capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def usage_error(module, *flags):
+    """`module.main` (an imported script) on these command-line flags, in this process: the message
+    of the UsageError it must raise before any compute. Through the CLI, plumbing.launch prints it
+    as `error: <message>` and exits 2 (each failure class keeps one subprocess test of that)."""
+    import plumbing
+    with pytest.raises(plumbing.UsageError) as e:
+        module.main(plumbing.cli(module.Args, list(flags)))
+    return str(e.value)
+
+
 def metrics(output_dir):
     """The rows of `<output_dir>/metrics.jsonl`."""
     with open(os.path.join(output_dir, "metrics.jsonl")) as f:

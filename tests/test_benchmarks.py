@@ -14,7 +14,7 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
-import memory  # noqa: E402  (benchmarks/ on the path; imports common first)
+import memory  # noqa: E402  (benchmarks/ on the path; each script puts the repo root on it)
 import throughput  # noqa: E402
 
 
@@ -37,7 +37,7 @@ def test_throughput_sft_fields(sft_row):
     assert r["tokens_per_sec"] > 0 and r["step_time_s"] > 0
     assert r["tokens_per_sec"] == pytest.approx(r["tokens_per_step"] / r["step_time_s"])
     assert 0 < r["mfu"] <= 1
-    n = 1611456  # tiny: every matmul weight incl. the tied embedding (common.count_params)
+    n = 1611456  # tiny: every matmul weight incl. the tied embedding (plumbing.count_params)
     assert r["flops_per_token"] == 6 * n
     assert r["mfu"] == pytest.approx(r["tokens_per_sec"] * r["flops_per_token"] / r["peak_flops"])
     assert r["num_devices"] == 8 and r["device"] == "cpu"
@@ -56,15 +56,39 @@ def test_throughput_dpo_online_reference_counts_8n(sft_row, capsys):
 
 def test_throughput_bad_algo_exits_2():
     """An unknown --algo is bad input: through the CLI, tyro's choice check (one line, exit 2); in
-    process, harness.import_algo's UsageError, which the CLI reports the same way."""
+    process, harness.import_algo's UsageError, which the CLI reports the same way. --help answers
+    from the source (plumbing.answer_help), before the heavy imports."""
     import subprocess
-    import common
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "throughput.py"), "--algo", "nope"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    import plumbing
+    script = os.path.join(ROOT, "benchmarks", "throughput.py")
+    out = subprocess.run([sys.executable, script, "--algo", "nope"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=300)
     assert out.returncode == 2 and out.stderr.startswith("error: invalid choice 'nope'"), out.stderr[-500:]
     assert len(out.stderr.strip().splitlines()) == 1
-    with pytest.raises(common.UsageError, match="^--algo 'nope'"):
+    with pytest.raises(plumbing.UsageError, match="^--algo 'nope'"):
         throughput.main(throughput.Args(algo="nope"))
+    out = subprocess.run([sys.executable, "-X", "importtime", script, "--help"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0 and "--algo {sft,dpo,simpo,orpo,reward,ppo,grpo}" in out.stdout, out.stderr[-500:]
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
+    assert "plumbing" in imported and not {"jax", "keras", "common", "harness"} & imported
+
+
+def test_harness_table_and_script_args():
+    """ALGOS: one entry per --algo; each script's Args at the benchmark's sizes; a size the script
+    has no flag for is refused; memory.py has no flag that does nothing."""
+    import typing
+    import harness
+    import plumbing
+    assert list(harness.ALGOS) == list(typing.get_args(throughput.Args.__dataclass_fields__["algo"].type))
+    sft, ppo = harness.import_algo("sft"), harness.import_algo("ppo")
+    args = harness.script_args(sft, harness.Config("sft", batch_size=4, max_length=64, lora_rank=2))
+    assert (args.batch_size, args.max_length, args.lora_rank, args.max_steps) == (4, 64, 2, harness.MAX_STEPS)
+    with pytest.raises(plumbing.UsageError, match="sft.py has no --precompute-ref"):
+        harness.script_args(sft, harness.Config("sft", precompute_ref=True))
+    args = harness.script_args(ppo, memory.Args(algo="ppo", max_length=64))  # Config.of: the fields it has
+    assert (args.max_prompt_length, args.response_length, args.num_mini_batches) == (32, 32, 2)
+    assert not {"seed", "random_init", "steps"} & set(memory.Args.__dataclass_fields__)
 
 
 def memory_row(**kw):
@@ -100,17 +124,18 @@ def test_memory_full_vs_lora_and_sharding(full_row):
 
 
 def test_remat_decoder_blocks_keeps_the_step_and_cuts_memory(full_row):
-    """--remat (common.enable_remat: per-block jax.checkpoint) changes memory, not the math."""
+    """--remat (plumbing.enable_remat: per-block jax.checkpoint) changes memory, not the math."""
     import harness
     import jax
     import numpy as np
+    import plumbing
     mesh = harness.common.make_mesh("data=8")
     cfg = throughput.Args(algo="sft", model="tiny", random_init=True, batch_size=8, max_length=32, remat="off")
     out = []
     for remat in (False, True):
         backbone = harness.load_backbone(cfg, mesh)
         if remat:
-            harness.common.enable_remat(backbone)
+            plumbing.enable_remat(backbone)
         bench = harness.setup(cfg, backbone, mesh)
         _, metrics = jax.jit(bench.step)(bench.state, bench.batch, bench.extra)
         out.append(jax.device_get(metrics))
@@ -119,16 +144,20 @@ def test_remat_decoder_blocks_keeps_the_step_and_cuts_memory(full_row):
     assert memory_row(remat="on")["temp_bytes"] < full_row["temp_bytes"]
 
 
-def test_throughput_grpo_splits_an_iteration(capsys):
-    """--algo grpo: grpo.py's train_step (6N, β = 0), then whole iterations through its own sampler,
-    scorer and advantages, timed per phase; generation speed counts the new tokens only."""
-    throughput.main(throughput.Args(algo="grpo", model="tiny", random_init=True, num_layers=1, batch_size=8,
+@pytest.mark.parametrize("algo, batch, tokens, factor",
+                         [("grpo", 8, 8 * 16, 6), ("ppo", 16, 8 * 16, 12)])  # ppo: one mini-batch of 8 a step
+def test_throughput_rl_splits_an_iteration(capsys, algo, batch, tokens, factor):
+    """--algo grpo: grpo.py's train_step (6N, β = 0); --algo ppo: ppo.py's on one of 2 mini-batches
+    (policy + value: 12N; 8 devices: 2 mini-batches of 8). Then whole iterations through the script's own sampler, scoring and
+    advantages, timed per phase; generation speed counts the new tokens only."""
+    throughput.main(throughput.Args(algo=algo, model="tiny", random_init=True, num_layers=1, batch_size=batch,
                                     max_length=16, steps=1, warmup=1, remat="off"))
     r = last_json(capsys)
-    assert r["tokens_per_step"] == 8 * 16 and r["flops_per_token"] % 6 == 0
+    assert r["tokens_per_step"] == tokens and r["flops_per_token"] % factor == 0
+    assert r["flops_convention"].startswith(f"{factor}N, N={r['flops_per_token'] // factor} ")
     assert 0 < r["mfu"] <= 1
     assert r["iteration_s"] == pytest.approx(r["generate_s"] + r["score_s"] + r["update_s"])
-    assert r["generate_tokens_per_sec"] == pytest.approx(8 * 8 / r["generate_s"])  # response = 16 / 2
+    assert r["generate_tokens_per_sec"] == pytest.approx(batch * 8 / r["generate_s"])  # response = 16 / 2
     assert min(r["generate_s"], r["score_s"], r["update_s"]) > 0
 
 
@@ -168,24 +197,28 @@ def test_longtail_lognormal_lengths():
 
 
 def test_remat_auto_resolves_by_compiled_memory(monkeypatch, capsys):
-    """--remat auto (common.jit_step): off on CPU (no memory limit, nothing compiled); with a faked
+    """--remat auto (plumbing.Remat): off on CPU (no memory limit, nothing compiled); with a faked
     1 MiB device the step compiled without remat does not fit, so remat turns on, and the step then
-    is --remat on's, number for number."""
+    is --remat on's, number for number. str(remat) is the resolved mode (what args.json records)."""
     import harness
     import jax
     import numpy as np
-    common, mesh, out = harness.common, harness.common.make_mesh("data=8"), {}
+    import plumbing
+    mesh, out = harness.common.make_mesh("data=8"), {}
     for mode, limit in (("auto", None), ("auto", 2**20), ("on", None)):
-        monkeypatch.setattr(common, "device_memory_limit", lambda: limit)
+        monkeypatch.setattr(plumbing, "device_memory_limit", lambda: limit)
         cfg = throughput.Args(algo="sft", model="tiny", random_init=True, batch_size=8, max_length=32, remat=mode)
-        backbone = common.enable_remat(harness.load_backbone(cfg, mesh), mode == "on")
+        backbone = harness.load_backbone(cfg, mesh)
+        remat = plumbing.Remat(cfg.remat, backbone)
         bench = harness.setup(cfg, backbone, mesh)
-        step = common.jit_step(bench.step, cfg, [backbone], donate_argnums=0)
+        step = remat.jit(bench.step, donate_argnums=0)
+        assert str(remat) == ("auto" if mode == "auto" and limit else mode if mode == "on" else "off")
         shapes = harness.shape_of((bench.state, bench.batch, bench.extra))  # the state is donated below
         _, metrics = step(bench.state, bench.batch, bench.extra)  # resolves auto on the first call
-        # a fresh callable: traced anew (jax caches traces per function), as jit_step's own jit is
+        # a fresh callable: traced anew (jax caches traces per function), as Remat.jit's own jit is
         remats = str(jax.make_jaxpr(functools.partial(bench.step))(*shapes)).count("remat")
-        out[mode, limit] = cfg.remat, remats, jax.device_get(metrics), capsys.readouterr().out
+        out[mode, limit] = str(remat), remats, jax.device_get(metrics), capsys.readouterr().out
+        assert cfg.remat == mode  # the flag itself is never rewritten
     assert out["auto", None][0] == "off" and "remat: auto -> off (cpu: no device memory limit)" in out["auto", None][3]
     assert out["auto", 2**20][0] == "on"
     assert out["auto", 2**20][1] == out["on", None][1] == out["auto", None][1] + 4  # + one per decoder block (tiny: 4)

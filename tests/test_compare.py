@@ -243,6 +243,21 @@ def test_compare_plan_reward_model_for_ppo(tmp_path):
     assert grpo["flags"][grpo["flags"].index("--reward-fn") + 1] == compare.Args().reward_fn
 
 
+def test_compare_failed_run_ends_in_runs_failed(tmp_path, monkeypatch, capsys):
+    """A script that exits non-zero: its log tail is printed, the report still written over the rest,
+    then RunsFailed (plumbing.launch: one line on stderr, exit code 1) naming the run."""
+    bad = tmp_path / "broken.py"
+    bad.write_text("print('broken on purpose')\nraise SystemExit(3)\n")
+    reports = []
+    monkeypatch.setattr(compare, "evaluate_and_report", lambda *a: reports.append(a[6]) or "| table |")
+    with pytest.raises(compare.RunsFailed, match=r"^1 of 1 runs failed or were skipped \(broken/seed0\)"):
+        compare.main(compare.Args(methods="", extra=(str(bad),), seeds=1, output_dir=str(tmp_path / "cmp")))
+    out = capsys.readouterr().out
+    assert "FAILED (exit 3)" in out and "broken on purpose" in out and "| table |" in out
+    assert reports == [{"broken/seed0": False}]  # the report was still made, with the run marked failed
+    assert (tmp_path / "cmp" / "broken" / "seed0.log").read_text().strip() == "broken on purpose"
+
+
 def test_compare_end_to_end_tiny_budget(tmp_path):
     """sft 20 steps, then a forked dpo (--extra) 4 steps with a 2-value --sweep and 2 seeds: rows with intervals
     and costs, the setting picked on the eval split and only it scored on the test split, the image."""

@@ -123,6 +123,7 @@ def test_cached_forward_matches_keras_hub(presets, family):
     not), soft-capped 30·tanh(z/30) for Gemma 2."""
     import common
     import jax.numpy as jnp
+    import plumbing
     import numpy as np
     model = common.load_model(presets[family], one_device_mesh(), "float32")
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
@@ -150,7 +151,7 @@ def test_cached_forward_matches_keras_hub(presets, family):
     # FLOPs count the output matmul once; an untied input embedding is a lookup, not a matmul
     total = sum(int(np.prod(v.shape)) for v in backbone.weights)
     v, d = embedding.embeddings.shape
-    assert common.count_params(backbone) == total - (0 if embedding.tie_weights else v * d)
+    assert plumbing.count_params(backbone) == total - (0 if embedding.tie_weights else v * d)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -206,9 +207,7 @@ def test_unknown_family_needs_chat_template(presets, tmp_path):
     res = run_script("sft.py", "--model", presets["gpt2"], "--dataset", chats, "--output-dir", str(tmp_path / "a"))
     assert res.returncode == 2 and "--chat-template (gemma, llama3, mistral, chatml)" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
-    import sft  # with the flag, Run.read_data renders the chats
-    args = sft.Args(model=presets["gpt2"], dataset=chats, chat_template="chatml", output_dir=str(tmp_path / "c"))
-    rows, _ = common.Run("sft", args).read_data("sft")
+    rows = common.read_dataset(chats, "sft", common.chat_template(presets["gpt2"], "chatml"))  # with the flag
     assert rows[0][0] == ("<|im_start|>user\nSort: 0 9 1 6 6 2<|im_end|>\n", False)
     res = run_script("sft.py", "--chat-template", "vicuna", "--output-dir", str(tmp_path / "b"))
     assert res.returncode == 2 and "gemma" in res.stderr and "chatml" in res.stderr, res.stderr

@@ -76,7 +76,7 @@ def test_end_to_end_weighted_rewards_off_policy_updates(tmp_path):
         assert k in rows[-1], k
     assert "sample:" in out.stdout + out.stderr
     assert (out_dir / "model" / "config.json").exists()
-    last = out.stdout.strip().splitlines()[-1]  # common.Run's summary line
+    last = out.stdout.strip().splitlines()[-1]  # plumbing.Run's summary line
     assert last.startswith("done: 3 steps in ") and "reward " in last and f"outputs in {out_dir}" in last
 
 

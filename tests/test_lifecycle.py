@@ -1,6 +1,8 @@
-"""The run's lifecycle (common.Run) as a user meets it, through sft.py's CLI: --resume on runs
-that cannot or need not continue, flags and files checked before the model loads, Ctrl-C during
-start-up and twice, fast grouped --help, and what a run records and prints at its end."""
+"""The run's lifecycle (plumbing.Run and plumbing.launch) as a user meets it, through sft.py: --resume
+on runs that cannot or need not continue, flags and files checked before the model loads, Ctrl-C
+during start-up and twice, fast grouped --help, a plain `import`, and what a run records and prints
+at its end. Refusals are checked in this process (the exception main raises); one subprocess per
+kind of exit checks what the boundary makes of it (one line, the exit code)."""
 
 import json
 import os
@@ -11,7 +13,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, one_device_env, run_script
+from helpers import ROOT, one_device_env, run_script, usage_error
 
 FAST = ["--model", "tiny", "--batch-size", "8", "--log-every", "2", "--eval-dataset", "", "--num-samples", "0"]
 SCRIPTS = ("sft.py", "dpo.py", "simpo.py", "orpo.py", "reward.py", "ppo.py", "grpo.py", "evaluate.py",
@@ -20,6 +22,12 @@ SCRIPTS = ("sft.py", "dpo.py", "simpo.py", "orpo.py", "reward.py", "ppo.py", "gr
 
 def sft(*flags):
     return run_script("sft.py", *FAST, *flags, env=one_device_env())
+
+
+def sft_refusal(*flags):
+    """The UsageError sft.main raises, in this process, for these flags (on top of FAST)."""
+    import sft as script  # here: JAX is imported after conftest set XLA_FLAGS
+    return usage_error(script, *FAST, *flags)
 
 
 def snapshot(path):
@@ -58,27 +66,29 @@ def test_finished_run_records_resolved_args_and_prints_a_summary(finished):
     assert not os.path.exists(os.path.join(out, "model.tmp"))
 
 
-def test_resume_without_checkpoint_exits_2_and_touches_nothing(finished, tmp_path):
+def test_resume_without_checkpoint_is_refused_and_touches_nothing(finished, tmp_path):
     out, _ = finished
     before = snapshot(out)
-    line = one_line_exit_2(sft("--max-steps", "8", "--output-dir", out, "--resume"))
+    line = sft_refusal("--max-steps", "8", "--output-dir", out, "--resume")
     assert out in line and "no checkpoint" in line
     assert snapshot(out) == before
     empty = str(tmp_path / "nothing")
-    assert "no checkpoint" in one_line_exit_2(sft("--max-steps", "8", "--output-dir", empty, "--resume"))
+    assert "no checkpoint" in sft_refusal("--max-steps", "8", "--output-dir", empty, "--resume")
     assert not os.path.exists(empty)
 
 
-def test_resume_of_a_complete_run_says_so_and_exits_0(finished):
+def test_resume_of_a_complete_run_says_so_and_touches_nothing(finished):
+    import plumbing
+    import sft as script
     out, _ = finished
     before = snapshot(out)
-    proc = sft("--max-steps", "4", "--output-dir", out, "--resume")
-    assert proc.returncode == 0 and "complete" in proc.stdout, proc.stderr[-2000:]
+    with pytest.raises(plumbing.RunComplete, match="complete"):  # through the CLI: exit 0 (below)
+        script.main(plumbing.cli(script.Args, [*FAST, "--max-steps", "4", "--output-dir", out, "--resume"]))
     assert snapshot(out) == before
 
 
-def test_occupied_dir_message_fits_the_run_it_holds(finished):
-    out, _ = finished
+def test_occupied_dir_exits_2_in_one_line(finished):
+    out, _ = finished  # the one subprocess of this kind: the boundary's one line and exit code 2
     line = one_line_exit_2(sft("--max-steps", "4", "--output-dir", out))
     assert "already holds a finished run" in line and "--overwrite" in line and "--resume" not in line
 
@@ -93,20 +103,33 @@ def test_flags_and_files_are_checked_before_the_model_loads(tmp_path):
              (["--eval-dataset", "/nope/eval.jsonl"], "--eval-dataset /nope/eval.jsonl: no such file"),
              (["--learning-rate", "-1"], "--learning-rate -1.0: must be > 0"),
              (["--learning-rate", "0"], "--learning-rate 0.0: must be > 0"),
+             (["--weight-decay", "-0.1"], "--weight-decay -0.1: must be >= 0"),
              (["--dtype", "fp16"], "--dtype")]
     for flags, message in cases:
-        proc = run_script("sft.py", "--model", str(broken), *flags, "--output-dir", out, env=one_device_env())
-        assert message in one_line_exit_2(proc), (flags, proc.stderr)
+        assert message in sft_refusal("--model", str(broken), *flags, "--output-dir", out), flags
         assert not os.path.exists(out)
 
 
-def test_track_without_wandb_exits_2_writing_nothing(tmp_path):
+def test_track_without_wandb_is_refused_writing_nothing(tmp_path):
     import importlib.util
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
     out = str(tmp_path / "out")
-    assert "pip install wandb" in one_line_exit_2(sft("--max-steps", "2", "--track", "--output-dir", out))
+    assert "pip install wandb" in sft_refusal("--max-steps", "2", "--track", "--output-dir", out)
     assert not os.path.exists(out)  # so a plain rerun is not refused
+
+
+def test_import_has_no_side_effects():
+    """`import dpo` (a notebook, a test) with --help in sys.argv prints nothing, exits nothing and
+    leaves sys.excepthook and the signal handlers alone."""
+    code = ("import signal, sys; sys.argv = ['notebook', '--help']; hook = sys.excepthook; "
+            "handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]; "
+            "import dpo, sft, simpo, orpo, reward, ppo, grpo, evaluate, compare; "
+            "assert sys.excepthook is hook; "
+            "assert handlers == [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env=one_device_env())
+    assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", proc.stderr[-2000:]
 
 
 def start(out, *flags):
@@ -199,14 +222,10 @@ def test_max_steps_none_derives_from_epochs_and_is_recorded(tmp_path):
     again = sft(*flags, "--resume")
     assert again.returncode == 0 and "this run is complete (2 steps" in again.stdout, again.stderr[-2000:]
     # GRPO: a step takes batch_size / num_generations prompts: ceil(1.5 × 5 / (16 / 4)) = 2
-    import common  # here: JAX is imported after conftest set XLA_FLAGS
-    import grpo
+    import grpo  # here: JAX is imported after conftest set XLA_FLAGS
+    import plumbing
     args = grpo.Args(dataset=str(tmp_path / "five.jsonl"), batch_size=16, num_generations=4, num_epochs=1.5,
                      output_dir=str(tmp_path / "g"))
-    handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
-    try:
-        common.Run("grpo", args).read_data("prompt")  # no model, no compute: rows and flags only
-    finally:  # Run resets SIGINT/SIGTERM for its own process: give pytest its handlers back
-        for sig, handler in zip((signal.SIGINT, signal.SIGTERM), handlers):
-            signal.signal(sig, handler)
-    assert args.max_steps == 2
+    run = plumbing.Run("grpo", args)  # flags and output dir only: no model, no compute
+    assert run.resolve_max_steps(5, args.batch_size // args.num_generations) == 2
+    assert args.max_steps is None  # resolved values are the Run's; args are never changed

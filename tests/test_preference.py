@@ -19,7 +19,7 @@ import dpo
 import orpo
 import simpo
 from dpo import dpo_loss
-from helpers import ROOT, metrics as read_metrics
+from helpers import ROOT, metrics as read_metrics, usage_error
 from orpo import orpo_loss
 from simpo import simpo_loss
 
@@ -172,7 +172,7 @@ def assert_logged(row, loss, metrics, script):
 def test_issue_command_logs_first_batch_before_any_update(hf_checkpoint, prefs, tmp_path):
     """`--model <HF dir> --dataset <jsonl> --dtype float32 --max-steps 1`: the logged row is the
     initial model on the first batch, whatever the learning rate (metrics come from the forward
-    before the update; `--learning-rate 0` itself is refused by common.Run: it must be > 0)."""
+    before the update; `--learning-rate 0` itself is refused by plumbing.Run: it must be > 0)."""
     mesh, model, pairs = prefs
     with open(os.path.join(ROOT, "data", "prefs_eval.jsonl")) as f:
         (tmp_path / "pairs.jsonl").write_text("".join(f.readlines()[:8]))
@@ -247,11 +247,11 @@ def test_learns_preferences(trained):
     assert after["eval/loss"] < before["eval/loss"]
 
 
-def test_bad_row_exits_2_naming_file_and_line(tmp_path):
+def test_bad_row_is_refused_naming_file_and_line(tmp_path):
+    import orpo  # in this process: the UsageError main raises before any compute
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a"}\n')
-    proc = run("orpo.py", "--dataset", str(tmp_path / "bad.jsonl"), "--output-dir", str(tmp_path / "out"), check=False)
-    assert proc.returncode == 2 and "bad.jsonl:2: missing field 'chosen'" in proc.stderr
-    assert "Traceback" not in proc.stderr and not os.path.exists(tmp_path / "out")
+    message = usage_error(orpo, "--dataset", str(tmp_path / "bad.jsonl"), "--output-dir", str(tmp_path / "out"))
+    assert "bad.jsonl:2: missing field 'chosen'" in message and not os.path.exists(tmp_path / "out")
 
 
 def test_lora_precomputed_reference_checkpoint_and_resume(tmp_path):

@@ -1,7 +1,8 @@
 """reward.py and ppo.py beyond their losses (those are in test_losses.py): response truncation,
-one PPO update's direction on a real rollout, KV-cached sampling (== uncached greedy, compiled
-once), the CLIs, and learning on the toy task."""
+one PPO update's direction on a real rollout, weight decay (ppo's and grpo's optimizers), KV-cached
+sampling (== uncached greedy, compiled once), the CLIs, and learning on the toy task."""
 
+import importlib
 import json
 import os
 
@@ -14,7 +15,8 @@ import jax.numpy as jnp
 import optax
 
 from helpers import assert_same_rows, metrics, one_device_env, preempt_then_resume, run_script as run
-from ppo import Args, advantages_of, generate, hidden_states, response_logps, rollout_stats, train_step, truncate_response
+from ppo import (Args, Pair, PPOParams, advantages_of, generate, hidden_states, response_logps, rollout_stats,
+                 train_step, truncate_response)
 
 
 # ---------------------------------------------------------------------------
@@ -35,7 +37,8 @@ def test_ppo_update_moves_logprobs_along_advantages():
     bb = model.backbone
     params, frozen = common.split_variables(bb)
     head = {"weight": jnp.zeros((bb.hidden_dim, 1)), "bias": jnp.zeros(())}
-    params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))((params, (params, head)))
+    params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(PPOParams(params, params, head))
+    models, frozen = Pair(bb, bb), Pair(frozen, frozen)  # the value model: a copy of the policy
     args = Args(learning_rate=1e-3, temperature=1.0, num_mini_batches=2)
     q, r = 8, 6
     rng = np.random.default_rng(0)
@@ -43,18 +46,43 @@ def test_ppo_update_moves_logprobs_along_advantages():
     responses = jnp.array(rng.integers(3, 300, (8, r)), jnp.int32)
     batch = {"query_responses": jnp.concatenate([queries, responses], 1),
              "padding_mask": jnp.ones((8, q + r), bool), "response_mask": jnp.ones((8, r), bool)}
-    lp, ref, values = rollout_stats((bb, bb), params, params[0], (frozen, frozen), batch, q, 1.0)
+    lp, ref, values = rollout_stats(models, params, params.policy, frozen, batch, q, 1.0)
     scores = jnp.array(rng.normal(size=8), jnp.float32)
     adv, ret, _ = advantages_of(scores, lp, ref, values, jnp.full((8,), r - 1), args)
     batch.update(logprobs=lp, values=values, advantages=adv, returns=ret)
     optimizer = optax.adam(1e-3)
     state = (params, optimizer.init(params))
-    step = jax.jit(lambda s, f, b: train_step((bb, bb), optimizer, args, s, f, b, q))
-    state, m = step(state, (frozen, frozen), batch)
-    new_lp, _ = response_logps(bb, state[0][0], frozen, batch["query_responses"], batch["padding_mask"], q, 1.0)
+    step = jax.jit(lambda s, f, b: train_step(models, optimizer, args, s, f, b, q))
+    state, m = step(state, frozen, batch)
+    new_lp, _ = response_logps(bb, state[0].policy, frozen.policy, batch["query_responses"], batch["padding_mask"],
+                               q, 1.0)
     delta = np.asarray(new_lp - lp)
     assert np.sum(delta * np.asarray(adv)) > 0
     assert np.corrcoef(delta.ravel(), np.asarray(adv).ravel())[0, 1] > 0.3
+
+
+@pytest.mark.parametrize("script", ["ppo", "grpo"])
+def test_weight_decay_is_off_by_default_and_on_matrices_only(script):
+    """--weight-decay (TRL's 0.0 by default) decays matrices only. With zero gradients Adam's step is 0,
+    so what changes a weight is its decay alone: at the default nothing changes (optax.adamw's own default,
+    1e-4 on every parameter, would shrink both), and at 0.1 the matrix shrinks by lr·0.1·w, the vector not."""
+    module = importlib.import_module(script)
+    lr = 0.1  # large, so that a decay of 1e-4 would move a float32 weight by many ulps
+    params = {"matrix": jnp.full((4, 3), 2.0), "vector": jnp.full((3,), 2.0)}
+    zeros = jax.tree.map(jnp.zeros_like, params)
+
+    def one_update(**flags):
+        optimizer, schedule = module.make_optimizer(module.Args(learning_rate=lr, **flags), 10)
+        assert float(schedule(0)) == pytest.approx(lr)
+        updates, _ = optimizer.update(zeros, optimizer.init(params), params)
+        return jax.device_get(optax.apply_updates(params, updates))
+
+    new = one_update()
+    np.testing.assert_array_equal(new["matrix"], params["matrix"])
+    np.testing.assert_array_equal(new["vector"], params["vector"])
+    new = one_update(weight_decay=0.1)
+    np.testing.assert_allclose(new["matrix"], params["matrix"] * (1 - lr * 0.1), rtol=1e-6)
+    np.testing.assert_array_equal(new["vector"], params["vector"])
 
 
 # ---------------------------------------------------------------------------
@@ -220,7 +248,7 @@ def test_ppo_raises_toy_score_from_scratch(tmp_path):
     assert np.mean(scores[-2:]) > scores[0] + 0.3, scores
     assert os.path.exists(tmp_path / "model" / "config.json")
     assert "sample:" in out.stdout + out.stderr  # decoded samples with their scores
-    last = out.stdout.strip().splitlines()[-1]  # common.Run's summary line
+    last = out.stdout.strip().splitlines()[-1]  # plumbing.Run's summary line
     assert last.startswith("done: 12 steps in ") and "objective/scores " in last and f"outputs in {tmp_path}" in last
 
 

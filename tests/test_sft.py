@@ -1,4 +1,4 @@
-"""sft.py through its CLI: outputs of DESIGN §2, learning on the toy task, bad input."""
+"""sft.py through its CLI: its outputs (docs/design.md, Outputs), learning on the toy task, bad input."""
 
 import json
 import os
@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, metrics as read_metrics
+from helpers import ROOT, metrics as read_metrics, usage_error
 
 sys.path.insert(0, os.path.join(ROOT, "data"))
 import toy  # noqa: E402
@@ -108,13 +108,21 @@ def test_saved_model_continues_as_model_flag_with_messages(trained, tmp_path):
     ('{"prompt": "a", "completion": "b"}\n{"question": "a"}\n', "bad.jsonl:2: need 'text'"),
     ("", "bad.jsonl: no examples"),
 ])
-def test_bad_dataset_exits_2_naming_file_and_line(tmp_path, content, message):
+def test_bad_dataset_is_refused_naming_file_and_line(tmp_path, content, message):
+    import sft  # here: JAX is imported after conftest set XLA_FLAGS
     bad = tmp_path / "bad.jsonl"
     bad.write_text(content)
-    proc = run("--dataset", str(bad), "--output-dir", str(tmp_path / "out"), check=False)
-    assert proc.returncode == 2
-    assert message in proc.stderr and "Traceback" not in proc.stderr
+    assert message in usage_error(sft, "--dataset", str(bad), "--output-dir", str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")  # nothing written, no compute spent
+
+
+def test_bad_dataset_exits_2_in_one_line(tmp_path):
+    """The boundary's side, once: a UsageError from the data is one line on stderr and exit code 2."""
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "a", "completion": "b"}\n{"question": "a"}\n')
+    proc = run("--dataset", str(bad), "--output-dir", str(tmp_path / "out"), check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        f"error: {bad}:2: need 'text', 'prompt'+'completion' or 'messages' (got ['question'])"], proc.stderr
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -122,6 +130,37 @@ def test_bad_dataset_exits_2_naming_file_and_line(tmp_path, content, message):
     (["--mesh", "data=3"], "--mesh 'data=3' has 3 devices, but 8 are present"),
     (["--batch-size", "12"], "--batch-size 12 must divide"),
 ])
-def test_bad_flags_exit_2(tmp_path, flags, message):
-    proc = run(*flags, "--output-dir", str(tmp_path / "out"), check=False)
-    assert proc.returncode == 2 and message in proc.stderr and "Traceback" not in proc.stderr
+def test_bad_flags_are_refused(tmp_path, flags, message):
+    import sft
+    assert message in usage_error(sft, *flags, "--output-dir", str(tmp_path / "out"))
+
+
+def test_eval_loss_covers_every_example_even_fewer_than_a_batch(tmp_path):
+    """5 eval rows, --batch-size 8: eval/loss at step 0 is the initial model's token-mean NLL over all
+    5 rows' completion tokens (+ EOS), recomputed here in float64 from whole logits (the sft.py of
+    76cc5f6 took full batches only and logged 0.0; with 100 rows at batch 32 it dropped 4)."""
+    import common
+    import jax
+    import sft
+    import plumbing
+    rows = [json.loads(line) for line in open(os.path.join(ROOT, "data", "sft_eval.jsonl"))][:5]
+    (tmp_path / "five.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    out = str(tmp_path / "run")
+    sft.main(plumbing.cli(sft.Args, ["--model", "tiny", "--max-steps", "1", "--batch-size", "8",
+                                     "--eval-dataset", str(tmp_path / "five.jsonl"), "--eval-every", "1",
+                                     "--num-samples", "0", "--output-dir", out]))
+    logged = read_metrics(out)[0]
+    assert logged["step"] == 0
+    model = common.load_model("tiny", jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model")), "float32")
+    tokenizer, nll, count = model.preprocessor.tokenizer, 0.0, 0
+    for r in rows:
+        prompt, completion = (list(tokenizer.tokenize(r[k])) for k in ("prompt", "completion"))
+        ids = np.array([[tokenizer.start_token_id] + prompt + completion + [tokenizer.end_token_id]], np.int32)
+        hidden = model.backbone({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)})
+        z = np.asarray(common.logits(model.backbone, hidden), np.float64)[0]  # [T, V]
+        logp = z - z.max(-1, keepdims=True)
+        logp -= np.log(np.exp(logp).sum(-1, keepdims=True))
+        targets = np.arange(1 + len(prompt), ids.shape[1])  # completion tokens and EOS, each predicted by t-1
+        nll -= logp[targets - 1, ids[0, targets]].sum()
+        count += len(targets)
+    assert logged["eval/loss"] == pytest.approx(nll / count, rel=1e-5)

@@ -1,0 +1,123 @@
+"""The docs against the code, by reading files only (no JAX import, no subprocess): the README's
+loop is dpo.py's, nothing cites a design document outside the repository, every backticked
+`common.NAME` / `plumbing.NAME` names something those modules define, and every pointer into
+docs/design.md names one of its sections."""
+
+import ast
+import os
+import re
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SKIP_DIRS = {"runs", "__pycache__", "node_modules"}  # plus every dot-directory (.git, .venv, …)
+SECTIONS = ("Files", "Flags", "Outputs", "Lifecycle", "Mesh", "FLOPs", "Metrics", "Compilation cache")
+
+
+def read(*path):
+    with open(os.path.join(ROOT, *path), encoding="utf-8") as f:
+        return f.read()
+
+
+def repo_files(exts=(".py", ".md", ".sh")):
+    """The repository's own files with these endings (what `git ls-files` lists, and untracked ones)."""
+    for top, dirs, files in os.walk(ROOT):
+        dirs[:] = sorted(d for d in dirs if not d.startswith(".") and d not in SKIP_DIRS)
+        for name in sorted(files):
+            if name.endswith(exts):
+                yield os.path.relpath(os.path.join(top, name), ROOT)
+
+
+def doc_files():
+    return ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
+                                  if f.endswith(".md"))
+
+
+def module_names(path):
+    """{top-level name: the names its class body defines, or None} of a module, from its source:
+    defs, classes, assignments and imports, also inside top-level if/try/with/for blocks."""
+    names = {}
+
+    def visit(body):
+        for node in body:
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names[node.name] = None
+            elif isinstance(node, ast.ClassDef):
+                names[node.name] = class_names(node) if not node.bases else None  # bases: inherited too
+            elif isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign, ast.For)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for t in targets:
+                    for n in ast.walk(t):
+                        if isinstance(n, ast.Name):
+                            names[n.id] = None
+            elif isinstance(node, (ast.Import, ast.ImportFrom)):
+                for a in node.names:
+                    names[(a.asname or a.name).split(".")[0]] = None
+            for field in ("body", "orelse", "finalbody", "handlers"):
+                if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                    visit(getattr(node, field, []))
+
+    visit(ast.parse(read(path)).body)
+    return names
+
+
+def class_names(cls):
+    """Methods, class attributes and `self.x = …` attributes of a class."""
+    out = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
+           and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    for node in cls.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            out.add(node.name)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            out.add(node.target.id)
+        elif isinstance(node, ast.Assign):
+            out.update(n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name))
+    return out
+
+
+def test_readme_loop_is_dpo_main():
+    """The README's loop snippet is dpo.py's main, line for line (a subset, in order)."""
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", read("README.md"), re.S)
+              if "for step in run.steps(" in b]
+    assert len(blocks) == 1, f"README.md: {len(blocks)} python blocks hold `for step in run.steps(`"
+    source = [line.strip() for line in read("dpo.py").splitlines()]
+    at = -1
+    for line in (s.strip() for s in blocks[0].splitlines()):
+        if not line:
+            continue
+        following = [i for i in range(at + 1, len(source)) if source[i] == line]
+        assert following, f"README.md's loop snippet: {line!r} is not in dpo.py after line {at + 1}"
+        at = following[0]
+
+
+def test_no_external_design_citations():
+    marker = "DESIGN" + " §"  # spelled apart, so this file does not match itself
+    hits = [f"{path}:{i}" for path in repo_files() for i, line in enumerate(read(path).splitlines(), 1)
+            if marker in line]
+    assert not hits, f"{marker} (a document outside the repository) cited at: {', '.join(hits)}"
+
+
+def test_backticked_module_names_exist():
+    """`common.X`, `plumbing.X` (and `plumbing.Run.x`: a method of a base-less class) in backticks."""
+    modules = {m: module_names(m + ".py") for m in ("common", "plumbing")}
+    bad = []
+    for path in doc_files():
+        text = re.sub(r"```.*?```", "", read(path), flags=re.S)  # fenced code: test_readme_loop_is_dpo_main
+        for span in re.findall(r"`([^`\n]+)`", text):
+            for module, name, attr in re.findall(r"\b(common|plumbing)\.(\w+)(?:\.(\w+))?", span):
+                if name == "py":  # the file itself
+                    continue
+                names = modules[module]
+                if name not in names:
+                    bad.append(f"{path}: `{module}.{name}`")
+                elif attr and names[name] is not None and attr not in names[name]:
+                    bad.append(f"{path}: `{module}.{name}.{attr}`")
+    assert not bad, "names that common.py / plumbing.py do not define:\n" + "\n".join(sorted(set(bad)))
+
+
+def test_design_sections_and_pointers():
+    """docs/design.md has the sections others point at, and every `docs/design.md, Section` names one."""
+    headings = re.findall(r"^## (.+?)\s*$", read("docs", "design.md"), re.M)
+    assert list(headings) == list(SECTIONS), headings
+    pointer = re.compile(r'design\.md\)?(?:,\s*|\s\()"?([A-Z][\w ]*?)"?\s*[)\];:.,\n]')
+    bad = [f"{path}: {part!r}" for path in repo_files() for found in pointer.findall(read(path))
+           for part in found.split(" and ") if part not in SECTIONS]
+    assert not bad, "pointers into docs/design.md that name no section of it:\n" + "\n".join(bad)
