@@ -1,4 +1,4 @@
-"""Direct Preference Optimization (DPO): learn from preference pairs, no reward model.
+r"""Direct Preference Optimization (DPO): learn from preference pairs, no reward model.
 
 Rafailov et al. 2023 (arXiv:2305.18290); also IPO (`--loss-type ipo`), hinge and cDPO
 label smoothing. Data: `prompt` / `chosen` / `rejected` (strings or chat messages, TRL formats).

@@ -1,4 +1,4 @@
-"""GRPO: group-relative policy optimisation with verifiable rewards (no value model).
+r"""GRPO: group-relative policy optimisation with verifiable rewards (no value model).
 
 Shao et al. 2024 (DeepSeekMath); loss variants from DAPO (Yu et al. 2025) and Dr. GRPO (Liu et al. 2025).
     python grpo.py --model runs/sft…/model --reward-fn my_checks.py:correct my_checks.py:formatted

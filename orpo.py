@@ -1,4 +1,4 @@
-"""Odds Ratio Preference Optimization (ORPO): SFT plus an odds-ratio penalty, no reference model.
+r"""Odds Ratio Preference Optimization (ORPO): SFT plus an odds-ratio penalty, no reference model.
 
 Hong et al. 2024 (arXiv:2403.07691). Data: `prompt` / `chosen` / `rejected` (strings or chat
 messages, TRL formats).

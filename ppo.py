@@ -1,4 +1,4 @@
-"""PPO for language models (RLHF): KL-penalised reward, GAE, clipped policy and value losses.
+r"""PPO for language models (RLHF): KL-penalised reward, GAE, clipped policy and value losses.
 
 Ouyang et al. 2022; "The N+ implementation details of RLHF with PPO" (Huang et al. 2024); TRL PPOTrainer.
     python ppo.py --model runs/sft…/model --reward-model runs/reward…/model

@@ -1,4 +1,4 @@
-"""Reward model: Bradley–Terry loss on preference pairs, scalar head on the last real token.
+r"""Reward model: Bradley–Terry loss on preference pairs, scalar head on the last real token.
 
 Ouyang et al. 2022 (InstructGPT) §3.5; data: `prompt` + `chosen` + `rejected` (TRL formats).
     python reward.py --model gemma_2b --dataset my_prefs.jsonl

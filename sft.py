@@ -1,4 +1,4 @@
-"""Supervised fine-tuning (SFT): next-token NLL on completions / assistant turns.
+r"""Supervised fine-tuning (SFT): next-token NLL on completions / assistant turns.
 
 Data: `text`, `prompt` + `completion`, or chat `messages` (TRL formats).
     python sft.py --model gemma_2b --dataset my_data.jsonl

@@ -1,4 +1,4 @@
-"""Simple Preference Optimization (SimPO): length-normalised reward with a margin, no reference model.
+r"""Simple Preference Optimization (SimPO): length-normalised reward with a margin, no reference model.
 
 Meng et al. 2024 (arXiv:2405.14734). Data: `prompt` / `chosen` / `rejected` (strings or chat
 messages, TRL formats).
