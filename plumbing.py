@@ -264,6 +264,8 @@ class Run:
             run.checkpoint(state)           # every --save-every steps, and after SIGTERM/SIGINT (raises Preempted)
         run.finish(lambda path: common.save_model(model, state[0], path))
 
+    Making it starts jax.distributed when several processes take part, makes the mesh (run.mesh) and
+    checks the shared flags and --output-dir; it writes nothing and installs no signal handler.
     Reads only SharedArgs' fields of `args` and the keywords given; never changes `args`: what it
     resolves (output_dir, dtype, max_steps, and what main passes to `record`) is an attribute and goes
     into args.json beside the flags. Nothing is written until the first step has run (its run.log);
@@ -292,7 +294,7 @@ class Run:
         self.dir = args.output_dir or default_output_dir(script, args.model, args.seed)
         self.model_dir, self.max_steps, self.resolved = os.path.join(self.dir, "model"), args.max_steps, {}
         self.mesh = common.make_mesh(args.mesh)
-        self.main = common.jax.process_index() == 0
+        self.main = common.jax.process_index() == 0  # process 0 writes the outputs
         if args.batch_size % (self.mesh.shape["data"] * grad_accum_steps):
             accum = f" × --grad-accum-steps ({grad_accum_steps})" if grad_accum_steps > 1 else ""
             raise UsageError(f"--batch-size {args.batch_size} must divide by data axis ({self.mesh.shape['data']}){accum}")
