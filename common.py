@@ -1,5 +1,4 @@
 """What an algorithm touches: the mesh, the models, the data files and the batches.
-
 Contents (in file order)
   1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global,
                  to_host, init_optimizer (optimizer state laid out like the params)
@@ -15,8 +14,7 @@ Contents (in file order)
 The run shell (flags, Run, exits, remat, FLOP accounting) is plumbing.py: no algorithm needs it read.
 Mesh axes are ("data", "model") everywhere: batch over `data`, parameters over both (docs/design.md).
 Importing this module sets KERAS_BACKEND=jax (and JAX_PLATFORMS=cpu where no accelerator is present)
-before keras loads, and keeps TensorFlow out of the process; it prints nothing.
-"""
+before keras loads, and keeps TensorFlow out of the process; it prints nothing."""
 
 import contextlib
 import functools
@@ -120,12 +118,10 @@ def make_mesh(spec=None):
 
 class ShardedParallel(keras.distribution.ModelParallel):
     """Keras ModelParallel with the sharding rules of docs/design.md ("Mesh") filled in.
-
     Variables the backbone's layout map names keep that layout; every other
     variable of rank >= 2 shards its largest divisible dim over `data` (FSDP).
     Any mesh axis that does not divide its dim is dropped (replicated): e.g.
-    Gemma-2B's single key/value head on `model=2`.
-    """
+    Gemma-2B's single key/value head on `model=2`."""
 
     def get_variable_layout(self, variable):
         layout = super().get_variable_layout(variable)
@@ -153,9 +149,7 @@ def distribution_for(mesh, backbone_cls):
 
 def shard_batch(mesh, batch):
     """Place a dict of host arrays [A, B, ...] (A = accumulation steps) with B split over `data`.
-
-    Multi-host: each process passes its own slice [A, B / processes, ...] of the global batch.
-    """
+    Multi-host: each process passes its own slice [A, B / processes, ...] of the global batch."""
     sharding = NamedSharding(mesh, P(None, "data"))
     if jax.process_count() == 1:
         return {k: jax.device_put(v, sharding) for k, v in batch.items()}
@@ -168,10 +162,8 @@ def replicated(mesh):
 
 def put_global(x, sharding):
     """A host array every process holds whole (e.g. a rollout's prompts) -> a global array.
-
     jax.device_put would do on one process; make_array_from_callback also works when the
-    sharding spans other processes' devices (each process fills only its own shards).
-    """
+    sharding spans other processes' devices (each process fills only its own shards)."""
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
@@ -191,10 +183,8 @@ def shardings(tree):
 def init_optimizer(optimizer, params, mesh):
     """optimizer.init(params) with explicit layouts: moments follow their parameter,
     scalars (step counts) are replicated. Returns (opt_state, its shardings).
-
     Pinning these (and the params') layouts as the train step's out_shardings keeps
-    the state's layout fixed from step to step, so the step compiles exactly once.
-    """
+    the state's layout fixed from step to step, so the step compiles exactly once."""
     structure = jax.tree.structure(params)
     like_params = lambda x: jax.tree.structure(x) == structure
     out = jax.tree.map(lambda sub: shardings(params) if like_params(sub) else replicated(mesh),
@@ -366,11 +356,9 @@ def check_sampler(name, flag="--model"):
 
 def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
     """Resolve --model and build the CausalLM with every weight created sharded.
-
     Returns the KerasHub CausalLM (backbone + preprocessor/tokenizer). With
     `lora_rank > 0` the backbone's LoRA is enabled: only LoRA weights are trainable.
-    `dtype` is the compute dtype; weights load as float32 whatever the checkpoint holds.
-    """
+    `dtype` is the compute dtype; weights load as float32 whatever the checkpoint holds."""
     preset = resolve_model(name)
     with hub_errors(preset), distribution_for(mesh, backbone_class(preset)).scope():
         if preset == "tiny":
@@ -408,13 +396,11 @@ def empty_cache(backbone, batch, length):
 
 def cached_forward(backbone, token_ids, padding_mask, cache, index):
     """The family's CausalLM.call_with_cache plus a key padding mask, so left-padded prompts work.
-
     token_ids [B, t] are written at cache positions index…index+t-1; padding_mask [B, S] covers the
     whole cache, masking the prompts' left padding as attention keys (the decoder layers broadcast it
     over queries and AND it with their causal, and Mistral's sliding-window, mask). RoPE positions
     count the padding too, which changes nothing: RoPE scores depend only on the distance between
-    query and key. -> (logits [B, t, V] float32, cache [B, L, 2, S, K, H]).
-    """
+    query and key. -> (logits [B, t, V] float32, cache [B, L, 2, S, K, H])."""
     gemma = isinstance(backbone, keras_hub.models.GemmaBackbone)
     x = backbone.token_embedding(token_ids)
     if gemma:
@@ -555,8 +541,7 @@ class Scorer:
     (global arrays over `data`). -> scores [B] float32, a global array over `data`, and parts
     {name: [B] float64 on the host} (a function's __name__, or "reward_model"), for per-part metrics.
     Every process passes the whole batch (as the rollouts hold it). With a reward model, `model` (its
-    CausalLM) and `head` are its loaded weights (PPO's value model starts from them); else None.
-    """
+    CausalLM) and `head` are its loaded weights (PPO's value model starts from them); else None."""
 
     def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None):
         self.model, self.head, self.name, self.on_data = model, head, name, NamedSharding(mesh, P("data"))
@@ -708,10 +693,8 @@ def sft_segments(row, where, template):
 
 def preference_triple(row, where, template):
     """A preference row -> (prompt, chosen, rejected) texts: explicit or implicit prompt, strings or messages.
-
     Implicit prompt (only `chosen`/`rejected`): their longest common prefix (of messages for
-    chats; of characters for strings, a split space going to the responses).
-    """
+    chats; of characters for strings, a split space going to the responses)."""
     if not isinstance(row, dict):
         raise UsageError(f"{where}: expected a JSON object")
     for key in ("chosen", "rejected"):
@@ -799,12 +782,10 @@ def bucket_length(n, max_length):
 def length_batch(lengths, step, batch_size, seed, max_length, group=False):
     """`step`'s batch: (this process's indices, its padded length, its real tokens), where
     lengths [N] or [N, k] are the real lengths of each example's k sequences (a pair: 2).
-
     The length is the bucket of the whole batch's longest sequence (every process agrees on
     it); real tokens count the whole batch. group: each window of GROUP_WINDOW batches of the
     stream is sorted by length and dealt out in an order drawn from (seed, window), so a batch
-    holds similar lengths and pads less; both are pure functions of (seed, step): resume is exact.
-    """
+    holds similar lengths and pads less; both are pure functions of (seed, step): resume is exact."""
     lengths = np.asarray(lengths).reshape(len(lengths), -1)
     if group:
         window, i = divmod(step, GROUP_WINDOW)
@@ -819,9 +800,9 @@ def length_batch(lengths, step, batch_size, seed, max_length, group=False):
 def per_example(fn, data, batch_size, mesh, lengths=None, max_length=None):
     """fn(batch [1, B, ...]) -> tuple of [B] arrays, over every example once in fixed-size global
     batches (the last wraps around, then is trimmed; each process passes its own slice of each batch,
-    as in training). With lengths ([N] or [N, k], as length_batch): examples go in length order and each batch's [N, T] arrays are cut to its
-    bucket (bucket_length), so padding is small and compilations are at most the bucket count;
-    without: one shape, one compilation."""
+    as in training). With lengths ([N] or [N, k], as length_batch): examples go in length order and
+    each batch's [N, T] arrays are cut to its bucket (bucket_length), so padding is small and
+    compilations are at most the bucket count; without: one shape, one compilation."""
     n = len(next(iter(data.values())))
     longest = None if lengths is None else np.asarray(lengths).reshape(n, -1).max(-1)
     order = np.arange(n) if lengths is None else np.argsort(longest, kind="stable")
