@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from helpers import assert_same_rows, metrics, one_device_env, preempt_then_resume, run_script as run
+from helpers import assert_same_rows, learning_env, metrics, preempt_then_resume, run_script as run
 from ppo import (Args, Pair, PPOParams, advantages_of, generate, hidden_states, response_logps, rollout_stats,
                  train_step, truncate_response)
 
@@ -195,7 +195,7 @@ def test_reward_sigterm_then_resume_equals_uninterrupted(tmp_path):
     also a row of the uninterrupted run (with --log-every 5 it would average a partial interval)."""
     flags = ["--model", "tiny", "--max-steps", "20", "--save-every", "5", "--batch-size", "8",
              "--log-every", "1", "--eval-dataset", "", "--seed", "3"]
-    clean, resumed, stopped = preempt_then_resume("reward.py", flags, 5, tmp_path)
+    clean, resumed, stopped, _ = preempt_then_resume("reward.py", flags, 5, tmp_path)
     assert 5 <= stopped < 20
     assert [r["step"] for r in clean] == list(range(1, 21))
     assert_same_rows(clean, resumed)
@@ -210,13 +210,22 @@ def test_reward_nonfinite_loss_stops_naming_the_step(tmp_path):
     assert not os.path.exists(tmp_path / "model")
 
 
-def test_ppo_sigterm_then_resume_equals_uninterrupted(tmp_path):
+@pytest.fixture(scope="module")
+def ppo_with_rm(reward_run, tmp_path_factory):
+    """ppo.py scored by reward.py's model (which also initialises the value model): 4 steps run
+    uninterrupted and, beside it, stopped by SIGTERM after the step-2 checkpoint and resumed."""
+    flags = ["--model", "tiny", "--reward-model", os.path.join(reward_run, "model"), "--max-steps", "4",
+             "--save-every", "2", "--batch-size", "8", "--response-length", "8", "--sample-every", "0",
+             "--seed", "3", *TINY_PPO]
+    tmp_path = tmp_path_factory.mktemp("ppo_rm")
+    return tmp_path / "clean", preempt_then_resume("ppo.py", flags, 2, tmp_path)
+
+
+def test_ppo_sigterm_then_resume_equals_uninterrupted(ppo_with_rm):
     """Restored: policy and value params, the optimizer, the sampling key and the mini-batch
     shuffler; the resumed run samples the same responses (same scores, KL) and the sampler
     still compiles once."""
-    flags = ["--model", "tiny", "--max-steps", "4", "--save-every", "2", "--batch-size", "8",
-             "--response-length", "8", "--sample-every", "0", "--seed", "3", *TINY_PPO]
-    clean, resumed, stopped = preempt_then_resume("ppo.py", flags, 2, tmp_path)
+    _, (clean, resumed, stopped, _) = ppo_with_rm
     assert 2 <= stopped < 4
     assert [r["step"] for r in clean] == [1, 2, 3, 4]
     assert_same_rows(clean, resumed)
@@ -242,7 +251,7 @@ def test_ppo_raises_toy_score_from_scratch(tmp_path):
     """`tiny` from random init rarely ends with EOS (score ≈ -0.9 after the missing-EOS
     penalty); PPO with the programmatic reward learns to stop within a few iterations."""
     out = run("ppo.py", "--model", "tiny", "--max-steps", "12", "--batch-size", "32", "--response-length", "16",
-              *TINY_PPO, "--output-dir", str(tmp_path), env=one_device_env())
+              *TINY_PPO, "--output-dir", str(tmp_path), env=learning_env())
     assert out.returncode == 0, out.stderr[-2000:]
     scores = ppo_scores(str(tmp_path))
     assert np.mean(scores[-2:]) > scores[0] + 0.3, scores
@@ -252,10 +261,8 @@ def test_ppo_raises_toy_score_from_scratch(tmp_path):
     assert last.startswith("done: 12 steps in ") and "objective/scores " in last and f"outputs in {tmp_path}" in last
 
 
-def test_ppo_with_reward_model(reward_run, tmp_path):
+def test_ppo_with_reward_model(ppo_with_rm):
     """--reward-model: scores from reward.py's model, value model initialised from it."""
-    out = run("ppo.py", "--model", "tiny", "--reward-model", os.path.join(reward_run, "model"),
-              "--max-steps", "2", "--batch-size", "16", "--response-length", "16", *TINY_PPO,
-              "--output-dir", str(tmp_path), env=one_device_env())
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert len(ppo_scores(str(tmp_path))) == 2
+    out_dir, _ = ppo_with_rm
+    assert len(ppo_scores(str(out_dir))) == 4
+    assert (out_dir / "model" / "config.json").exists()
