@@ -56,8 +56,7 @@ class Args(plumbing.SharedArgs):
     """linear warm-up, in optimizer updates; then --learning-rate stays constant (TRL: linear decay to 0)"""
     # algorithm
     beta: float = 0.0
-    """β: weight of the k3 KL to the reference (TRL GRPOConfig: 0.0; DeepSeekMath: 0.04); 0 drops the
-    reference model entirely"""
+    """β: weight of the k3 KL to the reference (TRL: 0.0, DeepSeekMath: 0.04); 0: no reference model"""
     epsilon: float = 0.2
     """ε: ratio clip, lower side (and upper side unless --epsilon-high is given)"""
     epsilon_high: float | None = None
@@ -65,8 +64,7 @@ class Args(plumbing.SharedArgs):
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantage scale: `group` (÷ group std, GRPO), `batch` (÷ batch std), `none` (Dr. GRPO: no division)"""
     loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
-    """aggregation: `dapo` (token mean over the batch), `grpo` (per-sequence mean, then batch mean),
-    `dr_grpo` (token sum ÷ (batch × response_length)); see docs/grpo.md for why `dapo` is the default"""
+    """`dapo` (token mean over the batch), `grpo` (sequence means' mean), `dr_grpo` (÷ B × response_length)"""
     mask_truncated_completions: bool = False
     """leave completions without EOS out of the loss (DAPO's overlong filtering)"""
     # logging and outputs

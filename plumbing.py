@@ -1,20 +1,17 @@
 """The run shell: plumbing every script shares and no one needs to read to learn an algorithm.
 
-Contents (in file order)
-  1. The boundary  UsageError, RunComplete, Preempted, RunFailed (NonFiniteLoss); answer_help (`--help` from the
-                   script's source, before its heavy imports); cli (tyro, errors in one line); launch
-                   (main under the one boundary that turns those exceptions into exit codes 2, 0, 0, 1)
+  1. The boundary  UsageError, RunComplete, Preempted, RunFailed (NonFiniteLoss); answer_help (--help from the
+                   script's source, before its heavy imports); cli (tyro, errors in one line); launch (main
+                   under the one boundary that turns those exceptions into exit codes 2, 0, 0, 1)
   2. Shared flags  SharedArgs: the flags every script has (each script's Args extends it)
-  3. The run       Run: output dir and --resume/--overwrite, --max-steps from --num-epochs, args.json,
-                   metrics.jsonl + TensorBoard (+ W&B), progress bar, tokens/s and MFU, the non-finite
-                   stop, eval and checkpoint cadence, SIGTERM/SIGINT, the final model, a summary line
+  3. The run       Run: output dir, --resume/--overwrite, --max-steps from --num-epochs, args.json, metrics.jsonl
+                   + TensorBoard (+ W&B), progress, tokens/s and MFU, the non-finite stop, eval and checkpoint
+                   cadence, SIGTERM/SIGINT, the final model, a summary line
   4. Remat         enable_remat (a switch per decoder block), Remat (--remat auto: by compiled memory)
-  5. Accounting    count_params, peak_flops, matmul_flops_per_sec (docs/design.md, "FLOPs");
-                   synced / phase_metrics: the generate / score / update times of RL steps;
+  5. Accounting    count_params, peak_flops (docs/design.md, "FLOPs"); synced, phase_metrics (RL phase times);
                    compilation_cache (JAX's persistent cache, on by default)
-Heavy modules (jax, numpy, keras, common) are imported inside the functions that use them, so that
-`import plumbing` is instant and `python dpo.py --help` answers before the script's own imports.
-"""
+jax, numpy, keras and common are imported inside the functions that use them: `import plumbing` is instant,
+and `python dpo.py --help` answers before the script's own imports."""
 
 import ast
 import contextlib
@@ -33,9 +30,7 @@ from typing import Literal
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ---------------------------------------------------------------------------
-# 1. The boundary: the only place the process ends
-# ---------------------------------------------------------------------------
+# --- 1. The boundary: the only place the process ends ---
 class UsageError(Exception):
     """Bad input (flag, file, model name): one line on stderr, exit code 2."""
 
@@ -168,9 +163,7 @@ def help_from_source(path, width=100):
     return "\n".join(out)
 
 
-# ---------------------------------------------------------------------------
-# 2. The flags every script shares (the Run reads these fields, and nothing else of Args)
-# ---------------------------------------------------------------------------
+# --- 2. The flags every script shares (the Run reads these fields, and nothing else of Args) ---
 @dataclasses.dataclass
 class SharedArgs:
     # model
@@ -226,9 +219,7 @@ class SharedArgs:
     """this process's index"""
 
 
-# ---------------------------------------------------------------------------
-# 3. The run's lifecycle
-# ---------------------------------------------------------------------------
+# --- 3. The run's lifecycle ---
 RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model", "model_hf")
 
 
@@ -304,6 +295,7 @@ class Run:
         self._pending, self._tokens, self._flops, self._paused, self._eval_started = [], 0, 0.0, 0.0, None
         self._padded, self._shapes = 0, set()
         self._opened, self._buffered, self._manager, self._started = False, [], None, time.perf_counter()
+        self._handlers = {}  # SIGINT/SIGTERM's handlers before the loop, restored by close()
 
     def _check_output_dir(self):
         """The step to start from; refuses to touch a previous run unless asked (exit 2)."""
@@ -369,8 +361,7 @@ class Run:
         if self._opened:
             return
         self._opened = True
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
+        self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         if not self.main:
             return
         if self.args.overwrite and not self.args.resume and os.path.isdir(self.dir):
@@ -557,6 +548,10 @@ class Run:
               + ", metrics.jsonl, args.json)", flush=True)
 
     def close(self):
+        """Close the logs; SIGINT/SIGTERM do again what they did before the loop (main called twice in
+        a notebook or a test: Ctrl-C interrupts as usual once a run has ended)."""
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
         if self._opened and self.main:
             self._metrics.close()
             self._tb.close()
@@ -564,9 +559,7 @@ class Run:
                 self._wandb.finish()
 
 
-# ---------------------------------------------------------------------------
-# 4. Remat: activation checkpointing per decoder block, --remat {auto,on,off}
-# ---------------------------------------------------------------------------
+# --- 4. Remat: activation checkpointing per decoder block, --remat {auto,on,off} ---
 def enable_remat(backbone, on=True):
     """Activation checkpointing per decoder block: each block's activations are recomputed
     in the backward pass, so only the block inputs [B, T, D] stay alive between forward and
@@ -653,9 +646,7 @@ class Remat:
         return step
 
 
-# ---------------------------------------------------------------------------
-# 5. Accounting: FLOPs, peak, phase times; the compilation cache
-# ---------------------------------------------------------------------------
+# --- 5. Accounting: FLOPs, peak, phase times; the compilation cache ---
 # Dense bf16 peak FLOP/s per chip, from the vendors' datasheets.
 PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
               "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12,

@@ -1,9 +1,10 @@
 """Fixtures only (shared utilities are in helpers.py). Every test process sees 8 simulated CPU
-devices and compiles with helpers.FAST_COMPILE (both set before JAX is imported); tests/ and the repository root are put on sys.path (for
-`from helpers import ...` and the scripts); the reward model that PPO and GRPO tests score with
-is trained once per test run, whichever worker asks first. Test processes, and the scripts they
-start, share JAX's persistent compilation cache (plumbing.compilation_cache: the user's, unless
-JAX_COMPILATION_CACHE_DIR says otherwise), so an identical program compiles once per machine."""
+devices and compiles with helpers.FAST_COMPILE (both set before JAX is imported); tests/ and the
+repository root are put on sys.path (for `from helpers import ...` and the scripts); the reward
+model that PPO and GRPO tests score with is trained once per test run, whichever worker asks first.
+Test processes, and the scripts they start, share JAX's persistent compilation cache
+(plumbing.compilation_cache: the user's, unless JAX_COMPILATION_CACHE_DIR says otherwise), so an
+identical program compiles once per machine."""
 
 import os
 import subprocess
@@ -31,7 +32,8 @@ plumbing.compilation_cache()  # this process's in-process compilations; subproce
 def reward_run(tmp_path_factory):
     """reward.py from random init in helpers.learning_env (one device, optimised code):
     eval/accuracy must reach 0.75 (50 steps: 0.88 measured on one device and on 8; the documented
-    80-step command reaches 0.92). Trained once per test run: the pytest-xdist workers share the base temp dir, and a file lock."""
+    80-step command reaches 0.92). Trained once per test run: the pytest-xdist workers share the base
+    temp dir, and a file lock."""
     from filelock import FileLock
     shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else \
         tmp_path_factory.getbasetemp()  # under xdist: this run's dir above every worker's own

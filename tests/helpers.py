@@ -101,14 +101,14 @@ def coordinator_address():
     return address
 
 
-def preempt_then_resume(script, flags, first_checkpoint, tmp_path):
+def preempt_then_resume(script, flags, first_checkpoint, tmp_path, env=None):
     """Runs `flags` uninterrupted and (concurrently) a copy that gets SIGTERM once checkpoint
     `first_checkpoint` exists, then resumes the copy; -> (clean rows, resumed rows, stop step, the
     clean run's stdout), the rows without timing metrics. The clean run is <tmp_path>/clean: other
     tests of the same flags check it too, instead of training their own."""
     clean, cut = str(tmp_path / "clean"), str(tmp_path / "cut")
     argv = lambda out: [sys.executable, os.path.join(ROOT, script), *flags, "--output-dir", out]
-    env = one_device_env()
+    env = env or one_device_env()
     runs = [subprocess.Popen(argv(out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=env) for out in (clean, cut)]
     start = time.time()

@@ -90,9 +90,11 @@ def test_learns_toy_task(trained):
 
 def test_saved_model_continues_as_model_flag_with_messages(trained, tmp_path):
     out = str(tmp_path / "again")
+    with open(os.path.join(ROOT, "data", "sft_messages_eval.jsonl")) as f:
+        (tmp_path / "eval.jsonl").write_text("".join(f.readlines()[:16]))  # two batches: the path, not the value
     proc = run("--model", os.path.join(trained, "model"), "--max-steps", "2", "--log-every", "1",
                "--dataset", os.path.join(ROOT, "data", "sft_messages_train.jsonl"),
-               "--eval-dataset", os.path.join(ROOT, "data", "sft_messages_eval.jsonl"),
+               "--eval-dataset", str(tmp_path / "eval.jsonl"),
                "--batch-size", "8", "--output-dir", out, "--num-samples", "1")
     assert "sample:" in proc.stdout
     assert len([r for r in read_metrics(out) if "train/loss" in r]) == 2
