@@ -507,7 +507,7 @@ def load_reward_model(path, mesh, dtype=None, lora_rank=0, flag="--reward-model"
 
 
 def load_reward_fn(spec, flag="--reward-fn"):
-    """`path.py:function` -> the function f(prompts, responses) -> scores."""
+    """`path.py:function` -> the function: TRL's f(prompts, completions, **kwargs) or f(prompts, responses)."""
     import importlib.util
     path, _, name = spec.rpartition(":")
     if not path or not os.path.exists(path):
@@ -531,34 +531,111 @@ def reward_model_scores(backbone, params, frozen, head, token_ids, padding_mask)
     return (h @ head["weight"])[:, 0] + head["bias"]
 
 
+TRL_INPUTS = ("prompts", "completions", "completion_ids")
+
+
+def reward_fn_signature(fn):
+    """-> (the parameters `fn` requires, all it names, whether it takes **kwargs), or None for the
+    two-argument form f(prompts, responses) (two positional parameters, no **kwargs, not `completions`)."""
+    import inspect
+    params = inspect.signature(fn).parameters.values()
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not var_kw and "completions" not in [p.name for p in named] and len(named) == 2:
+        return None
+    return [p.name for p in named if p.default is p.empty], [p.name for p in named], var_kw
+
+
+def described(fn):
+    """`name (file:line)` of a reward function, for error messages."""
+    code = getattr(fn, "__code__", None)
+    return f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})" if code else fn.__name__
+
+
+def call_reward_fn(fn, n, *args, **kwargs):
+    """fn(*args, **kwargs) -> [n] float64 scores, NaN where it returned None; a UsageError naming fn
+    when it raises or returns anything else."""
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as e:
+        raise UsageError(f"reward function {described(fn)} raised {type(e).__name__}: {e}") from None
+    try:
+        values = np.array([np.nan if v is None else float(v) for v in out], np.float64)
+    except (TypeError, ValueError):
+        raise UsageError(f"reward function {described(fn)} returned {str(out)[:80]!r}: expected one float "
+                         f"(or None) per completion") from None
+    if values.shape != (n,):
+        raise UsageError(f"reward function {described(fn)} returned {len(values)} scores for {n} completions")
+    return values
+
+
+def reward_inputs(prompts, texts, rows, completion_ids):
+    """TRL's keyword arguments of a reward function, each a list aligned with the completions:
+    prompts and completions as the dataset holds them (a chat prompt: its message list, and each
+    completion [{"role": "assistant", "content": text}]), completion_ids, and every other column."""
+    chat = [isinstance(r.get("prompt"), list) for r in rows]
+    columns = {k for r in rows for k in r} - {"prompt", "completion", *TRL_INPUTS}
+    return {"prompts": [r["prompt"] if c else p for r, p, c in zip(rows, prompts, chat)],
+            "completions": [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)],
+            "completion_ids": [list(map(int, x)) for x in completion_ids],
+            **{k: [r.get(k) for r in rows] for k in sorted(columns)}}
+
+
 class Scorer:
-    """s(x, y) per response: the one scoring call of ppo.py, grpo.py and evaluate.py (load_scorer makes it).
+    """s(x, y) per completion: the one scoring call of ppo.py, grpo.py and evaluate.py (load_scorer makes it).
 
-        scores, parts = scorer(prompts, texts, batch)
+        scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)
 
-    s is the weighted sum of the parts: reward functions f(prompts, responses) -> floats on the decoded
-    texts, or reward.py's model on the token ids batch["query_responses"] / ["padding_mask"] [B, T]
-    (global arrays over `data`). -> scores [B] float32, a global array over `data`, and parts
-    {name: [B] float64 on the host} (a function's __name__, or "reward_model"), for per-part metrics.
-    Every process passes the whole batch (as the rollouts hold it). With a reward model, `model` (its
-    CausalLM) and `head` are its loaded weights (PPO's value model starts from them); else None."""
+    s is the weighted sum of the parts: reward functions on the decoded texts, each cut at `end` (the chat
+    template's end-of-turn marker: a completion never ends in it), or reward.py's model on the token ids
+    batch["query_responses"] / ["padding_mask"] [B, T] (global arrays over `data`). A function in TRL's
+    form gets reward_inputs(prompts, texts, rows, completion_ids) (`rows`: each completion's dataset row,
+    a prompt's repeated per completion); one of two positional parameters gets (prompt texts, texts).
+    A function's None leaves that sample out of the sum (TRL: "does not apply"); one that raises, or
+    returns what is not a float or None per completion, is a UsageError naming it. -> scores [B] float32,
+    a global array over `data`, and parts {name: [B] float64 on the host, NaN where None} (a function's
+    __name__, or "reward_model"). Every process passes the whole batch (as the rollouts hold it). With
+    a reward model, `model` (its CausalLM) and `head` are its loaded weights (PPO's value model starts
+    from them); else None."""
 
     def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None):
         self.model, self.head, self.name, self.on_data = model, head, name, NamedSharding(mesh, P("data"))
-        self.parts = [(f.__name__, w, lambda prompts, texts, batch, f=f: f(prompts, texts))
-                      for f, w in zip(fns, weights or [1.0] * len(fns), strict=True)]
+        self.fns = [(f, w, reward_fn_signature(f)) for f, w in zip(fns, weights or [1.0] * len(fns), strict=True)]
         if model is not None:  # the weights are jit arguments: closed over, they would be baked in as constants
             forward = jax.jit(functools.partial(reward_model_scores, model.backbone))
             values = (*split_variables(model.backbone), head)
-            self.parts.append(("reward_model", 1.0, lambda prompts, texts, batch: to_host(forward(
-                *values, batch["query_responses"], batch["padding_mask"]))))
+            self.forward = lambda batch: to_host(forward(*values, batch["query_responses"], batch["padding_mask"]))
 
-    def __call__(self, prompts, texts, batch):
-        parts = {name: np.asarray(fn(prompts, texts, batch), np.float64) for name, _, fn in self.parts}
-        for name, values in parts.items():
-            if values.shape != (len(texts),):
-                raise UsageError(f"reward function {name}: {values.shape} scores for {len(texts)} responses")
-        total = sum(w * parts[name] for name, w, _ in self.parts)
+    def check_columns(self, rows, flag="--dataset"):
+        """Before the model loads: each TRL-form function's required parameters are inputs or columns."""
+        have = {k for r in rows for k in r} | set(TRL_INPUTS)
+        for f, _, signature in self.fns:
+            missing = [k for k in (signature[0] if signature else []) if k not in have]
+            if missing:
+                raise UsageError(f"reward function {described(f)} takes {missing[0]!r}, which is not a column of "
+                                 f"{flag} (its columns: {', '.join(sorted(have - set(TRL_INPUTS)))})")
+
+    def __call__(self, prompts, texts, batch, rows, completion_ids, end=None):
+        texts = [t.split(end)[0] for t in texts] if end else list(texts)
+        inputs = reward_inputs(prompts, texts, rows, completion_ids) if any(s for _, _, s in self.fns) else None
+        parts = {}
+        for f, _, signature in self.fns:
+            if signature is None:
+                parts[f.__name__] = call_reward_fn(f, len(texts), prompts, texts)
+            else:
+                _, names, var_kw = signature
+                parts[f.__name__] = call_reward_fn(f, len(texts), **(
+                    inputs if var_kw else {k: v for k, v in inputs.items() if k in names}))
+        weighted = [w * parts[f.__name__] for f, w, _ in self.fns]
+        if self.model is not None:
+            parts["reward_model"] = np.asarray(self.forward(batch), np.float64)
+            weighted.append(parts["reward_model"])
+        none = np.isnan(np.stack(weighted)).all(0)
+        if none.any():
+            i = int(np.argmax(none))
+            raise UsageError(f"every reward function returned None for completion {i} of the batch "
+                             f"(prompt {prompts[i][:80]!r}): at least one must score each completion")
+        total = np.nansum(np.stack(weighted), 0)
         return put_global(np.asarray(total, np.float32), self.on_data), parts
 
     def check_tokenizer(self, tokenizer):
@@ -643,6 +720,12 @@ def chat_template(model_name, name=None):
         return CHAT_TEMPLATES[name]
     family = FAMILIES.get(backbone_class(resolve_model(model_name)).__name__)
     return CHAT_TEMPLATES[family] if family else None
+
+
+def turn_end(template):
+    """The template's end-of-turn marker (`<end_of_turn>`, `<|eot_id|>`, `<|im_end|>`), where a
+    completion ends for reward functions; None without a template or marker (Mistral's is the EOS)."""
+    return (template[2].strip() or None) if template else None
 
 
 def render(messages, template):
@@ -747,6 +830,13 @@ def read_dataset(path, form, template, flag="--dataset"):
     """Every row of `path` in TRL's format `form` ('sft', 'preference', 'prompt'), validated
     and rendered to text; a bad row stops with its file and line (exit 2)."""
     return [FORMATS[form](row, f"{path}:{line}", template) for row, line in read_rows(path, flag)]
+
+
+def read_prompts(path, template, flag="--dataset"):
+    """TRL prompt rows -> (the prompts rendered for the model, the rows as read): what reward functions
+    see (Scorer), a chat `prompt` as its message list and every other column (e.g. `answer`)."""
+    rows = read_rows(path, flag)
+    return [prompt_text(row, f"{path}:{line}", template) for row, line in rows], [row for row, _ in rows]
 
 
 # ---------------------------------------------------------------------------

@@ -58,9 +58,12 @@ def test_response_lengths_exclude_eos():
 # evaluate.py on a known model / scorer pair
 # ---------------------------------------------------------------------------
 def test_evaluate_worked_example(tmp_path):
-    """tiny (seed 0) against itself, scored by a reward fn that counts the digit 4 in a response."""
+    """tiny (seed 0) against itself, scored by a reward fn that counts the digit 4 in a response (in
+    TRL's form, with the prompts' `answer` column: it checks each is its prompt's)."""
     scorer = tmp_path / "count4.py"
-    scorer.write_text("def count4(prompts, responses):\n    return [float(r.count('4')) for r in responses]\n")
+    scorer.write_text("def count4(prompts, completions, answer, **kwargs):\n"
+                      "    assert all(a.split() == sorted(p.split()[1:]) for p, a in zip(prompts, answer))\n"
+                      "    return [float(r.count('4')) for r in completions]\n")
     out = tmp_path / "eval"
     evaluate.main(evaluate.Args(model="tiny", baseline="tiny", reward_fn=f"{scorer}:count4", num_prompts=12,
                                 num_examples=12, max_new_tokens=8, batch_size=8, output_dir=str(out)))
@@ -84,8 +87,8 @@ def test_evaluate_worked_example(tmp_path):
     args = evaluate.Args(model="tiny", num_prompts=12, max_new_tokens=8, batch_size=8)
     mesh = common.make_mesh(None)
     policy = evaluate.load_policy("tiny", mesh, args)
-    prompts, _ = evaluate.check_args(args, mesh)
-    data = evaluate.prepare(args, mesh, prompts, policy.model.preprocessor.tokenizer)
+    prompts, rows, _ = evaluate.check_args(args, mesh)
+    data = evaluate.prepare(args, mesh, prompts, rows, policy.model.preprocessor.tokenizer)
     again = evaluate.respond(policy, data, "sampled", jax.random.key(0), data["batch_size"], mesh)
     assert again["texts"] == [s["sampled"] for s in samples]
 
