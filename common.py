@@ -2,13 +2,15 @@
 Contents (in file order)
   1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global,
                  to_host, init_optimizer (optimizer state laid out like the params)
-  2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors (a hub failure in one line),
+  2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors (a hub failure in one line:
+                 plumbing.hub_error),
                  load_model (created sharded), check_sampler; per-family model I/O: logits, empty_cache,
                  cached_forward (KV-cached, left padding); split_variables, save_model, export_hf
                  (--export-hf); reward models (save/load_reward_model), load_reward_fn; load_scorer
-                 (Scorer: a reward model or weighted reward functions, one call)
+                 (Scorer: a reward model or weighted reward functions under TRL's contract, one call)
   3. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render,
-                 TRL's formats -> text (sft_segments, preference_triple, prompt_text), read_dataset
+                 TRL's formats -> text (sft_segments, preference_triple, prompt_text), read_dataset,
+                 read_prompts (the rendered prompts and their rows)
   4. Data order  length_batch (padded to a length bucket, optionally grouped by length; a pure
                  function of the step: resume is exact), bucket_length, per_example
 The run shell (flags, Run, exits, remat, FLOP accounting) is plumbing.py: no algorithm needs it read.
@@ -24,7 +26,8 @@ import os
 import shutil
 import sys
 
-from plumbing import HERE, UsageError  # noqa: F401  (common.UsageError: bad input, exit 2 at the boundary)
+import plumbing  # the run shell: UsageError (bad input, exit 2 at the boundary), hub_error's prose
+from plumbing import HERE, UsageError  # noqa: F401  (common.UsageError)
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 if not (os.environ.get("JAX_PLATFORMS") or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
@@ -261,89 +264,10 @@ def hub_errors(preset):
     try:
         yield
     except Exception as e:
-        message = hub_error(preset, e)
+        message = plumbing.hub_error(preset, e)
         if message is None:
             raise
         raise UsageError(message) from None
-
-
-def hub_error(preset, error):
-    """What to do about `error` raised while fetching `preset` from a hub, in one line; None when
-    it is no hub failure. Reads the whole exception chain: KerasHub re-raises the hubs' errors."""
-    if preset == "tiny" or os.path.isdir(preset):
-        return None
-    chain, e = [], error
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    kinds = {c.__name__ for x in chain for c in type(x).__mro__}
-    text = " ".join(str(x) for x in chain)
-    statuses = [getattr(getattr(x, "response", None), "status_code", None) for x in chain]
-    status = next((s for s in statuses if isinstance(s, int)), None)  # HTTP errors carry their response
-    offline = bool(kinds & {"ConnectionError", "ConnectError", "NetworkError", "TimeoutException", "Timeout",
-                            "gaierror", "LocalEntryNotFoundError"})
-    if preset.startswith("hf://"):
-        return _hf_error(preset, kinds, text, status, offline)
-    if "://" in preset and not preset.startswith("kaggle://"):
-        return None  # modelscope:// and the like: their own messages
-    return _kaggle_error(preset, kinds, text, status, offline)
-
-
-_LOCAL = "or pass a local directory (a KerasHub preset or a Hugging Face checkpoint), or --model tiny"
-
-
-def _hf_error(preset, kinds, text, status, offline):
-    """hub_error for an hf:// handle."""
-    repo = preset.removeprefix("hf://")
-    page, token = f"https://huggingface.co/{repo}", "set HF_TOKEN or run `hf auth login`"
-    if "GatedRepoError" in kinds:
-        return f"--model {preset}: the repo is gated: accept its licence at {page}, then {token}; {_LOCAL}"
-    if "RepositoryNotFoundError" in kinds:
-        return (f"--model {preset}: no Hugging Face repo {repo!r} is visible: check the repo id at {page} "
-                f"(for a private repo, {token}); {_LOCAL}")
-    if "HFValidationError" in kinds or "Unexpected Hugging Face preset" in text:
-        return f"--model {preset}: not a Hugging Face repo id; expected hf://{{org}}/{{model}}; {_LOCAL}"
-    if "EntryNotFoundError" in kinds and not offline:
-        return f"--model {preset}: the repo has no config.json at {page}: not a checkpoint KerasHub loads; {_LOCAL}"
-    if offline:
-        from huggingface_hub import constants
-        why, fix = (("HF_HUB_OFFLINE is set", "unset it") if constants.HF_HUB_OFFLINE else
-                    ("cannot reach the Hugging Face Hub (no network?)", "connect"))
-        return (f"--model {preset}: {why} and the model is not in the local cache: {fix}, then {token} "
-                f"if the repo is gated; {_LOCAL}")
-    return f"--model {preset}: the Hugging Face Hub answered HTTP {status} for {page}; {_LOCAL}" if status else None
-
-
-def _kaggle_error(preset, kinds, text, status, offline):
-    """hub_error for a Kaggle handle or a KerasHub preset name (their files live on Kaggle)."""
-    from keras_hub.src.utils.preset_utils import BUILTIN_PRESETS
-    handle = BUILTIN_PRESETS.get(preset, {}).get("kaggle_handle", preset).removeprefix("kaggle://")
-    page = "https://www.kaggle.com/models/" + "/".join(handle.split("/")[:2])
-    try:
-        import kagglehub.config
-        user = kagglehub.config.get_kaggle_credentials()
-    except ValueError as e:  # a malformed ~/.kaggle/kaggle.json
-        return f"--model {preset}: {e}: fix it, or set KAGGLE_USERNAME and KAGGLE_KEY"
-    creds = "set Kaggle credentials (KAGGLE_USERNAME and KAGGLE_KEY, or ~/.kaggle/kaggle.json)"
-    who = f"the Kaggle account {user.username!r}" if user and user.username else "your Kaggle account"
-    if status in (401, 403) or "is not accessible in preset directory" in text or kinds & {
-            "CredentialError", "UnauthenticatedError"}:
-        if user is None:
-            return (f"--model {preset}: Kaggle refused kaggle://{handle} without credentials: {creds} for an "
-                    f"account that has accepted the model's licence at {page}; {_LOCAL}")
-        return (f"--model {preset}: Kaggle refused kaggle://{handle} to {who}: accept the model's licence at "
-                f"{page} with that account, and check that its KAGGLE_KEY is current; {_LOCAL}")
-    if status == 404 or "doesn't exist in preset directory" in text:
-        return (f"--model {preset}: Kaggle has no model kaggle://{handle}: check the handle "
-                f"(kaggle://{{org}}/{{model}}/keras/{{variant}}[/{{version}}], see {page}); {_LOCAL}")
-    if "Unexpected Kaggle preset" in text:
-        return (f"--model {preset}: not a Kaggle model handle; expected "
-                f"kaggle://{{org}}/{{model}}/keras/{{variant}}[/{{version}}]; {_LOCAL}")
-    if offline:
-        then = f" and {creds} for an account that has accepted the model's licence at {page}" if user is None else ""
-        return (f"--model {preset}: cannot reach Kaggle (no network?) to download kaggle://{handle}: "
-                f"connect{then}; {_LOCAL}")
-    return f"--model {preset}: Kaggle answered HTTP {status} for kaggle://{handle}; {_LOCAL}" if status else None
 
 
 def check_sampler(name, flag="--model"):
@@ -534,41 +458,6 @@ def reward_model_scores(backbone, params, frozen, head, token_ids, padding_mask)
 TRL_INPUTS = ("prompts", "completions", "completion_ids")
 
 
-def reward_fn_signature(fn):
-    """-> (the parameters `fn` requires, all it names, whether it takes **kwargs), or None for the
-    two-argument form f(prompts, responses) (two positional parameters, no **kwargs, not `completions`)."""
-    import inspect
-    params = inspect.signature(fn).parameters.values()
-    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
-    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if not var_kw and "completions" not in [p.name for p in named] and len(named) == 2:
-        return None
-    return [p.name for p in named if p.default is p.empty], [p.name for p in named], var_kw
-
-
-def described(fn):
-    """`name (file:line)` of a reward function, for error messages."""
-    code = getattr(fn, "__code__", None)
-    return f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})" if code else fn.__name__
-
-
-def call_reward_fn(fn, n, *args, **kwargs):
-    """fn(*args, **kwargs) -> [n] float64 scores, NaN where it returned None; a UsageError naming fn
-    when it raises or returns anything else."""
-    try:
-        out = fn(*args, **kwargs)
-    except Exception as e:
-        raise UsageError(f"reward function {described(fn)} raised {type(e).__name__}: {e}") from None
-    try:
-        values = np.array([np.nan if v is None else float(v) for v in out], np.float64)
-    except (TypeError, ValueError):
-        raise UsageError(f"reward function {described(fn)} returned {str(out)[:80]!r}: expected one float "
-                         f"(or None) per completion") from None
-    if values.shape != (n,):
-        raise UsageError(f"reward function {described(fn)} returned {len(values)} scores for {n} completions")
-    return values
-
-
 def reward_inputs(prompts, texts, rows, completion_ids):
     """TRL's keyword arguments of a reward function, each a list aligned with the completions:
     prompts and completions as the dataset holds them (a chat prompt: its message list, and each
@@ -586,21 +475,18 @@ class Scorer:
 
         scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)
 
-    s is the weighted sum of the parts: reward functions on the decoded texts, each cut at `end` (the chat
-    template's end-of-turn marker: a completion never ends in it), or reward.py's model on the token ids
-    batch["query_responses"] / ["padding_mask"] [B, T] (global arrays over `data`). A function in TRL's
-    form gets reward_inputs(prompts, texts, rows, completion_ids) (`rows`: each completion's dataset row,
-    a prompt's repeated per completion); one of two positional parameters gets (prompt texts, texts).
-    A function's None leaves that sample out of the sum (TRL: "does not apply"); one that raises, or
-    returns what is not a float or None per completion, is a UsageError naming it. -> scores [B] float32,
-    a global array over `data`, and parts {name: [B] float64 on the host, NaN where None} (a function's
-    __name__, or "reward_model"). Every process passes the whole batch (as the rollouts hold it). With
-    a reward model, `model` (its CausalLM) and `head` are its loaded weights (PPO's value model starts
-    from them); else None."""
+    s is the weighted sum of the parts: reward functions (TRL's form: reward_inputs; or f(prompt texts,
+    texts)) on the texts cut at `end`, the template's end-of-turn marker (`rows`: each completion's dataset
+    row), or reward.py's model on batch["query_responses"] / ["padding_mask"] [B, T] (global over `data`).
+    None from a function leaves it out of that sample's sum (TRL: "does not apply"). -> scores [B] float32
+    over `data`, and parts {a function's __name__ or "reward_model": [B] float64 on the host, NaN for None}.
+    Every process passes the whole batch. `model` (a reward model's CausalLM) and `head`: its weights, from
+    which PPO's value model starts; else None."""
 
     def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None):
         self.model, self.head, self.name, self.on_data = model, head, name, NamedSharding(mesh, P("data"))
-        self.fns = [(f, w, reward_fn_signature(f)) for f, w in zip(fns, weights or [1.0] * len(fns), strict=True)]
+        self.fns = [(f, w, plumbing.reward_fn_signature(f))
+                    for f, w in zip(fns, weights or [1.0] * len(fns), strict=True)]
         if model is not None:  # the weights are jit arguments: closed over, they would be baked in as constants
             forward = jax.jit(functools.partial(reward_model_scores, model.backbone))
             values = (*split_variables(model.backbone), head)
@@ -612,8 +498,8 @@ class Scorer:
         for f, _, signature in self.fns:
             missing = [k for k in (signature[0] if signature else []) if k not in have]
             if missing:
-                raise UsageError(f"reward function {described(f)} takes {missing[0]!r}, which is not a column of "
-                                 f"{flag} (its columns: {', '.join(sorted(have - set(TRL_INPUTS)))})")
+                raise UsageError(f"reward function {plumbing.described(f)} takes {missing[0]!r}, which is not a "
+                                 f"column of {flag} (its columns: {', '.join(sorted(have - set(TRL_INPUTS)))})")
 
     def __call__(self, prompts, texts, batch, rows, completion_ids, end=None):
         texts = [t.split(end)[0] for t in texts] if end else list(texts)
@@ -621,10 +507,10 @@ class Scorer:
         parts = {}
         for f, _, signature in self.fns:
             if signature is None:
-                parts[f.__name__] = call_reward_fn(f, len(texts), prompts, texts)
+                parts[f.__name__] = plumbing.call_reward_fn(f, len(texts), prompts, texts)
             else:
                 _, names, var_kw = signature
-                parts[f.__name__] = call_reward_fn(f, len(texts), **(
+                parts[f.__name__] = plumbing.call_reward_fn(f, len(texts), **(
                     inputs if var_kw else {k: v for k, v in inputs.items() if k in names}))
         weighted = [w * parts[f.__name__] for f, w, _ in self.fns]
         if self.model is not None:

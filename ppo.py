@@ -383,7 +383,9 @@ def main(args):
     # --resume: params, optimizer state, sampling key, mini-batch shuffler (the prompt order is a function of the step)
     (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
                                                      {"rng": rng.bit_generator.state})
-    key, rng.bit_generator.state = jax.random.wrap_key_data(key_data), meta["rng"]
+    # the key through the host: restored, it is committed to one device, and the sampler's other
+    # arguments span the mesh (jit refuses the mix on every multi-device run)
+    key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
     gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))

@@ -164,7 +164,7 @@ def test_a_failing_reward_function_stops_keeping_the_checkpoints_then_resumes(tm
                      "    if len(calls) == 3:\n        raise ValueError('no verdict')\n"
                      "    return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]\n")
     out = tmp_path / "run"
-    argv = ["--model", "tiny", "--max-steps", "4", "--save-every", "1", "--log-every", "1", "--batch-size", "16",
+    argv = ["--model", "tiny", "--max-steps", "4", "--save-every", "1", "--batch-size", "16",
             "--num-generations", "4", "--response-length", "8", "--sample-every", "0", *TINY,
             "--reward-fn", f"{judge}:judge", "--output-dir", str(out)]
     with pytest.raises(plumbing.UsageError, match=rf"reward function judge \({judge}:3\) raised ValueError: no verdict"):

@@ -275,3 +275,25 @@ def test_ppo_with_reward_model(ppo_with_rm):
     out_dir, _ = ppo_with_rm
     assert len(ppo_scores(str(out_dir))) == 4
     assert (out_dir / "model" / "config.json").exists()
+
+
+def test_ppo_resumes_on_the_mesh_after_a_failing_reward_function(tmp_path):
+    """On 8 devices, in this process: a TRL-form reward function (reading the prompts' `answer`) that
+    raises at the second rollout stops the run with a UsageError naming it, the step-1 checkpoint kept;
+    fixed, --resume continues (the restored sampling key is no longer committed to one device: on
+    every multi-device run, ppo.py and grpo.py --resume failed there)."""
+    import plumbing
+    import ppo
+    judge = tmp_path / "judge.py"
+    judge.write_text("calls = []\n\ndef judge(completions, answer, **kwargs):\n    calls.append(1)\n"
+                     "    assert len(calls) != 2, 'no verdict'\n"
+                     "    return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]\n")
+    out = tmp_path / "run"
+    argv = ["--model", "tiny", "--max-steps", "3", "--save-every", "1", "--batch-size", "16", "--response-length", "8",
+            "--sample-every", "0", *TINY_PPO, "--reward-fn", f"{judge}:judge", "--output-dir", str(out)]
+    with pytest.raises(plumbing.UsageError, match=rf"reward function judge \({judge}:3\) raised AssertionError"):
+        ppo.main(plumbing.cli(ppo.Args, argv))
+    assert sorted(os.listdir(out / "checkpoints")) == ["1"]
+    judge.write_text(judge.read_text().replace("len(calls) != 2", "True"))
+    ppo.main(plumbing.cli(ppo.Args, argv + ["--resume"]))
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3] and (out / "model" / "config.json").exists()
