@@ -2,13 +2,15 @@
 Contents (in file order)
   1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global,
                  to_host, init_optimizer (optimizer state laid out like the params)
-  2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors (a hub failure in one line),
+  2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors (a hub failure in one line:
+                 plumbing.hub_error),
                  load_model (created sharded), check_sampler; per-family model I/O: logits, empty_cache,
                  cached_forward (KV-cached, left padding); split_variables, save_model, export_hf
                  (--export-hf); reward models (save/load_reward_model), load_reward_fn; load_scorer
-                 (Scorer: a reward model or weighted reward functions, one call)
+                 (Scorer: a reward model or weighted reward functions under TRL's contract, one call)
   3. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render,
-                 TRL's formats -> text (sft_segments, preference_triple, prompt_text), read_dataset
+                 TRL's formats -> text (sft_segments, preference_triple, prompt_text), read_dataset,
+                 read_prompts (the rendered prompts and their rows)
   4. Data order  length_batch (padded to a length bucket, optionally grouped by length; a pure
                  function of the step: resume is exact), bucket_length, per_example
 The run shell (flags, Run, exits, remat, FLOP accounting) is plumbing.py: no algorithm needs it read.
@@ -24,7 +26,8 @@ import os
 import shutil
 import sys
 
-from plumbing import HERE, UsageError  # noqa: F401  (common.UsageError: bad input, exit 2 at the boundary)
+import plumbing  # the run shell: UsageError (bad input, exit 2 at the boundary), hub_error's prose
+from plumbing import HERE, UsageError  # noqa: F401  (common.UsageError)
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 if not (os.environ.get("JAX_PLATFORMS") or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
@@ -261,89 +264,10 @@ def hub_errors(preset):
     try:
         yield
     except Exception as e:
-        message = hub_error(preset, e)
+        message = plumbing.hub_error(preset, e)
         if message is None:
             raise
         raise UsageError(message) from None
-
-
-def hub_error(preset, error):
-    """What to do about `error` raised while fetching `preset` from a hub, in one line; None when
-    it is no hub failure. Reads the whole exception chain: KerasHub re-raises the hubs' errors."""
-    if preset == "tiny" or os.path.isdir(preset):
-        return None
-    chain, e = [], error
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    kinds = {c.__name__ for x in chain for c in type(x).__mro__}
-    text = " ".join(str(x) for x in chain)
-    statuses = [getattr(getattr(x, "response", None), "status_code", None) for x in chain]
-    status = next((s for s in statuses if isinstance(s, int)), None)  # HTTP errors carry their response
-    offline = bool(kinds & {"ConnectionError", "ConnectError", "NetworkError", "TimeoutException", "Timeout",
-                            "gaierror", "LocalEntryNotFoundError"})
-    if preset.startswith("hf://"):
-        return _hf_error(preset, kinds, text, status, offline)
-    if "://" in preset and not preset.startswith("kaggle://"):
-        return None  # modelscope:// and the like: their own messages
-    return _kaggle_error(preset, kinds, text, status, offline)
-
-
-_LOCAL = "or pass a local directory (a KerasHub preset or a Hugging Face checkpoint), or --model tiny"
-
-
-def _hf_error(preset, kinds, text, status, offline):
-    """hub_error for an hf:// handle."""
-    repo = preset.removeprefix("hf://")
-    page, token = f"https://huggingface.co/{repo}", "set HF_TOKEN or run `hf auth login`"
-    if "GatedRepoError" in kinds:
-        return f"--model {preset}: the repo is gated: accept its licence at {page}, then {token}; {_LOCAL}"
-    if "RepositoryNotFoundError" in kinds:
-        return (f"--model {preset}: no Hugging Face repo {repo!r} is visible: check the repo id at {page} "
-                f"(for a private repo, {token}); {_LOCAL}")
-    if "HFValidationError" in kinds or "Unexpected Hugging Face preset" in text:
-        return f"--model {preset}: not a Hugging Face repo id; expected hf://{{org}}/{{model}}; {_LOCAL}"
-    if "EntryNotFoundError" in kinds and not offline:
-        return f"--model {preset}: the repo has no config.json at {page}: not a checkpoint KerasHub loads; {_LOCAL}"
-    if offline:
-        from huggingface_hub import constants
-        why, fix = (("HF_HUB_OFFLINE is set", "unset it") if constants.HF_HUB_OFFLINE else
-                    ("cannot reach the Hugging Face Hub (no network?)", "connect"))
-        return (f"--model {preset}: {why} and the model is not in the local cache: {fix}, then {token} "
-                f"if the repo is gated; {_LOCAL}")
-    return f"--model {preset}: the Hugging Face Hub answered HTTP {status} for {page}; {_LOCAL}" if status else None
-
-
-def _kaggle_error(preset, kinds, text, status, offline):
-    """hub_error for a Kaggle handle or a KerasHub preset name (their files live on Kaggle)."""
-    from keras_hub.src.utils.preset_utils import BUILTIN_PRESETS
-    handle = BUILTIN_PRESETS.get(preset, {}).get("kaggle_handle", preset).removeprefix("kaggle://")
-    page = "https://www.kaggle.com/models/" + "/".join(handle.split("/")[:2])
-    try:
-        import kagglehub.config
-        user = kagglehub.config.get_kaggle_credentials()
-    except ValueError as e:  # a malformed ~/.kaggle/kaggle.json
-        return f"--model {preset}: {e}: fix it, or set KAGGLE_USERNAME and KAGGLE_KEY"
-    creds = "set Kaggle credentials (KAGGLE_USERNAME and KAGGLE_KEY, or ~/.kaggle/kaggle.json)"
-    who = f"the Kaggle account {user.username!r}" if user and user.username else "your Kaggle account"
-    if status in (401, 403) or "is not accessible in preset directory" in text or kinds & {
-            "CredentialError", "UnauthenticatedError"}:
-        if user is None:
-            return (f"--model {preset}: Kaggle refused kaggle://{handle} without credentials: {creds} for an "
-                    f"account that has accepted the model's licence at {page}; {_LOCAL}")
-        return (f"--model {preset}: Kaggle refused kaggle://{handle} to {who}: accept the model's licence at "
-                f"{page} with that account, and check that its KAGGLE_KEY is current; {_LOCAL}")
-    if status == 404 or "doesn't exist in preset directory" in text:
-        return (f"--model {preset}: Kaggle has no model kaggle://{handle}: check the handle "
-                f"(kaggle://{{org}}/{{model}}/keras/{{variant}}[/{{version}}], see {page}); {_LOCAL}")
-    if "Unexpected Kaggle preset" in text:
-        return (f"--model {preset}: not a Kaggle model handle; expected "
-                f"kaggle://{{org}}/{{model}}/keras/{{variant}}[/{{version}}]; {_LOCAL}")
-    if offline:
-        then = f" and {creds} for an account that has accepted the model's licence at {page}" if user is None else ""
-        return (f"--model {preset}: cannot reach Kaggle (no network?) to download kaggle://{handle}: "
-                f"connect{then}; {_LOCAL}")
-    return f"--model {preset}: Kaggle answered HTTP {status} for kaggle://{handle}; {_LOCAL}" if status else None
 
 
 def check_sampler(name, flag="--model"):
@@ -507,7 +431,7 @@ def load_reward_model(path, mesh, dtype=None, lora_rank=0, flag="--reward-model"
 
 
 def load_reward_fn(spec, flag="--reward-fn"):
-    """`path.py:function` -> the function f(prompts, responses) -> scores."""
+    """`path.py:function` -> the function: TRL's f(prompts, completions, **kwargs) or f(prompts, responses)."""
     import importlib.util
     path, _, name = spec.rpartition(":")
     if not path or not os.path.exists(path):
@@ -531,34 +455,73 @@ def reward_model_scores(backbone, params, frozen, head, token_ids, padding_mask)
     return (h @ head["weight"])[:, 0] + head["bias"]
 
 
+TRL_INPUTS = ("prompts", "completions", "completion_ids")
+
+
+def reward_inputs(prompts, texts, rows, completion_ids):
+    """TRL's keyword arguments of a reward function, each a list aligned with the completions:
+    prompts and completions as the dataset holds them (a chat prompt: its message list, and each
+    completion [{"role": "assistant", "content": text}]), completion_ids, and every other column."""
+    chat = [isinstance(r.get("prompt"), list) for r in rows]
+    columns = {k for r in rows for k in r} - {"prompt", "completion", *TRL_INPUTS}
+    return {"prompts": [r["prompt"] if c else p for r, p, c in zip(rows, prompts, chat)],
+            "completions": [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)],
+            "completion_ids": [list(map(int, x)) for x in completion_ids],
+            **{k: [r.get(k) for r in rows] for k in sorted(columns)}}
+
+
 class Scorer:
-    """s(x, y) per response: the one scoring call of ppo.py, grpo.py and evaluate.py (load_scorer makes it).
+    """s(x, y) per completion: the one scoring call of ppo.py, grpo.py and evaluate.py (load_scorer makes it).
 
-        scores, parts = scorer(prompts, texts, batch)
+        scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)
 
-    s is the weighted sum of the parts: reward functions f(prompts, responses) -> floats on the decoded
-    texts, or reward.py's model on the token ids batch["query_responses"] / ["padding_mask"] [B, T]
-    (global arrays over `data`). -> scores [B] float32, a global array over `data`, and parts
-    {name: [B] float64 on the host} (a function's __name__, or "reward_model"), for per-part metrics.
-    Every process passes the whole batch (as the rollouts hold it). With a reward model, `model` (its
-    CausalLM) and `head` are its loaded weights (PPO's value model starts from them); else None."""
+    s is the weighted sum of the parts: reward functions (TRL's form: reward_inputs; or f(prompt texts,
+    texts)) on the texts cut at `end`, the template's end-of-turn marker (`rows`: each completion's dataset
+    row), or reward.py's model on batch["query_responses"] / ["padding_mask"] [B, T] (global over `data`).
+    None from a function leaves it out of that sample's sum (TRL: "does not apply"). -> scores [B] float32
+    over `data`, and parts {a function's __name__ or "reward_model": [B] float64 on the host, NaN for None}.
+    Every process passes the whole batch. `model` (a reward model's CausalLM) and `head`: its weights, from
+    which PPO's value model starts; else None."""
 
     def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None):
         self.model, self.head, self.name, self.on_data = model, head, name, NamedSharding(mesh, P("data"))
-        self.parts = [(f.__name__, w, lambda prompts, texts, batch, f=f: f(prompts, texts))
-                      for f, w in zip(fns, weights or [1.0] * len(fns), strict=True)]
+        self.fns = [(f, w, plumbing.reward_fn_signature(f))
+                    for f, w in zip(fns, weights or [1.0] * len(fns), strict=True)]
         if model is not None:  # the weights are jit arguments: closed over, they would be baked in as constants
             forward = jax.jit(functools.partial(reward_model_scores, model.backbone))
             values = (*split_variables(model.backbone), head)
-            self.parts.append(("reward_model", 1.0, lambda prompts, texts, batch: to_host(forward(
-                *values, batch["query_responses"], batch["padding_mask"]))))
+            self.forward = lambda batch: to_host(forward(*values, batch["query_responses"], batch["padding_mask"]))
 
-    def __call__(self, prompts, texts, batch):
-        parts = {name: np.asarray(fn(prompts, texts, batch), np.float64) for name, _, fn in self.parts}
-        for name, values in parts.items():
-            if values.shape != (len(texts),):
-                raise UsageError(f"reward function {name}: {values.shape} scores for {len(texts)} responses")
-        total = sum(w * parts[name] for name, w, _ in self.parts)
+    def check_columns(self, rows, flag="--dataset"):
+        """Before the model loads: each TRL-form function's required parameters are inputs or columns."""
+        have = {k for r in rows for k in r} | set(TRL_INPUTS)
+        for f, _, signature in self.fns:
+            missing = [k for k in (signature[0] if signature else []) if k not in have]
+            if missing:
+                raise UsageError(f"reward function {plumbing.described(f)} takes {missing[0]!r}, which is not a "
+                                 f"column of {flag} (its columns: {', '.join(sorted(have - set(TRL_INPUTS)))})")
+
+    def __call__(self, prompts, texts, batch, rows, completion_ids, end=None):
+        texts = [t.split(end)[0] for t in texts] if end else list(texts)
+        inputs = reward_inputs(prompts, texts, rows, completion_ids) if any(s for _, _, s in self.fns) else None
+        parts = {}
+        for f, _, signature in self.fns:
+            if signature is None:
+                parts[f.__name__] = plumbing.call_reward_fn(f, len(texts), prompts, texts)
+            else:
+                _, names, var_kw = signature
+                parts[f.__name__] = plumbing.call_reward_fn(f, len(texts), **(
+                    inputs if var_kw else {k: v for k, v in inputs.items() if k in names}))
+        weighted = [w * parts[f.__name__] for f, w, _ in self.fns]
+        if self.model is not None:
+            parts["reward_model"] = np.asarray(self.forward(batch), np.float64)
+            weighted.append(parts["reward_model"])
+        none = np.isnan(np.stack(weighted)).all(0)
+        if none.any():
+            i = int(np.argmax(none))
+            raise UsageError(f"every reward function returned None for completion {i} of the batch "
+                             f"(prompt {prompts[i][:80]!r}): at least one must score each completion")
+        total = np.nansum(np.stack(weighted), 0)
         return put_global(np.asarray(total, np.float32), self.on_data), parts
 
     def check_tokenizer(self, tokenizer):
@@ -643,6 +606,12 @@ def chat_template(model_name, name=None):
         return CHAT_TEMPLATES[name]
     family = FAMILIES.get(backbone_class(resolve_model(model_name)).__name__)
     return CHAT_TEMPLATES[family] if family else None
+
+
+def turn_end(template):
+    """The template's end-of-turn marker (`<end_of_turn>`, `<|eot_id|>`, `<|im_end|>`), where a
+    completion ends for reward functions; None without a template or marker (Mistral's is the EOS)."""
+    return (template[2].strip() or None) if template else None
 
 
 def render(messages, template):
@@ -747,6 +716,13 @@ def read_dataset(path, form, template, flag="--dataset"):
     """Every row of `path` in TRL's format `form` ('sft', 'preference', 'prompt'), validated
     and rendered to text; a bad row stops with its file and line (exit 2)."""
     return [FORMATS[form](row, f"{path}:{line}", template) for row, line in read_rows(path, flag)]
+
+
+def read_prompts(path, template, flag="--dataset"):
+    """TRL prompt rows -> (the prompts rendered for the model, the rows as read): what reward functions
+    see (Scorer), a chat `prompt` as its message list and every other column (e.g. `answer`)."""
+    rows = read_rows(path, flag)
+    return [prompt_text(row, f"{path}:{line}", template) for row, line in rows], [row for row, _ in rows]
 
 
 # ---------------------------------------------------------------------------

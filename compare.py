@@ -294,9 +294,9 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
         reward_model=rm, chat_template=args.chat_template, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=seed)
     mesh = common.make_mesh(None)
-    prompts, reward_fn = evaluate.check_args(eargs(args.seed, None), mesh)
+    prompts, rows, reward_fn = evaluate.check_args(eargs(args.seed, None), mesh)
     base_policy = evaluate.load_policy(base, mesh, eargs(args.seed, None))
-    data = evaluate.prepare(eargs(args.seed, None), mesh, prompts, base_policy.model.preprocessor.tokenizer)
+    data = evaluate.prepare(eargs(args.seed, None), mesh, prompts, rows, base_policy.model.preprocessor.tokenizer)
     scorers, base_outs, results = {}, {}, {}
     for key, seed, model_dir, rm in jobs:
         t0, ea = time.perf_counter(), eargs(seed, rm)

@@ -214,10 +214,11 @@ def respond(policy, data, kind, key, batch_size, mesh):
         policy.fns[kind](policy.params, policy.frozen, qs, qm, jax.random.fold_in(key, i)), eos, pad)
     responses, seq_lens = batched(gen, (data["queries"], data["query_mask"]), batch_size, mesh)
     lengths, has_eos = response_lengths(responses, seq_lens, eos)
-    texts = data["tokenizer"].detokenize([list(x[:n]) for x, n in zip(responses, lengths)]) if len(lengths) else []
+    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
+    texts = data["tokenizer"].detokenize(ids) if len(lengths) else []
     texts = [t.decode() if isinstance(t, bytes) else str(t) for t in texts]
     return {"responses": responses, "sequence_lengths": seq_lens, "lengths": lengths, "has_eos": has_eos,
-            "texts": texts}
+            "texts": texts, "ids": ids}
 
 
 def full_sequences(data, out):
@@ -234,8 +235,10 @@ def score(scorers, data, out, batch_size, mesh):
     ids, mask, _ = full_sequences(data, out)
     for name, scorer in scorers.items():
         if scorer is not None:
-            scores = lambda i, rows, ids, m: scorer([data["prompts"][j] for j in rows], [out["texts"][j] for j in rows],
-                                                    {"query_responses": ids, "padding_mask": m})[0]
+            scores = lambda i, rows, ids, m: scorer(
+                [data["prompts"][j] for j in rows], [out["texts"][j] for j in rows],
+                {"query_responses": ids, "padding_mask": m}, [data["rows"][j] for j in rows],
+                [out["ids"][j] for j in rows], common.turn_end(data["template"]))[0]
             out[name] = batched(scores, (ids, mask), batch_size, mesh).astype(np.float64)
     return out
 
@@ -320,16 +323,19 @@ def check_args(args, mesh):
     reward_fn = common.load_scorer(mesh, reward_fns=[args.reward_fn]) if args.reward_fn else None
     if args.reward_model:
         common.check_reward_model(args.reward_model)
-    prompts = common.read_dataset(args.prompts, "prompt", common.chat_template(args.model, args.chat_template),
-                                 "--prompts")
-    return prompts[:args.num_prompts] if args.num_prompts else prompts, reward_fn
+    prompts, rows = common.read_prompts(args.prompts, common.chat_template(args.model, args.chat_template), "--prompts")
+    if reward_fn is not None:
+        reward_fn.check_columns(rows, "--prompts")  # before any model loads
+    n = args.num_prompts or len(prompts)
+    return prompts[:n], rows[:n], reward_fn
 
 
-def prepare(args, mesh, prompts, tokenizer):
-    """Prompt texts -> left-padded queries and the fixed generation batch size."""
+def prepare(args, mesh, prompts, rows, tokenizer):
+    """Prompt texts -> left-padded queries and the fixed generation batch size; `rows`: the dataset rows
+    (what reward functions read)."""
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
     d = mesh.shape["data"]
-    return {"prompts": prompts, "queries": queries, "query_mask": query_mask, "tokenizer": tokenizer,
+    return {"prompts": prompts, "rows": rows, "queries": queries, "query_mask": query_mask, "tokenizer": tokenizer,
             "eos": tokenizer.end_token_id, "pad": tokenizer.pad_token_id,
             "template": common.chat_template(args.model, args.chat_template),
             "batch_size": min(args.batch_size, d * math.ceil(len(prompts) / d))}
@@ -376,9 +382,9 @@ def main(args):
     t0 = time.perf_counter()
     # ---- set-up: every flag and file checked before any model loads ----
     mesh = common.make_mesh(args.mesh)
-    prompts, reward_fn = check_args(args, mesh)
+    prompts, rows, reward_fn = check_args(args, mesh)
     policy = load_policy(args.model, mesh, args)
-    data = prepare(args, mesh, prompts, policy.model.preprocessor.tokenizer)
+    data = prepare(args, mesh, prompts, rows, policy.model.preprocessor.tokenizer)
     scorer = make_scorer(args, mesh, data, reward_fn)
     baseline = None
     if args.baseline:

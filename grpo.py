@@ -56,8 +56,7 @@ class Args(plumbing.SharedArgs):
     """linear warm-up, in optimizer updates; then --learning-rate stays constant (TRL: linear decay to 0)"""
     # algorithm
     beta: float = 0.0
-    """β: weight of the k3 KL to the reference (TRL GRPOConfig: 0.0; DeepSeekMath: 0.04); 0 drops the
-    reference model entirely"""
+    """β: weight of the k3 KL to the reference (TRL: 0.0, DeepSeekMath: 0.04); 0: no reference model"""
     epsilon: float = 0.2
     """ε: ratio clip, lower side (and upper side unless --epsilon-high is given)"""
     epsilon_high: float | None = None
@@ -65,8 +64,7 @@ class Args(plumbing.SharedArgs):
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantage scale: `group` (÷ group std, GRPO), `batch` (÷ batch std), `none` (Dr. GRPO: no division)"""
     loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
-    """aggregation: `dapo` (token mean over the batch), `grpo` (per-sequence mean, then batch mean),
-    `dr_grpo` (token sum ÷ (batch × response_length)); see docs/grpo.md for why `dapo` is the default"""
+    """`dapo` (token mean over the batch), `grpo` (sequence means' mean), `dr_grpo` (÷ B × response_length)"""
     mask_truncated_completions: bool = False
     """leave completions without EOS out of the loss (DAPO's overlong filtering)"""
     # logging and outputs
@@ -301,19 +299,21 @@ def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data)
 
 
 def decode(tokenizer, batch, sequence_lengths, context_length):
-    """The responses as texts, cut before the EOS -> (texts, lengths [B]: tokens before the EOS (all R
-    without one), has_eos [B]), whole on every process (on the host)."""
+    """The responses cut before the EOS -> (texts, their token ids, lengths [B]: tokens before the EOS
+    (all R without one), has_eos [B]), whole on every process (on the host)."""
     responses = common.to_host(batch["query_responses"][:, context_length:])
     has_eos = (responses == tokenizer.end_token_id).any(1)
     lengths = common.to_host(sequence_lengths) + 1 - has_eos
-    texts = tokenizer.detokenize([list(x[:n]) for x, n in zip(responses, lengths)])
-    return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], lengths, has_eos
+    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
+    texts = tokenizer.detokenize(ids)
+    return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
 
 
 def reward_metrics(rewards, parts, lengths, has_eos):
     """The summed reward, each reward function's (or the reward model's) mean and std, completion lengths."""
-    return {"reward": float(rewards.mean()), **{f"rewards/{k}/mean": float(v.mean()) for k, v in parts.items()},
-            **{f"rewards/{k}/std": float(v.std()) for k, v in parts.items()},
+    # a function's None (NaN here) is left out of its mean and std, as TRL does
+    return {"reward": float(rewards.mean()), **{f"rewards/{k}/mean": float(np.nanmean(v)) for k, v in parts.items()},
+            **{f"rewards/{k}/std": float(np.nanstd(v)) for k, v in parts.items()},
             "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(1.0 - has_eos.mean())}
 
@@ -332,12 +332,14 @@ def main(args):
     run = plumbing.Run("grpo", args, warmup_steps=args.warmup_steps,
                        export_hf=args.export_hf)  # shared flags and --output-dir checked; nothing written
     check_args(args, run.mesh)
-    prompts = common.read_dataset(args.dataset, "prompt", common.chat_template(args.model, args.chat_template))
+    template = common.chat_template(args.model, args.chat_template)
+    prompts, rows = common.read_prompts(args.dataset, template)  # rows: the columns reward functions may read
     g = args.num_generations
     n_prompts = args.batch_size // g
     max_steps = run.resolve_max_steps(len(prompts), n_prompts)  # --max-steps, or --num-epochs' worth of B/G prompts
     scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=args.reward_fn,
                                 weights=args.reward_weights)  # r(x, y): the reward model, or the weighted functions
+    scorer.check_columns(rows)  # before the model loads: every column a reward function names exists
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     scorer.check_tokenizer(tokenizer)
@@ -364,7 +366,9 @@ def main(args):
     # --resume: params, optimizer state, sampling key, mini-batch shuffler (the prompt order is a function of the step)
     (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
                                                      {"rng": rng.bit_generator.state})
-    key, rng.bit_generator.state = jax.random.wrap_key_data(key_data), meta["rng"]
+    # the key through the host: restored, it is committed to one device, and the sampler's other
+    # arguments span the mesh (jit refuses the mix on every multi-device run)
+    key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
     gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
@@ -390,8 +394,9 @@ def main(args):
                                           eos, pad, on_data)
         ticks.append(plumbing.synced(batch))
         # rewards: one scalar per completion (1), a weighted sum over the reward functions (or the RM score)
-        texts, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, q)
-        scores, parts = scorer([prompts[i] for i in idx], texts, batch)
+        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, q)
+        scores, parts = scorer([prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids,
+                               common.turn_end(template))
         rewards = common.to_host(scores)
         # advantages: relative to the other completions of the same prompt (2)
         advantages, group_std = jax.device_get(group_advantages(jnp.asarray(rewards), g, args.scale_rewards))

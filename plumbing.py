@@ -1,20 +1,20 @@
 """The run shell: plumbing every script shares and no one needs to read to learn an algorithm.
 
-Contents (in file order)
-  1. The boundary  UsageError, RunComplete, Preempted, RunFailed (NonFiniteLoss); answer_help (`--help` from the
-                   script's source, before its heavy imports); cli (tyro, errors in one line); launch
-                   (main under the one boundary that turns those exceptions into exit codes 2, 0, 0, 1)
+  1. The boundary  UsageError, RunComplete, Preempted, RunFailed (NonFiniteLoss); answer_help (--help from the
+                   script's source, before its heavy imports); cli (tyro, errors in one line); launch (main
+                   under the one boundary that turns those exceptions into exit codes 2, 0, 0, 1)
   2. Shared flags  SharedArgs: the flags every script has (each script's Args extends it)
-  3. The run       Run: output dir and --resume/--overwrite, --max-steps from --num-epochs, args.json,
-                   metrics.jsonl + TensorBoard (+ W&B), progress bar, tokens/s and MFU, the non-finite
-                   stop, eval and checkpoint cadence, SIGTERM/SIGINT, the final model, a summary line
+  3. The run       Run: output dir, --resume/--overwrite, --max-steps from --num-epochs, args.json, metrics.jsonl
+                   + TensorBoard (+ W&B), progress, tokens/s and MFU, the non-finite stop, eval and checkpoint
+                   cadence, SIGTERM/SIGINT, the final model, a summary line
   4. Remat         enable_remat (a switch per decoder block), Remat (--remat auto: by compiled memory)
-  5. Accounting    count_params, peak_flops, matmul_flops_per_sec (docs/design.md, "FLOPs");
-                   synced / phase_metrics: the generate / score / update times of RL steps;
+  5. Accounting    count_params, peak_flops (docs/design.md, "FLOPs"); synced, phase_metrics (RL phase times);
                    compilation_cache (JAX's persistent cache, on by default)
-Heavy modules (jax, numpy, keras, common) are imported inside the functions that use them, so that
-`import plumbing` is instant and `python dpo.py --help` answers before the script's own imports.
-"""
+  6. Hub errors    hub_error: a Kaggle / Hugging Face failure as one line saying what to do
+  7. Reward fns    reward_fn_signature (TRL's form or the two-argument one), call_reward_fn (its scores, or a
+                   UsageError naming it), described
+jax, numpy, keras and common are imported inside the functions that use them: `import plumbing` is instant,
+and `python dpo.py --help` answers before the script's own imports."""
 
 import ast
 import contextlib
@@ -33,9 +33,7 @@ from typing import Literal
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-# ---------------------------------------------------------------------------
-# 1. The boundary: the only place the process ends
-# ---------------------------------------------------------------------------
+# --- 1. The boundary: the only place the process ends ---
 class UsageError(Exception):
     """Bad input (flag, file, model name): one line on stderr, exit code 2."""
 
@@ -168,9 +166,7 @@ def help_from_source(path, width=100):
     return "\n".join(out)
 
 
-# ---------------------------------------------------------------------------
-# 2. The flags every script shares (the Run reads these fields, and nothing else of Args)
-# ---------------------------------------------------------------------------
+# --- 2. The flags every script shares (the Run reads these fields, and nothing else of Args) ---
 @dataclasses.dataclass
 class SharedArgs:
     # model
@@ -226,9 +222,7 @@ class SharedArgs:
     """this process's index"""
 
 
-# ---------------------------------------------------------------------------
-# 3. The run's lifecycle
-# ---------------------------------------------------------------------------
+# --- 3. The run's lifecycle ---
 RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model", "model_hf")
 
 
@@ -304,6 +298,7 @@ class Run:
         self._pending, self._tokens, self._flops, self._paused, self._eval_started = [], 0, 0.0, 0.0, None
         self._padded, self._shapes = 0, set()
         self._opened, self._buffered, self._manager, self._started = False, [], None, time.perf_counter()
+        self._handlers = {}  # SIGINT/SIGTERM's handlers before the loop, restored by close()
 
     def _check_output_dir(self):
         """The step to start from; refuses to touch a previous run unless asked (exit 2)."""
@@ -369,8 +364,7 @@ class Run:
         if self._opened:
             return
         self._opened = True
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            signal.signal(sig, self._on_signal)
+        self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         if not self.main:
             return
         if self.args.overwrite and not self.args.resume and os.path.isdir(self.dir):
@@ -557,6 +551,10 @@ class Run:
               + ", metrics.jsonl, args.json)", flush=True)
 
     def close(self):
+        """Close the logs; SIGINT/SIGTERM do again what they did before the loop (main called twice in
+        a notebook or a test: Ctrl-C interrupts as usual once a run has ended)."""
+        for sig, handler in self._handlers.items():
+            signal.signal(sig, handler)
         if self._opened and self.main:
             self._metrics.close()
             self._tb.close()
@@ -564,9 +562,7 @@ class Run:
                 self._wandb.finish()
 
 
-# ---------------------------------------------------------------------------
-# 4. Remat: activation checkpointing per decoder block, --remat {auto,on,off}
-# ---------------------------------------------------------------------------
+# --- 4. Remat: activation checkpointing per decoder block, --remat {auto,on,off} ---
 def enable_remat(backbone, on=True):
     """Activation checkpointing per decoder block: each block's activations are recomputed
     in the backward pass, so only the block inputs [B, T, D] stay alive between forward and
@@ -653,9 +649,7 @@ class Remat:
         return step
 
 
-# ---------------------------------------------------------------------------
-# 5. Accounting: FLOPs, peak, phase times; the compilation cache
-# ---------------------------------------------------------------------------
+# --- 5. Accounting: FLOPs, peak, phase times; the compilation cache ---
 # Dense bf16 peak FLOP/s per chip, from the vendors' datasheets.
 PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
               "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12,
@@ -735,3 +729,123 @@ def compilation_cache():
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path
+
+
+# --- 6. Hub errors: what to do when a model cannot be fetched, in one line ---
+def hub_error(preset, error):
+    """What to do about `error` raised while fetching `preset` from a hub, in one line; None when
+    it is no hub failure. Reads the whole exception chain: KerasHub re-raises the hubs' errors."""
+    if preset == "tiny" or os.path.isdir(preset):
+        return None
+    chain, e = [], error
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    kinds = {c.__name__ for x in chain for c in type(x).__mro__}
+    text = " ".join(str(x) for x in chain)
+    statuses = [getattr(getattr(x, "response", None), "status_code", None) for x in chain]
+    status = next((s for s in statuses if isinstance(s, int)), None)  # HTTP errors carry their response
+    offline = bool(kinds & {"ConnectionError", "ConnectError", "NetworkError", "TimeoutException", "Timeout",
+                            "gaierror", "LocalEntryNotFoundError"})
+    if preset.startswith("hf://"):
+        return _hf_error(preset, kinds, text, status, offline)
+    if "://" in preset and not preset.startswith("kaggle://"):
+        return None  # modelscope:// and the like: their own messages
+    return _kaggle_error(preset, kinds, text, status, offline)
+
+
+_LOCAL = "or pass a local directory (a KerasHub preset or a Hugging Face checkpoint), or --model tiny"
+
+
+def _hf_error(preset, kinds, text, status, offline):
+    """hub_error for an hf:// handle."""
+    repo = preset.removeprefix("hf://")
+    page, token = f"https://huggingface.co/{repo}", "set HF_TOKEN or run `hf auth login`"
+    if "GatedRepoError" in kinds:
+        return f"--model {preset}: the repo is gated: accept its licence at {page}, then {token}; {_LOCAL}"
+    if "RepositoryNotFoundError" in kinds:
+        return (f"--model {preset}: no Hugging Face repo {repo!r} is visible: check the repo id at {page} "
+                f"(for a private repo, {token}); {_LOCAL}")
+    if "HFValidationError" in kinds or "Unexpected Hugging Face preset" in text:
+        return f"--model {preset}: not a Hugging Face repo id; expected hf://{{org}}/{{model}}; {_LOCAL}"
+    if "EntryNotFoundError" in kinds and not offline:
+        return f"--model {preset}: the repo has no config.json at {page}: not a checkpoint KerasHub loads; {_LOCAL}"
+    if offline:
+        from huggingface_hub import constants
+        why, fix = (("HF_HUB_OFFLINE is set", "unset it") if constants.HF_HUB_OFFLINE else
+                    ("cannot reach the Hugging Face Hub (no network?)", "connect"))
+        return (f"--model {preset}: {why} and the model is not in the local cache: {fix}, then {token} "
+                f"if the repo is gated; {_LOCAL}")
+    return f"--model {preset}: the Hugging Face Hub answered HTTP {status} for {page}; {_LOCAL}" if status else None
+
+
+def _kaggle_error(preset, kinds, text, status, offline):
+    """hub_error for a Kaggle handle or a KerasHub preset name (their files live on Kaggle)."""
+    from keras_hub.src.utils.preset_utils import BUILTIN_PRESETS
+    handle = BUILTIN_PRESETS.get(preset, {}).get("kaggle_handle", preset).removeprefix("kaggle://")
+    page = "https://www.kaggle.com/models/" + "/".join(handle.split("/")[:2])
+    try:
+        import kagglehub.config
+        user = kagglehub.config.get_kaggle_credentials()
+    except ValueError as e:  # a malformed ~/.kaggle/kaggle.json
+        return f"--model {preset}: {e}: fix it, or set KAGGLE_USERNAME and KAGGLE_KEY"
+    creds = "set Kaggle credentials (KAGGLE_USERNAME and KAGGLE_KEY, or ~/.kaggle/kaggle.json)"
+    who = f"the Kaggle account {user.username!r}" if user and user.username else "your Kaggle account"
+    if status in (401, 403) or "is not accessible in preset directory" in text or kinds & {
+            "CredentialError", "UnauthenticatedError"}:
+        if user is None:
+            return (f"--model {preset}: Kaggle refused kaggle://{handle} without credentials: {creds} for an "
+                    f"account that has accepted the model's licence at {page}; {_LOCAL}")
+        return (f"--model {preset}: Kaggle refused kaggle://{handle} to {who}: accept the model's licence at "
+                f"{page} with that account, and check that its KAGGLE_KEY is current; {_LOCAL}")
+    if status == 404 or "doesn't exist in preset directory" in text:
+        return (f"--model {preset}: Kaggle has no model kaggle://{handle}: check the handle "
+                f"(kaggle://{{org}}/{{model}}/keras/{{variant}}[/{{version}}], see {page}); {_LOCAL}")
+    if "Unexpected Kaggle preset" in text:
+        return (f"--model {preset}: not a Kaggle model handle; expected "
+                f"kaggle://{{org}}/{{model}}/keras/{{variant}}[/{{version}}]; {_LOCAL}")
+    if offline:
+        then = f" and {creds} for an account that has accepted the model's licence at {page}" if user is None else ""
+        return (f"--model {preset}: cannot reach Kaggle (no network?) to download kaggle://{handle}: "
+                f"connect{then}; {_LOCAL}")
+    return f"--model {preset}: Kaggle answered HTTP {status} for kaggle://{handle}; {_LOCAL}" if status else None
+
+
+# --- 7. Reward functions: calling the user's code (common.Scorer), and its failures in one line ---
+def reward_fn_signature(fn):
+    """-> (the parameters `fn` requires, all it names, whether it takes **kwargs), or None for the
+    two-argument form f(prompts, responses) (two positional parameters, no **kwargs, not `completions`)."""
+    import inspect
+    params = inspect.signature(fn).parameters.values()
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not var_kw and "completions" not in [p.name for p in named] and len(named) == 2:
+        return None
+    return [p.name for p in named if p.default is p.empty], [p.name for p in named], var_kw
+
+
+def described(fn):
+    """`name (file:line)` of a reward function, for error messages."""
+    code = getattr(fn, "__code__", None)
+    return f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})" if code else fn.__name__
+
+
+def call_reward_fn(fn, n, *args, **kwargs):
+    """fn(*args, **kwargs) -> [n] float64 scores, NaN where it returned None; a UsageError naming fn
+    when it raises or returns anything else."""
+    import traceback
+    import numpy as np
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as e:
+        where = traceback.extract_tb(e.__traceback__)[-1]  # the innermost frame: where in its code
+        raise UsageError(f"reward function {described(fn)} raised {type(e).__name__}: {e} "
+                         f"(at {where.filename}:{where.lineno})") from None
+    try:
+        values = np.array([np.nan if v is None else float(v) for v in out], np.float64)
+    except (TypeError, ValueError):
+        raise UsageError(f"reward function {described(fn)} returned {str(out)[:80]!r}: expected one float "
+                         f"(or None) per completion") from None
+    if values.shape != (n,):
+        raise UsageError(f"reward function {described(fn)} returned {len(values)} scores for {n} completions")
+    return values

@@ -317,13 +317,14 @@ def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data)
 
 
 def decode(tokenizer, batch, sequence_lengths, context_length):
-    """The responses as texts, cut before the EOS -> (texts, lengths [B]: tokens before the EOS (all R
-    without one), has_eos [B]), whole on every process (on the host)."""
+    """The responses cut before the EOS -> (texts, their token ids, lengths [B]: tokens before the EOS
+    (all R without one), has_eos [B]), whole on every process (on the host)."""
     responses = common.to_host(batch["query_responses"][:, context_length:])
     has_eos = (responses == tokenizer.end_token_id).any(1)
     lengths = common.to_host(sequence_lengths) + 1 - has_eos
-    texts = tokenizer.detokenize([list(x[:n]) for x, n in zip(responses, lengths)])
-    return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], lengths, has_eos
+    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
+    texts = tokenizer.detokenize(ids)
+    return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
 
 
 def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
@@ -344,10 +345,12 @@ def main(args):
         raise common.UsageError(f"--batch-size {args.batch_size} must split into --num-mini-batches "
                                 f"{args.num_mini_batches} each divisible by the data axis ({run.mesh.shape['data']})")
     common.check_sampler(args.model)  # a family whose decoder layers the sampler knows
-    prompts = common.read_dataset(args.dataset, "prompt", common.chat_template(args.model, args.chat_template))
+    template = common.chat_template(args.model, args.chat_template)
+    prompts, rows = common.read_prompts(args.dataset, template)  # rows: the columns reward functions may read
     max_steps = run.resolve_max_steps(len(prompts))  # --max-steps, or --num-epochs' worth of rollouts
     scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=[args.reward_fn],
                                 lora_rank=args.lora_rank)  # s(x, y): the reward model, or the reward function
+    scorer.check_columns(rows)  # before the model loads: every column a reward function names exists
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     scorer.check_tokenizer(tokenizer)
@@ -380,7 +383,9 @@ def main(args):
     # --resume: params, optimizer state, sampling key, mini-batch shuffler (the prompt order is a function of the step)
     (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
                                                      {"rng": rng.bit_generator.state})
-    key, rng.bit_generator.state = jax.random.wrap_key_data(key_data), meta["rng"]
+    # the key through the host: restored, it is committed to one device, and the sampler's other
+    # arguments span the mesh (jit refuses the mix on every multi-device run)
+    key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
     gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
@@ -407,8 +412,9 @@ def main(args):
                                           gen_key, eos, pad, on_data)
         ticks.append(plumbing.synced(batch))
         # rewards: a score per response (1), minus the missing-EOS penalty; log-probs of policy and reference; values
-        texts, _, has_eos = decode(tokenizer, batch, sequence_lengths, q)
-        scores, _ = scorer([prompts[i] for i in idx], texts, batch)
+        texts, ids, _, has_eos = decode(tokenizer, batch, sequence_lengths, q)
+        scores, _ = scorer([prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids,
+                           common.turn_end(template))
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * common.put_global(np.float32(~has_eos), on_data)
         logprobs, ref_logprobs, values = stats_fn(state[0], ref_params, frozen, batch)

@@ -451,8 +451,8 @@ def grpo_rollout(module, args, backbone, mesh, rng, vocab):
         t0 = time.perf_counter()
         batch, lengths = module.rollout(gen_fn, state[0], extra["frozen"], queries, query_mask, key, EOS, 0, on_data)
         t1 = plumbing.synced(batch)
-        texts = module.decode(tokenizer, batch, lengths, q)[0]
-        rewards = common.to_host(scorer(prompts, texts, batch)[0])
+        texts, ids = module.decode(tokenizer, batch, lengths, q)[:2]
+        rewards = common.to_host(scorer(prompts, texts, batch, [{"prompt": p} for p in prompts], ids)[0])
         advantages, _ = jax.device_get(module.group_advantages(jnp.asarray(rewards), g, args.scale_rewards))
         batch["advantages"] = common.put_global(advantages, on_data)
         t2 = plumbing.synced(batch)

@@ -6,8 +6,8 @@ Deterministic (fixed seed). Files:
   sft_{train,eval}.jsonl           prompt + completion
   sft_messages_{train,eval}.jsonl  the same as chat `messages`
   prefs_{train,eval}.jsonl         prompt, chosen (correct), rejected (subtly wrong)
-  prompts_{train,eval}.jsonl       prompt only (PPO / GRPO / evaluation)
-  prompts_test.jsonl               prompt only: compare.py's reported numbers (the eval split picks settings)
+  prompts_{train,eval}.jsonl       prompt + answer (PPO / GRPO / evaluation; toy.py's accuracy reads `answer`)
+  prompts_test.jsonl               the same: compare.py's reported numbers (the eval split picks settings)
 Eval prompts never occur in any train split; test prompts occur in neither (own RNG, drawn after the
 others, so the train and eval files are the same as before the test split existed).
 """
@@ -72,13 +72,14 @@ def main():
             for p, a in zip(ps, answers)])
         write(f"prefs_{split}.jsonl", [
             {"prompt": p, "chosen": fmt(a), "rejected": fmt(corrupt(rng, a))} for p, a in zip(ps, answers)])
-        write(f"prompts_{split}.jsonl", [{"prompt": p} for p in ps])
+        write(f"prompts_{split}.jsonl", [{"prompt": p, "answer": fmt(a)} for p, a in zip(ps, answers)])
     test_rng, seen, test = random.Random(1), set(prompts["eval"]) | set(prompts["train"]), set()
     while len(test) < SIZES["test"]:
         p = make_prompt(test_rng)
         if p not in seen:
             test.add(p)
-    write("prompts_test.jsonl", [{"prompt": p} for p in sorted(test)])
+    write("prompts_test.jsonl", [{"prompt": p, "answer": fmt(sorted(int(d) for d in p.split()[1:]))}
+                                 for p in sorted(test)])
 
     # Tokenizer: Gemma's special-token layout (pad=0, eos=1, bos=2, unk=3) plus its
     # chat-turn markers, digits split into single tokens, byte fallback for anything else.

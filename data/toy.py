@@ -5,7 +5,9 @@
 
 The answer is checkable, so every algorithm can be scored offline.
 `score(prompt, response)` is the task metric; `batch_score(prompts, responses)`
-has the `--reward-fn` signature (lists in, list of floats out).
+has the two-argument `--reward-fn` form (lists in, list of floats out), and
+`accuracy(completions, answer, **kwargs)` TRL's form, checking against the
+prompt files' `answer` column (the same score: the answer is the sorted list).
 """
 
 import re
@@ -42,3 +44,10 @@ def score(prompt, response):
 def batch_score(prompts, responses):
     """`--reward-fn` signature: one float per (prompt, response)."""
     return [score(p, r) for p, r in zip(prompts, responses)]
+
+
+def accuracy(completions, answer, **kwargs):
+    """TRL's reward-function form: `answer` is the dataset column, one per completion (a prompt's
+    repeated for each of its completions); a chat completion is [{"role": "assistant", "content": ...}]."""
+    texts = [c[-1]["content"] if isinstance(c, list) else c for c in completions]
+    return [score(a, t) for a, t in zip(answer, texts)]  # score() reads the digits of its first argument

@@ -1,9 +1,10 @@
 """Fixtures only (shared utilities are in helpers.py). Every test process sees 8 simulated CPU
-devices (set before JAX is imported); tests/ and the repository root are put on sys.path (for
-`from helpers import ...` and the scripts); the reward model that PPO and GRPO tests score with
-is trained once per test run, whichever worker asks first. Test processes, and the scripts they
-start, share JAX's persistent compilation cache (plumbing.compilation_cache: the user's, unless
-JAX_COMPILATION_CACHE_DIR says otherwise), so an identical program compiles once per machine."""
+devices and compiles with helpers.FAST_COMPILE (both set before JAX is imported); tests/ and the
+repository root are put on sys.path (for `from helpers import ...` and the scripts); the reward
+model that PPO and GRPO tests score with is trained once per test run, whichever worker asks first.
+Test processes, and the scripts they start, share JAX's persistent compilation cache
+(plumbing.compilation_cache: the user's, unless JAX_COMPILATION_CACHE_DIR says otherwise), so an
+identical program compiles once per machine."""
 
 import os
 import subprocess
@@ -11,15 +12,17 @@ import sys
 
 import pytest
 
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
 TESTS = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(TESTS)
 if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
 sys.path.insert(0, ROOT)
 
-from helpers import one_device_env  # noqa: E402
+from helpers import FAST_COMPILE, learning_env  # noqa: E402  (no JAX: XLA_FLAGS is set before it loads)
+
+os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
+                                    FAST_COMPILE]).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import plumbing  # noqa: E402  (light: no JAX until called)
 
 plumbing.compilation_cache()  # this process's in-process compilations; subprocesses: plumbing.launch
@@ -27,10 +30,10 @@ plumbing.compilation_cache()  # this process's in-process compilations; subproce
 
 @pytest.fixture(scope="session")
 def reward_run(tmp_path_factory):
-    """reward.py from random init on one device (8 simulated devices on 2 cores take 2.5x as
-    long; the sharded path is tested elsewhere): eval/accuracy must reach 0.75 (50 steps: 0.88
-    measured on one device and on 8; the documented 80-step command reaches 0.92). Trained once
-    per test run: the pytest-xdist workers share the base temp dir, and a file lock."""
+    """reward.py from random init in helpers.learning_env (one device, optimised code):
+    eval/accuracy must reach 0.75 (50 steps: 0.88 measured on one device and on 8; the documented
+    80-step command reaches 0.92). Trained once per test run: the pytest-xdist workers share the base
+    temp dir, and a file lock."""
     from filelock import FileLock
     shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else \
         tmp_path_factory.getbasetemp()  # under xdist: this run's dir above every worker's own
@@ -45,7 +48,7 @@ def train_reward_model(out):
     tiny = ["--batch-size", "32", "--learning-rate", "1e-3", "--warmup-steps", "10"]  # the defaults are TRL's
     res = subprocess.run([sys.executable, os.path.join(ROOT, "reward.py"), "--model", "tiny", "--max-steps", "50",
                           *tiny, "--eval-every", "50", "--normalize", "--output-dir", str(out), "--overwrite"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=one_device_env())
+                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=learning_env())
     assert res.returncode == 0, res.stderr[-2000:]
 
 

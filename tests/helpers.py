@@ -20,17 +20,31 @@ TIMING = ("charts/tokens_per_sec", "charts/mfu", "charts/generate_tokens_per_sec
           "charts/score_time", "charts/update_time", "charts/compilations")
 
 
-def env_with_devices(n):
+# XLA:CPU flags that trade run speed for compile speed, which conftest.py sets for the test process and
+# every script it starts: most test runs are a few steps, and compiling is most of their time (dpo.py,
+# 3 steps, 2 devices: 28 s -> 20 s). Steady-state steps run about 2.7x slower under them, so the runs of
+# tens of steps that prove learning use learning_env() instead.
+FAST_COMPILE = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
+
+
+def env_with_devices(n, fast_compile=True):
     """The environment of a subprocess that sees `n` CPU devices instead of 8 simulated ones."""
     env = dict(os.environ)
     flags = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "")
-    env["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+    flags = flags if fast_compile else flags.replace(FAST_COMPILE, "")
+    env["XLA_FLAGS"] = " ".join(f"{flags} --xla_force_host_platform_device_count={n}".split())
     return env
 
 
 def one_device_env():
     """The environment of a subprocess that sees one CPU device instead of 8 simulated ones."""
     return env_with_devices(1)
+
+
+def learning_env():
+    """One device, fully optimised code: for the runs of tens of steps that prove learning (8
+    simulated devices on 2 cores take 2.5x as long; the sharded path is tested elsewhere)."""
+    return env_with_devices(1, fast_compile=False)
 
 
 def run_script(script, *flags, env=None, timeout=900):
@@ -87,13 +101,14 @@ def coordinator_address():
     return address
 
 
-def preempt_then_resume(script, flags, first_checkpoint, tmp_path):
+def preempt_then_resume(script, flags, first_checkpoint, tmp_path, env=None):
     """Runs `flags` uninterrupted and (concurrently) a copy that gets SIGTERM once checkpoint
-    `first_checkpoint` exists, then resumes the copy; -> (clean rows, resumed rows, stop step),
-    the rows without timing metrics."""
+    `first_checkpoint` exists, then resumes the copy; -> (clean rows, resumed rows, stop step, the
+    clean run's stdout), the rows without timing metrics. The clean run is <tmp_path>/clean: other
+    tests of the same flags check it too, instead of training their own."""
     clean, cut = str(tmp_path / "clean"), str(tmp_path / "cut")
     argv = lambda out: [sys.executable, os.path.join(ROOT, script), *flags, "--output-dir", out]
-    env = one_device_env()
+    env = env or one_device_env()
     runs = [subprocess.Popen(argv(out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              env=env) for out in (clean, cut)]
     start = time.time()
@@ -111,4 +126,4 @@ def preempt_then_resume(script, flags, first_checkpoint, tmp_path):
     res = subprocess.run(argv(cut) + ["--resume"], cwd=ROOT, capture_output=True, text=True, env=env)
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"resumed from step {stopped}" in res.stdout
-    return without_timing(metrics(clean)), without_timing(metrics(cut)), stopped
+    return without_timing(metrics(clean)), without_timing(metrics(cut)), stopped, outs[0][0]

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import compare
 import evaluate
 from evaluate import response_lengths, sequence_kl, win_rate
+from helpers import env_with_devices
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,9 +58,12 @@ def test_response_lengths_exclude_eos():
 # evaluate.py on a known model / scorer pair
 # ---------------------------------------------------------------------------
 def test_evaluate_worked_example(tmp_path):
-    """tiny (seed 0) against itself, scored by a reward fn that counts the digit 4 in a response."""
+    """tiny (seed 0) against itself, scored by a reward fn that counts the digit 4 in a response (in
+    TRL's form, with the prompts' `answer` column: it checks each is its prompt's)."""
     scorer = tmp_path / "count4.py"
-    scorer.write_text("def count4(prompts, responses):\n    return [float(r.count('4')) for r in responses]\n")
+    scorer.write_text("def count4(prompts, completions, answer, **kwargs):\n"
+                      "    assert all(a.split() == sorted(p.split()[1:]) for p, a in zip(prompts, answer))\n"
+                      "    return [float(r.count('4')) for r in completions]\n")
     out = tmp_path / "eval"
     evaluate.main(evaluate.Args(model="tiny", baseline="tiny", reward_fn=f"{scorer}:count4", num_prompts=12,
                                 num_examples=12, max_new_tokens=8, batch_size=8, output_dir=str(out)))
@@ -83,8 +87,8 @@ def test_evaluate_worked_example(tmp_path):
     args = evaluate.Args(model="tiny", num_prompts=12, max_new_tokens=8, batch_size=8)
     mesh = common.make_mesh(None)
     policy = evaluate.load_policy("tiny", mesh, args)
-    prompts, _ = evaluate.check_args(args, mesh)
-    data = evaluate.prepare(args, mesh, prompts, policy.model.preprocessor.tokenizer)
+    prompts, rows, _ = evaluate.check_args(args, mesh)
+    data = evaluate.prepare(args, mesh, prompts, rows, policy.model.preprocessor.tokenizer)
     again = evaluate.respond(policy, data, "sampled", jax.random.key(0), data["batch_size"], mesh)
     assert again["texts"] == [s["sampled"] for s in samples]
 
@@ -268,7 +272,7 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
                            "--extra", str(fork), "--sft-steps", "20", "--steps", "4", "--num-prompts", "16",
                            "--seeds", "2", "--sweep", "mydpo.learning_rate=1e-5,1e-3", "--output-dir", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=1200,
-                          env={**os.environ, "XLA_FLAGS": ""})  # one CPU device: the scripts compile faster
+                          env=env_with_devices(1, fast_compile=False))  # one device; its evaluation samples 16 prompts × 2 seeds × 3 models
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     md = (out / "comparison.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| **")]

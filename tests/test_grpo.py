@@ -12,8 +12,8 @@ import pytest
 import common  # noqa: F401  (first: KERAS_BACKEND=jax)
 
 from grpo import Args, check_args
-from helpers import (ROOT, assert_same_rows, coordinator_address, env_with_devices, metrics, one_device_env,
-                     preempt_then_resume, run_script)
+from helpers import (ROOT, assert_same_rows, coordinator_address, env_with_devices, learning_env, metrics,
+                     one_device_env, preempt_then_resume, run_script, usage_error)
 
 
 # `tiny` from scratch (the defaults are TRL's for real models: β 0, lr 1e-6): the values these tests measured
@@ -42,6 +42,16 @@ def test_inconsistent_flags_are_refused(flags, message):
         check_args(Args(**flags), mesh)
 
 
+def test_a_reward_function_needing_a_missing_column_is_refused_before_the_model_loads(tmp_path):
+    import grpo
+    f = tmp_path / "f.py"
+    f.write_text("def accuracy(completions, solution, **kwargs):\n    return [0.0] * len(completions)\n")
+    message = usage_error(grpo, "--reward-fn", f"{f}:accuracy", "--output-dir", str(tmp_path / "out"))
+    assert message == (f"reward function accuracy ({f}:1) takes 'solution', which is not a column of --dataset "
+                       "(its columns: answer, prompt)")
+    assert not (tmp_path / "out").exists()
+
+
 def test_bad_input_exits_2_before_any_output(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "Sort: 1 2"}\n{"prompt": 7}\n')
@@ -52,20 +62,26 @@ def test_bad_input_exits_2_before_any_output(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_end_to_end_weighted_rewards_off_policy_updates(tmp_path):
+@pytest.fixture(scope="module")
+def weighted(tmp_path_factory):
     """Two reward functions (the toy checker + a constant 1 with weight 0.5), two iterations of two
-    mini-batches per generation batch (π_old from the rollout), the Dr. GRPO variant."""
+    mini-batches per generation batch (π_old from the rollout), the Dr. GRPO variant: 4 steps run
+    uninterrupted and, beside it, stopped by SIGTERM after the step-2 checkpoint and resumed."""
+    tmp_path = tmp_path_factory.mktemp("weighted")
     const = tmp_path / "const.py"
     const.write_text("def one(prompts, responses):\n    return [1.0] * len(prompts)\n")
-    out_dir = tmp_path / "run"
-    out = run("--model", "tiny", "--max-steps", "3", "--batch-size", "16", "--num-generations", "4",
-              "--num-iterations", "2", "--num-mini-batches", "2", "--response-length", "8",
-              "--scale-rewards", "none", "--loss-type", "dr_grpo", "--epsilon-high", "0.28",
-              "--reward-fn", os.path.join(ROOT, "data", "toy.py") + ":batch_score", f"{const}:one",
-              "--reward-weights", "1.0", "0.5", "--sample-every", "2", *TINY, "--output-dir", str(out_dir))
-    assert out.returncode == 0, out.stderr[-3000:]
+    flags = ["--model", "tiny", "--max-steps", "4", "--save-every", "2", "--batch-size", "16",
+             "--num-generations", "4", "--num-iterations", "2", "--num-mini-batches", "2", "--response-length", "8",
+             "--scale-rewards", "none", "--loss-type", "dr_grpo", "--epsilon-high", "0.28",
+             "--reward-fn", os.path.join(ROOT, "data", "toy.py") + ":batch_score", f"{const}:one",
+             "--reward-weights", "1.0", "0.5", "--sample-every", "2", "--seed", "3", *TINY]
+    return tmp_path / "clean", preempt_then_resume("grpo.py", flags, 2, tmp_path)
+
+
+def test_end_to_end_weighted_rewards_off_policy_updates(weighted):
+    out_dir, (_, _, _, stdout) = weighted
     rows = metrics(out_dir)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
         assert r["rewards/one/mean"] == 1.0
         assert r["reward"] == pytest.approx(r["rewards/batch_score/mean"] + 0.5, abs=1e-6)
@@ -74,10 +90,10 @@ def test_end_to_end_weighted_rewards_off_policy_updates(tmp_path):
     for k in ("reward_std", "kl", "clip_ratio", "completions/mean_length", "charts/tokens_per_sec",
               "entropy", "train/loss", "charts/mfu", "charts/update_time"):
         assert k in rows[-1], k
-    assert "sample:" in out.stdout + out.stderr
+    assert "sample:" in stdout
     assert (out_dir / "model" / "config.json").exists()
-    last = out.stdout.strip().splitlines()[-1]  # plumbing.Run's summary line
-    assert last.startswith("done: 3 steps in ") and "reward " in last and f"outputs in {out_dir}" in last
+    last = stdout.strip().splitlines()[-1]  # plumbing.Run's summary line
+    assert last.startswith("done: 4 steps in ") and "reward " in last and f"outputs in {out_dir}" in last
 
 
 def test_with_reward_model_and_no_reference(reward_run, tmp_path):
@@ -91,10 +107,10 @@ def test_with_reward_model_and_no_reference(reward_run, tmp_path):
     assert rows[-1]["reward"] == pytest.approx(rows[-1]["rewards/reward_model/mean"], rel=1e-5)
 
 
-def test_sigterm_then_resume_equals_uninterrupted(tmp_path):
-    flags = ["--model", "tiny", "--max-steps", "4", "--save-every", "2", "--batch-size", "16",
-             "--num-generations", "4", "--response-length", "8", "--sample-every", "0", "--seed", "3", *TINY]
-    clean, resumed, stopped = preempt_then_resume("grpo.py", flags, 2, tmp_path)
+def test_sigterm_then_resume_equals_uninterrupted(weighted):
+    """Restored: the policy, the optimizer, the sampling key and the mini-batch shuffler (two
+    iterations of two mini-batches); the resumed run samples the same completions (same rewards)."""
+    _, (clean, resumed, stopped, _) = weighted
     assert 2 <= stopped < 4
     assert [r["step"] for r in clean] == [1, 2, 3, 4]
     assert_same_rows(clean, resumed)
@@ -125,10 +141,36 @@ def test_two_processes_match_one(tmp_path):
 
 def test_grpo_raises_toy_reward_from_scratch(tmp_path):
     """`python grpo.py --model tiny --max-steps 30` raises `reward` (on one device: the sharded
-    path is covered above, and 8 simulated devices on 2 cores take twice as long)."""
+    path is covered above, and 8 simulated devices on 2 cores take twice as long). The reward is a
+    TRL-form function reading the prompts' `answer` column (data/toy.py's accuracy: the same scores
+    as the default two-argument batch_score, so the numbers measured with it hold)."""
     out = run("--model", "tiny", "--max-steps", "30", "--batch-size", "64", "--response-length", "16", *TINY,
-              "--sample-every", "0", "--output-dir", str(tmp_path), env=one_device_env())
+              "--reward-fn", os.path.join(ROOT, "data", "toy.py") + ":accuracy",
+              "--sample-every", "0", "--output-dir", str(tmp_path), env=learning_env())
     assert out.returncode == 0, out.stderr[-3000:]
     rewards = [r["reward"] for r in metrics(tmp_path)]
+    assert "rewards/accuracy/mean" in metrics(tmp_path)[-1]
     # measured (seeds 0, 1, 2 on one device): first five 0.043, 0.033, 0.033 -> last five 0.083, 0.085, 0.096
     assert np.mean(rewards[-5:]) > max(1.5 * np.mean(rewards[:5]), np.mean(rewards[:5]) + 0.025), rewards
+
+
+def test_a_failing_reward_function_stops_keeping_the_checkpoints_then_resumes(tmp_path):
+    """A TRL-form function that raises at the third rollout: a UsageError naming it (plumbing.launch:
+    `error: ...`, exit 2), the step-1 and step-2 checkpoints intact; fixed, --resume finishes the run."""
+    import grpo
+    import plumbing
+    judge = tmp_path / "judge.py"
+    judge.write_text("calls = []\n\ndef judge(completions, answer, **kwargs):\n    calls.append(1)\n"
+                     "    if len(calls) == 3:\n        raise ValueError('no verdict')\n"
+                     "    return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]\n")
+    out = tmp_path / "run"
+    argv = ["--model", "tiny", "--max-steps", "4", "--save-every", "1", "--batch-size", "16",
+            "--num-generations", "4", "--response-length", "8", "--sample-every", "0", *TINY,
+            "--reward-fn", f"{judge}:judge", "--output-dir", str(out)]
+    with pytest.raises(plumbing.UsageError, match=rf"reward function judge \({judge}:3\) raised ValueError: no verdict"):
+        grpo.main(plumbing.cli(grpo.Args, argv))
+    assert sorted(os.listdir(out / "checkpoints")) == ["1", "2"] and not (out / "model").exists()
+    judge.write_text(judge.read_text().replace("len(calls) == 3", "False"))
+    grpo.main(plumbing.cli(grpo.Args, argv + ["--resume"]))
+    assert [r["step"] for r in metrics(out)] == [1, 2, 3, 4] and (out / "model" / "config.json").exists()
+    assert all("rewards/judge/mean" in r for r in metrics(out))

@@ -59,10 +59,9 @@ def test_sigterm_checkpoints_and_exits_0(tmp_path):
 
 
 def test_occupied_output_dir_is_refused_then_overwritten(uninterrupted, tmp_path):
+    import sft  # in-process: the exit-2 line itself is test_lifecycle.py's test_occupied_dir_exits_2_in_one_line
     before = open(os.path.join(uninterrupted, "metrics.jsonl")).read()
-    proc = subprocess.run(cmd("sft.py", "--max-steps", "5", "--output-dir", uninterrupted),
-                          capture_output=True, text=True, env=env_with_devices(1))
-    assert proc.returncode == 2 and "already holds" in proc.stderr and "Traceback" not in proc.stderr
+    assert "already holds" in usage_error(sft, *cmd("sft.py", "--max-steps", "5", "--output-dir", uninterrupted)[2:])
     assert open(os.path.join(uninterrupted, "metrics.jsonl")).read() == before  # untouched
     out = str(tmp_path / "over")
     os.makedirs(out)
@@ -93,6 +92,8 @@ def test_two_processes_match_one(tmp_path):
     run on 1 process × 8 devices: training, the reference pass and eval each give every process its
     own slice of a global batch (common.per_example passed the whole batch to each on 76cc5f6: rows
     off by up to 2.1×). 24 eval pairs at batch 16: the second batch wraps around and is trimmed."""
+    # optimised code (not helpers.FAST_COMPILE): under it the reduction order differs more between the
+    # layouts, and step 2's near-zero margins disagree beyond rel 1e-5
     address = coordinator_address()
     for name, n in (("train", 48), ("eval", 24)):  # small files: each process tokenizes and precomputes all
         with open(os.path.join(ROOT, "data", f"prefs_{name}.jsonl")) as f:
@@ -102,11 +103,11 @@ def test_two_processes_match_one(tmp_path):
              "--dataset", str(tmp_path / "train.jsonl"), "--eval-dataset", str(tmp_path / "eval.jsonl"),
              "--eval-every", "3"]
     one = str(tmp_path / "one")
-    subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=env_with_devices(8))
+    subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=env_with_devices(8, fast_compile=False))
     two = str(tmp_path / "two")
     procs = [subprocess.Popen(flags + ["--output-dir", two, "--coordinator-address", address,
                                        "--num-processes", "2", "--process-id", str(i)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env_with_devices(4))
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env_with_devices(4, fast_compile=False))
              for i in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=600)

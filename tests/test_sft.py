@@ -8,16 +8,13 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, metrics as read_metrics, usage_error
+from helpers import ROOT, learning_env, metrics as read_metrics, usage_error
 
 sys.path.insert(0, os.path.join(ROOT, "data"))
 import toy  # noqa: E402
 
 
-def run(*args, check=True, one_device=False):
-    env = dict(os.environ)
-    if one_device:  # the learning run needs no simulated mesh (test_sharding covers it)
-        env["XLA_FLAGS"] = env.get("XLA_FLAGS", "").replace("--xla_force_host_platform_device_count=8", "").strip()
+def run(*args, check=True, env=None):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "sft.py"), *args],
                           capture_output=True, text=True, cwd=ROOT, env=env)
     if check:
@@ -35,9 +32,10 @@ def exact_match(model, n=100):
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sft") / "run")
-    tiny = ["--batch-size", "32", "--learning-rate", "1e-3", "--warmup-steps", "20"]  # the defaults are TRL's
-    done = run("--model", "tiny", "--max-steps", "200", *tiny, "--eval-every", "100", "--export-hf",
-               "--output-dir", out, one_device=True)
+    # the defaults are TRL's, for real models; `tiny` from scratch: exact match 0.32 at step 150 (0.20 at 100)
+    tiny = ["--batch-size", "32", "--learning-rate", "2e-3", "--warmup-steps", "10"]
+    done = run("--model", "tiny", "--max-steps", "150", *tiny, "--eval-every", "75", "--export-hf",
+               "--output-dir", out, env=learning_env())
     assert "(model/, model_hf/, metrics.jsonl" in done.stdout
     return out
 
@@ -47,10 +45,10 @@ def test_outputs(trained):
     assert {"args.json", "metrics.jsonl", "model"} <= set(files)
     assert any(f.startswith("events.out.tfevents") for f in files)
     with open(os.path.join(trained, "args.json")) as f:
-        assert json.load(f)["max_steps"] == 200
+        assert json.load(f)["max_steps"] == 150
     rows = read_metrics(trained)
     train = [r for r in rows if "train/loss" in r]
-    assert [r["step"] for r in train] == list(range(10, 201, 10))
+    assert [r["step"] for r in train] == list(range(10, 151, 10))
     assert {"charts/learning_rate", "charts/tokens_per_sec", "charts/mfu"} <= set(train[-1])
     assert 0 < train[-1]["charts/mfu"] <= 1
     assert {"config.json", "model.weights.h5", "tokenizer.json"} <= set(os.listdir(os.path.join(trained, "model")))
@@ -83,7 +81,7 @@ def test_learns_toy_task(trained):
     train = [r["train/loss"] for r in rows if "train/loss" in r]
     evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
     assert train[-1] < 0.8 * train[0]  # the 20% of the issue, with a wide margin in practice
-    assert [r["step"] for r in rows if "eval/loss" in r] == [0, 100, 200]
+    assert [r["step"] for r in rows if "eval/loss" in r] == [0, 75, 150]
     assert evals[-1] < 0.25 * evals[0]  # held-out loss falls clearly
     before = exact_match(common.load_model("tiny", common.make_mesh(), seed=0))
     after = exact_match(keras_hub.models.CausalLM.from_preset(os.path.join(trained, "model")))
@@ -92,9 +90,11 @@ def test_learns_toy_task(trained):
 
 def test_saved_model_continues_as_model_flag_with_messages(trained, tmp_path):
     out = str(tmp_path / "again")
+    with open(os.path.join(ROOT, "data", "sft_messages_eval.jsonl")) as f:
+        (tmp_path / "eval.jsonl").write_text("".join(f.readlines()[:16]))  # two batches: the path, not the value
     proc = run("--model", os.path.join(trained, "model"), "--max-steps", "2", "--log-every", "1",
                "--dataset", os.path.join(ROOT, "data", "sft_messages_train.jsonl"),
-               "--eval-dataset", os.path.join(ROOT, "data", "sft_messages_eval.jsonl"),
+               "--eval-dataset", str(tmp_path / "eval.jsonl"),
                "--batch-size", "8", "--output-dir", out, "--num-samples", "1")
     assert "sample:" in proc.stdout
     assert len([r for r in read_metrics(out) if "train/loss" in r]) == 2
