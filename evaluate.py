@@ -46,7 +46,7 @@ class Args:  # not plumbing.SharedArgs: an evaluation has no training flags
     num_prompts: int = 200
     """evaluate the first N prompts (0: all)"""
     reward_fn: str | None = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
-    """`path.py:function`, f(prompts, responses) -> list of floats (the task score); empty: none"""
+    """`path.py:function` (TRL's f(prompts, completions, **columns), or f(prompts, responses)): the task score"""
     reward_model: str | None = None
     """reward.py's `model/` dir: a second scorer (rm_* numbers)"""
     # generation

@@ -30,7 +30,7 @@ class Args(plumbing.SharedArgs):
     """The shared flags (plumbing.SharedArgs: model, dtype, mesh, batch size, output dir, …) plus GRPO's."""
     # rewards
     reward_fn: tuple[str, ...] = (os.path.join(common.HERE, "data", "toy.py") + ":batch_score",)
-    """one or more `path.py:function`, each f(prompts, responses) -> scores; used when --reward-model is not given"""
+    """one or more `path.py:function`: TRL's f(prompts, completions, **columns) or f(prompts, responses)"""
     reward_weights: tuple[float, ...] = ()
     """weight of each --reward-fn in the summed reward; empty: all 1"""
     reward_model: str | None = None

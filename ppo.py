@@ -32,7 +32,7 @@ class Args(plumbing.SharedArgs):
     reward_model: str | None = None
     """reward.py's `model/` dir: scores responses and initialises the value model (--lora-rank: LoRA on both)"""
     reward_fn: str = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
-    """`path.py:function`, f(prompts, responses) -> scores; used when --reward-model is not given"""
+    """`path.py:function`: TRL's f(prompts, completions, **columns) or f(prompts, responses); without --reward-model"""
     # data
     dataset: str = os.path.join(common.HERE, "data", "prompts_train.jsonl")
     """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, or a Hugging Face dataset"""
