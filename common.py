@@ -516,12 +516,13 @@ class Scorer:
         if self.model is not None:
             parts["reward_model"] = np.asarray(self.forward(batch), np.float64)
             weighted.append(parts["reward_model"])
-        none = np.isnan(np.stack(weighted)).all(0)
+        weighted = np.stack(weighted)  # [parts, B], NaN where a function returned None
+        none = np.isnan(weighted).all(0)
         if none.any():
             i = int(np.argmax(none))
             raise UsageError(f"every reward function returned None for completion {i} of the batch "
                              f"(prompt {prompts[i][:80]!r}): at least one must score each completion")
-        total = np.nansum(np.stack(weighted), 0)
+        total = np.nansum(weighted, 0)
         return put_global(np.asarray(total, np.float32), self.on_data), parts
 
     def check_tokenizer(self, tokenizer):

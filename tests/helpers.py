@@ -42,8 +42,9 @@ def one_device_env():
 
 
 def learning_env():
-    """One device, fully optimised code: for the runs of tens of steps that prove learning (8
-    simulated devices on 2 cores take 2.5x as long; the sharded path is tested elsewhere)."""
+    """One device, fully optimised code: for runs where steady-state speed outweighs compiling (the
+    tens of steps that prove learning, compare.py's stages and evaluation, long evals). 8 simulated
+    devices on 2 cores take 2.5x as long; the sharded path is tested elsewhere."""
     return env_with_devices(1, fast_compile=False)
 
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import compare
 import evaluate
 from evaluate import response_lengths, sequence_kl, win_rate
-from helpers import env_with_devices
+from helpers import learning_env
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -272,7 +272,7 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
                            "--extra", str(fork), "--sft-steps", "20", "--steps", "4", "--num-prompts", "16",
                            "--seeds", "2", "--sweep", "mydpo.learning_rate=1e-5,1e-3", "--output-dir", str(out)],
                           cwd=ROOT, capture_output=True, text=True, timeout=1200,
-                          env=env_with_devices(1, fast_compile=False))  # one device; its evaluation samples 16 prompts × 2 seeds × 3 models
+                          env=learning_env())  # its evaluation samples 16 prompts × 2 seeds × 3 models
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     md = (out / "comparison.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| **")]

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from helpers import ROOT, env_with_devices, one_device_env, run_script, usage_error
+from helpers import ROOT, learning_env, one_device_env, run_script, usage_error
 
 FAST = ["--model", "tiny", "--batch-size", "8", "--log-every", "2", "--eval-dataset", "", "--num-samples", "0"]
 SCRIPTS = ("sft.py", "dpo.py", "simpo.py", "orpo.py", "reward.py", "ppo.py", "grpo.py", "evaluate.py",
@@ -133,7 +133,7 @@ def test_import_has_no_side_effects():
 
 
 def start(out, *flags):
-    env = {**env_with_devices(1, fast_compile=False), "PYTHONUNBUFFERED": "1"}  # its evals must run fast
+    env = {**learning_env(), "PYTHONUNBUFFERED": "1"}  # its evals must run fast
     return subprocess.Popen([sys.executable, os.path.join(ROOT, "sft.py"), *FAST, "--output-dir", out, *flags],
                             cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
 

@@ -103,11 +103,12 @@ def test_two_processes_match_one(tmp_path):
              "--dataset", str(tmp_path / "train.jsonl"), "--eval-dataset", str(tmp_path / "eval.jsonl"),
              "--eval-every", "3"]
     one = str(tmp_path / "one")
-    subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=env_with_devices(8, fast_compile=False))
+    optimised = lambda n: env_with_devices(n, fast_compile=False)
+    subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=optimised(8))
     two = str(tmp_path / "two")
     procs = [subprocess.Popen(flags + ["--output-dir", two, "--coordinator-address", address,
                                        "--num-processes", "2", "--process-id", str(i)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env_with_devices(4, fast_compile=False))
+                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=optimised(4))
              for i in range(2)]
     for p in procs:
         _, err = p.communicate(timeout=600)
