@@ -26,8 +26,8 @@ import optax  # noqa: E402
 
 
 @dataclass
-class Args(plumbing.SharedArgs):
-    """The shared flags (plumbing.SharedArgs: model, dtype, mesh, batch size, output dir, …) plus GRPO's."""
+class Args(plumbing.RolloutArgs):
+    """The shared flags (plumbing.RolloutArgs: model, dtype, mesh, prompts, lengths, outputs, …) plus GRPO's."""
     # rewards
     reward_fn: tuple[str, ...] = (os.path.join(common.HERE, "data", "toy.py") + ":batch_score",)
     """one or more `path.py:function`: TRL's f(prompts, completions, **columns) or f(prompts, responses)"""
@@ -35,18 +35,9 @@ class Args(plumbing.SharedArgs):
     """weight of each --reward-fn in the summed reward; empty: all 1"""
     reward_model: str | None = None
     """reward.py's `model/` dir: its score on the last real token is the reward"""
-    # data
-    dataset: str = os.path.join(common.HERE, "data", "prompts_train.jsonl")
-    """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, or a Hugging Face dataset"""
-    max_prompt_length: int = 512
-    """prompt tokens (BOS included); longer prompts are cut from the left (TRL GRPOConfig ≤ 0.2x: 512)"""
     # rollouts
     num_generations: int = 8
     """G: completions sampled per prompt (one group); --batch-size counts completions: B/G prompts a step"""
-    response_length: int = 256
-    """new tokens sampled per completion (TRL's max_completion_length: 256); without EOS by then: `clipped`"""
-    temperature: float = 1.0
-    """sampling temperature; log-probs are computed from logits / temperature to match"""
     # optimisation
     num_iterations: int = 1
     """μ: optimisation passes over each generation batch (>1 keeps the rollout log-probs as π_old)"""
@@ -70,8 +61,6 @@ class Args(plumbing.SharedArgs):
     # logging and outputs
     export_hf: bool = False
     """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
-    sample_every: int = 10
-    """print one group's decoded completions with their rewards every N steps (0: never)"""
 
 
 # ---------------------------------------------------------------------------

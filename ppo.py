@@ -26,23 +26,18 @@ import optax  # noqa: E402
 
 
 @dataclass
-class Args(plumbing.SharedArgs):
-    """The shared flags (plumbing.SharedArgs: model, dtype, mesh, batch size, output dir, …) plus PPO's."""
+class Args(plumbing.RolloutArgs):
+    """The shared flags (plumbing.RolloutArgs: model, dtype, mesh, prompts, lengths, outputs, …) plus PPO's."""
     # rewards
     reward_model: str | None = None
     """reward.py's `model/` dir: scores responses and initialises the value model (--lora-rank: LoRA on both)"""
     reward_fn: str = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
     """`path.py:function`: TRL's f(prompts, completions, **columns) or f(prompts, responses); without --reward-model"""
-    # data
-    dataset: str = os.path.join(common.HERE, "data", "prompts_train.jsonl")
-    """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, or a Hugging Face dataset"""
-    max_prompt_length: int = 512
-    """prompt tokens (BOS included); longer prompts are cut from the left (TRL's PPO: no limit)"""
     # rollouts
     response_length: int = 53
     """new tokens sampled per prompt (TRL PPOConfig: 53)"""
     temperature: float = 0.7
-    """sampling temperature; log-probs are computed from logits / temperature to match"""
+    """sampling temperature (TRL PPOConfig: 0.7); log-probs are computed from logits / temperature to match"""
     missing_eos_penalty: float | None = None
     """subtracted from the score of a response without EOS (None: off, as in TRL)"""
     # optimisation
@@ -72,8 +67,6 @@ class Args(plumbing.SharedArgs):
     # logging and outputs
     export_hf: bool = False
     """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
-    sample_every: int = 10
-    """print a few decoded samples with their scores every N steps (0: never)"""
 
 
 class PPOParams(NamedTuple):
