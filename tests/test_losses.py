@@ -443,10 +443,11 @@ def test_grpo_k3_by_hand_and_unbiased_on_samples_from_pi():
     np.testing.assert_allclose(k3.mean(), exact, rtol=0.03)
 
 
-def _grpo_loss(logps, old, advantages, mask, ref=None, beta=0.0, loss_type="dapo", eps=0.2, eps_high=0.2):
+def _grpo_loss(logps, old, advantages, mask, ref=None, beta=0.0, loss_type="dapo", eps=0.2, eps_high=0.2,
+               level="token"):
     arr = lambda x: None if x is None else jnp.array(x, jnp.float32)
     return grpo_loss(arr(logps), arr(old), arr(ref), arr(advantages), jnp.array(mask, bool), eps, eps_high,
-                     beta, loss_type)
+                     beta, loss_type, level)
 
 
 def test_grpo_aggregation_modes_by_hand():
