@@ -209,8 +209,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
     """
     log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # [B, R]; padding may hold anything, it adds nothing
     if importance_sampling_level == "sequence":
-        # GSPO (eq. 6, Zheng et al. 2025 §4.1): log s_i = (1/|o_i|) Σ_t log ρ_{i,t}, one ratio per completion,
-        # differentiated through (not TRL's experimental GSPO-token): ∂ s_i / ∂ log π_{i,t} = s_i / |o_i|
+        # GSPO (eq. 6; Zheng et al. 2025's eq. 5): log s_i = (1/|o_i|) Σ_t log ρ_{i,t}, one per completion.
+        # Differentiated through the mean (as TRL's GRPOTrainer): ∂ s_i / ∂ log π_{i,t} = s_i / |o_i|
         log_ratio = log_ratio.sum(1, keepdims=True) / jnp.maximum(mask.sum(1, keepdims=True), 1)  # [B, 1]
     ratio = jnp.exp(log_ratio)  # ρ_{i,t} or s_i; with one update per batch old = sg(π_θ): ratio 1
     a = advantages[:, None]
