@@ -52,6 +52,8 @@ class Args(plumbing.RolloutArgs):
     """ε: ratio clip, lower side (and upper side unless --epsilon-high is given)"""
     epsilon_high: float | None = None
     """ε_high: upper ratio clip (DAPO's clip-higher: 0.28); None: --epsilon"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """ratio per `token` (GRPO) or per `sequence` (GSPO: exp of the mean token log-ratio, clipped once)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantage scale: `group` (÷ group std, GRPO), `batch` (÷ batch std), `none` (Dr. GRPO: no division)"""
     loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
@@ -186,16 +188,25 @@ def aggregate(per_token, mask, loss_type):
     return x.sum() / jnp.maximum(mask.sum(), 1)  # dapo: every token of the batch weighs the same
 
 
-def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_high, beta, loss_type):
-    """Clipped surrogate (eq. 3) + β·k3 KL (eq. 4), aggregated by `loss_type` (eq. 5).
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_high, beta, loss_type,
+              importance_sampling_level):
+    """Clipped surrogate (eq. 3, or eq. 6 with GSPO's sequence ratio) + β·k3 KL (eq. 4), aggregated by
+    `loss_type` (eq. 5).
 
     logps / old_logps / ref_logps [B, R] per response token (ref_logps None when β = 0),
     advantages [B] (one per completion, the same for each of its tokens), mask [B, R].
     """
-    ratio = jnp.exp(logps - old_logps)  # π_θ / π_θold; with one update per batch old = sg(π_θ): ratio 1
+    log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # [B, R]; padding may hold anything, it adds nothing
+    if importance_sampling_level == "sequence":
+        # GSPO (eq. 6; Zheng et al. 2025's eq. 5): log s_i = (1/|o_i|) Σ_t log ρ_{i,t}, one per completion.
+        # Differentiated through the mean (as TRL's GRPOTrainer): ∂ s_i / ∂ log π_{i,t} = s_i / |o_i|
+        log_ratio = log_ratio.sum(1, keepdims=True) / jnp.maximum(mask.sum(1, keepdims=True), 1)  # [B, 1]
+    ratio = jnp.exp(log_ratio)  # ρ_{i,t} or s_i; with one update per batch old = sg(π_θ): ratio 1
     a = advantages[:, None]
     clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
-    per_token = -jnp.minimum(ratio * a, clipped * a)  # pessimistic: the clip only ever removes gradient
+    # pessimistic: the clip only ever removes gradient. [B, R], or [B, 1] at sequence level: every real
+    # token of o_i then carries its completion's term, and `aggregate` weighs it as any token (as TRL)
+    per_token = -jnp.minimum(ratio * a, clipped * a)
     metrics = {}
     if beta:
         kl = k3_kl(logps, ref_logps)
@@ -203,8 +214,11 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
         metrics["kl"] = masked_mean(kl, mask)
     low = (ratio < 1.0 - epsilon) & (a < 0)  # clipped from below: pushing further down is blocked
     high = (ratio > 1.0 + epsilon_high) & (a > 0)  # clipped from above
-    metrics.update({"clip_ratio/low_mean": masked_mean(low, mask), "clip_ratio/high_mean": masked_mean(high, mask),
-                    "clip_ratio": masked_mean(low | high, mask)})
+    # clip shares over real tokens, or at sequence level over the B completions (TRL counts all B)
+    clip_mask = mask if importance_sampling_level == "token" else jnp.ones_like(low)
+    metrics.update({"clip_ratio/low_mean": masked_mean(low, clip_mask),
+                    "clip_ratio/high_mean": masked_mean(high, clip_mask),
+                    "clip_ratio": masked_mean(low | high, clip_mask)})
     return aggregate(per_token, mask, loss_type), metrics
 
 
@@ -237,7 +251,7 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
         old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
         loss, metrics = grpo_loss(logps, old, batch.get("ref_logps"), batch["advantages"], batch["response_mask"],
                                   args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high,
-                                  args.beta, args.loss_type)
+                                  args.beta, args.loss_type, args.importance_sampling_level)
         return loss, {**metrics, "entropy": masked_mean(entropy, batch["response_mask"])}
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -262,6 +276,8 @@ def check_args(args, mesh):
                                 f"each divisible by the data axis ({mesh.shape['data']})")
     if args.scale_rewards not in ("group", "batch", "none") or args.loss_type not in ("dapo", "grpo", "dr_grpo"):
         raise common.UsageError("--scale-rewards: group, batch or none; --loss-type: dapo, grpo or dr_grpo")
+    if args.importance_sampling_level not in ("token", "sequence"):
+        raise common.UsageError("--importance-sampling-level: token or sequence")
     if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
         raise common.UsageError(f"--reward-weights: {len(args.reward_weights)} weights for "
                                 f"{len(args.reward_fn)} --reward-fn functions")

@@ -396,7 +396,8 @@ def test_ppo_value_loss_direction_and_clipped_values_have_no_gradient():
 
 
 # ---------------------------------------------------------------------------
-# grpo.py: group advantages, the k3 KL estimator, the clipped loss in each aggregation mode
+# grpo.py: group advantages, the k3 KL estimator, the clipped loss in each aggregation mode, at token
+# and at sequence level (GSPO)
 # ---------------------------------------------------------------------------
 def test_grpo_group_advantages_worked_example():
     # two groups of G=4: rewards 1, 0, 0, 1 (mean ½) and 0.5 × 4 (all equal: no signal)
@@ -443,10 +444,11 @@ def test_grpo_k3_by_hand_and_unbiased_on_samples_from_pi():
     np.testing.assert_allclose(k3.mean(), exact, rtol=0.03)
 
 
-def _grpo_loss(logps, old, advantages, mask, ref=None, beta=0.0, loss_type="dapo", eps=0.2, eps_high=0.2):
+def _grpo_loss(logps, old, advantages, mask, ref=None, beta=0.0, loss_type="dapo", eps=0.2, eps_high=0.2,
+               level="token"):
     arr = lambda x: None if x is None else jnp.array(x, jnp.float32)
     return grpo_loss(arr(logps), arr(old), arr(ref), arr(advantages), jnp.array(mask, bool), eps, eps_high,
-                     beta, loss_type)
+                     beta, loss_type, level)
 
 
 def test_grpo_aggregation_modes_by_hand():
@@ -519,6 +521,106 @@ def test_grpo_aggregate_ignores_padding_values():
     mask = jnp.array([[True, True, False]])
     for mode in ("dapo", "grpo", "dr_grpo"):
         assert aggregate(x, mask, mode) == aggregate(x.at[0, 2].set(1e9), mask, mode)
+
+
+# GSPO (--importance-sampling-level sequence): one length-normalised ratio per completion (docs/grpo.md eq. 6)
+def test_gspo_sequence_ratio_by_hand():
+    # R = 4. Completion 1: 2 real tokens, log-ratios 0.1, 0.3 → log s = 0.2, s = e^0.2 ≈ 1.221 > 1.2, Â = +1:
+    #   clipped from above, term −1.2. Completion 2: 3 real tokens, log-ratios −0.5, −0.1, −0.3
+    #   → log s = −0.3, s ≈ 0.741 < 0.8, Â = −0.5: min(−0.5 s, −0.5 · 0.8) = −0.4 → term +0.4, clipped below.
+    #   Completion 3: 1 real token, log-ratio 0.1 → s = e^0.1 inside the clip, Â = +2: term −2 e^0.1.
+    # Padding holds 50 (π) against 0 (π_old): were it counted, every ratio would explode.
+    lp = [[0.1, 0.3, 50.0, 50.0], [-0.5, -0.1, -0.3, 50.0], [0.1, 50.0, 50.0, 50.0]]
+    old = np.zeros((3, 4))
+    mask = [[True, True, False, False], [True, True, True, False], [True, False, False, False]]
+    adv = [1.0, -0.5, 2.0]
+    t1, t2, t3 = -1.2, 0.4, -2 * np.exp(0.1)
+    by_mode = {"grpo": (t1 + t2 + t3) / 3,  # the paper: one term per completion, averaged
+               "dapo": (2 * t1 + 3 * t2 + 1 * t3) / 6,  # each term on each of its real tokens, ÷ 6 tokens
+               "dr_grpo": (2 * t1 + 3 * t2 + 1 * t3) / (3 * 4)}  # ÷ (B × R)
+    for mode, want in by_mode.items():
+        loss, m = _grpo_loss(lp, old, adv, mask, loss_type=mode, level="sequence")
+        np.testing.assert_allclose(loss, want, rtol=1e-6, err_msg=mode)
+        # clip shares over the 3 completions: one clipped from above, one from below
+        np.testing.assert_allclose([m["clip_ratio/high_mean"], m["clip_ratio/low_mean"], m["clip_ratio"]],
+                                   [1 / 3, 1 / 3, 2 / 3], rtol=1e-6, err_msg=mode)
+    # per token instead: tokens 0.3 (above), −0.5 and −0.3 (below) are clipped, 3 of the 6 real tokens
+    assert _grpo_loss(lp, old, adv, mask)[1]["clip_ratio"] == 0.5
+
+
+def test_gspo_loss_numpy_float64():
+    """From the paper's definitions, on sequences cut to their length: s_i = (π_θ(y_i) / π_old(y_i))^(1/|y_i|)
+    with π(y) = Π_t π(y_t), J_i = min(s_i Â_i, clip(s_i, 1−ε, 1+ε_high) Â_i), plus β k3 on each real token."""
+    rng = np.random.default_rng(2)
+    b, r, eps, eps_high, beta = 8, 7, 0.2, 0.28, 0.1
+    lengths = rng.integers(1, r + 1, b)
+    lp = rng.normal(-2, 0.5, (b, r))
+    old = lp + rng.normal(0, 0.4, (b, r))
+    ref = rng.normal(-2, 0.3, (b, r))
+    adv = rng.normal(size=b)
+    mask = np.arange(r)[None] < lengths[:, None]
+    lp_padded = np.where(mask, lp, rng.normal(0, 20, (b, r)))  # garbage after each completion's end
+    objective, kl_sums, high, low = [], [], [], []
+    for i, n in enumerate(lengths):
+        s = (np.prod(np.exp(lp[i, :n])) / np.prod(np.exp(old[i, :n]))) ** (1.0 / n)
+        objective.append(min(s * adv[i], np.clip(s, 1 - eps, 1 + eps_high) * adv[i]))
+        kl_sums.append(np.sum(np.exp(ref[i, :n] - lp[i, :n]) - (ref[i, :n] - lp[i, :n]) - 1))
+        high.append(s > 1 + eps_high and adv[i] > 0)
+        low.append(s < 1 - eps and adv[i] < 0)
+    objective, kl_sums = np.array(objective), np.array(kl_sums)
+    assert 0 < np.mean(high) + np.mean(low) < 1  # the inputs exercise both the clip and the unclipped branch
+    want = {"grpo": np.mean(-objective + beta * kl_sums / lengths),
+            "dapo": np.sum(-lengths * objective + beta * kl_sums) / lengths.sum(),
+            "dr_grpo": np.sum(-lengths * objective + beta * kl_sums) / (b * r)}
+    for mode, w in want.items():
+        loss, m = _grpo_loss(lp_padded, old, adv, mask, ref=ref, beta=beta, loss_type=mode, eps=eps,
+                             eps_high=eps_high, level="sequence")
+        np.testing.assert_allclose(loss, w, rtol=1e-5, err_msg=mode)
+        np.testing.assert_allclose([m["clip_ratio/high_mean"], m["clip_ratio/low_mean"]],
+                                   [np.mean(high), np.mean(low)], err_msg=mode)
+
+
+def test_gspo_equals_token_level_for_one_token_and_its_gradient_is_per_sequence():
+    rng = np.random.default_rng(3)
+    lp, old, ref = rng.normal(-1, 0.3, (3, 6, 4))
+    adv = rng.normal(size=6)
+    one = np.zeros((6, 4), bool)
+    one[:, 0] = True  # one real token per completion: s_i is that token's ratio, the same loss and metrics
+    for mode in ("dapo", "grpo", "dr_grpo"):
+        token = _grpo_loss(lp, old, adv, one, ref=ref, beta=0.1, loss_type=mode)
+        sequence = _grpo_loss(lp, old, adv, one, ref=ref, beta=0.1, loss_type=mode, level="sequence")
+        np.testing.assert_allclose(sequence[0], token[0], rtol=1e-6, err_msg=mode)
+        for k in token[1]:
+            np.testing.assert_allclose(sequence[1][k], token[1][k], rtol=1e-6, err_msg=f"{mode} {k}")
+    # Off-policy, --loss-type grpo (B = 2): ∂L/∂log π_{i,t} = −(1/B) Â_i s_i / |y_i| for every real token
+    # of an unclipped completion, 0 for each token of a clipped one, 0 on padding. Completion 1: log-ratios
+    # 0.05, −0.15 → s = e^−0.05, Â = 1, unclipped. Completion 2: 0.3 alone, s = e^0.3 > 1.2, Â = 1: clipped.
+    old = np.zeros((2, 3))
+    grad = jax.grad(lambda x: _grpo_loss(x, old, [1.0, 1.0], [[True, True, False], [True, False, False]],
+                                         loss_type="grpo", level="sequence")[0])
+    g = grad(jnp.array([[0.05, -0.15, 7.0], [0.3, 7.0, 7.0]]))
+    s = np.exp(-0.05)
+    np.testing.assert_allclose(g, [[-s / 2 / 2, -s / 2 / 2, 0.0], [0.0, 0.0, 0.0]], rtol=1e-6)
+    # on-policy (π_old = sg(π_θ), s = 1) it is the token level's policy gradient in every aggregation
+    mask = jnp.array(rng.random((6, 4)) > 0.4).at[:, 0].set(True)
+    for mode in ("dapo", "grpo", "dr_grpo"):
+        grads = [jax.grad(lambda x: _grpo_loss(x, jax.lax.stop_gradient(x), adv, mask, loss_type=mode,
+                                               level=level)[0])(jnp.array(lp, jnp.float32))
+                 for level in ("token", "sequence")]
+        np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5, atol=1e-8, err_msg=mode)
+
+
+def test_gspo_ignores_padded_log_probs():
+    rng = np.random.default_rng(4)
+    lp, old = rng.normal(-1, 0.3, (2, 5, 6))
+    adv = rng.normal(size=5)
+    mask = np.arange(6)[None] < rng.integers(1, 7, 5)[:, None]
+    mask[0, -1] = False  # at least one padded token
+    for mode in ("dapo", "grpo", "dr_grpo"):
+        base = _grpo_loss(lp, old, adv, mask, loss_type=mode, level="sequence")
+        for fill in (30.0, -30.0):  # a padded log π far from π_old: it must not move s_i
+            changed = _grpo_loss(np.where(mask, lp, fill), old, adv, mask, loss_type=mode, level="sequence")
+            assert changed[0] == base[0] and changed[1] == base[1], (mode, fill)
 
 
 # ---------------------------------------------------------------------------
