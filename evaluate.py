@@ -82,12 +82,19 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 
 
 # ---------------------------------------------------------------------------
-# Generation: jitted KV-cached sampling with fixed shapes (copied from ppo.py)
+# Generation: jitted KV-cached sampling with fixed shapes, stopping when every response has ended
+# (copied from ppo.py)
 # ---------------------------------------------------------------------------
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature):
-    """`response_length` tokens after left-padded queries [B, Q] -> responses [B, R].
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature,
+             eos_id, pad_id):
+    """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps).
 
-    One prefill, then a `lax.scan` feeding one token per step; temperature 0 = greedy.
+    One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
+    stops once every sequence has sampled its EOS (steps: tokens sampled per sequence, ≤ R): a batch of
+    short answers costs their length, not R. Shapes stay fixed, so it compiles once per run. After its
+    EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
+    `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
+    temperature 0 = greedy.
     """
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
@@ -96,16 +103,25 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
         cache = common.empty_cache(backbone, b, q + response_length)  # [B, L, 2, S, K, H]
         logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
-        def step(carry, _):
-            logits, cache, index, key = carry
+        def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
             key, sample_key = jax.random.split(key)
             token = (jnp.argmax(logits, -1) if temperature == 0 else
                      jax.random.categorical(sample_key, logits / temperature)).astype(jnp.int32)
-            logits, cache = common.cached_forward(backbone, token[:, None], padding_mask, cache, index)
-            return (logits[:, -1], cache, index + 1, key), token
+            token = jnp.where(done, pad_id, token)
+            return token, key, done | (token == eos_id)
 
-        _, tokens = jax.lax.scan(step, (logits[:, -1], cache, jnp.int32(q), key), None, length=response_length)
-    return tokens.T  # [B, R]
+        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t
+            tokens, cache, t, key, done = carry
+            fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
+            logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1)
+            token, key, done = pick(logits[:, -1], key, done)
+            return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], t, 1), cache, t + 1, key, done
+
+        token, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
+        tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
+        tokens, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has no EOS yet and t < R
+            lambda c: (c[2] < response_length) & ~c[4].all(), step, (tokens, cache, jnp.int32(1), key, done))
+    return tokens, steps
 
 
 def truncate_response(responses, eos_id, pad_id):
@@ -180,10 +196,12 @@ class Policy(NamedTuple):
     fns: dict      # jitted generate / log-prob functions, shared by policies of one architecture
 
 
-def make_fns(backbone, args):
+def make_fns(backbone, args, eos, pad):
     r, t = args.max_new_tokens, args.temperature
-    return {"greedy": jax.jit(partial(generate, backbone, response_length=r, temperature=0.0)),
-            "sampled": jax.jit(partial(generate, backbone, response_length=r, temperature=t)),
+    return {"greedy": jax.jit(partial(generate, backbone, response_length=r, temperature=0.0, eos_id=eos,
+                                      pad_id=pad)),
+            "sampled": jax.jit(partial(generate, backbone, response_length=r, temperature=t, eos_id=eos,
+                                       pad_id=pad)),
             "logps": jax.jit(partial(response_logps, backbone, temperature=t), static_argnums=4)}
 
 
@@ -193,7 +211,9 @@ def load_policy(name, mesh, args, like=None, flag="--model"):
     model = common.load_model(name, mesh, args.dtype, args.seed)
     params, frozen = common.split_variables(model.backbone)
     same = like is not None and like.model.backbone.get_config() == model.backbone.get_config()
-    return Policy(name, model, params, frozen, like.fns if same else make_fns(model.backbone, args))
+    tokenizer = model.preprocessor.tokenizer
+    return Policy(name, model, params, frozen, like.fns if same else make_fns(
+        model.backbone, args, tokenizer.end_token_id, tokenizer.pad_token_id))
 
 
 def batched(fn, arrays, batch_size, mesh):
@@ -211,7 +231,7 @@ def respond(policy, data, kind, key, batch_size, mesh):
     """Greedy or sampled responses to every prompt -> dict of host arrays and decoded texts."""
     eos, pad = data["eos"], data["pad"]
     gen = lambda i, rows, qs, qm: truncate_response(
-        policy.fns[kind](policy.params, policy.frozen, qs, qm, jax.random.fold_in(key, i)), eos, pad)
+        policy.fns[kind](policy.params, policy.frozen, qs, qm, jax.random.fold_in(key, i))[0], eos, pad)
     responses, seq_lens = batched(gen, (data["queries"], data["query_mask"]), batch_size, mesh)
     lengths, has_eos = response_lengths(responses, seq_lens, eos)
     ids = [list(x[:n]) for x, n in zip(responses, lengths)]
