@@ -47,6 +47,12 @@ class Args(plumbing.SharedArgs):
     """new tokens sampled per completion (TRL's max_completion_length: 256); without EOS by then: `clipped`"""
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
+    top_p: float = 1.0
+    """top-p: sample from the likeliest tokens that hold this probability mass (TRL: 1.0 = off)"""
+    top_k: int = 0
+    """top-k: sample among the k likeliest tokens (TRL: 0 = off); log-probs stay unfiltered, as TRL's"""
+    min_p: float | None = None
+    """min-p: drop tokens less likely than min_p × the top token's probability (TRL: None = off)"""
     # optimisation
     num_iterations: int = 1
     """μ: optimisation passes over each generation batch (>1 keeps the rollout log-probs as π_old)"""
@@ -93,8 +99,30 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 # forwards of the policy and reference on query + response, group-relative advantages, the k3 KL,
 # the clipped surrogate
 # ---------------------------------------------------------------------------
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature,
-             eos_id, pad_id):
+def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
+    """TRL's sampling filters on logits / temperature [B, V], in transformers' order: top-k, then top-p, then
+    min-p, each on what the previous left (renormalised). A dropped token gets -inf; 0, 1.0, None: off.
+
+    top-k keeps the k largest (ties with the k-th too); top-p keeps the most likely tokens until their
+    probabilities reach top_p (the token that crosses it included, ties at the cut too); min-p keeps the
+    tokens with p ≥ min_p · max p. The most likely token always stays.
+    """
+    if top_k:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ascending = jnp.sort(logits, -1)  # [B, V]: drop the prefix whose probabilities sum to ≤ 1 − top_p
+        dropped = jnp.sum(jnp.cumsum(jax.nn.softmax(ascending, -1), -1) <= 1.0 - top_p, -1)
+        cut = jnp.take_along_axis(ascending, jnp.minimum(dropped, logits.shape[-1] - 1)[:, None], -1)
+        logits = jnp.where(logits < cut, -jnp.inf, logits)
+    if min_p is not None:
+        probs = jax.nn.softmax(logits, -1)
+        logits = jnp.where(probs < min_p * probs.max(-1, keepdims=True), -jnp.inf, logits)
+    return logits
+
+
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, eos_id, pad_id,
+             top_k=0, top_p=1.0, min_p=None):
     """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps).
 
     One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
@@ -102,7 +130,7 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
     short answers costs their length, not R. Shapes stay fixed, so it compiles once per run. After its
     EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
     `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
-    temperature 0 = greedy.
+    temperature 0 = greedy; otherwise from filter_logits(logits / temperature, top_k, top_p, min_p).
     """
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
@@ -113,8 +141,8 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
 
         def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
             key, sample_key = jax.random.split(key)
-            token = (jnp.argmax(logits, -1) if temperature == 0 else
-                     jax.random.categorical(sample_key, logits / temperature)).astype(jnp.int32)
+            token = (jnp.argmax(logits, -1) if temperature == 0 else jax.random.categorical(
+                sample_key, filter_logits(logits / temperature, top_k, top_p, min_p))).astype(jnp.int32)
             token = jnp.where(done, pad_id, token)
             return token, key, done | (token == eos_id)
 
@@ -279,6 +307,8 @@ def check_args(args, mesh):
     g, b = args.num_generations, args.batch_size
     if args.num_mini_batches < 1 or args.num_iterations < 1 or args.temperature <= 0:
         raise common.UsageError("--num-mini-batches and --num-iterations must be ≥ 1, --temperature > 0")
+    if not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= (args.min_p or 0) <= 1:
+        raise common.UsageError("--top-p must be in (0, 1], --top-k ≥ 0 (0: off), --min-p in [0, 1]")
     if g < 2 or b % g:
         raise common.UsageError(f"--batch-size {b} must be a multiple of --num-generations {g} (≥ 2: a group "
                                 "of one has no relative advantage)")
@@ -385,7 +415,8 @@ def main(args):
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, eos, pad))
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, eos, pad,
+                                                      args.top_k, args.top_p, args.min_p))
     logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, q, args.temperature))
     step_fn = remat.jit(partial(train_step, backbone, optimizer, args, context_length=q), donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
