@@ -456,7 +456,8 @@ def main(args):
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        run.log({**plumbing.phase_metrics(updates, ticks, len(idx) * r),
+        # generate tokens/s counts the tokens sampled up to and with each EOS (all R without one)
+        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())),
                  **reward_metrics(rewards, parts, lengths, has_eos), "reward_std": float(np.mean(group_std)),
                  "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
                  "charts/generate_compilations": float(gen_fn._cache_size())},

@@ -426,7 +426,7 @@ def main(args):
                                           gen_key, eos, pad, on_data)
         ticks.append(plumbing.synced(batch))
         # rewards: a score per response (1), minus the missing-EOS penalty; log-probs of policy and reference; values
-        texts, ids, _, has_eos = decode(tokenizer, batch, sequence_lengths, q)
+        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, q)
         scores, _ = scorer([prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids,
                            common.turn_end(template))
         if args.missing_eos_penalty is not None:
@@ -441,7 +441,8 @@ def main(args):
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_ppo_epochs, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        run.log({**plumbing.phase_metrics(updates, ticks, len(idx) * r), **objective,
+        # generate tokens/s counts the tokens sampled up to and with each EOS (all R without one)
+        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())), **objective,
                  "val/num_eos_tokens": float(has_eos.sum()),
                  "charts/generate_compilations": float(gen_fn._cache_size())},
                 tokens=len(idx) * (q + r), flops=len(idx) * flops_per_seq)
