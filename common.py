@@ -2,10 +2,10 @@
   1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global, to_host,
                  init_optimizer (optimizer state laid out like the params)
   2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors / hub_error (a hub failure in one line),
-                 load_model (created sharded), check_sampler; per family: logits, empty_cache, cached_forward
-                 (KV-cached, left padding); split_variables, save_model, export_hf (--export-hf); reward models;
-                 reward functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a reward model or
-                 weighted reward functions, one call)
+                 load_model (created sharded), check_sampler; per family: logits, empty_cache,
+                 cached_forward (KV-cached, left padding); split_variables, save_model, export_hf; reward
+                 models; reward functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a reward
+                 model or weighted reward functions, one call)
   3. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render, TRL's formats
                  -> text (sft_segments, preference_triple, prompt_text), read_dataset, read_prompts
   4. Data order  length_batch (padded to a length bucket, optionally grouped by length; a pure function of the
@@ -45,7 +45,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 TINY_TOKENIZER = os.path.join(HERE, "data", "tiny_tokenizer.model")
 
-# Short names -> KerasHub presets (all: keras_hub.models.CausalLM.presets); tests/test_families.py checks each family.
+# Short names -> KerasHub presets (all: keras_hub.models.CausalLM.presets); tests/test_families.py checks each.
 MODEL_ALIASES = {
     "gemma_2b": "gemma_2b_en", "gemma_7b": "gemma_7b_en",
     "gemma_2b_it": "gemma_instruct_2b_en", "gemma_7b_it": "gemma_instruct_7b_en",
@@ -268,7 +268,8 @@ def hub_error(preset, error):
     status = next((s for s in statuses if isinstance(s, int)), None)  # HTTP errors carry their response
     offline = bool(kinds & {"ConnectionError", "ConnectError", "NetworkError", "TimeoutException", "Timeout",
                             "gaierror", "LocalEntryNotFoundError"})
-    message = (_hf_error if preset.startswith("hf://") else _kaggle_error)(preset, kinds, text, status, offline)
+    explain = _hf_error if preset.startswith("hf://") else _kaggle_error
+    message = explain(preset, kinds, text, status, offline)
     return message and (f"--model {preset}: {message}; or pass a local directory (a KerasHub preset or a "
                         "Hugging Face checkpoint), or --model tiny")
 
@@ -410,8 +411,7 @@ def save_model(model, params, path):
     model.save_to_preset(path)
 
 
-# `architectures` per family where keras-hub 0.32's exporter leaves it out of config.json
-# (transformers and KerasHub's own loader read it); the other families' exporters write it.
+# `architectures` where keras-hub 0.32's exporter leaves it out of config.json (transformers and KerasHub read it)
 HF_ARCHITECTURES = {"GemmaBackbone": "GemmaForCausalLM", "QwenBackbone": "Qwen2ForCausalLM",
                     "GPT2Backbone": "GPT2LMHeadModel"}
 
@@ -433,9 +433,9 @@ def check_export_hf(name):
 
 
 def export_hf(preset_dir, path):
-    """The saved KerasHub preset `preset_dir` (LoRA merged) -> a Hugging Face checkpoint in `path`:
-    model.safetensors, config.json (with `architectures`), tokenizer files; written to path.tmp
-    and renamed once complete. Loaded on the host CPU: the exporter needs whole weights."""
+    """A saved KerasHub preset (LoRA merged) -> a Hugging Face checkpoint in `path` (model.safetensors,
+    config.json with `architectures`, tokenizer files), renamed from path.tmp once complete. On the host CPU:
+    the exporter needs whole weights."""
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
@@ -492,8 +492,7 @@ def load_reward_fn(spec, flag="--reward-fn"):
 
 
 def reward_model_scores(backbone, params, frozen, head, token_ids, padding_mask):
-    """reward.py's r_φ(x, y) = w·h + b, h the final hidden state at the last real token (the padding
-    mask's last True: right padding as in reward.py, or left-padded prompts + responses): [B] float32."""
+    """reward.py's r_φ(x, y) = w·h + b, h the final hidden state at the padding mask's last True: [B] float32."""
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):
         hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask})  # [B, T, D]
@@ -544,9 +543,9 @@ TRL_INPUTS = ("prompts", "completions", "completion_ids")
 
 
 def reward_inputs(prompts, texts, rows, completion_ids):
-    """TRL's keyword arguments of a reward function, each a list aligned with the completions:
-    prompts and completions as the dataset holds them (a chat prompt: its message list, and each
-    completion [{"role": "assistant", "content": text}]), completion_ids, and every other column."""
+    """TRL's keyword arguments of a reward function, each a list aligned with the completions: prompts and
+    completions as the dataset holds them (a chat: the prompt's messages, each completion
+    [{"role": "assistant", "content": text}]), completion_ids, and every other column."""
     chat = [isinstance(r.get("prompt"), list) for r in rows]
     columns = {k for r in rows for k in r} - {"prompt", "completion", *TRL_INPUTS}
     return {"prompts": [r["prompt"] if c else p for r, p, c in zip(rows, prompts, chat)],
@@ -556,17 +555,14 @@ def reward_inputs(prompts, texts, rows, completion_ids):
 
 
 class Scorer:
-    """s(x, y) per completion: the one scoring call of ppo.py, grpo.py and evaluate.py (load_scorer makes it).
-
-        scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)
-
-    s is the weighted sum of the parts: reward functions (TRL's form: reward_inputs; or f(prompt texts,
-    texts)) on the texts cut at `end`, the template's end-of-turn marker (`rows`: each completion's dataset
-    row), or reward.py's model on batch["query_responses"] / ["padding_mask"] [B, T] (global over `data`).
-    None from a function leaves it out of that sample's sum (TRL: "does not apply"). -> scores [B] float32
-    over `data`, and parts {a function's __name__ or "reward_model": [B] float64 on the host, NaN for None}.
-    Every process passes the whole batch. `model` (a reward model's CausalLM) and `head`: its weights, from
-    which PPO's value model starts; else None."""
+    """s(x, y) per completion, the one scoring call of ppo.py, grpo.py and evaluate.py (load_scorer makes it):
+    `scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)`, s the weighted sum of the
+    parts: reward functions (TRL's form: reward_inputs; or f(prompt texts, texts)) on the texts cut at `end`,
+    the template's end-of-turn marker (`rows`: each completion's dataset row), or reward.py's model on
+    batch["query_responses"] / ["padding_mask"] [B, T]. None from a function leaves it out of that sample's
+    sum (TRL: "does not apply"). -> scores [B] float32 over `data`, parts {a function's __name__ or
+    "reward_model": [B] float64 on the host, NaN for None}. Every process passes the whole batch. `model`
+    and `head`: a reward model's (PPO's value model starts from them), else None."""
 
     def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None):
         self.model, self.head, self.name, self.on_data = model, head, name, NamedSharding(mesh, P("data"))
@@ -619,9 +615,9 @@ class Scorer:
 
 
 def load_scorer(mesh, dtype=None, reward_model=None, reward_fns=(), weights=(), lora_rank=0):
-    """The Scorer of --reward-model (reward.py's model/ dir, loaded sharded, with `lora_rank` LoRA for
-    PPO's value model) when given, else of the --reward-fn functions (`path.py:function` each) weighted
-    by --reward-weights (empty: all 1). Files are checked here: call it before the policy loads."""
+    """The Scorer of --reward-model (reward.py's model/, loaded sharded; `lora_rank`: PPO's value model)
+    when given, else of the --reward-fn functions weighted by --reward-weights (empty: all 1). Call it
+    before the policy loads."""
     if reward_model:
         model, head = load_reward_model(reward_model, mesh, dtype, lora_rank)
         return Scorer(mesh, model=model, head=head, name=reward_model)
@@ -630,7 +626,7 @@ def load_scorer(mesh, dtype=None, reward_model=None, reward_fns=(), weights=(), 
 
 # --- 3. File formats: dataset files and TRL's row formats -> text ---
 def read_rows(path, flag="--dataset"):
-    """[(row, line number)] from .jsonl/.json, or through `datasets` for .parquet and Hub ids/dirs."""
+    """[(row, line number)] from .jsonl/.json, or through `datasets` for .parquet and Hub ids / saved dirs."""
     local = path.endswith((".jsonl", ".json", ".parquet")) or os.sep in path or path.startswith(".")
     if local and not os.path.exists(path):
         raise UsageError(f"{flag} {path}: no such file")
@@ -827,10 +823,9 @@ def _local(idx):
 
 
 def bucket_length(n, max_length):
-    """The padded length of a batch whose longest sequence has n tokens: the smallest of 32, 48,
-    64, 96, 128, 192, ... (powers of two and their 1.5x midpoints) that holds it, at most
-    max_length. A batch pads at most 1/3 of its length beyond its longest sequence, and a run
-    compiles its step at most once per bucket: 11 shapes up to 1024, 13 up to 2048."""
+    """The padded length of a batch whose longest sequence has n tokens: the smallest of 32, 48, 64, 96, 128,
+    192, ... (powers of two and 1.5x midpoints) that holds it, at most max_length: at most 1/3 padding beyond
+    the longest, and a step compiles at most once per bucket (11 shapes up to 1024, 13 up to 2048)."""
     b = 32
     while b < n:
         b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
@@ -838,12 +833,10 @@ def bucket_length(n, max_length):
 
 
 def length_batch(lengths, step, batch_size, seed, max_length, group=False):
-    """`step`'s batch: (this process's indices, its padded length, its real tokens), where
-    lengths [N] or [N, k] are the real lengths of each example's k sequences (a pair: 2).
-    The length is the bucket of the whole batch's longest sequence (every process agrees on
-    it); real tokens count the whole batch. group: each window of GROUP_WINDOW batches of the
-    stream is sorted by length and dealt out in an order drawn from (seed, window), so a batch
-    holds similar lengths and pads less; both are pure functions of (seed, step): resume is exact."""
+    """`step`'s batch: (this process's indices, the bucket of the whole batch's longest sequence, the whole
+    batch's real tokens); lengths [N] or [N, k]: each example's k sequences (a pair: 2). group: each window
+    of GROUP_WINDOW batches is sorted by length and dealt out in an order drawn from (seed, window), so a
+    batch pads less. A pure function of (seed, step): resume is exact."""
     lengths = np.asarray(lengths).reshape(len(lengths), -1)
     if group:
         window, i = divmod(step, GROUP_WINDOW)
@@ -856,11 +849,9 @@ def length_batch(lengths, step, batch_size, seed, max_length, group=False):
 
 
 def per_example(fn, data, batch_size, mesh, lengths=None, max_length=None):
-    """fn(batch [1, B, ...]) -> tuple of [B] arrays, over every example once in fixed-size global
-    batches (the last wraps around, then is trimmed; each process passes its own slice of each batch,
-    as in training). With lengths ([N] or [N, k], as length_batch): examples go in length order and
-    each batch's [N, T] arrays are cut to its bucket (bucket_length), so padding is small and
-    compilations are at most the bucket count; without: one shape, one compilation."""
+    """fn(batch [1, B, ...]) -> tuple of [B] arrays, over every example once in global batches of B (the last
+    wraps around, then is trimmed; each process passes its own slice). With lengths (as length_batch):
+    examples go in length order, each batch cut to its bucket (at most one compilation per bucket)."""
     n = len(next(iter(data.values())))
     longest = None if lengths is None else np.asarray(lengths).reshape(n, -1).max(-1)
     order = np.arange(n) if lengths is None else np.argsort(longest, kind="stable")

@@ -38,6 +38,12 @@ class Args(plumbing.RolloutArgs):
     # rollouts
     num_generations: int = 8
     """G: completions sampled per prompt (one group); --batch-size counts completions: B/G prompts a step"""
+    top_p: float = 1.0
+    """top-p: sample from the likeliest tokens that hold this probability mass (TRL: 1.0 = off)"""
+    top_k: int = 0
+    """top-k: sample among the k likeliest tokens (TRL: 0 = off); log-probs stay unfiltered, as TRL's"""
+    min_p: float | None = None
+    """min-p: drop tokens less likely than min_p × the top token's probability (TRL: None = off)"""
     # optimisation
     num_iterations: int = 1
     """μ: optimisation passes over each generation batch (>1 keeps the rollout log-probs as π_old)"""
@@ -80,15 +86,42 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 
 
 # ---------------------------------------------------------------------------
-# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once), forwards of the policy and reference
-# on query + response, group-relative advantages, the k3 KL, the clipped surrogate
+# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once; it stops when every completion has ended),
+# forwards of the policy and reference on query + response, group-relative advantages, the k3 KL,
+# the clipped surrogate
 # ---------------------------------------------------------------------------
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature):
-    """Sample `response_length` tokens after left-padded queries [B, Q] -> responses [B, R].
+def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
+    """TRL's sampling filters on logits / temperature [B, V], in transformers' order: top-k, then top-p, then
+    min-p, each on what the previous left (renormalised). A dropped token gets -inf; 0, 1.0, None: off.
 
-    One prefill writes the prompt into the cache; a `lax.scan` then feeds one token
-    per step. temperature 0 = greedy. Tokens after an EOS are sampled too and cut
-    later (truncate_response), so every shape is fixed: one compilation per run.
+    top-k keeps the k largest (ties with the k-th too); top-p keeps the most likely tokens until their
+    probabilities reach top_p (the token that crosses it included, ties at the cut too); min-p keeps the
+    tokens with p ≥ min_p · max p. The most likely token always stays.
+    """
+    if top_k:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ascending = jnp.sort(logits, -1)  # [B, V]: drop the prefix whose probabilities sum to ≤ 1 − top_p
+        dropped = jnp.sum(jnp.cumsum(jax.nn.softmax(ascending, -1), -1) <= 1.0 - top_p, -1)
+        cut = jnp.take_along_axis(ascending, jnp.minimum(dropped, logits.shape[-1] - 1)[:, None], -1)
+        logits = jnp.where(logits < cut, -jnp.inf, logits)
+    if min_p is not None:
+        probs = jax.nn.softmax(logits, -1)
+        logits = jnp.where(probs < min_p * probs.max(-1, keepdims=True), -jnp.inf, logits)
+    return logits
+
+
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, eos_id, pad_id,
+             top_k=0, top_p=1.0, min_p=None):
+    """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps).
+
+    One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
+    stops once every sequence has sampled its EOS (steps: tokens sampled per sequence, ≤ R): a batch of
+    short answers costs their length, not R. Shapes stay fixed, so it compiles once per run. After its
+    EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
+    `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
+    temperature 0 = greedy; otherwise from filter_logits(logits / temperature, top_k, top_p, min_p).
     """
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
@@ -97,16 +130,25 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
         cache = common.empty_cache(backbone, b, q + response_length)  # [B, L, 2, S, K, H]
         logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
-        def step(carry, _):
-            logits, cache, index, key = carry
+        def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
             key, sample_key = jax.random.split(key)
-            token = (jnp.argmax(logits, -1) if temperature == 0 else
-                     jax.random.categorical(sample_key, logits / temperature)).astype(jnp.int32)
-            logits, cache = common.cached_forward(backbone, token[:, None], padding_mask, cache, index)
-            return (logits[:, -1], cache, index + 1, key), token
+            token = (jnp.argmax(logits, -1) if temperature == 0 else jax.random.categorical(
+                sample_key, filter_logits(logits / temperature, top_k, top_p, min_p))).astype(jnp.int32)
+            token = jnp.where(done, pad_id, token)
+            return token, key, done | (token == eos_id)
 
-        _, tokens = jax.lax.scan(step, (logits[:, -1], cache, jnp.int32(q), key), None, length=response_length)
-    return tokens.T  # [B, R]
+        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t
+            tokens, cache, t, key, done = carry
+            fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
+            logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1)
+            token, key, done = pick(logits[:, -1], key, done)
+            return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], t, 1), cache, t + 1, key, done
+
+        token, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
+        tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
+        tokens, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has no EOS yet and t < R
+            lambda c: (c[2] < response_length) & ~c[4].all(), step, (tokens, cache, jnp.int32(1), key, done))
+    return tokens, steps
 
 
 def truncate_response(responses, eos_id, pad_id):
@@ -268,6 +310,8 @@ def check_args(args, mesh):
     g, b = args.num_generations, args.batch_size
     if args.num_mini_batches < 1 or args.num_iterations < 1 or args.temperature <= 0:
         raise common.UsageError("--num-mini-batches and --num-iterations must be ≥ 1, --temperature > 0")
+    if not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= (args.min_p or 0) <= 1:
+        raise common.UsageError("--top-p must be in (0, 1], --top-k ≥ 0 (0: off), --min-p in [0, 1]")
     if g < 2 or b % g:
         raise common.UsageError(f"--batch-size {b} must be a multiple of --num-generations {g} (≥ 2: a group "
                                 "of one has no relative advantage)")
@@ -297,7 +341,7 @@ def make_optimizer(args, max_steps):
 def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
     """Responses to host queries [B, Q] (whole on every process), cut after the first EOS -> (batch, lengths [B])."""
     qs, qm = common.put_global(queries, on_data), common.put_global(query_mask, on_data)
-    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key), eos, pad)
+    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key)[0], eos, pad)
     response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
     return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
             "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
@@ -376,7 +420,8 @@ def main(args):
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, eos, pad,
+                                                      args.top_k, args.top_p, args.min_p))
     logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, q, args.temperature))
     step_fn = remat.jit(partial(train_step, backbone, optimizer, args, context_length=q), donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
@@ -416,7 +461,8 @@ def main(args):
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        run.log({**plumbing.phase_metrics(updates, ticks, len(idx) * r),
+        # generate tokens/s counts the tokens sampled up to and with each EOS (all R without one)
+        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())),
                  **reward_metrics(rewards, parts, lengths, has_eos), "reward_std": float(np.mean(group_std)),
                  "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
                  "charts/generate_compilations": float(gen_fn._cache_size())},

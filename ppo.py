@@ -97,15 +97,20 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 
 
 # ---------------------------------------------------------------------------
-# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once), forwards of policy, reference and
-# value model on query + response, per-token rewards, GAE, whitening, the PPO losses
+# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once; it stops when every response has ended),
+# forwards of policy, reference and value model on query + response, per-token rewards, GAE, whitening,
+# the PPO losses
 # ---------------------------------------------------------------------------
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature):
-    """Sample `response_length` tokens after left-padded queries [B, Q] -> responses [B, R].
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature,
+             eos_id, pad_id):
+    """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps).
 
-    One prefill writes the prompt into the cache; a `lax.scan` then feeds one token
-    per step. temperature 0 = greedy. Tokens after an EOS are sampled too and cut
-    later (truncate_response), so every shape is fixed: one compilation per run.
+    One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
+    stops once every sequence has sampled its EOS (steps: tokens sampled per sequence, ≤ R): a batch of
+    short answers costs their length, not R. Shapes stay fixed, so it compiles once per run. After its
+    EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
+    `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
+    temperature 0 = greedy.
     """
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
@@ -114,16 +119,25 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
         cache = common.empty_cache(backbone, b, q + response_length)  # [B, L, 2, S, K, H]
         logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
-        def step(carry, _):
-            logits, cache, index, key = carry
+        def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
             key, sample_key = jax.random.split(key)
             token = (jnp.argmax(logits, -1) if temperature == 0 else
                      jax.random.categorical(sample_key, logits / temperature)).astype(jnp.int32)
-            logits, cache = common.cached_forward(backbone, token[:, None], padding_mask, cache, index)
-            return (logits[:, -1], cache, index + 1, key), token
+            token = jnp.where(done, pad_id, token)
+            return token, key, done | (token == eos_id)
 
-        _, tokens = jax.lax.scan(step, (logits[:, -1], cache, jnp.int32(q), key), None, length=response_length)
-    return tokens.T  # [B, R]
+        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t
+            tokens, cache, t, key, done = carry
+            fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
+            logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1)
+            token, key, done = pick(logits[:, -1], key, done)
+            return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], t, 1), cache, t + 1, key, done
+
+        token, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
+        tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
+        tokens, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has no EOS yet and t < R
+            lambda c: (c[2] < response_length) & ~c[4].all(), step, (tokens, cache, jnp.int32(1), key, done))
+    return tokens, steps
 
 
 def truncate_response(responses, eos_id, pad_id):
@@ -303,7 +317,7 @@ def make_optimizer(args, max_steps):
 def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
     """Responses to host queries [B, Q] (whole on every process), cut after the first EOS -> (batch, lengths [B])."""
     qs, qm = common.put_global(queries, on_data), common.put_global(query_mask, on_data)
-    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key), eos, pad)
+    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key)[0], eos, pad)
     response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
     return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
             "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
@@ -381,7 +395,7 @@ def main(args):
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, eos, pad))
     stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, q, args.temperature))
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: advantages_of(s, lp, rlp, v, sl, args))
     step_fn = remat.jit(partial(train_step, models, optimizer, args, context_length=q), donate_argnums=0,
@@ -405,7 +419,7 @@ def main(args):
                                           gen_key, eos, pad, on_data)
         ticks.append(plumbing.synced(batch))
         # rewards: a score per response (1), minus the missing-EOS penalty; log-probs of policy and reference; values
-        texts, ids, _, has_eos = decode(tokenizer, batch, sequence_lengths, q)
+        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, q)
         scores, _ = scorer([prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids,
                            common.turn_end(template))
         if args.missing_eos_penalty is not None:
@@ -420,7 +434,8 @@ def main(args):
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_ppo_epochs, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        run.log({**plumbing.phase_metrics(updates, ticks, len(idx) * r), **objective,
+        # generate tokens/s counts the tokens sampled up to and with each EOS (all R without one)
+        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())), **objective,
                  "val/num_eos_tokens": float(has_eos.sum()),
                  "charts/generate_compilations": float(gen_fn._cache_size())},
                 tokens=len(idx) * (q + r), flops=len(idx) * flops_per_seq)

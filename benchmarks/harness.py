@@ -380,7 +380,8 @@ def ppo_rollout(module, args, models, mesh, rng, vocab, ref_params):
     queries[:, 0] = BOS
     query_mask = np.ones((b, q), bool)
     scores = common.put_global(rng.normal(0, 1, b).astype(np.float32), on_data)
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(models.policy, p, f, qs, qm, k, r, args.temperature))
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(models.policy, p, f, qs, qm, k, r, args.temperature,
+                                                             EOS, 0))
     stats_fn = jax.jit(lambda p, rp, f, bt: module.rollout_stats(models, p, rp, f, bt, q, args.temperature))
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: module.advantages_of(s, lp, rlp, v, sl, args))
     order = np.random.default_rng(0)
@@ -444,7 +445,8 @@ def grpo_rollout(module, args, backbone, mesh, rng, vocab):
     tiny = common.keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER)
     tokenizer = tiny if tiny.vocabulary_size() == vocab else IdsText()
     scorer = common.load_scorer(mesh, reward_fns=[GRPO_REWARD_FN])
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(backbone, p, f, qs, qm, k, r, args.temperature))
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(backbone, p, f, qs, qm, k, r, args.temperature,
+                                                             EOS, 0))
     order = np.random.default_rng(0)
 
     def iteration(state, extra, step_fn, key):

@@ -35,6 +35,9 @@ def run(*flags, env=None):
     ({"loss_type": "bnpo"}, "--loss-type"),
     ({"scale_rewards": "std"}, "--scale-rewards"),
     ({"reward_weights": (1.0, 2.0)}, "2 weights for 1 --reward-fn"),
+    ({"top_p": 0.0}, "--top-p must be in"),
+    ({"top_k": -1}, "--top-k ≥ 0"),
+    ({"min_p": 1.5}, "--min-p in"),
 ])
 def test_inconsistent_flags_are_refused(flags, message):
     mesh = common.make_mesh(None)  # 8 simulated devices on `data`
