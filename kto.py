@@ -366,9 +366,8 @@ def main(args):
         return {"eval/loss": loss, **{f"eval/{k}": v for k, v in metrics.items()}}  # Run prints the first 3
 
     # ---- the loop: batch -> step -> log -> eval -> checkpoint ----
-    # FLOPs per token (docs/design.md): an example's sequence 6N (forward + backward) + 2N (online reference
-    # forward), a mismatched pair's 2N + 2N (forwards only): 6N a token on average over the two kinds
-    # (4N precomputed); apo_zero_unpaired: 8N (6N). N = all matmul weights incl. embedding.
+    # FLOPs per token (docs/design.md): an example 6N (forward + backward) + 2N (online reference), its
+    # mismatched pair 2N + 2N: 6N averaged over both (4N precomputed); apo_zero_unpaired: 8N (6N).
     flops_per_token = (6 - 2 * mismatched + 2 * (not args.precompute_ref)) * plumbing.count_params(backbone)
     if eval_data is not None and run.start == 0:
         run.log_eval(evaluate(state[0]))  # the starting point: policy == reference
