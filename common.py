@@ -7,7 +7,8 @@
                  models; reward functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a reward
                  model or weighted reward functions, one call)
   3. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render, TRL's formats
-                 -> text (sft_segments, preference_triple, prompt_text), read_dataset, read_prompts
+                 -> text (sft_segments, preference_triple, unpaired_example, prompt_text), read_dataset,
+                 read_prompts
   4. Data order  length_batch (padded to a length bucket, optionally grouped by length; a pure function of the
                  step: resume is exact), bucket_length, per_example
 The run shell (flags, Run, exits, remat, FLOP accounting) is plumbing.py: no algorithm needs it read.
@@ -740,19 +741,20 @@ def sft_segments(row, where, template):
     raise UsageError(f"{where}: need 'text', 'prompt'+'completion' or 'messages' (got {sorted(row)})")
 
 
-def preference_triple(row, where, template):
+def preference_triple(row, where, template, names=("chosen", "rejected")):
     """A preference row -> (prompt, chosen, rejected) texts: explicit or implicit prompt, strings or messages.
     Implicit prompt (only `chosen`/`rejected`): their longest common prefix (of messages for
-    chats; of characters for strings, a split space going to the responses)."""
+    chats; of characters for strings, a split space going to the responses). `names`: the fields read
+    as chosen and rejected (unpaired_example reads `completion` as both)."""
     if not isinstance(row, dict):
         raise UsageError(f"{where}: expected a JSON object")
-    for key in ("chosen", "rejected"):
+    for key in names:
         if key not in row:
             raise UsageError(f"{where}: missing field {key!r} (need 'chosen', 'rejected', optional 'prompt')")
-    keys = [k for k in ("prompt", "chosen", "rejected") if k in row]
-    if isinstance(row["chosen"], list):  # conversational: message lists
+    keys = [k for k in ("prompt", *names) if k in row]
+    if isinstance(row[names[0]], list):  # conversational: message lists
         prompt, chosen, rejected = (_messages(row[k], k, where, template) if k in row else []
-                                    for k in ("prompt", "chosen", "rejected"))
+                                    for k in ("prompt", *names))
         if "prompt" not in row:
             n = 0
             while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
@@ -760,7 +762,7 @@ def preference_triple(row, where, template):
             prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
         model, end = template[1], template[2]
         responses = []
-        for name, msgs in (("chosen", chosen), ("rejected", rejected)):
+        for name, msgs in zip(names, (chosen, rejected)):
             if not msgs or msgs[0]["role"] != "assistant":
                 raise UsageError(f"{where}: {name!r} must continue the prompt with an assistant turn")
             text = render(msgs, template)
@@ -768,7 +770,7 @@ def preference_triple(row, where, template):
         return (render(prompt, template) + model, *responses)
     for k in keys:
         _text(row, k, where)
-    chosen, rejected = row["chosen"], row["rejected"]
+    chosen, rejected = row[names[0]], row[names[1]]
     if "prompt" in row:
         return row["prompt"], chosen, rejected
     n = len(os.path.commonprefix([chosen, rejected]))
@@ -777,6 +779,17 @@ def preference_triple(row, where, template):
         raise UsageError(f"{where}: without 'prompt', the prompt is the longest common prefix of "
                          "'chosen' and 'rejected', which here leaves an empty prompt or response")
     return chosen[:n], chosen[n:], rejected[n:]
+
+
+def unpaired_example(row, where, template):
+    """A row of TRL's unpaired format (KTO) -> (prompt, completion, label): `prompt` and `completion`
+    strings or messages (rendered as preference_triple renders a pair), `label` a bool (True: desirable)."""
+    for key in ("prompt", "completion", "label"):
+        if not isinstance(row, dict) or key not in row:
+            raise UsageError(f"{where}: missing field {key!r} (need 'prompt', 'completion', 'label')")
+    if not isinstance(row["label"], bool):
+        raise UsageError(f"{where}: field 'label' must be true or false, got {row['label']!r:.40}")
+    return (*preference_triple(row, where, template, ("completion", "completion"))[:2], row["label"])
 
 
 def prompt_text(row, where, template):

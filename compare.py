@@ -1,4 +1,4 @@
-"""Compare post-training recipes on one base: SFT, then DPO, SimPO, ORPO, reward model + PPO, GRPO.
+"""Compare post-training recipes on one base: SFT, then DPO, SimPO, ORPO, KTO, reward model + PPO, GRPO.
 
 Every script runs through its real CLI (a subprocess), so a forked script slots in by name
 (`--extra mydpo.py`); every resulting model is scored with evaluate.py's protocol against
@@ -27,8 +27,8 @@ import common  # noqa: E402  (data files, reward functions, mesh; JAX's devices 
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
-METHODS = ("sft", "dpo", "simpo", "orpo", "ppo", "grpo")
-PREFERENCE = ("dpo", "simpo", "orpo")  # started from the SFT model on the same preference data
+METHODS = ("sft", "dpo", "simpo", "orpo", "kto", "ppo", "grpo")
+PREFERENCE = ("dpo", "simpo", "orpo", "kto")  # started from the SFT model on the same preference data
 MAIN_METRIC = ("objective/scores", "reward", "train/loss")  # the curve plotted per run: the first one logged
 RepeatedStr = Annotated[tuple[str, ...], tyro.conf.UseAppendAction]  # `--flag a --flag b` -> ("a", "b")
 FLOPS_LABEL = 'training FLOPs (SFT included; docs/design.md, "FLOPs")'  # the score-against-compute x axis
@@ -47,8 +47,8 @@ class Args:
     chat_template: Literal["gemma", "llama3", "mistral", "chatml"] | None = None
     """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
     Mistral: mistral, Qwen: chatml)"""
-    methods: str = "sft,dpo,simpo,orpo,ppo,grpo"
-    """comma-separated subset of sft,dpo,simpo,orpo,ppo,grpo (ppo trains a reward model first, see
+    methods: str = "sft,dpo,simpo,orpo,kto,ppo,grpo"
+    """comma-separated subset of sft,dpo,simpo,orpo,kto,ppo,grpo (ppo trains a reward model first, see
     --ppo-reward; grpo optimises the task score, --reward-fn)"""
     extra: tuple[str, ...] = ()
     """forked scripts (e.g. mydpo.py), each run like dpo from the SFT model; the row is the file's name"""
@@ -63,7 +63,7 @@ class Args:
     sft_steps: int = 150
     """SFT optimizer updates (the base every other method starts from)"""
     steps: int = 40
-    """optimizer updates of each preference method (dpo, simpo, orpo, --extra): one shared budget"""
+    """optimizer updates of each preference method (dpo, simpo, orpo, kto, --extra): one shared budget"""
     reward_steps: int = 40
     """reward model updates (before PPO)"""
     ppo_steps: int = 20
@@ -72,8 +72,8 @@ class Args:
     """GRPO iterations (one generation batch of 8 prompts × 8 completions + one update each: about
     PPO's wall time at its 20 iterations of 8 updates)"""
     learning_rate: float = 5e-5
-    """peak learning rate of every method after SFT (dpo, simpo, orpo, --extra, ppo, grpo); the other fixed
-    flags of the recipe are in RECIPE (the scripts' defaults are TRL's, for real pretrained models)"""
+    """peak learning rate of every method after SFT (dpo, simpo, orpo, kto, --extra, ppo, grpo); the other
+    fixed flags of the recipe are in RECIPE (the scripts' defaults are TRL's, for real pretrained models)"""
     ppo_reward: Literal["model", "fn", "both"] = "both"
     """`model`: PPO optimises a reward model trained on the same preference pairs (the same
     information the preference methods get); `fn`: the task score itself (--reward-fn, a
@@ -89,6 +89,8 @@ class Args:
     orpo_args: str = "--no-prompt-nll"
     """extra flags for orpo.py; the default puts the NLL on the chosen response only, like sft.py
     (the toy prompts are random digits: an NLL on them teaches nothing and swamps the loss)"""
+    kto_args: str = ""
+    """extra flags for kto.py (its default data: the same pairs, unpaired)"""
     reward_args: str = ""
     """extra flags for reward.py"""
     ppo_args: str = ""
@@ -130,6 +132,7 @@ RECIPE = {
     "dpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1",
     "simpo": "--batch-size 32 --grad-accum-steps 1 --warmup-steps 5 --max-length 512 --beta 2.0 --gamma 0.5",
     "orpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1",
+    "kto": "--batch-size 64 --warmup-steps 5 --max-length 512 --beta 0.1",  # the completions of dpo's 32 pairs
     "reward": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 10 --max-length 512",
     "ppo": "--batch-size 32 --num-mini-batches 2 --max-prompt-length 64 --response-length 16 "
            "--missing-eos-penalty 1.0 --kl-coef 0.05",

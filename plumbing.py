@@ -421,12 +421,16 @@ class Run:
         print(f"resumed from step {self.start}")
         return restored.state, restored.meta
 
-    def steps(self, flops_per_token=0, learning_rate=None, show=(), summed=()):
+    def steps(self, flops_per_token=0, learning_rate=None, show=(), summed=(), counted=None):
         """Step indices from the start (or resumed step) to max_steps, with a progress bar showing `show`.
-        flops_per_token: for charts/mfu; learning_rate: the schedule; summed: metrics logged as sums."""
+        flops_per_token: for charts/mfu; learning_rate: the schedule; summed: metrics logged as sums;
+        counted: {metric: count metrics} for a step's mean over some of its examples (those the count
+        metrics count; pairs of two kinds: their product): the interval's mean over all such examples,
+        0 where it has none (a plain mean of the steps would count a step without any as a 0)."""
         from tqdm import tqdm
         assert self.max_steps is not None, "call run.resolve_max_steps before the loop"
         self._flops_per_token, self._lr, self._show, self._summed = flops_per_token, learning_rate, show, summed
+        self._counted = counted or {}
         self._peak, self._t0, self._paused = peak_flops(), time.perf_counter(), 0.0
         self._bar = tqdm(total=self.max_steps, initial=self.start, desc=self.script, dynamic_ncols=True,
                          disable=not self.main)
@@ -465,6 +469,9 @@ class Run:
                                 "state (rerun with --resume and a lower --learning-rate"
                                 + (", or --skip-nonfinite)" if self.skip_nonfinite is not None else ")"))
         row = {k: float((np.sum if k in self._summed else np.mean)([m[k] for m in fetched])) for k in fetched[0]}
+        for k, counts in self._counted.items():  # each step weighted by how many examples its mean covers
+            w = np.array([np.prod([float(m[c]) for c in counts]) for m in fetched])
+            row[k] = float(np.dot([float(m[k]) for m in fetched], w) / w.sum()) if w.sum() else 0.0
         if self._lr is not None:
             row["charts/learning_rate"] = float(self._lr(self.step - 1))
         row["charts/tokens_per_sec"] = self._tokens / elapsed

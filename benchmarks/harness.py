@@ -219,7 +219,7 @@ class Algo:
     """What the harness needs of one --algo (the table ALGOS, at the end of this file)."""
     setup: Callable  # (module, args, backbone, optimizer, params, frozen, rng, (A, B, T, V), mesh, abstract) -> Bench
     args: Callable  # (module, Config) -> the script's Args at the benchmark's sizes
-    trained_models: int = 1  # LoRA: -2N per trained model
+    trained_models: float = 1  # LoRA: -2N per trained model (kto: 0.5, a backward on half its tokens)
 
 
 def script_args(module, cfg):
@@ -229,7 +229,7 @@ def script_args(module, cfg):
 
 
 def plain_args(module, cfg):
-    """sft, dpo, simpo, orpo, reward: --batch-size, --max-length, --lora-rank, --grad-accum-steps and
+    """sft, dpo, simpo, orpo, kto, reward: --batch-size, --max-length, --lora-rank, --grad-accum-steps and
     --precompute-ref as asked; a size the script has no flag for (e.g. sft --precompute-ref) is refused."""
     known = module.Args.__dataclass_fields__
     wanted = dict(batch_size=cfg.batch_size, max_length=cfg.max_length, lora_rank=cfg.lora_rank,
@@ -326,6 +326,29 @@ def _preference(module, args, backbone, optimizer, params, frozen, rng, shape, m
                 else (lambda p: jax.tree.map(jnp.copy, p)))
         extra["ref_params"] = run(copy, params, abstract=abstract)
         factor, note = 8, "online reference forward (+2N)"
+    state = (params, init_opt_state(optimizer, params, mesh, abstract))
+    return Bench(args, script_step(module, backbone=backbone, optimizer=optimizer, args=args), state, extra,
+                 put_batch(mesh, host, abstract), 2 * a * b * t, factor, note)
+
+
+def _kto(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
+    """kto.py: each example and its mismatched pair, half the examples desirable; the reference as dpo's.
+    Tokens: both sequences of every example; per token 6N on average (the example's 6N + 2N reference,
+    the pair's 2N + 2N forwards), 4N with precomputed reference log-probs."""
+    a, b, t, vocab = shape
+    host = {"label": np.arange(a * b).reshape(a, b) % 2 == 0}
+    for name in ("completion", "KL"):
+        ids, pad, mask = sequences(rng, a, b, t, vocab)
+        host.update({f"{name}_ids": ids, f"{name}_padding_mask": pad, f"{name}_loss_mask": mask})
+    extra, factor, note = {"frozen": frozen}, 6, "online reference; mismatched pairs: two forwards"
+    if args.precompute_ref:
+        for name in ("completion", "KL"):
+            host[f"ref_{name}_logps"] = rng.normal(-50, 5, (a, b)).astype(np.float32)
+        extra["ref_params"], factor, note = None, 4, "precomputed reference; mismatched pairs: one forward"
+    else:
+        copy = ((lambda p: module.lora_off(backbone, p)) if args.lora_rank
+                else (lambda p: jax.tree.map(jnp.copy, p)))
+        extra["ref_params"] = run(copy, params, abstract=abstract)
     state = (params, init_opt_state(optimizer, params, mesh, abstract))
     return Bench(args, script_step(module, backbone=backbone, optimizer=optimizer, args=args), state, extra,
                  put_batch(mesh, host, abstract), 2 * a * b * t, factor, note)
@@ -471,6 +494,7 @@ ALGOS = {
     "dpo": Algo(functools.partial(_preference, reference=True), plain_args),  # + a reference model
     "simpo": Algo(_preference, plain_args),
     "orpo": Algo(_preference, plain_args),
+    "kto": Algo(_kto, plain_args, trained_models=0.5),  # LoRA: no backward on half its tokens (the pairs')
     "reward": Algo(_reward, plain_args),
     "ppo": Algo(_ppo, ppo_args, trained_models=2),  # policy and value
     "grpo": Algo(_grpo, grpo_args),

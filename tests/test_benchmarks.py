@@ -69,7 +69,7 @@ def test_throughput_bad_algo_exits_2():
         throughput.main(throughput.Args(algo="nope"))
     out = subprocess.run([sys.executable, "-X", "importtime", script, "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
-    assert out.returncode == 0 and "--algo {sft,dpo,simpo,orpo,reward,ppo,grpo}" in out.stdout, out.stderr[-500:]
+    assert out.returncode == 0 and "--algo {sft,dpo,simpo,orpo,kto,reward,ppo,grpo}" in out.stdout, out.stderr[-500:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
     assert "plumbing" in imported and not {"jax", "keras", "common", "harness"} & imported
 

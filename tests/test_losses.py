@@ -1,5 +1,5 @@
-"""Every loss and its pure math helpers, imported from the scripts: for each of the seven losses
-(sft, dpo, simpo, orpo, reward, ppo, grpo) a case whose expected value is written as arithmetic
+"""Every loss and its pure math helpers, imported from the scripts: for each of the eight losses
+(sft, dpo, simpo, orpo, kto, reward, ppo, grpo) a case whose expected value is written as arithmetic
 here, a float64 NumPy re-derivation on random inputs and a sign/direction check; and padding
 invariance of the log-probs (sequence_logps, token_logps against the model's full logits).
 
@@ -7,6 +7,7 @@ The scripts' CLIs, updates on real rollouts and learning are tested in the per-s
 """
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -15,10 +16,13 @@ import common  # first: KERAS_BACKEND=jax
 import dpo
 import jax
 import jax.numpy as jnp
+import kto
 import orpo
 import simpo
 from dpo import dpo_loss
 from grpo import aggregate, group_advantages, grpo_loss, k3_kl
+from helpers import ROOT
+from kto import kto_loss
 from orpo import orpo_loss
 from ppo import compute_gae, compute_rewards, ppo_loss, whiten
 from reward import reward_loss
@@ -217,6 +221,104 @@ def test_orpo_numerically_safe_at_extremes():
     g = jax.grad(lambda c, r: orpo_loss(c, r, 1.0, 0.1)[0], argnums=(0, 1))(c, r)
     assert np.isfinite(float(loss)) and all(np.isfinite(float(v)) for v in m.values())
     assert np.isfinite(np.asarray(g[0])).all() and np.isfinite(np.asarray(g[1])).all()
+
+
+# ---------------------------------------------------------------------------
+# KTO
+# ---------------------------------------------------------------------------
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def _kto(logps, ref_logps, kl_logps, ref_kl_logps, labels, **kw):
+    arr = lambda x: jnp.array(x, jnp.float32)
+    return kto_loss(arr(logps), arr(ref_logps), arr(kl_logps), arr(ref_kl_logps), jnp.array(labels), **kw)
+
+
+def test_kto_hand_worked():
+    # policy == reference: every log-ratio r = 0 and z₀ = 0, so each example's loss is 1 − σ(0) = ½
+    loss, m = _kto([-5.0, -9.0], [-5.0, -9.0], [-7.0, -2.0], [-7.0, -2.0], [True, False])
+    assert float(loss) == 0.5 and float(m["kl"]) == 0.0 and float(m["rewards/margins"]) == 0.0
+    # desirable: r = −1 − (−3) = 2; undesirable: r = −6 − (−4) = −2; the mismatched pairs' log-ratios are
+    # −10 − (−11) = 1 and −12 − (−12) = 0, so z₀ = (1 + 0)/2 = ½; β = ½:
+    #   desirable 1 − σ(½(2 − ½)) = 1 − σ(0.75), undesirable 1 − σ(½(½ − (−2))) = 1 − σ(1.25)
+    args = ([-1.0, -6.0], [-3.0, -4.0], [-10.0, -12.0], [-11.0, -12.0], [True, False])
+    loss, m = _kto(*args, beta=0.5)
+    assert float(loss) == pytest.approx(((1 - sigmoid(0.75)) + (1 - sigmoid(1.25))) / 2, rel=1e-6)
+    assert float(m["kl"]) == pytest.approx(0.5)
+    assert float(m["rewards/chosen"]) == pytest.approx(1.0) and float(m["rewards/rejected"]) == pytest.approx(-1.0)
+    assert float(m["rewards/margins"]) == pytest.approx(2.0)
+    assert float(m["logps/chosen"]) == -1.0 and float(m["logps/rejected"]) == -6.0
+    assert int(m["count/chosen"]) == 1 and int(m["count/rejected"]) == 1
+    # the weights: λ_D = 2, λ_U = 0.5 scale each example's loss before the batch mean
+    loss, _ = _kto(*args, beta=0.5, desirable_weight=2.0, undesirable_weight=0.5)
+    assert float(loss) == pytest.approx((2 * (1 - sigmoid(0.75)) + 0.5 * (1 - sigmoid(1.25))) / 2, rel=1e-6)
+    # apo_zero_unpaired: no reference point (z₀ = 0): 1 − σ(½·2) and 1 − σ(½(0 − (−2)))
+    loss, m = _kto(*args, beta=0.5, loss_type="apo_zero_unpaired")
+    assert float(loss) == pytest.approx(1 - sigmoid(1.0), rel=1e-6) and float(m["kl"]) == 0.0
+    with pytest.raises(ValueError):
+        _kto(*args, loss_type="sigmoid")
+
+
+def test_kto_reference_point_is_clamped_at_zero():
+    # mismatched log-ratios −12 − (−9) = −3 and −5 − (−4) = −1: their mean −2 is clamped to z₀ = 0, so with
+    # r = ±2 and β = ½ both examples lose 1 − σ(1) (unclamped it would be 1 − σ(½·4) and 1 − σ(0) = ½)
+    loss, m = _kto([-1.0, -6.0], [-3.0, -4.0], [-12.0, -5.0], [-9.0, -4.0], [True, False], beta=0.5)
+    assert float(m["kl"]) == 0.0
+    assert float(loss) == pytest.approx(1 - sigmoid(1.0), rel=1e-6)
+
+
+def test_kto_batches_of_one_kind_give_finite_metrics():
+    """No undesirable example: their means are 0 (not 0/0 = NaN), their count 0, and so is the margin."""
+    loss, m = _kto([-1.0, -2.0], [-2.0, -2.5], [-3.0, -3.0], [-3.5, -2.5], [True, True], beta=0.5)
+    assert all(np.isfinite(float(v)) for v in (loss, *m.values()))
+    assert int(m["count/rejected"]) == 0 and float(m["rewards/rejected"]) == 0.0 and float(m["logps/rejected"]) == 0.0
+    assert float(m["rewards/margins"]) == 0.0 and float(m["rewards/chosen"]) == pytest.approx(0.5 * (1.0 + 0.5) / 2)
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_kto_float64_rederivation(loss_type):
+    """From the paper's form: L = mean over examples of λ_y − v(x, y), v = λ_D σ(β(r − z₀)) for a desirable
+    y and λ_U σ(β(z₀ − r)) for an undesirable one; APO-zero's unpaired loss as TRL writes it."""
+    rng = np.random.default_rng(4)
+    n, beta, w_d, w_u = 24, 0.2, 1.3, 0.7
+    logps, ref_logps = rng.uniform(-40, -5, n), rng.uniform(-40, -5, n)
+    kl_logps = rng.uniform(-40, -5, n)
+    ref_kl_logps = kl_logps - rng.uniform(0.0, 4.0, n)  # the mismatched log-ratios average ~2: z₀ > 0
+    desirable = rng.uniform(size=n) < 0.4
+    r = logps - ref_logps
+    sig = lambda x: 1 / (1 + np.exp(-x))
+    if loss_type == "kto":
+        z0 = max(0.0, float(np.mean(kl_logps - ref_kl_logps)))
+        value = np.where(desirable, w_d * sig(beta * (r - z0)), w_u * sig(beta * (z0 - r)))
+        want = np.mean(np.where(desirable, w_d, w_u) - value)
+    else:
+        z0 = 0.0
+        want = np.mean(np.where(desirable, w_d * (1 - sig(beta * r)), w_u * sig(beta * r)))
+    loss, m = kto_loss(*map(jnp.asarray, (logps, ref_logps, kl_logps, ref_kl_logps, desirable)), beta, w_d, w_u,
+                       loss_type)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(float(m["kl"]), z0, rtol=1e-5)
+    chosen, rejected = beta * r[desirable].mean(), beta * r[~desirable].mean()
+    np.testing.assert_allclose([m["rewards/chosen"], m["rewards/rejected"], m["rewards/margins"]],
+                               [chosen, rejected, chosen - rejected], rtol=1e-5)
+    np.testing.assert_allclose([m["logps/chosen"], m["logps/rejected"]],
+                               [logps[desirable].mean(), logps[~desirable].mean()], rtol=1e-5)
+    assert int(m["count/chosen"]) == desirable.sum() and int(m["count/rejected"]) == (~desirable).sum()
+
+
+def test_kto_direction_and_detached_reference_point():
+    """Raising a desirable example's log-prob lowers the loss, raising an undesirable one's raises it; no
+    gradient reaches the mismatched pairs (z₀ is a detached reference point, not a target)."""
+    logps, ref_logps = jnp.array([-10.0, -12.0, -11.0]), jnp.array([-10.5, -11.0, -10.0])
+    kl_logps, ref_kl_logps = jnp.array([-9.0, -8.0, -7.0]), jnp.array([-10.0, -9.0, -7.5])  # z₀ = 5/6
+    labels = jnp.array([True, False, True])
+    g, g_kl = jax.grad(lambda x, k: kto_loss(x, ref_logps, k, ref_kl_logps, labels)[0], argnums=(0, 1))(
+        logps, kl_logps)
+    assert g[0] < 0 and g[2] < 0 and g[1] > 0
+    assert (np.asarray(g_kl) == 0).all()
+    loss = lambda x: float(kto_loss(x, ref_logps, kl_logps, ref_kl_logps, labels)[0])
+    assert loss(logps.at[0].add(1.0)) < loss(logps) < loss(logps.at[1].add(1.0))
 
 
 # ---------------------------------------------------------------------------
@@ -626,7 +728,7 @@ def test_gspo_ignores_padded_log_probs():
 # ---------------------------------------------------------------------------
 # Log-probs: sequence_logps (shift, padding), token_logps against the model's full logits
 # ---------------------------------------------------------------------------
-@pytest.mark.parametrize("module", [dpo, simpo, orpo])
+@pytest.mark.parametrize("module", [dpo, simpo, orpo, kto])
 def test_sequence_logps_shift_and_padding(module):
     logps = jnp.array([[-1.0, -2.0, -3.0, -4.0, 9.0, 9.0]])  # position t scores token t+1
     mask = jnp.array([[False, False, True, True, True, False, False]])  # BOS, prompt, 3 response, 2 pad
@@ -645,6 +747,20 @@ def test_padding_invariance_of_sequence_logps_through_the_model(prefs):
     for a, b in zip(short, long):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
     assert np.all(np.asarray(short[0]) < 0) and not np.allclose(short[0], short[1])
+
+
+def test_kto_padding_invariance_through_the_model(prefs):
+    """kto.concatenated_forward: each example and its mismatched pair score the same at two paddings."""
+    _, model, _ = prefs
+    path = os.path.join(ROOT, "data", "kto_eval.jsonl")
+    examples = kto.read_examples(path, common.chat_template("tiny"))
+    rows, _ = kto.tokenize_dataset(examples[:4] + examples[-4:], model.preprocessor.tokenizer, 512, path, seed=0)
+    params, frozen = common.split_variables(model.backbone)
+    fwd = jax.jit(lambda b: kto.concatenated_forward(model.backbone, params, frozen, b))
+    short, long = fwd(kto.pad_examples(rows, 32)), fwd(kto.pad_examples(rows, 48))
+    for a, b in zip(short, long):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+    assert np.all(np.asarray(short[0]) < 0) and not np.allclose(short[0], short[1])  # another completion
 
 
 @pytest.fixture(scope="module")
