@@ -4,7 +4,7 @@ Ahmadian et al. 2024 (Back to Basics); TRL's RLOOTrainer: sequence-level KL in t
     python rloo.py --model runs/sft…/model --reward-fn my_checks.py:correct my_checks.py:formatted
 Offline, toy checker data/toy.py:batch_score (the defaults are for real models; `tiny` takes its own):
     python rloo.py --model tiny --max-steps 30 --batch-size 64 --num-generations 8 --learning-rate 3e-4 \
-        --max-prompt-length 64 --response-length 16
+        --max-prompt-length 64 --response-length 16 --beta 0.01
 """
 
 import math
@@ -26,7 +26,7 @@ import optax  # noqa: E402
 
 @dataclass
 class Args(plumbing.RolloutArgs):
-    """The shared flags (plumbing.RolloutArgs: model, dtype, mesh, prompts, lengths, outputs, …) plus RLOO's."""
+    """The shared flags (plumbing.RolloutArgs: model, dtype, mesh, prompts, lengths, outputs, …) + RLOO's."""
     # rewards
     reward_fn: tuple[str, ...] = (os.path.join(common.HERE, "data", "toy.py") + ":batch_score",)
     """one or more `path.py:function`: TRL's f(prompts, completions, **columns) or f(prompts, responses)"""
@@ -295,7 +295,8 @@ def check_args(args, mesh):
         raise common.UsageError(f"--batch-size {b} must split into --num-mini-batches {args.num_mini_batches} "
                                 f"each divisible by the data axis ({mesh.shape['data']})")
     if args.reward_clip_range is not None and not args.reward_clip_range[0] < args.reward_clip_range[1]:
-        raise common.UsageError(f"--reward-clip-range {args.reward_clip_range}: expected MIN < MAX")
+        low, high = args.reward_clip_range
+        raise common.UsageError(f"--reward-clip-range {low} {high}: expected MIN < MAX")
     if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
         raise common.UsageError(f"--reward-weights: {len(args.reward_weights)} weights for "
                                 f"{len(args.reward_fn)} --reward-fn functions")
