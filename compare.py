@@ -27,7 +27,7 @@ import common  # noqa: E402  (data files, reward functions, mesh; JAX's devices 
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
-METHODS = ("sft", "dpo", "simpo", "orpo", "kto", "ppo", "grpo")
+METHODS = ("sft", "dpo", "simpo", "orpo", "kto", "ppo", "grpo", "rloo")
 PREFERENCE = ("dpo", "simpo", "orpo", "kto")  # started from the SFT model on the same preference data
 MAIN_METRIC = ("objective/scores", "reward", "train/loss")  # the curve plotted per run: the first one logged
 RepeatedStr = Annotated[tuple[str, ...], tyro.conf.UseAppendAction]  # `--flag a --flag b` -> ("a", "b")
@@ -47,9 +47,9 @@ class Args:
     chat_template: Literal["gemma", "llama3", "mistral", "chatml"] | None = None
     """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
     Mistral: mistral, Qwen: chatml)"""
-    methods: str = "sft,dpo,simpo,orpo,kto,ppo,grpo"
-    """comma-separated subset of sft,dpo,simpo,orpo,kto,ppo,grpo (ppo trains a reward model first, see
-    --ppo-reward; grpo optimises the task score, --reward-fn)"""
+    methods: str = "sft,dpo,simpo,orpo,ppo,grpo"
+    """comma-separated subset of sft,dpo,simpo,orpo,kto,ppo,grpo,rloo (ppo trains a reward model first, see
+    --ppo-reward; grpo and rloo optimise the task score, --reward-fn)"""
     extra: tuple[str, ...] = ()
     """forked scripts (e.g. mydpo.py), each run like dpo from the SFT model; the row is the file's name"""
     seeds: int = 3
@@ -71,9 +71,11 @@ class Args:
     grpo_steps: int = 100
     """GRPO iterations (one generation batch of 8 prompts × 8 completions + one update each: about
     PPO's wall time at its 20 iterations of 8 updates)"""
+    rloo_steps: int = 100
+    """RLOO iterations (as GRPO's: 8 prompts × 8 completions + one update each)"""
     learning_rate: float = 5e-5
-    """peak learning rate of every method after SFT (dpo, simpo, orpo, kto, --extra, ppo, grpo); the other
-    fixed flags of the recipe are in RECIPE (the scripts' defaults are TRL's, for real pretrained models)"""
+    """peak learning rate of every method after SFT (dpo, simpo, orpo, kto, --extra, ppo, grpo, rloo); the
+    other fixed flags of the recipe are in RECIPE (the scripts' defaults are TRL's, for real pretrained models)"""
     ppo_reward: Literal["model", "fn", "both"] = "both"
     """`model`: PPO optimises a reward model trained on the same preference pairs (the same
     information the preference methods get); `fn`: the task score itself (--reward-fn, a
@@ -97,6 +99,8 @@ class Args:
     """extra flags for ppo.py"""
     grpo_args: str = ""
     """extra flags for grpo.py"""
+    rloo_args: str = ""
+    """extra flags for rloo.py"""
     extra_args: str = ""
     """extra flags for every --extra script"""
     # evaluation (evaluate.py's protocol)
@@ -137,6 +141,8 @@ RECIPE = {
     "ppo": "--batch-size 32 --num-mini-batches 2 --max-prompt-length 64 --response-length 16 "
            "--missing-eos-penalty 1.0 --kl-coef 0.05",
     "grpo": "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 16 --beta 0.04",
+    # not in the committed comparison; β 0.01 as docs/rloo.md measured (TRL's 0.05 drowns the toy reward)
+    "rloo": "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 16 --beta 0.01",
 }
 
 
@@ -188,6 +194,9 @@ def plan(args, output_dir):
     if "grpo" in methods:  # a verifiable reward: the task score itself, like ppo_fn
         rows.append(("grpo", script("grpo"), "grpo", args.grpo_steps, lambda s: ["--reward-fn", args.reward_fn],
                      args.grpo_args, False))
+    if "rloo" in methods:
+        rows.append(("rloo", script("rloo"), "rloo", args.rloo_steps, lambda s: ["--reward-fn", args.reward_fn],
+                     args.rloo_args, False))
     grid = parse_sweep(args.sweep, [r[0] for r in rows])
     template = ["--chat-template", args.chat_template] if args.chat_template else []
 

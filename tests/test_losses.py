@@ -1,5 +1,5 @@
-"""Every loss and its pure math helpers, imported from the scripts: for each of the eight losses
-(sft, dpo, simpo, orpo, kto, reward, ppo, grpo) a case whose expected value is written as arithmetic
+"""Every loss and its pure math helpers, imported from the scripts: for each of the nine losses
+(sft, dpo, simpo, orpo, kto, reward, ppo, grpo, rloo) a case whose expected value is written as arithmetic
 here, a float64 NumPy re-derivation on random inputs and a sign/direction check; and padding
 invariance of the log-probs (sequence_logps, token_logps against the model's full logits).
 
@@ -26,6 +26,7 @@ from kto import kto_loss
 from orpo import orpo_loss
 from ppo import compute_gae, compute_rewards, ppo_loss, whiten
 from reward import reward_loss
+from rloo import rloo_advantages, rloo_loss, sequence_kl
 from sft import sft_loss, token_logps
 from simpo import simpo_loss
 
@@ -723,6 +724,136 @@ def test_gspo_ignores_padded_log_probs():
         for fill in (30.0, -30.0):  # a padded log π far from π_old: it must not move s_i
             changed = _grpo_loss(np.where(mask, lp, fill), old, adv, mask, loss_type=mode, level="sequence")
             assert changed[0] == base[0] and changed[1] == base[1], (mode, fill)
+
+
+# ---------------------------------------------------------------------------
+# rloo.py: the leave-one-out baseline, the sequence KL folded into the reward, the clipped sequence ratio
+# ---------------------------------------------------------------------------
+def _rloo_loss(logps, old, advantages, mask, eps=0.2, eps_high=0.2):
+    arr = lambda x: jnp.array(x, jnp.float32)
+    return rloo_loss(arr(logps), arr(old), arr(advantages), jnp.array(mask, bool), eps, eps_high)
+
+
+def test_rloo_leave_one_out_baseline_by_hand():
+    # k = 4, rewards 1, 0, 0, 0: completion 1's baseline is the mean of 0, 0, 0 = 0 → A = 1; each other's
+    # is (1 + 0 + 0) / 3 → A = −1/3. The identity A_i = k/(k−1)·(r_i − mean r): 4/3 · (1 − ¼) = 1,
+    # 4/3 · (0 − ¼) = −⅓.
+    # Second group 2, 2, 2, 2: every baseline 2, A = 0.
+    rewards = jnp.array([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    adv, std = rloo_advantages(rewards, jnp.zeros(8), 4, beta=0.05)
+    np.testing.assert_allclose(adv, [1, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(adv[:4], 4 / 3 * (np.array([1, 0, 0, 0]) - 0.25), rtol=1e-6)
+    np.testing.assert_allclose(std, [np.sqrt(0.75 ** 2 + 3 * 0.25 ** 2) / np.sqrt(3), 0.0], rtol=1e-6)
+    # k = 2 (TRL's default): each completion against the other, A = r_1 − r_2 and r_2 − r_1
+    pair, _ = rloo_advantages(jnp.array([3.0, 0.5]), jnp.zeros(2), 2, beta=0.0)
+    np.testing.assert_allclose(pair, [2.5, -2.5])
+
+
+def test_rloo_kl_folds_into_the_reward_then_the_loss_by_hand():
+    # Two completions of one prompt (k = 2), rewards 1 and 0, R = 2.
+    # Completion 1, 2 real tokens: log π_old −1, −2; log π_ref −1.5, −2.5 → KL_1 = 0.5 + 0.5 = 1.
+    # Completion 2, 1 real token: log π_old −1, log π_ref −0.5 → KL_2 = −0.5 (k1 may be negative); its
+    # padding holds 40 (π_old) against −40 (π_ref): were it counted, KL_2 would be 79.5.
+    old = [[-1.0, -2.0], [-1.0, 40.0]]
+    ref = [[-1.5, -2.5], [-0.5, -40.0]]
+    mask = jnp.array([[True, True], [True, False]])
+    kl = sequence_kl(jnp.array(old), jnp.array(ref), mask)
+    np.testing.assert_allclose(kl, [1.0, -0.5], rtol=1e-6)
+    # β = 0.5: shaped rewards 1 − 0.5·1 = 0.5 and 0 − 0.5·(−0.5) = 0.25 → A = 0.5 − 0.25 = 0.25 and −0.25
+    adv, _ = rloo_advantages(jnp.array([1.0, 0.0]), kl, 2, beta=0.5)
+    np.testing.assert_allclose(adv, [0.25, -0.25], rtol=1e-6)
+    # --reward-clip-range (−1, 1) clips the rewards 5, −5 before the penalty, never the KL: shaped 1 − 0.5 · 2
+    # = 0 and −1 − 0 = −1 → A = ±1 (clipping after the penalty would give 1 and −1 → A = ±2)
+    clipped, _ = rloo_advantages(jnp.array([5.0, -5.0]), jnp.array([2.0, 0.0]), 2, beta=0.5,
+                                 reward_clip_range=(-1, 1))
+    np.testing.assert_allclose(clipped, [1.0, -1.0], rtol=1e-6)
+    # Off-policy update: completion 1's log-ratio sums to 0.05 + 0.05 = 0.1 → ratio e^0.1 inside [0.8, 1.2]:
+    # term −0.25 e^0.1. Completion 2: −0.3 on its real token (its padding, 9 against 40, must not count)
+    # → ratio e^−0.3 ≈ 0.741 < 0.8 with A < 0: min(−0.25 · 0.741, −0.25 · 0.8) = −0.2 → term +0.2.
+    # The loss is the mean over the two completions (not over their three tokens).
+    logps = [[-0.95, -1.95], [-1.3, 9.0]]
+    loss, m = _rloo_loss(logps, old, adv, mask)
+    np.testing.assert_allclose(loss, (-0.25 * np.exp(0.1) + 0.2) / 2, rtol=1e-5)
+    assert m["clip_ratio/low_mean"] == 0.5 and m["clip_ratio/high_mean"] == 0.0
+    assert m["clip_ratio/region_mean"] == 0.5
+    assert m["clip_ratio/low_min"] == 0.0 and m["clip_ratio/high_max"] == 0.0  # not all / none clipped
+
+
+def test_rloo_numpy_float64_from_the_definitions():
+    """Leave-one-out by an explicit loop over the others, KL and sequence log-probs summed over each
+    completion's real tokens only (padding holds garbage), the clipped ratio per completion, the mean."""
+    rng = np.random.default_rng(5)
+    k, groups, r, beta, eps, eps_high = 4, 3, 6, 0.1, 0.2, 0.28
+    b = k * groups
+    lengths = rng.integers(1, r + 1, b)
+    mask = np.arange(r)[None] < lengths[:, None]
+    rewards = rng.normal(size=b)
+    old, ref = rng.normal(-2, 0.4, (b, r)), rng.normal(-2, 0.4, (b, r))
+    logps = old + rng.normal(0, 0.15, (b, r))
+    garbage = lambda x: np.where(mask, x, rng.normal(0, 30, (b, r)))
+    shaped = [rewards[i] - beta * sum(old[i, t] - ref[i, t] for t in range(lengths[i])) for i in range(b)]
+    want_adv = []
+    for i in range(b):
+        others = [shaped[j] for j in range(i - i % k, i - i % k + k) if j != i]
+        want_adv.append(shaped[i] - sum(others) / (k - 1))
+    want_adv = np.array(want_adv)
+    f32 = lambda x: jnp.array(x, jnp.float32)
+    kl = sequence_kl(f32(garbage(old)), f32(garbage(ref)), jnp.array(mask))
+    adv, _ = rloo_advantages(jnp.array(rewards, jnp.float32), kl, k, beta)
+    np.testing.assert_allclose(adv, want_adv, rtol=1e-4, atol=1e-5)
+    normalised = rloo_advantages(jnp.array(rewards, jnp.float32), kl, k, beta, normalize_advantages=True)[0]
+    np.testing.assert_allclose(normalised, (want_adv - want_adv.mean()) / (np.std(want_adv, ddof=1) + 1e-4),
+                               rtol=1e-4, atol=1e-5)
+    terms, low, high = [], [], []
+    for i, n in enumerate(lengths):
+        ratio = np.exp(logps[i, :n].sum() - old[i, :n].sum())
+        terms.append(-min(ratio * want_adv[i], np.clip(ratio, 1 - eps, 1 + eps_high) * want_adv[i]))
+        low.append(ratio < 1 - eps and want_adv[i] < 0)
+        high.append(ratio > 1 + eps_high and want_adv[i] > 0)
+    assert 0 < np.mean(low) + np.mean(high) < 1  # both branches exercised
+    loss, m = _rloo_loss(garbage(logps), garbage(old), want_adv, mask, eps, eps_high)
+    np.testing.assert_allclose(loss, np.mean(terms), rtol=1e-5)
+    got = [m["clip_ratio/low_mean"], m["clip_ratio/high_mean"], m["clip_ratio/region_mean"]]
+    np.testing.assert_allclose(got, [np.mean(low), np.mean(high), np.mean(np.array(low) | np.array(high))])
+
+
+def test_rloo_direction_and_on_policy_gradient():
+    """Raising the log-prob of the positive-advantage completion lowers the loss (and of the negative one
+    raises it); on-policy (π_old = sg(π_θ)) the gradient is −A_i / B on every real token, 0 on padding."""
+    mask = [[True, True, False], [True, False, False]]
+    old = np.zeros((2, 3))
+    lp = np.zeros((2, 3))
+    adv = [1.0, -1.0]
+    base = _rloo_loss(lp, old, adv, mask)[0]
+    assert _rloo_loss(lp + [[0.05], [0.0]], old, adv, mask)[0] < base
+    assert _rloo_loss(lp + [[0.0], [0.05]], old, adv, mask)[0] > base
+    on_policy = jax.grad(lambda x: _rloo_loss(x, jax.lax.stop_gradient(x), adv, mask)[0])
+    on_policy = on_policy(jnp.full((2, 3), -1.0))
+    np.testing.assert_allclose(on_policy, [[-0.5, -0.5, 0.0], [0.5, 0.0, 0.0]], rtol=1e-6)
+
+
+def test_rloo_clipping_by_hand():
+    # one completion, two real tokens with log-ratios 0.3 + 0.2 = 0.5 → ratio e^0.5 ≈ 1.65, A = +1:
+    # clipped at 1 + ε → loss −1.2, no gradient; with ε_high = 0.28 → −1.28
+    mask = [[True, True]]
+    loss, m = _rloo_loss([[0.3, 0.2]], [[0.0, 0.0]], [1.0], mask)
+    np.testing.assert_allclose(loss, -1.2, rtol=1e-6)
+    assert m["clip_ratio/high_mean"] == m["clip_ratio/high_max"] == m["clip_ratio/region_mean"] == 1.0
+    loss_high = _rloo_loss([[0.3, 0.2]], [[0.0, 0.0]], [1.0], mask, eps_high=0.28)[0]
+    np.testing.assert_allclose(loss_high, -1.28, rtol=1e-6)
+    grad = jax.grad(lambda x: _rloo_loss(x, [[0.0, 0.0]], [1.0], mask)[0])(jnp.array([[0.3, 0.2]]))
+    assert np.all(np.asarray(grad) == 0.0)
+    # ratio e^−0.5 ≈ 0.61, A = −1: clipped from below at 1 − ε → loss +0.8
+    loss, m = _rloo_loss([[-0.5, 0.0]], [[0.0, 0.0]], [-1.0], mask)
+    np.testing.assert_allclose(loss, 0.8, rtol=1e-6)
+    assert m["clip_ratio/low_mean"] == 1.0 and m["clip_ratio/low_min"] == 1.0
+    # ratio e^0.5 with A = −1: the pessimistic min keeps the unclipped e^0.5, and its gradient
+    loss, m = _rloo_loss([[0.3, 0.2]], [[0.0, 0.0]], [-1.0], mask)
+    np.testing.assert_allclose(loss, np.exp(0.5), rtol=1e-6)
+    assert m["clip_ratio/region_mean"] == 0.0
+    # inside [1 − ε, 1 + ε]: the plain ratio, e^0.1 · A
+    inside = _rloo_loss([[0.1, 0.0]], [[0.0, 0.0]], [2.0], mask)[0]
+    np.testing.assert_allclose(inside, -2 * np.exp(0.1), rtol=1e-6)
 
 
 # ---------------------------------------------------------------------------
