@@ -127,7 +127,7 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):
-        cache = common.empty_cache(backbone, b, q + response_length)  # [B, L, 2, S, K, H]
+        cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
         logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
         def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
