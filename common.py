@@ -363,30 +363,35 @@ def logits(backbone, hidden):
 
 
 def empty_cache(backbone, batch, length):
-    """A zero KV cache [B, L, 2, S, K, H], the layout of every FAMILIES' CausalLM.call_with_cache."""
+    """A zero KV cache: L arrays [B, 2, S, K, H], one per layer (call_with_cache's [B, L, 2, S, K, H] is
+    their jnp.stack(…, 1)). Apart, a decode step updates each in place; stacked, it copied them all."""
     head_dim = getattr(backbone, "head_dim", None) or backbone.hidden_dim // backbone.num_query_heads
-    return jnp.zeros((batch, backbone.num_layers, 2, length, backbone.num_key_value_heads, head_dim),
-                     backbone.compute_dtype)
+    shape = (batch, 2, length, backbone.num_key_value_heads, head_dim)
+    return tuple(jnp.zeros(shape, backbone.compute_dtype) for _ in range(backbone.num_layers))
 
 
 def cached_forward(backbone, token_ids, padding_mask, cache, index):
     """The family's CausalLM.call_with_cache plus a key padding mask, for left-padded prompts: token_ids
     [B, t] go to cache positions index…index+t-1; padding_mask [B, S] masks the padding as keys (the layers
     AND it with their causal / sliding-window mask). RoPE positions count the padding, which changes
-    nothing: scores depend only on query-key distance. -> (logits [B, t, V] float32, cache [B, L, 2, S, K, H])."""
+    nothing: scores depend only on query-key distance.
+    -> (logits [B, t, V] float32, cache: L arrays [B, 2, S, K, H], as empty_cache)."""
     gemma = isinstance(backbone, keras_hub.models.GemmaBackbone)
     x = backbone.token_embedding(token_ids)
     if gemma:
         x = x * jnp.sqrt(jnp.asarray(backbone.hidden_dim, x.dtype))  # Gemma's embedding scale
     caches = []
-    for i, layer in enumerate(backbone.transformer_layers):
+    for layer, c in zip(backbone.transformer_layers, cache):
         if gemma:
-            x, c = layer(x, padding_mask=padding_mask, cache=cache[:, i], cache_update_index=index)
+            x, new = layer(x, padding_mask=padding_mask, cache=c, cache_update_index=index)
         else:  # Llama 3, Mistral, Qwen 2.5 / 3 decoders
-            x, c = layer(x, decoder_padding_mask=padding_mask, self_attention_cache=cache[:, i],
-                         self_attention_cache_update_index=index)
-        caches.append(c)
-    return logits(backbone, backbone.layer_norm(x)), jnp.stack(caches, 1)
+            x, new = layer(x, decoder_padding_mask=padding_mask, self_attention_cache=c,
+                           self_attention_cache_update_index=index)
+        # only the t new positions [B, 2, t, K, H] go back into c: XLA then updates it in place, where the
+        # layer's returned cache (a jnp.stack of its K and V) rewrote every entry at every decode step
+        new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
+        caches.append(jax.lax.dynamic_update_slice(c, new, (0, 0, index, 0, 0)))
+    return logits(backbone, backbone.layer_norm(x)), tuple(caches)
 
 
 def split_variables(backbone):
