@@ -125,13 +125,19 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):
-        cache = common.empty_cache(backbone, b, q + response_length)  # [B, L, 2, S, K, H]
+        cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
         logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
         def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
             key, sample_key = jax.random.split(key)
-            token = (jnp.argmax(logits, -1) if temperature == 0 else jax.random.categorical(
-                sample_key, filter_logits(logits / temperature, top_k, top_p, min_p))).astype(jnp.int32)
+            if temperature == 0:
+                token = jnp.argmax(logits, -1).astype(jnp.int32)
+            else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
+                # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
+                z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
+                    logits / temperature, top_k, top_p, min_p)  # [B, V]
+                first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
+                token = first.min(-1).astype(jnp.int32)
             token = jnp.where(done, pad_id, token)
             return token, key, done | (token == eos_id)
 
