@@ -225,7 +225,7 @@ class SharedArgs:
 
 @dataclasses.dataclass
 class RolloutArgs(SharedArgs):
-    """SharedArgs plus what every RL script (ppo, grpo) samples with: prompts, lengths, temperature."""
+    """SharedArgs plus what every RL script (ppo, grpo, rloo) samples with: prompts, lengths, temperature."""
     # data
     dataset: str = os.path.join(HERE, "data", "prompts_train.jsonl")
     """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, or a Hugging Face dataset"""
