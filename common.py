@@ -632,26 +632,36 @@ def load_scorer(mesh, dtype=None, reward_model=None, reward_fns=(), weights=(), 
 
 # --- 3. File formats: dataset files and TRL's row formats -> text ---
 def read_rows(path, flag="--dataset"):
-    """[(row, line number)] from .jsonl/.json, or through `datasets` for .parquet and Hub ids / saved dirs."""
-    local = path.endswith((".jsonl", ".json", ".parquet")) or os.sep in path or path.startswith(".")
+    """[(row, line number)] from .jsonl, or .json (JSON, or JSON Lines as `Dataset.to_json` writes them), or
+    through `datasets` for .parquet and Hub ids (`org/name` too) / saved dirs."""
+    local = os.path.exists(path) or path.endswith((".jsonl", ".json", ".parquet")) or path[:1] in "./~"
     if local and not os.path.exists(path):
         raise UsageError(f"{flag} {path}: no such file")
-    if path.endswith(".jsonl"):
-        rows = []
-        with open(path) as f:
-            for i, line in enumerate(f, 1):
+    if path.endswith((".jsonl", ".json")):
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise UsageError(f"{path}:{line}: not UTF-8 text (byte offset {e.start}: "
+                             f"{raw[e.start:e.start + 4]!r})") from None
+        rows = None
+        if path.endswith(".json"):
+            try:
+                data = json.loads(text)
+                rows = [(r, i) for i, r in enumerate(data if isinstance(data, list) else [data], 1)]
+            except json.JSONDecodeError as e:
+                if e.msg != "Extra data":  # "Extra data": more than one JSON value, so JSON Lines
+                    raise UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})")
+        if rows is None:
+            rows = []
+            for i, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
                 if line.strip():
                     try:
                         rows.append((json.loads(line), i))
                     except json.JSONDecodeError as e:
                         raise UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
-    elif path.endswith(".json"):
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})")
-        rows = [(r, i) for i, r in enumerate(data if isinstance(data, list) else [data], 1)]
     else:
         try:
             import datasets

@@ -301,8 +301,15 @@ class Run:
         self._paused, self._eval_started = 0.0, None
 
     def _check_output_dir(self):
-        """The step to start from; refuses to touch a previous run unless asked (exit 2)."""
+        """The step to start from; refuses to touch a previous run unless asked, or a place that cannot hold one
+        (a file, or under one; not writable): exit 2 now, not after the model loads and the first step."""
         d, held, steps = self.dir, [f for f in RUN_FILES if os.path.exists(os.path.join(self.dir, f))], []
+        existing = os.path.abspath(d)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+            what = "not writable" if os.path.isdir(existing) else "a file"
+            raise UsageError(f"--output-dir {d}: {existing} is {what}")
         if os.path.isdir(os.path.join(d, "checkpoints")):  # a step's dir appears (renamed) once complete
             steps = sorted(int(s) for s in os.listdir(os.path.join(d, "checkpoints")) if s.isdigit())
         last, finished = steps[-1] if steps else None, os.path.isdir(self.model_dir)
