@@ -14,8 +14,8 @@ import jax
 import jax.numpy as jnp
 import keras
 
-SCRIPTS = ("grpo", "ppo", "evaluate")
-FILTERING = ("grpo", "evaluate")  # ppo.py samples with temperature only, as TRL's PPOConfig
+SCRIPTS = ("grpo", "ppo", "rloo", "evaluate")
+FILTERING = ("grpo", "rloo", "evaluate")  # ppo.py samples with temperature only, as TRL's PPOConfig
 
 
 # ---------------------------------------------------------------------------
