@@ -425,8 +425,9 @@ def ppo_rollout(module, args, models, mesh, rng, vocab, ref_params):
     return iteration
 
 
-def _grpo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
-    """grpo.py's train_step on one synthetic generation batch; `rollout` times generate / score / update."""
+def _grpo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract, advantages=None):
+    """grpo.py's (or rloo.py's: the same train_step arguments) train_step on one synthetic generation batch;
+    `rollout` times generate / score / update, the advantages from `advantages` (module, rewards, args)."""
     b, vocab = shape[1], shape[3]
     q, r = args.max_prompt_length, args.response_length
     if b % args.num_generations or b % mesh.shape["data"]:
@@ -440,8 +441,20 @@ def _grpo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, a
     bench = Bench(args, step, state, {"frozen": frozen}, rollout_batch(host, mesh, abstract), b * (q + r), 6,
                   "update step: one forward + backward (beta 0: no reference forward)")
     if not abstract:
-        bench.rollout = grpo_rollout(module, args, backbone, mesh, rng, vocab)
+        bench.rollout = grpo_rollout(module, args, backbone, mesh, rng, vocab, advantages)
     return bench
+
+
+def group_advantages(module, rewards, args):
+    """grpo.py's group-relative advantages of rewards [B]."""
+    return module.group_advantages(rewards, args.num_generations, args.scale_rewards)[0]
+
+
+def leave_one_out(module, rewards, args):
+    """rloo.py's leave-one-out advantages of rewards [B], with no KL term (the benchmark's β = 0: one update
+    per rollout and no reference forward, like grpo's TRL defaults)."""
+    return module.rloo_advantages(rewards, jnp.zeros_like(rewards), args.num_generations, 0.0,
+                                  args.normalize_advantages)[0]
 
 
 GRPO_REWARD_FN = os.path.join(ROOT, "data", "toy.py") + ":batch_score"  # grpo.py's default --reward-fn
@@ -455,10 +468,10 @@ class IdsText:
         return [" ".join(map(str, x)) for x in ids]
 
 
-def grpo_rollout(module, args, backbone, mesh, rng, vocab):
-    """fn(state, extra, step_fn, key) -> (state, seconds of (generate, score, update)) for one GRPO
-    iteration with grpo.py's own rollout (its KV-cached sampler), decode, scorer (common.load_scorer of
-    the reward function GRPO_REWARD_FN), group_advantages and mini_batches. Random prompt ids, G copies each."""
+def grpo_rollout(module, args, backbone, mesh, rng, vocab, advantages=group_advantages):
+    """fn(state, extra, step_fn, key) -> (state, seconds of (generate, score, update)) for one GRPO (or RLOO)
+    iteration with the script's own rollout (its KV-cached sampler), decode, scorer (common.load_scorer of
+    the reward function GRPO_REWARD_FN), advantages and mini_batches. Random prompt ids, G copies each."""
     q, r, b, g = args.max_prompt_length, args.response_length, args.batch_size, args.num_generations
     on_data = NamedSharding(mesh, P("data"))
     queries = np.repeat(rng.integers(3, vocab, (b // g, q), dtype=np.int32), g, 0)  # [B, Q], a group = G rows
@@ -478,8 +491,8 @@ def grpo_rollout(module, args, backbone, mesh, rng, vocab):
         t1 = plumbing.synced(batch)
         texts, ids = module.decode(tokenizer, batch, lengths, q)[:2]
         rewards = common.to_host(scorer(prompts, texts, batch, [{"prompt": p} for p in prompts], ids)[0])
-        advantages, _ = jax.device_get(module.group_advantages(jnp.asarray(rewards), g, args.scale_rewards))
-        batch["advantages"] = common.put_global(advantages, on_data)
+        batch["advantages"] = common.put_global(jax.device_get(advantages(module, jnp.asarray(rewards), args)),
+                                                on_data)
         t2 = plumbing.synced(batch)
         for idx in module.mini_batches(order, b, args.num_mini_batches, args.num_iterations, on_data):
             state, metrics = step_fn(state, jax.tree.map(lambda x: x[idx], batch), extra)
@@ -497,5 +510,6 @@ ALGOS = {
     "kto": Algo(_kto, plain_args, trained_models=0.5),  # LoRA: no backward on half its tokens (the pairs')
     "reward": Algo(_reward, plain_args),
     "ppo": Algo(_ppo, ppo_args, trained_models=2),  # policy and value
-    "grpo": Algo(_grpo, grpo_args),
+    "grpo": Algo(functools.partial(_grpo, advantages=group_advantages), grpo_args),
+    "rloo": Algo(functools.partial(_grpo, advantages=leave_one_out), grpo_args),  # grpo's step and rollout
 }

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 @dataclass
 class Args:
     # what is timed
-    algo: Literal["sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo"] = "sft"
+    algo: Literal["sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rloo"] = "sft"
     """whose train_step is timed"""
     # model
     model: str = "tiny"
