@@ -11,7 +11,6 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Literal
 
 import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
@@ -118,7 +117,7 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
 
     One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
     stops once every sequence has sampled its EOS (steps: tokens sampled per sequence, ≤ R): a batch of
-    short answers costs their length, not R. Shapes stay fixed, so it compiles once per run. After its
+    short answers costs their length, not R. Fixed shapes: one compilation per query bucket. After its
     EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
     `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
     temperature 0 = greedy; otherwise from filter_logits(logits / temperature, top_k, top_p, min_p).
@@ -345,12 +344,21 @@ def make_optimizer(args, max_steps):
 
 
 def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
-    """Responses to host queries [B, Q] (whole on every process), cut after the first EOS -> (batch, lengths [B])."""
-    qs, qm = common.put_global(queries, on_data), common.put_global(query_mask, on_data)
+    """Responses to host queries [B, Q] (whole on each process), cut after the first EOS -> (batch, lengths
+    [B]). The queries are first cut to [B, Qb], Qb the bucket of this batch's longest prompt (≤ Q): short
+    prompts do not pay for the run's longest, and each jitted function compiles once per bucket met."""
+    qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
+    # left padding: every prompt ends at column Q-1, so the last Qb columns hold all of their real tokens
+    qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
     responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key)[0], eos, pad)
     response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
     return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
             "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
+
+
+def query_length(batch):
+    """Qb, the width of a rollout batch's queries: query_responses [B, Qb+R] less response_mask [B, R]."""
+    return batch["query_responses"].shape[1] - batch["response_mask"].shape[1]
 
 
 def decode(tokenizer, batch, sequence_lengths, context_length):
@@ -401,7 +409,8 @@ def main(args):
     remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each block (not the sampler's calls)
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
     q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
-    print(f"data: {len(prompts)} prompts, queries padded to {q} tokens; {n_prompts} prompts × G={g} completions "
+    print(f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
+          f"{n_prompts} prompts × G={g} completions "
           f"of {r} tokens per step; reward: {args.reward_model or ', '.join(args.reward_fn)}")
 
     # Policy trainable; reference = frozen copy of its initial values (with LoRA: the zero-init
@@ -428,8 +437,10 @@ def main(args):
 
     gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, eos, pad,
                                                       args.top_k, args.top_p, args.min_p))
-    logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, q, args.temperature))
-    step_fn = remat.jit(partial(train_step, backbone, optimizer, args, context_length=q), donate_argnums=0,
+    logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, query_length(b),
+                                                           args.temperature))
+    step_fn = remat.jit(lambda s, f, b: train_step(backbone, optimizer, args, s, f, b, query_length(b)),
+                        donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
     run.record(remat=remat)  # args.json: the mode --remat auto chose
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
@@ -438,7 +449,7 @@ def main(args):
     # 6N per token per trained forward+backward (every iteration).
     n = plumbing.count_params(backbone)
     n_rm = plumbing.count_params(scorer.model.backbone) if scorer.model is not None else 0
-    flops_per_seq = (q + r) * (2 * n * (1 + off_policy + (args.beta > 0)) + 2 * n_rm + args.num_iterations * 6 * n)
+    flops_per_token = 2 * n * (1 + off_policy + (args.beta > 0)) + 2 * n_rm + args.num_iterations * 6 * n
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
     for step in run.steps(learning_rate=lambda s: schedule(s * args.num_iterations * args.num_mini_batches),
@@ -448,9 +459,10 @@ def main(args):
         key, gen_key = jax.random.split(key)
         batch, sequence_lengths = rollout(gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key,
                                           eos, pad, on_data)
+        qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
         # rewards: one scalar per completion (1), a weighted sum over the reward functions (or the RM score)
-        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, q)
+        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb)
         scores, parts = scorer([prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids,
                                common.turn_end(template))
         rewards = common.to_host(scores)
@@ -471,8 +483,9 @@ def main(args):
         run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())),
                  **reward_metrics(rewards, parts, lengths, has_eos), "reward_std": float(np.mean(group_std)),
                  "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
-                 "charts/generate_compilations": float(gen_fn._cache_size())},
-                tokens=len(idx) * (q + r), flops=len(idx) * flops_per_seq)
+                 "charts/generate_compilations": float(gen_fn._cache_size()),
+                 "charts/query_padding_fraction": float(1 - query_mask[idx].sum() / (len(idx) * qb))},
+                tokens=len(idx) * (qb + r), flops=len(idx) * (qb + r) * flops_per_token)
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
             for i in range(min(4, g)):  # the first group: one prompt, its completions, their advantages
                 print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} reward {rewards[i]:.3f} "
