@@ -1,18 +1,16 @@
 """What an algorithm touches: the mesh, the models, the data files and the batches.
-Contents (in file order)
-  1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global,
-                 to_host, init_optimizer (optimizer state laid out like the params)
-  2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors (a hub failure in one line:
-                 plumbing.hub_error),
-                 load_model (created sharded), check_sampler; per-family model I/O: logits, empty_cache,
-                 cached_forward (KV-cached, left padding); split_variables, save_model, export_hf
-                 (--export-hf); reward models (save/load_reward_model), load_reward_fn; load_scorer
-                 (Scorer: a reward model or weighted reward functions under TRL's contract, one call)
-  3. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render,
-                 TRL's formats -> text (sft_segments, preference_triple, prompt_text), read_dataset,
-                 read_prompts (the rendered prompts and their rows)
-  4. Data order  length_batch (padded to a length bucket, optionally grouped by length; a pure
-                 function of the step: resume is exact), bucket_length, per_example
+  1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global, to_host,
+                 init_optimizer (optimizer state laid out like the params)
+  2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors / hub_error (a hub failure in one line),
+                 load_model (created sharded), check_sampler; per family: logits, empty_cache,
+                 cached_forward (KV-cached, left padding); split_variables, save_model, export_hf; reward
+                 models; reward functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a reward
+                 model or weighted reward functions, one call)
+  3. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render, TRL's formats
+                 -> text (sft_segments, preference_triple, unpaired_example, prompt_text), read_dataset,
+                 read_prompts
+  4. Data order  length_batch (padded to a length bucket, optionally grouped by length; a pure function of the
+                 step: resume is exact), bucket_length, per_example
 The run shell (flags, Run, exits, remat, FLOP accounting) is plumbing.py: no algorithm needs it read.
 Mesh axes are ("data", "model") everywhere: batch over `data`, parameters over both (docs/design.md).
 Importing this module sets KERAS_BACKEND=jax (and JAX_PLATFORMS=cpu where no accelerator is present)
@@ -26,8 +24,7 @@ import os
 import shutil
 import sys
 
-import plumbing  # the run shell: UsageError (bad input, exit 2 at the boundary), hub_error's prose
-from plumbing import HERE, UsageError  # noqa: F401  (common.UsageError)
+from plumbing import HERE, UsageError  # the run shell's: bad input is a UsageError (exit 2)
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 if not (os.environ.get("JAX_PLATFORMS") or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
@@ -49,8 +46,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 TINY_TOKENIZER = os.path.join(HERE, "data", "tiny_tokenizer.model")
 
-# Short names -> KerasHub preset names (the full list: keras_hub.models.CausalLM.presets). Each
-# family here is checked offline by tests/test_families.py (README, "Model families").
+# Short names -> KerasHub presets (all: keras_hub.models.CausalLM.presets); tests/test_families.py checks each.
 MODEL_ALIASES = {
     "gemma_2b": "gemma_2b_en", "gemma_7b": "gemma_7b_en",
     "gemma_2b_it": "gemma_instruct_2b_en", "gemma_7b_it": "gemma_instruct_7b_en",
@@ -61,9 +57,8 @@ MODEL_ALIASES = {
     "qwen2.5_0.5b": "qwen2.5_0.5b_en", "qwen2.5_0.5b_it": "qwen2.5_instruct_0.5b_en", "qwen2.5_7b": "qwen2.5_7b_en",
     "qwen3_0.6b": "qwen3_0.6b_en", "qwen3_8b": "qwen3_8b_en",
 }
-# Backbone class -> its chat template (CHAT_TEMPLATES). These are the families the KV-cached sampler
-# (cached_forward) knows; Gemma 2 is a GemmaBackbone. Another family trains (its logits come from
-# KerasHub's own output layer) but needs --chat-template for chats and has no sampler.
+# Backbone class -> its chat template: the families cached_forward samples (Gemma 2 is a GemmaBackbone).
+# Another family trains (KerasHub's own output layer) but needs --chat-template and has no sampler.
 FAMILIES = {"GemmaBackbone": "gemma", "Llama3Backbone": "llama3", "MistralBackbone": "mistral",
             "QwenBackbone": "chatml", "Qwen3Backbone": "chatml"}
 # The `tiny` model: a 4-layer Gemma (about 1.5M parameters) with the bundled tokenizer.
@@ -77,15 +72,12 @@ def default_dtype():
 
 
 def dtype_policy(dtype):
-    """Compute dtype -> Keras policy. Variables are always float32 (master weights, hence float32
-    Adam moments: a bf16 weight near 0.01 has a step of 6e-5, so lr 1e-6 updates would round
-    away); "mixed_bfloat16" casts each weight to bf16 as a layer reads it, stateless_call too."""
+    """Compute dtype -> Keras policy. Variables stay float32 (master weights: a bf16 weight near 0.01 has a
+    step of 6e-5, so lr 1e-6 updates would round away); mixed_bfloat16 casts each weight as a layer reads it."""
     return "mixed_bfloat16" if (dtype or default_dtype()) == "bfloat16" else "float32"
 
 
-# ---------------------------------------------------------------------------
-# 1. Multi-host start-up and the mesh
-# ---------------------------------------------------------------------------
+# --- 1. Multi-host start-up and the mesh ---
 def init_distributed(coordinator_address=None, num_processes=None, process_id=None):
     """Start `jax.distributed` when several processes take part (flags or cluster env)."""
     if coordinator_address or (num_processes or 1) > 1:
@@ -120,11 +112,9 @@ def make_mesh(spec=None):
 
 
 class ShardedParallel(keras.distribution.ModelParallel):
-    """Keras ModelParallel with the sharding rules of docs/design.md ("Mesh") filled in.
-    Variables the backbone's layout map names keep that layout; every other
-    variable of rank >= 2 shards its largest divisible dim over `data` (FSDP).
-    Any mesh axis that does not divide its dim is dropped (replicated): e.g.
-    Gemma-2B's single key/value head on `model=2`."""
+    """Keras ModelParallel with docs/design.md's rules ("Mesh"): the backbone's layout map where it names a
+    variable; else a variable of rank >= 2 shards its largest divisible dim over `data` (FSDP). An axis that
+    does not divide its dim is dropped (replicated): e.g. Gemma-2B's single key/value head on `model=2`."""
 
     def get_variable_layout(self, variable):
         layout = super().get_variable_layout(variable)
@@ -164,9 +154,8 @@ def replicated(mesh):
 
 
 def put_global(x, sharding):
-    """A host array every process holds whole (e.g. a rollout's prompts) -> a global array.
-    jax.device_put would do on one process; make_array_from_callback also works when the
-    sharding spans other processes' devices (each process fills only its own shards)."""
+    """A host array every process holds whole (e.g. a rollout's prompts) -> a global array (unlike
+    jax.device_put, also where the sharding spans other processes' devices: each fills its own shards)."""
     x = np.asarray(x)
     return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
 
@@ -184,10 +173,8 @@ def shardings(tree):
 
 
 def init_optimizer(optimizer, params, mesh):
-    """optimizer.init(params) with explicit layouts: moments follow their parameter,
-    scalars (step counts) are replicated. Returns (opt_state, its shardings).
-    Pinning these (and the params') layouts as the train step's out_shardings keeps
-    the state's layout fixed from step to step, so the step compiles exactly once."""
+    """(optimizer.init(params), its shardings): moments follow their parameter, scalars are replicated.
+    Pinned as the train step's out_shardings, the state's layout is fixed: the step compiles once."""
     structure = jax.tree.structure(params)
     like_params = lambda x: jax.tree.structure(x) == structure
     out = jax.tree.map(lambda sub: shardings(params) if like_params(sub) else replicated(mesh),
@@ -195,9 +182,7 @@ def init_optimizer(optimizer, params, mesh):
     return jax.jit(optimizer.init, out_shardings=out)(params), out
 
 
-# ---------------------------------------------------------------------------
-# 2. Models
-# ---------------------------------------------------------------------------
+# --- 2. Models ---
 def resolve_model(name):
     """--model -> what `CausalLM.from_preset` takes (or 'tiny'); unknown names raise."""
     if name == "tiny":
@@ -218,8 +203,7 @@ def resolve_model(name):
 
 
 def tiny_causal_lm(seed, dtype):
-    """The offline `tiny` Gemma: random init from `seed`, bundled SentencePiece vocab;
-    float32 weights computing in `dtype` (see dtype_policy)."""
+    """The offline `tiny` Gemma: random init from `seed`, the bundled SentencePiece vocab."""
     keras.utils.set_random_seed(seed)
     tokenizer = keras_hub.models.GemmaTokenizer(proto=TINY_TOKENIZER)
     backbone = keras_hub.models.GemmaBackbone(
@@ -230,8 +214,7 @@ def tiny_causal_lm(seed, dtype):
 
 @functools.cache  # asked by the chat template, load_model, the sampler and --export-hf checks
 def backbone_class(preset):
-    """The preset's backbone class, from its config.json (downloaded: the first hub contact),
-    fetched once per process however many callers ask."""
+    """The preset's backbone class, from its config.json (the first hub contact), once per process."""
     if preset == "tiny":
         return keras_hub.models.GemmaBackbone
     from keras_hub.src.utils.preset_utils import get_preset_loader
@@ -244,8 +227,8 @@ def backbone_class(preset):
 
 
 def _fetch_config(preset):
-    """Download (or find cached) the preset's config.json, raising the hub's own error: KerasHub's
-    loader turns a missing, gated or unreachable model into one generic 'has no config.json'."""
+    """Fetch the preset's config.json, raising the hub's own error (KerasHub's loader turns a missing,
+    gated or unreachable model into one generic 'has no config.json')."""
     from keras_hub.src.utils.preset_utils import get_file
     if preset.startswith("hf://"):
         import huggingface_hub as hf
@@ -264,10 +247,81 @@ def hub_errors(preset):
     try:
         yield
     except Exception as e:
-        message = plumbing.hub_error(preset, e)
+        message = hub_error(preset, e)
         if message is None:
             raise
         raise UsageError(message) from None
+
+
+def hub_error(preset, error):
+    """What to do about `error`, raised while fetching `preset` from a hub, in one line; None when it is no
+    hub failure. Reads the whole exception chain: KerasHub re-raises the hubs' errors."""
+    scheme = preset.split("://")[0] if "://" in preset else "kaggle"  # a preset name: its files are on Kaggle
+    if preset == "tiny" or os.path.isdir(preset) or scheme not in ("hf", "kaggle"):
+        return None  # not fetched, or another hub (modelscope://…) with its own messages
+    chain, e = [], error
+    while e is not None and e not in chain:
+        chain.append(e)
+        e = e.__cause__ or e.__context__
+    kinds = {c.__name__ for x in chain for c in type(x).__mro__}
+    text = " ".join(str(x) for x in chain)
+    statuses = (getattr(getattr(x, "response", None), "status_code", None) for x in chain)
+    status = next((s for s in statuses if isinstance(s, int)), None)  # HTTP errors carry their response
+    offline = bool(kinds & {"ConnectionError", "ConnectError", "NetworkError", "TimeoutException", "Timeout",
+                            "gaierror", "LocalEntryNotFoundError"})
+    explain = _hf_error if preset.startswith("hf://") else _kaggle_error
+    message = explain(preset, kinds, text, status, offline)
+    return message and (f"--model {preset}: {message}; or pass a local directory (a KerasHub preset or a "
+                        "Hugging Face checkpoint), or --model tiny")
+
+
+def _hf_error(preset, kinds, text, status, offline):
+    repo = preset.removeprefix("hf://")
+    page, token = f"https://huggingface.co/{repo}", "set HF_TOKEN or run `hf auth login`"
+    if "GatedRepoError" in kinds:
+        return f"the repo is gated: accept its licence at {page}, then {token}"
+    if "RepositoryNotFoundError" in kinds:
+        return f"no Hugging Face repo {repo!r} is visible: check the repo id at {page} (for a private repo, {token})"
+    if "HFValidationError" in kinds or "Unexpected Hugging Face preset" in text:
+        return "not a Hugging Face repo id; expected hf://{org}/{model}"
+    if "EntryNotFoundError" in kinds and not offline:
+        return f"the repo has no config.json at {page}: not a checkpoint KerasHub loads"
+    if offline:
+        from huggingface_hub import constants
+        why, fix = (("HF_HUB_OFFLINE is set", "unset it") if constants.HF_HUB_OFFLINE else
+                    ("cannot reach the Hugging Face Hub (no network?)", "connect"))
+        return f"{why} and the model is not in the local cache: {fix}, then {token} if the repo is gated"
+    return status and f"the Hugging Face Hub answered HTTP {status} for {page}"
+
+
+def _kaggle_error(preset, kinds, text, status, offline):
+    """A KerasHub preset name's files live on Kaggle too."""
+    from keras_hub.src.utils.preset_utils import BUILTIN_PRESETS
+    handle = BUILTIN_PRESETS.get(preset, {}).get("kaggle_handle", preset).removeprefix("kaggle://")
+    page = "https://www.kaggle.com/models/" + "/".join(handle.split("/")[:2])
+    try:
+        import kagglehub.config
+        user = kagglehub.config.get_kaggle_credentials()
+    except ValueError as e:  # a malformed ~/.kaggle/kaggle.json
+        return f"{e}: fix it, or set KAGGLE_USERNAME and KAGGLE_KEY"
+    creds = (f"set Kaggle credentials (KAGGLE_USERNAME and KAGGLE_KEY, or ~/.kaggle/kaggle.json) for an account "
+             f"that has accepted the model's licence at {page}")
+    if status in (401, 403) or "is not accessible in preset directory" in text or kinds & {
+            "CredentialError", "UnauthenticatedError"}:
+        if user is None:
+            return f"Kaggle refused kaggle://{handle} without credentials: {creds}"
+        who = f"the Kaggle account {user.username!r}" if user.username else "your Kaggle account"
+        return (f"Kaggle refused kaggle://{handle} to {who}: accept the model's licence at {page} with that "
+                "account, and check that its KAGGLE_KEY is current")
+    if status == 404 or "doesn't exist in preset directory" in text:
+        return (f"Kaggle has no model kaggle://{handle}: check the handle "
+                f"(kaggle://{{org}}/{{model}}/keras/{{variant}}[/{{version}}], see {page})")
+    if "Unexpected Kaggle preset" in text:
+        return "not a Kaggle model handle; expected kaggle://{org}/{model}/keras/{variant}[/{version}]"
+    if offline:
+        return f"cannot reach Kaggle (no network?) to download kaggle://{handle}: connect" + (
+            f" and {creds}" if user is None else "")
+    return status and f"Kaggle answered HTTP {status} for kaggle://{handle}"
 
 
 def check_sampler(name, flag="--model"):
@@ -279,10 +333,8 @@ def check_sampler(name, flag="--model"):
 
 
 def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
-    """Resolve --model and build the CausalLM with every weight created sharded.
-    Returns the KerasHub CausalLM (backbone + preprocessor/tokenizer). With
-    `lora_rank > 0` the backbone's LoRA is enabled: only LoRA weights are trainable.
-    `dtype` is the compute dtype; weights load as float32 whatever the checkpoint holds."""
+    """--model -> its KerasHub CausalLM (backbone + preprocessor), every weight created sharded and float32
+    whatever the checkpoint holds (`dtype`: the compute dtype); lora_rank > 0: only LoRA weights train."""
     preset = resolve_model(name)
     with hub_errors(preset), distribution_for(mesh, backbone_class(preset)).scope():
         if preset == "tiny":
@@ -296,8 +348,8 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
 
 
 def ensure_start_token(tokenizer, name):
-    """Every script writes [BOS] + text + [EOS]; Qwen's tokenizers have no BOS. Theirs becomes
-    <|endoftext|>, which separates the packed documents of Qwen's pretraining: it opens a new one."""
+    """Every script writes [BOS] + text + [EOS]; Qwen's tokenizers have none: theirs becomes <|endoftext|>,
+    which separates the packed documents of Qwen's pretraining."""
     if tokenizer is not None and tokenizer.start_token_id is None:
         if "<|endoftext|>" not in tokenizer.get_vocabulary():
             raise UsageError(f"--model {name}: its tokenizer has no start token (BOS) and no <|endoftext|>")
@@ -305,39 +357,41 @@ def ensure_start_token(tokenizer, name):
 
 
 def logits(backbone, hidden):
-    """Final hidden states [..., D] -> float32 logits [..., V]. KerasHub's ReversibleEmbedding is every
-    family's output layer: tied (Gemma, Qwen) or its own matrix (Llama 3, Mistral), and Gemma 2's
-    final_logit_soft_cap (c·tanh(z/c)) is applied inside it."""
+    """Final hidden states [..., D] -> float32 logits [..., V] through every family's output layer (tied or
+    not; Gemma 2's final_logit_soft_cap c·tanh(z/c) is applied inside it)."""
     return backbone.token_embedding(hidden, reverse=True).astype(jnp.float32)  # f32 upcast
 
 
 def empty_cache(backbone, batch, length):
-    """A zero KV cache [B, L, 2, S, K, H], the layout of every FAMILIES' CausalLM.call_with_cache."""
+    """A zero KV cache: L arrays [B, 2, S, K, H], one per layer (call_with_cache's [B, L, 2, S, K, H] is
+    their jnp.stack(…, 1)). Apart, a decode step updates each in place; stacked, it copied them all."""
     head_dim = getattr(backbone, "head_dim", None) or backbone.hidden_dim // backbone.num_query_heads
-    return jnp.zeros((batch, backbone.num_layers, 2, length, backbone.num_key_value_heads, head_dim),
-                     backbone.compute_dtype)
+    shape = (batch, 2, length, backbone.num_key_value_heads, head_dim)
+    return tuple(jnp.zeros(shape, backbone.compute_dtype) for _ in range(backbone.num_layers))
 
 
 def cached_forward(backbone, token_ids, padding_mask, cache, index):
-    """The family's CausalLM.call_with_cache plus a key padding mask, so left-padded prompts work.
-    token_ids [B, t] are written at cache positions index…index+t-1; padding_mask [B, S] covers the
-    whole cache, masking the prompts' left padding as attention keys (the decoder layers broadcast it
-    over queries and AND it with their causal, and Mistral's sliding-window, mask). RoPE positions
-    count the padding too, which changes nothing: RoPE scores depend only on the distance between
-    query and key. -> (logits [B, t, V] float32, cache [B, L, 2, S, K, H])."""
+    """The family's CausalLM.call_with_cache plus a key padding mask, for left-padded prompts: token_ids
+    [B, t] go to cache positions index…index+t-1; padding_mask [B, S] masks the padding as keys (the layers
+    AND it with their causal / sliding-window mask). RoPE positions count the padding, which changes
+    nothing: scores depend only on query-key distance.
+    -> (logits [B, t, V] float32, cache: L arrays [B, 2, S, K, H], as empty_cache)."""
     gemma = isinstance(backbone, keras_hub.models.GemmaBackbone)
     x = backbone.token_embedding(token_ids)
     if gemma:
         x = x * jnp.sqrt(jnp.asarray(backbone.hidden_dim, x.dtype))  # Gemma's embedding scale
     caches = []
-    for i, layer in enumerate(backbone.transformer_layers):
+    for layer, c in zip(backbone.transformer_layers, cache):
         if gemma:
-            x, c = layer(x, padding_mask=padding_mask, cache=cache[:, i], cache_update_index=index)
+            x, new = layer(x, padding_mask=padding_mask, cache=c, cache_update_index=index)
         else:  # Llama 3, Mistral, Qwen 2.5 / 3 decoders
-            x, c = layer(x, decoder_padding_mask=padding_mask, self_attention_cache=cache[:, i],
-                         self_attention_cache_update_index=index)
-        caches.append(c)
-    return logits(backbone, backbone.layer_norm(x)), jnp.stack(caches, 1)
+            x, new = layer(x, decoder_padding_mask=padding_mask, self_attention_cache=c,
+                           self_attention_cache_update_index=index)
+        # only the t new positions [B, 2, t, K, H] go back into c: XLA then updates it in place, where the
+        # layer's returned cache (a jnp.stack of its K and V) rewrote every entry at every decode step
+        new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
+        caches.append(jax.lax.dynamic_update_slice(c, new, (0, 0, index, 0, 0)))
+    return logits(backbone, backbone.layer_norm(x)), tuple(caches)
 
 
 def split_variables(backbone):
@@ -363,8 +417,7 @@ def save_model(model, params, path):
     model.save_to_preset(path)
 
 
-# `architectures` per family where keras-hub 0.32's exporter leaves it out of config.json
-# (transformers and KerasHub's own loader read it); the other families' exporters write it.
+# `architectures` where keras-hub 0.32's exporter leaves it out of config.json (transformers and KerasHub read it)
 HF_ARCHITECTURES = {"GemmaBackbone": "GemmaForCausalLM", "QwenBackbone": "Qwen2ForCausalLM",
                     "GPT2Backbone": "GPT2LMHeadModel"}
 
@@ -386,9 +439,9 @@ def check_export_hf(name):
 
 
 def export_hf(preset_dir, path):
-    """The saved KerasHub preset `preset_dir` (LoRA merged) -> a Hugging Face checkpoint in `path`:
-    model.safetensors, config.json (with `architectures`), tokenizer files; written to path.tmp
-    and renamed once complete. Loaded on the host CPU: the exporter needs whole weights."""
+    """A saved KerasHub preset (LoRA merged) -> a Hugging Face checkpoint in `path` (model.safetensors,
+    config.json with `architectures`, tokenizer files), renamed from path.tmp once complete. On the host CPU:
+    the exporter needs whole weights."""
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
@@ -445,8 +498,7 @@ def load_reward_fn(spec, flag="--reward-fn"):
 
 
 def reward_model_scores(backbone, params, frozen, head, token_ids, padding_mask):
-    """reward.py's r_φ(x, y) = w·h + b, h the final hidden state at the last real token (the padding
-    mask's last True: right padding as in reward.py, or left-padded prompts + responses): [B] float32."""
+    """reward.py's r_φ(x, y) = w·h + b, h the final hidden state at the padding mask's last True: [B] float32."""
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):
         hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask})  # [B, T, D]
@@ -455,13 +507,51 @@ def reward_model_scores(backbone, params, frozen, head, token_ids, padding_mask)
     return (h @ head["weight"])[:, 0] + head["bias"]
 
 
+def reward_fn_signature(fn):
+    """-> (the parameters `fn` requires, all it names, whether it takes **kwargs), or None for the
+    two-argument form f(prompts, responses) (two positional parameters, no **kwargs, not `completions`)."""
+    import inspect
+    params = inspect.signature(fn).parameters.values()
+    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
+    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    if not var_kw and "completions" not in [p.name for p in named] and len(named) == 2:
+        return None
+    return [p.name for p in named if p.default is p.empty], [p.name for p in named], var_kw
+
+
+def described(fn):
+    """`name (file:line)` of a reward function, for error messages."""
+    code = getattr(fn, "__code__", None)
+    return f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})" if code else fn.__name__
+
+
+def call_reward_fn(fn, n, *args, **kwargs):
+    """fn(*args, **kwargs) -> [n] float64 scores, NaN where it returned None; a UsageError naming fn
+    when it raises or returns anything else."""
+    import traceback
+    try:
+        out = fn(*args, **kwargs)
+    except Exception as e:
+        where = traceback.extract_tb(e.__traceback__)[-1]  # the innermost frame: where in its code
+        raise UsageError(f"reward function {described(fn)} raised {type(e).__name__}: {e} "
+                         f"(at {where.filename}:{where.lineno})") from None
+    try:
+        values = np.array([np.nan if v is None else float(v) for v in out], np.float64)
+    except (TypeError, ValueError):
+        raise UsageError(f"reward function {described(fn)} returned {str(out)[:80]!r}: expected one float "
+                         f"(or None) per completion") from None
+    if values.shape != (n,):
+        raise UsageError(f"reward function {described(fn)} returned {len(values)} scores for {n} completions")
+    return values
+
+
 TRL_INPUTS = ("prompts", "completions", "completion_ids")
 
 
 def reward_inputs(prompts, texts, rows, completion_ids):
-    """TRL's keyword arguments of a reward function, each a list aligned with the completions:
-    prompts and completions as the dataset holds them (a chat prompt: its message list, and each
-    completion [{"role": "assistant", "content": text}]), completion_ids, and every other column."""
+    """TRL's keyword arguments of a reward function, each a list aligned with the completions: prompts and
+    completions as the dataset holds them (a chat: the prompt's messages, each completion
+    [{"role": "assistant", "content": text}]), completion_ids, and every other column."""
     chat = [isinstance(r.get("prompt"), list) for r in rows]
     columns = {k for r in rows for k in r} - {"prompt", "completion", *TRL_INPUTS}
     return {"prompts": [r["prompt"] if c else p for r, p, c in zip(rows, prompts, chat)],
@@ -471,21 +561,18 @@ def reward_inputs(prompts, texts, rows, completion_ids):
 
 
 class Scorer:
-    """s(x, y) per completion: the one scoring call of ppo.py, grpo.py and evaluate.py (load_scorer makes it).
-
-        scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)
-
-    s is the weighted sum of the parts: reward functions (TRL's form: reward_inputs; or f(prompt texts,
-    texts)) on the texts cut at `end`, the template's end-of-turn marker (`rows`: each completion's dataset
-    row), or reward.py's model on batch["query_responses"] / ["padding_mask"] [B, T] (global over `data`).
-    None from a function leaves it out of that sample's sum (TRL: "does not apply"). -> scores [B] float32
-    over `data`, and parts {a function's __name__ or "reward_model": [B] float64 on the host, NaN for None}.
-    Every process passes the whole batch. `model` (a reward model's CausalLM) and `head`: its weights, from
-    which PPO's value model starts; else None."""
+    """s(x, y) per completion, the one scoring call of ppo.py, grpo.py and evaluate.py (load_scorer makes it):
+    `scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)`, s the weighted sum of the
+    parts: reward functions (TRL's form: reward_inputs; or f(prompt texts, texts)) on the texts cut at `end`,
+    the template's end-of-turn marker (`rows`: each completion's dataset row), or reward.py's model on
+    batch["query_responses"] / ["padding_mask"] [B, T]. None from a function leaves it out of that sample's
+    sum (TRL: "does not apply"). -> scores [B] float32 over `data`, parts {a function's __name__ or
+    "reward_model": [B] float64 on the host, NaN for None}. Every process passes the whole batch. `model`
+    and `head`: a reward model's (PPO's value model starts from them), else None."""
 
     def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None):
         self.model, self.head, self.name, self.on_data = model, head, name, NamedSharding(mesh, P("data"))
-        self.fns = [(f, w, plumbing.reward_fn_signature(f))
+        self.fns = [(f, w, reward_fn_signature(f))
                     for f, w in zip(fns, weights or [1.0] * len(fns), strict=True)]
         if model is not None:  # the weights are jit arguments: closed over, they would be baked in as constants
             forward = jax.jit(functools.partial(reward_model_scores, model.backbone))
@@ -498,7 +585,7 @@ class Scorer:
         for f, _, signature in self.fns:
             missing = [k for k in (signature[0] if signature else []) if k not in have]
             if missing:
-                raise UsageError(f"reward function {plumbing.described(f)} takes {missing[0]!r}, which is not a "
+                raise UsageError(f"reward function {described(f)} takes {missing[0]!r}, which is not a "
                                  f"column of {flag} (its columns: {', '.join(sorted(have - set(TRL_INPUTS)))})")
 
     def __call__(self, prompts, texts, batch, rows, completion_ids, end=None):
@@ -507,10 +594,10 @@ class Scorer:
         parts = {}
         for f, _, signature in self.fns:
             if signature is None:
-                parts[f.__name__] = plumbing.call_reward_fn(f, len(texts), prompts, texts)
+                parts[f.__name__] = call_reward_fn(f, len(texts), prompts, texts)
             else:
                 _, names, var_kw = signature
-                parts[f.__name__] = plumbing.call_reward_fn(f, len(texts), **(
+                parts[f.__name__] = call_reward_fn(f, len(texts), **(
                     inputs if var_kw else {k: v for k, v in inputs.items() if k in names}))
         weighted = [w * parts[f.__name__] for f, w, _ in self.fns]
         if self.model is not None:
@@ -534,39 +621,47 @@ class Scorer:
 
 
 def load_scorer(mesh, dtype=None, reward_model=None, reward_fns=(), weights=(), lora_rank=0):
-    """The Scorer of --reward-model (reward.py's model/ dir, loaded sharded, with `lora_rank` LoRA for
-    PPO's value model) when given, else of the --reward-fn functions (`path.py:function` each) weighted
-    by --reward-weights (empty: all 1). Files are checked here: call it before the policy loads."""
+    """The Scorer of --reward-model (reward.py's model/, loaded sharded; `lora_rank`: PPO's value model)
+    when given, else of the --reward-fn functions weighted by --reward-weights (empty: all 1). Call it
+    before the policy loads."""
     if reward_model:
         model, head = load_reward_model(reward_model, mesh, dtype, lora_rank)
         return Scorer(mesh, model=model, head=head, name=reward_model)
     return Scorer(mesh, [load_reward_fn(spec) for spec in reward_fns], weights)
 
 
-# ---------------------------------------------------------------------------
-# 3. File formats: dataset files and TRL's row formats -> text
-# ---------------------------------------------------------------------------
+# --- 3. File formats: dataset files and TRL's row formats -> text ---
 def read_rows(path, flag="--dataset"):
-    """[(row, line number)] from .jsonl/.json, or through `datasets` for .parquet and Hub ids/dirs."""
-    local = path.endswith((".jsonl", ".json", ".parquet")) or os.sep in path or path.startswith(".")
+    """[(row, line number)] from .jsonl, or .json (JSON, or JSON Lines as `Dataset.to_json` writes them), or
+    through `datasets` for .parquet and Hub ids (`org/name` too) / saved dirs."""
+    local = os.path.exists(path) or path.endswith((".jsonl", ".json", ".parquet")) or path[:1] in "./~"
     if local and not os.path.exists(path):
         raise UsageError(f"{flag} {path}: no such file")
-    if path.endswith(".jsonl"):
-        rows = []
-        with open(path) as f:
-            for i, line in enumerate(f, 1):
+    if path.endswith((".jsonl", ".json")):
+        with open(path, "rb") as f:
+            raw = f.read()
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            line = raw.count(b"\n", 0, e.start) + 1
+            raise UsageError(f"{path}:{line}: not UTF-8 text (byte offset {e.start}: "
+                             f"{raw[e.start:e.start + 4]!r})") from None
+        rows = None
+        if path.endswith(".json"):
+            try:
+                data = json.loads(text)
+                rows = [(r, i) for i, r in enumerate(data if isinstance(data, list) else [data], 1)]
+            except json.JSONDecodeError as e:
+                if e.msg != "Extra data":  # "Extra data": more than one JSON value, so JSON Lines
+                    raise UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})")
+        if rows is None:
+            rows = []
+            for i, line in enumerate(text.split("\n"), 1):  # not splitlines: JSON strings may hold U+2028
                 if line.strip():
                     try:
                         rows.append((json.loads(line), i))
                     except json.JSONDecodeError as e:
                         raise UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
-    elif path.endswith(".json"):
-        with open(path) as f:
-            try:
-                data = json.load(f)
-            except json.JSONDecodeError as e:
-                raise UsageError(f"{path}:{e.lineno}: invalid JSON ({e.msg})")
-        rows = [(r, i) for i, r in enumerate(data if isinstance(data, list) else [data], 1)]
     else:
         try:
             import datasets
@@ -661,19 +756,20 @@ def sft_segments(row, where, template):
     raise UsageError(f"{where}: need 'text', 'prompt'+'completion' or 'messages' (got {sorted(row)})")
 
 
-def preference_triple(row, where, template):
+def preference_triple(row, where, template, names=("chosen", "rejected")):
     """A preference row -> (prompt, chosen, rejected) texts: explicit or implicit prompt, strings or messages.
     Implicit prompt (only `chosen`/`rejected`): their longest common prefix (of messages for
-    chats; of characters for strings, a split space going to the responses)."""
+    chats; of characters for strings, a split space going to the responses). `names`: the fields read
+    as chosen and rejected (unpaired_example reads `completion` as both)."""
     if not isinstance(row, dict):
         raise UsageError(f"{where}: expected a JSON object")
-    for key in ("chosen", "rejected"):
+    for key in names:
         if key not in row:
             raise UsageError(f"{where}: missing field {key!r} (need 'chosen', 'rejected', optional 'prompt')")
-    keys = [k for k in ("prompt", "chosen", "rejected") if k in row]
-    if isinstance(row["chosen"], list):  # conversational: message lists
+    keys = [k for k in ("prompt", *names) if k in row]
+    if isinstance(row[names[0]], list):  # conversational: message lists
         prompt, chosen, rejected = (_messages(row[k], k, where, template) if k in row else []
-                                    for k in ("prompt", "chosen", "rejected"))
+                                    for k in ("prompt", *names))
         if "prompt" not in row:
             n = 0
             while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
@@ -681,7 +777,7 @@ def preference_triple(row, where, template):
             prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
         model, end = template[1], template[2]
         responses = []
-        for name, msgs in (("chosen", chosen), ("rejected", rejected)):
+        for name, msgs in zip(names, (chosen, rejected)):
             if not msgs or msgs[0]["role"] != "assistant":
                 raise UsageError(f"{where}: {name!r} must continue the prompt with an assistant turn")
             text = render(msgs, template)
@@ -689,7 +785,7 @@ def preference_triple(row, where, template):
         return (render(prompt, template) + model, *responses)
     for k in keys:
         _text(row, k, where)
-    chosen, rejected = row["chosen"], row["rejected"]
+    chosen, rejected = row[names[0]], row[names[1]]
     if "prompt" in row:
         return row["prompt"], chosen, rejected
     n = len(os.path.commonprefix([chosen, rejected]))
@@ -698,6 +794,17 @@ def preference_triple(row, where, template):
         raise UsageError(f"{where}: without 'prompt', the prompt is the longest common prefix of "
                          "'chosen' and 'rejected', which here leaves an empty prompt or response")
     return chosen[:n], chosen[n:], rejected[n:]
+
+
+def unpaired_example(row, where, template):
+    """A row of TRL's unpaired format (KTO) -> (prompt, completion, label): `prompt` and `completion`
+    strings or messages (rendered as preference_triple renders a pair), `label` a bool (True: desirable)."""
+    for key in ("prompt", "completion", "label"):
+        if not isinstance(row, dict) or key not in row:
+            raise UsageError(f"{where}: missing field {key!r} (need 'prompt', 'completion', 'label')")
+    if not isinstance(row["label"], bool):
+        raise UsageError(f"{where}: field 'label' must be true or false, got {row['label']!r:.40}")
+    return (*preference_triple(row, where, template, ("completion", "completion"))[:2], row["label"])
 
 
 def prompt_text(row, where, template):
@@ -726,9 +833,7 @@ def read_prompts(path, template, flag="--dataset"):
     return [prompt_text(row, f"{path}:{line}", template) for row, line in rows], [row for row, _ in rows]
 
 
-# ---------------------------------------------------------------------------
-# 4. Data order: a pure function of (seed, step), so a resumed run sees the same batches
-# ---------------------------------------------------------------------------
+# --- 4. Data order: a pure function of (seed, step), so a resumed run sees the same batches ---
 GROUP_WINDOW = 50  # --group-by-length: batches per length-sorted window (HF's megabatch of 50)
 
 
@@ -746,10 +851,9 @@ def _local(idx):
 
 
 def bucket_length(n, max_length):
-    """The padded length of a batch whose longest sequence has n tokens: the smallest of 32, 48,
-    64, 96, 128, 192, ... (powers of two and their 1.5x midpoints) that holds it, at most
-    max_length. A batch pads at most 1/3 of its length beyond its longest sequence, and a run
-    compiles its step at most once per bucket: 11 shapes up to 1024, 13 up to 2048."""
+    """The padded length of a batch whose longest sequence has n tokens: the smallest of 32, 48, 64, 96, 128,
+    192, ... (powers of two and 1.5x midpoints) that holds it, at most max_length: at most 1/3 padding beyond
+    the longest, and a step compiles at most once per bucket (11 shapes up to 1024, 13 up to 2048)."""
     b = 32
     while b < n:
         b = b * 3 // 2 if b & (b - 1) == 0 else b * 4 // 3
@@ -757,12 +861,10 @@ def bucket_length(n, max_length):
 
 
 def length_batch(lengths, step, batch_size, seed, max_length, group=False):
-    """`step`'s batch: (this process's indices, its padded length, its real tokens), where
-    lengths [N] or [N, k] are the real lengths of each example's k sequences (a pair: 2).
-    The length is the bucket of the whole batch's longest sequence (every process agrees on
-    it); real tokens count the whole batch. group: each window of GROUP_WINDOW batches of the
-    stream is sorted by length and dealt out in an order drawn from (seed, window), so a batch
-    holds similar lengths and pads less; both are pure functions of (seed, step): resume is exact."""
+    """`step`'s batch: (this process's indices, the bucket of the whole batch's longest sequence, the whole
+    batch's real tokens); lengths [N] or [N, k]: each example's k sequences (a pair: 2). group: each window
+    of GROUP_WINDOW batches is sorted by length and dealt out in an order drawn from (seed, window), so a
+    batch pads less. A pure function of (seed, step): resume is exact."""
     lengths = np.asarray(lengths).reshape(len(lengths), -1)
     if group:
         window, i = divmod(step, GROUP_WINDOW)
@@ -775,11 +877,9 @@ def length_batch(lengths, step, batch_size, seed, max_length, group=False):
 
 
 def per_example(fn, data, batch_size, mesh, lengths=None, max_length=None):
-    """fn(batch [1, B, ...]) -> tuple of [B] arrays, over every example once in fixed-size global
-    batches (the last wraps around, then is trimmed; each process passes its own slice of each batch,
-    as in training). With lengths ([N] or [N, k], as length_batch): examples go in length order and
-    each batch's [N, T] arrays are cut to its bucket (bucket_length), so padding is small and
-    compilations are at most the bucket count; without: one shape, one compilation."""
+    """fn(batch [1, B, ...]) -> tuple of [B] arrays, over every example once in global batches of B (the last
+    wraps around, then is trimmed; each process passes its own slice). With lengths (as length_batch):
+    examples go in length order, each batch cut to its bucket (at most one compilation per bucket)."""
     n = len(next(iter(data.values())))
     longest = None if lengths is None else np.asarray(lengths).reshape(n, -1).max(-1)
     order = np.arange(n) if lengths is None else np.argsort(longest, kind="stable")

@@ -11,7 +11,6 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Literal
 
 import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
@@ -26,8 +25,8 @@ import optax  # noqa: E402
 
 
 @dataclass
-class Args(plumbing.SharedArgs):
-    """The shared flags (plumbing.SharedArgs: model, dtype, mesh, batch size, output dir, …) plus GRPO's."""
+class Args(plumbing.RolloutArgs):
+    """The shared flags (plumbing.RolloutArgs: model, dtype, mesh, prompts, lengths, outputs, …) plus GRPO's."""
     # rewards
     reward_fn: tuple[str, ...] = (os.path.join(common.HERE, "data", "toy.py") + ":batch_score",)
     """one or more `path.py:function`: TRL's f(prompts, completions, **columns) or f(prompts, responses)"""
@@ -35,18 +34,15 @@ class Args(plumbing.SharedArgs):
     """weight of each --reward-fn in the summed reward; empty: all 1"""
     reward_model: str | None = None
     """reward.py's `model/` dir: its score on the last real token is the reward"""
-    # data
-    dataset: str = os.path.join(common.HERE, "data", "prompts_train.jsonl")
-    """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, or a Hugging Face dataset"""
-    max_prompt_length: int = 512
-    """prompt tokens (BOS included); longer prompts are cut from the left (TRL GRPOConfig ≤ 0.2x: 512)"""
     # rollouts
     num_generations: int = 8
     """G: completions sampled per prompt (one group); --batch-size counts completions: B/G prompts a step"""
-    response_length: int = 256
-    """new tokens sampled per completion (TRL's max_completion_length: 256); without EOS by then: `clipped`"""
-    temperature: float = 1.0
-    """sampling temperature; log-probs are computed from logits / temperature to match"""
+    top_p: float = 1.0
+    """top-p: sample from the likeliest tokens that hold this probability mass (TRL: 1.0 = off)"""
+    top_k: int = 0
+    """top-k: sample among the k likeliest tokens (TRL: 0 = off); log-probs stay unfiltered, as TRL's"""
+    min_p: float | None = None
+    """min-p: drop tokens less likely than min_p × the top token's probability (TRL: None = off)"""
     # optimisation
     num_iterations: int = 1
     """μ: optimisation passes over each generation batch (>1 keeps the rollout log-probs as π_old)"""
@@ -61,6 +57,8 @@ class Args(plumbing.SharedArgs):
     """ε: ratio clip, lower side (and upper side unless --epsilon-high is given)"""
     epsilon_high: float | None = None
     """ε_high: upper ratio clip (DAPO's clip-higher: 0.28); None: --epsilon"""
+    importance_sampling_level: Literal["token", "sequence"] = "token"
+    """ratio per `token` (GRPO) or per `sequence` (GSPO: exp of the mean token log-ratio, clipped once)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantage scale: `group` (÷ group std, GRPO), `batch` (÷ batch std), `none` (Dr. GRPO: no division)"""
     loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
@@ -70,8 +68,6 @@ class Args(plumbing.SharedArgs):
     # logging and outputs
     export_hf: bool = False
     """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
-    sample_every: int = 10
-    """print one group's decoded completions with their rewards every N steps (0: never)"""
 
 
 # ---------------------------------------------------------------------------
@@ -89,33 +85,75 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 
 
 # ---------------------------------------------------------------------------
-# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once), forwards of the policy and reference
-# on query + response, group-relative advantages, the k3 KL, the clipped surrogate
+# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once; it stops when every completion has ended),
+# forwards of the policy and reference on query + response, group-relative advantages, the k3 KL,
+# the clipped surrogate
 # ---------------------------------------------------------------------------
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature):
-    """Sample `response_length` tokens after left-padded queries [B, Q] -> responses [B, R].
+def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
+    """TRL's sampling filters on logits / temperature [B, V], in transformers' order: top-k, then top-p, then
+    min-p, each on what the previous left (renormalised). A dropped token gets -inf; 0, 1.0, None: off.
 
-    One prefill writes the prompt into the cache; a `lax.scan` then feeds one token
-    per step. temperature 0 = greedy. Tokens after an EOS are sampled too and cut
-    later (truncate_response), so every shape is fixed: one compilation per run.
+    top-k keeps the k largest (ties with the k-th too); top-p keeps the most likely tokens until their
+    probabilities reach top_p (the token that crosses it included, ties at the cut too); min-p keeps the
+    tokens with p ≥ min_p · max p. The most likely token always stays.
+    """
+    if top_k:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ascending = jnp.sort(logits, -1)  # [B, V]: drop the prefix whose probabilities sum to ≤ 1 − top_p
+        dropped = jnp.sum(jnp.cumsum(jax.nn.softmax(ascending, -1), -1) <= 1.0 - top_p, -1)
+        cut = jnp.take_along_axis(ascending, jnp.minimum(dropped, logits.shape[-1] - 1)[:, None], -1)
+        logits = jnp.where(logits < cut, -jnp.inf, logits)
+    if min_p is not None:
+        probs = jax.nn.softmax(logits, -1)
+        logits = jnp.where(probs < min_p * probs.max(-1, keepdims=True), -jnp.inf, logits)
+    return logits
+
+
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, eos_id, pad_id,
+             top_k=0, top_p=1.0, min_p=None):
+    """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps).
+
+    One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
+    stops once every sequence has sampled its EOS (steps: tokens sampled per sequence, ≤ R): a batch of
+    short answers costs their length, not R. Fixed shapes: one compilation per query bucket. After its
+    EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
+    `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
+    temperature 0 = greedy; otherwise from filter_logits(logits / temperature, top_k, top_p, min_p).
     """
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):
-        cache = common.empty_cache(backbone, b, q + response_length)  # [B, L, 2, S, K, H]
+        cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
         logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
-        def step(carry, _):
-            logits, cache, index, key = carry
+        def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
             key, sample_key = jax.random.split(key)
-            token = (jnp.argmax(logits, -1) if temperature == 0 else
-                     jax.random.categorical(sample_key, logits / temperature)).astype(jnp.int32)
-            logits, cache = common.cached_forward(backbone, token[:, None], padding_mask, cache, index)
-            return (logits[:, -1], cache, index + 1, key), token
+            if temperature == 0:
+                token = jnp.argmax(logits, -1).astype(jnp.int32)
+            else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
+                # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
+                z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
+                    logits / temperature, top_k, top_p, min_p)  # [B, V]
+                first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
+                token = first.min(-1).astype(jnp.int32)
+            token = jnp.where(done, pad_id, token)
+            return token, key, done | (token == eos_id)
 
-        _, tokens = jax.lax.scan(step, (logits[:, -1], cache, jnp.int32(q), key), None, length=response_length)
-    return tokens.T  # [B, R]
+        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t
+            tokens, cache, t, key, done = carry
+            fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
+            logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1)
+            token, key, done = pick(logits[:, -1], key, done)
+            return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], t, 1), cache, t + 1, key, done
+
+        token, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
+        tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
+        tokens, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has no EOS yet and t < R
+            lambda c: (c[2] < response_length) & ~c[4].all(), step, (tokens, cache, jnp.int32(1), key, done))
+    return tokens, steps
 
 
 def truncate_response(responses, eos_id, pad_id):
@@ -197,16 +235,25 @@ def aggregate(per_token, mask, loss_type):
     return x.sum() / jnp.maximum(mask.sum(), 1)  # dapo: every token of the batch weighs the same
 
 
-def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_high, beta, loss_type):
-    """Clipped surrogate (eq. 3) + β·k3 KL (eq. 4), aggregated by `loss_type` (eq. 5).
+def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_high, beta, loss_type,
+              importance_sampling_level):
+    """Clipped surrogate (eq. 3, or eq. 6 with GSPO's sequence ratio) + β·k3 KL (eq. 4), aggregated by
+    `loss_type` (eq. 5).
 
     logps / old_logps / ref_logps [B, R] per response token (ref_logps None when β = 0),
     advantages [B] (one per completion, the same for each of its tokens), mask [B, R].
     """
-    ratio = jnp.exp(logps - old_logps)  # π_θ / π_θold; with one update per batch old = sg(π_θ): ratio 1
+    log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # [B, R]; padding may hold anything, it adds nothing
+    if importance_sampling_level == "sequence":
+        # GSPO (eq. 6; Zheng et al. 2025's eq. 5): log s_i = (1/|o_i|) Σ_t log ρ_{i,t}, one per completion.
+        # Differentiated through the mean (as TRL's GRPOTrainer): ∂ s_i / ∂ log π_{i,t} = s_i / |o_i|
+        log_ratio = log_ratio.sum(1, keepdims=True) / jnp.maximum(mask.sum(1, keepdims=True), 1)  # [B, 1]
+    ratio = jnp.exp(log_ratio)  # ρ_{i,t} or s_i; with one update per batch old = sg(π_θ): ratio 1
     a = advantages[:, None]
     clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
-    per_token = -jnp.minimum(ratio * a, clipped * a)  # pessimistic: the clip only ever removes gradient
+    # pessimistic: the clip only ever removes gradient. [B, R], or [B, 1] at sequence level: every real
+    # token of o_i then carries its completion's term, and `aggregate` weighs it as any token (as TRL)
+    per_token = -jnp.minimum(ratio * a, clipped * a)
     metrics = {}
     if beta:
         kl = k3_kl(logps, ref_logps)
@@ -214,8 +261,11 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
         metrics["kl"] = masked_mean(kl, mask)
     low = (ratio < 1.0 - epsilon) & (a < 0)  # clipped from below: pushing further down is blocked
     high = (ratio > 1.0 + epsilon_high) & (a > 0)  # clipped from above
-    metrics.update({"clip_ratio/low_mean": masked_mean(low, mask), "clip_ratio/high_mean": masked_mean(high, mask),
-                    "clip_ratio": masked_mean(low | high, mask)})
+    # clip shares over real tokens, or at sequence level over the B completions (TRL counts all B)
+    clip_mask = mask if importance_sampling_level == "token" else jnp.ones_like(low)
+    metrics.update({"clip_ratio/low_mean": masked_mean(low, clip_mask),
+                    "clip_ratio/high_mean": masked_mean(high, clip_mask),
+                    "clip_ratio": masked_mean(low | high, clip_mask)})
     return aggregate(per_token, mask, loss_type), metrics
 
 
@@ -248,7 +298,7 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
         old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
         loss, metrics = grpo_loss(logps, old, batch.get("ref_logps"), batch["advantages"], batch["response_mask"],
                                   args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high,
-                                  args.beta, args.loss_type)
+                                  args.beta, args.loss_type, args.importance_sampling_level)
         return loss, {**metrics, "entropy": masked_mean(entropy, batch["response_mask"])}
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -265,6 +315,8 @@ def check_args(args, mesh):
     g, b = args.num_generations, args.batch_size
     if args.num_mini_batches < 1 or args.num_iterations < 1 or args.temperature <= 0:
         raise common.UsageError("--num-mini-batches and --num-iterations must be ≥ 1, --temperature > 0")
+    if not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= (args.min_p or 0) <= 1:
+        raise common.UsageError("--top-p must be in (0, 1], --top-k ≥ 0 (0: off), --min-p in [0, 1]")
     if g < 2 or b % g:
         raise common.UsageError(f"--batch-size {b} must be a multiple of --num-generations {g} (≥ 2: a group "
                                 "of one has no relative advantage)")
@@ -273,6 +325,8 @@ def check_args(args, mesh):
                                 f"each divisible by the data axis ({mesh.shape['data']})")
     if args.scale_rewards not in ("group", "batch", "none") or args.loss_type not in ("dapo", "grpo", "dr_grpo"):
         raise common.UsageError("--scale-rewards: group, batch or none; --loss-type: dapo, grpo or dr_grpo")
+    if args.importance_sampling_level not in ("token", "sequence"):
+        raise common.UsageError("--importance-sampling-level: token or sequence")
     if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
         raise common.UsageError(f"--reward-weights: {len(args.reward_weights)} weights for "
                                 f"{len(args.reward_fn)} --reward-fn functions")
@@ -290,12 +344,21 @@ def make_optimizer(args, max_steps):
 
 
 def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
-    """Responses to host queries [B, Q] (whole on every process), cut after the first EOS -> (batch, lengths [B])."""
-    qs, qm = common.put_global(queries, on_data), common.put_global(query_mask, on_data)
-    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key), eos, pad)
+    """Responses to host queries [B, Q] (whole on each process), cut after the first EOS -> (batch, lengths
+    [B]). The queries are first cut to [B, Qb], Qb the bucket of this batch's longest prompt (≤ Q): short
+    prompts do not pay for the run's longest, and each jitted function compiles once per bucket met."""
+    qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
+    # left padding: every prompt ends at column Q-1, so the last Qb columns hold all of their real tokens
+    qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
+    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key)[0], eos, pad)
     response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
     return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
             "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
+
+
+def query_length(batch):
+    """Qb, the width of a rollout batch's queries: query_responses [B, Qb+R] less response_mask [B, R]."""
+    return batch["query_responses"].shape[1] - batch["response_mask"].shape[1]
 
 
 def decode(tokenizer, batch, sequence_lengths, context_length):
@@ -346,7 +409,8 @@ def main(args):
     remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each block (not the sampler's calls)
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
     q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
-    print(f"data: {len(prompts)} prompts, queries padded to {q} tokens; {n_prompts} prompts × G={g} completions "
+    print(f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
+          f"{n_prompts} prompts × G={g} completions "
           f"of {r} tokens per step; reward: {args.reward_model or ', '.join(args.reward_fn)}")
 
     # Policy trainable; reference = frozen copy of its initial values (with LoRA: the zero-init
@@ -371,9 +435,12 @@ def main(args):
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
-    logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, q, args.temperature))
-    step_fn = remat.jit(partial(train_step, backbone, optimizer, args, context_length=q), donate_argnums=0,
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, eos, pad,
+                                                      args.top_k, args.top_p, args.min_p))
+    logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, query_length(b),
+                                                           args.temperature))
+    step_fn = remat.jit(lambda s, f, b: train_step(backbone, optimizer, args, s, f, b, query_length(b)),
+                        donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
     run.record(remat=remat)  # args.json: the mode --remat auto chose
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
@@ -382,7 +449,7 @@ def main(args):
     # 6N per token per trained forward+backward (every iteration).
     n = plumbing.count_params(backbone)
     n_rm = plumbing.count_params(scorer.model.backbone) if scorer.model is not None else 0
-    flops_per_seq = (q + r) * (2 * n * (1 + off_policy + (args.beta > 0)) + 2 * n_rm + args.num_iterations * 6 * n)
+    flops_per_token = 2 * n * (1 + off_policy + (args.beta > 0)) + 2 * n_rm + args.num_iterations * 6 * n
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
     for step in run.steps(learning_rate=lambda s: schedule(s * args.num_iterations * args.num_mini_batches),
@@ -392,9 +459,10 @@ def main(args):
         key, gen_key = jax.random.split(key)
         batch, sequence_lengths = rollout(gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key,
                                           eos, pad, on_data)
+        qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
         # rewards: one scalar per completion (1), a weighted sum over the reward functions (or the RM score)
-        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, q)
+        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb)
         scores, parts = scorer([prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids,
                                common.turn_end(template))
         rewards = common.to_host(scores)
@@ -411,11 +479,13 @@ def main(args):
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        run.log({**plumbing.phase_metrics(updates, ticks, len(idx) * r),
+        # generate tokens/s counts the tokens sampled up to and with each EOS (all R without one)
+        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())),
                  **reward_metrics(rewards, parts, lengths, has_eos), "reward_std": float(np.mean(group_std)),
                  "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
-                 "charts/generate_compilations": float(gen_fn._cache_size())},
-                tokens=len(idx) * (q + r), flops=len(idx) * flops_per_seq)
+                 "charts/generate_compilations": float(gen_fn._cache_size()),
+                 "charts/query_padding_fraction": float(1 - query_mask[idx].sum() / (len(idx) * qb))},
+                tokens=len(idx) * (qb + r), flops=len(idx) * (qb + r) * flops_per_token)
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
             for i in range(min(4, g)):  # the first group: one prompt, its completions, their advantages
                 print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} reward {rewards[i]:.3f} "

@@ -1,18 +1,15 @@
 """The run shell: plumbing every script shares and no one needs to read to learn an algorithm.
 
-  1. The boundary  UsageError, RunComplete, Preempted, RunFailed (NonFiniteLoss); answer_help (--help from the
-                   script's source, before its heavy imports); cli (tyro, errors in one line); launch (main
-                   under the one boundary that turns those exceptions into exit codes 2, 0, 0, 1)
-  2. Shared flags  SharedArgs: the flags every script has (each script's Args extends it)
-  3. The run       Run: output dir, --resume/--overwrite, --max-steps from --num-epochs, args.json, metrics.jsonl
-                   + TensorBoard (+ W&B), progress, tokens/s and MFU, the non-finite stop, eval and checkpoint
-                   cadence, SIGTERM/SIGINT, the final model, a summary line
+  1. The boundary  UsageError, RunComplete, Preempted, RunFailed (NonFiniteLoss); launch: main under the one
+                   boundary that turns them into exit codes 2, 0, 0, 1; cli (tyro, errors in one line);
+                   answer_help (--help read from the script's source, before its heavy imports)
+  2. Shared flags  SharedArgs (every script's Args extends it), RolloutArgs (+ the RL scripts' rollouts)
+  3. The run       Run: output dir, --resume/--overwrite, --max-steps from --num-epochs, args.json,
+                   metrics.jsonl + TensorBoard (+ W&B), progress, tokens/s and MFU, the non-finite stop, eval
+                   and checkpoint cadence, SIGTERM/SIGINT, the final model, a summary line
   4. Remat         enable_remat (a switch per decoder block), Remat (--remat auto: by compiled memory)
   5. Accounting    count_params, peak_flops (docs/design.md, "FLOPs"); synced, phase_metrics (RL phase times);
                    compilation_cache (JAX's persistent cache, on by default)
-  6. Hub errors    hub_error: a Kaggle / Hugging Face failure as one line saying what to do
-  7. Reward fns    reward_fn_signature (TRL's form or the two-argument one), call_reward_fn (its scores, or a
-                   UsageError naming it), described
 jax, numpy, keras and common are imported inside the functions that use them: `import plumbing` is instant,
 and `python dpo.py --help` answers before the script's own imports."""
 
@@ -55,23 +52,14 @@ class NonFiniteLoss(RunFailed):
 
 
 def _end(code, message=None, stream=None):
-    """Print `message` and end the process: the exits of `answer_help` and `launch`, nowhere else.
-    os._exit skips interpreter teardown, which can wait on JAX's or orbax's threads after an error."""
+    """Print `message` and end the process (answer_help's and launch's exit, nowhere else). os._exit
+    skips interpreter teardown, which can wait on JAX's or orbax's threads after an error."""
     if message is not None:
         with contextlib.suppress(BrokenPipeError):  # `--help | head`
             print(message, file=stream or sys.stdout)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)
-
-
-def answer_help(module_name, path):
-    """`python <script> --help`: print the help read from the script's `Args` source and exit 0,
-    before the script's heavy imports (keras-hub takes seconds). Does nothing on `import <script>`."""
-    if module_name == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
-        text = help_from_source(path)
-        if text is not None:
-            _end(0, text)
 
 
 def launch(main, args_class):
@@ -93,8 +81,7 @@ def launch(main, args_class):
 
 
 def cli(args_class, argv=None):
-    """tyro.cli(Args) on argv (None: sys.argv), with tyro's boxed parse errors (bad choice, bad
-    number…) as one UsageError."""
+    """tyro.cli(Args) on argv (None: sys.argv), with tyro's boxed parse errors as one UsageError."""
     import io
     import tyro
     err = io.StringIO()
@@ -113,15 +100,31 @@ def cli(args_class, argv=None):
         raise UsageError(" ".join(text) or err.getvalue().strip()) from None
 
 
+def answer_help(module_name, path):
+    """`python <script> --help`: print the help read from the script's `Args` source and exit 0,
+    before the script's heavy imports (keras-hub takes seconds). Does nothing on `import <script>`."""
+    if module_name == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
+        text = help_from_source(path)
+        if text is not None:
+            _end(0, text)
+
+
 def _fields(path, name):
-    """(class `name`'s AST, its fields [(section, name, flag, doc, default)], the module's AST) of the
-    file at `path`, read without importing it; a `# comment` between fields opens a section."""
+    """{name: (section, flag, doc, default)} of class `name` in the file at `path`, read without importing
+    it: the fields of its bases defined in this module first (a field redefined keeps its base's section
+    and place); a `# comment` between fields opens a section. None where there is no such class."""
     source = open(path).read()
-    tree = ast.parse(source)
+    lines, tree = source.splitlines(), ast.parse(source)
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
-    names = {"os": os, "common": types.SimpleNamespace(HERE=HERE), "plumbing": sys.modules[__name__]}
-    lines, fields, section, previous = source.splitlines(), [], None, getattr(cls, "lineno", 0)
-    for i, node in enumerate(cls.body if cls else []):
+    if cls is None:
+        return None
+    fields, section, previous = {}, None, cls.lineno
+    for base in (ast.unparse(b).removeprefix("plumbing.") for b in cls.bases):
+        if base in ("SharedArgs", "RolloutArgs"):
+            fields.update(_fields(__file__, base))
+    names = {"os": os, "HERE": HERE, "common": types.SimpleNamespace(HERE=HERE),
+             "plumbing": sys.modules[__name__]}
+    for i, node in enumerate(cls.body):
         if not isinstance(node, ast.AnnAssign):
             continue
         section = next((x.strip("# ").rstrip() for x in lines[previous:node.lineno - 1][::-1]
@@ -141,26 +144,24 @@ def _fields(path, name):
             default = os.path.relpath(default, HERE) if str(default).startswith(HERE) else default  # data/…
         except Exception:
             default = ast.unparse(node.value)
-        fields.append((section, node.target.id, flag, doc, default))
-    return cls, fields, tree
+        fields[node.target.id] = (fields.get(node.target.id, (section,))[0], flag, doc, default)
+    return fields
 
 
 def help_from_source(path, width=100):
-    """--help of the script at `path` from its `class Args` source (no import, so it is instant): the
-    shared flags (SharedArgs) with the script's defaults, and its own flags in their sections (a new
-    section before the outputs'); each flag with its choices, doc and default. None without Args."""
-    cls, own, tree = _fields(path, "Args")
-    if cls is None:
+    """--help of the script at `path` from its `class Args` source (no import, so it is instant): every
+    flag in its section (the outputs' sections last), with its choices, doc and default. None without Args."""
+    fields, sections = _fields(path, "Args"), {}
+    if fields is None:
         return None
-    shared = _fields(__file__, "SharedArgs")[1] if any("SharedArgs" in ast.unparse(b) for b in cls.bases) else []
-    mine, sections = {f[1]: f for f in own}, {}
-    for f in [(f[0],) + mine.pop(f[1], f)[1:] for f in shared] + list(mine.values()):
-        sections.setdefault(f[0], []).append(f)
+    for section, *rest in fields.values():
+        sections.setdefault(section, []).append(rest)
     last = ("logging and outputs", "multi-host (TPU pods and clusters are detected without these)")
-    out = [f"usage: {os.path.basename(path)} [OPTIONS]", "", ast.get_docstring(tree) or ""]
+    doc = ast.get_docstring(ast.parse(open(path).read())) or ""
+    out = [f"usage: {os.path.basename(path)} [OPTIONS]", "", doc]
     for section in sorted(sections, key=lambda s: s in last):
         out += ["", f"{section}:"]
-        for _, _, flag, doc, default in sections[section]:
+        for flag, doc, default in sections[section]:
             text = " ".join(doc.split()) + f" (default: {default if default != '' else repr(default)})"
             out += [f"  {flag}"] + textwrap.wrap(text, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
     return "\n".join(out)
@@ -222,6 +223,25 @@ class SharedArgs:
     """this process's index"""
 
 
+@dataclasses.dataclass
+class RolloutArgs(SharedArgs):
+    """SharedArgs plus what every RL script (ppo, grpo, rloo) samples with: prompts, lengths, temperature."""
+    # data
+    dataset: str = os.path.join(HERE, "data", "prompts_train.jsonl")
+    """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, or a Hugging Face dataset"""
+    max_prompt_length: int = 512
+    """prompt tokens (BOS included); longer prompts are cut from the left (TRL GRPOConfig ≤ 0.2x: 512)"""
+    # rollouts
+    response_length: int = 256
+    """new tokens sampled per completion (TRL GRPOConfig's max_completion_length: 256); without EOS by then:
+    `clipped`"""
+    temperature: float = 1.0
+    """sampling temperature; log-probs are computed from logits / temperature to match"""
+    # logging and outputs
+    sample_every: int = 10
+    """print a few decoded completions with their rewards every N steps (0: never)"""
+
+
 # --- 3. The run's lifecycle ---
 RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model", "model_hf")
 
@@ -229,12 +249,6 @@ RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model", "model_hf")
 def default_output_dir(script, model, seed):
     tag = os.path.basename(os.path.normpath(model))
     return os.path.join("runs", f"{script}__{tag}__{seed}__{time.strftime('%Y%m%d-%H%M%S')}")
-
-
-def checkpoint_steps(output_dir):
-    """Steps of the complete checkpoints (orbax renames a step's directory into place once written)."""
-    path = os.path.join(output_dir, "checkpoints")
-    return sorted(int(d) for d in os.listdir(path) if d.isdigit()) if os.path.isdir(path) else []
 
 
 def check_flags(**flags):
@@ -245,27 +259,15 @@ def check_flags(**flags):
 
 
 class Run:
-    """One training run's life, so that each script's loop shows only its algorithm:
-
-        run = plumbing.Run("dpo", args, log_every=.., eval_every=..)  # flags and --output-dir checked
-        max_steps = run.resolve_max_steps(len(train_rows))             # --max-steps, or --num-epochs'
-        state, _ = run.resume(state)        # the newest checkpoint with --resume, else as given
-        for step in run.steps(flops_per_token, schedule):   # progress bar
-            state, metrics = step_fn(state, ...)
-            run.log(metrics, real, padded)  # on device; one host sync per log_every; real-token tokens/s
-            if run.eval_due():
-                run.log_eval(evaluate(state[0]))
-            run.checkpoint(state)           # every --save-every steps, and after SIGTERM/SIGINT (raises Preempted)
-        run.finish(lambda path: common.save_model(model, state[0], path))
-
-    Making it starts jax.distributed when several processes take part, makes the mesh (run.mesh) and
-    checks the shared flags and --output-dir; it writes nothing and installs no signal handler.
-    Reads only SharedArgs' fields of `args` and the keywords given; never changes `args`: what it
-    resolves (output_dir, dtype, max_steps, and what main passes to `record`) is an attribute and goes
-    into args.json beside the flags. Nothing is written until the first step has run (its run.log);
-    from then on the first SIGINT/SIGTERM checkpoints at the next step boundary and raises Preempted,
-    and a second one ends the process at once. model/ is renamed into place only once complete.
-    """
+    """One training run's life, so that each script's loop shows only its algorithm: made in main (it starts
+    jax.distributed where several processes take part, makes run.mesh, checks the shared flags and
+    --output-dir, and writes nothing); then run.resolve_max_steps, run.resume(state), and the loop:
+    `for step in run.steps(...)`: step, run.log(metrics, real, padded tokens), run.eval_due() /
+    run.log_eval(...), run.checkpoint(state); then run.finish(save). It reads only SharedArgs' fields of
+    `args` and the keywords given, and never changes `args`: what it resolves (output_dir, dtype,
+    max_steps, what main passes to `record`) is an attribute and goes into args.json beside the flags.
+    Outputs are created after the first step (its run.log); from then on the first SIGINT/SIGTERM
+    checkpoints at the next step boundary and raises Preempted, a second ends the process at once."""
 
     def __init__(self, script, args, *, log_every=1, eval_every=0, grad_accum_steps=1, warmup_steps=0,
                  export_hf=False, skip_nonfinite=None):
@@ -283,31 +285,36 @@ class Run:
             if importlib.util.find_spec("wandb") is None:
                 raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
         self.script, self.args, self.log_every, self.eval_every = script, args, log_every, eval_every
-        self.export_hf, self.skip_nonfinite = export_hf, skip_nonfinite
+        self.export_hf, self.skip_nonfinite, self.resolved = export_hf, skip_nonfinite, {}
         self.dtype = args.dtype or common.default_dtype()
         self.dir = args.output_dir or default_output_dir(script, args.model, args.seed)
-        self.model_dir, self.max_steps, self.resolved = os.path.join(self.dir, "model"), args.max_steps, {}
+        self.model_dir, self.max_steps = os.path.join(self.dir, "model"), args.max_steps
         self.mesh = common.make_mesh(args.mesh)
         self.main = common.jax.process_index() == 0  # process 0 writes the outputs
         if args.batch_size % (self.mesh.shape["data"] * grad_accum_steps):
             accum = f" × --grad-accum-steps ({grad_accum_steps})" if grad_accum_steps > 1 else ""
             raise UsageError(f"--batch-size {args.batch_size} must divide by data axis ({self.mesh.shape['data']}){accum}")
-        self._done, self._no_checkpoint = None, None  # --resume: steps of a finished run; why it cannot resume
         self.start = self.step = self._check_output_dir()
-        self.stop_signal, self.last_train, self.last_eval = None, {}, {}
-        self._pending, self._tokens, self._flops, self._paused, self._eval_started = [], 0, 0.0, 0.0, None
-        self._padded, self._shapes = 0, set()
+        self.stop_signal, self.last_train, self.last_eval, self._handlers = None, {}, {}, {}
+        self._pending, self._tokens, self._padded, self._flops, self._shapes = [], 0, 0, 0.0, set()
         self._opened, self._buffered, self._manager, self._started = False, [], None, time.perf_counter()
-        self._handlers = {}  # SIGINT/SIGTERM's handlers before the loop, restored by close()
+        self._paused, self._eval_started = 0.0, None
 
     def _check_output_dir(self):
-        """The step to start from; refuses to touch a previous run unless asked (exit 2)."""
-        args, d = self.args, self.dir
-        held = [f for f in RUN_FILES if os.path.exists(os.path.join(d, f))]
-        steps = checkpoint_steps(d)
-        last = steps[-1] if steps else None
-        finished = os.path.isdir(self.model_dir)
-        if args.resume:
+        """The step to start from; refuses to touch a previous run unless asked, or a place that cannot hold one
+        (a file, or under one; not writable): exit 2 now, not after the model loads and the first step."""
+        d, held, steps = self.dir, [f for f in RUN_FILES if os.path.exists(os.path.join(self.dir, f))], []
+        existing = os.path.abspath(d)
+        while not os.path.exists(existing):
+            existing = os.path.dirname(existing)
+        if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
+            what = "not writable" if os.path.isdir(existing) else "a file"
+            raise UsageError(f"--output-dir {d}: {existing} is {what}")
+        if os.path.isdir(os.path.join(d, "checkpoints")):  # a step's dir appears (renamed) once complete
+            steps = sorted(int(s) for s in os.listdir(os.path.join(d, "checkpoints")) if s.isdigit())
+        last, finished = steps[-1] if steps else None, os.path.isdir(self.model_dir)
+        self._done = self._no_checkpoint = None
+        if self.args.resume:
             if finished and "args.json" in held:
                 with open(os.path.join(d, "args.json")) as f:
                     self._done = max(last or 0, json.load(f).get("max_steps") or 0)
@@ -317,7 +324,7 @@ class Run:
                                        + "; checkpoints are written by --save-every N and on SIGTERM/SIGINT")
             self._check_resumable()  # with --max-steps None: in resolve_max_steps, once it is derived
             return last or 0
-        if held and not args.overwrite:
+        if held and not self.args.overwrite:
             what, hint = "a run without checkpoints", "pass --overwrite to replace it, or choose another --output-dir"
             if finished:
                 what = "a finished run (model/)"
@@ -336,8 +343,7 @@ class Run:
             raise UsageError(self._no_checkpoint)
 
     def resolve_max_steps(self, num_rows, rows_per_step=None):
-        """--max-steps, or (when None) ceil(--num-epochs × num_rows / rows_per_step), rows_per_step
-        defaulting to --batch-size; recorded in args.json, so --resume derives the same."""
+        """--max-steps, or ceil(--num-epochs × num_rows / rows_per_step (default --batch-size))."""
         if self.max_steps is None:
             per_step = rows_per_step or self.args.batch_size
             self.max_steps = max(1, math.ceil(self.args.num_epochs * num_rows / per_step))
@@ -348,8 +354,7 @@ class Run:
         return self.max_steps
 
     def record(self, **values):
-        """Values main resolved (e.g. remat=<Remat>) for args.json, written after the first step;
-        a value that is not JSON (a Remat) is recorded as its str (the resolved mode)."""
+        """Values main resolved for args.json (remat=<Remat>: recorded as its str, the resolved mode)."""
         self.resolved.update(values)
 
     def _on_signal(self, signum, frame):
@@ -363,30 +368,30 @@ class Run:
         """After the first step: signals now checkpoint; the outputs are created (process 0)."""
         if self._opened:
             return
-        self._opened = True
+        self._opened, args = True, self.args
         self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         if not self.main:
             return
-        if self.args.overwrite and not self.args.resume and os.path.isdir(self.dir):
+        if args.overwrite and not args.resume and os.path.isdir(self.dir):
             for f in os.listdir(self.dir):
                 if f in RUN_FILES or f.startswith("events.out.tfevents"):
                     path = os.path.join(self.dir, f)
                     shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         os.makedirs(self.dir, exist_ok=True)
-        record = {**vars(self.args), "output_dir": self.dir, "dtype": self.dtype, "max_steps": self.max_steps,
+        record = {**vars(args), "output_dir": self.dir, "dtype": self.dtype, "max_steps": self.max_steps,
                   **self.resolved}
         with open(os.path.join(self.dir, "args.json.tmp"), "w") as f:
             json.dump(record, f, indent=2, default=str)
         os.replace(os.path.join(self.dir, "args.json.tmp"), os.path.join(self.dir, "args.json"))
         path = os.path.join(self.dir, "metrics.jsonl")
-        if self.args.resume and os.path.exists(path):  # drop rows logged past the checkpoint
+        if args.resume and os.path.exists(path):  # drop rows logged past the checkpoint
             with open(path) as f:
                 kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= self.start]
             with open(path, "w") as f:
                 f.writelines(kept)
         from tensorboardX import SummaryWriter
         self._metrics, self._tb, self._wandb = open(path, "a"), SummaryWriter(self.dir), None
-        if self.args.track:
+        if args.track:
             import wandb
             self._wandb = wandb.init(config=record, name=os.path.basename(self.dir))
         for step, row in self._buffered:
@@ -403,9 +408,17 @@ class Run:
             if self._wandb:
                 self._wandb.log(row, step=step)
 
+    def _checkpoints(self):
+        """(orbax, its manager): each process writes its shards, a step appears once complete, 3 kept."""
+        import orbax.checkpoint as ocp
+        options = ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=False)
+        path = os.path.abspath(os.path.join(self.dir, "checkpoints"))
+        self._manager = self._manager or ocp.CheckpointManager(path, options=options)
+        return ocp, self._manager
+
     def resume(self, state, meta=None):
-        """(state, meta) of the newest checkpoint with --resume (shaped and sharded like `state`:
-        a pytree of arrays), else as given. The data position is the step itself."""
+        """(state, meta) of the newest checkpoint with --resume (shaped and sharded like `state`), else as
+        given. The data position is the step itself."""
         if not self.start:
             return state, meta
         import jax
@@ -415,25 +428,16 @@ class Run:
         print(f"resumed from step {self.start}")
         return restored.state, restored.meta
 
-    def _checkpoints(self):
-        """(orbax, its manager), made on first use: orbax, the JAX standard, writes each process's
-        shards, a step appears only once complete, and the newest 3 are kept."""
-        import orbax.checkpoint as ocp
-        options = ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=False)
-        self._manager = self._manager or ocp.CheckpointManager(os.path.abspath(os.path.join(self.dir, "checkpoints")),
-                                                               options=options)
-        return ocp, self._manager
-
-    def steps(self, flops_per_token=0, learning_rate=None, show=(), summed=()):
-        """Step indices from the start (or the resumed step) to max_steps, with a progress bar.
-
-        flops_per_token: for charts/mfu (docs/design.md, "FLOPs"); learning_rate: the schedule, for
-        charts/learning_rate; show: metrics on the progress bar; summed: metrics logged as a count
-        per interval rather than a mean.
-        """
+    def steps(self, flops_per_token=0, learning_rate=None, show=(), summed=(), counted=None):
+        """Step indices from the start (or resumed step) to max_steps, with a progress bar showing `show`.
+        flops_per_token: for charts/mfu; learning_rate: the schedule; summed: metrics logged as sums;
+        counted: {metric: count metrics} for a step's mean over some of its examples (those the count
+        metrics count; pairs of two kinds: their product): the interval's mean over all such examples,
+        0 where it has none (a plain mean of the steps would count a step without any as a 0)."""
         from tqdm import tqdm
         assert self.max_steps is not None, "call run.resolve_max_steps before the loop"
         self._flops_per_token, self._lr, self._show, self._summed = flops_per_token, learning_rate, show, summed
+        self._counted = counted or {}
         self._peak, self._t0, self._paused = peak_flops(), time.perf_counter(), 0.0
         self._bar = tqdm(total=self.max_steps, initial=self.start, desc=self.script, dynamic_ncols=True,
                          disable=not self.main)
@@ -444,12 +448,9 @@ class Run:
         self._bar.close()
 
     def log(self, metrics, tokens=0, padded=None, flops=None):
-        """Keep one step's metrics (device arrays: no host sync) and the real (non-pad) tokens it
-        trained on, which tokens/s and MFU count (flops: when not tokens × flops_per_token);
-        padded: the tokens of its padded batch, for charts/padding_fraction and charts/compilations
-        (the distinct batch shapes so far: the step compiles once per shape). Every log_every steps
-        and at the last, fetch them in one sync, raise NonFiniteLoss on a non-finite train/loss
-        (unless skip_nonfinite), and log their means."""
+        """Keep one step's metrics (device arrays: no host sync), its real tokens (tokens/s, MFU) and its
+        padded batch's (charts/padding_fraction, charts/compilations: distinct shapes). Every log_every
+        steps and at the last: one sync, NonFiniteLoss on a non-finite train/loss, the means logged."""
         self._open()  # the first step is compiled and dispatched: from here on a signal checkpoints
         self._pending.append(metrics)
         self._tokens += tokens
@@ -475,6 +476,9 @@ class Run:
                                 "state (rerun with --resume and a lower --learning-rate"
                                 + (", or --skip-nonfinite)" if self.skip_nonfinite is not None else ")"))
         row = {k: float((np.sum if k in self._summed else np.mean)([m[k] for m in fetched])) for k in fetched[0]}
+        for k, counts in self._counted.items():  # each step weighted by how many examples its mean covers
+            w = np.array([np.prod([float(m[c]) for c in counts]) for m in fetched])
+            row[k] = float(np.dot([float(m[k]) for m in fetched], w) / w.sum()) if w.sum() else 0.0
         if self._lr is not None:
             row["charts/learning_rate"] = float(self._lr(self.step - 1))
         row["charts/tokens_per_sec"] = self._tokens / elapsed
@@ -507,10 +511,9 @@ class Run:
             self._eval_started = None
 
     def checkpoint(self, state, meta=None):
-        """Every --save-every steps, and when a SIGTERM/SIGINT has arrived: log what is pending,
-        save `state` (a pytree of arrays) + meta (JSON) + the step; after a signal, raise Preempted."""
-        stopping = self.stop_signal  # read once: a signal arriving later is handled at the next step
-        every = self.args.save_every
+        """Every --save-every steps, and once a SIGTERM/SIGINT has arrived: save `state` (a pytree of arrays)
+        + meta (JSON) + the step; after a signal, raise Preempted."""
+        stopping, every = self.stop_signal, self.args.save_every  # a later signal: at the next step
         if not (stopping or (every and self.step % every == 0)):
             return
         self._open()
@@ -526,8 +529,8 @@ class Run:
             raise Preempted(f"{stopping}: checkpoint saved at step {self.step}; continue with --resume")
 
     def finish(self, save):
-        """save(path) writes the final model into model.tmp/, renamed to model/ once complete
-        (then model_hf/ with export_hf); then one summary line (last train and eval metrics, outputs)."""
+        """save(path) writes the final model into model.tmp/, renamed to model/ once complete (then
+        model_hf/ with export_hf); then one summary line."""
         import common
         self._open()
         self._flush()
@@ -551,8 +554,7 @@ class Run:
               + ", metrics.jsonl, args.json)", flush=True)
 
     def close(self):
-        """Close the logs; SIGINT/SIGTERM do again what they did before the loop (main called twice in
-        a notebook or a test: Ctrl-C interrupts as usual once a run has ended)."""
+        """Close the logs; SIGINT/SIGTERM get back their handlers from before the loop."""
         for sig, handler in self._handlers.items():
             signal.signal(sig, handler)
         if self._opened and self.main:
@@ -564,11 +566,10 @@ class Run:
 
 # --- 4. Remat: activation checkpointing per decoder block, --remat {auto,on,off} ---
 def enable_remat(backbone, on=True):
-    """Activation checkpointing per decoder block: each block's activations are recomputed
-    in the backward pass, so only the block inputs [B, T, D] stay alive between forward and
-    backward (about +1/3 FLOPs; what makes Gemma-2B DPO fit 16 GiB chips). Calls with a KV
-    cache (generation) are left alone: they have no backward pass. `backbone.remat_on`, read
-    when a step is traced, switches it (Remat's auto). Returns the backbone."""
+    """Activation checkpointing per decoder block: each block's activations are recomputed in the backward
+    pass, so only the block inputs [B, T, D] stay alive between forward and backward (about +1/3 FLOPs; what
+    makes Gemma-2B DPO fit 16 GiB chips). Calls with a KV cache (generation) have no backward pass and are
+    left alone. `backbone.remat_on`, read when a step is traced, switches it (Remat's auto)."""
     import jax
     backbone.remat_on = on
     for layer in [] if hasattr(backbone, "_remat_layers") else getattr(backbone, "transformer_layers", []):
@@ -591,10 +592,10 @@ def device_memory_limit():
 
 
 class Remat:
-    """--remat for `backbones`: "off" leaves them untouched; otherwise each decoder block gets a
-    jax.checkpoint switch (enable_remat) that `jit` sets: on / off as asked; auto: off where the
-    device sets no memory limit (CPU: remat is pure cost), else decided at the step's first call,
-    by compiling it ahead of time without remat. str(remat) is the resolved mode (args.json)."""
+    """--remat for `backbones`: "off" leaves them untouched; otherwise each decoder block gets a switch
+    (enable_remat) that `jit` sets: on / off as asked; auto: off where the device sets no memory limit (CPU:
+    remat is pure cost), else decided at the step's first call by compiling it ahead of time without remat.
+    str(remat) is the resolved mode (args.json)."""
 
     def __init__(self, mode, *backbones):
         self.requested, self.mode, self.backbones = mode, None if mode == "auto" else mode, []
@@ -621,13 +622,12 @@ class Remat:
         return jax.jit(fn, **jit_kwargs)  # a new callable: traced afresh, with the switch as now set
 
     def jit(self, fn, length=None, **jit_kwargs):
-        """jax.jit(fn, **jit_kwargs) with the remat mode applied. auto, on a device with a memory
-        limit: at the first call fn is compiled ahead of time without remat for that call's argument
-        shapes and shardings, the batch (third argument, leaves [A, B, T, ...]) at `length` tokens (the
-        run's longest), and remat is turned on when the compiled peak per device (argument + output +
-        temp − alias) exceeds 90% of the limit: the 10% covers what the analysis leaves out (allocator
-        fragmentation, the runtime's own buffers, the next batch and eval arrays beside the step).
-        Costs one extra compile (CPU-measured in benchmarks/RESULTS.md "Step performance")."""
+        """jax.jit(fn, **jit_kwargs) with the remat mode applied. auto, on a device with a memory limit: at
+        the first call fn is compiled ahead of time without remat for that call's shapes and shardings, the
+        batch (third argument, leaves [A, B, T, ...]) at `length` tokens (the run's longest), and remat is
+        turned on when the compiled peak per device (argument + output + temp − alias) exceeds 90% of the
+        limit: the 10% covers what the analysis leaves out (fragmentation, the runtime's own buffers, the
+        next batch beside the step). Costs one extra compile (benchmarks/RESULTS.md, "Step performance")."""
         import functools
         import jax
         fn, limit, resolved = functools.partial(fn), device_memory_limit(), []
@@ -658,9 +658,9 @@ _measured_peak = {}
 
 
 def count_params(backbone):
-    """N for FLOP accounting (docs/design.md, "FLOPs"): every weight used in a matmul. A tied
-    embedding is also the output matmul (Gemma, Qwen); an untied one (Llama 3, Mistral) is a
-    lookup, and its output matrix is the matmul."""
+    """N for FLOP accounting (docs/design.md, "FLOPs"): every weight used in a matmul. A tied embedding is
+    also the output matmul (Gemma, Qwen); an untied one (Llama 3, Mistral) is a lookup, its output matrix
+    the matmul."""
     import numpy as np
     embedding = backbone.token_embedding
     lookup = embedding.embeddings if not embedding.tie_weights else None
@@ -668,9 +668,8 @@ def count_params(backbone):
 
 
 def peak_flops():
-    """Peak FLOP/s of all devices together: the table above per chip, or on CPU (and
-    unknown kinds) a measured float32 matmul. Simulated CPU devices share the host's
-    cores, so on CPU the host peak counts once per process, not once per device."""
+    """Peak FLOP/s of all devices together: the table above per chip, or on CPU (and unknown kinds) a
+    measured float32 matmul, once per process: simulated CPU devices share the host's cores."""
     import jax
     kind = jax.devices()[0].device_kind
     for name, flops in PEAK_FLOPS.items():
@@ -716,10 +715,10 @@ def phase_metrics(updates, ticks, new_tokens):
 
 
 def compilation_cache():
-    """JAX's persistent compilation cache, so a resumed run, a compare.py seed and a test process reuse
-    the compiled programs of an identical earlier one. Directory: $JAX_COMPILATION_CACHE_DIR (JAX's own
-    variable), else ~/.cache/posttrain-jax; JAX_COMPILATION_CACHE_DIR=off turns it off. Programs that
-    compile in under 0.5 s are not stored (JAX's default threshold is 1 s). Returns the directory or None."""
+    """JAX's persistent compilation cache, so a resumed run, a compare.py seed and a test process reuse the
+    programs of an identical earlier one: $JAX_COMPILATION_CACHE_DIR (JAX's own variable; `off` turns it
+    off), else ~/.cache/posttrain-jax. Programs compiled in under 0.5 s are not stored (JAX's default: 1 s).
+    Returns the directory or None."""
     import jax
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "posttrain-jax")
@@ -729,123 +728,3 @@ def compilation_cache():
     jax.config.update("jax_compilation_cache_dir", path)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
     return path
-
-
-# --- 6. Hub errors: what to do when a model cannot be fetched, in one line ---
-def hub_error(preset, error):
-    """What to do about `error` raised while fetching `preset` from a hub, in one line; None when
-    it is no hub failure. Reads the whole exception chain: KerasHub re-raises the hubs' errors."""
-    if preset == "tiny" or os.path.isdir(preset):
-        return None
-    chain, e = [], error
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    kinds = {c.__name__ for x in chain for c in type(x).__mro__}
-    text = " ".join(str(x) for x in chain)
-    statuses = [getattr(getattr(x, "response", None), "status_code", None) for x in chain]
-    status = next((s for s in statuses if isinstance(s, int)), None)  # HTTP errors carry their response
-    offline = bool(kinds & {"ConnectionError", "ConnectError", "NetworkError", "TimeoutException", "Timeout",
-                            "gaierror", "LocalEntryNotFoundError"})
-    if preset.startswith("hf://"):
-        return _hf_error(preset, kinds, text, status, offline)
-    if "://" in preset and not preset.startswith("kaggle://"):
-        return None  # modelscope:// and the like: their own messages
-    return _kaggle_error(preset, kinds, text, status, offline)
-
-
-_LOCAL = "or pass a local directory (a KerasHub preset or a Hugging Face checkpoint), or --model tiny"
-
-
-def _hf_error(preset, kinds, text, status, offline):
-    """hub_error for an hf:// handle."""
-    repo = preset.removeprefix("hf://")
-    page, token = f"https://huggingface.co/{repo}", "set HF_TOKEN or run `hf auth login`"
-    if "GatedRepoError" in kinds:
-        return f"--model {preset}: the repo is gated: accept its licence at {page}, then {token}; {_LOCAL}"
-    if "RepositoryNotFoundError" in kinds:
-        return (f"--model {preset}: no Hugging Face repo {repo!r} is visible: check the repo id at {page} "
-                f"(for a private repo, {token}); {_LOCAL}")
-    if "HFValidationError" in kinds or "Unexpected Hugging Face preset" in text:
-        return f"--model {preset}: not a Hugging Face repo id; expected hf://{{org}}/{{model}}; {_LOCAL}"
-    if "EntryNotFoundError" in kinds and not offline:
-        return f"--model {preset}: the repo has no config.json at {page}: not a checkpoint KerasHub loads; {_LOCAL}"
-    if offline:
-        from huggingface_hub import constants
-        why, fix = (("HF_HUB_OFFLINE is set", "unset it") if constants.HF_HUB_OFFLINE else
-                    ("cannot reach the Hugging Face Hub (no network?)", "connect"))
-        return (f"--model {preset}: {why} and the model is not in the local cache: {fix}, then {token} "
-                f"if the repo is gated; {_LOCAL}")
-    return f"--model {preset}: the Hugging Face Hub answered HTTP {status} for {page}; {_LOCAL}" if status else None
-
-
-def _kaggle_error(preset, kinds, text, status, offline):
-    """hub_error for a Kaggle handle or a KerasHub preset name (their files live on Kaggle)."""
-    from keras_hub.src.utils.preset_utils import BUILTIN_PRESETS
-    handle = BUILTIN_PRESETS.get(preset, {}).get("kaggle_handle", preset).removeprefix("kaggle://")
-    page = "https://www.kaggle.com/models/" + "/".join(handle.split("/")[:2])
-    try:
-        import kagglehub.config
-        user = kagglehub.config.get_kaggle_credentials()
-    except ValueError as e:  # a malformed ~/.kaggle/kaggle.json
-        return f"--model {preset}: {e}: fix it, or set KAGGLE_USERNAME and KAGGLE_KEY"
-    creds = "set Kaggle credentials (KAGGLE_USERNAME and KAGGLE_KEY, or ~/.kaggle/kaggle.json)"
-    who = f"the Kaggle account {user.username!r}" if user and user.username else "your Kaggle account"
-    if status in (401, 403) or "is not accessible in preset directory" in text or kinds & {
-            "CredentialError", "UnauthenticatedError"}:
-        if user is None:
-            return (f"--model {preset}: Kaggle refused kaggle://{handle} without credentials: {creds} for an "
-                    f"account that has accepted the model's licence at {page}; {_LOCAL}")
-        return (f"--model {preset}: Kaggle refused kaggle://{handle} to {who}: accept the model's licence at "
-                f"{page} with that account, and check that its KAGGLE_KEY is current; {_LOCAL}")
-    if status == 404 or "doesn't exist in preset directory" in text:
-        return (f"--model {preset}: Kaggle has no model kaggle://{handle}: check the handle "
-                f"(kaggle://{{org}}/{{model}}/keras/{{variant}}[/{{version}}], see {page}); {_LOCAL}")
-    if "Unexpected Kaggle preset" in text:
-        return (f"--model {preset}: not a Kaggle model handle; expected "
-                f"kaggle://{{org}}/{{model}}/keras/{{variant}}[/{{version}}]; {_LOCAL}")
-    if offline:
-        then = f" and {creds} for an account that has accepted the model's licence at {page}" if user is None else ""
-        return (f"--model {preset}: cannot reach Kaggle (no network?) to download kaggle://{handle}: "
-                f"connect{then}; {_LOCAL}")
-    return f"--model {preset}: Kaggle answered HTTP {status} for kaggle://{handle}; {_LOCAL}" if status else None
-
-
-# --- 7. Reward functions: calling the user's code (common.Scorer), and its failures in one line ---
-def reward_fn_signature(fn):
-    """-> (the parameters `fn` requires, all it names, whether it takes **kwargs), or None for the
-    two-argument form f(prompts, responses) (two positional parameters, no **kwargs, not `completions`)."""
-    import inspect
-    params = inspect.signature(fn).parameters.values()
-    var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
-    named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-    if not var_kw and "completions" not in [p.name for p in named] and len(named) == 2:
-        return None
-    return [p.name for p in named if p.default is p.empty], [p.name for p in named], var_kw
-
-
-def described(fn):
-    """`name (file:line)` of a reward function, for error messages."""
-    code = getattr(fn, "__code__", None)
-    return f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})" if code else fn.__name__
-
-
-def call_reward_fn(fn, n, *args, **kwargs):
-    """fn(*args, **kwargs) -> [n] float64 scores, NaN where it returned None; a UsageError naming fn
-    when it raises or returns anything else."""
-    import traceback
-    import numpy as np
-    try:
-        out = fn(*args, **kwargs)
-    except Exception as e:
-        where = traceback.extract_tb(e.__traceback__)[-1]  # the innermost frame: where in its code
-        raise UsageError(f"reward function {described(fn)} raised {type(e).__name__}: {e} "
-                         f"(at {where.filename}:{where.lineno})") from None
-    try:
-        values = np.array([np.nan if v is None else float(v) for v in out], np.float64)
-    except (TypeError, ValueError):
-        raise UsageError(f"reward function {described(fn)} returned {str(out)[:80]!r}: expected one float "
-                         f"(or None) per completion") from None
-    if values.shape != (n,):
-        raise UsageError(f"reward function {described(fn)} returned {len(values)} scores for {n} completions")
-    return values

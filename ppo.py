@@ -11,7 +11,6 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from functools import partial
 from typing import Literal, NamedTuple
 
 import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
@@ -26,23 +25,18 @@ import optax  # noqa: E402
 
 
 @dataclass
-class Args(plumbing.SharedArgs):
-    """The shared flags (plumbing.SharedArgs: model, dtype, mesh, batch size, output dir, …) plus PPO's."""
+class Args(plumbing.RolloutArgs):
+    """The shared flags (plumbing.RolloutArgs: model, dtype, mesh, prompts, lengths, outputs, …) plus PPO's."""
     # rewards
     reward_model: str | None = None
     """reward.py's `model/` dir: scores responses and initialises the value model (--lora-rank: LoRA on both)"""
     reward_fn: str = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
     """`path.py:function`: TRL's f(prompts, completions, **columns) or f(prompts, responses); without --reward-model"""
-    # data
-    dataset: str = os.path.join(common.HERE, "data", "prompts_train.jsonl")
-    """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, or a Hugging Face dataset"""
-    max_prompt_length: int = 512
-    """prompt tokens (BOS included); longer prompts are cut from the left (TRL's PPO: no limit)"""
     # rollouts
     response_length: int = 53
     """new tokens sampled per prompt (TRL PPOConfig: 53)"""
     temperature: float = 0.7
-    """sampling temperature; log-probs are computed from logits / temperature to match"""
+    """sampling temperature (TRL PPOConfig: 0.7); log-probs are computed from logits / temperature to match"""
     missing_eos_penalty: float | None = None
     """subtracted from the score of a response without EOS (None: off, as in TRL)"""
     # optimisation
@@ -72,8 +66,6 @@ class Args(plumbing.SharedArgs):
     # logging and outputs
     export_hf: bool = False
     """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
-    sample_every: int = 10
-    """print a few decoded samples with their scores every N steps (0: never)"""
 
 
 class PPOParams(NamedTuple):
@@ -104,33 +96,52 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 
 
 # ---------------------------------------------------------------------------
-# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once), forwards of policy, reference and
-# value model on query + response, per-token rewards, GAE, whitening, the PPO losses
+# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once; it stops when every response has ended),
+# forwards of policy, reference and value model on query + response, per-token rewards, GAE, whitening,
+# the PPO losses
 # ---------------------------------------------------------------------------
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature):
-    """Sample `response_length` tokens after left-padded queries [B, Q] -> responses [B, R].
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature,
+             eos_id, pad_id):
+    """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps).
 
-    One prefill writes the prompt into the cache; a `lax.scan` then feeds one token
-    per step. temperature 0 = greedy. Tokens after an EOS are sampled too and cut
-    later (truncate_response), so every shape is fixed: one compilation per run.
+    One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
+    stops once every sequence has sampled its EOS (steps: tokens sampled per sequence, ≤ R): a batch of
+    short answers costs their length, not R. Fixed shapes: one compilation per query bucket. After its
+    EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
+    `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
+    temperature 0 = greedy.
     """
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):
-        cache = common.empty_cache(backbone, b, q + response_length)  # [B, L, 2, S, K, H]
+        cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
         logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
-        def step(carry, _):
-            logits, cache, index, key = carry
+        def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
             key, sample_key = jax.random.split(key)
-            token = (jnp.argmax(logits, -1) if temperature == 0 else
-                     jax.random.categorical(sample_key, logits / temperature)).astype(jnp.int32)
-            logits, cache = common.cached_forward(backbone, token[:, None], padding_mask, cache, index)
-            return (logits[:, -1], cache, index + 1, key), token
+            if temperature == 0:
+                token = jnp.argmax(logits, -1).astype(jnp.int32)
+            else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
+                # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
+                z = jax.random.gumbel(sample_key, logits.shape) + logits / temperature  # [B, V]
+                first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
+                token = first.min(-1).astype(jnp.int32)
+            token = jnp.where(done, pad_id, token)
+            return token, key, done | (token == eos_id)
 
-        _, tokens = jax.lax.scan(step, (logits[:, -1], cache, jnp.int32(q), key), None, length=response_length)
-    return tokens.T  # [B, R]
+        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t
+            tokens, cache, t, key, done = carry
+            fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
+            logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1)
+            token, key, done = pick(logits[:, -1], key, done)
+            return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], t, 1), cache, t + 1, key, done
+
+        token, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
+        tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
+        tokens, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has no EOS yet and t < R
+            lambda c: (c[2] < response_length) & ~c[4].all(), step, (tokens, cache, jnp.int32(1), key, done))
+    return tokens, steps
 
 
 def truncate_response(responses, eos_id, pad_id):
@@ -308,12 +319,21 @@ def make_optimizer(args, max_steps):
 
 
 def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
-    """Responses to host queries [B, Q] (whole on every process), cut after the first EOS -> (batch, lengths [B])."""
-    qs, qm = common.put_global(queries, on_data), common.put_global(query_mask, on_data)
-    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key), eos, pad)
+    """Responses to host queries [B, Q] (whole on each process), cut after the first EOS -> (batch, lengths
+    [B]). The queries are first cut to [B, Qb], Qb the bucket of this batch's longest prompt (≤ Q): short
+    prompts do not pay for the run's longest, and each jitted function compiles once per bucket met."""
+    qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
+    # left padding: every prompt ends at column Q-1, so the last Qb columns hold all of their real tokens
+    qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
+    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key)[0], eos, pad)
     response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
     return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
             "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
+
+
+def query_length(batch):
+    """Qb, the width of a rollout batch's queries: query_responses [B, Qb+R] less response_mask [B, R]."""
+    return batch["query_responses"].shape[1] - batch["response_mask"].shape[1]
 
 
 def decode(tokenizer, batch, sequence_lengths, context_length):
@@ -358,8 +378,8 @@ def main(args):
     remat = plumbing.Remat(args.remat, backbone, value_bb)  # --remat on policy and value (not the KV-cached sampler)
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
     q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
-    print(f"data: {len(prompts)} prompts, queries padded to {q} tokens; responses {r} tokens; "
-          f"reward: {args.reward_model or args.reward_fn}")
+    print(f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
+          f"responses {r} tokens; reward: {args.reward_model or args.reward_fn}")
 
     # Policy trainable; reference = frozen copy of its initial values (with LoRA: the zero-init adapters,
     # i.e. the LoRA-off base); value = a copy of the reward model (Huang et al.), else of the policy + a zero head.
@@ -388,10 +408,12 @@ def main(args):
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature))
-    stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, q, args.temperature))
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, eos, pad))
+    stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, query_length(b),
+                                                           args.temperature))
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: advantages_of(s, lp, rlp, v, sl, args))
-    step_fn = remat.jit(partial(train_step, models, optimizer, args, context_length=q), donate_argnums=0,
+    step_fn = remat.jit(lambda s, f, b: train_step(models, optimizer, args, s, f, b, query_length(b)),
+                        donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
     run.record(remat=remat)  # args.json: the mode --remat auto chose
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
@@ -399,8 +421,8 @@ def main(args):
     # FLOPs (docs/design.md): 2N per token per forward (sampling, policy + reference + value, reward model),
     # 6N per token per trained forward+backward (policy and value, every epoch).
     n_pol, n_val = plumbing.count_params(backbone), plumbing.count_params(value_bb)
-    flops_per_seq = (q + r) * (2 * n_pol + 2 * (2 * n_pol + n_val) + 2 * n_val * (scorer.model is not None)
-                     + args.num_ppo_epochs * 6 * (n_pol + n_val))
+    flops_per_token = (2 * n_pol + 2 * (2 * n_pol + n_val) + 2 * n_val * (scorer.model is not None)
+                       + args.num_ppo_epochs * 6 * (n_pol + n_val))
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
     for step in run.steps(learning_rate=lambda s: schedule(s * args.num_ppo_epochs * args.num_mini_batches),
@@ -410,9 +432,10 @@ def main(args):
         key, gen_key = jax.random.split(key)
         batch, sequence_lengths = rollout(gen_fn, state[0].policy, frozen.policy, queries[idx], query_mask[idx],
                                           gen_key, eos, pad, on_data)
+        qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
         # rewards: a score per response (1), minus the missing-EOS penalty; log-probs of policy and reference; values
-        texts, ids, _, has_eos = decode(tokenizer, batch, sequence_lengths, q)
+        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb)
         scores, _ = scorer([prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids,
                            common.turn_end(template))
         if args.missing_eos_penalty is not None:
@@ -427,10 +450,12 @@ def main(args):
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_ppo_epochs, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        run.log({**plumbing.phase_metrics(updates, ticks, len(idx) * r), **objective,
+        # generate tokens/s counts the tokens sampled up to and with each EOS (all R without one)
+        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())), **objective,
                  "val/num_eos_tokens": float(has_eos.sum()),
-                 "charts/generate_compilations": float(gen_fn._cache_size())},
-                tokens=len(idx) * (q + r), flops=len(idx) * flops_per_seq)
+                 "charts/generate_compilations": float(gen_fn._cache_size()),
+                 "charts/query_padding_fraction": float(1 - query_mask[idx].sum() / (len(idx) * qb))},
+                tokens=len(idx) * (qb + r), flops=len(idx) * (qb + r) * flops_per_token)
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
             for i, s in enumerate(common.to_host(scores)[:3]):
                 print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} score {s:.3f}")

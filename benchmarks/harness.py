@@ -219,7 +219,7 @@ class Algo:
     """What the harness needs of one --algo (the table ALGOS, at the end of this file)."""
     setup: Callable  # (module, args, backbone, optimizer, params, frozen, rng, (A, B, T, V), mesh, abstract) -> Bench
     args: Callable  # (module, Config) -> the script's Args at the benchmark's sizes
-    trained_models: int = 1  # LoRA: -2N per trained model
+    trained_models: float = 1  # LoRA: -2N per trained model (kto: 0.5, a backward on half its tokens)
 
 
 def script_args(module, cfg):
@@ -229,7 +229,7 @@ def script_args(module, cfg):
 
 
 def plain_args(module, cfg):
-    """sft, dpo, simpo, orpo, reward: --batch-size, --max-length, --lora-rank, --grad-accum-steps and
+    """sft, dpo, simpo, orpo, kto, reward: --batch-size, --max-length, --lora-rank, --grad-accum-steps and
     --precompute-ref as asked; a size the script has no flag for (e.g. sft --precompute-ref) is refused."""
     known = module.Args.__dataclass_fields__
     wanted = dict(batch_size=cfg.batch_size, max_length=cfg.max_length, lora_rank=cfg.lora_rank,
@@ -331,6 +331,29 @@ def _preference(module, args, backbone, optimizer, params, frozen, rng, shape, m
                  put_batch(mesh, host, abstract), 2 * a * b * t, factor, note)
 
 
+def _kto(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
+    """kto.py: each example and its mismatched pair, half the examples desirable; the reference as dpo's.
+    Tokens: both sequences of every example; per token 6N on average (the example's 6N + 2N reference,
+    the pair's 2N + 2N forwards), 4N with precomputed reference log-probs."""
+    a, b, t, vocab = shape
+    host = {"label": np.arange(a * b).reshape(a, b) % 2 == 0}
+    for name in ("completion", "KL"):
+        ids, pad, mask = sequences(rng, a, b, t, vocab)
+        host.update({f"{name}_ids": ids, f"{name}_padding_mask": pad, f"{name}_loss_mask": mask})
+    extra, factor, note = {"frozen": frozen}, 6, "online reference; mismatched pairs: two forwards"
+    if args.precompute_ref:
+        for name in ("completion", "KL"):
+            host[f"ref_{name}_logps"] = rng.normal(-50, 5, (a, b)).astype(np.float32)
+        extra["ref_params"], factor, note = None, 4, "precomputed reference; mismatched pairs: one forward"
+    else:
+        copy = ((lambda p: module.lora_off(backbone, p)) if args.lora_rank
+                else (lambda p: jax.tree.map(jnp.copy, p)))
+        extra["ref_params"] = run(copy, params, abstract=abstract)
+    state = (params, init_opt_state(optimizer, params, mesh, abstract))
+    return Bench(args, script_step(module, backbone=backbone, optimizer=optimizer, args=args), state, extra,
+                 put_batch(mesh, host, abstract), 2 * a * b * t, factor, note)
+
+
 def _reward(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
     a, b, t, vocab = shape
     head = jax.device_put(module.init_head(backbone, 0), NamedSharding(mesh, P()))  # [D, 1] + bias: tiny
@@ -380,7 +403,8 @@ def ppo_rollout(module, args, models, mesh, rng, vocab, ref_params):
     queries[:, 0] = BOS
     query_mask = np.ones((b, q), bool)
     scores = common.put_global(rng.normal(0, 1, b).astype(np.float32), on_data)
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(models.policy, p, f, qs, qm, k, r, args.temperature))
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(models.policy, p, f, qs, qm, k, r, args.temperature,
+                                                             EOS, 0))
     stats_fn = jax.jit(lambda p, rp, f, bt: module.rollout_stats(models, p, rp, f, bt, q, args.temperature))
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: module.advantages_of(s, lp, rlp, v, sl, args))
     order = np.random.default_rng(0)
@@ -401,8 +425,9 @@ def ppo_rollout(module, args, models, mesh, rng, vocab, ref_params):
     return iteration
 
 
-def _grpo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
-    """grpo.py's train_step on one synthetic generation batch; `rollout` times generate / score / update."""
+def _grpo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract, advantages=None):
+    """grpo.py's (or rloo.py's: the same train_step arguments) train_step on one synthetic generation batch;
+    `rollout` times generate / score / update, the advantages from `advantages` (module, rewards, args)."""
     b, vocab = shape[1], shape[3]
     q, r = args.max_prompt_length, args.response_length
     if b % args.num_generations or b % mesh.shape["data"]:
@@ -416,8 +441,20 @@ def _grpo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, a
     bench = Bench(args, step, state, {"frozen": frozen}, rollout_batch(host, mesh, abstract), b * (q + r), 6,
                   "update step: one forward + backward (beta 0: no reference forward)")
     if not abstract:
-        bench.rollout = grpo_rollout(module, args, backbone, mesh, rng, vocab)
+        bench.rollout = grpo_rollout(module, args, backbone, mesh, rng, vocab, advantages)
     return bench
+
+
+def group_advantages(module, rewards, args):
+    """grpo.py's group-relative advantages of rewards [B]."""
+    return module.group_advantages(rewards, args.num_generations, args.scale_rewards)[0]
+
+
+def leave_one_out(module, rewards, args):
+    """rloo.py's leave-one-out advantages of rewards [B], with no KL term (the benchmark's β = 0: one update
+    per rollout and no reference forward, like grpo's TRL defaults)."""
+    return module.rloo_advantages(rewards, jnp.zeros_like(rewards), args.num_generations, 0.0,
+                                  args.normalize_advantages)[0]
 
 
 GRPO_REWARD_FN = os.path.join(ROOT, "data", "toy.py") + ":batch_score"  # grpo.py's default --reward-fn
@@ -431,10 +468,10 @@ class IdsText:
         return [" ".join(map(str, x)) for x in ids]
 
 
-def grpo_rollout(module, args, backbone, mesh, rng, vocab):
-    """fn(state, extra, step_fn, key) -> (state, seconds of (generate, score, update)) for one GRPO
-    iteration with grpo.py's own rollout (its KV-cached sampler), decode, scorer (common.load_scorer of
-    the reward function GRPO_REWARD_FN), group_advantages and mini_batches. Random prompt ids, G copies each."""
+def grpo_rollout(module, args, backbone, mesh, rng, vocab, advantages=group_advantages):
+    """fn(state, extra, step_fn, key) -> (state, seconds of (generate, score, update)) for one GRPO (or RLOO)
+    iteration with the script's own rollout (its KV-cached sampler), decode, scorer (common.load_scorer of
+    the reward function GRPO_REWARD_FN), advantages and mini_batches. Random prompt ids, G copies each."""
     q, r, b, g = args.max_prompt_length, args.response_length, args.batch_size, args.num_generations
     on_data = NamedSharding(mesh, P("data"))
     queries = np.repeat(rng.integers(3, vocab, (b // g, q), dtype=np.int32), g, 0)  # [B, Q], a group = G rows
@@ -444,7 +481,8 @@ def grpo_rollout(module, args, backbone, mesh, rng, vocab):
     tiny = common.keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER)
     tokenizer = tiny if tiny.vocabulary_size() == vocab else IdsText()
     scorer = common.load_scorer(mesh, reward_fns=[GRPO_REWARD_FN])
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(backbone, p, f, qs, qm, k, r, args.temperature))
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(backbone, p, f, qs, qm, k, r, args.temperature,
+                                                             EOS, 0))
     order = np.random.default_rng(0)
 
     def iteration(state, extra, step_fn, key):
@@ -453,8 +491,8 @@ def grpo_rollout(module, args, backbone, mesh, rng, vocab):
         t1 = plumbing.synced(batch)
         texts, ids = module.decode(tokenizer, batch, lengths, q)[:2]
         rewards = common.to_host(scorer(prompts, texts, batch, [{"prompt": p} for p in prompts], ids)[0])
-        advantages, _ = jax.device_get(module.group_advantages(jnp.asarray(rewards), g, args.scale_rewards))
-        batch["advantages"] = common.put_global(advantages, on_data)
+        batch["advantages"] = common.put_global(jax.device_get(advantages(module, jnp.asarray(rewards), args)),
+                                                on_data)
         t2 = plumbing.synced(batch)
         for idx in module.mini_batches(order, b, args.num_mini_batches, args.num_iterations, on_data):
             state, metrics = step_fn(state, jax.tree.map(lambda x: x[idx], batch), extra)
@@ -469,7 +507,9 @@ ALGOS = {
     "dpo": Algo(functools.partial(_preference, reference=True), plain_args),  # + a reference model
     "simpo": Algo(_preference, plain_args),
     "orpo": Algo(_preference, plain_args),
+    "kto": Algo(_kto, plain_args, trained_models=0.5),  # LoRA: no backward on half its tokens (the pairs')
     "reward": Algo(_reward, plain_args),
     "ppo": Algo(_ppo, ppo_args, trained_models=2),  # policy and value
-    "grpo": Algo(_grpo, grpo_args),
+    "grpo": Algo(functools.partial(_grpo, advantages=group_advantages), grpo_args),
+    "rloo": Algo(functools.partial(_grpo, advantages=leave_one_out), grpo_args),  # grpo's step and rollout
 }

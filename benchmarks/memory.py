@@ -31,7 +31,7 @@ GIB = 2**30
 @dataclass
 class Args:
     # what is compiled
-    algo: Literal["sft", "dpo", "simpo", "orpo", "reward", "ppo"] = "sft"
+    algo: Literal["sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo"] = "sft"
     """whose train_step is compiled"""
     # model
     model: str = "gemma_2b"
@@ -52,7 +52,7 @@ class Args:
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = LoRA of this rank"""
     precompute_ref: bool = False
-    """DPO: reference log-probs precomputed (no reference weights, no reference forward)"""
+    """DPO, KTO: reference log-probs precomputed (no reference weights, no reference forward)"""
     remat: Literal["on", "off"] = "on"
     """activation checkpointing per decoder block, as the scripts' `--remat on|off` (their `auto` picks off
     when the step without remat fits the device: compare the two here)"""

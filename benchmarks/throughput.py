@@ -30,7 +30,7 @@ import jax  # noqa: E402
 @dataclass
 class Args:
     # what is timed
-    algo: Literal["sft", "dpo", "simpo", "orpo", "reward", "ppo", "grpo"] = "sft"
+    algo: Literal["sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rloo"] = "sft"
     """whose train_step is timed"""
     # model
     model: str = "tiny"
@@ -55,7 +55,7 @@ class Args:
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = LoRA of this rank"""
     precompute_ref: bool = False
-    """DPO: reference log-probs in the batch instead of a reference forward (6N, not 8N)"""
+    """DPO, KTO: reference log-probs in the batch instead of a reference forward (DPO: 6N, not 8N)"""
     remat: Literal["auto", "on", "off"] = "auto"
     """activation checkpointing per decoder block, as the scripts' `--remat` (auto: plumbing.Remat's rule)"""
     # timing

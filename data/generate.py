@@ -6,6 +6,8 @@ Deterministic (fixed seed). Files:
   sft_{train,eval}.jsonl           prompt + completion
   sft_messages_{train,eval}.jsonl  the same as chat `messages`
   prefs_{train,eval}.jsonl         prompt, chosen (correct), rejected (subtly wrong)
+  kto_{train,eval}.jsonl           the same pairs unpaired as TRL's unpair_preference_dataset does: prompt,
+                                   completion, label; every chosen (label true), then every rejected (false)
   prompts_{train,eval}.jsonl       prompt + answer (PPO / GRPO / evaluation; toy.py's accuracy reads `answer`)
   prompts_test.jsonl               the same: compare.py's reported numbers (the eval split picks settings)
 Eval prompts never occur in any train split; test prompts occur in neither (own RNG, drawn after the
@@ -70,8 +72,10 @@ def main():
         write(f"sft_messages_{split}.jsonl", [
             {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": fmt(a).strip()}]}
             for p, a in zip(ps, answers)])
-        write(f"prefs_{split}.jsonl", [
-            {"prompt": p, "chosen": fmt(a), "rejected": fmt(corrupt(rng, a))} for p, a in zip(ps, answers)])
+        prefs = [{"prompt": p, "chosen": fmt(a), "rejected": fmt(corrupt(rng, a))} for p, a in zip(ps, answers)]
+        write(f"prefs_{split}.jsonl", prefs)
+        write(f"kto_{split}.jsonl", [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
+                                     for k in ("chosen", "rejected") for r in prefs])
         write(f"prompts_{split}.jsonl", [{"prompt": p, "answer": fmt(a)} for p, a in zip(ps, answers)])
     test_rng, seen, test = random.Random(1), set(prompts["eval"]) | set(prompts["train"]), set()
     while len(test) < SIZES["test"]:

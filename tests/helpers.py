@@ -93,6 +93,20 @@ def wait_for(path, proc, timeout=300):
         time.sleep(0.2)
 
 
+def wait_all(procs, timeout=300):
+    """Waits for every Popen in `procs` (stderr piped); asserts each exits 0. On a timeout, kills them all and
+    fails with each one's stderr tail: a process that died leaves its peers waiting in a collective."""
+    try:
+        errs = [p.communicate(timeout=timeout)[1] for p in procs]
+    except subprocess.TimeoutExpired:
+        for p in procs:
+            p.kill()
+        tails = [f"process {i} (rc {p.wait()}): {(p.communicate()[1] or '')[-1500:]}" for i, p in enumerate(procs)]
+        pytest.fail(f"timed out after {timeout} s; " + " | ".join(tails))
+    for p, err in zip(procs, errs):
+        assert p.returncode == 0, err[-3000:]
+
+
 def coordinator_address():
     """localhost:<a free port> for jax.distributed's coordinator."""
     port = socket.socket()

@@ -69,7 +69,7 @@ def test_throughput_bad_algo_exits_2():
         throughput.main(throughput.Args(algo="nope"))
     out = subprocess.run([sys.executable, "-X", "importtime", script, "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
-    assert out.returncode == 0 and "--algo {sft,dpo,simpo,orpo,reward,ppo,grpo}" in out.stdout, out.stderr[-500:]
+    assert out.returncode == 0 and "--algo {sft,dpo,simpo,orpo,kto,reward,ppo,grpo,rloo}" in out.stdout, out.stderr[-500:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
     assert "plumbing" in imported and not {"jax", "keras", "common", "harness"} & imported
 
@@ -144,9 +144,10 @@ def test_remat_decoder_blocks_keeps_the_step_and_cuts_memory(full_row):
 
 
 @pytest.mark.parametrize("algo, batch, tokens, factor",
-                         [("grpo", 8, 8 * 16, 6), ("ppo", 16, 8 * 16, 12)])  # ppo: one mini-batch of 8 a step
+                         [("grpo", 8, 8 * 16, 6), ("rloo", 8, 8 * 16, 6),
+                          ("ppo", 16, 8 * 16, 12)])  # ppo: one mini-batch of 8 a step
 def test_throughput_rl_splits_an_iteration(capsys, algo, batch, tokens, factor):
-    """--algo grpo: grpo.py's train_step (6N, β = 0); --algo ppo: ppo.py's on one of 2 mini-batches
+    """--algo grpo / rloo: the script's train_step (6N, β = 0); --algo ppo: ppo.py's on one of 2 mini-batches
     (policy + value: 12N; 8 devices: 2 mini-batches of 8). Then whole iterations through the script's own sampler, scoring and
     advantages, timed per phase; generation speed counts the new tokens only."""
     throughput.main(throughput.Args(algo=algo, model="tiny", random_init=True, num_layers=1, batch_size=batch,

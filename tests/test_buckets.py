@@ -1,6 +1,7 @@
 """Length buckets: each batch is padded to the bucket of its longest sequence, not to the run's
 longest; the step compiles at most once per bucket; --resume stays exact across a bucket change;
---group-by-length pads less, over the same examples."""
+--group-by-length pads less, over the same examples; the RL rollouts cut their queries to the bucket of
+their batch's longest prompt, sampling and scoring the tokens they would at the run's width."""
 
 import json
 import os
@@ -157,3 +158,90 @@ def test_resume_across_a_bucket_change_is_bit_exact(mixed, tmp_path):
         names = []
         a.visititems(lambda name, x: names.append(name) if isinstance(x, h5py.Dataset) else None)
         assert names and all((a[n][()] == c[n][()]).all() for n in names)
+
+
+# ---------------------------------------------------------------------------
+# RL: each rollout's queries cut to the bucket of its batch's longest prompt (grpo.py; rloo.py and
+# ppo.py share its rollout)
+# ---------------------------------------------------------------------------
+def long_tail_prompts(path):
+    """Six prompts: four short toy ones from the bundled file and two long ones (~50 and ~100 tokens), so
+    in 3 steps of 2 prompts at least one batch is all short and at least one holds a long prompt."""
+    with open(os.path.join(ROOT, "data", "prompts_train.jsonl")) as f:
+        rows = [json.loads(line) for line in f][:4]
+    rng = np.random.default_rng(0)
+    for k in (24, 48):
+        digits = rng.integers(0, 10, k)
+        rows.append({"prompt": "Sort: " + " ".join(map(str, digits)),
+                     "answer": " " + " ".join(map(str, sorted(digits)))})
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return [r["prompt"] for r in rows]
+
+
+RL_FLAGS = ["--model", "tiny", "--max-steps", "3", "--save-every", "1", "--batch-size", "8",
+            "--num-generations", "4", "--response-length", "8", "--max-prompt-length", "128",
+            "--learning-rate", "3e-4", "--beta", "0.04", "--sample-every", "0", "--seed", "2"]
+
+
+def test_grpo_rollouts_cut_to_their_bucket_compile_per_bucket_and_resume_exactly(tmp_path):
+    import keras_hub
+    import grpo
+    prompts = long_tail_prompts(tmp_path / "prompts.jsonl")
+    flags = [*RL_FLAGS, "--dataset", str(tmp_path / "prompts.jsonl")]
+    res = run_script("grpo.py", *flags, "--output-dir", str(tmp_path / "clean"), env=one_device_env())
+    assert res.returncode == 0, res.stderr[-3000:]
+    # Each step's batch as main draws it: one permutation of the 6 prompts, 2 prompts (× G = 4) a step.
+    tokenizer = keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER)
+    queries, query_mask = grpo.tokenize_prompts(prompts, tokenizer, 128)
+    order = np.random.default_rng(2).permutation(len(prompts))
+    batches = [np.repeat(order[2 * s:2 * s + 2], 4) for s in range(3)]
+    buckets = [common.bucket_length(query_mask[idx].sum(1).max(), queries.shape[1]) for idx in batches]
+    assert queries.shape[1] > 32 and len(set(buckets)) >= 2, buckets  # the batches really differ in width
+    rows = metrics(tmp_path / "clean")
+    assert [r["charts/query_padding_fraction"] for r in rows] == pytest.approx(
+        [1 - query_mask[idx].sum() / (8 * t) for idx, t in zip(batches, buckets)], abs=1e-12)
+    # the sampler compiles once per bucket met so far, not once per step
+    assert [r["charts/generate_compilations"] for r in rows] == [len(set(buckets[:s + 1])) for s in range(3)]
+    # --resume from step 1's checkpoint replays steps 2 and 3 bit for bit, whatever their buckets
+    cut = tmp_path / "cut"
+    shutil.copytree(tmp_path / "clean", cut)
+    for leftover in (cut / "checkpoints" / "2", cut / "checkpoints" / "3", cut / "model"):
+        shutil.rmtree(leftover)
+    res = run_script("grpo.py", *flags, "--output-dir", str(cut), "--resume", env=one_device_env())
+    assert res.returncode == 0 and "resumed from step 1" in res.stdout, res.stderr[-3000:]
+    drop = ("charts/", "_time", "tokens_per_sec")
+    strip = lambda rows: [{k: v for k, v in r.items() if not any(d in k for d in drop)} for r in rows]
+    assert strip(metrics(cut)) == strip(rows)
+    assert [r["charts/query_padding_fraction"] for r in metrics(cut)] == [r["charts/query_padding_fraction"]
+                                                                          for r in rows]
+
+
+def test_a_batch_cut_to_its_bucket_samples_and_scores_as_at_the_full_width():
+    """Left padding is masked and RoPE sees only distances, so the short prompts' rows at their bucket (32)
+    give the tokens and log-probs they get left-padded to the run's width (128)."""
+    import jax
+    import jax.numpy as jnp
+    import grpo
+    model = common.load_model("tiny", common.make_mesh(None), "float32", seed=0)
+    params, frozen = common.split_variables(model.backbone)
+    tok = model.preprocessor.tokenizer
+    short = ["Sort: 3 1 2", "Sort: 9 8 7 6 5 4", "Sort: 1", "Sort: 5 5 0 2"]
+    queries, query_mask = grpo.tokenize_prompts(short + ["Sort: " + " 7" * 100], tok, 128)
+    # [8, 128]: the short ones (twice: a row per simulated device), padded to the long one's 128
+    queries, query_mask = np.tile(queries[:4], (2, 1)), np.tile(query_mask[:4], (2, 1))
+    eos, pad, r = tok.end_token_id, tok.pad_token_id, 16
+    on_data = jax.sharding.NamedSharding(common.make_mesh(None), jax.sharding.PartitionSpec("data"))
+    gen = jax.jit(lambda p, f, qs, qm, k: grpo.generate(model.backbone, p, f, qs, qm, k, r, 1.0, eos, pad))
+    full = grpo.rollout(gen, params, frozen, queries, query_mask, jax.random.key(0), eos, pad, on_data)[0]
+    assert queries.shape[1] == 128 and grpo.query_length(full) == 32  # rollout cut the batch to its bucket
+    full = jax.device_get(full)  # on the host: the reference below runs on the same (unsharded) inputs
+    # the unbucketed reference: the same batch at the full width, through the sampler directly
+    tokens = gen(params, frozen, jnp.asarray(queries), jnp.asarray(query_mask), jax.random.key(0))[0]
+    responses = np.asarray(grpo.truncate_response(tokens, eos, pad)[0])  # [8, R]
+    np.testing.assert_array_equal(full["query_responses"][:, 32:], responses)
+    logps = jax.jit(lambda ids, mask, q: grpo.response_logps(model.backbone, params, frozen, ids, mask, q,
+                                                             1.0)[0], static_argnums=2)
+    wide_mask = np.concatenate([query_mask, full["response_mask"]], 1)
+    wide = logps(np.concatenate([queries, responses], 1), wide_mask, 128)  # [8, R], Q = 128
+    np.testing.assert_allclose(np.asarray(logps(full["query_responses"], full["padding_mask"], 32)),
+                               np.asarray(wide), atol=1e-5)

@@ -245,6 +245,11 @@ def test_compare_plan_reward_model_for_ppo(tmp_path):
     assert grpo["name"] == "grpo/seed0" and grpo["needs"] == ["sft"]
     assert grpo["flags"][grpo["flags"].index("--max-steps") + 1] == "5" and grpo["flags"][-2:] == ["--beta", "0"]
     assert grpo["flags"][grpo["flags"].index("--reward-fn") + 1] == compare.Args().reward_fn
+    rloo = compare.plan(compare.Args(methods="sft,rloo", rloo_steps=6, rloo_args="--beta 0", seeds=1),
+                        str(tmp_path))[0][1]
+    assert rloo["name"] == "rloo/seed0" and rloo["needs"] == ["sft"] and rloo["script"].endswith("rloo.py")
+    assert rloo["flags"][rloo["flags"].index("--max-steps") + 1] == "6" and rloo["flags"][-2:] == ["--beta", "0"]
+    assert rloo["flags"][rloo["flags"].index("--reward-fn") + 1] == compare.Args().reward_fn
 
 
 def test_compare_failed_run_ends_in_runs_failed(tmp_path, monkeypatch, capsys):

@@ -131,11 +131,12 @@ def test_cached_forward_matches_keras_hub(presets, family):
     t, s, pad = ids.shape[1], ids.shape[1] + 1, 5
     cache = common.empty_cache(backbone, 1, s)
     ours, ours_cache = common.cached_forward(backbone, ids, jnp.ones((1, s), bool), cache, 0)
-    theirs, _, theirs_cache = model.call_with_cache(ids, cache, 0)
+    theirs, _, theirs_cache = model.call_with_cache(ids, jnp.stack(cache, 1), 0)  # its [B, L, 2, S, K, H]
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
     hidden = backbone({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)})  # [1, t, D]
     np.testing.assert_allclose(ours, common.logits(backbone, hidden), atol=1e-4)
     nxt = np.array([[7]], np.int32)
+    np.testing.assert_allclose(jnp.stack(ours_cache, 1), theirs_cache, atol=1e-5)  # the same K, V written
     step, _ = common.cached_forward(backbone, nxt, jnp.ones((1, s), bool), ours_cache, t)
     np.testing.assert_allclose(step, model.call_with_cache(nxt, theirs_cache, t)[0], atol=1e-5)
     padded = np.concatenate([np.zeros((1, pad), np.int32), ids], 1)

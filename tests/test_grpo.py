@@ -13,7 +13,7 @@ import common  # noqa: F401  (first: KERAS_BACKEND=jax)
 
 from grpo import Args, check_args
 from helpers import (ROOT, assert_same_rows, coordinator_address, env_with_devices, learning_env, metrics,
-                     one_device_env, preempt_then_resume, run_script, usage_error)
+                     one_device_env, preempt_then_resume, run_script, usage_error, wait_all)
 
 
 # `tiny` from scratch (the defaults are TRL's for real models: β 0, lr 1e-6): the values these tests measured
@@ -35,6 +35,9 @@ def run(*flags, env=None):
     ({"loss_type": "bnpo"}, "--loss-type"),
     ({"scale_rewards": "std"}, "--scale-rewards"),
     ({"reward_weights": (1.0, 2.0)}, "2 weights for 1 --reward-fn"),
+    ({"top_p": 0.0}, "--top-p must be in"),
+    ({"top_k": -1}, "--top-k ≥ 0"),
+    ({"min_p": 1.5}, "--min-p in"),
 ])
 def test_inconsistent_flags_are_refused(flags, message):
     mesh = common.make_mesh(None)  # 8 simulated devices on `data`
@@ -126,15 +129,12 @@ def test_two_processes_match_one(tmp_path):
              "--batch-size", "16", "--num-generations", "4", "--response-length", "8", "--num-mini-batches", "2",
              "--mask-truncated-completions", "--sample-every", "0", "--seed", "5", *TINY]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    procs = [subprocess.Popen(flags + ["--output-dir", one], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              text=True, env=env_with_devices(8))]
-    procs += [subprocess.Popen(flags + ["--output-dir", two, "--coordinator-address", address, "--num-processes",
+    wait_all([subprocess.Popen(flags + ["--output-dir", one], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                               text=True, env=env_with_devices(8))])  # first: the pair then has the cores to itself
+    wait_all([subprocess.Popen(flags + ["--output-dir", two, "--coordinator-address", address, "--num-processes",
                                         "2", "--process-id", str(i)],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env_with_devices(4))
-              for i in range(2)]
-    for p in procs:
-        _, err = p.communicate(timeout=600)
-        assert p.returncode == 0, err[-3000:]
+              for i in range(2)])
     assert_same_rows(metrics(one), metrics(two))
     assert os.path.exists(os.path.join(two, "model", "config.json"))
 

@@ -14,7 +14,6 @@ import pytest
 import requests
 
 import common
-import plumbing
 from helpers import one_device_env, run_script
 
 KAGGLE_GEMMA = "kaggle://keras/gemma/keras/gemma_2b_en/2"
@@ -130,8 +129,8 @@ def test_malformed_handles_and_other_errors():
         common.backbone_class("kaggle://keras/gemma")
     with pytest.raises(common.UsageError, match=r"not a Hugging Face repo id; expected hf://\{org\}/\{model\}"):
         common.backbone_class("hf://not a/repo id!")
-    assert plumbing.hub_error("gemma_2b_en", RuntimeError("out of memory")) is None  # not a hub failure
-    assert plumbing.hub_error("tiny", ConnectionError()) is None
+    assert common.hub_error("gemma_2b_en", RuntimeError("out of memory")) is None  # not a hub failure
+    assert common.hub_error("tiny", ConnectionError()) is None
 
 
 def test_export_hf_refuses_an_unsupported_family(tmp_path):

@@ -16,8 +16,8 @@ import pytest
 from helpers import ROOT, learning_env, one_device_env, run_script, usage_error
 
 FAST = ["--model", "tiny", "--batch-size", "8", "--log-every", "2", "--eval-dataset", "", "--num-samples", "0"]
-SCRIPTS = ("sft.py", "dpo.py", "simpo.py", "orpo.py", "reward.py", "ppo.py", "grpo.py", "evaluate.py",
-           "compare.py")
+SCRIPTS = ("sft.py", "dpo.py", "simpo.py", "orpo.py", "kto.py", "reward.py", "ppo.py", "grpo.py", "rloo.py",
+           "evaluate.py", "compare.py")
 
 
 def sft(*flags):
@@ -110,6 +110,30 @@ def test_flags_and_files_are_checked_before_the_model_loads(tmp_path):
         assert not os.path.exists(out)
 
 
+def test_files_as_trl_users_write_them_and_the_places_that_cannot_be_read_or_written(tmp_path):
+    """A .json holding JSON Lines (`Dataset.to_json` writes them) reads as JSON Lines; `org/name` is a Hub
+    id, not a missing file; bytes that are not UTF-8 and an --output-dir that is a file (or under one)
+    stop with one line naming the place, before the model loads."""
+    import importlib.util
+    import common
+    rows = [{"text": "a"}, {"text": "b \u2028 c"}]
+    (tmp_path / "lines.json").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    (tmp_path / "array.json").write_text(json.dumps(rows))
+    for name in ("lines.json", "array.json"):
+        assert common.read_rows(str(tmp_path / name)) == [(rows[0], 1), (rows[1], 2)]
+    if importlib.util.find_spec("datasets") is None:
+        with pytest.raises(common.UsageError, match="--dataset trl-lib/Capybara: .* need `pip install datasets`"):
+            common.read_rows("trl-lib/Capybara")
+    raw = b'{"text": "a"}\n{"text": "caf\xe9"}\n'  # Latin-1, not UTF-8
+    (tmp_path / "latin1.jsonl").write_bytes(raw)
+    message = sft_refusal("--dataset", str(tmp_path / "latin1.jsonl"), "--output-dir", str(tmp_path / "out"))
+    offset = raw.index(b"\xe9")
+    assert f"latin1.jsonl:2: not UTF-8 text (byte offset {offset}: " in message
+    (tmp_path / "file").write_text("")
+    for out in (tmp_path / "file", tmp_path / "file" / "run"):
+        assert sft_refusal("--output-dir", str(out)) == f"--output-dir {out}: {tmp_path / 'file'} is a file"
+
+
 def test_track_without_wandb_is_refused_writing_nothing(tmp_path):
     import importlib.util
     if importlib.util.find_spec("wandb") is not None:
@@ -124,7 +148,7 @@ def test_import_has_no_side_effects():
     leaves sys.excepthook and the signal handlers alone."""
     code = ("import signal, sys; sys.argv = ['notebook', '--help']; hook = sys.excepthook; "
             "handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]; "
-            "import dpo, sft, simpo, orpo, reward, ppo, grpo, evaluate, compare; "
+            "import dpo, sft, simpo, orpo, kto, reward, ppo, grpo, rloo, evaluate, compare; "
             "assert sys.excepthook is hook; "
             "assert handlers == [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -191,14 +215,14 @@ def test_help_is_fast_grouped_and_lists_choices(script):
     if "--dtype" in text:
         assert "--dtype {bfloat16,float32}" in text
     choices = {"ppo.py": ["--kl-estimator {k1,k3}"], "grpo.py": ["--loss-type {", "--scale-rewards {"],
-               "dpo.py": ["--loss-type {sigmoid,ipo,hinge}"]}
+               "dpo.py": ["--loss-type {sigmoid,ipo,hinge}"], "kto.py": ["--loss-type {kto,apo_zero_unpaired}"]}
     for flag in choices.get(script, []):
         assert flag in text, flag
     for line in text.splitlines():
         assert line.count("(default:") <= 1 and "(default: None) (default" not in line
     # the defaults are for real pretrained models: TRL's learning rate (SimPO: its paper's recipe)
-    trl_rate = {"sft.py": "2e-05", "dpo.py": "1e-06", "simpo.py": "6e-07", "orpo.py": "1e-06", "reward.py": "0.0001",
-                "ppo.py": "3e-06", "grpo.py": "1e-06"}
+    trl_rate = {"sft.py": "2e-05", "dpo.py": "1e-06", "simpo.py": "6e-07", "orpo.py": "1e-06", "kto.py": "1e-06",
+                "reward.py": "0.0001", "ppo.py": "3e-06", "grpo.py": "1e-06", "rloo.py": "1e-06"}
     if script in trl_rate:
         rate = text.split("  --learning-rate FLOAT\n")[1].split("  --")[0]
         assert f"(default: {trl_rate[script]})" in rate, rate

@@ -1,5 +1,5 @@
-"""Every loss and its pure math helpers, imported from the scripts: for each of the seven losses
-(sft, dpo, simpo, orpo, reward, ppo, grpo) a case whose expected value is written as arithmetic
+"""Every loss and its pure math helpers, imported from the scripts: for each of the nine losses
+(sft, dpo, simpo, orpo, kto, reward, ppo, grpo, rloo) a case whose expected value is written as arithmetic
 here, a float64 NumPy re-derivation on random inputs and a sign/direction check; and padding
 invariance of the log-probs (sequence_logps, token_logps against the model's full logits).
 
@@ -7,6 +7,7 @@ The scripts' CLIs, updates on real rollouts and learning are tested in the per-s
 """
 
 import math
+import os
 
 import numpy as np
 import pytest
@@ -15,13 +16,17 @@ import common  # first: KERAS_BACKEND=jax
 import dpo
 import jax
 import jax.numpy as jnp
+import kto
 import orpo
 import simpo
 from dpo import dpo_loss
 from grpo import aggregate, group_advantages, grpo_loss, k3_kl
+from helpers import ROOT
+from kto import kto_loss
 from orpo import orpo_loss
 from ppo import compute_gae, compute_rewards, ppo_loss, whiten
 from reward import reward_loss
+from rloo import rloo_advantages, rloo_loss, sequence_kl
 from sft import sft_loss, token_logps
 from simpo import simpo_loss
 
@@ -220,6 +225,104 @@ def test_orpo_numerically_safe_at_extremes():
 
 
 # ---------------------------------------------------------------------------
+# KTO
+# ---------------------------------------------------------------------------
+def sigmoid(x):
+    return 1 / (1 + math.exp(-x))
+
+
+def _kto(logps, ref_logps, kl_logps, ref_kl_logps, labels, **kw):
+    arr = lambda x: jnp.array(x, jnp.float32)
+    return kto_loss(arr(logps), arr(ref_logps), arr(kl_logps), arr(ref_kl_logps), jnp.array(labels), **kw)
+
+
+def test_kto_hand_worked():
+    # policy == reference: every log-ratio r = 0 and z₀ = 0, so each example's loss is 1 − σ(0) = ½
+    loss, m = _kto([-5.0, -9.0], [-5.0, -9.0], [-7.0, -2.0], [-7.0, -2.0], [True, False])
+    assert float(loss) == 0.5 and float(m["kl"]) == 0.0 and float(m["rewards/margins"]) == 0.0
+    # desirable: r = −1 − (−3) = 2; undesirable: r = −6 − (−4) = −2; the mismatched pairs' log-ratios are
+    # −10 − (−11) = 1 and −12 − (−12) = 0, so z₀ = (1 + 0)/2 = ½; β = ½:
+    #   desirable 1 − σ(½(2 − ½)) = 1 − σ(0.75), undesirable 1 − σ(½(½ − (−2))) = 1 − σ(1.25)
+    args = ([-1.0, -6.0], [-3.0, -4.0], [-10.0, -12.0], [-11.0, -12.0], [True, False])
+    loss, m = _kto(*args, beta=0.5)
+    assert float(loss) == pytest.approx(((1 - sigmoid(0.75)) + (1 - sigmoid(1.25))) / 2, rel=1e-6)
+    assert float(m["kl"]) == pytest.approx(0.5)
+    assert float(m["rewards/chosen"]) == pytest.approx(1.0) and float(m["rewards/rejected"]) == pytest.approx(-1.0)
+    assert float(m["rewards/margins"]) == pytest.approx(2.0)
+    assert float(m["logps/chosen"]) == -1.0 and float(m["logps/rejected"]) == -6.0
+    assert int(m["count/chosen"]) == 1 and int(m["count/rejected"]) == 1
+    # the weights: λ_D = 2, λ_U = 0.5 scale each example's loss before the batch mean
+    loss, _ = _kto(*args, beta=0.5, desirable_weight=2.0, undesirable_weight=0.5)
+    assert float(loss) == pytest.approx((2 * (1 - sigmoid(0.75)) + 0.5 * (1 - sigmoid(1.25))) / 2, rel=1e-6)
+    # apo_zero_unpaired: no reference point (z₀ = 0): 1 − σ(½·2) and 1 − σ(½(0 − (−2)))
+    loss, m = _kto(*args, beta=0.5, loss_type="apo_zero_unpaired")
+    assert float(loss) == pytest.approx(1 - sigmoid(1.0), rel=1e-6) and float(m["kl"]) == 0.0
+    with pytest.raises(ValueError):
+        _kto(*args, loss_type="sigmoid")
+
+
+def test_kto_reference_point_is_clamped_at_zero():
+    # mismatched log-ratios −12 − (−9) = −3 and −5 − (−4) = −1: their mean −2 is clamped to z₀ = 0, so with
+    # r = ±2 and β = ½ both examples lose 1 − σ(1) (unclamped it would be 1 − σ(½·4) and 1 − σ(0) = ½)
+    loss, m = _kto([-1.0, -6.0], [-3.0, -4.0], [-12.0, -5.0], [-9.0, -4.0], [True, False], beta=0.5)
+    assert float(m["kl"]) == 0.0
+    assert float(loss) == pytest.approx(1 - sigmoid(1.0), rel=1e-6)
+
+
+def test_kto_batches_of_one_kind_give_finite_metrics():
+    """No undesirable example: their means are 0 (not 0/0 = NaN), their count 0, and so is the margin."""
+    loss, m = _kto([-1.0, -2.0], [-2.0, -2.5], [-3.0, -3.0], [-3.5, -2.5], [True, True], beta=0.5)
+    assert all(np.isfinite(float(v)) for v in (loss, *m.values()))
+    assert int(m["count/rejected"]) == 0 and float(m["rewards/rejected"]) == 0.0 and float(m["logps/rejected"]) == 0.0
+    assert float(m["rewards/margins"]) == 0.0 and float(m["rewards/chosen"]) == pytest.approx(0.5 * (1.0 + 0.5) / 2)
+
+
+@pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
+def test_kto_float64_rederivation(loss_type):
+    """From the paper's form: L = mean over examples of λ_y − v(x, y), v = λ_D σ(β(r − z₀)) for a desirable
+    y and λ_U σ(β(z₀ − r)) for an undesirable one; APO-zero's unpaired loss as TRL writes it."""
+    rng = np.random.default_rng(4)
+    n, beta, w_d, w_u = 24, 0.2, 1.3, 0.7
+    logps, ref_logps = rng.uniform(-40, -5, n), rng.uniform(-40, -5, n)
+    kl_logps = rng.uniform(-40, -5, n)
+    ref_kl_logps = kl_logps - rng.uniform(0.0, 4.0, n)  # the mismatched log-ratios average ~2: z₀ > 0
+    desirable = rng.uniform(size=n) < 0.4
+    r = logps - ref_logps
+    sig = lambda x: 1 / (1 + np.exp(-x))
+    if loss_type == "kto":
+        z0 = max(0.0, float(np.mean(kl_logps - ref_kl_logps)))
+        value = np.where(desirable, w_d * sig(beta * (r - z0)), w_u * sig(beta * (z0 - r)))
+        want = np.mean(np.where(desirable, w_d, w_u) - value)
+    else:
+        z0 = 0.0
+        want = np.mean(np.where(desirable, w_d * (1 - sig(beta * r)), w_u * sig(beta * r)))
+    loss, m = kto_loss(*map(jnp.asarray, (logps, ref_logps, kl_logps, ref_kl_logps, desirable)), beta, w_d, w_u,
+                       loss_type)
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(float(m["kl"]), z0, rtol=1e-5)
+    chosen, rejected = beta * r[desirable].mean(), beta * r[~desirable].mean()
+    np.testing.assert_allclose([m["rewards/chosen"], m["rewards/rejected"], m["rewards/margins"]],
+                               [chosen, rejected, chosen - rejected], rtol=1e-5)
+    np.testing.assert_allclose([m["logps/chosen"], m["logps/rejected"]],
+                               [logps[desirable].mean(), logps[~desirable].mean()], rtol=1e-5)
+    assert int(m["count/chosen"]) == desirable.sum() and int(m["count/rejected"]) == (~desirable).sum()
+
+
+def test_kto_direction_and_detached_reference_point():
+    """Raising a desirable example's log-prob lowers the loss, raising an undesirable one's raises it; no
+    gradient reaches the mismatched pairs (z₀ is a detached reference point, not a target)."""
+    logps, ref_logps = jnp.array([-10.0, -12.0, -11.0]), jnp.array([-10.5, -11.0, -10.0])
+    kl_logps, ref_kl_logps = jnp.array([-9.0, -8.0, -7.0]), jnp.array([-10.0, -9.0, -7.5])  # z₀ = 5/6
+    labels = jnp.array([True, False, True])
+    g, g_kl = jax.grad(lambda x, k: kto_loss(x, ref_logps, k, ref_kl_logps, labels)[0], argnums=(0, 1))(
+        logps, kl_logps)
+    assert g[0] < 0 and g[2] < 0 and g[1] > 0
+    assert (np.asarray(g_kl) == 0).all()
+    loss = lambda x: float(kto_loss(x, ref_logps, kl_logps, ref_kl_logps, labels)[0])
+    assert loss(logps.at[0].add(1.0)) < loss(logps) < loss(logps.at[1].add(1.0))
+
+
+# ---------------------------------------------------------------------------
 # reward.py: Bradley–Terry loss
 # ---------------------------------------------------------------------------
 def test_reward_loss_by_hand_numpy_and_direction():
@@ -396,7 +499,8 @@ def test_ppo_value_loss_direction_and_clipped_values_have_no_gradient():
 
 
 # ---------------------------------------------------------------------------
-# grpo.py: group advantages, the k3 KL estimator, the clipped loss in each aggregation mode
+# grpo.py: group advantages, the k3 KL estimator, the clipped loss in each aggregation mode, at token
+# and at sequence level (GSPO)
 # ---------------------------------------------------------------------------
 def test_grpo_group_advantages_worked_example():
     # two groups of G=4: rewards 1, 0, 0, 1 (mean ½) and 0.5 × 4 (all equal: no signal)
@@ -443,10 +547,11 @@ def test_grpo_k3_by_hand_and_unbiased_on_samples_from_pi():
     np.testing.assert_allclose(k3.mean(), exact, rtol=0.03)
 
 
-def _grpo_loss(logps, old, advantages, mask, ref=None, beta=0.0, loss_type="dapo", eps=0.2, eps_high=0.2):
+def _grpo_loss(logps, old, advantages, mask, ref=None, beta=0.0, loss_type="dapo", eps=0.2, eps_high=0.2,
+               level="token"):
     arr = lambda x: None if x is None else jnp.array(x, jnp.float32)
     return grpo_loss(arr(logps), arr(old), arr(ref), arr(advantages), jnp.array(mask, bool), eps, eps_high,
-                     beta, loss_type)
+                     beta, loss_type, level)
 
 
 def test_grpo_aggregation_modes_by_hand():
@@ -521,10 +626,240 @@ def test_grpo_aggregate_ignores_padding_values():
         assert aggregate(x, mask, mode) == aggregate(x.at[0, 2].set(1e9), mask, mode)
 
 
+# GSPO (--importance-sampling-level sequence): one length-normalised ratio per completion (docs/grpo.md eq. 6)
+def test_gspo_sequence_ratio_by_hand():
+    # R = 4. Completion 1: 2 real tokens, log-ratios 0.1, 0.3 → log s = 0.2, s = e^0.2 ≈ 1.221 > 1.2, Â = +1:
+    #   clipped from above, term −1.2. Completion 2: 3 real tokens, log-ratios −0.5, −0.1, −0.3
+    #   → log s = −0.3, s ≈ 0.741 < 0.8, Â = −0.5: min(−0.5 s, −0.5 · 0.8) = −0.4 → term +0.4, clipped below.
+    #   Completion 3: 1 real token, log-ratio 0.1 → s = e^0.1 inside the clip, Â = +2: term −2 e^0.1.
+    # Padding holds 50 (π) against 0 (π_old): were it counted, every ratio would explode.
+    lp = [[0.1, 0.3, 50.0, 50.0], [-0.5, -0.1, -0.3, 50.0], [0.1, 50.0, 50.0, 50.0]]
+    old = np.zeros((3, 4))
+    mask = [[True, True, False, False], [True, True, True, False], [True, False, False, False]]
+    adv = [1.0, -0.5, 2.0]
+    t1, t2, t3 = -1.2, 0.4, -2 * np.exp(0.1)
+    by_mode = {"grpo": (t1 + t2 + t3) / 3,  # the paper: one term per completion, averaged
+               "dapo": (2 * t1 + 3 * t2 + 1 * t3) / 6,  # each term on each of its real tokens, ÷ 6 tokens
+               "dr_grpo": (2 * t1 + 3 * t2 + 1 * t3) / (3 * 4)}  # ÷ (B × R)
+    for mode, want in by_mode.items():
+        loss, m = _grpo_loss(lp, old, adv, mask, loss_type=mode, level="sequence")
+        np.testing.assert_allclose(loss, want, rtol=1e-6, err_msg=mode)
+        # clip shares over the 3 completions: one clipped from above, one from below
+        np.testing.assert_allclose([m["clip_ratio/high_mean"], m["clip_ratio/low_mean"], m["clip_ratio"]],
+                                   [1 / 3, 1 / 3, 2 / 3], rtol=1e-6, err_msg=mode)
+    # per token instead: tokens 0.3 (above), −0.5 and −0.3 (below) are clipped, 3 of the 6 real tokens
+    assert _grpo_loss(lp, old, adv, mask)[1]["clip_ratio"] == 0.5
+
+
+def test_gspo_loss_numpy_float64():
+    """From the paper's definitions, on sequences cut to their length: s_i = (π_θ(y_i) / π_old(y_i))^(1/|y_i|)
+    with π(y) = Π_t π(y_t), J_i = min(s_i Â_i, clip(s_i, 1−ε, 1+ε_high) Â_i), plus β k3 on each real token."""
+    rng = np.random.default_rng(2)
+    b, r, eps, eps_high, beta = 8, 7, 0.2, 0.28, 0.1
+    lengths = rng.integers(1, r + 1, b)
+    lp = rng.normal(-2, 0.5, (b, r))
+    old = lp + rng.normal(0, 0.4, (b, r))
+    ref = rng.normal(-2, 0.3, (b, r))
+    adv = rng.normal(size=b)
+    mask = np.arange(r)[None] < lengths[:, None]
+    lp_padded = np.where(mask, lp, rng.normal(0, 20, (b, r)))  # garbage after each completion's end
+    objective, kl_sums, high, low = [], [], [], []
+    for i, n in enumerate(lengths):
+        s = (np.prod(np.exp(lp[i, :n])) / np.prod(np.exp(old[i, :n]))) ** (1.0 / n)
+        objective.append(min(s * adv[i], np.clip(s, 1 - eps, 1 + eps_high) * adv[i]))
+        kl_sums.append(np.sum(np.exp(ref[i, :n] - lp[i, :n]) - (ref[i, :n] - lp[i, :n]) - 1))
+        high.append(s > 1 + eps_high and adv[i] > 0)
+        low.append(s < 1 - eps and adv[i] < 0)
+    objective, kl_sums = np.array(objective), np.array(kl_sums)
+    assert 0 < np.mean(high) + np.mean(low) < 1  # the inputs exercise both the clip and the unclipped branch
+    want = {"grpo": np.mean(-objective + beta * kl_sums / lengths),
+            "dapo": np.sum(-lengths * objective + beta * kl_sums) / lengths.sum(),
+            "dr_grpo": np.sum(-lengths * objective + beta * kl_sums) / (b * r)}
+    for mode, w in want.items():
+        loss, m = _grpo_loss(lp_padded, old, adv, mask, ref=ref, beta=beta, loss_type=mode, eps=eps,
+                             eps_high=eps_high, level="sequence")
+        np.testing.assert_allclose(loss, w, rtol=1e-5, err_msg=mode)
+        np.testing.assert_allclose([m["clip_ratio/high_mean"], m["clip_ratio/low_mean"]],
+                                   [np.mean(high), np.mean(low)], err_msg=mode)
+
+
+def test_gspo_equals_token_level_for_one_token_and_its_gradient_is_per_sequence():
+    rng = np.random.default_rng(3)
+    lp, old, ref = rng.normal(-1, 0.3, (3, 6, 4))
+    adv = rng.normal(size=6)
+    one = np.zeros((6, 4), bool)
+    one[:, 0] = True  # one real token per completion: s_i is that token's ratio, the same loss and metrics
+    for mode in ("dapo", "grpo", "dr_grpo"):
+        token = _grpo_loss(lp, old, adv, one, ref=ref, beta=0.1, loss_type=mode)
+        sequence = _grpo_loss(lp, old, adv, one, ref=ref, beta=0.1, loss_type=mode, level="sequence")
+        np.testing.assert_allclose(sequence[0], token[0], rtol=1e-6, err_msg=mode)
+        for k in token[1]:
+            np.testing.assert_allclose(sequence[1][k], token[1][k], rtol=1e-6, err_msg=f"{mode} {k}")
+    # Off-policy, --loss-type grpo (B = 2): ∂L/∂log π_{i,t} = −(1/B) Â_i s_i / |y_i| for every real token
+    # of an unclipped completion, 0 for each token of a clipped one, 0 on padding. Completion 1: log-ratios
+    # 0.05, −0.15 → s = e^−0.05, Â = 1, unclipped. Completion 2: 0.3 alone, s = e^0.3 > 1.2, Â = 1: clipped.
+    old = np.zeros((2, 3))
+    grad = jax.grad(lambda x: _grpo_loss(x, old, [1.0, 1.0], [[True, True, False], [True, False, False]],
+                                         loss_type="grpo", level="sequence")[0])
+    g = grad(jnp.array([[0.05, -0.15, 7.0], [0.3, 7.0, 7.0]]))
+    s = np.exp(-0.05)
+    np.testing.assert_allclose(g, [[-s / 2 / 2, -s / 2 / 2, 0.0], [0.0, 0.0, 0.0]], rtol=1e-6)
+    # on-policy (π_old = sg(π_θ), s = 1) it is the token level's policy gradient in every aggregation
+    mask = jnp.array(rng.random((6, 4)) > 0.4).at[:, 0].set(True)
+    for mode in ("dapo", "grpo", "dr_grpo"):
+        grads = [jax.grad(lambda x: _grpo_loss(x, jax.lax.stop_gradient(x), adv, mask, loss_type=mode,
+                                               level=level)[0])(jnp.array(lp, jnp.float32))
+                 for level in ("token", "sequence")]
+        np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5, atol=1e-8, err_msg=mode)
+
+
+def test_gspo_ignores_padded_log_probs():
+    rng = np.random.default_rng(4)
+    lp, old = rng.normal(-1, 0.3, (2, 5, 6))
+    adv = rng.normal(size=5)
+    mask = np.arange(6)[None] < rng.integers(1, 7, 5)[:, None]
+    mask[0, -1] = False  # at least one padded token
+    for mode in ("dapo", "grpo", "dr_grpo"):
+        base = _grpo_loss(lp, old, adv, mask, loss_type=mode, level="sequence")
+        for fill in (30.0, -30.0):  # a padded log π far from π_old: it must not move s_i
+            changed = _grpo_loss(np.where(mask, lp, fill), old, adv, mask, loss_type=mode, level="sequence")
+            assert changed[0] == base[0] and changed[1] == base[1], (mode, fill)
+
+
+# ---------------------------------------------------------------------------
+# rloo.py: the leave-one-out baseline, the sequence KL folded into the reward, the clipped sequence ratio
+# ---------------------------------------------------------------------------
+def _rloo_loss(logps, old, advantages, mask, eps=0.2, eps_high=0.2):
+    arr = lambda x: jnp.array(x, jnp.float32)
+    return rloo_loss(arr(logps), arr(old), arr(advantages), jnp.array(mask, bool), eps, eps_high)
+
+
+def test_rloo_leave_one_out_baseline_by_hand():
+    # k = 4, rewards 1, 0, 0, 0: completion 1's baseline is the mean of 0, 0, 0 = 0 → A = 1; each other's
+    # is (1 + 0 + 0) / 3 → A = −1/3. The identity A_i = k/(k−1)·(r_i − mean r): 4/3 · (1 − ¼) = 1,
+    # 4/3 · (0 − ¼) = −⅓.
+    # Second group 2, 2, 2, 2: every baseline 2, A = 0.
+    rewards = jnp.array([1.0, 0.0, 0.0, 0.0, 2.0, 2.0, 2.0, 2.0])
+    adv, std = rloo_advantages(rewards, jnp.zeros(8), 4, beta=0.05)
+    np.testing.assert_allclose(adv, [1, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0], rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(adv[:4], 4 / 3 * (np.array([1, 0, 0, 0]) - 0.25), rtol=1e-6)
+    np.testing.assert_allclose(std, [np.sqrt(0.75 ** 2 + 3 * 0.25 ** 2) / np.sqrt(3), 0.0], rtol=1e-6)
+    # k = 2 (TRL's default): each completion against the other, A = r_1 − r_2 and r_2 − r_1
+    pair, _ = rloo_advantages(jnp.array([3.0, 0.5]), jnp.zeros(2), 2, beta=0.0)
+    np.testing.assert_allclose(pair, [2.5, -2.5])
+
+
+def test_rloo_kl_folds_into_the_reward_then_the_loss_by_hand():
+    # Two completions of one prompt (k = 2), rewards 1 and 0, R = 2.
+    # Completion 1, 2 real tokens: log π_old −1, −2; log π_ref −1.5, −2.5 → KL_1 = 0.5 + 0.5 = 1.
+    # Completion 2, 1 real token: log π_old −1, log π_ref −0.5 → KL_2 = −0.5 (k1 may be negative); its
+    # padding holds 40 (π_old) against −40 (π_ref): were it counted, KL_2 would be 79.5.
+    old = [[-1.0, -2.0], [-1.0, 40.0]]
+    ref = [[-1.5, -2.5], [-0.5, -40.0]]
+    mask = jnp.array([[True, True], [True, False]])
+    kl = sequence_kl(jnp.array(old), jnp.array(ref), mask)
+    np.testing.assert_allclose(kl, [1.0, -0.5], rtol=1e-6)
+    # β = 0.5: shaped rewards 1 − 0.5·1 = 0.5 and 0 − 0.5·(−0.5) = 0.25 → A = 0.5 − 0.25 = 0.25 and −0.25
+    adv, _ = rloo_advantages(jnp.array([1.0, 0.0]), kl, 2, beta=0.5)
+    np.testing.assert_allclose(adv, [0.25, -0.25], rtol=1e-6)
+    # --reward-clip-range (−1, 1) clips the rewards 5, −5 before the penalty, never the KL: shaped 1 − 0.5 · 2
+    # = 0 and −1 − 0 = −1 → A = ±1 (clipping after the penalty would give 1 and −1 → A = ±2)
+    clipped, _ = rloo_advantages(jnp.array([5.0, -5.0]), jnp.array([2.0, 0.0]), 2, beta=0.5,
+                                 reward_clip_range=(-1, 1))
+    np.testing.assert_allclose(clipped, [1.0, -1.0], rtol=1e-6)
+    # Off-policy update: completion 1's log-ratio sums to 0.05 + 0.05 = 0.1 → ratio e^0.1 inside [0.8, 1.2]:
+    # term −0.25 e^0.1. Completion 2: −0.3 on its real token (its padding, 9 against 40, must not count)
+    # → ratio e^−0.3 ≈ 0.741 < 0.8 with A < 0: min(−0.25 · 0.741, −0.25 · 0.8) = −0.2 → term +0.2.
+    # The loss is the mean over the two completions (not over their three tokens).
+    logps = [[-0.95, -1.95], [-1.3, 9.0]]
+    loss, m = _rloo_loss(logps, old, adv, mask)
+    np.testing.assert_allclose(loss, (-0.25 * np.exp(0.1) + 0.2) / 2, rtol=1e-5)
+    assert m["clip_ratio/low_mean"] == 0.5 and m["clip_ratio/high_mean"] == 0.0
+    assert m["clip_ratio/region_mean"] == 0.5
+    assert m["clip_ratio/low_min"] == 0.0 and m["clip_ratio/high_max"] == 0.0  # not all / none clipped
+
+
+def test_rloo_numpy_float64_from_the_definitions():
+    """Leave-one-out by an explicit loop over the others, KL and sequence log-probs summed over each
+    completion's real tokens only (padding holds garbage), the clipped ratio per completion, the mean."""
+    rng = np.random.default_rng(5)
+    k, groups, r, beta, eps, eps_high = 4, 3, 6, 0.1, 0.2, 0.28
+    b = k * groups
+    lengths = rng.integers(1, r + 1, b)
+    mask = np.arange(r)[None] < lengths[:, None]
+    rewards = rng.normal(size=b)
+    old, ref = rng.normal(-2, 0.4, (b, r)), rng.normal(-2, 0.4, (b, r))
+    logps = old + rng.normal(0, 0.15, (b, r))
+    garbage = lambda x: np.where(mask, x, rng.normal(0, 30, (b, r)))
+    shaped = [rewards[i] - beta * sum(old[i, t] - ref[i, t] for t in range(lengths[i])) for i in range(b)]
+    want_adv = []
+    for i in range(b):
+        others = [shaped[j] for j in range(i - i % k, i - i % k + k) if j != i]
+        want_adv.append(shaped[i] - sum(others) / (k - 1))
+    want_adv = np.array(want_adv)
+    f32 = lambda x: jnp.array(x, jnp.float32)
+    kl = sequence_kl(f32(garbage(old)), f32(garbage(ref)), jnp.array(mask))
+    adv, _ = rloo_advantages(jnp.array(rewards, jnp.float32), kl, k, beta)
+    np.testing.assert_allclose(adv, want_adv, rtol=1e-4, atol=1e-5)
+    normalised = rloo_advantages(jnp.array(rewards, jnp.float32), kl, k, beta, normalize_advantages=True)[0]
+    np.testing.assert_allclose(normalised, (want_adv - want_adv.mean()) / (np.std(want_adv, ddof=1) + 1e-4),
+                               rtol=1e-4, atol=1e-5)
+    terms, low, high = [], [], []
+    for i, n in enumerate(lengths):
+        ratio = np.exp(logps[i, :n].sum() - old[i, :n].sum())
+        terms.append(-min(ratio * want_adv[i], np.clip(ratio, 1 - eps, 1 + eps_high) * want_adv[i]))
+        low.append(ratio < 1 - eps and want_adv[i] < 0)
+        high.append(ratio > 1 + eps_high and want_adv[i] > 0)
+    assert 0 < np.mean(low) + np.mean(high) < 1  # both branches exercised
+    loss, m = _rloo_loss(garbage(logps), garbage(old), want_adv, mask, eps, eps_high)
+    np.testing.assert_allclose(loss, np.mean(terms), rtol=1e-5)
+    got = [m["clip_ratio/low_mean"], m["clip_ratio/high_mean"], m["clip_ratio/region_mean"]]
+    np.testing.assert_allclose(got, [np.mean(low), np.mean(high), np.mean(np.array(low) | np.array(high))])
+
+
+def test_rloo_direction_and_on_policy_gradient():
+    """Raising the log-prob of the positive-advantage completion lowers the loss (and of the negative one
+    raises it); on-policy (π_old = sg(π_θ)) the gradient is −A_i / B on every real token, 0 on padding."""
+    mask = [[True, True, False], [True, False, False]]
+    old = np.zeros((2, 3))
+    lp = np.zeros((2, 3))
+    adv = [1.0, -1.0]
+    base = _rloo_loss(lp, old, adv, mask)[0]
+    assert _rloo_loss(lp + [[0.05], [0.0]], old, adv, mask)[0] < base
+    assert _rloo_loss(lp + [[0.0], [0.05]], old, adv, mask)[0] > base
+    on_policy = jax.grad(lambda x: _rloo_loss(x, jax.lax.stop_gradient(x), adv, mask)[0])
+    on_policy = on_policy(jnp.full((2, 3), -1.0))
+    np.testing.assert_allclose(on_policy, [[-0.5, -0.5, 0.0], [0.5, 0.0, 0.0]], rtol=1e-6)
+
+
+def test_rloo_clipping_by_hand():
+    # one completion, two real tokens with log-ratios 0.3 + 0.2 = 0.5 → ratio e^0.5 ≈ 1.65, A = +1:
+    # clipped at 1 + ε → loss −1.2, no gradient; with ε_high = 0.28 → −1.28
+    mask = [[True, True]]
+    loss, m = _rloo_loss([[0.3, 0.2]], [[0.0, 0.0]], [1.0], mask)
+    np.testing.assert_allclose(loss, -1.2, rtol=1e-6)
+    assert m["clip_ratio/high_mean"] == m["clip_ratio/high_max"] == m["clip_ratio/region_mean"] == 1.0
+    loss_high = _rloo_loss([[0.3, 0.2]], [[0.0, 0.0]], [1.0], mask, eps_high=0.28)[0]
+    np.testing.assert_allclose(loss_high, -1.28, rtol=1e-6)
+    grad = jax.grad(lambda x: _rloo_loss(x, [[0.0, 0.0]], [1.0], mask)[0])(jnp.array([[0.3, 0.2]]))
+    assert np.all(np.asarray(grad) == 0.0)
+    # ratio e^−0.5 ≈ 0.61, A = −1: clipped from below at 1 − ε → loss +0.8
+    loss, m = _rloo_loss([[-0.5, 0.0]], [[0.0, 0.0]], [-1.0], mask)
+    np.testing.assert_allclose(loss, 0.8, rtol=1e-6)
+    assert m["clip_ratio/low_mean"] == 1.0 and m["clip_ratio/low_min"] == 1.0
+    # ratio e^0.5 with A = −1: the pessimistic min keeps the unclipped e^0.5, and its gradient
+    loss, m = _rloo_loss([[0.3, 0.2]], [[0.0, 0.0]], [-1.0], mask)
+    np.testing.assert_allclose(loss, np.exp(0.5), rtol=1e-6)
+    assert m["clip_ratio/region_mean"] == 0.0
+    # inside [1 − ε, 1 + ε]: the plain ratio, e^0.1 · A
+    inside = _rloo_loss([[0.1, 0.0]], [[0.0, 0.0]], [2.0], mask)[0]
+    np.testing.assert_allclose(inside, -2 * np.exp(0.1), rtol=1e-6)
+
+
 # ---------------------------------------------------------------------------
 # Log-probs: sequence_logps (shift, padding), token_logps against the model's full logits
 # ---------------------------------------------------------------------------
-@pytest.mark.parametrize("module", [dpo, simpo, orpo])
+@pytest.mark.parametrize("module", [dpo, simpo, orpo, kto])
 def test_sequence_logps_shift_and_padding(module):
     logps = jnp.array([[-1.0, -2.0, -3.0, -4.0, 9.0, 9.0]])  # position t scores token t+1
     mask = jnp.array([[False, False, True, True, True, False, False]])  # BOS, prompt, 3 response, 2 pad
@@ -543,6 +878,20 @@ def test_padding_invariance_of_sequence_logps_through_the_model(prefs):
     for a, b in zip(short, long):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
     assert np.all(np.asarray(short[0]) < 0) and not np.allclose(short[0], short[1])
+
+
+def test_kto_padding_invariance_through_the_model(prefs):
+    """kto.concatenated_forward: each example and its mismatched pair score the same at two paddings."""
+    _, model, _ = prefs
+    path = os.path.join(ROOT, "data", "kto_eval.jsonl")
+    examples = kto.read_examples(path, common.chat_template("tiny"))
+    rows, _ = kto.tokenize_dataset(examples[:4] + examples[-4:], model.preprocessor.tokenizer, 512, path, seed=0)
+    params, frozen = common.split_variables(model.backbone)
+    fwd = jax.jit(lambda b: kto.concatenated_forward(model.backbone, params, frozen, b))
+    short, long = fwd(kto.pad_examples(rows, 32)), fwd(kto.pad_examples(rows, 48))
+    for a, b in zip(short, long):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
+    assert np.all(np.asarray(short[0]) < 0) and not np.allclose(short[0], short[1])  # another completion
 
 
 @pytest.fixture(scope="module")

@@ -103,7 +103,8 @@ def test_cached_generation_matches_uncached_greedy_and_compiles_once():
     # as ppo.main does: values through one jit first, so they carry the mesh in their types
     # like every updated version of them will
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
-    gen = jax.jit(lambda p, qs, qm, k: generate(bb, p, frozen, qs, qm, k, r, 0.0))
+    eos, pad = tok.end_token_id, tok.pad_token_id
+    gen = jax.jit(lambda p, qs, qm, k: generate(bb, p, frozen, qs, qm, k, r, 0.0, eos, pad)[0])
     cached = np.asarray(gen(params, queries, qmask, jax.random.key(0)))
 
     seq, mask = np.concatenate([queries, np.zeros((8, r), np.int32)], 1), np.concatenate([qmask, np.zeros((8, r), bool)], 1)
@@ -111,7 +112,7 @@ def test_cached_generation_matches_uncached_greedy_and_compiles_once():
     for t in range(r):  # uncached: the whole sequence again for each new token
         nxt = np.argmax(np.asarray(logits_fn(seq, mask))[:, q + t - 1], -1)
         seq[:, q + t], mask[:, q + t] = nxt, True
-    np.testing.assert_array_equal(cached, seq[:, q:])
+    np.testing.assert_array_equal(cached, truncate_response(seq[:, q:], eos, pad)[0])  # PAD after an EOS
 
     # new params (as an update makes them) and new prompts: the same executable is reused
     new_params = jax.jit(lambda p: jax.tree.map(lambda x: x * 1.01, p))(params)

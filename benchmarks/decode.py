@@ -1,0 +1,143 @@
+r"""Decode speed of one script's KV-cached sampler (`generate`) before / after a change, in ONE process:
+the script and common.py as of a git revision (`--before`) against the working tree's, on the same
+random-init Gemma, prompts and keys, alternated each round so a shared, noisy machine loads both alike.
+    python benchmarks/decode.py --before HEAD~1    # hidden 512, 4 layers, V = 8192; B = 16, Q = 64, R = 128
+Each round times: both samplers (the tokens must be identical, checked every round), one prefill alone,
+and the roofline's two inputs measured now: memory bandwidth (reading 256 MiB once) and a float32
+matmul's FLOP/s. Roofline step = max(weight bytes / bandwidth, 2 N B / matmul FLOP/s): every weight read
+once and every multiply-add done once per decode step. Prints one JSON line last.
+"""
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import types
+from dataclasses import dataclass
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
+import plumbing  # noqa: E402  (instant: `--help` below answers before the heavy imports)
+plumbing.answer_help(__name__, __file__)
+
+import harness  # noqa: E402  (build_backbone; imports common)
+import common  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+
+@dataclass
+class Args:
+    script: str = "grpo"
+    """whose `generate` is timed: grpo, ppo or evaluate"""
+    before: str = "HEAD"
+    """git revision whose <script>.py and common.py are compared with the working tree's"""
+    arch: str = "hidden_dim=512,vocabulary_size=8192,intermediate_dim=4096,head_dim=128"
+    """GemmaBackbone arguments over `tiny`'s (4 layers, 4 query heads, 1 KV head), random weights"""
+    batch_size: int = 16
+    """B sequences"""
+    prompt_length: int = 64
+    """Q prompt tokens (random ids, no padding)"""
+    response_length: int = 128
+    """R new tokens (random weights rarely sample EOS, so nearly every row runs all R steps)"""
+    temperature: float = 1.0
+    """0: greedy"""
+    rounds: int = 7
+    """timed rounds (after one compiling round)"""
+    seed: int = 0
+
+
+def modules_at(revision, names):
+    """{name: module} of `names`.py as of `revision`, each importing the others at that revision."""
+    saved, out = {n: sys.modules.get(n) for n in names}, {}
+    try:
+        for name in names:  # in order: common first, so the script's `import common` finds the old one
+            source = subprocess.run(["git", "show", f"{revision}:{name}.py"], cwd=harness.ROOT, check=True,
+                                    capture_output=True, text=True).stdout
+            out[name] = sys.modules[name] = types.ModuleType(name)
+            out[name].__file__ = os.path.join(harness.ROOT, f"{name}.py")
+            exec(compile(source, f"{revision}:{name}.py", "exec"), out[name].__dict__)
+    finally:
+        for name, module in saved.items():
+            sys.modules.pop(name) if module is None else sys.modules.__setitem__(name, module)
+    return out
+
+
+def bandwidth(n=64 * 2**20):
+    """Bytes/s reading n float32 (256 MiB) once, as a decode step reads its weights: a sum, best of 3."""
+    x, f = jnp.ones((n,), jnp.float32), jax.jit(jnp.sum)
+    f(x).block_until_ready()
+    return 4 * n / min(_timed(f, x) for _ in range(3))
+
+
+def _timed(f, *a):
+    t = time.perf_counter()
+    jax.block_until_ready(f(*a))
+    return time.perf_counter() - t
+
+
+def main(args):
+    mesh = common.make_mesh(None)
+    overrides = {k: int(v) for k, _, v in (item.partition("=") for item in args.arch.split(",") if item)}
+    backbone = harness.build_backbone("tiny", mesh, "float32", seed=args.seed, overrides=overrides)
+    params, frozen = common.split_variables(backbone)
+    b, q, r, t = args.batch_size, args.prompt_length, args.response_length, args.temperature
+    rng = np.random.default_rng(args.seed)
+    queries = rng.integers(3, backbone.vocabulary_size, (b, q), dtype=np.int32)
+    query_mask = np.ones((b, q), bool)
+    scripts = {"before": modules_at(args.before, ["common", args.script])[args.script],
+               "after": __import__(args.script)}
+    gens = {side: jax.jit(lambda p, f, qs, qm, k, m=m: m.generate(backbone, p, f, qs, qm, k, r, t,
+                                                                  harness.EOS, 0)) for side, m in scripts.items()}
+
+    def prefill(p, f, qs, qm):  # the working tree's prefill alone: what generate spends before step 1
+        state = zip(backbone.trainable_variables + backbone.non_trainable_variables, p + f)
+        with common.keras.StatelessScope(state_mapping=state):
+            mask = jnp.concatenate([qm, jnp.ones((b, r), bool)], 1)
+            return common.cached_forward(backbone, qs, mask, common.empty_cache(backbone, b, q + r), 0)[0]
+    prefill = jax.jit(prefill)
+    times = {"before": [], "after": [], "prefill": [], "bandwidth": [], "matmul": []}
+    for round_ in range(args.rounds + 1):  # round 0 compiles
+        key, out = jax.random.key(args.seed + round_), {}
+        for side in (["before", "after"] if round_ % 2 else ["after", "before"]):
+            start = time.perf_counter()
+            out[side] = jax.device_get(gens[side](params, frozen, queries, query_mask, key))
+            times[side].append(time.perf_counter() - start)
+        if not (out["before"][0] == out["after"][0]).all() or out["before"][1] != out["after"][1]:
+            raise RuntimeError(f"round {round_}: the two samplers returned different tokens")
+        times["prefill"].append(_timed(prefill, params, frozen, queries, query_mask))
+        times["bandwidth"].append(bandwidth())
+        times["matmul"].append(plumbing.matmul_flops_per_sec(repeats=3))
+        print(f"round {round_}: before {times['before'][-1]:.3f} s, after {times['after'][-1]:.3f} s, "
+              f"{int(out['after'][1])} steps", file=sys.stderr, flush=True)
+    return report(args, times, int(out["after"][1]), params + frozen)
+
+
+def report(args, times, steps, weights):
+    """One JSON line: per side tokens/s (B × steps / generate s, prefill included, as the sampler's user
+    sees it) and ms per decode step (prefill taken out), beside the roofline (medians of rounds 1…)."""
+    b = args.batch_size
+    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    weight_bytes = sum(w.size * w.dtype.itemsize for w in weights)
+    matmul_params = sum(w.size for w in weights if w.ndim >= 2)  # N: every weight used in a matmul
+    roofline_s = max(weight_bytes / med["bandwidth"], 2 * matmul_params * b / med["matmul"])
+    out = {"script": args.script, "before": args.before, "arch": args.arch, "batch_size": b,
+           "prompt_length": args.prompt_length, "response_length": args.response_length,
+           "temperature": args.temperature, "decode_steps": steps, "rounds": args.rounds,
+           "weight_mb": weight_bytes / 1e6, "bandwidth_gb_s": med["bandwidth"] / 1e9,
+           "matmul_gflop_s": med["matmul"] / 1e9, "prefill_s": med["prefill"],
+           "roofline_ms_per_step": 1e3 * roofline_s, "roofline_tokens_per_sec": b / roofline_s}
+    for side in ("before", "after"):
+        out[f"{side}_generate_s"] = med[side]
+        out[f"{side}_tokens_per_sec"] = b * steps / med[side]
+        out[f"{side}_ms_per_step"] = 1e3 * (med[side] - med["prefill"]) / (steps - 1)
+    ratios = [x / y for x, y in zip(times["before"][1:], times["after"][1:])]  # each round's pair: one load
+    out["speedup_median_of_rounds"] = statistics.median(ratios)
+    print(json.dumps(out))
+    return out
+
+
+if __name__ == "__main__":
+    plumbing.launch(main, Args)

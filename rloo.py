@@ -1,0 +1,485 @@
+r"""RLOO: REINFORCE with a leave-one-out baseline and verifiable rewards (no value model).
+
+Ahmadian et al. 2024 (Back to Basics); TRL's RLOOTrainer: sequence-level KL in the reward, a clipped ratio.
+    python rloo.py --model runs/sft…/model --reward-fn my_checks.py:correct my_checks.py:formatted
+Offline, toy checker data/toy.py:batch_score (the defaults are for real models; `tiny` takes its own):
+    python rloo.py --model tiny --max-steps 30 --batch-size 64 --num-generations 8 --learning-rate 3e-4 \
+        --max-prompt-length 64 --response-length 16 --beta 0.01
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
+plumbing.answer_help(__name__, __file__)  # `python rloo.py --help`: from Args' source, before the imports below
+
+import common  # noqa: E402  (mesh, models, data files, the scorer)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+
+@dataclass
+class Args(plumbing.RolloutArgs):
+    """The shared flags (plumbing.RolloutArgs: model, dtype, mesh, prompts, lengths, outputs, …) + RLOO's."""
+    # rewards
+    reward_fn: tuple[str, ...] = (os.path.join(common.HERE, "data", "toy.py") + ":batch_score",)
+    """one or more `path.py:function`: TRL's f(prompts, completions, **columns) or f(prompts, responses)"""
+    reward_weights: tuple[float, ...] = ()
+    """weight of each --reward-fn in the summed reward; empty: all 1"""
+    reward_model: str | None = None
+    """reward.py's `model/` dir: its score on the last real token is the reward"""
+    # rollouts
+    num_generations: int = 2
+    """k: completions sampled per prompt (TRL: 2); --batch-size counts completions: B/k prompts a step"""
+    top_p: float = 1.0
+    """top-p: sample from the likeliest tokens that hold this probability mass (TRL: 1.0 = off)"""
+    top_k: int = 0
+    """top-k: sample among the k likeliest tokens (TRL: 0 = off); log-probs stay unfiltered, as TRL's"""
+    min_p: float | None = None
+    """min-p: drop tokens less likely than min_p × the top token's probability (TRL: None = off)"""
+    # optimisation
+    num_iterations: int = 1
+    """μ: optimisation passes over each generation batch (>1 keeps the rollout log-probs as π_old)"""
+    num_mini_batches: int = 1
+    """mini-batches per pass (each a whole number of groups is not required: advantages are fixed first)"""
+    warmup_steps: int = 0
+    """linear warm-up, in optimizer updates; then --learning-rate stays constant (TRL: linear decay to 0)"""
+    # algorithm
+    beta: float = 0.05
+    """β: weight of the sequence KL Σ_t (log π_old − log π_ref) taken off each reward (TRL: 0.05); 0: no
+    reference model"""
+    epsilon: float = 0.2
+    """ε: sequence-ratio clip, lower side (and upper side unless --epsilon-high is given)"""
+    epsilon_high: float | None = None
+    """ε_high: upper sequence-ratio clip (DAPO's clip-higher: 0.28); None: --epsilon"""
+    normalize_advantages: bool = False
+    """standardise the advantages over the generation batch (mean 0, std 1) after the baseline (TRL: False)"""
+    reward_clip_range: tuple[float, float] | None = None
+    """(min, max): clip each summed reward into it before the KL penalty (TRL: None = off)"""
+    mask_truncated_completions: bool = False
+    """leave completions without EOS out of the loss and the KL (DAPO's overlong filtering)"""
+    # logging and outputs
+    export_hf: bool = False
+    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
+
+
+# ---------------------------------------------------------------------------
+# Data: prompt texts (common.read_dataset: strings or chats) -> left-padded query ids [N, Q]
+# ---------------------------------------------------------------------------
+def tokenize_prompts(prompts, tokenizer, max_prompt_length):
+    """-> (queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
+    ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
+    ids = [x[:1] + x[1:][-(max_prompt_length - 1):] for x in ids]  # cut from the left, BOS kept
+    q = min(max_prompt_length, 8 * math.ceil(max(len(x) for x in ids) / 8))
+    queries, mask = np.zeros((len(ids), q), np.int32), np.zeros((len(ids), q), bool)
+    for i, x in enumerate(ids):  # left padding: every prompt ends at column Q-1, responses start at Q
+        queries[i, q - len(x):], mask[i, q - len(x):] = x, True
+    return queries, mask
+
+
+# ---------------------------------------------------------------------------
+# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once; it stops when every completion has ended),
+# forwards of the policy and reference on query + response, the sequence KL in the reward, leave-one-out
+# advantages, the clipped sequence-level surrogate
+# ---------------------------------------------------------------------------
+def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
+    """TRL's sampling filters on logits / temperature [B, V], in transformers' order: top-k, then top-p, then
+    min-p, each on what the previous left (renormalised). A dropped token gets -inf; 0, 1.0, None: off.
+
+    top-k keeps the k largest (ties with the k-th too); top-p keeps the most likely tokens until their
+    probabilities reach top_p (the token that crosses it included, ties at the cut too); min-p keeps the
+    tokens with p ≥ min_p · max p. The most likely token always stays.
+    """
+    if top_k:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ascending = jnp.sort(logits, -1)  # [B, V]: drop the prefix whose probabilities sum to ≤ 1 − top_p
+        dropped = jnp.sum(jnp.cumsum(jax.nn.softmax(ascending, -1), -1) <= 1.0 - top_p, -1)
+        cut = jnp.take_along_axis(ascending, jnp.minimum(dropped, logits.shape[-1] - 1)[:, None], -1)
+        logits = jnp.where(logits < cut, -jnp.inf, logits)
+    if min_p is not None:
+        probs = jax.nn.softmax(logits, -1)
+        logits = jnp.where(probs < min_p * probs.max(-1, keepdims=True), -jnp.inf, logits)
+    return logits
+
+
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, eos_id, pad_id,
+             top_k=0, top_p=1.0, min_p=None):
+    """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps).
+
+    One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
+    stops once every sequence has sampled its EOS (steps: tokens sampled per sequence, ≤ R): a batch of
+    short answers costs their length, not R. Fixed shapes: one compilation per query bucket. After its
+    EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
+    `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
+    temperature 0 = greedy; otherwise from filter_logits(logits / temperature, top_k, top_p, min_p).
+    """
+    b, q = queries.shape
+    padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state):
+        cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
+        logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
+
+        def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
+            key, sample_key = jax.random.split(key)
+            if temperature == 0:
+                token = jnp.argmax(logits, -1).astype(jnp.int32)
+            else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
+                # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
+                z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
+                    logits / temperature, top_k, top_p, min_p)  # [B, V]
+                first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
+                token = first.min(-1).astype(jnp.int32)
+            token = jnp.where(done, pad_id, token)
+            return token, key, done | (token == eos_id)
+
+        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t
+            tokens, cache, t, key, done = carry
+            fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
+            logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1)
+            token, key, done = pick(logits[:, -1], key, done)
+            return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], t, 1), cache, t + 1, key, done
+
+        token, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
+        tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
+        tokens, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has no EOS yet and t < R
+            lambda c: (c[2] < response_length) & ~c[4].all(), step, (tokens, cache, jnp.int32(1), key, done))
+    return tokens, steps
+
+
+def truncate_response(responses, eos_id, pad_id):
+    """Keep tokens up to and including the first EOS, pad after it.
+
+    -> (responses [B, R], sequence_lengths [B]: index of the last real token,
+    the EOS, or R-1 when none was sampled).
+    """
+    r = responses.shape[1]
+    is_eos = responses == eos_id
+    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1), r - 1)
+    return jnp.where(jnp.arange(r)[None] > first_eos[:, None], pad_id, responses), first_eos
+
+
+def hidden_states(backbone, params, frozen, token_ids, padding_mask):
+    """Final-norm hidden states [B, T, D] (stateless: weights passed as values)."""
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state):
+        return backbone({"token_ids": token_ids, "padding_mask": padding_mask})
+
+
+def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature):
+    """log π(response token) from logits / temperature, and the entropy: [B, R] each, float32.
+
+    Position t predicts token t+1, so response token Q+i is scored by hidden[Q+i-1].
+    The [B, R, V] logits are made one response position at a time under jax.checkpoint.
+    """
+    hidden = hidden_states(backbone, params, frozen, token_ids, padding_mask)[:, context_length - 1:-1]
+    labels = token_ids[:, context_length:]  # [B, R]
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state):
+        @jax.checkpoint
+        def position(h, y):  # [B, D], [B] -> [B], [B]
+            logits = common.logits(backbone, h) / temperature  # f32
+            logz = jax.nn.logsumexp(logits, -1)
+            entropy = logz - jnp.sum(jax.nn.softmax(logits, -1) * logits, -1)
+            return jnp.take_along_axis(logits, y[:, None], -1)[:, 0] - logz, entropy
+
+        logps, entropy = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
+    return logps.T, entropy.T
+
+
+def masked_mean(x, mask):
+    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)
+
+
+def sequence_kl(old_logps, ref_logps, mask):
+    """KL_i = Σ_t (log π_old − log π_ref) over the real tokens of completion i: [B, R] -> [B]   (eq. 2).
+
+    The plain log-ratio (k1), as TRL's RLOOTrainer and the paper: per token it may be negative; summed
+    over tokens sampled from π_old it estimates KL(π_old ‖ π_ref) of the whole completion. Rollout-time
+    values (no gradient): it shapes the reward, it is not a loss term.
+    """
+    return jnp.sum(jnp.where(mask, old_logps - ref_logps, 0.0), 1)  # padding may hold anything
+
+
+def rloo_advantages(rewards, kl, num_generations, beta, normalize_advantages=False, reward_clip_range=None):
+    """A_i = r̃_i − mean_{j≠i} r̃_j with r̃ = clip(r) − β·KL   (eqs. 2–4 of docs/rloo.md).
+
+    rewards, kl [B] hold B/k groups of k consecutive completions of one prompt. The mean of the other
+    k − 1 is (Σ_j r̃_j − r̃_i) / (k − 1), so A_i = k/(k−1) · (r̃_i − mean r̃): an unbiased baseline (it
+    does not use r̃_i), and every group's advantages sum to 0. `normalize_advantages`: (A − mean A) /
+    (std A + 1e-4) over the whole batch (Bessel's std, as TRL). -> (advantages [B], group std of r̃ [B/k]).
+    """
+    if reward_clip_range is not None:  # before the penalty, as TRL: the KL term is never clipped
+        rewards = jnp.clip(rewards, *reward_clip_range)
+    shaped = (rewards - beta * kl).reshape(-1, num_generations)  # [B/k, k]
+    baseline = (shaped.sum(1, keepdims=True) - shaped) / (num_generations - 1)  # leave-one-out mean
+    advantages = (shaped - baseline).reshape(-1)
+    if normalize_advantages:
+        advantages = (advantages - advantages.mean()) / (advantages.std(ddof=1) + 1e-4)
+    return advantages, shaped.std(1, ddof=1)
+
+
+def rloo_loss(logps, old_logps, advantages, mask, epsilon, epsilon_high):
+    """Clipped surrogate on one ratio per completion, averaged over the B completions (eq. 5).
+
+    logps / old_logps [B, R] per response token, advantages [B], mask [B, R]. The ratio is of the whole
+    sequences: exp(Σ_t log π_θ − Σ_t log π_old), neither length-normalised (GSPO) nor per token (GRPO);
+    on-policy its gradient is −A_i ∇ log π_θ(o_i), the REINFORCE estimator of the paper.
+    """
+    # [B]: sequence log-probs, padding zeroed (it may hold anything; after the EOS nothing was sampled)
+    log_ratio = jnp.sum(jnp.where(mask, logps, 0.0), 1) - jnp.sum(jnp.where(mask, old_logps, 0.0), 1)
+    ratio = jnp.exp(log_ratio)  # with one update per batch old = sg(π_θ): ratio 1
+    clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
+    # pessimistic: the clip only ever removes gradient; a plain mean over completions, as TRL (not tokens)
+    loss = jnp.mean(-jnp.minimum(ratio * advantages, clipped * advantages))
+    low = (ratio < 1.0 - epsilon) & (advantages < 0)  # clipped from below: pushing further down is blocked
+    high = (ratio > 1.0 + epsilon_high) & (advantages > 0)  # clipped from above
+    # shares of the B completions (TRL's names); low_min / high_max: all of them / any of them clipped
+    low, high = low.astype(jnp.float32), high.astype(jnp.float32)
+    return loss, {"clip_ratio/low_mean": low.mean(), "clip_ratio/low_min": low.min(),
+                  "clip_ratio/high_mean": high.mean(), "clip_ratio/high_max": high.max(),
+                  "clip_ratio/region_mean": jnp.maximum(low, high).mean()}
+
+
+def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, temperature):
+    """π_old (the rollout policy's) and π_ref log-probs of a finished generation batch (π_ref: β > 0)."""
+    ids, mask = batch["query_responses"], batch["padding_mask"]
+    out = {"old_logps": response_logps(backbone, params, frozen, ids, mask, context_length, temperature)[0]}
+    if ref_params is not None:
+        out["ref_logps"] = response_logps(backbone, ref_params, frozen, ids, mask, context_length, temperature)[0]
+    return out
+
+
+# ---------------------------------------------------------------------------
+# train_step: one update of the policy on a (mini-)batch of completions
+# ---------------------------------------------------------------------------
+def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
+    """One update on a (mini-)batch of completions. state = (params, opt_state).
+
+    batch: query_responses / padding_mask [B, Q+R], response_mask [B, R], advantages [B] (the KL already
+    in them), and, when more than one update uses the batch, old_logps [B, R] from rollout time.
+    """
+    params, opt_state = state
+    ids, mask = batch["query_responses"], batch["padding_mask"]
+
+    def loss_fn(p):
+        logps, entropy = response_logps(backbone, p, frozen, ids, mask, context_length, args.temperature)
+        # one update per generation batch: π_old is π_θ itself, held constant (ratio 1, gradient of π_θ)
+        old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
+        loss, metrics = rloo_loss(logps, old, batch["advantages"], batch["response_mask"], args.epsilon,
+                                  args.epsilon if args.epsilon_high is None else args.epsilon_high)
+        return loss, {**metrics, "entropy": masked_mean(entropy, batch["response_mask"])}
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return (params, opt_state), {**metrics, "train/loss": loss, "train/grad_norm": optax.global_norm(grads)}
+
+
+# ---------------------------------------------------------------------------
+# main's pieces: flag checks, optimizer, rollout, decoding, reward metrics, mini-batches
+# ---------------------------------------------------------------------------
+def check_args(args, mesh):
+    """Inconsistent sizes, unsupported choices, weights that do not match the functions: stop before the model loads."""
+    g, b = args.num_generations, args.batch_size
+    if args.num_mini_batches < 1 or args.num_iterations < 1 or args.temperature <= 0:
+        raise common.UsageError("--num-mini-batches and --num-iterations must be ≥ 1, --temperature > 0")
+    if not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= (args.min_p or 0) <= 1:
+        raise common.UsageError("--top-p must be in (0, 1], --top-k ≥ 0 (0: off), --min-p in [0, 1]")
+    if g < 2 or b % g:
+        raise common.UsageError(f"--batch-size {b} must be a multiple of --num-generations {g} (≥ 2: a lone "
+                                "completion has no other to be its baseline)")
+    if b % args.num_mini_batches or b // args.num_mini_batches % mesh.shape["data"]:
+        raise common.UsageError(f"--batch-size {b} must split into --num-mini-batches {args.num_mini_batches} "
+                                f"each divisible by the data axis ({mesh.shape['data']})")
+    if args.reward_clip_range is not None and not args.reward_clip_range[0] < args.reward_clip_range[1]:
+        low, high = args.reward_clip_range
+        raise common.UsageError(f"--reward-clip-range {low} {high}: expected MIN < MAX")
+    if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
+        raise common.UsageError(f"--reward-weights: {len(args.reward_weights)} weights for "
+                                f"{len(args.reward_fn)} --reward-fn functions")
+    common.check_sampler(args.model)  # a family whose decoder layers the sampler knows
+
+
+def make_optimizer(args, max_steps):
+    """Clip, AdamW with --weight-decay on matrices only (not norms or biases), linear warm-up then a constant
+    learning rate (so max_steps, every script's make_optimizer argument, is not used). -> (optimizer, schedule)"""
+    schedule = optax.join_schedules([optax.linear_schedule(0.0, args.learning_rate, args.warmup_steps),
+                                     optax.constant_schedule(args.learning_rate)], [args.warmup_steps])
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
+                       optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask)), schedule
+
+
+def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
+    """Responses to host queries [B, Q] (whole on each process), cut after the first EOS -> (batch, lengths
+    [B]). The queries are first cut to [B, Qb], Qb the bucket of this batch's longest prompt (≤ Q): short
+    prompts do not pay for the run's longest, and each jitted function compiles once per bucket met."""
+    qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
+    # left padding: every prompt ends at column Q-1, so the last Qb columns hold all of their real tokens
+    qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
+    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key)[0], eos, pad)
+    response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
+    return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
+            "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
+
+
+def query_length(batch):
+    """Qb, the width of a rollout batch's queries: query_responses [B, Qb+R] less response_mask [B, R]."""
+    return batch["query_responses"].shape[1] - batch["response_mask"].shape[1]
+
+
+def decode(tokenizer, batch, sequence_lengths, context_length):
+    """The responses cut before the EOS -> (texts, their token ids, lengths [B]: tokens before the EOS
+    (all R without one), has_eos [B]), whole on every process (on the host)."""
+    responses = common.to_host(batch["query_responses"][:, context_length:])
+    has_eos = (responses == tokenizer.end_token_id).any(1)
+    lengths = common.to_host(sequence_lengths) + 1 - has_eos
+    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
+    texts = tokenizer.detokenize(ids)
+    return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
+
+
+def reward_metrics(rewards, parts, lengths, has_eos):
+    """The summed reward (before the KL) and its std over the batch, each reward function's (or the reward
+    model's) mean and std, completion lengths."""
+    # a function's None (NaN here) is left out of its mean and std, as TRL does
+    return {"reward": float(rewards.mean()), "reward_std": float(rewards.std(ddof=1)),
+            **{f"rewards/{k}/mean": float(np.nanmean(v)) for k, v in parts.items()},
+            **{f"rewards/{k}/std": float(np.nanstd(v)) for k, v in parts.items()},
+            "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
+            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(1.0 - has_eos.mean())}
+
+
+def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
+    """Index arrays [B / num_mini_batches]: num_epochs passes over the batch, reshuffled for each."""
+    mini = batch_size // num_mini_batches
+    for _ in range(num_epochs):
+        perm = rng.permutation(batch_size)
+        for m in range(num_mini_batches):
+            yield common.put_global(perm[m * mini:(m + 1) * mini], on_data)
+
+
+def main(args):
+    # ---- set-up: every flag, file and row checked before the models load ----
+    run = plumbing.Run("rloo", args, warmup_steps=args.warmup_steps,
+                       export_hf=args.export_hf)  # shared flags and --output-dir checked; nothing written
+    check_args(args, run.mesh)
+    template = common.chat_template(args.model, args.chat_template)
+    prompts, rows = common.read_prompts(args.dataset, template)  # rows: the columns reward functions may read
+    g = args.num_generations
+    n_prompts = args.batch_size // g
+    max_steps = run.resolve_max_steps(len(prompts), n_prompts)  # --max-steps, or --num-epochs' worth of B/k prompts
+    scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=args.reward_fn,
+                                weights=args.reward_weights)  # r(x, y): the reward model, or the weighted functions
+    scorer.check_columns(rows)  # before the model loads: every column a reward function names exists
+    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
+    backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
+    scorer.check_tokenizer(tokenizer)
+    remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each block (not the sampler's calls)
+    queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
+    q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
+    print(f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
+          f"{n_prompts} prompts × k={g} completions "
+          f"of {r} tokens per step; reward: {args.reward_model or ', '.join(args.reward_fn)}")
+
+    # Policy trainable; reference = frozen copy of its initial values (with LoRA: the zero-init
+    # adapters, i.e. the LoRA-off base), only when β > 0.
+    params, frozen = common.split_variables(backbone)
+    # Through one jit with explicit out_shardings, so the trainable values carry the mesh in their types and are
+    # committed to their devices, as the updated ones will be: the sampler sees the same input types every step.
+    params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
+    ref_params = jax.tree.map(jnp.copy, params) if args.beta else None
+    off_policy = args.num_iterations > 1 or args.num_mini_batches > 1  # π_old differs from π_θ at some update
+    optimizer, schedule = make_optimizer(args, max_steps)
+    opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
+    state_shardings = (common.shardings(params), opt_shardings)
+    key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
+    order = np.concatenate([rng.permutation(len(prompts))
+                            for _ in range(-(-max_steps * n_prompts // len(prompts)))])
+    # --resume: params, optimizer state, sampling key, mini-batch shuffler (the prompt order is a function of the step)
+    (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
+                                                     {"rng": rng.bit_generator.state})
+    # the key through the host: restored, it is committed to one device, and the sampler's other
+    # arguments span the mesh (jit refuses the mix on every multi-device run)
+    key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
+    state = jax.device_put((params, opt_state), state_shardings)
+
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, eos, pad,
+                                                      args.top_k, args.top_p, args.min_p))
+    logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, query_length(b),
+                                                           args.temperature))
+    step_fn = remat.jit(lambda s, f, b: train_step(backbone, optimizer, args, s, f, b, query_length(b)),
+                        donate_argnums=0,
+                        out_shardings=(state_shardings, common.replicated(run.mesh)))
+    run.record(remat=remat)  # args.json: the mode --remat auto chose
+    # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
+    on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
+    # FLOPs (docs/design.md): 2N per token per forward (sampling; π_old and π_ref when needed; reward model),
+    # 6N per token per trained forward+backward (every iteration).
+    n = plumbing.count_params(backbone)
+    n_rm = plumbing.count_params(scorer.model.backbone) if scorer.model is not None else 0
+    extra_forwards = (off_policy or args.beta > 0) + (args.beta > 0)  # π_old (the KL's or the ratio's), π_ref
+    flops_per_token = 2 * n * (1 + extra_forwards) + 2 * n_rm + args.num_iterations * 6 * n
+
+    # ---- the loop: rollout -> rewards -> advantages -> update ----
+    for step in run.steps(learning_rate=lambda s: schedule(s * args.num_iterations * args.num_mini_batches),
+                          show=("reward", "frac_reward_zero_std")):
+        ticks, idx = [time.perf_counter()], np.repeat(order[step * n_prompts:(step + 1) * n_prompts], g)  # [B]
+        # rollout: k completions of each of B/k prompts (a group = k consecutive rows), cut after EOS
+        key, gen_key = jax.random.split(key)
+        batch, sequence_lengths = rollout(gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key,
+                                          eos, pad, on_data)
+        qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
+        ticks.append(plumbing.synced(batch))
+        # rewards: one scalar per completion (1), a weighted sum over the reward functions (or the RM score)
+        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb)
+        scores, parts = scorer([prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids,
+                               common.turn_end(template))
+        rewards = common.to_host(scores)
+        if args.mask_truncated_completions:  # DAPO: a cut-off completion is in neither the KL nor the loss
+            batch["response_mask"] = batch["response_mask"] & common.put_global(has_eos[:, None], on_data)
+        # the KL to the reference per completion (2): π_old and π_ref forwards at rollout time, no gradient
+        logps = logps_fn(state[0], ref_params, frozen, batch) if off_policy or ref_params is not None else {}
+        kl, kl_log = np.zeros(len(idx), np.float32), {}
+        if ref_params is not None:  # logged per real token, as TRL: Σ_i KL_i / Σ_i |o_i|
+            kl = common.to_host(sequence_kl(logps["old_logps"], logps["ref_logps"], batch["response_mask"]))
+            kl_log = {"kl": float(kl.sum() / max(common.to_host(batch["response_mask"]).sum(), 1))}
+        # advantages: each reward less β·KL, against the mean of the other k − 1 of its prompt (3), (4)
+        advantages, group_std = jax.device_get(rloo_advantages(
+            jnp.asarray(rewards), jnp.asarray(kl), g, args.beta, args.normalize_advantages, args.reward_clip_range))
+        batch["advantages"] = common.put_global(advantages, on_data)
+        if off_policy:  # π_old of the ratio (5); one update per batch takes sg(π_θ) instead (train_step)
+            batch["old_logps"] = logps["old_logps"]
+        ticks.append(plumbing.synced(batch))
+        # update: num_iterations passes, each over num_mini_batches shuffled mini-batches
+        updates = []
+        for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data):
+            state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
+            updates.append(metrics)
+        # generate tokens/s counts the tokens sampled up to and with each EOS (all R without one)
+        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())),
+                 **reward_metrics(rewards, parts, lengths, has_eos), **kl_log,
+                 "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
+                 "charts/generate_compilations": float(gen_fn._cache_size()),
+                 "charts/query_padding_fraction": float(1 - query_mask[idx].sum() / (len(idx) * qb))},
+                tokens=len(idx) * (qb + r), flops=len(idx) * (qb + r) * flops_per_token)
+        if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
+            for i in range(min(4, g)):  # the first group: one prompt, its completions, their advantages
+                print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} reward {rewards[i]:.3f} "
+                      f"advantage {float(advantages[i]):+.2f}")
+        run.checkpoint((state[0], state[1], jax.random.key_data(key)), {"rng": rng.bit_generator.state})
+
+    # ---- outputs: the policy (LoRA merged) as a KerasHub preset ----
+    run.finish(lambda path: common.save_model(model, state[0], path))
+
+
+if __name__ == "__main__":
+    plumbing.launch(main, Args)  # the one boundary: exceptions -> exit codes and one-line messages
