@@ -4,11 +4,13 @@ metrics: a plain module (not a test file, no fixtures), imported as `from helper
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import warnings
 
 import pytest
 
@@ -93,18 +95,31 @@ def wait_for(path, proc, timeout=300):
         time.sleep(0.2)
 
 
-def wait_all(procs, timeout=300):
-    """Waits for every Popen in `procs` (stderr piped); asserts each exits 0. On a timeout, kills them all and
-    fails with each one's stderr tail: a process that died leaves its peers waiting in a collective."""
-    try:
-        errs = [p.communicate(timeout=timeout)[1] for p in procs]
-    except subprocess.TimeoutExpired:
-        for p in procs:
-            p.kill()
-        tails = [f"process {i} (rc {p.wait()}): {(p.communicate()[1] or '')[-1500:]}" for i, p in enumerate(procs)]
-        pytest.fail(f"timed out after {timeout} s; " + " | ".join(tails))
-    for p, err in zip(procs, errs):
-        assert p.returncode == 0, err[-3000:]
+def run_two_processes(argv, output_dir, env, timeout=300):
+    """`argv` on 2 processes (jax.distributed on localhost, a fresh coordinator port) writing `output_dir`;
+    asserts both exit 0. A pair that times out is killed, reported as a warning with each process's stderr
+    tail, and run once more from scratch: a hang was seen once (a 2-worker suite, 600 s; not reproduced in 9
+    runs alone or beside the other two-process test). Wrong rows, an error or a second timeout still fail."""
+    for attempt in (1, 2):
+        address = coordinator_address()
+        procs = [subprocess.Popen(argv + ["--output-dir", output_dir, "--coordinator-address", address,
+                                          "--num-processes", "2", "--process-id", str(i)],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
+                 for i in range(2)]
+        try:
+            errs = [p.communicate(timeout=timeout)[1] for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            tails = " | ".join(f"process {i}: {(p.communicate()[1] or '')[-1500:]}" for i, p in enumerate(procs))
+            if attempt == 2:
+                pytest.fail(f"two processes timed out twice after {timeout} s; {tails}")
+            warnings.warn(f"two processes timed out after {timeout} s; running them once more. {tails}")
+            shutil.rmtree(output_dir, ignore_errors=True)
+            continue
+        for p, err in zip(procs, errs):
+            assert p.returncode == 0, err[-3000:]
+        return
 
 
 def coordinator_address():

@@ -12,8 +12,8 @@ import pytest
 import common  # noqa: F401  (first: KERAS_BACKEND=jax)
 
 from grpo import Args, check_args
-from helpers import (ROOT, assert_same_rows, coordinator_address, env_with_devices, learning_env, metrics,
-                     one_device_env, preempt_then_resume, run_script, usage_error, wait_all)
+from helpers import (ROOT, assert_same_rows, env_with_devices, learning_env, metrics, one_device_env,
+                     preempt_then_resume, run_script, run_two_processes, usage_error)
 
 
 # `tiny` from scratch (the defaults are TRL's for real models: β 0, lr 1e-6): the values these tests measured
@@ -124,17 +124,13 @@ def test_sigterm_then_resume_equals_uninterrupted(weighted):
 def test_two_processes_match_one(tmp_path):
     """jax.distributed with 2 processes × 4 CPU devices == 1 process × 8 devices: the rollout goes
     in with put_global and comes out with to_host (an allgather), the same rows are logged."""
-    address = coordinator_address()
     flags = [sys.executable, os.path.join(ROOT, "grpo.py"), "--model", "tiny", "--max-steps", "2",
              "--batch-size", "16", "--num-generations", "4", "--response-length", "8", "--num-mini-batches", "2",
              "--mask-truncated-completions", "--sample-every", "0", "--seed", "5", *TINY]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    wait_all([subprocess.Popen(flags + ["--output-dir", one], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                               text=True, env=env_with_devices(8))])  # first: the pair then has the cores to itself
-    wait_all([subprocess.Popen(flags + ["--output-dir", two, "--coordinator-address", address, "--num-processes",
-                                        "2", "--process-id", str(i)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env_with_devices(4))
-              for i in range(2)])
+    subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=env_with_devices(8),
+                   timeout=600)  # first: the pair then has the cores to itself
+    run_two_processes(flags, two, env_with_devices(4))
     assert_same_rows(metrics(one), metrics(two))
     assert os.path.exists(os.path.join(two, "model", "config.json"))
 

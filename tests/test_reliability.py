@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from helpers import (ROOT, assert_same_rows, coordinator_address, env_with_devices, metrics, usage_error, wait_all,
+from helpers import (ROOT, assert_same_rows, env_with_devices, metrics, run_two_processes, usage_error,
                      wait_for)
 
 FAST = ["--model", "tiny", "--batch-size", "16", "--log-every", "5", "--eval-dataset", "",
@@ -95,7 +95,6 @@ def test_two_processes_match_one(tmp_path):
     off by up to 2.1×). 24 eval pairs at batch 16: the second batch wraps around and is trimmed."""
     # optimised code (not helpers.FAST_COMPILE): under it the reduction order differs more between the
     # layouts, and step 2's near-zero margins disagree beyond rel 1e-5
-    address = coordinator_address()
     for name, n in (("train", 48), ("eval", 24)):  # small files: each process tokenizes and precomputes all
         with open(os.path.join(ROOT, "data", f"prefs_{name}.jsonl")) as f:
             (tmp_path / f"{name}.jsonl").write_text("".join(f.readlines()[:n]))
@@ -107,11 +106,7 @@ def test_two_processes_match_one(tmp_path):
     optimised = lambda n: env_with_devices(n, fast_compile=False)
     subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=optimised(8))
     two = str(tmp_path / "two")
-    procs = [subprocess.Popen(flags + ["--output-dir", two, "--coordinator-address", address,
-                                       "--num-processes", "2", "--process-id", str(i)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=optimised(4))
-             for i in range(2)]
-    wait_all(procs)
+    run_two_processes(flags, two, optimised(4))
     rows, rows_two = metrics(one), metrics(two)
     assert [r["step"] for r in rows if "eval/loss" in r] == [0, 3] and "rewards/margins" in rows[1]
     # Step 1 runs the initial policy, which is the reference: its rewards are float noise around 0
