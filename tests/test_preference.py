@@ -38,13 +38,17 @@ def test_reference_logps_agree_three_ways(prefs):
     plain = common.load_model("tiny", mesh, "float32", seed=0)  # the same base weights, no LoRA
     full_params, full_frozen = common.split_variables(plain.backbone)
     ref_copy = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(full_params)
-    copy = dpo.reference_logps(plain.backbone, ref_copy, full_frozen, data)
+    # jitted, as the scripts run them: eager ops on arrays sharded over 8 simulated CPU devices have aborted
+    # the process (XLA:CPU, "Fatal Python error: Aborted") about once in a dozen suites
+    copy = jax.jit(lambda p, d: dpo.reference_logps(plain.backbone, p, full_frozen, d))(ref_copy, data)
     # A "trained" LoRA policy (B factors non-zero) differs from the base; its LoRA-off reference does not.
     rng = np.random.default_rng(0)
     trained = [p + 0.5 * rng.standard_normal(p.shape).astype(np.float32) if v.path.endswith("lora_kernel_b") else p
                for v, p in zip(model.backbone.trainable_variables, lora_params)]
-    policy = dpo.concatenated_forward(model.backbone, trained, frozen, data)
-    lora = dpo.reference_logps(model.backbone, dpo.lora_off(model.backbone, trained), frozen, data)
+    policy = jax.jit(lambda p, d: dpo.concatenated_forward(model.backbone, p, frozen, d))(trained, data)
+    bb = model.backbone
+    lora_ref = jax.jit(lambda p, d: dpo.reference_logps(bb, dpo.lora_off(bb, p), frozen, d))
+    lora = lora_ref(trained, data)
     fwd = jax.jit(lambda p, b: dpo.concatenated_forward(plain.backbone, p, full_frozen, jax.tree.map(lambda x: x[0], b)))
     pre = common.per_example(lambda b: fwd(full_params, b), data, 8, mesh)
     batch = {**data, "ref_chosen_logps": pre[0], "ref_rejected_logps": pre[1]}

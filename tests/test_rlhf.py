@@ -54,8 +54,8 @@ def test_ppo_update_moves_logprobs_along_advantages():
     state = (params, optimizer.init(params))
     step = jax.jit(lambda s, f, b: train_step(models, optimizer, args, s, f, b, q))
     state, m = step(state, frozen, batch)
-    new_lp, _ = response_logps(bb, state[0].policy, frozen.policy, batch["query_responses"], batch["padding_mask"],
-                               q, 1.0)
+    forward = jax.jit(lambda p, f, ids, m: response_logps(bb, p, f, ids, m, q, 1.0))  # see test_preference
+    new_lp, _ = forward(state[0].policy, frozen.policy, batch["query_responses"], batch["padding_mask"])
     delta = np.asarray(new_lp - lp)
     assert np.sum(delta * np.asarray(adv)) > 0
     assert np.corrcoef(delta.ravel(), np.asarray(adv).ravel())[0, 1] > 0.3
