@@ -181,10 +181,8 @@ def sequence_logps(logps, loss_mask, average=False):
 
 
 def concatenated_forward(backbone, params, frozen, batch, names=("completion", "KL")):
-    """The `names` sequences of each example through the model in ONE forward (stacked on the batch axis).
-
-    batch: {name}_{ids,padding_mask,loss_mask}, each [B, T] -> per-sequence log-probs, [B] for each name.
-    """
+    """The `names` sequences of each example through the model in ONE forward (stacked on the batch axis):
+    batch {name}_{ids,padding_mask,loss_mask}, each [B, T] -> per-sequence log-probs, [B] for each name."""
     both = {k: jnp.concatenate([batch[f"{name}_{k}"] for name in names])  # [len(names)·B, T]
             for k in ("ids", "padding_mask", "loss_mask")}
     logps = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [len(names)·B, T-1]
@@ -195,7 +193,6 @@ def kto_loss(logps, ref_logps, kl_logps, ref_kl_logps, labels, beta=0.1, desirab
              undesirable_weight=1.0, loss_type="kto"):
     """KTO on per-sequence log-probs -> (mean loss, metrics). logps, ref_logps, labels (True: desirable): [B];
     kl_logps, ref_kl_logps: [M], of mismatched pairs (z₀'s sample; unread for apo_zero_unpaired).
-
     r = logπ(y|x) − logπref(y|x) (Eq. 1); z₀ = max(0, the mean r of the mismatched pairs), detached (Eq. 2);
     per example (Eq. 3), weighted by λ_D or λ_U, then the batch mean (Eq. 4); equations: docs/kto.md.
       kto:               desirable 1 − σ(β(r − z₀)),  undesirable 1 − σ(β(z₀ − r))
@@ -233,8 +230,7 @@ COUNTED = {"rewards/chosen": ("count/chosen",), "logps/chosen": ("count/chosen",
 
 
 def reference_logps(backbone, ref_params, frozen, batch, names=("completion", "KL")):
-    """πref log-probs of the `names` sequences: precomputed ones from the batch, else a forward with the
-    reference params."""
+    """πref log-probs of the `names` sequences: precomputed ones from the batch, else a reference forward."""
     if "ref_completion_logps" in batch:
         return tuple(batch[f"ref_{name}_logps"] for name in names)
     # stop_gradient: the reference is frozen (no gradient flows into the shared `frozen` weights)
@@ -253,11 +249,9 @@ def lora_off(backbone, params):
 # ---------------------------------------------------------------------------
 def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
     """state = (params, opt_state); batch arrays are [A, B/A, ...]; ref_params None if precomputed.
-
     `frozen` (non-trainable weights: the whole base model under LoRA) is an input only: it is
     neither donated nor returned, so the Keras variables keep their buffers for saving. z₀ comes
-    from the whole batch's mismatched pairs, before any micro-batch's gradient: A changes nothing.
-    """
+    from the whole batch's mismatched pairs, before any micro-batch's gradient: A changes nothing."""
     params, opt_state = state
     accum = batch["completion_ids"].shape[0]
     loss_fn = partial(kto_loss, beta=args.beta, desirable_weight=args.desirable_weight,
