@@ -56,11 +56,17 @@ MODEL_ALIASES = {
     "mistral_7b": "mistral_7b_en", "mistral_7b_it": "mistral_instruct_7b_en",
     "qwen2.5_0.5b": "qwen2.5_0.5b_en", "qwen2.5_0.5b_it": "qwen2.5_instruct_0.5b_en", "qwen2.5_7b": "qwen2.5_7b_en",
     "qwen3_0.6b": "qwen3_0.6b_en", "qwen3_8b": "qwen3_8b_en",
+    # Gemma 3: the text-only presets (4B and up also come as vision+text, which load_model reads text-only)
+    "gemma3_270m": "gemma3_270m", "gemma3_1b": "gemma3_1b", "gemma3_4b": "gemma3_4b_text",
+    "gemma3_12b": "gemma3_12b_text", "gemma3_27b": "gemma3_27b_text",
+    "gemma3_270m_it": "gemma3_instruct_270m", "gemma3_1b_it": "gemma3_instruct_1b",
+    "gemma3_4b_it": "gemma3_instruct_4b_text", "gemma3_12b_it": "gemma3_instruct_12b_text",
+    "gemma3_27b_it": "gemma3_instruct_27b_text",
 }
 # Backbone class -> its chat template: the families cached_forward samples (Gemma 2 is a GemmaBackbone).
 # Another family trains (KerasHub's own output layer) but needs --chat-template and has no sampler.
-FAMILIES = {"GemmaBackbone": "gemma", "Llama3Backbone": "llama3", "MistralBackbone": "mistral",
-            "QwenBackbone": "chatml", "Qwen3Backbone": "chatml"}
+FAMILIES = {"GemmaBackbone": "gemma", "Gemma3Backbone": "gemma", "Llama3Backbone": "llama3",
+            "MistralBackbone": "mistral", "QwenBackbone": "chatml", "Qwen3Backbone": "chatml"}
 # The `tiny` model: a 4-layer Gemma (about 1.5M parameters) with the bundled tokenizer.
 TINY_CONFIG = dict(num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=192,
                    intermediate_dim=1024, head_dim=48)
@@ -328,8 +334,8 @@ def check_sampler(name, flag="--model"):
     """The KV-cached sampler (cached_forward) knows the FAMILIES' decoder layers: refuse others early."""
     cls = backbone_class(resolve_model(name))
     if cls.__name__ not in FAMILIES:
-        raise UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Llama 3, Mistral, "
-                         f"Qwen 2.5 and Qwen 3 backbones, not {cls.__name__}")
+        raise UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Gemma 3, Llama 3, "
+                         f"Mistral, Qwen 2.5 and Qwen 3 backbones, not {cls.__name__}")
 
 
 def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
@@ -340,11 +346,31 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
         if preset == "tiny":
             model = tiny_causal_lm(seed, dtype)
         else:
-            model = keras_hub.models.CausalLM.from_preset(preset, dtype=dtype_policy(dtype))
+            model = text_causal_lm(preset, dtype_policy(dtype))
         if lora_rank:
             model.backbone.enable_lora(lora_rank)
     ensure_start_token(getattr(model.preprocessor, "tokenizer", None), name)
     return model
+
+
+def text_causal_lm(preset, dtype=None):
+    """CausalLM.from_preset, text only and without TensorFlow. A vision(-and-audio)-and-text KerasHub preset
+    loads its decoder alone (the encoders left out of its config, their weights in the file), so the model/
+    saved from it is text-only; such a Hugging Face checkpoint is refused. Gemma 3's preprocessor needs
+    TensorFlow (its tf.data code, text too): it becomes KerasHub's generic one, the same [BOS] + text ids."""
+    from keras_hub.src.utils.preset_utils import find_subclass, load_json
+    config, cls = load_json(preset, "config.json"), backbone_class(preset)
+    if "vision_config" in config or "audio_config" in config:  # a Hugging Face config.json
+        raise UsageError(f"--model {preset}: a vision-and-text Hugging Face checkpoint; the scripts train "
+                         "text only, and load such a model text-only from its KerasHub preset")
+    encoders = {k: None for k in ("vision_encoder", "audio_encoder") if config.get("config", {}).get(k)}
+    needs_tf = cls.__name__ == "Gemma3Backbone"
+    if not encoders and not needs_tf:
+        return keras_hub.models.CausalLM.from_preset(preset, dtype=dtype)
+    backbone = keras_hub.models.Backbone.from_preset(preset, dtype=dtype, **encoders)
+    task = find_subclass(preset, keras_hub.models.CausalLM, cls)
+    preprocessor = keras_hub.models.CausalLMPreprocessor if needs_tf else task.preprocessor_cls
+    return task(backbone=backbone, preprocessor=preprocessor(keras_hub.models.Tokenizer.from_preset(preset)))
 
 
 def ensure_start_token(tokenizer, name):
@@ -363,34 +389,39 @@ def logits(backbone, hidden):
 
 
 def empty_cache(backbone, batch, length):
-    """A zero KV cache: L arrays [B, 2, S, K, H], one per layer (call_with_cache's [B, L, 2, S, K, H] is
-    their jnp.stack(…, 1)). Apart, a decode step updates each in place; stacked, it copied them all."""
+    """A zero KV cache, one entry per layer: an array [B, 2, S, K, H] (call_with_cache's [B, L, 2, S, K, H]
+    is their jnp.stack(…, 1)), or for Gemma 3 a (K, V) pair [B, S, K, H] each, as its call_with_cache
+    takes it. Apart, a decode step updates each in place; stacked, it copied them all."""
     head_dim = getattr(backbone, "head_dim", None) or backbone.hidden_dim // backbone.num_query_heads
-    shape = (batch, 2, length, backbone.num_key_value_heads, head_dim)
-    return tuple(jnp.zeros(shape, backbone.compute_dtype) for _ in range(backbone.num_layers))
+    shape, n = (batch, length, backbone.num_key_value_heads, head_dim), backbone.num_layers
+    if isinstance(backbone, keras_hub.models.Gemma3Backbone):
+        return tuple((jnp.zeros(shape, backbone.compute_dtype),) * 2 for _ in range(n))
+    return tuple(jnp.zeros((batch, 2, *shape[1:]), backbone.compute_dtype) for _ in range(n))
 
 
 def cached_forward(backbone, token_ids, padding_mask, cache, index):
     """The family's CausalLM.call_with_cache plus a key padding mask, for left-padded prompts: token_ids
     [B, t] go to cache positions index…index+t-1; padding_mask [B, S] masks the padding as keys (the layers
     AND it with their causal / sliding-window mask). RoPE positions count the padding, which changes
-    nothing: scores depend only on query-key distance.
-    -> (logits [B, t, V] float32, cache: L arrays [B, 2, S, K, H], as empty_cache)."""
-    gemma = isinstance(backbone, keras_hub.models.GemmaBackbone)
+    nothing: scores depend only on query-key distance (Gemma 3's sliding window too).
+    -> (logits [B, t, V] float32, cache: one entry per layer, as empty_cache)."""
+    gemma = isinstance(backbone, (keras_hub.models.GemmaBackbone, keras_hub.models.Gemma3Backbone))
     x = backbone.token_embedding(token_ids)
     if gemma:
         x = x * jnp.sqrt(jnp.asarray(backbone.hidden_dim, x.dtype))  # Gemma's embedding scale
     caches = []
     for layer, c in zip(backbone.transformer_layers, cache):
-        if gemma:
+        if gemma:  # Gemma 3's layer also applies its query-key norms and local / global RoPE and window
             x, new = layer(x, padding_mask=padding_mask, cache=c, cache_update_index=index)
         else:  # Llama 3, Mistral, Qwen 2.5 / 3 decoders
             x, new = layer(x, decoder_padding_mask=padding_mask, self_attention_cache=c,
                            self_attention_cache_update_index=index)
-        # only the t new positions [B, 2, t, K, H] go back into c: XLA then updates it in place, where the
-        # layer's returned cache (a jnp.stack of its K and V) rewrote every entry at every decode step
-        new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
-        caches.append(jax.lax.dynamic_update_slice(c, new, (0, 0, index, 0, 0)))
+        if not isinstance(new, tuple):  # Gemma 3's (K, V) pair is already updated in place, by its layer
+            # only the t new positions [B, 2, t, K, H] go back into c: XLA then updates it in place, where the
+            # layer's returned cache (a jnp.stack of its K and V) rewrote every entry at every decode step
+            new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
+            new = jax.lax.dynamic_update_slice(c, new, (0, 0, index, 0, 0))
+        caches.append(new)
     return logits(backbone, backbone.layer_norm(x)), tuple(caches)
 
 
@@ -445,7 +476,7 @@ def export_hf(preset_dir, path):
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        model = keras_hub.models.CausalLM.from_preset(preset_dir)
+        model = text_causal_lm(preset_dir)
         model.export_to_transformers(tmp)
     with open(os.path.join(tmp, "config.json")) as f:
         config = json.load(f)
@@ -673,6 +704,10 @@ def read_rows(path, flag="--dataset"):
         rows = [(r, i) for i, r in enumerate(ds, 1)]
     if not rows:
         raise UsageError(f"{path}: no examples")
+    for row, line in rows:  # TRL's vision-language rows: their images would be dropped silently
+        if isinstance(row, dict) and {"image", "images"} & row.keys():
+            raise UsageError(f"{path}:{line}: field {sorted({'image', 'images'} & row.keys())[0]!r}: "
+                             "the scripts train and sample on text only")
     return rows
 
 
@@ -723,7 +758,8 @@ def _messages(value, key, where, template):
     if not isinstance(value, list) or not value or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in value):
-        raise UsageError(f"{where}: field {key!r} must be a non-empty list of {{role, content}} objects")
+        raise UsageError(f"{where}: field {key!r} must be a non-empty list of {{role, content}} objects, "
+                         "content a string (text only: no image parts)")
     return value
 
 
