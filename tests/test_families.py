@@ -233,6 +233,21 @@ def test_templates_render_as_the_model_cards():
         assert prompt + chosen == text.rstrip("\n")
 
 
+def test_aliases_name_presets_and_the_readme_lists_them():
+    """Every alias is a keras-hub 0.32 CausalLM preset (Gemma 3's: text-only ones), and the README's
+    alias row lists exactly common.MODEL_ALIASES."""
+    import re
+    import common
+    import keras_hub
+    presets = keras_hub.models.CausalLM.presets
+    assert set(common.MODEL_ALIASES.values()) <= set(presets)
+    for alias, preset in common.MODEL_ALIASES.items():
+        assert not alias.startswith("gemma3") or "text-only" in presets[preset]["metadata"]["description"], alias
+    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+        row = next(line for line in f if line.startswith("| alias"))
+    assert set(re.findall(r"`([^`]+)`", row)) - {"common.MODEL_ALIASES"} == set(common.MODEL_ALIASES)
+
+
 def test_multimodal_preset_loads_text_only(tmp_path):
     """A vision-and-text KerasHub preset (Gemma 3 4B and up) loads its decoder alone: no encoder, the
     same text weights, KerasHub's generic text preprocessor (Gemma 3's needs TensorFlow), its model/
