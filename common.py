@@ -62,11 +62,16 @@ MODEL_ALIASES = {
     "gemma3_270m_it": "gemma3_instruct_270m", "gemma3_1b_it": "gemma3_instruct_1b",
     "gemma3_4b_it": "gemma3_instruct_4b_text", "gemma3_12b_it": "gemma3_instruct_12b_text",
     "gemma3_27b_it": "gemma3_instruct_27b_text",
+    # Qwen 3.5 (every preset is vision-and-text, loaded text-only): `_base` presets plain, post-trained `_it`
+    "qwen3.5_0.8b": "qwen3_5_0.8b_base", "qwen3.5_2b": "qwen3_5_2b_base", "qwen3.5_4b": "qwen3_5_4b_base",
+    "qwen3.5_9b": "qwen3_5_9b_base", "qwen3.5_0.8b_it": "qwen3_5_0.8b", "qwen3.5_2b_it": "qwen3_5_2b",
+    "qwen3.5_4b_it": "qwen3_5_4b", "qwen3.5_9b_it": "qwen3_5_9b", "qwen3.5_27b_it": "qwen3_5_27b",
 }
 # Backbone class -> its chat template: the families cached_forward samples (Gemma 2 is a GemmaBackbone).
 # Another family trains (KerasHub's own output layer) but needs --chat-template and has no sampler.
 FAMILIES = {"GemmaBackbone": "gemma", "Gemma3Backbone": "gemma", "Llama3Backbone": "llama3",
-            "MistralBackbone": "mistral", "QwenBackbone": "chatml", "Qwen3Backbone": "chatml"}
+            "MistralBackbone": "mistral", "QwenBackbone": "chatml", "Qwen3Backbone": "chatml",
+            "Qwen3_5Backbone": "qwen3.5"}
 # The `tiny` model: a 4-layer Gemma (about 1.5M parameters) with the bundled tokenizer.
 TINY_CONFIG = dict(num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=192,
                    intermediate_dim=1024, head_dim=48)
@@ -335,7 +340,7 @@ def check_sampler(name, flag="--model"):
     cls = backbone_class(resolve_model(name))
     if cls.__name__ not in FAMILIES:
         raise UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Gemma 3, Llama 3, "
-                         f"Mistral, Qwen 2.5 and Qwen 3 backbones, not {cls.__name__}")
+                         f"Mistral, Qwen 2.5, Qwen 3 and Qwen 3.5 backbones, not {cls.__name__}")
 
 
 def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
@@ -354,16 +359,15 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
 
 
 def text_causal_lm(preset, dtype=None):
-    """CausalLM.from_preset, text only and without TensorFlow. A vision(-and-audio)-and-text KerasHub preset
-    loads its decoder alone (the encoders left out of its config, their weights in the file), so the model/
-    saved from it is text-only; such a Hugging Face checkpoint is refused. Gemma 3's preprocessor needs
-    TensorFlow (its tf.data code, text too): it becomes KerasHub's generic one, the same [BOS] + text ids."""
+    """CausalLM.from_preset, text only and without TensorFlow. A vision(-and-audio)-and-text checkpoint (a
+    KerasHub preset's backbone config, or a Hugging Face config.json's vision_config / audio_config) loads its
+    decoder alone, the encoders left out (their weights stay in the file), so the model/ saved from it is
+    text-only. Gemma 3's preprocessor needs TensorFlow (its tf.data code, text too): it becomes KerasHub's
+    generic one, the same [BOS] + text ids."""
     from keras_hub.src.utils.preset_utils import find_subclass, load_json
     config, cls = load_json(preset, "config.json"), backbone_class(preset)
-    if "vision_config" in config or "audio_config" in config:  # a Hugging Face config.json
-        raise UsageError(f"--model {preset}: a vision-and-text Hugging Face checkpoint; the scripts train "
-                         "text only, and load such a model text-only from its KerasHub preset")
-    encoders = {k: None for k in ("vision_encoder", "audio_encoder") if config.get("config", {}).get(k)}
+    encoders = {k: None for k in ("vision_encoder", "audio_encoder")
+                if config.get("config", {}).get(k) or k.replace("encoder", "config") in config}
     needs_tf = cls.__name__ == "Gemma3Backbone"
     if not encoders and not needs_tf:
         return keras_hub.models.CausalLM.from_preset(preset, dtype=dtype)
@@ -389,21 +393,31 @@ def logits(backbone, hidden):
 
 
 def empty_cache(backbone, batch, length):
-    """A zero KV cache, one entry per layer: an array [B, 2, S, K, H] (call_with_cache's [B, L, 2, S, K, H]
-    is their jnp.stack(…, 1)), or for Gemma 3 a (K, V) pair [B, S, K, H] each, as its call_with_cache
-    takes it. Apart, a decode step updates each in place; stacked, it copied them all."""
-    head_dim = getattr(backbone, "head_dim", None) or backbone.hidden_dim // backbone.num_query_heads
-    shape, n = (batch, length, backbone.num_key_value_heads, head_dim), backbone.num_layers
-    if isinstance(backbone, keras_hub.models.Gemma3Backbone):
-        return tuple((jnp.zeros(shape, backbone.compute_dtype),) * 2 for _ in range(n))
-    return tuple(jnp.zeros((batch, 2, *shape[1:]), backbone.compute_dtype) for _ in range(n))
+    """A zero cache, one entry per layer: a KV array [B, 2, S, K, H] (call_with_cache's [B, L, 2, S, K, H] is
+    their jnp.stack(…, 1): apart, a decode step updates each in place; stacked, it copied them all); Gemma 3: a
+    (K, V) pair [B, S, K, H] each, as its call_with_cache takes it; Qwen 3.5's linear-attention (gated delta
+    net) layers: fixed-size states (the causal conv's last k-1 inputs [B, C, k-1], the recurrent [B, Hv, Dk, Dv]
+    float32)."""
+    b, dtype = backbone, backbone.compute_dtype
+    head_dim = getattr(b, "head_dim", None) or b.hidden_dim // b.num_query_heads
+    shape = (batch, length, b.num_key_value_heads, head_dim)
+    if isinstance(b, keras_hub.models.Gemma3Backbone):
+        return tuple((jnp.zeros(shape, dtype),) * 2 for _ in range(b.num_layers))
+    if isinstance(b, keras_hub.models.Qwen3_5Backbone):
+        conv = (batch, b.linear_num_key_heads * b.linear_key_head_dim * 2
+                + b.linear_num_value_heads * b.linear_value_head_dim, b.linear_conv_kernel_dim - 1)
+        state = (batch, b.linear_num_value_heads, b.linear_key_head_dim, b.linear_value_head_dim)
+        return tuple((jnp.zeros(conv, dtype), jnp.zeros(state, jnp.float32)) if kind == "linear_attention"
+                     else jnp.zeros((batch, 2, *shape[1:]), dtype) for kind in b.layer_types)
+    return tuple(jnp.zeros((batch, 2, *shape[1:]), dtype) for _ in range(b.num_layers))
 
 
 def cached_forward(backbone, token_ids, padding_mask, cache, index):
     """The family's CausalLM.call_with_cache plus a key padding mask, for left-padded prompts: token_ids
     [B, t] go to cache positions index…index+t-1; padding_mask [B, S] masks the padding as keys (the layers
     AND it with their causal / sliding-window mask). RoPE positions count the padding, which changes
-    nothing: scores depend only on query-key distance (Gemma 3's sliding window too).
+    nothing: scores depend only on query-key distance (Gemma 3's sliding window too). Qwen 3.5's gated delta
+    net layers see zeros at the padding, which leave their states at zero (as KerasHub's layer masks inputs).
     -> (logits [B, t, V] float32, cache: one entry per layer, as empty_cache)."""
     gemma = isinstance(backbone, (keras_hub.models.GemmaBackbone, keras_hub.models.Gemma3Backbone))
     x = backbone.token_embedding(token_ids)
@@ -413,10 +427,17 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index):
     for layer, c in zip(backbone.transformer_layers, cache):
         if gemma:  # Gemma 3's layer also applies its query-key norms and local / global RoPE and window
             x, new = layer(x, padding_mask=padding_mask, cache=c, cache_update_index=index)
-        else:  # Llama 3, Mistral, Qwen 2.5 / 3 decoders
+        elif isinstance(c, tuple):  # Qwen 3.5's gated delta net: the t new inputs zeroed at the padding here
+            # (its RMS norm keeps a zero row zero); given the mask instead, the layer would take its conv
+            # state from the first real tokens' end, as if the padding were on the right
+            here = jax.lax.dynamic_slice_in_dim(padding_mask, index, token_ids.shape[1], 1)  # [B, t]
+            x, *new = layer(jnp.where(here[..., None], x, 0), self_attention_cache=c,
+                            self_attention_cache_update_index=index)
+            new = tuple(new)  # (conv state, recurrent state): small, replaced whole
+        else:  # Llama 3, Mistral, Qwen 2.5 / 3 decoders, Qwen 3.5's attention layers
             x, new = layer(x, decoder_padding_mask=padding_mask, self_attention_cache=c,
                            self_attention_cache_update_index=index)
-        if not isinstance(new, tuple):  # Gemma 3's (K, V) pair is already updated in place, by its layer
+        if not isinstance(new, tuple):  # Gemma 3's (K, V), updated in place by its layer; Qwen 3.5's states
             # only the t new positions [B, 2, t, K, H] go back into c: XLA then updates it in place, where the
             # layer's returned cache (a jnp.stack of its K and V) rewrote every entry at every decode step
             new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
@@ -725,6 +746,10 @@ CHAT_TEMPLATES = {
     # ChatML: Qwen 2.5 / Qwen 3 (Qwen/Qwen2.5-7B-Instruct; without a system turn Qwen 2.5's template
     # adds its default system prompt, which this one does not)
     "chatml": ("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"),
+    # Qwen 3.5 (Qwen/Qwen3.5-0.8B's template): ChatML, each answer opened by an empty thinking block, as that
+    # template writes an answer without reasoning_content and its non-thinking generation prompt
+    # (enable_thinking=false, 0.8B's default); it leaves the block out of answers before the last user turn
+    "qwen3.5": ("<|im_start|>user\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "<|im_end|>\n"),
 }
 
 
