@@ -4,7 +4,7 @@ Greedy and sampled responses from a KV-cached sampler; scores from a `--reward-f
 reward.py `--reward-model`; win rate and KL(model || baseline) against a `--baseline`.
     python evaluate.py --model runs/dpo…/model --baseline runs/sft…/model
 Offline (toy task, bundled held-out prompts):
-    python evaluate.py --model tiny --baseline tiny
+    python evaluate.py --model tiny --baseline tiny --max-new-tokens 16
 """
 
 import json
@@ -45,15 +45,19 @@ class Args:  # not plumbing.SharedArgs: an evaluation has no training flags
     """held-out prompts (`prompt`: string or message list): .jsonl/.json/.parquet or a HF dataset"""
     num_prompts: int = 200
     """evaluate the first N prompts (0: all)"""
-    reward_fn: str | None = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
-    """`path.py:function` (TRL's f(prompts, completions, **columns), or f(prompts, responses)): the task score"""
+    reward_fn: tuple[str, ...] = (os.path.join(common.HERE, "data", "toy.py") + ":batch_score",)
+    """`path.py:function`s (TRL's f(prompts, completions, **columns), or f(prompts, responses)), summed with
+    --reward-weights: the task score (as grpo.py scores its rollouts)"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per --reward-fn (empty: all 1.0), as TRL's reward_weights"""
     reward_model: str | None = None
     """reward.py's `model/` dir: a second scorer (rm_* numbers)"""
     # generation
     max_prompt_length: int = 64
     """prompt tokens (BOS included); longer prompts are cut from the left"""
-    max_new_tokens: int = 16
-    """tokens generated per prompt (the response is cut after its first EOS)"""
+    max_new_tokens: int = 256
+    """tokens generated per prompt, at most (all stop once every response has ended; each is cut after its
+    first EOS); grpo.py's --response-length and TRL's max_completion_length: 256"""
     temperature: float = 1.0
     """sampling temperature of the sampled responses (1.0: KL is the models' own KL)"""
     top_p: float = 1.0
@@ -71,6 +75,8 @@ class Args:  # not plumbing.SharedArgs: an evaluation has no training flags
     """None: the run dir holding --model (…/eval), else runs/eval__{model}__{seed}__{time}"""
     num_examples: int = 8
     """example generations written to samples.jsonl"""
+    overwrite: bool = False
+    """replace an evaluation already in --output-dir (otherwise refused)"""
 
 
 # ---------------------------------------------------------------------------
@@ -374,10 +380,14 @@ def check_args(args, mesh):
         raise common.UsageError(f"--batch-size {args.batch_size} must divide by the data axis ({mesh.shape['data']})")
     if not args.reward_fn and not args.reward_model:
         raise common.UsageError("give --reward-fn and/or --reward-model: nothing to score with")
+    if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
+        raise common.UsageError(f"--reward-weights has {len(args.reward_weights)} values for "
+                                f"{len(args.reward_fn)} --reward-fn functions")
     common.check_sampler(args.model, "--model")
     if args.baseline:
         common.check_sampler(args.baseline, "--baseline")
-    reward_fn = common.load_scorer(mesh, reward_fns=[args.reward_fn]) if args.reward_fn else None
+    reward_fn = common.load_scorer(mesh, reward_fns=args.reward_fn, weights=args.reward_weights) \
+        if args.reward_fn else None
     if args.reward_model:
         common.check_reward_model(args.reward_model)
     prompts, rows = common.read_prompts(args.prompts, common.chat_template(args.model, args.chat_template), "--prompts")
@@ -439,6 +449,10 @@ def main(args):
     t0 = time.perf_counter()
     # ---- set-up: every flag and file checked before any model loads ----
     mesh = common.make_mesh(args.mesh)
+    output_dir = args.output_dir or default_eval_dir(args)
+    if os.path.exists(os.path.join(output_dir, "eval.json")) and not args.overwrite:
+        raise common.UsageError(f"--output-dir {output_dir} already holds an evaluation (eval.json); pass "
+                                "--overwrite to replace it, or choose another --output-dir")
     prompts, rows, reward_fn = check_args(args, mesh)
     policy = load_policy(args.model, mesh, args)
     data = prepare(args, mesh, prompts, rows, policy.model.preprocessor.tokenizer)
@@ -454,10 +468,9 @@ def main(args):
     metrics = {"model": args.model, "baseline": args.baseline, "prompts": args.prompts,
                "num_prompts": len(data["prompts"]), "seed": args.seed, "temperature": args.temperature,
                "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
-               "max_new_tokens": args.max_new_tokens, "reward_fn": args.reward_fn,
+               "max_new_tokens": args.max_new_tokens, "reward_fn": list(args.reward_fn),
                "reward_model": args.reward_model, **summarize(outs, base_outs),
                "eval_seconds": time.perf_counter() - t0}
-    output_dir = args.output_dir or default_eval_dir(args)
     write_outputs(output_dir, metrics, examples(outs, data, args.num_examples, base_outs), per_prompt(outs, base_outs))
     for k, v in metrics.items():
         if isinstance(v, float):

@@ -63,10 +63,13 @@ def test_evaluate_worked_example(tmp_path):
     scorer = tmp_path / "count4.py"
     scorer.write_text("def count4(prompts, completions, answer, **kwargs):\n"
                       "    assert all(a.split() == sorted(p.split()[1:]) for p, a in zip(prompts, answer))\n"
-                      "    return [float(r.count('4')) for r in completions]\n")
+                      "    return [float(r.count('4')) for r in completions]\n"
+                      "def one(prompts, responses):\n"
+                      "    return [1.0] * len(responses)\n")
     out = tmp_path / "eval"
-    evaluate.main(evaluate.Args(model="tiny", baseline="tiny", reward_fn=f"{scorer}:count4", num_prompts=12,
-                                num_examples=12, max_new_tokens=8, batch_size=8, output_dir=str(out)))
+    flags = dict(model="tiny", baseline="tiny", num_prompts=12, num_examples=12, max_new_tokens=8, batch_size=8,
+                 output_dir=str(out))
+    evaluate.main(evaluate.Args(reward_fn=(f"{scorer}:count4",), **flags))
     result = json.loads((out / "eval.json").read_text())
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == result["num_prompts"] == 12
@@ -82,6 +85,18 @@ def test_evaluate_worked_example(tmp_path):
     arrays = np.load(out / "scores.npz")  # per prompt: the means of eval.json, and the ties against itself
     assert arrays["score"].shape == (12,) and arrays["score"].mean() == result["score"]
     assert (arrays["win"] == 0.5).all() and (arrays["kl"] == 0).all()
+
+    # An earlier evaluation is kept unless --overwrite; several functions score as grpo.py's do:
+    # 2 × count4 + 0.5 × one, on the same responses (same seed).
+    before = (out / "eval.json").read_text()
+    with pytest.raises(common.UsageError, match="already holds an evaluation.*--overwrite"):
+        evaluate.main(evaluate.Args(reward_fn=(f"{scorer}:count4",), **flags))
+    assert (out / "eval.json").read_text() == before
+    evaluate.main(evaluate.Args(reward_fn=(f"{scorer}:count4", f"{scorer}:one"), reward_weights=(2.0, 0.5),
+                                overwrite=True, **flags))
+    weighted = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["greedy"] for s in weighted] == [s["greedy"] for s in samples]
+    assert [s["greedy_score"] for s in weighted] == [2.0 * s["greedy"].count("4") + 0.5 for s in samples]
 
     # Deterministic for a seed: the same sampled responses again, from a fresh load.
     args = evaluate.Args(model="tiny", num_prompts=12, max_new_tokens=8, batch_size=8)
@@ -112,12 +127,15 @@ def test_evaluate_bad_flags_exit_2(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "load_model", lambda *a, **k: loads.append(a) or pytest.fail("a model loaded"))
     cases = [({"model": "no_such_model"}, "--model"), ({"prompts": str(tmp_path / "missing.jsonl")}, "--prompts"),
              ({"batch_size": 3}, "--batch-size"), ({"reward_model": str(tmp_path)}, "--reward-model"),
-             ({"reward_fn": None}, "--reward-fn"), ({"temperature": 0.0}, "--temperature")]
+             ({"reward_fn": ()}, "--reward-fn"),
+             ({"reward_weights": (1.0, 2.0)}, "--reward-weights"), ({"temperature": 0.0}, "--temperature")]
     for flags, named in cases:
         with pytest.raises(common.UsageError) as e:
             evaluate.main(evaluate.Args(output_dir=str(tmp_path / "e"), **flags))
         assert named in str(e.value) and len(str(e.value).splitlines()) == 1, (flags, str(e.value))
     assert not loads and not (tmp_path / "e").exists()
+    import grpo  # GRPO's completion length by default (TRL's max_completion_length)
+    assert evaluate.Args().max_new_tokens == grpo.Args().response_length == 256
 
 
 # ---------------------------------------------------------------------------
