@@ -14,6 +14,7 @@ import pytest
 import common  # noqa: F401  (first: KERAS_BACKEND=jax)
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import compare
 import evaluate
@@ -327,3 +328,28 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     assert cells["mydpo"][6:9] == [compare.fmt(c) for c in cost] and cost[0] > 0 and cost[1] == 0
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| **sft**" in proc.stdout  # the table is printed at the end
+
+
+def test_evaluate_pads_each_batch_to_its_own_bucket(tmp_path):
+    """Short and long prompts in separate batches: each batch generates at its own bucket's width (the short
+    one at 32 columns, not the run's 128) and samples exactly what the run-wide width samples, key for key."""
+    short = [{"prompt": "Sort: 3 1 2"}] * 8
+    long = [{"prompt": "Sort: " + " ".join(str(i % 10) for i in range(60))}] * 8
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in short + long))
+    args = evaluate.Args(model="tiny", prompts=str(path), num_prompts=0, max_new_tokens=6, batch_size=8)
+    mesh = common.make_mesh(None)
+    policy = evaluate.load_policy("tiny", mesh, args)
+    prompts, rows, _ = evaluate.check_args(args, mesh)
+    data = evaluate.prepare(args, mesh, prompts, rows, policy.model.preprocessor.tokenizer)
+    assert data["queries"].shape[1] == 128 and data["query_mask"][:8].sum(1).max() < 32
+    key = jax.random.key(3)
+    out = evaluate.respond(policy, data, "sampled", key, 8, mesh)
+    assert policy.fns["sampled"]._cache_size() == 2  # widths 32 and 128
+    on_data = NamedSharding(mesh, P("data"))
+    for i in range(2):  # the run-wide width, as before buckets
+        rows_i = slice(8 * i, 8 * i + 8)
+        wide, _ = policy.fns["sampled"](policy.params, policy.frozen, jax.device_put(data["queries"][rows_i], on_data),
+                                        jax.device_put(data["query_mask"][rows_i], on_data), jax.random.fold_in(key, i))
+        wide, _ = evaluate.truncate_response(wide, data["eos"], data["pad"])
+        np.testing.assert_array_equal(out["responses"][rows_i], np.asarray(wide))
