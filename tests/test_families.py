@@ -205,7 +205,8 @@ def test_unknown_family_needs_chat_template(presets, tmp_path):
     with pytest.raises(common.UsageError, match="sampler supports .* not GPT2Backbone"):
         common.check_sampler(presets["gpt2"])
     chats = os.path.join(ROOT, "data", "sft_messages_train.jsonl")
-    res = run_script("sft.py", "--model", presets["gpt2"], "--dataset", chats, "--output-dir", str(tmp_path / "a"))
+    res = run_script("sft.py", "--model", presets["gpt2"], "--dataset", chats, "--eval-dataset", "",
+                     "--output-dir", str(tmp_path / "a"))
     assert res.returncode == 2 and "--chat-template (gemma, llama3, mistral, chatml)" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     rows = common.read_dataset(chats, "sft", common.chat_template(presets["gpt2"], "chatml"))  # with the flag
