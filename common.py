@@ -743,6 +743,9 @@ def _messages(value, key, where, template):
             for m in value):
         raise UsageError(f"{where}: field {key!r} must be a non-empty list of {{role, content}} objects")
     for i, m in enumerate(value):
+        if m["role"] not in ("system", "user", "assistant"):
+            raise UsageError(f"{where}: field {key!r}, turn {i + 1}: unknown role {m['role']!r} "
+                             "(expected 'system', 'user' or 'assistant')")
         folded = m["role"] == "system" and template.system is None  # no system role: opens the next user turn
         if folded and (i or [t["role"] for t in value[:2]] != ["system", "user"]):
             raise UsageError(f"{where}: field {key!r}: a system turn must come first, then a user turn")
@@ -762,8 +765,13 @@ def sft_segments(row, where, template):
         raise UsageError(f"{where}: expected a JSON object")
     if "messages" in row:
         messages = _messages(row["messages"], "messages", where, template)
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+            raise UsageError(f"{where}: no assistant turn with text in 'messages': nothing to train on")
+        turns = _fold(messages, template)
+        while turns[-1][0] != "assistant":  # turns after the last answer train nothing: the EOS follows it
+            turns.pop()
         end, segments = template.end, []
-        for role, start, content in _fold(messages, template):
+        for role, start, content in turns:
             if role == "assistant":
                 segments += [(start, False), (content + end.rstrip("\n"), True),
                              (end[len(end.rstrip("\n")):], False)]  # the turn end's newline, if any
@@ -799,8 +807,8 @@ def preference_triple(row, where, template, names=("chosen", "rejected")):
         model, end = template[1], template[2]
         responses = []
         for name, msgs in zip(names, (chosen, rejected)):
-            if not msgs or msgs[0]["role"] != "assistant":
-                raise UsageError(f"{where}: {name!r} must continue the prompt with an assistant turn")
+            if not msgs or msgs[0]["role"] != "assistant" or not msgs[0]["content"].strip():
+                raise UsageError(f"{where}: {name!r} must continue the prompt with an assistant turn with text")
             text = render(msgs, template)
             responses.append(text[len(model):len(text) - len(end)] + end.rstrip("\n"))  # EOS follows
         return (render(prompt, template) + model, *responses)

@@ -14,6 +14,21 @@ sys.path.insert(0, os.path.join(ROOT, "data"))
 import toy  # noqa: E402
 
 
+CHAT = [{"role": "user", "content": "Sort: 2 1"}, {"role": "assistant", "content": "1 2"}]
+# A chat row that follows a good one, and what the refusal says (`tiny`: Gemma's template, no system role)
+BAD_CHATS = [
+    ({"messages": [{"role": "tool", "content": "7"}, *CHAT]},  # TRL's tool turn: not rendered here
+     "bad.jsonl:2: field 'messages', turn 1: unknown role 'tool' (expected 'system', 'user' or 'assistant')"),
+    ({"messages": [CHAT[0], {"role": "asistant", "content": "1 2"}]},
+     "bad.jsonl:2: field 'messages', turn 2: unknown role 'asistant'"),
+    ({"messages": CHAT[:1]}, "bad.jsonl:2: no assistant turn with text in 'messages': nothing to train on"),
+    ({"messages": [CHAT[0], {"role": "assistant", "content": " "}]},
+     "bad.jsonl:2: no assistant turn with text in 'messages'"),
+    ({"messages": [*CHAT, {"role": "system", "content": "Be brief."}]},  # no user turn after it to open
+     "bad.jsonl:2: field 'messages': a system turn must come first, then a user turn"),
+]
+
+
 def run(*args, check=True, env=None):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "sft.py"), *args],
                           capture_output=True, text=True, cwd=ROOT, env=env)
@@ -107,12 +122,14 @@ def test_saved_model_continues_as_model_flag_with_messages(trained, tmp_path):
      "bad.jsonl:2: field 'completion' must be a non-empty string"),
     ('{"prompt": "a", "completion": "b"}\n{"question": "a"}\n', "bad.jsonl:2: need 'text'"),
     ("", "bad.jsonl: no examples"),
+    *[(f'{json.dumps({"messages": CHAT})}\n{json.dumps(row)}\n', message) for row, message in BAD_CHATS],
 ])
 def test_bad_dataset_is_refused_naming_file_and_line(tmp_path, content, message):
     import sft  # here: JAX is imported after conftest set XLA_FLAGS
     bad = tmp_path / "bad.jsonl"
     bad.write_text(content)
-    assert message in usage_error(sft, "--dataset", str(bad), "--output-dir", str(tmp_path / "out"))
+    assert message in usage_error(sft, "--dataset", str(bad), "--max-steps", "1",
+                                  "--output-dir", str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")  # nothing written, no compute spent
 
 
