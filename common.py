@@ -760,20 +760,22 @@ def _text(row, key, where):
 
 
 def sft_segments(row, where, template):
-    """An SFT row (`text`, `prompt`+`completion`, or `messages`) -> [(text, is_completion)] in order."""
+    """An SFT row -> [(text, is_completion)] in order: `text`; `prompt`+`completion` as strings or as chats
+    (TRL's conversational form: the completion's answers carry the loss); `messages` (its answers do)."""
     if not isinstance(row, dict):
         raise UsageError(f"{where}: expected a JSON object")
-    if "messages" in row:
-        messages = _messages(row["messages"], "messages", where, template)
-        if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
-            raise UsageError(f"{where}: no assistant turn with text in 'messages': nothing to train on")
-        turns = _fold(messages, template)
+    if "messages" in row or any(isinstance(row.get(k), list) for k in ("prompt", "completion")):
+        keys = ("messages",) if "messages" in row else ("prompt", "completion")
+        chats = [_messages(row.get(k), k, where, template) for k in keys]
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in chats[-1]):
+            raise UsageError(f"{where}: no assistant turn with text in {keys[-1]!r}: nothing to train on")
+        turns = [(*turn, chat is chats[-1]) for chat in chats for turn in _fold(chat, template)]
         while turns[-1][0] != "assistant":  # turns after the last answer train nothing: the EOS follows it
             turns.pop()
         end, segments = template.end, []
-        for role, start, content in turns:
+        for role, start, content, trained in turns:
             if role == "assistant":
-                segments += [(start, False), (content + end.rstrip("\n"), True),
+                segments += [(start, False), (content + end.rstrip("\n"), trained),
                              (end[len(end.rstrip("\n")):], False)]  # the turn end's newline, if any
             else:
                 segments.append((start + content + end, False))
