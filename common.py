@@ -16,6 +16,7 @@ Mesh axes are ("data", "model") everywhere: batch over `data`, parameters over b
 Importing this module sets KERAS_BACKEND=jax (and JAX_PLATFORMS=cpu where no accelerator is present)
 before keras loads, and keeps TensorFlow out of the process; it prints nothing."""
 
+import collections
 import contextlib
 import functools
 import glob
@@ -676,20 +677,27 @@ def read_rows(path, flag="--dataset"):
     return rows
 
 
-# (user turn prefix, assistant turn prefix, turn end) per template; each follows the chat_template of
-# its models' Hugging Face tokenizer_config.json (the BOS that opens them is the scripts' start token).
+# A chat as its models' Hugging Face chat_template (tokenizer_config.json) writes it, the BOS being the
+# scripts' start token: user and assistant turn prefixes, turn end, system turn prefix (None: no system role,
+# so a leading system text + "\n\n" opens the first user turn), and whether contents are stripped (`| trim`).
+Template = collections.namedtuple("Template", "user model end system trim")
 CHAT_TEMPLATES = {
-    # Gemma 1, 2 and 3 (google/gemma-2b-it, gemma-2-2b-it, gemma-3-1b-it): the model's turn is "model"
-    "gemma": ("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n"),
-    # Llama 3 / 3.1 / 3.2 Instruct (meta-llama/Meta-Llama-3-8B-Instruct)
-    "llama3": ("<|start_header_id|>user<|end_header_id|>\n\n",
-               "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
-    # Mistral Instruct v0.1-v0.3 (mistralai/Mistral-7B-Instruct-v0.2): "[INST] {user} [/INST]{answer}</s>";
-    # </s> is the EOS id, which no text tokenizes to: the scripts' EOS ends the last answer only.
-    "mistral": ("[INST] ", " [/INST]", ""),
-    # ChatML: Qwen 2.5 / Qwen 3 (Qwen/Qwen2.5-7B-Instruct; without a system turn Qwen 2.5's template
-    # adds its default system prompt, which this one does not)
-    "chatml": ("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"),
+    # Gemma 1-3: the model's turn is "model"; no system role: Gemma 3 folds it in as here (1 and 2 refuse one)
+    # https://huggingface.co/google/gemma-3-1b-it/blob/main/tokenizer_config.json
+    "gemma": Template("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n", None, True),
+    # Llama 3 Instruct: a header per role, system included (3.1+ also add a dated system turn; not here)
+    # https://huggingface.co/meta-llama/Meta-Llama-3-8B-Instruct/blob/main/tokenizer_config.json
+    "llama3": Template("<|start_header_id|>user<|end_header_id|>\n\n",
+                       "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>",
+                       "<|start_header_id|>system<|end_header_id|>\n\n", True),
+    # Mistral Instruct v0.1/v0.2: "[INST] {system}\n\n{user} [/INST]{answer}</s>" (v0.3 moves the system
+    # text to the last user turn); </s> is the EOS id (no text yields it): only the last answer gets the EOS
+    # https://huggingface.co/mistralai/Mistral-7B-Instruct-v0.2/blob/main/tokenizer_config.json
+    "mistral": Template("[INST] ", " [/INST]", "", None, False),
+    # ChatML (Qwen 2.5, Qwen 3): with no system turn Qwen 2.5 adds a default one; this, as Qwen 3, does not
+    # https://huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/tokenizer_config.json
+    "chatml": Template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
+                       "<|im_start|>system\n", False),
 }
 
 
@@ -710,10 +718,20 @@ def turn_end(template):
     return (template[2].strip() or None) if template else None
 
 
+def _fold(messages, template):
+    """[(role, turn prefix, content)] as the template writes them (where it has no system role, folded in)"""
+    prefix = {"system": template.system, "user": template.user, "assistant": template.model}
+    turns = [(m["role"], prefix[m["role"]], m["content"].strip() if template.trim else m["content"])
+             for m in messages]
+    if template.system is None and turns and turns[0][0] == "system":  # Gemma, Mistral: "{system}\n\n{user}"
+        role, start, content = turns[1]
+        turns = [(role, start, messages[0]["content"] + "\n\n" + content)] + turns[2:]
+    return turns
+
+
 def render(messages, template):
-    """Chat turns -> text (system turns fold into user turns, as Gemma's template does)."""
-    user, model, end = template
-    return "".join((model if m["role"] == "assistant" else user) + m["content"] + end for m in messages)
+    """Chat turns -> text, each role as the family's template writes it (CHAT_TEMPLATES)."""
+    return "".join(start + content + template.end for _, start, content in _fold(messages, template))
 
 
 def _messages(value, key, where, template):
@@ -724,6 +742,13 @@ def _messages(value, key, where, template):
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in value):
         raise UsageError(f"{where}: field {key!r} must be a non-empty list of {{role, content}} objects")
+    for i, m in enumerate(value):
+        if m["role"] not in ("system", "user", "assistant"):
+            raise UsageError(f"{where}: field {key!r}, turn {i + 1}: unknown role {m['role']!r} "
+                             "(expected 'system', 'user' or 'assistant')")
+        folded = m["role"] == "system" and template.system is None  # no system role: opens the next user turn
+        if folded and (i or [t["role"] for t in value[:2]] != ["system", "user"]):
+            raise UsageError(f"{where}: field {key!r}: a system turn must come first, then a user turn")
     return value
 
 
@@ -735,19 +760,25 @@ def _text(row, key, where):
 
 
 def sft_segments(row, where, template):
-    """An SFT row (`text`, `prompt`+`completion`, or `messages`) -> [(text, is_completion)] in order."""
+    """An SFT row -> [(text, is_completion)] in order: `text`; `prompt`+`completion` as strings or as chats
+    (TRL's conversational form: the completion's answers carry the loss); `messages` (its answers do)."""
     if not isinstance(row, dict):
         raise UsageError(f"{where}: expected a JSON object")
-    if "messages" in row:
-        messages = _messages(row["messages"], "messages", where, template)
-        user, model, end = template
-        segments = []
-        for m in messages:
-            if m["role"] == "assistant":
-                segments += [(model, False), (m["content"] + end.rstrip("\n"), True),
+    if "messages" in row or any(isinstance(row.get(k), list) for k in ("prompt", "completion")):
+        keys = ("messages",) if "messages" in row else ("prompt", "completion")
+        chats = [_messages(row.get(k), k, where, template) for k in keys]
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in chats[-1]):
+            raise UsageError(f"{where}: no assistant turn with text in {keys[-1]!r}: nothing to train on")
+        turns = [(*turn, chat is chats[-1]) for chat in chats for turn in _fold(chat, template)]
+        while turns[-1][0] != "assistant":  # turns after the last answer train nothing: the EOS follows it
+            turns.pop()
+        end, segments = template.end, []
+        for role, start, content, trained in turns:
+            if role == "assistant":
+                segments += [(start, False), (content + end.rstrip("\n"), trained),
                              (end[len(end.rstrip("\n")):], False)]  # the turn end's newline, if any
             else:
-                segments.append((user + m["content"] + end, False))
+                segments.append((start + content + end, False))
         return segments[:-1]  # the EOS follows the last assistant turn directly
     if "prompt" in row or "completion" in row:
         return [(_text(row, "prompt", where), False), (_text(row, "completion", where), True)]
@@ -778,8 +809,8 @@ def preference_triple(row, where, template, names=("chosen", "rejected")):
         model, end = template[1], template[2]
         responses = []
         for name, msgs in zip(names, (chosen, rejected)):
-            if not msgs or msgs[0]["role"] != "assistant":
-                raise UsageError(f"{where}: {name!r} must continue the prompt with an assistant turn")
+            if not msgs or msgs[0]["role"] != "assistant" or not msgs[0]["content"].strip():
+                raise UsageError(f"{where}: {name!r} must continue the prompt with an assistant turn with text")
             text = render(msgs, template)
             responses.append(text[len(model):len(text) - len(end)] + end.rstrip("\n"))  # EOS follows
         return (render(prompt, template) + model, *responses)

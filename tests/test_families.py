@@ -194,6 +194,41 @@ def test_templates_render_as_the_model_cards():
         assert prompt + chosen == text.rstrip("\n")
 
 
+def test_system_and_multi_turn_chats_render_as_the_model_cards():
+    """A system turn and two exchanges, written out as each family's Hugging Face chat_template renders them
+    (sources cited in common.CHAT_TEMPLATES): Gemma and Mistral have no system role, so its text opens the
+    first user turn; Llama 3 and ChatML have a system turn; Gemma and Llama 3 strip contents (`| trim`).
+    sft trains on both answers; a chat prompt renders up to the opened model turn."""
+    import common
+    chat = [{"role": role, "content": text} for role, text in [
+        ("system", "Answer briefly."), ("user", "Sort: 2 1"), ("assistant", "1 2"), ("user", "Sort: 3 1\n"),
+        ("assistant", "1 3")]]
+    want = {"gemma": "<start_of_turn>user\nAnswer briefly.\n\nSort: 2 1<end_of_turn>\n"
+                     "<start_of_turn>model\n1 2<end_of_turn>\n"
+                     "<start_of_turn>user\nSort: 3 1<end_of_turn>\n"
+                     "<start_of_turn>model\n1 3<end_of_turn>\n",
+            "llama3": "<|start_header_id|>system<|end_header_id|>\n\nAnswer briefly.<|eot_id|>"
+                      "<|start_header_id|>user<|end_header_id|>\n\nSort: 2 1<|eot_id|>"
+                      "<|start_header_id|>assistant<|end_header_id|>\n\n1 2<|eot_id|>"
+                      "<|start_header_id|>user<|end_header_id|>\n\nSort: 3 1<|eot_id|>"
+                      "<|start_header_id|>assistant<|end_header_id|>\n\n1 3<|eot_id|>",
+            "mistral": "[INST] Answer briefly.\n\nSort: 2 1 [/INST]1 2[INST] Sort: 3 1\n [/INST]1 3",
+            "chatml": "<|im_start|>system\nAnswer briefly.<|im_end|>\n"
+                      "<|im_start|>user\nSort: 2 1<|im_end|>\n"
+                      "<|im_start|>assistant\n1 2<|im_end|>\n"
+                      "<|im_start|>user\nSort: 3 1\n<|im_end|>\n"
+                      "<|im_start|>assistant\n1 3<|im_end|>\n"}
+    assert set(want) == set(common.CHAT_TEMPLATES)
+    for name, text in want.items():
+        template = common.CHAT_TEMPLATES[name]
+        assert common.render(chat, template) == text, name
+        segments = common.sft_segments({"messages": chat}, "f:1", template)
+        assert "".join(t for t, _ in segments) == text.rstrip("\n")  # the EOS follows the last answer
+        end = template.end.rstrip("\n")
+        assert [t for t, done in segments if done] == ["1 2" + end, "1 3" + end], name
+        assert common.prompt_text({"prompt": chat[:2]}, "f:1", template) == text[:text.index("1 2")], name
+
+
 def test_unknown_family_needs_chat_template(presets, tmp_path):
     """A family outside common.FAMILIES (GPT-2): plain-text rows read; a chat stops with exit 2 naming
     --chat-template; an unknown --chat-template name exits 2 listing the names; no sampler."""

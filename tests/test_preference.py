@@ -112,6 +112,10 @@ def test_prompt_forms_and_bad_rows(tmp_path, prefs):
         ('{"chosen": "ab", "rejected": "abc"}\n', "bad.jsonl:1: without 'prompt'"),
         ('{"chosen": [{"role": "user"}], "rejected": []}\n', "bad.jsonl:1: field 'chosen' must be a non-empty list"),
         ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{oops\n', "bad.jsonl:2: invalid JSON"),
+        (json.dumps({**explicit, "prompt": [{"role": "tool", "content": "7"}]}) + "\n",
+         "bad.jsonl:1: field 'prompt', turn 1: unknown role 'tool'"),
+        (json.dumps({**explicit, "chosen": [{"role": "assistant", "content": ""}]}) + "\n",  # nothing to train on
+         "bad.jsonl:1: 'chosen' must continue the prompt with an assistant turn with text"),
     ]:
         (tmp_path / "bad.jsonl").write_text(content)
         with pytest.raises(common.UsageError, match=message):
