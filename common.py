@@ -491,11 +491,12 @@ def _edit_json(path, **changes):
         json.dump({k: v for k, v in data.items() if v is not None}, f, indent=2)
 
 
-def export_hf(preset_dir, path):
+def export_hf(preset_dir, path, chat_template_name=None):
     """A saved KerasHub preset (LoRA merged) -> a Hugging Face checkpoint in `path`: model.safetensors,
     config.json with `architectures`, tokenizer.json (hf_tokenizer, adding the scripts' start token),
-    tokenizer_config.json; files 0644 under umask 022; renamed from path.tmp once complete. On the host CPU:
-    the exporter needs whole weights."""
+    tokenizer_config.json with the chat template trained with (--chat-template, else the family's); files
+    0644 under umask 022; renamed from path.tmp once complete. On the host CPU: the exporter needs whole
+    weights."""
     from tokenizers import processors
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
@@ -514,7 +515,8 @@ def export_hf(preset_dir, path):
     # tokenizer.json as it is: a model's own class would rebuild it, and keras-hub's added_tokens_decoder
     # lists Gemma's turn markers, which as added tokens would cut the text before its dummy prefix
     _edit_json(os.path.join(tmp, "tokenizer_config.json"), tokenizer_class="PreTrainedTokenizerFast",
-               bos_token=bos, added_tokens_decoder=None, clean_up_tokenization_spaces=False)
+               bos_token=bos, added_tokens_decoder=None, clean_up_tokenization_spaces=False,
+               chat_template=HF_CHAT_TEMPLATES.get(chat_template_name or FAMILIES.get(family)))
     umask = os.umask(0o22)
     os.umask(umask)
     for name in os.listdir(tmp):  # safetensors writes 0600
@@ -764,6 +766,27 @@ CHAT_TEMPLATES = {
     # https://huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/tokenizer_config.json
     "chatml": Template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
                        "<|im_start|>system\n", False),
+}
+# The same templates in Jinja (--export-hf's chat_template), as the model cards cited above write them,
+# opened by the scripts' start token; Mistral's card ends every answer with </s>, where render() leaves the
+# EOS id to the scripts, after the last answer only.
+HF_CHAT_TEMPLATES = {
+    "gemma": "{{ bos_token }}{% for m in messages if m['role'] != 'system' %}{{ '<start_of_turn>' + "
+             "('model' if m['role'] == 'assistant' else 'user') + '\\n' + (messages[0]['content'] + '\\n\\n' "
+             "if loop.first and messages[0]['role'] == 'system' else '') + (m['content'] | trim) + "
+             "'<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
+             "{% endif %}",
+    "llama3": "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
+              "'<|end_header_id|>\\n\\n' + (m['content'] | trim) + '<|eot_id|>' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+              "{% endif %}",
+    "mistral": "{{ bos_token }}{% for m in messages if m['role'] != 'system' %}"
+               "{% if m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% else %}{{ '[INST] ' + "
+               "(messages[0]['content'] + '\\n\\n' if loop.first and messages[0]['role'] == 'system' else '') "
+               "+ m['content'] + ' [/INST]' }}{% endif %}{% endfor %}",
+    "chatml": "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+              "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+              "{% endif %}",
 }
 
 

@@ -168,10 +168,12 @@ TOKENIZER_TEXTS = ["Sort: 3 1 2", "Sort", " 0 1 2 6 6 9", "digits 0123456789 and
                    "<|im_start|>user\nhi<|im_end|>\n", "[INST] hi [/INST]ok", ""]
 
 
-def check_exported_tokenizer(hf_dir, tokenizer):
+def check_exported_tokenizer(hf_dir, tokenizer, template):
     """model_hf/ (--export-hf) serves as trained: its tokenizer.json, read by the `tokenizers` library alone,
     gives `tokenizer`'s (KerasHub's) ids and text for TOKENIZER_TEXTS, adding the scripts' start token;
-    tokenizer_config.json names that token; every file has the ordinary mode (0644 under umask 022)."""
+    tokenizer_config.json names that token and carries the Jinja of the chat template `template` (a
+    common.CHAT_TEMPLATES name); every file has the ordinary mode (0644 under umask 022)."""
+    import common
     from tokenizers import Tokenizer
     exported = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
     for text in TOKENIZER_TEXTS:
@@ -184,6 +186,7 @@ def check_exported_tokenizer(hf_dir, tokenizer):
         config = json.load(f)
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"  # not a class that rebuilds tokenizer.json
     assert config["bos_token"] == tokenizer.id_to_token(tokenizer.start_token_id)
+    assert config["chat_template"] == common.HF_CHAT_TEMPLATES[template]
     umask = os.umask(0)
     os.umask(umask)
     for name in os.listdir(hf_dir):

@@ -2,8 +2,8 @@
 class with a real tokenizer of its kind (SentencePiece for Gemma / Mistral, byte-level BPE for
 Llama 3 / Qwen, trained here on the toy data), saved as a local KerasHub preset. Checked: the
 sampler's forward (common.cached_forward) against KerasHub's own call_with_cache and backbone,
-left padding, the chat template per family and --chat-template, --export-hf's tokenizer.json per
-exported family, and one step of sft, dpo and grpo and one evaluate call (SCRIPT_FAMILIES,
+left padding, the chat template per family and --chat-template, --export-hf's tokenizer.json and chat
+template per exported family, and one step of sft, dpo and grpo and one evaluate call (SCRIPT_FAMILIES,
 in one subprocess on one device)."""
 
 import io
@@ -235,16 +235,17 @@ EXPORTED = ("gemma", "llama3", "mistral", "qwen2.5")
 
 
 @pytest.mark.parametrize("family", EXPORTED)
-def test_export_hf_tokenizer(presets, family, tmp_path):
+def test_export_hf_tokenizer_and_chat_template(presets, family, tmp_path):
     """common.export_hf's model_hf/ per family: tokenizer.json gives the family tokenizer's ids (helpers.
-    check_exported_tokenizer; Qwen's start token is the scripts' <|endoftext|>), ordinary file modes."""
+    check_exported_tokenizer; Qwen's start token is the scripts' <|endoftext|>), the family's chat template,
+    ordinary file modes."""
     import common
     import keras_hub
     from helpers import check_exported_tokenizer
     common.export_hf(presets[family], str(tmp_path / "hf"))
     tokenizer = keras_hub.models.Tokenizer.from_preset(presets[family])
     common.ensure_start_token(tokenizer, presets[family])
-    check_exported_tokenizer(str(tmp_path / "hf"), tokenizer)
+    check_exported_tokenizer(str(tmp_path / "hf"), tokenizer, TEMPLATE[family])
 
 
 @pytest.mark.parametrize("spec", [

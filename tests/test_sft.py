@@ -75,7 +75,7 @@ def test_export_hf(trained):
     """--export-hf: model_hf/ is a transformers checkpoint (`architectures` in its config.json)
     that KerasHub's Hugging Face converter loads with model/'s logits and tokenizer; its tokenizer.json
     gives the bundled tokenizer's ids (transformers' Gemma class read tokenizer.model as Gemma's own
-    spec: "Sort" became "So" + "rt"), and ordinary file modes."""
+    spec: "Sort" became "So" + "rt"), with the Gemma chat template and ordinary file modes."""
     import common  # noqa: F401  (sets the Keras backend)
     import keras_hub
     hf = os.path.join(trained, "model_hf")
@@ -92,7 +92,7 @@ def test_export_hf(trained):
     np.testing.assert_allclose(np.asarray(exported(inputs)), np.asarray(saved(inputs)), rtol=1e-5, atol=1e-5)
     text = "Sort: 3 1 2"
     assert list(exported.preprocessor.tokenizer.tokenize(text)) == list(saved.preprocessor.tokenizer.tokenize(text))
-    check_exported_tokenizer(hf, saved.preprocessor.tokenizer)
+    check_exported_tokenizer(hf, saved.preprocessor.tokenizer, "gemma")
 
 
 def test_learns_toy_task(trained):
