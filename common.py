@@ -439,20 +439,88 @@ def check_export_hf(name):
                          f"checkpoint (--model {name}); it can write {', '.join(sorted(MODEL_EXPORTERS))}")
 
 
-def export_hf(preset_dir, path):
-    """A saved KerasHub preset (LoRA merged) -> a Hugging Face checkpoint in `path` (model.safetensors,
-    config.json with `architectures`, tokenizer files), renamed from path.tmp once complete. On the host CPU:
-    the exporter needs whole weights."""
+def hf_tokenizer(tokenizer):
+    """The project's tokenizer as a `tokenizers` Tokenizer (tokenizer.json), giving its ids. KerasHub's
+    byte-level BPE (Llama 3, Qwen, GPT-2) runs one already; a SentencePiece BPE (Gemma, Mistral, `tiny`) is
+    rebuilt from its pieces and its own normalizer spec, which transformers' Gemma class replaces by Gemma's
+    (no NFKC, no dummy prefix, spaces kept): `tiny`, with SentencePiece's defaults, got "Sort" as "So", "rt"."""
+    import re
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models
+    from tokenizers import normalizers as norm, pre_tokenizers as pre
+    if getattr(tokenizer, "_tokenizer", None) is not None:  # keras-hub 0.32's BytePairTokenizer, no TensorFlow
+        return Tokenizer.from_str(tokenizer._tokenizer.to_str())
+    proto = sentencepiece_model_pb2.ModelProto.FromString(tokenizer.proto)
+    spec, trainer, pieces = proto.normalizer_spec, proto.trainer_spec, list(proto.pieces)
+    if trainer.model_type != trainer.BPE:
+        raise ValueError(f"{type(tokenizer).__name__}: SentencePiece model type {trainer.model_type}, not BPE")
+    # SentencePiece's BPE merges the adjacent pair making the highest-scoring piece: one merge per split of a
+    # piece, ranked by its score, then id. Types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte.
+    normal = {p.piece: (-p.score, i) for i, p in enumerate(pieces) if p.type == 1}
+    merges = sorted((normal[p], p[:k], p[k:]) for p in normal for k in range(1, len(p))
+                    if p[:k] in normal and p[k:] in normal)
+    hf = Tokenizer(models.BPE({p.piece: i for i, p in enumerate(pieces)}, [m[1:] for m in merges],
+                              unk_token=trainer.unk_piece, fuse_unk=True, byte_fallback=trainer.byte_fallback,
+                              ignore_merges=True))  # a user-defined piece, which no merge makes, taken whole
+    steps = [norm.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []  # e.g. NFKC
+    if spec.remove_extra_whitespaces:  # spaces only (after the charsmap, which makes "\n" one in nmt_nfkc)
+        steps += [norm.Replace(Regex(r"\A +| +\z"), ""), norm.Replace(Regex(" {2,}"), " ")]
+    steps.append(norm.Replace(" ", "▁"))
+    if spec.add_dummy_prefix:  # "▁" before the text even where it starts with one (Metaspace would skip it)
+        steps.append(norm.Replace(Regex(r"\A▁"), "▁▁"))
+    hf.normalizer = norm.Sequence(steps)
+    user = sorted((p.piece for p in pieces if p.type == 4), key=len, reverse=True)  # matched whole, anywhere
+    split = [pre.Split(Regex("|".join(map(re.escape, user))), "isolated")] if user else []
+    # the dummy prefix after an added token too (a template's "<bos>"): the scripts tokenize text apart from it
+    prefix = [pre.Metaspace("▁", "always", split=False)] if spec.add_dummy_prefix else []
+    hf.pre_tokenizer = pre.Sequence(prefix + split)
+    strip = [decoders.Strip(" ", 1, 0)] if spec.add_dummy_prefix else []
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    *strip])
+    hf.add_special_tokens([AddedToken(p.piece, normalized=False, special=True)
+                           for p in pieces if p.type in (2, 3)])  # so a template's "<bos>" is the BOS id
+    return hf
+
+
+def _edit_json(path, **changes):
+    """Set keys of a JSON file; None removes one."""
+    with open(path) as f:
+        data = json.load(f)
+    data.update(changes)
+    with open(path, "w") as f:
+        json.dump({k: v for k, v in data.items() if v is not None}, f, indent=2)
+
+
+def export_hf(preset_dir, path, chat_template_name=None):
+    """A saved KerasHub preset (LoRA merged) -> a Hugging Face checkpoint in `path`: model.safetensors,
+    config.json with `architectures`, tokenizer.json (hf_tokenizer, adding the scripts' start token),
+    tokenizer_config.json with the chat template trained with (--chat-template, else the family's); files
+    0644 under umask 022; renamed from path.tmp once complete. On the host CPU: the exporter needs whole
+    weights."""
+    from tokenizers import processors
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
         model = keras_hub.models.CausalLM.from_preset(preset_dir)
         model.export_to_transformers(tmp)
-    with open(os.path.join(tmp, "config.json")) as f:
-        config = json.load(f)
-    config.setdefault("architectures", [HF_ARCHITECTURES.get(type(model.backbone).__name__)])
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    tokenizer, family = model.preprocessor.tokenizer, type(model.backbone).__name__
+    ensure_start_token(tokenizer, preset_dir)  # Qwen's: <|endoftext|>, as the scripts train
+    bos = tokenizer.id_to_token(tokenizer.start_token_id)
+    hf = hf_tokenizer(tokenizer)
+    hf.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1",
+                                                      special_tokens=[(bos, tokenizer.start_token_id)])
+    hf.save(os.path.join(tmp, "tokenizer.json"))
+    if family in HF_ARCHITECTURES:
+        _edit_json(os.path.join(tmp, "config.json"), architectures=[HF_ARCHITECTURES[family]])
+    # tokenizer.json as it is: a model's own class would rebuild it, and keras-hub's added_tokens_decoder
+    # lists Gemma's turn markers, which as added tokens would cut the text before its dummy prefix
+    _edit_json(os.path.join(tmp, "tokenizer_config.json"), tokenizer_class="PreTrainedTokenizerFast",
+               bos_token=bos, added_tokens_decoder=None, clean_up_tokenization_spaces=False,
+               chat_template=HF_CHAT_TEMPLATES.get(chat_template_name or FAMILIES.get(family)))
+    umask = os.umask(0o22)
+    os.umask(umask)
+    for name in os.listdir(tmp):  # safetensors writes 0600
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
 
@@ -698,6 +766,27 @@ CHAT_TEMPLATES = {
     # https://huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/tokenizer_config.json
     "chatml": Template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
                        "<|im_start|>system\n", False),
+}
+# The same templates in Jinja (--export-hf's chat_template), as the model cards cited above write them,
+# opened by the scripts' start token; Mistral's card ends every answer with </s>, where render() leaves the
+# EOS id to the scripts, after the last answer only.
+HF_CHAT_TEMPLATES = {
+    "gemma": "{{ bos_token }}{% for m in messages if m['role'] != 'system' %}{{ '<start_of_turn>' + "
+             "('model' if m['role'] == 'assistant' else 'user') + '\\n' + (messages[0]['content'] + '\\n\\n' "
+             "if loop.first and messages[0]['role'] == 'system' else '') + (m['content'] | trim) + "
+             "'<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
+             "{% endif %}",
+    "llama3": "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
+              "'<|end_header_id|>\\n\\n' + (m['content'] | trim) + '<|eot_id|>' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+              "{% endif %}",
+    "mistral": "{{ bos_token }}{% for m in messages if m['role'] != 'system' %}"
+               "{% if m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% else %}{{ '[INST] ' + "
+               "(messages[0]['content'] + '\\n\\n' if loop.first and messages[0]['role'] == 'system' else '') "
+               "+ m['content'] + ' [/INST]' }}{% endif %}{% endfor %}",
+    "chatml": "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+              "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+              "{% endif %}",
 }
 
 

@@ -51,7 +51,7 @@ class Args(plumbing.SharedArgs):
     """NLL over prompt + chosen tokens, as the official ORPO code and TRL do; False: chosen response only"""
     # logging and outputs
     export_hf: bool = False
-    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
+    """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
     log_every: int = 10
     """fetch metrics from the device and log every N steps"""
     eval_every: int = 20

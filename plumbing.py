@@ -619,7 +619,7 @@ class Run:
                 shutil.rmtree(self.model_dir)
             os.replace(tmp, self.model_dir)
             if self.export_hf:
-                common.export_hf(self.model_dir, os.path.join(self.dir, "model_hf"))
+                common.export_hf(self.model_dir, os.path.join(self.dir, "model_hf"), self.args.chat_template)
         self.close()
         shown = {k: self.last_train[k] for k in ("train/loss", *self._show) if k in self.last_train}
         shown.update(list(self.last_eval.items())[:2])

@@ -65,7 +65,7 @@ class Args(plumbing.RolloutArgs):
     """value loss weight"""
     # logging and outputs
     export_hf: bool = False
-    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
+    """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
 
 
 class PPOParams(NamedTuple):

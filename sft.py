@@ -48,7 +48,7 @@ class Args(plumbing.SharedArgs):
     """skip (and count) updates whose loss or gradient is not finite, instead of stopping"""
     # logging and outputs
     export_hf: bool = False
-    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
+    """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
     log_every: int = 10
     """fetch metrics from the device and log every N steps"""
     eval_every: int = 50

@@ -8,7 +8,7 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, learning_env, metrics as read_metrics, usage_error
+from helpers import ROOT, check_exported_tokenizer, learning_env, metrics as read_metrics, usage_error
 
 sys.path.insert(0, os.path.join(ROOT, "data"))
 import toy  # noqa: E402
@@ -73,12 +73,15 @@ def test_outputs(trained):
 
 def test_export_hf(trained):
     """--export-hf: model_hf/ is a transformers checkpoint (`architectures` in its config.json)
-    that KerasHub's Hugging Face converter loads with model/'s logits and tokenizer."""
+    that KerasHub's Hugging Face converter loads with model/'s logits and tokenizer; its tokenizer.json
+    gives the bundled tokenizer's ids (transformers' Gemma class read tokenizer.model as Gemma's own
+    spec: "Sort" became "So" + "rt"), with the Gemma chat template and ordinary file modes."""
     import common  # noqa: F401  (sets the Keras backend)
     import keras_hub
     hf = os.path.join(trained, "model_hf")
     assert not os.path.exists(hf + ".tmp")
-    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"]
+    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer.model",
+                                      "tokenizer_config.json"]
     with open(os.path.join(hf, "config.json")) as f:
         config = json.load(f)
     assert config["architectures"] == ["GemmaForCausalLM"] and config["model_type"] == "gemma"
@@ -89,6 +92,7 @@ def test_export_hf(trained):
     np.testing.assert_allclose(np.asarray(exported(inputs)), np.asarray(saved(inputs)), rtol=1e-5, atol=1e-5)
     text = "Sort: 3 1 2"
     assert list(exported.preprocessor.tokenizer.tokenize(text)) == list(saved.preprocessor.tokenizer.tokenize(text))
+    check_exported_tokenizer(hf, saved.preprocessor.tokenizer, "gemma")
 
 
 def test_learns_toy_task(trained):
