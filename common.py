@@ -14,7 +14,8 @@
 The run shell (flags, Run, exits, remat, FLOP accounting) is plumbing.py: no algorithm needs it read.
 Mesh axes are ("data", "model") everywhere: batch over `data`, parameters over both (docs/design.md).
 Importing this module sets KERAS_BACKEND=jax (and JAX_PLATFORMS=cpu where no accelerator is present)
-before keras loads, and keeps TensorFlow out of the process; it prints nothing."""
+before keras loads, keeps TensorFlow out of the process, and makes keras-hub's byte-level BPE tokenizers
+split words as their models' own tokenizers do (BPE_SPLITS); it prints nothing."""
 
 import collections
 import contextlib
@@ -44,6 +45,37 @@ import keras_hub  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from keras_hub.src.tokenizers import byte_pair_tokenizer as _bpe  # noqa: E402
+
+# Each byte-level BPE family's word-splitting regex, as its own tokenizer.json writes it (meta-llama/Meta-Llama-3-8B:
+# digits in threes; Qwen/Qwen2.5-7B and Qwen3: one digit a piece; Qwen 3.5 adds marks \p{M} to words; openai gpt2)
+_QWEN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+BPE_SPLITS = {
+    "Llama3Tokenizer": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                       r"\s*[\r\n]+|\s+(?!\S)|\s+",
+    **dict.fromkeys(["QwenTokenizer", "Qwen3Tokenizer", "QwenMoeTokenizer", "Qwen3MoeTokenizer"], _QWEN),
+    **dict.fromkeys(["Qwen3_5Tokenizer", "Qwen3_5MoeTokenizer"], r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?"
+                    r"[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "GPT2Tokenizer": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"}
+
+
+def _split_words(set_vocabulary):
+    """keras-hub 0.32's byte-level BPE without TensorFlow (Llama 3, Qwen, GPT-2) hands its split pattern to
+    pre_tokenizers.Split as a str, which `tokenizers` matches as literal text: nothing is split into words, so
+    BPE merges across words and digits and the ids are not the model's. Split by the family's regex instead."""
+    import tokenizers
+
+    def set_vocabulary_and_merges(self, vocabulary, merges):
+        set_vocabulary(self, vocabulary, merges)
+        pattern = tokenizers.Regex(BPE_SPLITS.get(type(self).__name__, _bpe.SPLIT_PATTERN_TOKENIZERS))
+        self._tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+            tokenizers.pre_tokenizers.Split(pattern, "isolated"),
+            tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=self.add_prefix_space, use_regex=False)])
+    return set_vocabulary_and_merges
+
+
+_bpe.BytePairTokenizer._set_vocabulary_and_merges_tokenizers = _split_words(
+    _bpe.BytePairTokenizer._set_vocabulary_and_merges_tokenizers)
 
 TINY_TOKENIZER = os.path.join(HERE, "data", "tiny_tokenizer.model")
 

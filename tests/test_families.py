@@ -353,3 +353,25 @@ def test_compare_passes_chat_template_to_every_stage(tmp_path):
     stages = compare.plan(compare.Args(chat_template="chatml"), str(tmp_path))[0]
     assert stages and all(s["flags"][s["flags"].index("--chat-template") + 1] == "chatml" for s in stages)
     assert all("--chat-template" not in s["flags"] for s in compare.plan(compare.Args(), str(tmp_path))[0])
+
+
+def test_byte_level_bpe_splits_words_as_each_familys_tokenizer():
+    """keras-hub 0.32's byte-level BPE without TensorFlow matched its split regex as literal text, so nothing
+    was split and BPE merged across words and numbers ("a b" one token, "1234" one token): ids the model never
+    saw. common splits as each family's tokenizer.json: Llama 3 digits in threes, Qwen one at a time, GPT-2
+    whole numbers; words never merge with the next."""
+    import common  # noqa: F401  (its fix is installed when it is imported)
+    import keras_hub.models as m
+    from tokenizers import pre_tokenizers
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    pieces = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["12", "123", "1234", "aĠ", "aĠb"] + specials
+    vocab = {p: i for i, p in enumerate(pieces)}
+    merges = ["1 2", "12 3", "123 4", "a Ġ", "aĠ b"]  # "1234" and "a b" are one token each if nothing splits
+    expected = {m.Llama3Tokenizer: ["123", "4", "Ġ", "a", "Ġ", "b"],
+                m.QwenTokenizer: ["1", "2", "3", "4", "Ġ", "a", "Ġ", "b"],
+                m.Qwen3Tokenizer: ["1", "2", "3", "4", "Ġ", "a", "Ġ", "b"],
+                m.GPT2Tokenizer: ["1234", "Ġ", "a", "Ġ", "b"]}
+    for cls, tokens in expected.items():
+        tokenizer = cls(vocabulary=vocab, merges=merges)
+        assert [pieces[int(i)] for i in tokenizer.tokenize("1234 a b")] == tokens, cls.__name__
