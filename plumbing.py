@@ -226,7 +226,11 @@ class SharedArgs:
     auto: on only if the step compiled without it would not fit the device's memory (never on CPU)"""
     # data
     dataset: str = ""
-    """training data: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
+    """training data: .jsonl/.json/.parquet, a `save_to_disk` folder, or a Hugging Face Hub dataset id"""
+    dataset_config: str | None = None
+    """the Hub dataset's configuration, e.g. `main` for gsm8k (TRL's dataset_config)"""
+    dataset_split: str = "train"
+    """the split of --dataset to train on (TRL's dataset_train_split); a file is one split, `train`"""
     # optimisation
     max_steps: int | None = None
     """optimizer updates; None: ceil(--num-epochs × rows of --dataset / rows per step), resolved before training"""
@@ -268,7 +272,7 @@ class RolloutArgs(SharedArgs):
     """SharedArgs plus what every RL script (ppo, grpo, rloo) samples with: prompts, lengths, temperature."""
     # data
     dataset: str = os.path.join(HERE, "data", "prompts_train.jsonl")
-    """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, or a Hugging Face dataset"""
+    """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, a saved folder or a Hub dataset id"""
     max_prompt_length: int = 512
     """prompt tokens (BOS included); longer prompts are cut from the left (TRL GRPOConfig ≤ 0.2x: 512)"""
     # rollouts
