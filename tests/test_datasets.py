@@ -70,6 +70,12 @@ def test_eval_split_takes_the_eval_set_from_the_same_dataset(prefs, tmp_path):
     assert common.eval_source(prefs, "", None, default) == (None, None)
     with pytest.raises(common.UsageError, match='--eval-split test: --eval-dataset "" turns evaluation off'):
         common.eval_source(prefs, "", "test", default)
+    # A real model's run takes its eval set from --eval-split, not the bundled toy file.
+    import dpo
+    import plumbing
+    assert plumbing.cli(dpo.Args, ["--model", "gemma_2b", "--dataset", prefs, "--eval-split=test_prefs"])
+    with pytest.raises(plumbing.UsageError, match=r"toy task .*: pass --eval-dataset DATA \(''.*or --eval-split"):
+        plumbing.cli(dpo.Args, ["--model", "gemma_2b", "--dataset", prefs])
     # Each script's main: the eval set is read from --dataset's split (its bad row is named), and before
     # the training split (whose default, `train`, this folder lacks).
     for name in SCRIPTS:
