@@ -6,9 +6,9 @@
                  cached_forward (KV-cached, left padding); split_variables, save_model, export_hf; reward
                  models; reward functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a reward
                  model or weighted reward functions, one call)
-  3. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render, TRL's formats
-                 -> text (sft_segments, preference_triple, unpaired_example, prompt_text), read_dataset,
-                 read_prompts
+  3. Files       read_rows (.jsonl/.json/.parquet, saved folders, Hub ids: load_splits), CHAT_TEMPLATES /
+                 chat_template / render, TRL's formats -> text (sft_segments, preference_triple, unpaired_example,
+                 prompt_text), read_dataset, eval_source (--eval-split), read_prompts
   4. Data order  length_batch (padded to a length bucket, optionally grouped by length; a pure function of the
                  step: resume is exact), bucket_length, per_example
 The run shell (flags, Run, exits, remat, FLOP accounting) is plumbing.py: no algorithm needs it read.
@@ -286,6 +286,10 @@ def hub_errors(preset):
         raise UsageError(message) from None
 
 
+NETWORK_ERRORS = {"ConnectionError", "ConnectError", "NetworkError", "TimeoutException", "Timeout", "gaierror",
+                  "LocalEntryNotFoundError"}  # no network, or HF_HUB_OFFLINE and not in the cache
+
+
 def hub_error(preset, error):
     """What to do about `error`, raised while fetching `preset` from a hub, in one line; None when it is no
     hub failure. Reads the whole exception chain: KerasHub re-raises the hubs' errors."""
@@ -300,8 +304,7 @@ def hub_error(preset, error):
     text = " ".join(str(x) for x in chain)
     statuses = (getattr(getattr(x, "response", None), "status_code", None) for x in chain)
     status = next((s for s in statuses if isinstance(s, int)), None)  # HTTP errors carry their response
-    offline = bool(kinds & {"ConnectionError", "ConnectError", "NetworkError", "TimeoutException", "Timeout",
-                            "gaierror", "LocalEntryNotFoundError"})
+    offline = bool(kinds & NETWORK_ERRORS)
     explain = _hf_error if preset.startswith("hf://") else _kaggle_error
     message = explain(preset, kinds, text, status, offline)
     return message and (f"--model {preset}: {message}; or pass a local directory (a KerasHub preset or a "
@@ -732,9 +735,10 @@ def load_scorer(mesh, dtype=None, reward_model=None, reward_fns=(), weights=(), 
 
 
 # --- 3. File formats: dataset files and TRL's row formats -> text ---
-def read_rows(path, flag="--dataset"):
-    """[(row, line number)] from .jsonl, or .json (JSON, or JSON Lines as `Dataset.to_json` writes them), or
-    through `datasets` for .parquet and Hub ids (`org/name` too) / saved dirs."""
+def read_rows(path, flag="--dataset", config=None, split="train"):
+    """[(row, line number)] of split `split` (None: the only one) of a .jsonl, a .json (JSON, or JSON Lines as
+    `Dataset.to_json` writes them), or through `datasets`: a .parquet, a `save_to_disk` folder, a Hub id
+    (`gsm8k`, `org/name`) or a local copy of a Hub repo, in configuration `config`. A file is one split, `train`."""
     local = os.path.exists(path) or path.endswith((".jsonl", ".json", ".parquet")) or path[:1] in "./~"
     if local and not os.path.exists(path):
         raise UsageError(f"{flag} {path}: no such file")
@@ -763,18 +767,43 @@ def read_rows(path, flag="--dataset"):
                         rows.append((json.loads(line), i))
                     except json.JSONDecodeError as e:
                         raise UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
+        splits = {"train": rows}
     else:
-        try:
-            import datasets
-        except ImportError:
-            raise UsageError(f"{flag} {path}: parquet files and Hub datasets need `pip install datasets`")
-        ds = (datasets.load_dataset("parquet", data_files=path, split="train") if path.endswith(".parquet")
-              else datasets.load_from_disk(path) if os.path.isdir(path)
-              else datasets.load_dataset(path, split="train"))
-        rows = [(r, i) for i, r in enumerate(ds, 1)]
+        splits = load_splits(path, config, flag)
+    split = split or (next(iter(splits)) if len(splits) == 1 else None)
+    if split not in splits:
+        which = f"no split {split!r}" if split else "name a split (--eval-split)"
+        raise UsageError(f"{flag} {path}: {which}; its splits: {', '.join(splits)}")
+    rows = splits[split]
+    rows = rows if isinstance(rows, list) else [(r, i) for i, r in enumerate(rows, 1)]
     if not rows:
         raise UsageError(f"{path}: no examples")
     return rows
+
+
+def load_splits(path, config, flag):
+    """{split: Dataset} through `datasets`; a Hub failure in one line (UsageError), and a fast one: with no
+    network, load_dataset retries for 23 s, so one request without retries goes first."""
+    import datasets
+    import huggingface_hub as hf
+    hub, offline = not os.path.exists(path), datasets.config.HF_HUB_OFFLINE
+    saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
+    try:
+        if hub and not offline:
+            with contextlib.suppress(hf.errors.HfHubHTTPError):  # a refusal: load_dataset's to explain
+                hf.HfApi().dataset_info(path, timeout=10)
+        ds = (datasets.load_from_disk(path) if saved else datasets.load_dataset("parquet", data_files=path)
+              if path.endswith(".parquet") else datasets.load_dataset(path, config))
+    except Exception as e:
+        if hub and {c.__name__ for c in type(e).__mro__} & NETWORK_ERRORS:
+            why = ("HF_HUB_OFFLINE is set and it is not in the cache: unset it" if offline else "the Hugging Face "
+                   "Hub cannot be reached (no network?): connect, or set HF_HUB_OFFLINE=1 to use a cached copy")
+            raise UsageError(f"{flag} {path}: no such local file or folder, and {why}") from None
+        if not isinstance(e, (ValueError, FileNotFoundError)):  # else datasets' words: config, data, dataset
+            raise
+        text = " ".join(str(e).split("Example of usage")[0].split())  # on one line
+        raise UsageError(f"{flag} {path}: {text}" + " (--dataset-config)" * ("onfig" in text)) from None
+    return ds if isinstance(ds, dict) else {"train": ds}
 
 
 # A chat as its models' Hugging Face chat_template (tokenizer_config.json) writes it, the BOS being the
@@ -972,16 +1001,26 @@ def prompt_text(row, where, template):
 FORMATS = {"sft": sft_segments, "preference": preference_triple, "prompt": prompt_text}
 
 
-def read_dataset(path, form, template, flag="--dataset"):
-    """Every row of `path` in TRL's format `form` ('sft', 'preference', 'prompt'), validated
+def read_dataset(path, form, template, flag="--dataset", config=None, split="train"):
+    """Every row of `path` (read_rows) in TRL's format `form` ('sft', 'preference', 'prompt'), validated
     and rendered to text; a bad row stops with its file and line (exit 2)."""
-    return [FORMATS[form](row, f"{path}:{line}", template) for row, line in read_rows(path, flag)]
+    rows = read_rows(path, flag, config, split)
+    return [FORMATS[form](row, f"{path}:{line}", template) for row, line in rows]
 
 
-def read_prompts(path, template, flag="--dataset"):
+def eval_source(dataset, eval_dataset, eval_split, default):
+    """(path, split) of the eval set, path None for none (--eval-dataset ""): --eval-split takes that split
+    of --eval-dataset if one other than the script's `default` is given, else of --dataset (TRL's
+    dataset_test_split)."""
+    if eval_split and not eval_dataset:
+        raise UsageError(f'--eval-split {eval_split}: --eval-dataset "" turns evaluation off')
+    return (dataset if eval_split and eval_dataset == default else eval_dataset or None), eval_split
+
+
+def read_prompts(path, template, flag="--dataset", config=None, split="train"):
     """TRL prompt rows -> (the prompts rendered for the model, the rows as read): what reward functions
     see (Scorer), a chat `prompt` as its message list and every other column (e.g. `answer`)."""
-    rows = read_rows(path, flag)
+    rows = read_rows(path, flag, config, split)
     return [prompt_text(row, f"{path}:{line}", template) for row, line in rows], [row for row, _ in rows]
 
 

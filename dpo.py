@@ -32,6 +32,8 @@ class Args(plumbing.SharedArgs):
     """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "prefs_eval.jsonl")
     """held-out pairs for eval/ metrics (same formats); empty to skip evaluation"""
+    eval_split: str | None = None
+    """evaluate on this split (e.g. `test`) of --dataset, or of --eval-dataset if given (TRL's dataset_test_split)"""
     max_length: int = 1024
     """tokens per prompt + response (TRL DPOConfig: 1024); longer: prompt cut from the left, then pair dropped"""
     group_by_length: bool = False
@@ -268,15 +270,17 @@ def main(args):
     if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5:
         raise common.UsageError("need --beta > 0 and 0 <= --label-smoothing < 0.5")
     template = common.chat_template(args.model, args.chat_template)
-    eval_rows = common.read_dataset(args.eval_dataset, "preference", template, "--eval-dataset") \
-        if args.eval_dataset else []
-    train_rows = common.read_dataset(args.dataset, "preference", template)
+    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split, Args.eval_dataset)
+    eval_rows = common.read_dataset(eval_path, "preference", template, "--eval-dataset", args.dataset_config,
+                                    eval_split) if eval_path else []
+    train_rows = common.read_dataset(args.dataset, "preference", template, "--dataset", args.dataset_config,
+                                     args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of pairs
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.dataset)
-    evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, args.eval_dataset)[0] if eval_rows else []
+    evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, eval_path)[0] if eval_rows else []
     print(f"data: {counts['examples']} pairs ({counts['truncated']} prompt-truncated, "
           f"{counts['dropped']} dropped as too long); {len(evals)} eval pairs")
     # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).

@@ -32,6 +32,8 @@ class Args(plumbing.SharedArgs):
     """`prompt`/`completion`/`label` rows or preference pairs: .jsonl/.json/.parquet, a HF dataset id / dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "kto_eval.jsonl")
     """held-out examples for eval/ metrics (same formats); empty to skip evaluation"""
+    eval_split: str | None = None
+    """evaluate on this split (e.g. `test`) of --dataset, or of --eval-dataset if given (TRL's dataset_test_split)"""
     max_length: int = 1024
     """tokens per prompt + completion (TRL KTOConfig: 1024); longer: prompt cut from the left, then dropped"""
     group_by_length: bool = False
@@ -69,11 +71,11 @@ class Args(plumbing.SharedArgs):
 # ---------------------------------------------------------------------------
 # Data: (prompt, completion, label) texts -> token ids + masks, each with a mismatched pair -> batches
 # ---------------------------------------------------------------------------
-def read_examples(path, template, flag="--dataset"):
+def read_examples(path, template, flag="--dataset", config=None, split="train"):
     """(prompt, completion, label) texts of TRL's unpaired rows (common.unpaired_example), or of preference
     pairs (prompt/chosen/rejected) unpaired as TRL's unpair_preference_dataset does: each chosen a desirable
     example, each rejected an undesirable one (all chosen first). TRL decides the form by the first row."""
-    rows = common.read_rows(path, flag)
+    rows = common.read_rows(path, flag, config, split)
     if not (isinstance(rows[0][0], dict) and {"chosen", "rejected"} <= rows[0][0].keys()):
         return [common.unpaired_example(row, f"{path}:{line}", template) for row, line in rows]
     triples = [common.preference_triple(row, f"{path}:{line}", template) for row, line in rows]
@@ -301,8 +303,10 @@ def main(args):
     if args.beta <= 0 or min(args.desirable_weight, args.undesirable_weight) < 0:
         raise common.UsageError("need --beta > 0, --desirable-weight >= 0 and --undesirable-weight >= 0")
     template = common.chat_template(args.model, args.chat_template)
-    eval_rows = read_examples(args.eval_dataset, template, "--eval-dataset") if args.eval_dataset else []
-    train_rows = read_examples(args.dataset, template)
+    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split, Args.eval_dataset)
+    eval_rows = read_examples(eval_path, template, "--eval-dataset", args.dataset_config, eval_split) \
+        if eval_path else []
+    train_rows = read_examples(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of examples
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
@@ -312,7 +316,7 @@ def main(args):
     tokenize = partial(tokenize_dataset, tokenizer=tokenizer, max_length=args.max_length, seed=args.seed,
                        mismatched=mismatched)
     train, counts = tokenize(train_rows, path=args.dataset)
-    evals = tokenize(eval_rows, path=args.eval_dataset)[0] if eval_rows else []
+    evals = tokenize(eval_rows, path=eval_path)[0] if eval_rows else []
     print(f"data: {counts['examples']} examples ({counts['desirable']} desirable, {counts['undesirable']} "
           f"undesirable; {counts['truncated']} prompt-truncated, {counts['dropped']} dropped as too long); "
           f"{len(evals)} eval examples")

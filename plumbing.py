@@ -116,13 +116,15 @@ def cli(args_class, argv=None):
 def check_defaults(args, argv):
     """A model other than the `tiny` demo (or a model trained from it) never silently trains or scores with
     the bundled toy task: each data or reward flag left at its data/ default must be given."""
-    given = {a.split("=")[0] for a in argv} | ({"--reward-fn"} if "--reward-model" in argv else set())
+    given = {a.split("=")[0] for a in argv}
+    given |= {f for f, by in (("--reward-fn", "--reward-model"), ("--eval-dataset", "--eval-split")) if by in given}
     toy = [flag for f in dataclasses.fields(args) if os.path.join(HERE, "data") in str(f.default)
            and (flag := "--" + f.name.replace("_", "-")) not in given]
     if toy and not is_toy_model(args.model):
         import common
         common.resolve_model(args.model)  # an unknown --model is reported as that
-        what = {"--reward-fn": "--reward-fn path.py:function", "--eval-dataset": "--eval-dataset DATA ('': none)"}
+        what = {"--reward-fn": "--reward-fn path.py:function",
+                "--eval-dataset": "--eval-dataset DATA ('': none) or --eval-split SPLIT"}
         raise UsageError(f"--model {args.model} would use the bundled toy task (data/): pass "
                          + ", ".join(what.get(f, f + " DATA") for f in toy)
                          + "; DATA: a .jsonl/.json/.parquet file, a saved dataset dir or a Hub dataset id")
@@ -226,7 +228,11 @@ class SharedArgs:
     auto: on only if the step compiled without it would not fit the device's memory (never on CPU)"""
     # data
     dataset: str = ""
-    """training data: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
+    """training data: .jsonl/.json/.parquet, a `save_to_disk` folder, or a Hugging Face Hub dataset id"""
+    dataset_config: str | None = None
+    """the Hub dataset's configuration, e.g. `main` for gsm8k (TRL's dataset_config)"""
+    dataset_split: str = "train"
+    """the split of --dataset to train on (TRL's dataset_train_split); a file is one split, `train`"""
     # optimisation
     max_steps: int | None = None
     """optimizer updates; None: ceil(--num-epochs × rows of --dataset / rows per step), resolved before training"""
@@ -268,7 +274,7 @@ class RolloutArgs(SharedArgs):
     """SharedArgs plus what every RL script (ppo, grpo, rloo) samples with: prompts, lengths, temperature."""
     # data
     dataset: str = os.path.join(HERE, "data", "prompts_train.jsonl")
-    """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, or a Hugging Face dataset"""
+    """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, a saved folder or a Hub dataset id"""
     max_prompt_length: int = 512
     """prompt tokens (BOS included); longer prompts are cut from the left (TRL GRPOConfig ≤ 0.2x: 512)"""
     # rollouts

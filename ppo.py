@@ -366,7 +366,8 @@ def main(args):
                                 f"{args.num_mini_batches} each divisible by the data axis ({run.mesh.shape['data']})")
     common.check_sampler(args.model)  # a family whose decoder layers the sampler knows
     template = common.chat_template(args.model, args.chat_template)
-    prompts, rows = common.read_prompts(args.dataset, template)  # rows: the columns reward functions may read
+    # rows: the columns reward functions may read
+    prompts, rows = common.read_prompts(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     max_steps = run.resolve_max_steps(len(prompts))  # --max-steps, or --num-epochs' worth of rollouts
     scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=[args.reward_fn],
                                 lora_rank=args.lora_rank)  # s(x, y): the reward model, or the reward function

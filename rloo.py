@@ -373,7 +373,8 @@ def main(args):
                        export_hf=args.export_hf)  # shared flags and --output-dir checked; nothing written
     check_args(args, run.mesh)
     template = common.chat_template(args.model, args.chat_template)
-    prompts, rows = common.read_prompts(args.dataset, template)  # rows: the columns reward functions may read
+    # rows: the columns reward functions may read
+    prompts, rows = common.read_prompts(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     g = args.num_generations
     n_prompts = args.batch_size // g
     max_steps = run.resolve_max_steps(len(prompts), n_prompts)  # --max-steps, or --num-epochs' worth of B/k prompts

@@ -30,6 +30,8 @@ class Args(plumbing.SharedArgs):
     """training data: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "sft_eval.jsonl")
     """held-out data for eval/loss (same formats); empty to skip evaluation"""
+    eval_split: str | None = None
+    """evaluate on this split (e.g. `test`) of --dataset, or of --eval-dataset if given (TRL's dataset_test_split)"""
     max_length: int = 1024
     """tokens per example (TRL SFTConfig: 1024); longer prompts are cut from the left, then whole examples dropped"""
     group_by_length: bool = False
@@ -207,15 +209,18 @@ def main(args):
                        grad_accum_steps=args.grad_accum_steps, warmup_steps=args.warmup_steps,
                        export_hf=args.export_hf, skip_nonfinite=args.skip_nonfinite)  # nothing written yet
     template = common.chat_template(args.model, args.chat_template)
-    eval_rows = common.read_dataset(args.eval_dataset, "sft", template, "--eval-dataset") if args.eval_dataset else []
-    train_rows = common.read_dataset(args.dataset, "sft", template)
+    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split, Args.eval_dataset)
+    eval_rows = common.read_dataset(eval_path, "sft", template, "--eval-dataset", args.dataset_config,
+                                    eval_split) if eval_path else []
+    train_rows = common.read_dataset(args.dataset, "sft", template, "--dataset", args.dataset_config,
+                                     args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of rows
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.completion_only_loss, args.dataset)
     evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, args.completion_only_loss,
-                             args.eval_dataset)[0] if eval_rows else []
+                             eval_path)[0] if eval_rows else []
     print(f"data: {counts['examples']} examples ({counts['truncated']} prompt-truncated, "
           f"{counts['dropped']} dropped as too long); {len(evals)} eval examples")
     # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).

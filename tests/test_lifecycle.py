@@ -113,19 +113,15 @@ def test_flags_and_files_are_checked_before_the_model_loads(tmp_path):
 
 
 def test_files_as_trl_users_write_them_and_the_places_that_cannot_be_read_or_written(tmp_path):
-    """A .json holding JSON Lines (`Dataset.to_json` writes them) reads as JSON Lines; `org/name` is a Hub
-    id, not a missing file; bytes that are not UTF-8 and an --output-dir that is a file (or under one)
-    stop with one line naming the place, before the model loads."""
-    import importlib.util
+    """A .json holding JSON Lines (`Dataset.to_json` writes them) reads as JSON Lines; bytes that are not
+    UTF-8 and an --output-dir that is a file (or under one) stop with one line naming the place, before
+    the model loads (Hub ids and saved folders: tests/test_datasets.py)."""
     import common
     rows = [{"text": "a"}, {"text": "b \u2028 c"}]
     (tmp_path / "lines.json").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     (tmp_path / "array.json").write_text(json.dumps(rows))
     for name in ("lines.json", "array.json"):
         assert common.read_rows(str(tmp_path / name)) == [(rows[0], 1), (rows[1], 2)]
-    if importlib.util.find_spec("datasets") is None:
-        with pytest.raises(common.UsageError, match="--dataset trl-lib/Capybara: .* need `pip install datasets`"):
-            common.read_rows("trl-lib/Capybara")
     raw = b'{"text": "a"}\n{"text": "caf\xe9"}\n'  # Latin-1, not UTF-8
     (tmp_path / "latin1.jsonl").write_bytes(raw)
     message = sft_refusal("--dataset", str(tmp_path / "latin1.jsonl"), "--output-dir", str(tmp_path / "out"))
