@@ -88,7 +88,8 @@ TRL_FLAGS = {"num-train-epochs": "--num-epochs", "per-device-train-batch-size": 
              "save-steps": "--save-every", "eval-steps": "--eval-every", "logging-steps": "--log-every",
              "gradient-checkpointing": "--remat on", "bf16": "--dtype bfloat16", "resume-from-checkpoint":
              "--resume", "report-to": "--track (W&B; TensorBoard files are always written)",
-             "per-device-eval-batch-size": "--batch-size", "eval-strategy": "--eval-every N (0: none)"}
+             "per-device-eval-batch-size": "--batch-size", "eval-strategy": "--eval-every N (0: none)",
+             "dataset-train-split": "--dataset-split", "dataset-test-split": "--eval-split"}
 
 
 def cli(args_class, argv=None):
