@@ -1008,13 +1008,16 @@ def read_dataset(path, form, template, flag="--dataset", config=None, split="tra
     return [FORMATS[form](row, f"{path}:{line}", template) for row, line in rows]
 
 
-def eval_source(dataset, eval_dataset, eval_split, default):
-    """(path, split) of the eval set, path None for none (--eval-dataset ""): --eval-split takes that split
-    of --eval-dataset if one other than the script's `default` is given, else of --dataset (TRL's
-    dataset_test_split)."""
+def eval_source(dataset, eval_dataset, eval_split, defaults):
+    """(path, split) of the eval set, path None for none: --eval-dataset "", or your own --dataset without an eval
+    set named (TRL evaluates only when asked; the bundled eval file goes with the bundled training file).
+    --eval-split takes that split of --eval-dataset if one other than the default is given, else of --dataset
+    (TRL's dataset_test_split). defaults: the script's (dataset, eval_dataset) defaults."""
     if eval_split and not eval_dataset:
         raise UsageError(f'--eval-split {eval_split}: --eval-dataset "" turns evaluation off')
-    return (dataset if eval_split and eval_dataset == default else eval_dataset or None), eval_split
+    if not eval_split and eval_dataset == defaults[1] and dataset != defaults[0]:
+        return None, None
+    return (dataset if eval_split and eval_dataset == defaults[1] else eval_dataset or None), eval_split
 
 
 def read_prompts(path, template, flag="--dataset", config=None, split="train"):

@@ -31,7 +31,8 @@ class Args(plumbing.SharedArgs):
     dataset: str = os.path.join(common.HERE, "data", "kto_train.jsonl")
     """`prompt`/`completion`/`label` rows or preference pairs: .jsonl/.json/.parquet, a HF dataset id / dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "kto_eval.jsonl")
-    """held-out examples for eval/ metrics (same formats); empty to skip evaluation"""
+    """held-out examples for eval/ metrics (same formats); empty to skip evaluation; the bundled
+    file is used only with the bundled --dataset"""
     eval_split: str | None = None
     """evaluate on this split (e.g. `test`) of --dataset, or of --eval-dataset if given (TRL's dataset_test_split)"""
     max_length: int = 1024
@@ -303,7 +304,8 @@ def main(args):
     if args.beta <= 0 or min(args.desirable_weight, args.undesirable_weight) < 0:
         raise common.UsageError("need --beta > 0, --desirable-weight >= 0 and --undesirable-weight >= 0")
     template = common.chat_template(args.model, args.chat_template)
-    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split, Args.eval_dataset)
+    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
+                                             (Args.dataset, Args.eval_dataset))
     eval_rows = read_examples(eval_path, template, "--eval-dataset", args.dataset_config, eval_split) \
         if eval_path else []
     train_rows = read_examples(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)

@@ -118,14 +118,13 @@ def check_defaults(args, argv):
     """A model other than the `tiny` demo (or a model trained from it) never silently trains or scores with
     the bundled toy task: each data or reward flag left at its data/ default must be given."""
     given = {a.split("=")[0] for a in argv}
-    given |= {f for f, by in (("--reward-fn", "--reward-model"), ("--eval-dataset", "--eval-split")) if by in given}
+    given |= {"--eval-dataset"} | ({"--reward-fn"} if "--reward-model" in given else set())  # no eval: no toy eval
     toy = [flag for f in dataclasses.fields(args) if os.path.join(HERE, "data") in str(f.default)
            and (flag := "--" + f.name.replace("_", "-")) not in given]
     if toy and not is_toy_model(args.model):
         import common
         common.resolve_model(args.model)  # an unknown --model is reported as that
-        what = {"--reward-fn": "--reward-fn path.py:function",
-                "--eval-dataset": "--eval-dataset DATA ('': none) or --eval-split SPLIT"}
+        what = {"--reward-fn": "--reward-fn path.py:function"}
         raise UsageError(f"--model {args.model} would use the bundled toy task (data/): pass "
                          + ", ".join(what.get(f, f + " DATA") for f in toy)
                          + "; DATA: a .jsonl/.json/.parquet file, a saved dataset dir or a Hub dataset id")

@@ -29,7 +29,8 @@ class Args(plumbing.SharedArgs):
     dataset: str = os.path.join(common.HERE, "data", "sft_train.jsonl")
     """training data: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "sft_eval.jsonl")
-    """held-out data for eval/loss (same formats); empty to skip evaluation"""
+    """held-out data for eval/loss (same formats); empty to skip evaluation; the bundled
+    file is used only with the bundled --dataset"""
     eval_split: str | None = None
     """evaluate on this split (e.g. `test`) of --dataset, or of --eval-dataset if given (TRL's dataset_test_split)"""
     max_length: int = 1024
@@ -209,7 +210,8 @@ def main(args):
                        grad_accum_steps=args.grad_accum_steps, warmup_steps=args.warmup_steps,
                        export_hf=args.export_hf, skip_nonfinite=args.skip_nonfinite)  # nothing written yet
     template = common.chat_template(args.model, args.chat_template)
-    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split, Args.eval_dataset)
+    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
+                                             (Args.dataset, Args.eval_dataset))
     eval_rows = common.read_dataset(eval_path, "sft", template, "--eval-dataset", args.dataset_config,
                                     eval_split) if eval_path else []
     train_rows = common.read_dataset(args.dataset, "sft", template, "--dataset", args.dataset_config,

@@ -30,7 +30,8 @@ class Args(plumbing.SharedArgs):
     dataset: str = os.path.join(common.HERE, "data", "prefs_train.jsonl")
     """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "prefs_eval.jsonl")
-    """held-out pairs for eval/ metrics (same formats); empty to skip evaluation"""
+    """held-out pairs for eval/ metrics (same formats); empty to skip evaluation; the bundled
+    file is used only with the bundled --dataset"""
     eval_split: str | None = None
     """evaluate on this split (e.g. `test`) of --dataset, or of --eval-dataset if given (TRL's dataset_test_split)"""
     max_length: int = 2048
@@ -247,7 +248,8 @@ def main(args):
     if args.beta <= 0 or args.sft_weight < 0:
         raise common.UsageError("need --beta > 0 and --sft-weight >= 0")
     template = common.chat_template(args.model, args.chat_template)
-    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split, Args.eval_dataset)
+    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
+                                             (Args.dataset, Args.eval_dataset))
     eval_rows = common.read_dataset(eval_path, "preference", template, "--eval-dataset", args.dataset_config,
                                     eval_split) if eval_path else []
     train_rows = common.read_dataset(args.dataset, "preference", template, "--dataset", args.dataset_config,

@@ -62,20 +62,23 @@ def test_a_missing_split_is_refused_listing_the_splits(prefs):
 
 def test_eval_split_takes_the_eval_set_from_the_same_dataset(prefs, tmp_path):
     """--eval-split picks a split of --dataset in place of the script's bundled eval file, or of
-    --eval-dataset when one is given; --eval-dataset "" still means no evaluation."""
-    default = "data/prefs_eval.jsonl"
-    assert common.eval_source(prefs, default, "test_prefs", default) == (prefs, "test_prefs")
-    assert common.eval_source(prefs, "other", "test", default) == ("other", "test")
-    assert common.eval_source(prefs, default, None, default) == (default, None)
-    assert common.eval_source(prefs, "", None, default) == (None, None)
+    --eval-dataset when one is given; --eval-dataset "" means no evaluation, and so does your own --dataset
+    without an eval set named (TRL evaluates only when asked): the bundled eval file goes with the bundled
+    training file only."""
+    defaults = ("data/prefs_train.jsonl", "data/prefs_eval.jsonl")
+    assert common.eval_source(prefs, defaults[1], "test_prefs", defaults) == (prefs, "test_prefs")
+    assert common.eval_source(prefs, "other", "test", defaults) == ("other", "test")
+    assert common.eval_source(prefs, "other", None, defaults) == ("other", None)
+    assert common.eval_source(prefs, defaults[1], None, defaults) == (None, None)  # own data: no toy eval
+    assert common.eval_source(defaults[0], defaults[1], None, defaults) == (defaults[1], None)  # the toy task
+    assert common.eval_source(prefs, "", None, defaults) == (None, None)
     with pytest.raises(common.UsageError, match='--eval-split test: --eval-dataset "" turns evaluation off'):
-        common.eval_source(prefs, "", "test", default)
-    # A real model's run takes its eval set from --eval-split, not the bundled toy file.
+        common.eval_source(prefs, "", "test", defaults)
+    # A real model's run never gets the bundled eval file: its own split, its own file, or none.
     import dpo
     import plumbing
     assert plumbing.cli(dpo.Args, ["--model", "gemma_2b", "--dataset", prefs, "--eval-split=test_prefs"])
-    with pytest.raises(plumbing.UsageError, match=r"toy task .*: pass --eval-dataset DATA \(''.*or --eval-split"):
-        plumbing.cli(dpo.Args, ["--model", "gemma_2b", "--dataset", prefs])
+    assert plumbing.cli(dpo.Args, ["--model", "gemma_2b", "--dataset", prefs])
     # Each script's main: the eval set is read from --dataset's split (its bad row is named), and before
     # the training split (whose default, `train`, this folder lacks).
     for name in SCRIPTS:

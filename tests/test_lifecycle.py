@@ -306,8 +306,8 @@ def test_flags_as_trl_names_them_and_the_toy_task_are_answered(tmp_path):
         plumbing.cli(grpo.Args, ["--per-device-train-batch-size=4"])
     with pytest.raises(plumbing.UsageError, match="perhaps you meant --learning-rate"):
         plumbing.cli(dpo.Args, ["--learning-rat", "1e-5"])
-    with pytest.raises(plumbing.UsageError, match=r"gemma_2b would use the bundled toy task .*--dataset DATA, "
-                                                  r"--eval-dataset DATA \(''"):
+    with pytest.raises(plumbing.UsageError, match=r"gemma_2b would use the bundled toy task \(data/\): pass "
+                                                  r"--dataset DATA; DATA: a .jsonl"):
         plumbing.cli(dpo.Args, ["--model", "gemma_2b"])
     with pytest.raises(plumbing.UsageError, match="toy task .*: pass --reward-fn path.py:function;"):
         plumbing.cli(grpo.Args, ["--model", "gemma2_2b_it", "--dataset", "my_gsm8k.jsonl"])
