@@ -94,7 +94,8 @@ MODEL_ALIASES = {
 # Backbone class -> its chat template: the families cached_forward samples (Gemma 2 is a GemmaBackbone).
 # Another family trains (KerasHub's own output layer) but needs --chat-template and has no sampler.
 FAMILIES = {"GemmaBackbone": "gemma", "Llama3Backbone": "llama3", "MistralBackbone": "mistral",
-            "QwenBackbone": "chatml", "Qwen3Backbone": "chatml"}
+            "QwenBackbone": "chatml", "Qwen3Backbone": "chatml",
+            "Qwen3MoeBackbone": "chatml"}  # Qwen3-MoE: Qwen 3's decoder call, a mixture of experts as its MLP
 # Mixtures of experts whose layers add their router's load-balancing loss (Keras add_loss) in training mode,
 # already × the model's own coefficient (Qwen3-MoE: router_aux_loss_coefficient, from the checkpoint's
 # router_aux_loss_coef). `forward` calls only these in training mode (which would also switch dropout on).
@@ -370,7 +371,7 @@ def check_sampler(name, flag="--model"):
     cls = backbone_class(resolve_model(name))
     if cls.__name__ not in FAMILIES:
         raise UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Llama 3, Mistral, "
-                         f"Qwen 2.5 and Qwen 3 backbones, not {cls.__name__}")
+                         f"Qwen 2.5, Qwen 3 and Qwen3-MoE backbones, not {cls.__name__}")
 
 
 def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
