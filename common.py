@@ -2,8 +2,9 @@
   1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global, to_host,
                  init_optimizer (optimizer state laid out like the params)
   2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors / hub_error (a hub failure in one line),
-                 load_model (created sharded), check_sampler; per family: logits, empty_cache,
-                 cached_forward (KV-cached, left padding); split_variables, save_model, export_hf; reward
+                 load_model (created sharded), check_sampler; forward (stateless, with the losses its layers
+                 add: a mixture of experts' router loss); per family: logits, empty_cache, cached_forward
+                 (KV-cached, left padding); split_variables, save_model, export_hf; reward
                  models; reward functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a reward
                  model or weighted reward functions, one call)
   3. Files       read_rows (.jsonl/.json/.parquet, saved folders, Hub ids: load_splits), CHAT_TEMPLATES /
@@ -93,7 +94,12 @@ MODEL_ALIASES = {
 # Backbone class -> its chat template: the families cached_forward samples (Gemma 2 is a GemmaBackbone).
 # Another family trains (KerasHub's own output layer) but needs --chat-template and has no sampler.
 FAMILIES = {"GemmaBackbone": "gemma", "Llama3Backbone": "llama3", "MistralBackbone": "mistral",
-            "QwenBackbone": "chatml", "Qwen3Backbone": "chatml"}
+            "QwenBackbone": "chatml", "Qwen3Backbone": "chatml",
+            "Qwen3MoeBackbone": "chatml"}  # Qwen3-MoE: Qwen 3's decoder call, a mixture of experts as its MLP
+# Mixtures of experts whose layers add their router's load-balancing loss (Keras add_loss) in training mode,
+# already × the model's own coefficient (Qwen3-MoE: router_aux_loss_coefficient, from the checkpoint's
+# router_aux_loss_coef). `forward` calls only these in training mode (which would also switch dropout on).
+ROUTER_AUX_LOSS = ("Qwen3MoeBackbone",)
 # The `tiny` model: a 4-layer Gemma (about 1.5M parameters) with the bundled tokenizer.
 TINY_CONFIG = dict(num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=192,
                    intermediate_dim=1024, head_dim=48)
@@ -365,7 +371,7 @@ def check_sampler(name, flag="--model"):
     cls = backbone_class(resolve_model(name))
     if cls.__name__ not in FAMILIES:
         raise UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Llama 3, Mistral, "
-                         f"Qwen 2.5 and Qwen 3 backbones, not {cls.__name__}")
+                         f"Qwen 2.5, Qwen 3 and Qwen3-MoE backbones, not {cls.__name__}")
 
 
 def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
@@ -390,6 +396,18 @@ def ensure_start_token(tokenizer, name):
         if "<|endoftext|>" not in tokenizer.get_vocabulary():
             raise UsageError(f"--model {name}: its tokenizer has no start token (BOS) and no <|endoftext|>")
         tokenizer.start_token_id = tokenizer.token_to_id("<|endoftext|>")
+
+
+def forward(backbone, params, frozen, token_ids, padding_mask):
+    """The backbone's stateless forward (weights passed as values) -> (final-norm hidden states [B, T, D],
+    aux_loss). aux_loss: the sum of the losses its layers add, which a stateless call drops unless its scope
+    collects them: a mixture of experts' router load-balancing loss, one per MoE layer, each × the model's
+    coefficient (ROUTER_AUX_LOSS); 0.0 for a dense model, whose forward is the same as without it."""
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state, collect_losses=True) as scope:
+        hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask},
+                          training=type(backbone).__name__ in ROUTER_AUX_LOSS)
+    return hidden, sum((jnp.asarray(x, jnp.float32) for x in scope.losses), jnp.float32(0.0))  # f32 upcast
 
 
 def logits(backbone, hidden):

@@ -127,15 +127,16 @@ def get_batch(data, lengths, step, args):
 # ALGO LOGIC: log-probs of chosen and rejected, and the DPO loss
 # ---------------------------------------------------------------------------
 def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
-    """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1].
+    """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1]; and the forward's aux_loss (a mixture of
+    experts' router load-balancing loss, common.forward; 0.0 for a dense model).
 
     The [B, T, V] logits are never materialised: the unembedding runs over
     sequence chunks of `chunk` tokens under `jax.checkpoint`, so only one
     [B, chunk, V] float32 block is alive at a time, forward and backward.
     """
+    hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
-        hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask})  # [B, T, D]
+    with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
         hidden, labels = hidden[:, :-1], token_ids[:, 1:]  # logits at t predict token t+1
         b, t, d = hidden.shape
         n = -(-t // chunk)
@@ -148,7 +149,7 @@ def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
             return jnp.take_along_axis(logits, y[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
 
         logps = jax.lax.map(lambda hy: chunk_logps(*hy), (hidden.swapaxes(0, 1), labels.swapaxes(0, 1)))
-    return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]  # [B, T-1]
+    return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t], aux_loss  # [B, T-1], scalar
 
 
 def sequence_logps(logps, loss_mask, average=False):
@@ -166,14 +167,15 @@ def sequence_logps(logps, loss_mask, average=False):
 def concatenated_forward(backbone, params, frozen, batch, average=False):
     """Chosen and rejected through the model in ONE forward pass (stacked on the batch axis).
 
-    batch: {chosen,rejected}_{ids,padding_mask,loss_mask}, each [B, T] -> (chosen, rejected) logps, [B] each.
+    batch: {chosen,rejected}_{ids,padding_mask,loss_mask}, each [B, T] -> (chosen, rejected) logps, [B] each,
+    and the forward's aux_loss (token_logps).
     """
     both = {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])  # [2B, T]
             for k in ("ids", "padding_mask", "loss_mask")}
-    logps = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [2B, T-1]
+    logps, aux_loss = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [2B, T-1]
     seq = sequence_logps(logps, both["loss_mask"], average)
     b = batch["chosen_ids"].shape[0]
-    return seq[:b], seq[b:]
+    return seq[:b], seq[b:], aux_loss
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=0.1,
@@ -211,8 +213,9 @@ def reference_logps(backbone, ref_params, frozen, batch, average=False):
     """πref log-probs: precomputed ones from the batch, else a forward with the reference params."""
     if "ref_chosen_logps" in batch:
         return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
-    # stop_gradient: the reference is frozen (no gradient flows into the shared `frozen` weights)
-    return jax.lax.stop_gradient(concatenated_forward(backbone, ref_params, frozen, batch, average))
+    # stop_gradient: the reference is frozen (no gradient flows into the shared `frozen` weights); so is its
+    # router: its aux_loss is not trained (TRL's reference forward returns none)
+    return jax.lax.stop_gradient(concatenated_forward(backbone, ref_params, frozen, batch, average)[:2])
 
 
 def lora_off(backbone, params):
@@ -236,11 +239,12 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
     average = args.loss_type == "ipo"
 
     def micro_loss(p, micro):
-        chosen, rejected = concatenated_forward(backbone, p, frozen, micro, average)
+        chosen, rejected, aux_loss = concatenated_forward(backbone, p, frozen, micro, average)
         ref_chosen, ref_rejected = reference_logps(backbone, ref_params, frozen, micro, average)
         loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
                                  args.label_smoothing)
-        return loss / accum, {"train/loss": loss, **metrics}  # equal micro-batches: mean of means
+        loss = loss + aux_loss  # + the policy's router load-balancing loss (a mixture of experts; 0.0 dense)
+        return loss / accum, {"train/loss": loss, "aux_loss": aux_loss, **metrics}  # equal micro-batches
 
     def accumulate(grads, micro):
         (_, metrics), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
@@ -304,7 +308,7 @@ def main(args):
         ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
-    ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), average))
+    ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), average)[:2])
     if args.precompute_ref:
         for data, n in ((train_data, lengths), (eval_data, eval_lengths)) if eval_data else ((train_data, lengths),):
             data["ref_chosen_logps"], data["ref_rejected_logps"] = common.per_example(
@@ -317,7 +321,7 @@ def main(args):
     step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length, donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
     run.record(remat=remat)  # args.json: the mode --remat auto chose
-    eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), average),
+    eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), average)[:2],
                                           *reference_logps(backbone, r, f, first(b), average)))
 
     def evaluate(params):

@@ -148,15 +148,16 @@ def get_batch(data, lengths, step, args):
 # ALGO LOGIC: log-probs of completions and mismatched pairs, and the KTO loss
 # ---------------------------------------------------------------------------
 def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
-    """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1].
+    """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1]; and the forward's aux_loss (a mixture of
+    experts' router load-balancing loss, common.forward; 0.0 for a dense model).
 
     The [B, T, V] logits are never materialised: the unembedding runs over
     sequence chunks of `chunk` tokens under `jax.checkpoint`, so only one
     [B, chunk, V] float32 block is alive at a time, forward and backward.
     """
+    hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
-        hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask})  # [B, T, D]
+    with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
         hidden, labels = hidden[:, :-1], token_ids[:, 1:]  # logits at t predict token t+1
         b, t, d = hidden.shape
         n = -(-t // chunk)
@@ -169,7 +170,7 @@ def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
             return jnp.take_along_axis(logits, y[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
 
         logps = jax.lax.map(lambda hy: chunk_logps(*hy), (hidden.swapaxes(0, 1), labels.swapaxes(0, 1)))
-    return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]  # [B, T-1]
+    return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t], aux_loss  # [B, T-1], scalar
 
 
 def sequence_logps(logps, loss_mask, average=False):
@@ -185,11 +186,12 @@ def sequence_logps(logps, loss_mask, average=False):
 
 def concatenated_forward(backbone, params, frozen, batch, names=("completion", "KL")):
     """The `names` sequences of each example through the model in ONE forward (stacked on the batch axis):
-    batch {name}_{ids,padding_mask,loss_mask}, each [B, T] -> per-sequence log-probs, [B] for each name."""
+    batch {name}_{ids,padding_mask,loss_mask}, each [B, T] -> per-sequence log-probs, [B] for each name,
+    then the forward's aux_loss (token_logps)."""
     both = {k: jnp.concatenate([batch[f"{name}_{k}"] for name in names])  # [len(names)·B, T]
             for k in ("ids", "padding_mask", "loss_mask")}
-    logps = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [len(names)·B, T-1]
-    return tuple(jnp.split(sequence_logps(logps, both["loss_mask"]), len(names)))
+    logps, aux_loss = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [nB, T-1]
+    return (*jnp.split(sequence_logps(logps, both["loss_mask"]), len(names)), aux_loss)
 
 
 def kto_loss(logps, ref_logps, kl_logps, ref_kl_logps, labels, beta=0.1, desirable_weight=1.0,
@@ -236,8 +238,9 @@ def reference_logps(backbone, ref_params, frozen, batch, names=("completion", "K
     """πref log-probs of the `names` sequences: precomputed ones from the batch, else a reference forward."""
     if "ref_completion_logps" in batch:
         return tuple(batch[f"ref_{name}_logps"] for name in names)
-    # stop_gradient: the reference is frozen (no gradient flows into the shared `frozen` weights)
-    return jax.lax.stop_gradient(concatenated_forward(backbone, ref_params, frozen, batch, names))
+    # stop_gradient: the reference is frozen (no gradient flows into the shared `frozen` weights); so is its
+    # router: its aux_loss is not trained (TRL's reference forward returns none)
+    return jax.lax.stop_gradient(concatenated_forward(backbone, ref_params, frozen, batch, names)[:-1])
 
 
 def lora_off(backbone, params):
@@ -261,6 +264,7 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
                       undesirable_weight=args.undesirable_weight, loss_type=args.loss_type)
 
     def mismatched_logps(micro):  # π and πref log-probs of the mismatched pairs, [B/A] each: no gradient
+        # (so the aux_loss of this detached forward is not trained either: only the completions' below)
         return (jax.lax.stop_gradient(concatenated_forward(backbone, params, frozen, micro, ("KL",))[0]),
                 reference_logps(backbone, ref_params, frozen, micro, ("KL",))[0])
 
@@ -269,22 +273,24 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
     kl_logps, ref_kl_logps = kl_logps.reshape(-1), ref_kl_logps.reshape(-1)  # the whole batch, [B]
 
     def micro_loss(p, micro):
-        logps = concatenated_forward(backbone, p, frozen, micro, ("completion",))[0]  # [B/A]
+        logps, aux_loss = concatenated_forward(backbone, p, frozen, micro, ("completion",))  # [B/A], scalar
         ref_logps = reference_logps(backbone, ref_params, frozen, micro, ("completion",))[0]
         loss, _ = loss_fn(logps, ref_logps, kl_logps, ref_kl_logps, micro["label"])
-        return loss / accum, (jax.lax.stop_gradient(logps), ref_logps)  # equal micro-batches: mean of means
+        loss = loss + aux_loss  # + the policy's router load-balancing loss (a mixture of experts; 0.0 dense)
+        return loss / accum, (jax.lax.stop_gradient(logps), ref_logps, aux_loss)  # equal micro-batches
 
     def accumulate(grads, micro):
         (_, logps), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
         return jax.tree.map(jnp.add, grads, g), logps
 
-    grads, (logps, ref_logps) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
+    grads, (logps, ref_logps, aux_loss) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     # The loss and metrics of the whole batch, [A, B/A] -> [B] (the loss: the sum of the micro-batches')
     loss, metrics = loss_fn(logps.reshape(-1), ref_logps.reshape(-1), kl_logps, ref_kl_logps,
                             batch["label"].reshape(-1))
-    return (params, opt_state), {"train/loss": loss, **metrics, "train/grad_norm": optax.global_norm(grads)}
+    return (params, opt_state), {"train/loss": loss + aux_loss.mean(), "aux_loss": aux_loss.mean(), **metrics,
+                                 "train/grad_norm": optax.global_norm(grads)}
 
 
 def make_optimizer(args, max_steps):
@@ -340,7 +346,7 @@ def main(args):
         ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
-    ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), names))
+    ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), names)[:-1])
     if args.precompute_ref:
         for data, n in ((train_data, lengths), (eval_data, eval_lengths)) if eval_data else ((train_data, lengths),):
             logps = common.per_example(lambda b: ref_fn(ref_params, frozen, b), data, args.batch_size,
@@ -354,7 +360,7 @@ def main(args):
     step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length, donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
     run.record(remat=remat)  # args.json: the mode --remat auto chose
-    eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), names),
+    eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), names)[:-1],
                                           *reference_logps(backbone, r, f, first(b), names)))
 
     def evaluate(params):  # z₀ from every eval example's mismatched pair; [-1]: the KL sequences, if any

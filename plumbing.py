@@ -651,8 +651,10 @@ def enable_remat(backbone, on=True):
     """Activation checkpointing per decoder block: each block's activations are recomputed in the backward
     pass, so only the block inputs [B, T, D] stay alive between forward and backward (about +1/3 FLOPs; what
     makes Gemma-2B DPO fit 16 GiB chips). Calls with a KV cache (generation) have no backward pass and are
-    left alone. `backbone.remat_on`, read when a step is traced, switches it (Remat's auto)."""
+    left alone. `backbone.remat_on`, read when a step is traced, switches it (Remat's auto). The losses a
+    block adds (a mixture of experts' router loss, common.forward) leave the checkpoint as its outputs."""
     import jax
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
     backbone.remat_on = on
     for layer in [] if hasattr(backbone, "_remat_layers") else getattr(backbone, "transformer_layers", []):
         def call(*args, _call=layer.call, **kwargs):
@@ -661,7 +663,19 @@ def enable_remat(backbone, on=True):
                 return _call(*args, **kwargs)
             arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
             rest = {k: v for k, v in kwargs.items() if k not in arrays}
-            return jax.checkpoint(lambda a, kw: _call(*a, **kw, **rest))(args, arrays)
+            scope = get_stateless_scope()
+            losses = scope.losses if scope is not None else []
+
+            def block(a, kw):  # a loss added inside, left in the scope, would be a leaked tracer
+                n = len(losses)
+                out = _call(*a, **kw, **rest)
+                added = losses[n:]
+                del losses[n:]
+                return out, added
+
+            out, added = jax.checkpoint(block)(args, arrays)
+            losses.extend(added)
+            return out
         layer.call = call
     backbone._remat_layers = True
     return backbone
