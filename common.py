@@ -2,20 +2,23 @@
   1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global, to_host,
                  init_optimizer (optimizer state laid out like the params)
   2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors / hub_error (a hub failure in one line),
-                 load_model (created sharded), check_sampler; per family: logits, empty_cache,
-                 cached_forward (KV-cached, left padding); split_variables, save_model, export_hf; reward
+                 load_model (created sharded), check_sampler; forward (stateless, with the losses its layers
+                 add: a mixture of experts' router loss); per family: logits, empty_cache, cached_forward
+                 (KV-cached, left padding); split_variables, save_model, export_hf; reward
                  models; reward functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a reward
                  model or weighted reward functions, one call)
-  3. Files       read_rows (.jsonl/.json/.parquet/Hub), CHAT_TEMPLATES / chat_template / render, TRL's formats
-                 -> text (sft_segments, preference_triple, unpaired_example, prompt_text), read_dataset,
-                 read_prompts
+  3. Files       read_rows (.jsonl/.json/.parquet, saved folders, Hub ids: load_splits), CHAT_TEMPLATES /
+                 chat_template / render, TRL's formats -> text (sft_segments, preference_triple, unpaired_example,
+                 prompt_text), read_dataset, eval_source (--eval-split), read_prompts
   4. Data order  length_batch (padded to a length bucket, optionally grouped by length; a pure function of the
                  step: resume is exact), bucket_length, per_example
 The run shell (flags, Run, exits, remat, FLOP accounting) is plumbing.py: no algorithm needs it read.
 Mesh axes are ("data", "model") everywhere: batch over `data`, parameters over both (docs/design.md).
 Importing this module sets KERAS_BACKEND=jax (and JAX_PLATFORMS=cpu where no accelerator is present)
-before keras loads, and keeps TensorFlow out of the process; it prints nothing."""
+before keras loads, keeps TensorFlow out of the process, and makes keras-hub's byte-level BPE tokenizers
+split words as their models' own tokenizers do (BPE_SPLITS); it prints nothing."""
 
+import collections
 import contextlib
 import functools
 import glob
@@ -43,6 +46,37 @@ import keras_hub  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from keras_hub.src.tokenizers import byte_pair_tokenizer as _bpe  # noqa: E402
+
+# Each byte-level BPE family's word-splitting regex, as its own tokenizer.json writes it (meta-llama/Meta-Llama-3-8B:
+# digits in threes; Qwen/Qwen2.5-7B and Qwen3: one digit a piece; Qwen 3.5 adds marks \p{M} to words; openai gpt2)
+_QWEN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+BPE_SPLITS = {
+    "Llama3Tokenizer": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+                       r"\s*[\r\n]+|\s+(?!\S)|\s+",
+    **dict.fromkeys(["QwenTokenizer", "Qwen3Tokenizer", "QwenMoeTokenizer", "Qwen3MoeTokenizer"], _QWEN),
+    **dict.fromkeys(["Qwen3_5Tokenizer", "Qwen3_5MoeTokenizer"], r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?"
+                    r"[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
+    "GPT2Tokenizer": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"}
+
+
+def _split_words(set_vocabulary):
+    """keras-hub 0.32's byte-level BPE without TensorFlow (Llama 3, Qwen, GPT-2) hands its split pattern to
+    pre_tokenizers.Split as a str, which `tokenizers` matches as literal text: nothing is split into words, so
+    BPE merges across words and digits and the ids are not the model's. Split by the family's regex instead."""
+    import tokenizers
+
+    def set_vocabulary_and_merges(self, vocabulary, merges):
+        set_vocabulary(self, vocabulary, merges)
+        pattern = tokenizers.Regex(BPE_SPLITS.get(type(self).__name__, _bpe.SPLIT_PATTERN_TOKENIZERS))
+        self._tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
+            tokenizers.pre_tokenizers.Split(pattern, "isolated"),
+            tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=self.add_prefix_space, use_regex=False)])
+    return set_vocabulary_and_merges
+
+
+_bpe.BytePairTokenizer._set_vocabulary_and_merges_tokenizers = _split_words(
+    _bpe.BytePairTokenizer._set_vocabulary_and_merges_tokenizers)
 
 TINY_TOKENIZER = os.path.join(HERE, "data", "tiny_tokenizer.model")
 
@@ -71,7 +105,12 @@ MODEL_ALIASES = {
 # Another family trains (KerasHub's own output layer) but needs --chat-template and has no sampler.
 FAMILIES = {"GemmaBackbone": "gemma", "Gemma3Backbone": "gemma", "Llama3Backbone": "llama3",
             "MistralBackbone": "mistral", "QwenBackbone": "chatml", "Qwen3Backbone": "chatml",
-            "Qwen3_5Backbone": "qwen3.5"}
+            "Qwen3_5Backbone": "qwen3.5",
+            "Qwen3MoeBackbone": "chatml"}  # Qwen3-MoE: Qwen 3's decoder call, a mixture of experts as its MLP
+# Mixtures of experts whose layers add their router's load-balancing loss (Keras add_loss) in training mode,
+# already × the model's own coefficient (Qwen3-MoE: router_aux_loss_coefficient, from the checkpoint's
+# router_aux_loss_coef). `forward` calls only these in training mode (which would also switch dropout on).
+ROUTER_AUX_LOSS = ("Qwen3MoeBackbone",)
 # The `tiny` model: a 4-layer Gemma (about 1.5M parameters) with the bundled tokenizer.
 TINY_CONFIG = dict(num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=192,
                    intermediate_dim=1024, head_dim=48)
@@ -264,6 +303,10 @@ def hub_errors(preset):
         raise UsageError(message) from None
 
 
+NETWORK_ERRORS = {"ConnectionError", "ConnectError", "NetworkError", "TimeoutException", "Timeout", "gaierror",
+                  "LocalEntryNotFoundError"}  # no network, or HF_HUB_OFFLINE and not in the cache
+
+
 def hub_error(preset, error):
     """What to do about `error`, raised while fetching `preset` from a hub, in one line; None when it is no
     hub failure. Reads the whole exception chain: KerasHub re-raises the hubs' errors."""
@@ -278,8 +321,7 @@ def hub_error(preset, error):
     text = " ".join(str(x) for x in chain)
     statuses = (getattr(getattr(x, "response", None), "status_code", None) for x in chain)
     status = next((s for s in statuses if isinstance(s, int)), None)  # HTTP errors carry their response
-    offline = bool(kinds & {"ConnectionError", "ConnectError", "NetworkError", "TimeoutException", "Timeout",
-                            "gaierror", "LocalEntryNotFoundError"})
+    offline = bool(kinds & NETWORK_ERRORS)
     explain = _hf_error if preset.startswith("hf://") else _kaggle_error
     message = explain(preset, kinds, text, status, offline)
     return message and (f"--model {preset}: {message}; or pass a local directory (a KerasHub preset or a "
@@ -340,7 +382,7 @@ def check_sampler(name, flag="--model"):
     cls = backbone_class(resolve_model(name))
     if cls.__name__ not in FAMILIES:
         raise UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Gemma 3, Llama 3, "
-                         f"Mistral, Qwen 2.5, Qwen 3 and Qwen 3.5 backbones, not {cls.__name__}")
+                         f"Mistral, Qwen 2.5, Qwen 3, Qwen 3.5 and Qwen3-MoE backbones, not {cls.__name__}")
 
 
 def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
@@ -384,6 +426,18 @@ def ensure_start_token(tokenizer, name):
         if "<|endoftext|>" not in tokenizer.get_vocabulary():
             raise UsageError(f"--model {name}: its tokenizer has no start token (BOS) and no <|endoftext|>")
         tokenizer.start_token_id = tokenizer.token_to_id("<|endoftext|>")
+
+
+def forward(backbone, params, frozen, token_ids, padding_mask):
+    """The backbone's stateless forward (weights passed as values) -> (final-norm hidden states [B, T, D],
+    aux_loss). aux_loss: the sum of the losses its layers add, which a stateless call drops unless its scope
+    collects them: a mixture of experts' router load-balancing loss, one per MoE layer, each × the model's
+    coefficient (ROUTER_AUX_LOSS); 0.0 for a dense model, whose forward is the same as without it."""
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state, collect_losses=True) as scope:
+        hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask},
+                          training=type(backbone).__name__ in ROUTER_AUX_LOSS)
+    return hidden, sum((jnp.asarray(x, jnp.float32) for x in scope.losses), jnp.float32(0.0))  # f32 upcast
 
 
 def logits(backbone, hidden):
@@ -490,20 +544,88 @@ def check_export_hf(name):
                          f"checkpoint (--model {name}); it can write {', '.join(sorted(MODEL_EXPORTERS))}")
 
 
-def export_hf(preset_dir, path):
-    """A saved KerasHub preset (LoRA merged) -> a Hugging Face checkpoint in `path` (model.safetensors,
-    config.json with `architectures`, tokenizer files), renamed from path.tmp once complete. On the host CPU:
-    the exporter needs whole weights."""
+def hf_tokenizer(tokenizer):
+    """The project's tokenizer as a `tokenizers` Tokenizer (tokenizer.json), giving its ids. KerasHub's
+    byte-level BPE (Llama 3, Qwen, GPT-2) runs one already; a SentencePiece BPE (Gemma, Mistral, `tiny`) is
+    rebuilt from its pieces and its own normalizer spec, which transformers' Gemma class replaces by Gemma's
+    (no NFKC, no dummy prefix, spaces kept): `tiny`, with SentencePiece's defaults, got "Sort" as "So", "rt"."""
+    import re
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models
+    from tokenizers import normalizers as norm, pre_tokenizers as pre
+    if getattr(tokenizer, "_tokenizer", None) is not None:  # keras-hub 0.32's BytePairTokenizer, no TensorFlow
+        return Tokenizer.from_str(tokenizer._tokenizer.to_str())
+    proto = sentencepiece_model_pb2.ModelProto.FromString(tokenizer.proto)
+    spec, trainer, pieces = proto.normalizer_spec, proto.trainer_spec, list(proto.pieces)
+    if trainer.model_type != trainer.BPE:
+        raise ValueError(f"{type(tokenizer).__name__}: SentencePiece model type {trainer.model_type}, not BPE")
+    # SentencePiece's BPE merges the adjacent pair making the highest-scoring piece: one merge per split of a
+    # piece, ranked by its score, then id. Types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte.
+    normal = {p.piece: (-p.score, i) for i, p in enumerate(pieces) if p.type == 1}
+    merges = sorted((normal[p], p[:k], p[k:]) for p in normal for k in range(1, len(p))
+                    if p[:k] in normal and p[k:] in normal)
+    hf = Tokenizer(models.BPE({p.piece: i for i, p in enumerate(pieces)}, [m[1:] for m in merges],
+                              unk_token=trainer.unk_piece, fuse_unk=True, byte_fallback=trainer.byte_fallback,
+                              ignore_merges=True))  # a user-defined piece, which no merge makes, taken whole
+    steps = [norm.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []  # e.g. NFKC
+    if spec.remove_extra_whitespaces:  # spaces only (after the charsmap, which makes "\n" one in nmt_nfkc)
+        steps += [norm.Replace(Regex(r"\A +| +\z"), ""), norm.Replace(Regex(" {2,}"), " ")]
+    steps.append(norm.Replace(" ", "▁"))
+    if spec.add_dummy_prefix:  # "▁" before the text even where it starts with one (Metaspace would skip it)
+        steps.append(norm.Replace(Regex(r"\A▁"), "▁▁"))
+    hf.normalizer = norm.Sequence(steps)
+    user = sorted((p.piece for p in pieces if p.type == 4), key=len, reverse=True)  # matched whole, anywhere
+    split = [pre.Split(Regex("|".join(map(re.escape, user))), "isolated")] if user else []
+    # the dummy prefix after an added token too (a template's "<bos>"): the scripts tokenize text apart from it
+    prefix = [pre.Metaspace("▁", "always", split=False)] if spec.add_dummy_prefix else []
+    hf.pre_tokenizer = pre.Sequence(prefix + split)
+    strip = [decoders.Strip(" ", 1, 0)] if spec.add_dummy_prefix else []
+    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    *strip])
+    hf.add_special_tokens([AddedToken(p.piece, normalized=False, special=True)
+                           for p in pieces if p.type in (2, 3)])  # so a template's "<bos>" is the BOS id
+    return hf
+
+
+def _edit_json(path, **changes):
+    """Set keys of a JSON file; None removes one."""
+    with open(path) as f:
+        data = json.load(f)
+    data.update(changes)
+    with open(path, "w") as f:
+        json.dump({k: v for k, v in data.items() if v is not None}, f, indent=2)
+
+
+def export_hf(preset_dir, path, chat_template_name=None):
+    """A saved KerasHub preset (LoRA merged) -> a Hugging Face checkpoint in `path`: model.safetensors,
+    config.json with `architectures`, tokenizer.json (hf_tokenizer, adding the scripts' start token),
+    tokenizer_config.json with the chat template trained with (--chat-template, else the family's); files
+    0644 under umask 022; renamed from path.tmp once complete. On the host CPU: the exporter needs whole
+    weights."""
+    from tokenizers import processors
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
         model = text_causal_lm(preset_dir)
         model.export_to_transformers(tmp)
-    with open(os.path.join(tmp, "config.json")) as f:
-        config = json.load(f)
-    config.setdefault("architectures", [HF_ARCHITECTURES.get(type(model.backbone).__name__)])
-    with open(os.path.join(tmp, "config.json"), "w") as f:
-        json.dump(config, f, indent=2)
+    tokenizer, family = model.preprocessor.tokenizer, type(model.backbone).__name__
+    ensure_start_token(tokenizer, preset_dir)  # Qwen's: <|endoftext|>, as the scripts train
+    bos = tokenizer.id_to_token(tokenizer.start_token_id)
+    hf = hf_tokenizer(tokenizer)
+    hf.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1",
+                                                      special_tokens=[(bos, tokenizer.start_token_id)])
+    hf.save(os.path.join(tmp, "tokenizer.json"))
+    if family in HF_ARCHITECTURES:
+        _edit_json(os.path.join(tmp, "config.json"), architectures=[HF_ARCHITECTURES[family]])
+    # tokenizer.json as it is: a model's own class would rebuild it, and keras-hub's added_tokens_decoder
+    # lists Gemma's turn markers, which as added tokens would cut the text before its dummy prefix
+    _edit_json(os.path.join(tmp, "tokenizer_config.json"), tokenizer_class="PreTrainedTokenizerFast",
+               bos_token=bos, added_tokens_decoder=None, clean_up_tokenization_spaces=False,
+               chat_template=HF_CHAT_TEMPLATES.get(chat_template_name or FAMILIES.get(family)))
+    umask = os.umask(0o22)
+    os.umask(umask)
+    for name in os.listdir(tmp):  # safetensors writes 0600
+        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
     shutil.rmtree(path, ignore_errors=True)
     os.replace(tmp, path)
 
@@ -683,9 +805,10 @@ def load_scorer(mesh, dtype=None, reward_model=None, reward_fns=(), weights=(), 
 
 
 # --- 3. File formats: dataset files and TRL's row formats -> text ---
-def read_rows(path, flag="--dataset"):
-    """[(row, line number)] from .jsonl, or .json (JSON, or JSON Lines as `Dataset.to_json` writes them), or
-    through `datasets` for .parquet and Hub ids (`org/name` too) / saved dirs."""
+def read_rows(path, flag="--dataset", config=None, split="train"):
+    """[(row, line number)] of split `split` (None: the only one) of a .jsonl, a .json (JSON, or JSON Lines as
+    `Dataset.to_json` writes them), or through `datasets`: a .parquet, a `save_to_disk` folder, a Hub id
+    (`gsm8k`, `org/name`) or a local copy of a Hub repo, in configuration `config`. A file is one split, `train`."""
     local = os.path.exists(path) or path.endswith((".jsonl", ".json", ".parquet")) or path[:1] in "./~"
     if local and not os.path.exists(path):
         raise UsageError(f"{flag} {path}: no such file")
@@ -714,15 +837,15 @@ def read_rows(path, flag="--dataset"):
                         rows.append((json.loads(line), i))
                     except json.JSONDecodeError as e:
                         raise UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
+        splits = {"train": rows}
     else:
-        try:
-            import datasets
-        except ImportError:
-            raise UsageError(f"{flag} {path}: parquet files and Hub datasets need `pip install datasets`")
-        ds = (datasets.load_dataset("parquet", data_files=path, split="train") if path.endswith(".parquet")
-              else datasets.load_from_disk(path) if os.path.isdir(path)
-              else datasets.load_dataset(path, split="train"))
-        rows = [(r, i) for i, r in enumerate(ds, 1)]
+        splits = load_splits(path, config, flag)
+    split = split or (next(iter(splits)) if len(splits) == 1 else None)
+    if split not in splits:
+        which = f"no split {split!r}" if split else "name a split (--eval-split)"
+        raise UsageError(f"{flag} {path}: {which}; its splits: {', '.join(splits)}")
+    rows = splits[split]
+    rows = rows if isinstance(rows, list) else [(r, i) for i, r in enumerate(rows, 1)]
     if not rows:
         raise UsageError(f"{path}: no examples")
     for row, line in rows:  # TRL's vision-language rows: their images would be dropped silently
@@ -732,24 +855,82 @@ def read_rows(path, flag="--dataset"):
     return rows
 
 
-# (user turn prefix, assistant turn prefix, turn end) per template; each follows the chat_template of
-# its models' Hugging Face tokenizer_config.json (the BOS that opens them is the scripts' start token).
+def load_splits(path, config, flag):
+    """{split: Dataset} through `datasets`; a Hub failure in one line (UsageError), and a fast one: with no
+    network, load_dataset retries for 23 s, so one request without retries goes first."""
+    import datasets
+    import huggingface_hub as hf
+    hub, offline = not os.path.exists(path), datasets.config.HF_HUB_OFFLINE
+    saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
+    try:
+        if hub and not offline:
+            with contextlib.suppress(hf.errors.HfHubHTTPError):  # a refusal: load_dataset's to explain
+                hf.HfApi().dataset_info(path, timeout=10)
+        ds = (datasets.load_from_disk(path) if saved else datasets.load_dataset("parquet", data_files=path)
+              if path.endswith(".parquet") else datasets.load_dataset(path, config))
+    except Exception as e:
+        if hub and {c.__name__ for c in type(e).__mro__} & NETWORK_ERRORS:
+            why = ("HF_HUB_OFFLINE is set and it is not in the cache: unset it" if offline else "the Hugging Face "
+                   "Hub cannot be reached (no network?): connect, or set HF_HUB_OFFLINE=1 to use a cached copy")
+            raise UsageError(f"{flag} {path}: no such local file or folder, and {why}") from None
+        if not isinstance(e, (ValueError, FileNotFoundError)):  # else datasets' words: config, data, dataset
+            raise
+        text = " ".join(str(e).split("Example of usage")[0].split())  # on one line
+        raise UsageError(f"{flag} {path}: {text}" + " (--dataset-config)" * ("onfig" in text)) from None
+    return ds if isinstance(ds, dict) else {"train": ds}
+
+
+# A chat as its models' Hugging Face chat_template (tokenizer_config.json) writes it, the BOS being the
+# scripts' start token: user and assistant turn prefixes, turn end, system turn prefix (None: no system role,
+# so a leading system text + "\n\n" opens the first user turn), and whether contents are stripped (`| trim`).
+Template = collections.namedtuple("Template", "user model end system trim")
 CHAT_TEMPLATES = {
-    # Gemma 1, 2 and 3 (google/gemma-2b-it, gemma-2-2b-it, gemma-3-1b-it): the model's turn is "model"
-    "gemma": ("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n"),
-    # Llama 3 / 3.1 / 3.2 Instruct (meta-llama/Meta-Llama-3-8B-Instruct)
-    "llama3": ("<|start_header_id|>user<|end_header_id|>\n\n",
-               "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"),
-    # Mistral Instruct v0.1-v0.3 (mistralai/Mistral-7B-Instruct-v0.2): "[INST] {user} [/INST]{answer}</s>";
-    # </s> is the EOS id, which no text tokenizes to: the scripts' EOS ends the last answer only.
-    "mistral": ("[INST] ", " [/INST]", ""),
-    # ChatML: Qwen 2.5 / Qwen 3 (Qwen/Qwen2.5-7B-Instruct; without a system turn Qwen 2.5's template
-    # adds its default system prompt, which this one does not)
-    "chatml": ("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n"),
-    # Qwen 3.5 (Qwen/Qwen3.5-0.8B's template): ChatML, each answer opened by an empty thinking block, as that
-    # template writes an answer without reasoning_content and its non-thinking generation prompt
-    # (enable_thinking=false, 0.8B's default); it leaves the block out of answers before the last user turn
-    "qwen3.5": ("<|im_start|>user\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "<|im_end|>\n"),
+    # Gemma 1-3: the model's turn is "model"; no system role: Gemma 3 folds it in as here (1 and 2 refuse one)
+    # https://huggingface.co/google/gemma-3-1b-it/blob/main/tokenizer_config.json
+    "gemma": Template("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n", None, True),
+    # Llama 3 Instruct: a header per role, system included (3.1+ also add a dated system turn; not here)
+    # https://huggingface.co/meta-llama/Meta-Llama-3-8B-Instruct/blob/main/tokenizer_config.json
+    "llama3": Template("<|start_header_id|>user<|end_header_id|>\n\n",
+                       "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>",
+                       "<|start_header_id|>system<|end_header_id|>\n\n", True),
+    # Mistral Instruct v0.1/v0.2: "[INST] {system}\n\n{user} [/INST]{answer}</s>" (v0.3 moves the system
+    # text to the last user turn); </s> is the EOS id (no text yields it): only the last answer gets the EOS
+    # https://huggingface.co/mistralai/Mistral-7B-Instruct-v0.2/blob/main/tokenizer_config.json
+    "mistral": Template("[INST] ", " [/INST]", "", None, False),
+    # ChatML (Qwen 2.5, Qwen 3): with no system turn Qwen 2.5 adds a default one; this, as Qwen 3, does not
+    # https://huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/tokenizer_config.json
+    "chatml": Template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
+                       "<|im_start|>system\n", False),
+    # Qwen 3.5: ChatML, each answer opened by an empty thinking block, as its template writes an answer without
+    # reasoning_content and its non-thinking generation prompt (enable_thinking=false, 0.8B's default, per its
+    # card); it leaves the block out of answers before the last user turn, this does not
+    # https://huggingface.co/Qwen/Qwen3.5-0.8B (its chat_template, as quoted in public discussions)
+    "qwen3.5": Template("<|im_start|>user\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "<|im_end|>\n",
+                        "<|im_start|>system\n", False),
+}
+# The same templates in Jinja (--export-hf's chat_template), as the model cards cited above write them,
+# opened by the scripts' start token; Mistral's card ends every answer with </s>, where render() leaves the
+# EOS id to the scripts, after the last answer only.
+HF_CHAT_TEMPLATES = {
+    "gemma": "{{ bos_token }}{% for m in messages if m['role'] != 'system' %}{{ '<start_of_turn>' + "
+             "('model' if m['role'] == 'assistant' else 'user') + '\\n' + (messages[0]['content'] + '\\n\\n' "
+             "if loop.first and messages[0]['role'] == 'system' else '') + (m['content'] | trim) + "
+             "'<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
+             "{% endif %}",
+    "llama3": "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
+              "'<|end_header_id|>\\n\\n' + (m['content'] | trim) + '<|eot_id|>' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+              "{% endif %}",
+    "mistral": "{{ bos_token }}{% for m in messages if m['role'] != 'system' %}"
+               "{% if m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% else %}{{ '[INST] ' + "
+               "(messages[0]['content'] + '\\n\\n' if loop.first and messages[0]['role'] == 'system' else '') "
+               "+ m['content'] + ' [/INST]' }}{% endif %}{% endfor %}",
+    "chatml": "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
+              "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+              "{% endif %}",
+    "qwen3.5": "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + ('<think>\\n\\n"
+               "</think>\\n\\n' if m['role'] == 'assistant' else '') + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{% endif %}",
 }
 
 
@@ -770,10 +951,20 @@ def turn_end(template):
     return (template[2].strip() or None) if template else None
 
 
+def _fold(messages, template):
+    """[(role, turn prefix, content)] as the template writes them (where it has no system role, folded in)"""
+    prefix = {"system": template.system, "user": template.user, "assistant": template.model}
+    turns = [(m["role"], prefix[m["role"]], m["content"].strip() if template.trim else m["content"])
+             for m in messages]
+    if template.system is None and turns and turns[0][0] == "system":  # Gemma, Mistral: "{system}\n\n{user}"
+        role, start, content = turns[1]
+        turns = [(role, start, messages[0]["content"] + "\n\n" + content)] + turns[2:]
+    return turns
+
+
 def render(messages, template):
-    """Chat turns -> text (system turns fold into user turns, as Gemma's template does)."""
-    user, model, end = template
-    return "".join((model if m["role"] == "assistant" else user) + m["content"] + end for m in messages)
+    """Chat turns -> text, each role as the family's template writes it (CHAT_TEMPLATES)."""
+    return "".join(start + content + template.end for _, start, content in _fold(messages, template))
 
 
 def _messages(value, key, where, template):
@@ -785,6 +976,13 @@ def _messages(value, key, where, template):
             for m in value):
         raise UsageError(f"{where}: field {key!r} must be a non-empty list of {{role, content}} objects, "
                          "content a string (text only: no image parts)")
+    for i, m in enumerate(value):
+        if m["role"] not in ("system", "user", "assistant"):
+            raise UsageError(f"{where}: field {key!r}, turn {i + 1}: unknown role {m['role']!r} "
+                             "(expected 'system', 'user' or 'assistant')")
+        folded = m["role"] == "system" and template.system is None  # no system role: opens the next user turn
+        if folded and (i or [t["role"] for t in value[:2]] != ["system", "user"]):
+            raise UsageError(f"{where}: field {key!r}: a system turn must come first, then a user turn")
     return value
 
 
@@ -796,19 +994,25 @@ def _text(row, key, where):
 
 
 def sft_segments(row, where, template):
-    """An SFT row (`text`, `prompt`+`completion`, or `messages`) -> [(text, is_completion)] in order."""
+    """An SFT row -> [(text, is_completion)] in order: `text`; `prompt`+`completion` as strings or as chats
+    (TRL's conversational form: the completion's answers carry the loss); `messages` (its answers do)."""
     if not isinstance(row, dict):
         raise UsageError(f"{where}: expected a JSON object")
-    if "messages" in row:
-        messages = _messages(row["messages"], "messages", where, template)
-        user, model, end = template
-        segments = []
-        for m in messages:
-            if m["role"] == "assistant":
-                segments += [(model, False), (m["content"] + end.rstrip("\n"), True),
+    if "messages" in row or any(isinstance(row.get(k), list) for k in ("prompt", "completion")):
+        keys = ("messages",) if "messages" in row else ("prompt", "completion")
+        chats = [_messages(row.get(k), k, where, template) for k in keys]
+        if not any(m["role"] == "assistant" and m["content"].strip() for m in chats[-1]):
+            raise UsageError(f"{where}: no assistant turn with text in {keys[-1]!r}: nothing to train on")
+        turns = [(*turn, chat is chats[-1]) for chat in chats for turn in _fold(chat, template)]
+        while turns[-1][0] != "assistant":  # turns after the last answer train nothing: the EOS follows it
+            turns.pop()
+        end, segments = template.end, []
+        for role, start, content, trained in turns:
+            if role == "assistant":
+                segments += [(start, False), (content + end.rstrip("\n"), trained),
                              (end[len(end.rstrip("\n")):], False)]  # the turn end's newline, if any
             else:
-                segments.append((user + m["content"] + end, False))
+                segments.append((start + content + end, False))
         return segments[:-1]  # the EOS follows the last assistant turn directly
     if "prompt" in row or "completion" in row:
         return [(_text(row, "prompt", where), False), (_text(row, "completion", where), True)]
@@ -839,8 +1043,8 @@ def preference_triple(row, where, template, names=("chosen", "rejected")):
         model, end = template[1], template[2]
         responses = []
         for name, msgs in zip(names, (chosen, rejected)):
-            if not msgs or msgs[0]["role"] != "assistant":
-                raise UsageError(f"{where}: {name!r} must continue the prompt with an assistant turn")
+            if not msgs or msgs[0]["role"] != "assistant" or not msgs[0]["content"].strip():
+                raise UsageError(f"{where}: {name!r} must continue the prompt with an assistant turn with text")
             text = render(msgs, template)
             responses.append(text[len(model):len(text) - len(end)] + end.rstrip("\n"))  # EOS follows
         return (render(prompt, template) + model, *responses)
@@ -881,16 +1085,29 @@ def prompt_text(row, where, template):
 FORMATS = {"sft": sft_segments, "preference": preference_triple, "prompt": prompt_text}
 
 
-def read_dataset(path, form, template, flag="--dataset"):
-    """Every row of `path` in TRL's format `form` ('sft', 'preference', 'prompt'), validated
+def read_dataset(path, form, template, flag="--dataset", config=None, split="train"):
+    """Every row of `path` (read_rows) in TRL's format `form` ('sft', 'preference', 'prompt'), validated
     and rendered to text; a bad row stops with its file and line (exit 2)."""
-    return [FORMATS[form](row, f"{path}:{line}", template) for row, line in read_rows(path, flag)]
+    rows = read_rows(path, flag, config, split)
+    return [FORMATS[form](row, f"{path}:{line}", template) for row, line in rows]
 
 
-def read_prompts(path, template, flag="--dataset"):
+def eval_source(dataset, eval_dataset, eval_split, defaults):
+    """(path, split) of the eval set, path None for none: --eval-dataset "", or your own --dataset without an eval
+    set named (TRL evaluates only when asked; the bundled eval file goes with the bundled training file).
+    --eval-split takes that split of --eval-dataset if one other than the default is given, else of --dataset
+    (TRL's dataset_test_split). defaults: the script's (dataset, eval_dataset) defaults."""
+    if eval_split and not eval_dataset:
+        raise UsageError(f'--eval-split {eval_split}: --eval-dataset "" turns evaluation off')
+    if not eval_split and eval_dataset == defaults[1] and dataset != defaults[0]:
+        return None, None
+    return (dataset if eval_split and eval_dataset == defaults[1] else eval_dataset or None), eval_split
+
+
+def read_prompts(path, template, flag="--dataset", config=None, split="train"):
     """TRL prompt rows -> (the prompts rendered for the model, the rows as read): what reward functions
     see (Scorer), a chat `prompt` as its message list and every other column (e.g. `answer`)."""
-    rows = read_rows(path, flag)
+    rows = read_rows(path, flag, config, split)
     return [prompt_text(row, f"{path}:{line}", template) for row, line in rows], [row for row, _ in rows]
 
 

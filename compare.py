@@ -302,7 +302,7 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
     import evaluate  # JAX starts only now, after the training processes ended (a TPU admits one)
 
     eargs = lambda seed, rm: evaluate.Args(
-        model=base, baseline=base, prompts=prompts_path, num_prompts=args.num_prompts, reward_fn=args.reward_fn,
+        model=base, baseline=base, prompts=prompts_path, num_prompts=args.num_prompts, reward_fn=(args.reward_fn,),
         reward_model=rm, chat_template=args.chat_template, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=seed)
     mesh = common.make_mesh(None)

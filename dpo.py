@@ -31,7 +31,10 @@ class Args(plumbing.SharedArgs):
     dataset: str = os.path.join(common.HERE, "data", "prefs_train.jsonl")
     """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "prefs_eval.jsonl")
-    """held-out pairs for eval/ metrics (same formats); empty to skip evaluation"""
+    """held-out pairs for eval/ metrics (same formats); empty to skip evaluation; the bundled
+    file is used only with the bundled --dataset"""
+    eval_split: str | None = None
+    """evaluate on this split (e.g. `test`) of --dataset, or of --eval-dataset if given (TRL's dataset_test_split)"""
     max_length: int = 1024
     """tokens per prompt + response (TRL DPOConfig: 1024); longer: prompt cut from the left, then pair dropped"""
     group_by_length: bool = False
@@ -56,7 +59,7 @@ class Args(plumbing.SharedArgs):
     (with --lora-rank the reference is the LoRA-off base; otherwise a frozen copy)"""
     # logging and outputs
     export_hf: bool = False
-    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
+    """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
     log_every: int = 10
     """fetch metrics from the device and log every N steps"""
     eval_every: int = 20
@@ -124,15 +127,16 @@ def get_batch(data, lengths, step, args):
 # ALGO LOGIC: log-probs of chosen and rejected, and the DPO loss
 # ---------------------------------------------------------------------------
 def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
-    """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1].
+    """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1]; and the forward's aux_loss (a mixture of
+    experts' router load-balancing loss, common.forward; 0.0 for a dense model).
 
     The [B, T, V] logits are never materialised: the unembedding runs over
     sequence chunks of `chunk` tokens under `jax.checkpoint`, so only one
     [B, chunk, V] float32 block is alive at a time, forward and backward.
     """
+    hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
-        hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask})  # [B, T, D]
+    with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
         hidden, labels = hidden[:, :-1], token_ids[:, 1:]  # logits at t predict token t+1
         b, t, d = hidden.shape
         n = -(-t // chunk)
@@ -145,7 +149,7 @@ def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
             return jnp.take_along_axis(logits, y[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
 
         logps = jax.lax.map(lambda hy: chunk_logps(*hy), (hidden.swapaxes(0, 1), labels.swapaxes(0, 1)))
-    return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]  # [B, T-1]
+    return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t], aux_loss  # [B, T-1], scalar
 
 
 def sequence_logps(logps, loss_mask, average=False):
@@ -163,14 +167,15 @@ def sequence_logps(logps, loss_mask, average=False):
 def concatenated_forward(backbone, params, frozen, batch, average=False):
     """Chosen and rejected through the model in ONE forward pass (stacked on the batch axis).
 
-    batch: {chosen,rejected}_{ids,padding_mask,loss_mask}, each [B, T] -> (chosen, rejected) logps, [B] each.
+    batch: {chosen,rejected}_{ids,padding_mask,loss_mask}, each [B, T] -> (chosen, rejected) logps, [B] each,
+    and the forward's aux_loss (token_logps).
     """
     both = {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])  # [2B, T]
             for k in ("ids", "padding_mask", "loss_mask")}
-    logps = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [2B, T-1]
+    logps, aux_loss = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [2B, T-1]
     seq = sequence_logps(logps, both["loss_mask"], average)
     b = batch["chosen_ids"].shape[0]
-    return seq[:b], seq[b:]
+    return seq[:b], seq[b:], aux_loss
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=0.1,
@@ -208,8 +213,9 @@ def reference_logps(backbone, ref_params, frozen, batch, average=False):
     """πref log-probs: precomputed ones from the batch, else a forward with the reference params."""
     if "ref_chosen_logps" in batch:
         return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
-    # stop_gradient: the reference is frozen (no gradient flows into the shared `frozen` weights)
-    return jax.lax.stop_gradient(concatenated_forward(backbone, ref_params, frozen, batch, average))
+    # stop_gradient: the reference is frozen (no gradient flows into the shared `frozen` weights); so is its
+    # router: its aux_loss is not trained (TRL's reference forward returns none)
+    return jax.lax.stop_gradient(concatenated_forward(backbone, ref_params, frozen, batch, average)[:2])
 
 
 def lora_off(backbone, params):
@@ -233,11 +239,12 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
     average = args.loss_type == "ipo"
 
     def micro_loss(p, micro):
-        chosen, rejected = concatenated_forward(backbone, p, frozen, micro, average)
+        chosen, rejected, aux_loss = concatenated_forward(backbone, p, frozen, micro, average)
         ref_chosen, ref_rejected = reference_logps(backbone, ref_params, frozen, micro, average)
         loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
                                  args.label_smoothing)
-        return loss / accum, {"train/loss": loss, **metrics}  # equal micro-batches: mean of means
+        loss = loss + aux_loss  # + the policy's router load-balancing loss (a mixture of experts; 0.0 dense)
+        return loss / accum, {"train/loss": loss, "aux_loss": aux_loss, **metrics}  # equal micro-batches
 
     def accumulate(grads, micro):
         (_, metrics), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
@@ -268,15 +275,18 @@ def main(args):
     if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5:
         raise common.UsageError("need --beta > 0 and 0 <= --label-smoothing < 0.5")
     template = common.chat_template(args.model, args.chat_template)
-    eval_rows = common.read_dataset(args.eval_dataset, "preference", template, "--eval-dataset") \
-        if args.eval_dataset else []
-    train_rows = common.read_dataset(args.dataset, "preference", template)
+    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
+                                             (Args.dataset, Args.eval_dataset))
+    eval_rows = common.read_dataset(eval_path, "preference", template, "--eval-dataset", args.dataset_config,
+                                    eval_split) if eval_path else []
+    train_rows = common.read_dataset(args.dataset, "preference", template, "--dataset", args.dataset_config,
+                                     args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of pairs
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.dataset)
-    evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, args.eval_dataset)[0] if eval_rows else []
+    evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, eval_path)[0] if eval_rows else []
     print(f"data: {counts['examples']} pairs ({counts['truncated']} prompt-truncated, "
           f"{counts['dropped']} dropped as too long); {len(evals)} eval pairs")
     # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).
@@ -298,7 +308,7 @@ def main(args):
         ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
-    ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), average))
+    ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), average)[:2])
     if args.precompute_ref:
         for data, n in ((train_data, lengths), (eval_data, eval_lengths)) if eval_data else ((train_data, lengths),):
             data["ref_chosen_logps"], data["ref_rejected_logps"] = common.per_example(
@@ -311,7 +321,7 @@ def main(args):
     step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length, donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
     run.record(remat=remat)  # args.json: the mode --remat auto chose
-    eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), average),
+    eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), average)[:2],
                                           *reference_logps(backbone, r, f, first(b), average)))
 
     def evaluate(params):

@@ -4,7 +4,7 @@ Greedy and sampled responses from a KV-cached sampler; scores from a `--reward-f
 reward.py `--reward-model`; win rate and KL(model || baseline) against a `--baseline`.
     python evaluate.py --model runs/dpo…/model --baseline runs/sft…/model
 Offline (toy task, bundled held-out prompts):
-    python evaluate.py --model tiny --baseline tiny
+    python evaluate.py --model tiny --baseline tiny --max-new-tokens 16
 """
 
 import json
@@ -45,15 +45,20 @@ class Args:  # not plumbing.SharedArgs: an evaluation has no training flags
     """held-out prompts (`prompt`: string or message list): .jsonl/.json/.parquet or a HF dataset"""
     num_prompts: int = 200
     """evaluate the first N prompts (0: all)"""
-    reward_fn: str | None = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
-    """`path.py:function` (TRL's f(prompts, completions, **columns), or f(prompts, responses)): the task score"""
+    reward_fn: tuple[str, ...] = (os.path.join(common.HERE, "data", "toy.py") + ":batch_score",)
+    """`path.py:function`s (TRL's f(prompts, completions, **columns), or f(prompts, responses)), summed with
+    --reward-weights: the task score (as grpo.py scores its rollouts)"""
+    reward_weights: tuple[float, ...] = ()
+    """one weight per --reward-fn (empty: all 1.0), as TRL's reward_weights"""
     reward_model: str | None = None
     """reward.py's `model/` dir: a second scorer (rm_* numbers)"""
     # generation
-    max_prompt_length: int = 64
-    """prompt tokens (BOS included); longer prompts are cut from the left"""
-    max_new_tokens: int = 16
-    """tokens generated per prompt (the response is cut after its first EOS)"""
+    max_prompt_length: int = 512
+    """prompt tokens (BOS included); longer prompts are cut from the left (grpo.py's default; a batch is padded
+    only to its own longest prompt's bucket)"""
+    max_new_tokens: int = 256
+    """tokens generated per prompt, at most (all stop once every response has ended; each is cut after its
+    first EOS); grpo.py's --response-length and TRL's max_completion_length: 256"""
     temperature: float = 1.0
     """sampling temperature of the sampled responses (1.0: KL is the models' own KL)"""
     top_p: float = 1.0
@@ -71,6 +76,8 @@ class Args:  # not plumbing.SharedArgs: an evaluation has no training flags
     """None: the run dir holding --model (…/eval), else runs/eval__{model}__{seed}__{time}"""
     num_examples: int = 8
     """example generations written to samples.jsonl"""
+    overwrite: bool = False
+    """replace an evaluation already in --output-dir (otherwise refused)"""
 
 
 # ---------------------------------------------------------------------------
@@ -119,7 +126,7 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
 
     One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
     stops once every sequence has sampled its EOS (steps: tokens sampled per sequence, ≤ R): a batch of
-    short answers costs their length, not R. Shapes stay fixed, so it compiles once per run. After its
+    short answers costs their length, not R. Shapes stay fixed: it compiles once per query bucket. After its
     EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
     `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
     temperature 0 = greedy; otherwise from filter_logits(logits / temperature, top_k, top_p, min_p).
@@ -251,23 +258,25 @@ def load_policy(name, mesh, args, like=None, flag="--model"):
         model.backbone, args, tokenizer.end_token_id, tokenizer.pad_token_id))
 
 
-def batched(fn, arrays, batch_size, mesh):
-    """fn(i, rows, *batch) over rows of host arrays [N, ...] in fixed-size batches i (the last one padded
-    with repeats: one compiled shape), rows: the batch's row indices, batch sharded over `data` -> host
-    outputs [N, ...]."""
-    n, on_data, outs = len(arrays[0]), NamedSharding(mesh, P("data")), []
+def batched(fn, arrays, batch_size, query_mask):
+    """fn(i, rows, drop, *batch) over rows of host arrays [N, ...] in fixed-size batches i (the last one padded
+    with repeats), rows: the batch's row indices, drop: the leading query columns [N, Q] no prompt of the batch
+    uses (Q minus its longest prompt's bucket: a batch compiles once per bucket met) -> host outputs [N, ...]."""
+    n, outs = len(arrays[0]), []
     for i, start in enumerate(range(0, n, batch_size)):
         idx = np.minimum(np.arange(start, start + batch_size), n - 1)
-        outs.append(jax.device_get(fn(i, idx, *[jax.device_put(a[idx], on_data) for a in arrays])))
+        q = query_mask.shape[1]
+        drop = q - common.bucket_length(int(query_mask[idx].sum(1).max()), q)
+        outs.append(jax.device_get(fn(i, idx, drop, *[a[idx] for a in arrays])))
     return jax.tree.map(lambda *xs: np.concatenate(xs)[:n], *outs)
 
 
 def respond(policy, data, kind, key, batch_size, mesh):
     """Greedy or sampled responses to every prompt -> dict of host arrays and decoded texts."""
-    eos, pad = data["eos"], data["pad"]
-    gen = lambda i, rows, qs, qm: truncate_response(
-        policy.fns[kind](policy.params, policy.frozen, qs, qm, jax.random.fold_in(key, i))[0], eos, pad)
-    responses, seq_lens = batched(gen, (data["queries"], data["query_mask"]), batch_size, mesh)
+    eos, pad, put = data["eos"], data["pad"], partial(jax.device_put, device=NamedSharding(mesh, P("data")))
+    gen = lambda i, rows, drop, qs, qm: truncate_response(policy.fns[kind](  # the batch's bucket of columns
+        policy.params, policy.frozen, put(qs[:, drop:]), put(qm[:, drop:]), jax.random.fold_in(key, i))[0], eos, pad)
+    responses, seq_lens = batched(gen, (data["queries"], data["query_mask"]), batch_size, data["query_mask"])
     lengths, has_eos = response_lengths(responses, seq_lens, eos)
     ids = [list(x[:n]) for x, n in zip(responses, lengths)]
     texts = data["tokenizer"].detokenize(ids) if len(lengths) else []
@@ -288,29 +297,31 @@ def score(scorers, data, out, batch_size, mesh):
     """Adds each scorer's scores per prompt (`score`: --reward-fn's, `rm_score`: --reward-model's) to a
     response dict, in the generation's fixed-size batches (the reward model compiles once)."""
     ids, mask, _ = full_sequences(data, out)
+    put = partial(jax.device_put, device=NamedSharding(mesh, P("data")))
     for name, scorer in scorers.items():
         if scorer is not None:
-            scores = lambda i, rows, ids, m: scorer(
+            scores = lambda i, rows, drop, ids, m: scorer(
                 [data["prompts"][j] for j in rows], [out["texts"][j] for j in rows],
-                {"query_responses": ids, "padding_mask": m}, [data["rows"][j] for j in rows],
-                [out["ids"][j] for j in rows], common.turn_end(data["template"]))[0]
-            out[name] = batched(scores, (ids, mask), batch_size, mesh).astype(np.float64)
+                {"query_responses": put(ids[:, drop:]), "padding_mask": put(m[:, drop:])},
+                [data["rows"][j] for j in rows], [out["ids"][j] for j in rows], common.turn_end(data["template"]))[0]
+            out[name] = batched(scores, (ids, mask), batch_size, data["query_mask"]).astype(np.float64)
     return out
 
 
 def evaluate_policy(policy, data, scorer, args, mesh, baseline=None):
     """The protocol for one model: greedy and sampled responses, their scores, and (with a
     baseline) per-prompt KL(policy || baseline) on the policy's own sampled responses."""
-    key, q = jax.random.key(args.seed), data["queries"].shape[1]
-    bs = data["batch_size"]
+    key, q, bs = jax.random.key(args.seed), data["queries"].shape[1], data["batch_size"]
+    put = partial(jax.device_put, device=NamedSharding(mesh, P("data")))
     outs = {kind: score(scorer, data, respond(policy, data, kind, key, bs, mesh), bs, mesh)
             for kind in ("greedy", "sampled")}
     if baseline is not None:
         ids, mask, response_mask = full_sequences(data, outs["sampled"])
-        kl_of = lambda i, rows, ids, m, rm: sequence_kl(
-            policy.fns["logps"](policy.params, policy.frozen, ids, m, q),
-            baseline.fns["logps"](baseline.params, baseline.frozen, ids, m, q), rm)
-        outs["kl"] = batched(kl_of, (ids, mask, response_mask), bs, mesh)
+        kl_of = lambda i, rows, drop, ids, m, rm: sequence_kl(  # the prompt columns cut to the batch's bucket
+            policy.fns["logps"](policy.params, policy.frozen, put(ids[:, drop:]), put(m[:, drop:]), q - drop),
+            baseline.fns["logps"](baseline.params, baseline.frozen, put(ids[:, drop:]), put(m[:, drop:]), q - drop),
+            put(rm))
+        outs["kl"] = batched(kl_of, (ids, mask, response_mask), bs, data["query_mask"])
     return outs
 
 
@@ -374,10 +385,14 @@ def check_args(args, mesh):
         raise common.UsageError(f"--batch-size {args.batch_size} must divide by the data axis ({mesh.shape['data']})")
     if not args.reward_fn and not args.reward_model:
         raise common.UsageError("give --reward-fn and/or --reward-model: nothing to score with")
+    if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
+        raise common.UsageError(f"--reward-weights has {len(args.reward_weights)} values for "
+                                f"{len(args.reward_fn)} --reward-fn functions")
     common.check_sampler(args.model, "--model")
     if args.baseline:
         common.check_sampler(args.baseline, "--baseline")
-    reward_fn = common.load_scorer(mesh, reward_fns=[args.reward_fn]) if args.reward_fn else None
+    reward_fn = common.load_scorer(mesh, reward_fns=args.reward_fn, weights=args.reward_weights) \
+        if args.reward_fn else None
     if args.reward_model:
         common.check_reward_model(args.reward_model)
     prompts, rows = common.read_prompts(args.prompts, common.chat_template(args.model, args.chat_template), "--prompts")
@@ -439,6 +454,10 @@ def main(args):
     t0 = time.perf_counter()
     # ---- set-up: every flag and file checked before any model loads ----
     mesh = common.make_mesh(args.mesh)
+    output_dir = args.output_dir or default_eval_dir(args)
+    if os.path.exists(os.path.join(output_dir, "eval.json")) and not args.overwrite:
+        raise common.UsageError(f"--output-dir {output_dir} already holds an evaluation (eval.json); pass "
+                                "--overwrite to replace it, or choose another --output-dir")
     prompts, rows, reward_fn = check_args(args, mesh)
     policy = load_policy(args.model, mesh, args)
     data = prepare(args, mesh, prompts, rows, policy.model.preprocessor.tokenizer)
@@ -454,10 +473,9 @@ def main(args):
     metrics = {"model": args.model, "baseline": args.baseline, "prompts": args.prompts,
                "num_prompts": len(data["prompts"]), "seed": args.seed, "temperature": args.temperature,
                "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
-               "max_new_tokens": args.max_new_tokens, "reward_fn": args.reward_fn,
+               "max_new_tokens": args.max_new_tokens, "reward_fn": list(args.reward_fn),
                "reward_model": args.reward_model, **summarize(outs, base_outs),
                "eval_seconds": time.perf_counter() - t0}
-    output_dir = args.output_dir or default_eval_dir(args)
     write_outputs(output_dir, metrics, examples(outs, data, args.num_examples, base_outs), per_prompt(outs, base_outs))
     for k, v in metrics.items():
         if isinstance(v, float):

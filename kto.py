@@ -31,7 +31,10 @@ class Args(plumbing.SharedArgs):
     dataset: str = os.path.join(common.HERE, "data", "kto_train.jsonl")
     """`prompt`/`completion`/`label` rows or preference pairs: .jsonl/.json/.parquet, a HF dataset id / dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "kto_eval.jsonl")
-    """held-out examples for eval/ metrics (same formats); empty to skip evaluation"""
+    """held-out examples for eval/ metrics (same formats); empty to skip evaluation; the bundled
+    file is used only with the bundled --dataset"""
+    eval_split: str | None = None
+    """evaluate on this split (e.g. `test`) of --dataset, or of --eval-dataset if given (TRL's dataset_test_split)"""
     max_length: int = 1024
     """tokens per prompt + completion (TRL KTOConfig: 1024); longer: prompt cut from the left, then dropped"""
     group_by_length: bool = False
@@ -59,7 +62,7 @@ class Args(plumbing.SharedArgs):
     (with --lora-rank the reference is the LoRA-off base; otherwise a frozen copy)"""
     # logging and outputs
     export_hf: bool = False
-    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
+    """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
     log_every: int = 10
     """fetch metrics from the device and log every N steps"""
     eval_every: int = 20
@@ -69,11 +72,11 @@ class Args(plumbing.SharedArgs):
 # ---------------------------------------------------------------------------
 # Data: (prompt, completion, label) texts -> token ids + masks, each with a mismatched pair -> batches
 # ---------------------------------------------------------------------------
-def read_examples(path, template, flag="--dataset"):
+def read_examples(path, template, flag="--dataset", config=None, split="train"):
     """(prompt, completion, label) texts of TRL's unpaired rows (common.unpaired_example), or of preference
     pairs (prompt/chosen/rejected) unpaired as TRL's unpair_preference_dataset does: each chosen a desirable
     example, each rejected an undesirable one (all chosen first). TRL decides the form by the first row."""
-    rows = common.read_rows(path, flag)
+    rows = common.read_rows(path, flag, config, split)
     if not (isinstance(rows[0][0], dict) and {"chosen", "rejected"} <= rows[0][0].keys()):
         return [common.unpaired_example(row, f"{path}:{line}", template) for row, line in rows]
     triples = [common.preference_triple(row, f"{path}:{line}", template) for row, line in rows]
@@ -145,15 +148,16 @@ def get_batch(data, lengths, step, args):
 # ALGO LOGIC: log-probs of completions and mismatched pairs, and the KTO loss
 # ---------------------------------------------------------------------------
 def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
-    """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1].
+    """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1]; and the forward's aux_loss (a mixture of
+    experts' router load-balancing loss, common.forward; 0.0 for a dense model).
 
     The [B, T, V] logits are never materialised: the unembedding runs over
     sequence chunks of `chunk` tokens under `jax.checkpoint`, so only one
     [B, chunk, V] float32 block is alive at a time, forward and backward.
     """
+    hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
-        hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask})  # [B, T, D]
+    with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
         hidden, labels = hidden[:, :-1], token_ids[:, 1:]  # logits at t predict token t+1
         b, t, d = hidden.shape
         n = -(-t // chunk)
@@ -166,7 +170,7 @@ def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
             return jnp.take_along_axis(logits, y[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
 
         logps = jax.lax.map(lambda hy: chunk_logps(*hy), (hidden.swapaxes(0, 1), labels.swapaxes(0, 1)))
-    return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]  # [B, T-1]
+    return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t], aux_loss  # [B, T-1], scalar
 
 
 def sequence_logps(logps, loss_mask, average=False):
@@ -182,11 +186,12 @@ def sequence_logps(logps, loss_mask, average=False):
 
 def concatenated_forward(backbone, params, frozen, batch, names=("completion", "KL")):
     """The `names` sequences of each example through the model in ONE forward (stacked on the batch axis):
-    batch {name}_{ids,padding_mask,loss_mask}, each [B, T] -> per-sequence log-probs, [B] for each name."""
+    batch {name}_{ids,padding_mask,loss_mask}, each [B, T] -> per-sequence log-probs, [B] for each name,
+    then the forward's aux_loss (token_logps)."""
     both = {k: jnp.concatenate([batch[f"{name}_{k}"] for name in names])  # [len(names)·B, T]
             for k in ("ids", "padding_mask", "loss_mask")}
-    logps = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [len(names)·B, T-1]
-    return tuple(jnp.split(sequence_logps(logps, both["loss_mask"]), len(names)))
+    logps, aux_loss = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [nB, T-1]
+    return (*jnp.split(sequence_logps(logps, both["loss_mask"]), len(names)), aux_loss)
 
 
 def kto_loss(logps, ref_logps, kl_logps, ref_kl_logps, labels, beta=0.1, desirable_weight=1.0,
@@ -233,8 +238,9 @@ def reference_logps(backbone, ref_params, frozen, batch, names=("completion", "K
     """πref log-probs of the `names` sequences: precomputed ones from the batch, else a reference forward."""
     if "ref_completion_logps" in batch:
         return tuple(batch[f"ref_{name}_logps"] for name in names)
-    # stop_gradient: the reference is frozen (no gradient flows into the shared `frozen` weights)
-    return jax.lax.stop_gradient(concatenated_forward(backbone, ref_params, frozen, batch, names))
+    # stop_gradient: the reference is frozen (no gradient flows into the shared `frozen` weights); so is its
+    # router: its aux_loss is not trained (TRL's reference forward returns none)
+    return jax.lax.stop_gradient(concatenated_forward(backbone, ref_params, frozen, batch, names)[:-1])
 
 
 def lora_off(backbone, params):
@@ -258,6 +264,7 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
                       undesirable_weight=args.undesirable_weight, loss_type=args.loss_type)
 
     def mismatched_logps(micro):  # π and πref log-probs of the mismatched pairs, [B/A] each: no gradient
+        # (so the aux_loss of this detached forward is not trained either: only the completions' below)
         return (jax.lax.stop_gradient(concatenated_forward(backbone, params, frozen, micro, ("KL",))[0]),
                 reference_logps(backbone, ref_params, frozen, micro, ("KL",))[0])
 
@@ -266,22 +273,24 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
     kl_logps, ref_kl_logps = kl_logps.reshape(-1), ref_kl_logps.reshape(-1)  # the whole batch, [B]
 
     def micro_loss(p, micro):
-        logps = concatenated_forward(backbone, p, frozen, micro, ("completion",))[0]  # [B/A]
+        logps, aux_loss = concatenated_forward(backbone, p, frozen, micro, ("completion",))  # [B/A], scalar
         ref_logps = reference_logps(backbone, ref_params, frozen, micro, ("completion",))[0]
         loss, _ = loss_fn(logps, ref_logps, kl_logps, ref_kl_logps, micro["label"])
-        return loss / accum, (jax.lax.stop_gradient(logps), ref_logps)  # equal micro-batches: mean of means
+        loss = loss + aux_loss  # + the policy's router load-balancing loss (a mixture of experts; 0.0 dense)
+        return loss / accum, (jax.lax.stop_gradient(logps), ref_logps, aux_loss)  # equal micro-batches
 
     def accumulate(grads, micro):
         (_, logps), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
         return jax.tree.map(jnp.add, grads, g), logps
 
-    grads, (logps, ref_logps) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
+    grads, (logps, ref_logps, aux_loss) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     # The loss and metrics of the whole batch, [A, B/A] -> [B] (the loss: the sum of the micro-batches')
     loss, metrics = loss_fn(logps.reshape(-1), ref_logps.reshape(-1), kl_logps, ref_kl_logps,
                             batch["label"].reshape(-1))
-    return (params, opt_state), {"train/loss": loss, **metrics, "train/grad_norm": optax.global_norm(grads)}
+    return (params, opt_state), {"train/loss": loss + aux_loss.mean(), "aux_loss": aux_loss.mean(), **metrics,
+                                 "train/grad_norm": optax.global_norm(grads)}
 
 
 def make_optimizer(args, max_steps):
@@ -301,8 +310,11 @@ def main(args):
     if args.beta <= 0 or min(args.desirable_weight, args.undesirable_weight) < 0:
         raise common.UsageError("need --beta > 0, --desirable-weight >= 0 and --undesirable-weight >= 0")
     template = common.chat_template(args.model, args.chat_template)
-    eval_rows = read_examples(args.eval_dataset, template, "--eval-dataset") if args.eval_dataset else []
-    train_rows = read_examples(args.dataset, template)
+    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
+                                             (Args.dataset, Args.eval_dataset))
+    eval_rows = read_examples(eval_path, template, "--eval-dataset", args.dataset_config, eval_split) \
+        if eval_path else []
+    train_rows = read_examples(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of examples
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
@@ -312,7 +324,7 @@ def main(args):
     tokenize = partial(tokenize_dataset, tokenizer=tokenizer, max_length=args.max_length, seed=args.seed,
                        mismatched=mismatched)
     train, counts = tokenize(train_rows, path=args.dataset)
-    evals = tokenize(eval_rows, path=args.eval_dataset)[0] if eval_rows else []
+    evals = tokenize(eval_rows, path=eval_path)[0] if eval_rows else []
     print(f"data: {counts['examples']} examples ({counts['desirable']} desirable, {counts['undesirable']} "
           f"undesirable; {counts['truncated']} prompt-truncated, {counts['dropped']} dropped as too long); "
           f"{len(evals)} eval examples")
@@ -334,7 +346,7 @@ def main(args):
         ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
-    ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), names))
+    ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), names)[:-1])
     if args.precompute_ref:
         for data, n in ((train_data, lengths), (eval_data, eval_lengths)) if eval_data else ((train_data, lengths),):
             logps = common.per_example(lambda b: ref_fn(ref_params, frozen, b), data, args.batch_size,
@@ -348,7 +360,7 @@ def main(args):
     step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length, donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
     run.record(remat=remat)  # args.json: the mode --remat auto chose
-    eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), names),
+    eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), names)[:-1],
                                           *reference_logps(backbone, r, f, first(b), names)))
 
     def evaluate(params):  # z₀ from every eval example's mismatched pair; [-1]: the KL sequences, if any

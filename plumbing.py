@@ -80,24 +80,65 @@ def launch(main, args_class):
         _end(1, f"error: {e}", sys.stderr)
 
 
+# TRL's (transformers') flag names that are spelled otherwise here -> this project's flag
+TRL_FLAGS = {"num-train-epochs": "--num-epochs", "per-device-train-batch-size": "--batch-size (global: all devices)",
+             "gradient-accumulation-steps": "--grad-accum-steps", "max-completion-length": "--response-length",
+             "max-new-tokens": "--response-length (evaluate.py: --max-new-tokens)", "lora-r": "--lora-rank",
+             "use-peft": "--lora-rank N", "model-name-or-path": "--model", "dataset-name": "--dataset",
+             "save-steps": "--save-every", "eval-steps": "--eval-every", "logging-steps": "--log-every",
+             "gradient-checkpointing": "--remat on", "bf16": "--dtype bfloat16", "resume-from-checkpoint":
+             "--resume", "report-to": "--track (W&B; TensorBoard files are always written)",
+             "per-device-eval-batch-size": "--batch-size", "eval-strategy": "--eval-every N (0: none)",
+             "dataset-train-split": "--dataset-split", "dataset-test-split": "--eval-split"}
+
+
 def cli(args_class, argv=None):
-    """tyro.cli(Args) on argv (None: sys.argv), with tyro's boxed parse errors as one UsageError."""
+    """tyro.cli(Args) on argv (None: sys.argv), with tyro's boxed parse errors as one UsageError: a TRL flag
+    name gets this project's, a typo tyro's guess. Then check_defaults."""
     import io
     import tyro
-    err = io.StringIO()
+    err, argv = io.StringIO(), sys.argv[1:] if argv is None else list(argv)
     try:
         with contextlib.redirect_stderr(err):
-            return tyro.cli(args_class, args=argv)
+            args = tyro.cli(args_class, args=argv)
     except SystemExit as e:
         if not e.code:
             raise
-        text = []
-        for line in err.getvalue().splitlines()[1:]:  # the first line is the box's title
-            line = line.strip("│╭╮╰╯ \n")
-            if set(line) <= {"─"}:
-                break
-            text.append(line)
-        raise UsageError(" ".join(text) or err.getvalue().strip()) from None
+        lines = [line.strip("│╭╮╰╯ \n") for line in err.getvalue().splitlines()[1:]]  # [0]: the box's title
+        text = " ".join(lines[:next((i for i, x in enumerate(lines) if set(x) <= {"─"}), len(lines))])
+        trl = [f"--{f} is {TRL_FLAGS[f]} here" for a in argv if (f := a[2:].split("=")[0]) in TRL_FLAGS]
+        guess = next((x.split()[0] for x, prev in zip(lines[1:], lines) if prev == "Perhaps you meant:"), None)
+        hints = trl or ([f"perhaps you meant {guess}"] if guess else [])
+        raise UsageError("; ".join([text or err.getvalue().strip(), *hints])) from None
+    check_defaults(args, argv)
+    return args
+
+
+def check_defaults(args, argv):
+    """A model other than the `tiny` demo (or a model trained from it) never silently trains or scores with
+    the bundled toy task: each data or reward flag left at its data/ default must be given."""
+    given = {a.split("=")[0] for a in argv}
+    given |= {"--eval-dataset"} | ({"--reward-fn"} if "--reward-model" in given else set())  # no eval: no toy eval
+    toy = [flag for f in dataclasses.fields(args) if os.path.join(HERE, "data") in str(f.default)
+           and (flag := "--" + f.name.replace("_", "-")) not in given]
+    if toy and not is_toy_model(args.model):
+        import common
+        common.resolve_model(args.model)  # an unknown --model is reported as that
+        what = {"--reward-fn": "--reward-fn path.py:function"}
+        raise UsageError(f"--model {args.model} would use the bundled toy task (data/): pass "
+                         + ", ".join(what.get(f, f + " DATA") for f in toy)
+                         + "; DATA: a .jsonl/.json/.parquet file, a saved dataset dir or a Hub dataset id")
+
+
+def is_toy_model(model):
+    """`tiny`, or a model dir trained from it (its tokenizer is the bundled one: KerasHub's or HF's file)."""
+    with open(os.path.join(HERE, "data", "tiny_tokenizer.model"), "rb") as f:
+        tiny = f.read()
+    for name in ("assets/tokenizer/vocabulary.spm", "tokenizer.model"):
+        if os.path.isfile(os.path.join(model, name)):
+            with open(os.path.join(model, name), "rb") as f:
+                return f.read() == tiny
+    return model == "tiny"
 
 
 def answer_help(module_name, path):
@@ -187,7 +228,11 @@ class SharedArgs:
     auto: on only if the step compiled without it would not fit the device's memory (never on CPU)"""
     # data
     dataset: str = ""
-    """training data: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
+    """training data: .jsonl/.json/.parquet, a `save_to_disk` folder, or a Hugging Face Hub dataset id"""
+    dataset_config: str | None = None
+    """the Hub dataset's configuration, e.g. `main` for gsm8k (TRL's dataset_config)"""
+    dataset_split: str = "train"
+    """the split of --dataset to train on (TRL's dataset_train_split); a file is one split, `train`"""
     # optimisation
     max_steps: int | None = None
     """optimizer updates; None: ceil(--num-epochs × rows of --dataset / rows per step), resolved before training"""
@@ -206,8 +251,9 @@ class SharedArgs:
     # logging and outputs
     output_dir: str | None = None
     """None: runs/{script}__{model}__{seed}__{time}"""
-    save_every: int = 0
-    """checkpoint every N steps (0: only on SIGTERM/SIGINT); the newest 3 are kept"""
+    save_every: int = 500
+    """checkpoint every N steps, and the last step of a run this long (TRL's save_steps: 500); the newest 3 are
+    kept; 0: only on SIGTERM/SIGINT"""
     resume: bool = False
     """continue from the newest complete checkpoint in --output-dir"""
     overwrite: bool = False
@@ -228,7 +274,7 @@ class RolloutArgs(SharedArgs):
     """SharedArgs plus what every RL script (ppo, grpo, rloo) samples with: prompts, lengths, temperature."""
     # data
     dataset: str = os.path.join(HERE, "data", "prompts_train.jsonl")
-    """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, or a Hugging Face dataset"""
+    """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, a saved folder or a Hub dataset id"""
     max_prompt_length: int = 512
     """prompt tokens (BOS included); longer prompts are cut from the left (TRL GRPOConfig ≤ 0.2x: 512)"""
     # rollouts
@@ -244,6 +290,11 @@ class RolloutArgs(SharedArgs):
 
 # --- 3. The run's lifecycle ---
 RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model", "model_hf")
+# Flags a --resume may change: what the run does next, not what it computes (every other flag, and the script,
+# must match args.json; --max-steps and --num-epochs may extend the run)
+RESUMABLE = {"max_steps", "num_epochs", "output_dir", "resume", "overwrite", "track", "save_every", "eval_every",
+             "log_every", "sample_every", "num_samples", "mesh", "remat", "export_hf", "skip_nonfinite",
+             "coordinator_address", "num_processes", "process_id"}
 
 
 def default_output_dir(script, model, seed):
@@ -315,13 +366,18 @@ class Run:
         last, finished = steps[-1] if steps else None, os.path.isdir(self.model_dir)
         self._done = self._no_checkpoint = None
         if self.args.resume:
-            if finished and "args.json" in held:
-                with open(os.path.join(d, "args.json")) as f:
-                    self._done = max(last or 0, json.load(f).get("max_steps") or 0)
+            if "args.json" in held:
+                recorded = self._check_same_run()
+                self._done = max(last or 0, recorded.get("max_steps") or 0) if finished else None
             if last is None:
-                self._no_checkpoint = (f"--resume: {d} holds no checkpoint to continue from"
-                                       + ("" if held else " (no run there)")
-                                       + "; checkpoints are written by --save-every N and on SIGTERM/SIGINT")
+                self._no_checkpoint = f"--resume: {d} holds no checkpoint to continue from" + (
+                    "" if held else " (no run there)")
+            elif (self._done or 0) > last:  # a finished run extends from its final state, or not at all
+                self._no_checkpoint = (f"--resume: the newest checkpoint in {d} (step {last}) is older than its "
+                                       f"finished model/ (step {self._done}), which continuing from it would replace")
+            if self._no_checkpoint:
+                self._no_checkpoint += "; checkpoints are written by --save-every N and on SIGTERM/SIGINT" + (
+                    f"; to train on, start a new run from --model {self.model_dir}" if finished else "")
             self._check_resumable()  # with --max-steps None: in resolve_max_steps, once it is derived
             return last or 0
         if held and not self.args.overwrite:
@@ -333,6 +389,25 @@ class Run:
                     "pass --resume to continue it or --overwrite to replace it"
             raise UsageError(f"--output-dir {d} already holds {what}; {hint}")
         return 0
+
+    def _check_same_run(self):
+        """args.json's record (its resumes applied); a UsageError listing each run-defining flag that differs."""
+        with open(os.path.join(self.dir, "args.json")) as f:
+            recorded = json.load(f)
+        for resumed in recorded.get("resumes", []):
+            recorded.update(resumed)
+        now = json.loads(json.dumps(self._record(), default=str))
+        diff = [f"{'--' + k.replace('_', '-') if k != 'script' else 'the script'} {recorded[k]!r} -> {v!r}"
+                for k, v in now.items() if k not in RESUMABLE and k in recorded and recorded[k] != v]
+        if diff:
+            raise UsageError(f"--resume: {self.dir} is another run: " + "; ".join(diff)
+                             + " (only --max-steps/--num-epochs and output flags may change; or pass --overwrite)")
+        return recorded
+
+    def _record(self):
+        """What args.json records of this run: the flags, the script and the values resolved so far."""
+        return {"script": self.script, **vars(self.args), "output_dir": self.dir, "dtype": self.dtype,
+                "max_steps": self.max_steps, **self.resolved}
 
     def _check_resumable(self):
         """--resume on a complete run: RunComplete; with no checkpoint to continue from: UsageError."""
@@ -378,8 +453,13 @@ class Run:
                     path = os.path.join(self.dir, f)
                     shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         os.makedirs(self.dir, exist_ok=True)
-        record = {**vars(args), "output_dir": self.dir, "dtype": self.dtype, "max_steps": self.max_steps,
-                  **self.resolved}
+        record = self._record()
+        if args.resume and os.path.exists(os.path.join(self.dir, "args.json")):  # the first part's record stays;
+            with open(os.path.join(self.dir, "args.json")) as f:  # each resume appends its own
+                first = json.load(f)
+            first.setdefault("resumes", []).append({"resumed_at_step": self.start, "time": time.strftime(
+                "%Y-%m-%dT%H:%M:%S"), **record})
+            record = first
         with open(os.path.join(self.dir, "args.json.tmp"), "w") as f:
             json.dump(record, f, indent=2, default=str)
         os.replace(os.path.join(self.dir, "args.json.tmp"), os.path.join(self.dir, "args.json"))
@@ -393,7 +473,7 @@ class Run:
         self._metrics, self._tb, self._wandb = open(path, "a"), SummaryWriter(self.dir), None
         if args.track:
             import wandb
-            self._wandb = wandb.init(config=record, name=os.path.basename(self.dir))
+            self._wandb = wandb.init(config=self._record(), name=os.path.basename(self.dir))
         for step, row in self._buffered:
             self._write(step, row)
 
@@ -511,10 +591,12 @@ class Run:
             self._eval_started = None
 
     def checkpoint(self, state, meta=None):
-        """Every --save-every steps, and once a SIGTERM/SIGINT has arrived: save `state` (a pytree of arrays)
-        + meta (JSON) + the step; after a signal, raise Preempted."""
+        """Every --save-every steps (and at the last step, where the run is that long: a finished run extends
+        from its final state), and once a SIGTERM/SIGINT has arrived: save `state` (a pytree of arrays) + meta
+        (JSON) + the step; after a signal, raise Preempted."""
         stopping, every = self.stop_signal, self.args.save_every  # a later signal: at the next step
-        if not (stopping or (every and self.step % every == 0)):
+        last = self.step == self.max_steps and self.max_steps >= every
+        if not (stopping or (every and (self.step % every == 0 or last))):
             return
         self._open()
         self._flush()
@@ -543,7 +625,7 @@ class Run:
                 shutil.rmtree(self.model_dir)
             os.replace(tmp, self.model_dir)
             if self.export_hf:
-                common.export_hf(self.model_dir, os.path.join(self.dir, "model_hf"))
+                common.export_hf(self.model_dir, os.path.join(self.dir, "model_hf"), self.args.chat_template)
         self.close()
         shown = {k: self.last_train[k] for k in ("train/loss", *self._show) if k in self.last_train}
         shown.update(list(self.last_eval.items())[:2])
@@ -569,8 +651,10 @@ def enable_remat(backbone, on=True):
     """Activation checkpointing per decoder block: each block's activations are recomputed in the backward
     pass, so only the block inputs [B, T, D] stay alive between forward and backward (about +1/3 FLOPs; what
     makes Gemma-2B DPO fit 16 GiB chips). Calls with a KV cache (generation) have no backward pass and are
-    left alone. `backbone.remat_on`, read when a step is traced, switches it (Remat's auto)."""
+    left alone. `backbone.remat_on`, read when a step is traced, switches it (Remat's auto). The losses a
+    block adds (a mixture of experts' router loss, common.forward) leave the checkpoint as its outputs."""
     import jax
+    from keras.src.backend.common.stateless_scope import get_stateless_scope
     backbone.remat_on = on
     for layer in [] if hasattr(backbone, "_remat_layers") else getattr(backbone, "transformer_layers", []):
         def call(*args, _call=layer.call, **kwargs):
@@ -579,7 +663,19 @@ def enable_remat(backbone, on=True):
                 return _call(*args, **kwargs)
             arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
             rest = {k: v for k, v in kwargs.items() if k not in arrays}
-            return jax.checkpoint(lambda a, kw: _call(*a, **kw, **rest))(args, arrays)
+            scope = get_stateless_scope()
+            losses = scope.losses if scope is not None else []
+
+            def block(a, kw):  # a loss added inside, left in the scope, would be a leaked tracer
+                n = len(losses)
+                out = _call(*a, **kw, **rest)
+                added = losses[n:]
+                del losses[n:]
+                return out, added
+
+            out, added = jax.checkpoint(block)(args, arrays)
+            losses.extend(added)
+            return out
         layer.call = call
     backbone._remat_layers = True
     return backbone

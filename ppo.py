@@ -65,7 +65,7 @@ class Args(plumbing.RolloutArgs):
     """value loss weight"""
     # logging and outputs
     export_hf: bool = False
-    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
+    """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
 
 
 class PPOParams(NamedTuple):
@@ -156,23 +156,18 @@ def truncate_response(responses, eos_id, pad_id):
     return jnp.where(jnp.arange(r)[None] > first_eos[:, None], pad_id, responses), first_eos
 
 
-def hidden_states(backbone, params, frozen, token_ids, padding_mask):
-    """Final-norm hidden states [B, T, D] (stateless: weights passed as values)."""
-    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
-        return backbone({"token_ids": token_ids, "padding_mask": padding_mask})
-
-
 def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature):
-    """log π(response token) from logits / temperature, and the entropy: [B, R] each, float32.
+    """log π(response token) from logits / temperature, and the entropy: [B, R] each, float32; and the
+    forward's aux_loss (a mixture of experts' router load-balancing loss, common.forward; 0.0 dense).
 
     Position t predicts token t+1, so response token Q+i is scored by hidden[Q+i-1].
     The [B, R, V] logits are made one response position at a time under jax.checkpoint.
     """
-    hidden = hidden_states(backbone, params, frozen, token_ids, padding_mask)[:, context_length - 1:-1]
+    hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
+    hidden = hidden[:, context_length - 1:-1]
     labels = token_ids[:, context_length:]  # [B, R]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
+    with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
         @jax.checkpoint
         def position(h, y):  # [B, D], [B] -> [B], [B]
             logits = common.logits(backbone, h) / temperature  # f32
@@ -181,13 +176,14 @@ def response_logps(backbone, params, frozen, token_ids, padding_mask, context_le
             return jnp.take_along_axis(logits, y[:, None], -1)[:, 0] - logz, entropy
 
         logps, entropy = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
-    return logps.T, entropy.T
+    return logps.T, entropy.T, aux_loss
 
 
 def response_values(backbone, params, frozen, head, token_ids, padding_mask, context_length):
-    """V(state before each response token) = w·h + b: [B, R], float32."""
-    hidden = hidden_states(backbone, params, frozen, token_ids, padding_mask)[:, context_length - 1:-1]
-    return (hidden.astype(jnp.float32) @ head["weight"])[..., 0] + head["bias"]
+    """V(state before each response token) = w·h + b: [B, R], float32; and the forward's aux_loss."""
+    hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
+    hidden = hidden[:, context_length - 1:-1]
+    return (hidden.astype(jnp.float32) @ head["weight"])[..., 0] + head["bias"], aux_loss
 
 
 def masked_mean(x, mask):
@@ -260,9 +256,11 @@ def rollout_stats(models, params, ref_params, frozen, batch, context_length, tem
     """Log-probs of policy and reference, and values, for a finished rollout batch.
     models, frozen: Pairs (backbones, frozen values); params: PPOParams; ref_params: policy values."""
     ids, mask = batch["query_responses"], batch["padding_mask"]
-    logprobs, _ = response_logps(models.policy, params.policy, frozen.policy, ids, mask, context_length, temperature)
-    ref_logprobs, _ = response_logps(models.policy, ref_params, frozen.policy, ids, mask, context_length, temperature)
-    values = response_values(models.value, params.value, frozen.value, params.head, ids, mask, context_length)
+    logprobs, _, _ = response_logps(models.policy, params.policy, frozen.policy, ids, mask, context_length,
+                                    temperature)
+    ref_logprobs, _, _ = response_logps(models.policy, ref_params, frozen.policy, ids, mask, context_length,
+                                        temperature)
+    values, _ = response_values(models.value, params.value, frozen.value, params.head, ids, mask, context_length)
     return logprobs, ref_logprobs, values
 
 
@@ -291,13 +289,18 @@ def train_step(models, optimizer, args, state, frozen, batch, context_length):
     ids, mask = batch["query_responses"], batch["padding_mask"]
 
     def loss_fn(p):
-        new_logprobs, entropy = response_logps(models.policy, p.policy, frozen.policy, ids, mask, context_length,
-                                               args.temperature)
-        new_values = response_values(models.value, p.value, frozen.value, p.head, ids, mask, context_length)
+        new_logprobs, entropy, aux_loss = response_logps(models.policy, p.policy, frozen.policy, ids, mask,
+                                                         context_length, args.temperature)
+        new_values, value_aux_loss = response_values(models.value, p.value, frozen.value, p.head, ids, mask,
+                                                     context_length)
         loss, metrics = ppo_loss(new_logprobs, new_values, batch["logprobs"], batch["values"],
                                  batch["advantages"], batch["returns"], batch["response_mask"],
                                  args.cliprange, args.cliprange_value, args.vf_coef)
-        return loss, {**metrics, "policy/entropy_avg": masked_mean(entropy, batch["response_mask"])}
+        # + each model's router load-balancing loss (a mixture of experts; 0.0 dense), weighted as its own
+        # loss: the value model's by vf_coef, as its value loss, so its balance against that loss is kept
+        loss = loss + aux_loss + args.vf_coef * value_aux_loss
+        return loss, {**metrics, "policy/entropy_avg": masked_mean(entropy, batch["response_mask"]),
+                      "aux_loss": aux_loss, "val/aux_loss": value_aux_loss}
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -366,7 +369,8 @@ def main(args):
                                 f"{args.num_mini_batches} each divisible by the data axis ({run.mesh.shape['data']})")
     common.check_sampler(args.model)  # a family whose decoder layers the sampler knows
     template = common.chat_template(args.model, args.chat_template)
-    prompts, rows = common.read_prompts(args.dataset, template)  # rows: the columns reward functions may read
+    # rows: the columns reward functions may read
+    prompts, rows = common.read_prompts(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     max_steps = run.resolve_max_steps(len(prompts))  # --max-steps, or --num-epochs' worth of rollouts
     scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=[args.reward_fn],
                                 lora_rank=args.lora_rank)  # s(x, y): the reward model, or the reward function

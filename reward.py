@@ -18,7 +18,6 @@ plumbing.answer_help(__name__, __file__)  # `python reward.py --help`: from Args
 import common  # noqa: E402  (mesh, models, data files, batches)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -30,7 +29,10 @@ class Args(plumbing.SharedArgs):
     dataset: str = os.path.join(common.HERE, "data", "prefs_train.jsonl")
     """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "prefs_eval.jsonl")
-    """held-out pairs for eval/accuracy (same formats); empty to skip evaluation"""
+    """held-out pairs for eval/accuracy (same formats); empty to skip evaluation; the bundled
+    file is used only with the bundled --dataset"""
+    eval_split: str | None = None
+    """evaluate on this split (e.g. `test`) of --dataset, or of --eval-dataset if given (TRL's dataset_test_split)"""
     max_length: int = 1024
     """tokens per prompt + response (TRL RewardConfig: 1024); longer: prompt cut from the left, then pair dropped"""
     group_by_length: bool = False
@@ -119,18 +121,17 @@ def init_head(backbone, seed):
 
 
 def last_token_hidden(backbone, params, frozen, token_ids, padding_mask):
-    """Backbone hidden state at the last real token (the appended EOS), float32: [B, D]."""
-    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
-        hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask})  # [B, T, D]
+    """Backbone hidden state at the last real token (the appended EOS), float32: [B, D]; and the forward's
+    aux_loss (a mixture of experts' router load-balancing loss, common.forward; 0.0 for a dense model)."""
+    hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
     last = jnp.sum(padding_mask, -1).astype(jnp.int32) - 1  # right padding: index of the final real token
-    return jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0].astype(jnp.float32)  # f32 upcast
+    return jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0].astype(jnp.float32), aux_loss  # f32 upcast
 
 
 def sequence_scores(backbone, params, frozen, head, token_ids, padding_mask):
-    """r(x, y) = w·h_last + b: [B]."""
-    h = last_token_hidden(backbone, params, frozen, token_ids, padding_mask)
-    return (h @ head["weight"])[:, 0] + head["bias"]
+    """r(x, y) = w·h_last + b: [B]; and the forward's aux_loss."""
+    h, aux_loss = last_token_hidden(backbone, params, frozen, token_ids, padding_mask)
+    return (h @ head["weight"])[:, 0] + head["bias"], aux_loss
 
 
 def reward_loss(chosen_scores, rejected_scores):
@@ -146,11 +147,11 @@ def reward_loss(chosen_scores, rejected_scores):
 
 
 def pair_scores(backbone, params, frozen, head, micro):
-    """Chosen and rejected in one forward, concatenated on the batch axis: ([B], [B])."""
+    """Chosen and rejected in one forward, concatenated on the batch axis: ([B], [B], its aux_loss)."""
     ids = jnp.concatenate([micro["chosen_token_ids"], micro["rejected_token_ids"]])  # [2B, T]
     mask = jnp.concatenate([micro["chosen_padding_mask"], micro["rejected_padding_mask"]])
-    scores = sequence_scores(backbone, params, frozen, head, ids, mask)
-    return jnp.split(scores, 2)
+    scores, aux_loss = sequence_scores(backbone, params, frozen, head, ids, mask)
+    return (*jnp.split(scores, 2), aux_loss)
 
 
 # ---------------------------------------------------------------------------
@@ -166,9 +167,10 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     accum = batch["chosen_token_ids"].shape[0]
 
     def micro_loss(p, micro):
-        chosen, rejected = pair_scores(backbone, p[0], frozen, p[1], micro)
+        chosen, rejected, aux_loss = pair_scores(backbone, p[0], frozen, p[1], micro)
         loss, metrics = reward_loss(chosen, rejected)
-        return loss / accum, metrics  # mean over micro-batches = mean over the whole batch
+        loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
+        return loss / accum, {**metrics, "aux_loss": aux_loss}  # mean over micro-batches = over the batch
 
     def accumulate(grads, micro):
         (loss, metrics), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
@@ -198,15 +200,18 @@ def main(args):
     if args.normalize and args.normalize_samples < 1:
         raise common.UsageError(f"--normalize-samples {args.normalize_samples}: must be >= 1 with --normalize")
     template = common.chat_template(args.model, args.chat_template)
-    eval_rows = common.read_dataset(args.eval_dataset, "preference", template, "--eval-dataset") \
-        if args.eval_dataset else []
-    train_rows = common.read_dataset(args.dataset, "preference", template)
+    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
+                                             (Args.dataset, Args.eval_dataset))
+    eval_rows = common.read_dataset(eval_path, "preference", template, "--eval-dataset", args.dataset_config,
+                                    eval_split) if eval_path else []
+    train_rows = common.read_dataset(args.dataset, "preference", template, "--dataset", args.dataset_config,
+                                     args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of pairs
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     train, counts = tokenize_pairs(train_rows, tokenizer, args.max_length, args.dataset)
-    evals = tokenize_pairs(eval_rows, tokenizer, args.max_length, args.eval_dataset)[0] if eval_rows else []
+    evals = tokenize_pairs(eval_rows, tokenizer, args.max_length, eval_path)[0] if eval_rows else []
     print(f"data: {counts['examples']} pairs ({counts['truncated']} prompt-truncated, "
           f"{counts['dropped']} dropped as too long); {len(evals)} eval pairs")
     # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).
@@ -225,7 +230,7 @@ def main(args):
     step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length,
                         donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
     run.record(remat=remat)  # args.json: the mode --remat auto chose
-    score_fn = jax.jit(lambda p, f, b: (sequence_scores(backbone, p[0], f, p[1], b["ids"][0], b["mask"][0]),))
+    score_fn = jax.jit(lambda p, f, b: sequence_scores(backbone, p[0], f, p[1], b["ids"][0], b["mask"][0])[:1])
 
     def scores_of(params, data, side):
         """r(x, y) of every `side` sequence of padded pairs, in length-bucketed batches: [N]."""

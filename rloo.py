@@ -65,7 +65,7 @@ class Args(plumbing.RolloutArgs):
     """leave completions without EOS out of the loss and the KL (DAPO's overlong filtering)"""
     # logging and outputs
     export_hf: bool = False
-    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
+    """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
 
 
 # ---------------------------------------------------------------------------
@@ -166,23 +166,18 @@ def truncate_response(responses, eos_id, pad_id):
     return jnp.where(jnp.arange(r)[None] > first_eos[:, None], pad_id, responses), first_eos
 
 
-def hidden_states(backbone, params, frozen, token_ids, padding_mask):
-    """Final-norm hidden states [B, T, D] (stateless: weights passed as values)."""
-    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
-        return backbone({"token_ids": token_ids, "padding_mask": padding_mask})
-
-
 def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature):
-    """log π(response token) from logits / temperature, and the entropy: [B, R] each, float32.
+    """log π(response token) from logits / temperature, and the entropy: [B, R] each, float32; and the
+    forward's aux_loss (a mixture of experts' router load-balancing loss, common.forward; 0.0 dense).
 
     Position t predicts token t+1, so response token Q+i is scored by hidden[Q+i-1].
     The [B, R, V] logits are made one response position at a time under jax.checkpoint.
     """
-    hidden = hidden_states(backbone, params, frozen, token_ids, padding_mask)[:, context_length - 1:-1]
+    hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
+    hidden = hidden[:, context_length - 1:-1]
     labels = token_ids[:, context_length:]  # [B, R]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
+    with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
         @jax.checkpoint
         def position(h, y):  # [B, D], [B] -> [B], [B]
             logits = common.logits(backbone, h) / temperature  # f32
@@ -191,7 +186,7 @@ def response_logps(backbone, params, frozen, token_ids, padding_mask, context_le
             return jnp.take_along_axis(logits, y[:, None], -1)[:, 0] - logz, entropy
 
         logps, entropy = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
-    return logps.T, entropy.T
+    return logps.T, entropy.T, aux_loss
 
 
 def masked_mean(x, mask):
@@ -270,12 +265,14 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
     ids, mask = batch["query_responses"], batch["padding_mask"]
 
     def loss_fn(p):
-        logps, entropy = response_logps(backbone, p, frozen, ids, mask, context_length, args.temperature)
+        logps, entropy, aux_loss = response_logps(backbone, p, frozen, ids, mask, context_length,
+                                                  args.temperature)
         # one update per generation batch: π_old is π_θ itself, held constant (ratio 1, gradient of π_θ)
         old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
         loss, metrics = rloo_loss(logps, old, batch["advantages"], batch["response_mask"], args.epsilon,
                                   args.epsilon if args.epsilon_high is None else args.epsilon_high)
-        return loss, {**metrics, "entropy": masked_mean(entropy, batch["response_mask"])}
+        loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
+        return loss, {**metrics, "entropy": masked_mean(entropy, batch["response_mask"]), "aux_loss": aux_loss}
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -373,7 +370,8 @@ def main(args):
                        export_hf=args.export_hf)  # shared flags and --output-dir checked; nothing written
     check_args(args, run.mesh)
     template = common.chat_template(args.model, args.chat_template)
-    prompts, rows = common.read_prompts(args.dataset, template)  # rows: the columns reward functions may read
+    # rows: the columns reward functions may read
+    prompts, rows = common.read_prompts(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     g = args.num_generations
     n_prompts = args.batch_size // g
     max_steps = run.resolve_max_steps(len(prompts), n_prompts)  # --max-steps, or --num-epochs' worth of B/k prompts

@@ -29,7 +29,10 @@ class Args(plumbing.SharedArgs):
     dataset: str = os.path.join(common.HERE, "data", "sft_train.jsonl")
     """training data: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "sft_eval.jsonl")
-    """held-out data for eval/loss (same formats); empty to skip evaluation"""
+    """held-out data for eval/loss (same formats); empty to skip evaluation; the bundled
+    file is used only with the bundled --dataset"""
+    eval_split: str | None = None
+    """evaluate on this split (e.g. `test`) of --dataset, or of --eval-dataset if given (TRL's dataset_test_split)"""
     max_length: int = 1024
     """tokens per example (TRL SFTConfig: 1024); longer prompts are cut from the left, then whole examples dropped"""
     group_by_length: bool = False
@@ -48,7 +51,7 @@ class Args(plumbing.SharedArgs):
     """skip (and count) updates whose loss or gradient is not finite, instead of stopping"""
     # logging and outputs
     export_hf: bool = False
-    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
+    """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
     log_every: int = 10
     """fetch metrics from the device and log every N steps"""
     eval_every: int = 50
@@ -115,15 +118,16 @@ def get_batch(data, lengths, step, args):
 # ALGO LOGIC: per-token log-probs and the SFT loss
 # ---------------------------------------------------------------------------
 def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
-    """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1].
+    """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1]; and the forward's aux_loss (a mixture of
+    experts' router load-balancing loss, common.forward; 0.0 for a dense model).
 
     The [B, T, V] logits are never materialised: the unembedding runs over
     sequence chunks of `chunk` tokens under `jax.checkpoint`, so only one
     [B, chunk, V] float32 block is alive at a time, forward and backward.
     """
+    hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
-        hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask})  # [B, T, D]
+    with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
         hidden, labels = hidden[:, :-1], token_ids[:, 1:]  # logits at t predict token t+1
         b, t, d = hidden.shape
         n = -(-t // chunk)
@@ -136,7 +140,7 @@ def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
             return jnp.take_along_axis(logits, y[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
 
         logps = jax.lax.map(lambda hy: chunk_logps(*hy), (hidden.swapaxes(0, 1), labels.swapaxes(0, 1)))
-    return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]  # [B, T-1]
+    return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t], aux_loss  # [B, T-1], scalar
 
 
 def sft_loss(logps, loss_mask, num_loss_tokens):
@@ -161,17 +165,20 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     never donated, so the Keras variables keep their buffers for saving.
     """
     params, opt_state = state
+    accum = batch["token_ids"].shape[0]
     num_loss_tokens = jnp.maximum(batch["loss_mask"][:, :, 1:].sum(), 1)
 
     def micro_loss(p, micro):
-        logps = token_logps(backbone, p, frozen, micro["token_ids"], micro["padding_mask"])
-        return sft_loss(logps, micro["loss_mask"], num_loss_tokens)
+        logps, aux_loss = token_logps(backbone, p, frozen, micro["token_ids"], micro["padding_mask"])
+        loss, _ = sft_loss(logps, micro["loss_mask"], num_loss_tokens)
+        # + the router load-balancing loss (a mixture of experts; 0.0 dense), per forward: ÷ A, its mean
+        return loss + aux_loss / accum, aux_loss
 
     def accumulate(grads, micro):
-        (loss, _), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
-        return jax.tree.map(jnp.add, grads, g), loss
+        (loss, aux_loss), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
+        return jax.tree.map(jnp.add, grads, g), (loss, aux_loss)
 
-    grads, losses = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
+    grads, (losses, aux_losses) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
     loss, grad_norm = losses.sum(), optax.global_norm(grads)
@@ -180,14 +187,14 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
     metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/num_loss_tokens": num_loss_tokens,
-               "train/skipped_nonfinite": 1.0 - finite}
+               "train/skipped_nonfinite": 1.0 - finite, "aux_loss": aux_losses.mean()}
     return (new_params, new_opt_state), metrics
 
 
 def eval_nll(backbone, params, frozen, batch):
     """Per-example NLL summed over loss tokens, and their count: ([B], [B]) for one eval batch
     [1, B, T], summed over every example afterwards (a token mean over the whole eval set)."""
-    logps = token_logps(backbone, params, frozen, batch["token_ids"][0], batch["padding_mask"][0])
+    logps, _ = token_logps(backbone, params, frozen, batch["token_ids"][0], batch["padding_mask"][0])  # NLL
     mask = batch["loss_mask"][0][:, 1:]  # [B, T-1]: is token t+1 a loss token (as in sft_loss)
     return -jnp.sum(jnp.where(mask, logps, 0.0), -1), mask.sum(-1)
 
@@ -207,15 +214,19 @@ def main(args):
                        grad_accum_steps=args.grad_accum_steps, warmup_steps=args.warmup_steps,
                        export_hf=args.export_hf, skip_nonfinite=args.skip_nonfinite)  # nothing written yet
     template = common.chat_template(args.model, args.chat_template)
-    eval_rows = common.read_dataset(args.eval_dataset, "sft", template, "--eval-dataset") if args.eval_dataset else []
-    train_rows = common.read_dataset(args.dataset, "sft", template)
+    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
+                                             (Args.dataset, Args.eval_dataset))
+    eval_rows = common.read_dataset(eval_path, "sft", template, "--eval-dataset", args.dataset_config,
+                                    eval_split) if eval_path else []
+    train_rows = common.read_dataset(args.dataset, "sft", template, "--dataset", args.dataset_config,
+                                     args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of rows
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.completion_only_loss, args.dataset)
     evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, args.completion_only_loss,
-                             args.eval_dataset)[0] if eval_rows else []
+                             eval_path)[0] if eval_rows else []
     print(f"data: {counts['examples']} examples ({counts['truncated']} prompt-truncated, "
           f"{counts['dropped']} dropped as too long); {len(evals)} eval examples")
     # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).

@@ -30,7 +30,10 @@ class Args(plumbing.SharedArgs):
     dataset: str = os.path.join(common.HERE, "data", "prefs_train.jsonl")
     """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "prefs_eval.jsonl")
-    """held-out pairs for eval/ metrics (same formats); empty to skip evaluation"""
+    """held-out pairs for eval/ metrics (same formats); empty to skip evaluation; the bundled
+    file is used only with the bundled --dataset"""
+    eval_split: str | None = None
+    """evaluate on this split (e.g. `test`) of --dataset, or of --eval-dataset if given (TRL's dataset_test_split)"""
     max_length: int = 2048
     """tokens per prompt + response (SimPO's recipe: 2048); longer: prompt cut from the left, then pair dropped"""
     group_by_length: bool = False
@@ -57,7 +60,7 @@ class Args(plumbing.SharedArgs):
     """weight of an added NLL on the chosen response (0: pure SimPO; TRL's CPO-SimPO default cpo_alpha is 1)"""
     # logging and outputs
     export_hf: bool = False
-    """also write the final model as a Hugging Face checkpoint (safetensors + config.json) in <output-dir>/model_hf/"""
+    """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
     log_every: int = 10
     """fetch metrics from the device and log every N steps"""
     eval_every: int = 20
@@ -126,15 +129,16 @@ def get_batch(data, lengths, step, args):
 # ALGO LOGIC: log-probs of chosen and rejected, and the SimPO loss
 # ---------------------------------------------------------------------------
 def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
-    """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1].
+    """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1]; and the forward's aux_loss (a mixture of
+    experts' router load-balancing loss, common.forward; 0.0 for a dense model).
 
     The [B, T, V] logits are never materialised: the unembedding runs over
     sequence chunks of `chunk` tokens under `jax.checkpoint`, so only one
     [B, chunk, V] float32 block is alive at a time, forward and backward.
     """
+    hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
-        hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask})  # [B, T, D]
+    with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
         hidden, labels = hidden[:, :-1], token_ids[:, 1:]  # logits at t predict token t+1
         b, t, d = hidden.shape
         n = -(-t // chunk)
@@ -147,7 +151,7 @@ def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
             return jnp.take_along_axis(logits, y[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
 
         logps = jax.lax.map(lambda hy: chunk_logps(*hy), (hidden.swapaxes(0, 1), labels.swapaxes(0, 1)))
-    return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]  # [B, T-1]
+    return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t], aux_loss  # [B, T-1], scalar
 
 
 def sequence_logps(logps, loss_mask, average=False):
@@ -165,16 +169,17 @@ def concatenated_forward(backbone, params, frozen, batch):
     """Chosen and rejected through the model in ONE forward pass (stacked on the batch axis).
 
     batch: {chosen,rejected}_{ids,padding_mask,loss_mask}, each [B, T] -> four [B] arrays:
-    per-token mean log-probs of chosen and rejected responses, and the chosen NLL sum and token count.
+    per-token mean log-probs of chosen and rejected responses, and the chosen NLL sum and token count;
+    and the forward's aux_loss (token_logps).
     """
     both = {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])  # [2B, T]
             for k in ("ids", "padding_mask", "loss_mask")}
-    logps = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [2B, T-1]
+    logps, aux_loss = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [2B, T-1]
     total = sequence_logps(logps, both["loss_mask"])  # Σ response-token log-probs, [2B]
     count = both["loss_mask"][:, 1:].sum(-1)  # response tokens (EOS included), [2B]
     avg = total / jnp.maximum(count, 1)  # length normalisation (Eq. 1)
     b = batch["chosen_ids"].shape[0]
-    return avg[:b], avg[b:], -total[:b], count[:b]
+    return avg[:b], avg[b:], -total[:b], count[:b], aux_loss
 
 
 def simpo_loss(chosen_logps, rejected_logps, nll_loss=0.0, beta=2.0, gamma=0.5, sft_weight=0.0):
@@ -210,11 +215,12 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     num_chosen_tokens = jnp.maximum(batch["chosen_loss_mask"][:, :, 1:].sum(), 1)  # whole update
 
     def micro_loss(p, micro):
-        chosen, rejected, nll, _ = concatenated_forward(backbone, p, frozen, micro)
+        chosen, rejected, nll, _, aux_loss = concatenated_forward(backbone, p, frozen, micro)
         # × accum, then ÷ accum below: the NLL stays a token mean over the whole update
         loss, metrics = simpo_loss(chosen, rejected, nll.sum() / num_chosen_tokens * accum,
                                    args.beta, args.gamma, args.sft_weight)
-        return loss / accum, {"train/loss": loss, **metrics}  # equal micro-batches: mean of means
+        loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
+        return loss / accum, {"train/loss": loss, "aux_loss": aux_loss, **metrics}  # equal micro-batches
 
     def accumulate(grads, micro):
         (_, metrics), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
@@ -245,15 +251,18 @@ def main(args):
     if args.beta <= 0 or args.sft_weight < 0:
         raise common.UsageError("need --beta > 0 and --sft-weight >= 0")
     template = common.chat_template(args.model, args.chat_template)
-    eval_rows = common.read_dataset(args.eval_dataset, "preference", template, "--eval-dataset") \
-        if args.eval_dataset else []
-    train_rows = common.read_dataset(args.dataset, "preference", template)
+    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
+                                             (Args.dataset, Args.eval_dataset))
+    eval_rows = common.read_dataset(eval_path, "preference", template, "--eval-dataset", args.dataset_config,
+                                    eval_split) if eval_path else []
+    train_rows = common.read_dataset(args.dataset, "preference", template, "--dataset", args.dataset_config,
+                                     args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of pairs
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.dataset)
-    evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, args.eval_dataset)[0] if eval_rows else []
+    evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, eval_path)[0] if eval_rows else []
     print(f"data: {counts['examples']} pairs ({counts['truncated']} prompt-truncated, "
           f"{counts['dropped']} dropped as too long); {len(evals)} eval pairs")
     # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).
@@ -273,7 +282,7 @@ def main(args):
     run.record(remat=remat)  # args.json: the mode --remat auto chose
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
-    eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b)))
+    eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b))[:4])
 
     def evaluate(params):
         chosen, rejected, nll, count = common.per_example(lambda b: eval_fn(params, frozen, b), eval_data,

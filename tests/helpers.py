@@ -157,3 +157,37 @@ def preempt_then_resume(script, flags, first_checkpoint, tmp_path, env=None):
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"resumed from step {stopped}" in res.stdout
     return without_timing(metrics(clean)), without_timing(metrics(cut)), stopped, outs[0][0]
+
+
+# Texts an exported tokenizer.json must encode to the project's ids: ASCII, digits, runs of spaces, accents,
+# CJK, an emoji, forms NFKC folds (ﬁ, full-width, circled), newlines, tabs, CRLF, each template's markers.
+TOKENIZER_TEXTS = ["Sort: 3 1 2", "Sort", " 0 1 2 6 6 9", "digits 0123456789 and 3.14159, 42!",
+                   "  two  spaces, leading and trailing  ", "naïve café, Ünïcödé — 日本語 🙂", "ﬁne Ｆｕｌｌ ①",
+                   "line one\nline two\n\n\ttab\r\nend\n", "<start_of_turn>user\nSort: 2 1<end_of_turn>\n",
+                   "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
+                   "<|im_start|>user\nhi<|im_end|>\n", "[INST] hi [/INST]ok", ""]
+
+
+def check_exported_tokenizer(hf_dir, tokenizer, template):
+    """model_hf/ (--export-hf) serves as trained: its tokenizer.json, read by the `tokenizers` library alone,
+    gives `tokenizer`'s (KerasHub's) ids and text for TOKENIZER_TEXTS, adding the scripts' start token;
+    tokenizer_config.json names that token and carries the Jinja of the chat template `template` (a
+    common.CHAT_TEMPLATES name); every file has the ordinary mode (0644 under umask 022)."""
+    import common
+    from tokenizers import Tokenizer
+    exported = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
+    for text in TOKENIZER_TEXTS:
+        ids = [int(i) for i in tokenizer.tokenize(text)]
+        assert exported.encode(text, add_special_tokens=False).ids == ids, text
+        assert exported.encode(text).ids == [tokenizer.start_token_id] + ids, text
+        text_back = tokenizer.detokenize(ids) if ids else ""
+        assert exported.decode(ids, skip_special_tokens=False) == text_back, text
+    with open(os.path.join(hf_dir, "tokenizer_config.json")) as f:
+        config = json.load(f)
+    assert config["tokenizer_class"] == "PreTrainedTokenizerFast"  # not a class that rebuilds tokenizer.json
+    assert config["bos_token"] == tokenizer.id_to_token(tokenizer.start_token_id)
+    assert config["chat_template"] == common.HF_CHAT_TEMPLATES[template]
+    umask = os.umask(0)
+    os.umask(umask)
+    for name in os.listdir(hf_dir):
+        assert os.stat(os.path.join(hf_dir, name)).st_mode & 0o777 == 0o666 & ~umask, name

@@ -232,3 +232,14 @@ def test_remat_auto_resolves_by_compiled_memory(monkeypatch, capsys):
         # the same program compiled twice: equal to float32 rounding (1 ulp apart under helpers.FAST_COMPILE)
         np.testing.assert_allclose(out["auto", 2**20][2][k], out["on", None][2][k], rtol=1e-6)
         np.testing.assert_allclose(out["auto", None][2][k], out["on", None][2][k], rtol=1e-5)
+
+
+def test_checkpoint_cost_is_measured_through_the_run(tmp_path, capsys):
+    """benchmarks/checkpoint.py times plumbing.Run.checkpoint itself: one save per step, each a complete
+    orbax step dir, and the rate applied to 12 bytes a parameter at real sizes."""
+    import checkpoint
+    checkpoint.main(checkpoint.Args(gib=0.125, repeats=4, output_dir=str(tmp_path / "ck")))
+    row = last_json(capsys)
+    assert row["gib"] == 0.125 and len(row["times"]) == 4 and row["seconds"] > 0
+    assert row["gemma_2b_save_seconds"] == pytest.approx(12 * 2.506e9 / (row["gb_per_s"] * 1e9))
+    assert not (tmp_path / "ck").exists()  # removed after measuring

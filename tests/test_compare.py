@@ -14,6 +14,7 @@ import pytest
 import common  # noqa: F401  (first: KERAS_BACKEND=jax)
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 import compare
 import evaluate
@@ -63,10 +64,13 @@ def test_evaluate_worked_example(tmp_path):
     scorer = tmp_path / "count4.py"
     scorer.write_text("def count4(prompts, completions, answer, **kwargs):\n"
                       "    assert all(a.split() == sorted(p.split()[1:]) for p, a in zip(prompts, answer))\n"
-                      "    return [float(r.count('4')) for r in completions]\n")
+                      "    return [float(r.count('4')) for r in completions]\n"
+                      "def one(prompts, responses):\n"
+                      "    return [1.0] * len(responses)\n")
     out = tmp_path / "eval"
-    evaluate.main(evaluate.Args(model="tiny", baseline="tiny", reward_fn=f"{scorer}:count4", num_prompts=12,
-                                num_examples=12, max_new_tokens=8, batch_size=8, output_dir=str(out)))
+    flags = dict(model="tiny", baseline="tiny", num_prompts=12, num_examples=12, max_new_tokens=8, batch_size=8,
+                 output_dir=str(out))
+    evaluate.main(evaluate.Args(reward_fn=(f"{scorer}:count4",), **flags))
     result = json.loads((out / "eval.json").read_text())
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert len(samples) == result["num_prompts"] == 12
@@ -82,6 +86,18 @@ def test_evaluate_worked_example(tmp_path):
     arrays = np.load(out / "scores.npz")  # per prompt: the means of eval.json, and the ties against itself
     assert arrays["score"].shape == (12,) and arrays["score"].mean() == result["score"]
     assert (arrays["win"] == 0.5).all() and (arrays["kl"] == 0).all()
+
+    # An earlier evaluation is kept unless --overwrite; several functions score as grpo.py's do:
+    # 2 × count4 + 0.5 × one, on the same responses (same seed).
+    before = (out / "eval.json").read_text()
+    with pytest.raises(common.UsageError, match="already holds an evaluation.*--overwrite"):
+        evaluate.main(evaluate.Args(reward_fn=(f"{scorer}:count4",), **flags))
+    assert (out / "eval.json").read_text() == before
+    evaluate.main(evaluate.Args(reward_fn=(f"{scorer}:count4", f"{scorer}:one"), reward_weights=(2.0, 0.5),
+                                overwrite=True, **flags))
+    weighted = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert [s["greedy"] for s in weighted] == [s["greedy"] for s in samples]
+    assert [s["greedy_score"] for s in weighted] == [2.0 * s["greedy"].count("4") + 0.5 for s in samples]
 
     # Deterministic for a seed: the same sampled responses again, from a fresh load.
     args = evaluate.Args(model="tiny", num_prompts=12, max_new_tokens=8, batch_size=8)
@@ -112,12 +128,15 @@ def test_evaluate_bad_flags_exit_2(tmp_path, monkeypatch):
     monkeypatch.setattr(common, "load_model", lambda *a, **k: loads.append(a) or pytest.fail("a model loaded"))
     cases = [({"model": "no_such_model"}, "--model"), ({"prompts": str(tmp_path / "missing.jsonl")}, "--prompts"),
              ({"batch_size": 3}, "--batch-size"), ({"reward_model": str(tmp_path)}, "--reward-model"),
-             ({"reward_fn": None}, "--reward-fn"), ({"temperature": 0.0}, "--temperature")]
+             ({"reward_fn": ()}, "--reward-fn"),
+             ({"reward_weights": (1.0, 2.0)}, "--reward-weights"), ({"temperature": 0.0}, "--temperature")]
     for flags, named in cases:
         with pytest.raises(common.UsageError) as e:
             evaluate.main(evaluate.Args(output_dir=str(tmp_path / "e"), **flags))
         assert named in str(e.value) and len(str(e.value).splitlines()) == 1, (flags, str(e.value))
     assert not loads and not (tmp_path / "e").exists()
+    import grpo  # GRPO's completion length by default (TRL's max_completion_length)
+    assert evaluate.Args().max_new_tokens == grpo.Args().response_length == 256
 
 
 # ---------------------------------------------------------------------------
@@ -309,3 +328,28 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     assert cells["mydpo"][6:9] == [compare.fmt(c) for c in cost] and cost[0] > 0 and cost[1] == 0
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| **sft**" in proc.stdout  # the table is printed at the end
+
+
+def test_evaluate_pads_each_batch_to_its_own_bucket(tmp_path):
+    """Short and long prompts in separate batches: each batch generates at its own bucket's width (the short
+    one at 32 columns, not the run's 128) and samples exactly what the run-wide width samples, key for key."""
+    short = [{"prompt": "Sort: 3 1 2"}] * 8
+    long = [{"prompt": "Sort: " + " ".join(str(i % 10) for i in range(60))}] * 8
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in short + long))
+    args = evaluate.Args(model="tiny", prompts=str(path), num_prompts=0, max_new_tokens=6, batch_size=8)
+    mesh = common.make_mesh(None)
+    policy = evaluate.load_policy("tiny", mesh, args)
+    prompts, rows, _ = evaluate.check_args(args, mesh)
+    data = evaluate.prepare(args, mesh, prompts, rows, policy.model.preprocessor.tokenizer)
+    assert data["queries"].shape[1] == 128 and data["query_mask"][:8].sum(1).max() < 32
+    key = jax.random.key(3)
+    out = evaluate.respond(policy, data, "sampled", key, 8, mesh)
+    assert policy.fns["sampled"]._cache_size() == 2  # widths 32 and 128
+    on_data = NamedSharding(mesh, P("data"))
+    for i in range(2):  # the run-wide width, as before buckets
+        rows_i = slice(8 * i, 8 * i + 8)
+        wide, _ = policy.fns["sampled"](policy.params, policy.frozen, jax.device_put(data["queries"][rows_i], on_data),
+                                        jax.device_put(data["query_mask"][rows_i], on_data), jax.random.fold_in(key, i))
+        wide, _ = evaluate.truncate_response(wide, data["eos"], data["pad"])
+        np.testing.assert_array_equal(out["responses"][rows_i], np.asarray(wide))

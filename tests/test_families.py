@@ -2,9 +2,9 @@
 class with a real tokenizer of its kind (SentencePiece for Gemma / Gemma 3 / Mistral, byte-level
 BPE for Llama 3 / Qwen, trained here on the toy data), saved as a local KerasHub preset. Checked:
 the sampler's forward (common.cached_forward) against KerasHub's own call_with_cache and backbone,
-left padding, the chat template per family and --chat-template, a multimodal preset loaded text-only,
-and one step of sft (with --export-hf), dpo and grpo and one evaluate call (SCRIPT_FAMILIES, in one
-subprocess on one device)."""
+left padding, the chat template per family and --chat-template, --export-hf's tokenizer.json and chat
+template per exported family, a multimodal preset loaded text-only, and one step of sft (with
+--export-hf), dpo and grpo and one evaluate call (SCRIPT_FAMILIES, in one subprocess on one device)."""
 
 import io
 import json
@@ -330,6 +330,88 @@ def test_multimodal_preset_loads_text_only(tmp_path):
         common.read_dataset(str(rows), "sft", None)
 
 
+def test_system_and_multi_turn_chats_render_as_the_model_cards():
+    """A system turn and two exchanges, written out as each family's Hugging Face chat_template renders them
+    (sources cited in common.CHAT_TEMPLATES): Gemma and Mistral have no system role, so its text opens the
+    first user turn; Llama 3 and ChatML have a system turn; Gemma and Llama 3 strip contents (`| trim`).
+    sft trains on both answers; a chat prompt renders up to the opened model turn."""
+    import common
+    chat = [{"role": role, "content": text} for role, text in [
+        ("system", "Answer briefly."), ("user", "Sort: 2 1"), ("assistant", "1 2"), ("user", "Sort: 3 1\n"),
+        ("assistant", "1 3")]]
+    want = {"gemma": "<start_of_turn>user\nAnswer briefly.\n\nSort: 2 1<end_of_turn>\n"
+                     "<start_of_turn>model\n1 2<end_of_turn>\n"
+                     "<start_of_turn>user\nSort: 3 1<end_of_turn>\n"
+                     "<start_of_turn>model\n1 3<end_of_turn>\n",
+            "llama3": "<|start_header_id|>system<|end_header_id|>\n\nAnswer briefly.<|eot_id|>"
+                      "<|start_header_id|>user<|end_header_id|>\n\nSort: 2 1<|eot_id|>"
+                      "<|start_header_id|>assistant<|end_header_id|>\n\n1 2<|eot_id|>"
+                      "<|start_header_id|>user<|end_header_id|>\n\nSort: 3 1<|eot_id|>"
+                      "<|start_header_id|>assistant<|end_header_id|>\n\n1 3<|eot_id|>",
+            "mistral": "[INST] Answer briefly.\n\nSort: 2 1 [/INST]1 2[INST] Sort: 3 1\n [/INST]1 3",
+            "chatml": "<|im_start|>system\nAnswer briefly.<|im_end|>\n"
+                      "<|im_start|>user\nSort: 2 1<|im_end|>\n"
+                      "<|im_start|>assistant\n1 2<|im_end|>\n"
+                      "<|im_start|>user\nSort: 3 1\n<|im_end|>\n"
+                      "<|im_start|>assistant\n1 3<|im_end|>\n",
+            # Qwen 3.5's own template leaves the empty thinking block out of answers before the last user
+            # turn ("1 2" here); this one writes it on every answer
+            "qwen3.5": "<|im_start|>system\nAnswer briefly.<|im_end|>\n"
+                       "<|im_start|>user\nSort: 2 1<|im_end|>\n"
+                       "<|im_start|>assistant\n<think>\n\n</think>\n\n1 2<|im_end|>\n"
+                       "<|im_start|>user\nSort: 3 1\n<|im_end|>\n"
+                       "<|im_start|>assistant\n<think>\n\n</think>\n\n1 3<|im_end|>\n"}
+    assert set(want) == set(common.CHAT_TEMPLATES)
+    for name, text in want.items():
+        template = common.CHAT_TEMPLATES[name]
+        assert common.render(chat, template) == text, name
+        segments = common.sft_segments({"messages": chat}, "f:1", template)
+        assert "".join(t for t, _ in segments) == text.rstrip("\n")  # the EOS follows the last answer
+        end = template.end.rstrip("\n")
+        assert [t for t, done in segments if done] == ["1 2" + end, "1 3" + end], name
+        assert common.prompt_text({"prompt": chat[:2]}, "f:1", template) == text[:text.index("1 2")], name
+
+
+# Gemma 2 and Qwen 3 are not exported: keras-hub 0.32 has no exporter for them (common.check_export_hf).
+EXPORTED = ("gemma", "llama3", "mistral", "qwen2.5")
+
+
+@pytest.mark.parametrize("family", EXPORTED)
+def test_export_hf_tokenizer_and_chat_template(presets, family, tmp_path):
+    """common.export_hf's model_hf/ per family: tokenizer.json gives the family tokenizer's ids (helpers.
+    check_exported_tokenizer; Qwen's start token is the scripts' <|endoftext|>), the family's chat template,
+    ordinary file modes."""
+    import common
+    import keras_hub
+    from helpers import check_exported_tokenizer
+    common.export_hf(presets[family], str(tmp_path / "hf"))
+    tokenizer = keras_hub.models.Tokenizer.from_preset(presets[family])
+    common.ensure_start_token(tokenizer, presets[family])
+    check_exported_tokenizer(str(tmp_path / "hf"), tokenizer, TEMPLATE[family])
+
+
+@pytest.mark.parametrize("spec", [
+    # Gemma's own: no charsmap, no dummy prefix, whitespace kept (`tiny` has SentencePiece's defaults)
+    dict(normalization_rule_name="identity", add_dummy_prefix=False, remove_extra_whitespaces=False,
+         allow_whitespace_only_pieces=True, split_by_whitespace=False),
+    # Mistral's (and Llama 2's): no charsmap, a dummy prefix, whitespace kept
+    dict(normalization_rule_name="identity", remove_extra_whitespaces=False)])
+def test_sentencepiece_tokenizer_json_follows_the_models_spec(spec):
+    """common.hf_tokenizer on SentencePiece models with the real models' normalizer specs: KerasHub's ids."""
+    import common
+    import keras_hub
+    from helpers import TOKENIZER_TEXTS
+    tokenizer = keras_hub.models.GemmaTokenizer(proto=sentencepiece(
+        pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
+        unk_piece="<unk>", user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], **spec))
+    converted = common.hf_tokenizer(tokenizer)
+    for text in TOKENIZER_TEXTS:
+        ids = [int(i) for i in tokenizer.tokenize(text)]
+        assert converted.encode(text).ids == ids, text
+        text_back = tokenizer.detokenize(ids) if ids else ""
+        assert converted.decode(ids, skip_special_tokens=False) == text_back, text
+
+
 def test_unknown_family_needs_chat_template(presets, tmp_path):
     """A family outside common.FAMILIES (GPT-2): plain-text rows read; a chat stops with exit 2 naming
     --chat-template; an unknown --chat-template name exits 2 listing the names; no sampler."""
@@ -341,7 +423,8 @@ def test_unknown_family_needs_chat_template(presets, tmp_path):
     with pytest.raises(common.UsageError, match="sampler supports .* not GPT2Backbone"):
         common.check_sampler(presets["gpt2"])
     chats = os.path.join(ROOT, "data", "sft_messages_train.jsonl")
-    res = run_script("sft.py", "--model", presets["gpt2"], "--dataset", chats, "--output-dir", str(tmp_path / "a"))
+    res = run_script("sft.py", "--model", presets["gpt2"], "--dataset", chats, "--eval-dataset", "",
+                     "--output-dir", str(tmp_path / "a"))
     assert res.returncode == 2 and "--chat-template (gemma, llama3, mistral, chatml, qwen3.5)" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     rows = common.read_dataset(chats, "sft", common.chat_template(presets["gpt2"], "chatml"))  # with the flag
@@ -432,3 +515,25 @@ def test_compare_passes_chat_template_to_every_stage(tmp_path):
     stages = compare.plan(compare.Args(chat_template="chatml"), str(tmp_path))[0]
     assert stages and all(s["flags"][s["flags"].index("--chat-template") + 1] == "chatml" for s in stages)
     assert all("--chat-template" not in s["flags"] for s in compare.plan(compare.Args(), str(tmp_path))[0])
+
+
+def test_byte_level_bpe_splits_words_as_each_familys_tokenizer():
+    """keras-hub 0.32's byte-level BPE without TensorFlow matched its split regex as literal text, so nothing
+    was split and BPE merged across words and numbers ("a b" one token, "1234" one token): ids the model never
+    saw. common splits as each family's tokenizer.json: Llama 3 digits in threes, Qwen one at a time, GPT-2
+    whole numbers; words never merge with the next."""
+    import common  # noqa: F401  (its fix is installed when it is imported)
+    import keras_hub.models as m
+    from tokenizers import pre_tokenizers
+    specials = ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+                "<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    pieces = sorted(pre_tokenizers.ByteLevel.alphabet()) + ["12", "123", "1234", "aĠ", "aĠb"] + specials
+    vocab = {p: i for i, p in enumerate(pieces)}
+    merges = ["1 2", "12 3", "123 4", "a Ġ", "aĠ b"]  # "1234" and "a b" are one token each if nothing splits
+    expected = {m.Llama3Tokenizer: ["123", "4", "Ġ", "a", "Ġ", "b"],
+                m.QwenTokenizer: ["1", "2", "3", "4", "Ġ", "a", "Ġ", "b"],
+                m.Qwen3Tokenizer: ["1", "2", "3", "4", "Ġ", "a", "Ġ", "b"],
+                m.GPT2Tokenizer: ["1234", "Ġ", "a", "Ġ", "b"]}
+    for cls, tokens in expected.items():
+        tokenizer = cls(vocabulary=vocab, merges=merges)
+        assert [pieces[int(i)] for i in tokenizer.tokenize("1234 a b")] == tokens, cls.__name__

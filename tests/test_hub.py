@@ -41,7 +41,8 @@ def test_unreachable_hub_is_one_line(model, hints, no_credentials):
     for var in ("HTTPS_PROXY", "HTTP_PROXY", "https_proxy", "http_proxy"):
         env[var] = "http://127.0.0.1:9"  # nothing listens there: unreachable even with a network
     start = time.perf_counter()
-    res = run_script("dpo.py", "--model", model, env=env, timeout=120)
+    res = run_script("dpo.py", "--model", model, "--dataset", "my_prefs.jsonl", "--eval-dataset", "", env=env,
+                     timeout=120)
     took = time.perf_counter() - start
     assert res.returncode == 2, res.stderr[-3000:]
     lines = res.stderr.strip().splitlines()
@@ -138,7 +139,8 @@ def test_export_hf_refuses_an_unsupported_family(tmp_path):
     would drop those norms: refused at start-up, before data or weights load; so is Llama 2."""
     config = {"registered_name": "keras_hub>GemmaBackbone", "config": {"use_post_ffw_norm": True}}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    res = run_script("sft.py", "--model", str(tmp_path), "--export-hf", "--output-dir", str(tmp_path / "out"),
+    res = run_script("sft.py", "--model", str(tmp_path), "--export-hf", "--dataset", "my.jsonl", "--eval-dataset", "",
+                     "--output-dir", str(tmp_path / "out"),
                      env=one_device_env(), timeout=120)
     assert res.returncode == 2, res.stderr[-3000:]
     exporters = ("GPT2Backbone, Gemma3Backbone, Gemma4Backbone, GemmaBackbone, Llama3Backbone, MistralBackbone, "

@@ -6,6 +6,7 @@ kind of exit checks what the boundary makes of it (one line, the exit code)."""
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,9 +50,9 @@ def one_line_exit_2(proc):
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    """A finished 4-step run with the default --save-every 0 (no checkpoint)."""
+    """A finished 4-step run without a checkpoint (--save-every 0)."""
     out = str(tmp_path_factory.mktemp("life") / "done")
-    proc = sft("--max-steps", "4", "--output-dir", out)
+    proc = sft("--max-steps", "4", "--save-every", "0", "--output-dir", out)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out, proc
 
@@ -105,25 +106,22 @@ def test_flags_and_files_are_checked_before_the_model_loads(tmp_path):
              (["--learning-rate", "0"], "--learning-rate 0.0: must be > 0"),
              (["--weight-decay", "-0.1"], "--weight-decay -0.1: must be >= 0"),
              (["--dtype", "fp16"], "--dtype")]
+    data = ["--dataset", "data/sft_train.jsonl", "--eval-dataset", "data/sft_eval.jsonl"]  # given: not defaults
     for flags, message in cases:
-        assert message in sft_refusal("--model", str(broken), *flags, "--output-dir", out), flags
+        assert message in sft_refusal("--model", str(broken), *data, *flags, "--output-dir", out), flags
         assert not os.path.exists(out)
 
 
 def test_files_as_trl_users_write_them_and_the_places_that_cannot_be_read_or_written(tmp_path):
-    """A .json holding JSON Lines (`Dataset.to_json` writes them) reads as JSON Lines; `org/name` is a Hub
-    id, not a missing file; bytes that are not UTF-8 and an --output-dir that is a file (or under one)
-    stop with one line naming the place, before the model loads."""
-    import importlib.util
+    """A .json holding JSON Lines (`Dataset.to_json` writes them) reads as JSON Lines; bytes that are not
+    UTF-8 and an --output-dir that is a file (or under one) stop with one line naming the place, before
+    the model loads (Hub ids and saved folders: tests/test_datasets.py)."""
     import common
     rows = [{"text": "a"}, {"text": "b \u2028 c"}]
     (tmp_path / "lines.json").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     (tmp_path / "array.json").write_text(json.dumps(rows))
     for name in ("lines.json", "array.json"):
         assert common.read_rows(str(tmp_path / name)) == [(rows[0], 1), (rows[1], 2)]
-    if importlib.util.find_spec("datasets") is None:
-        with pytest.raises(common.UsageError, match="--dataset trl-lib/Capybara: .* need `pip install datasets`"):
-            common.read_rows("trl-lib/Capybara")
     raw = b'{"text": "a"}\n{"text": "caf\xe9"}\n'  # Latin-1, not UTF-8
     (tmp_path / "latin1.jsonl").write_bytes(raw)
     message = sft_refusal("--dataset", str(tmp_path / "latin1.jsonl"), "--output-dir", str(tmp_path / "out"))
@@ -253,3 +251,75 @@ def test_max_steps_none_derives_from_epochs_and_is_recorded(tmp_path):
     run = plumbing.Run("grpo", args)  # flags and output dir only: no model, no compute
     assert run.resolve_max_steps(5, args.batch_size // args.num_generations) == 2
     assert args.max_steps is None  # resolved values are the Run's; args are never changed
+
+
+def test_resume_knows_what_it_resumes(tmp_path):
+    """A resume whose run-defining flags (or script) differ from args.json's is refused, listing each
+    difference, touching nothing; --max-steps extends a finished run from its final state (the last step
+    is checkpointed where the run is --save-every long) and args.json keeps the first part's record, each
+    resume appending its own; a finished run whose newest checkpoint is older than its model/ is refused."""
+    import dpo
+    import plumbing
+    import sft as script
+    out = str(tmp_path / "run")
+    flags = [*FAST, "--save-every", "2", "--output-dir", out]
+    script.main(plumbing.cli(script.Args, [*flags, "--max-steps", "3"]))
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["2", "3"]  # 3: the last step
+    with open(os.path.join(out, "args.json")) as f:
+        first = json.load(f)
+    assert first["script"] == "sft" and first["max_steps"] == 3
+    before = snapshot(out)
+    line = usage_error(script, *flags, "--max-steps", "5", "--learning-rate", "1e-3", "--batch-size", "16", "--resume")
+    assert "is another run" in line and "--learning-rate 2e-05 -> 0.001" in line and "--batch-size 8 -> 16" in line
+    assert "--max-steps" not in line.split("(")[0]  # it may change
+    line = usage_error(dpo, "--model", "tiny", "--max-steps", "5", "--output-dir", out, "--resume")
+    assert "the script 'sft' -> 'dpo'" in line  # not "this run is complete"
+    assert snapshot(out) == before
+
+    script.main(plumbing.cli(script.Args, [*flags, "--max-steps", "5", "--resume", "--log-every", "1"]))
+    from helpers import metrics
+    assert [r["step"] for r in metrics(out)] == [2, 3, 4, 5]  # from step 3's state: log-every 2, then 1
+    with open(os.path.join(out, "args.json")) as f:
+        record = json.load(f)
+    assert {k: v for k, v in record.items() if k != "resumes"} == first
+    (resumed,) = record["resumes"]
+    assert resumed["resumed_at_step"] == 3 and resumed["max_steps"] == 5 and resumed["log_every"] == 1
+
+    shutil.rmtree(os.path.join(out, "checkpoints", "5"))  # as a run saved before its last step
+    before = snapshot(out)
+    line = usage_error(script, *flags, "--max-steps", "7", "--resume")
+    assert "newest checkpoint" in line and "(step 4) is older than its finished model/ (step 5)" in line
+    assert f"start a new run from --model {out}/model" in line
+    assert snapshot(out) == before
+
+
+def test_flags_as_trl_names_them_and_the_toy_task_are_answered(tmp_path):
+    """TRL's own flag names get this project's in the one line, a typo tyro's guess; a model other than
+    `tiny` (or one trained from it) is refused the bundled toy data and reward unless they are given."""
+    import dpo
+    import evaluate
+    import grpo
+    import plumbing
+    with pytest.raises(plumbing.UsageError, match="--num-train-epochs is --num-epochs here"):
+        plumbing.cli(dpo.Args, ["--num-train-epochs", "1"])
+    with pytest.raises(plumbing.UsageError, match="--per-device-train-batch-size is --batch-size"):
+        plumbing.cli(grpo.Args, ["--per-device-train-batch-size=4"])
+    with pytest.raises(plumbing.UsageError, match="perhaps you meant --learning-rate"):
+        plumbing.cli(dpo.Args, ["--learning-rat", "1e-5"])
+    with pytest.raises(plumbing.UsageError, match=r"gemma_2b would use the bundled toy task \(data/\): pass "
+                                                  r"--dataset DATA; DATA: a .jsonl"):
+        plumbing.cli(dpo.Args, ["--model", "gemma_2b"])
+    with pytest.raises(plumbing.UsageError, match="toy task .*: pass --reward-fn path.py:function;"):
+        plumbing.cli(grpo.Args, ["--model", "gemma2_2b_it", "--dataset", "my_gsm8k.jsonl"])
+    with pytest.raises(plumbing.UsageError, match="toy task .*: pass --prompts DATA, --reward-fn"):
+        plumbing.cli(evaluate.Args, ["--model", "qwen3_8b"])
+    with pytest.raises(plumbing.UsageError, match="unknown --model 'gemma_3b_typo'"):
+        plumbing.cli(dpo.Args, ["--model", "gemma_3b_typo"])
+    assert plumbing.cli(grpo.Args, ["--model", "gemma_2b", "--dataset", "x.jsonl", "--reward-model", "rm"])
+    assert plumbing.cli(dpo.Args, ["--model", "gemma_2b", "--dataset", "data/prefs_train.jsonl",
+                                   "--eval-dataset", ""]).eval_dataset == ""
+    trained = tmp_path / "model" / "assets" / "tokenizer"  # a model/ trained from tiny: the toy task is its own
+    trained.mkdir(parents=True)
+    (tmp_path / "model" / "config.json").write_text("{}")
+    shutil.copy(os.path.join(ROOT, "data", "tiny_tokenizer.model"), trained / "vocabulary.spm")
+    assert plumbing.cli(dpo.Args, ["--model", str(tmp_path / "model")]).dataset == dpo.Args().dataset

@@ -908,7 +908,7 @@ def test_token_logps_match_full_logits_and_padding(tiny):
     ids = rng.integers(3, 300, (2, 11)).astype(np.int32)
     mask = np.ones_like(ids, bool)
     mask[1, 7:] = False  # row 1 is right-padded
-    chunked = jax.jit(lambda p, i, m: token_logps(model.backbone, p, frozen, i, m, chunk=4))  # chunks: 4+4+2
+    chunked = jax.jit(lambda p, i, m: token_logps(model.backbone, p, frozen, i, m, chunk=4)[0])  # chunks: 4+4+2
     logps = chunked(params, ids, mask)
     # Reference: full [B, T, V] logits from the KerasHub model itself, float64 log-softmax.
     logits = np.asarray(model({"token_ids": ids, "padding_mask": mask}), np.float64)
@@ -920,6 +920,6 @@ def test_token_logps_match_full_logits_and_padding(tiny):
     # Padding invariance: the same row with more right padding gives the same log-probs.
     longer = np.pad(ids[1:, :7], ((0, 0), (0, 9)))
     longer_mask = np.pad(mask[1:, :7], ((0, 0), (0, 9)))
-    whole = jax.jit(lambda p, i, m: token_logps(model.backbone, p, frozen, i, m))
+    whole = jax.jit(lambda p, i, m: token_logps(model.backbone, p, frozen, i, m)[0])
     padded = whole(params, longer, longer_mask)
     np.testing.assert_allclose(np.asarray(padded)[0, :6], np.asarray(logps)[1, :6], rtol=1e-5, atol=1e-5)

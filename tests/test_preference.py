@@ -49,7 +49,7 @@ def test_reference_logps_agree_three_ways(prefs):
     bb = model.backbone
     lora_ref = jax.jit(lambda p, d: dpo.reference_logps(bb, dpo.lora_off(bb, p), frozen, d))
     lora = lora_ref(trained, data)
-    fwd = jax.jit(lambda p, b: dpo.concatenated_forward(plain.backbone, p, full_frozen, jax.tree.map(lambda x: x[0], b)))
+    fwd = jax.jit(lambda p, b: dpo.concatenated_forward(plain.backbone, p, full_frozen, jax.tree.map(lambda x: x[0], b))[:2])
     pre = common.per_example(lambda b: fwd(full_params, b), data, 8, mesh)
     batch = {**data, "ref_chosen_logps": pre[0], "ref_rejected_logps": pre[1]}
     precomputed = dpo.reference_logps(None, None, None, batch)
@@ -74,7 +74,7 @@ def test_dpo_step_precomputed_and_accumulated_equals_online(prefs):
     step = jax.jit(lambda s, f, b, r: dpo.train_step(backbone, optimizer, args, s, f, b, r))
     data = dpo.pad_examples(pairs, 32)
     (online, _), m1 = step((params, optimizer.init(params)), frozen, {k: v[None] for k, v in data.items()}, ref)
-    ref_chosen, ref_rejected = jax.jit(lambda p, f, b: dpo.concatenated_forward(backbone, p, f, b))(ref, frozen, data)
+    ref_chosen, ref_rejected = jax.jit(lambda p, f, b: dpo.concatenated_forward(backbone, p, f, b)[:2])(ref, frozen, data)
     pre = {**data, "ref_chosen_logps": np.asarray(ref_chosen), "ref_rejected_logps": np.asarray(ref_rejected)}
     pre = {k: v.reshape(2, 4, *v.shape[1:]) for k, v in pre.items()}  # [A=2, 4, ...]
     (accumulated, _), m2 = step((params, optimizer.init(params)), frozen, pre, None)
@@ -112,6 +112,10 @@ def test_prompt_forms_and_bad_rows(tmp_path, prefs):
         ('{"chosen": "ab", "rejected": "abc"}\n', "bad.jsonl:1: without 'prompt'"),
         ('{"chosen": [{"role": "user"}], "rejected": []}\n', "bad.jsonl:1: field 'chosen' must be a non-empty list"),
         ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{oops\n', "bad.jsonl:2: invalid JSON"),
+        (json.dumps({**explicit, "prompt": [{"role": "tool", "content": "7"}]}) + "\n",
+         "bad.jsonl:1: field 'prompt', turn 1: unknown role 'tool'"),
+        (json.dumps({**explicit, "chosen": [{"role": "assistant", "content": ""}]}) + "\n",  # nothing to train on
+         "bad.jsonl:1: 'chosen' must continue the prompt with an assistant turn with text"),
     ]:
         (tmp_path / "bad.jsonl").write_text(content)
         with pytest.raises(common.UsageError, match=message):
@@ -159,7 +163,7 @@ def expected_metrics(module, model, pairs):
     forward = jax.jit(lambda b: module.concatenated_forward(model.backbone, params, frozen, b))
     logps = forward(dpo.pad_examples(pairs, 32))
     if module is dpo:
-        return dpo_loss(*logps, *logps)  # policy == reference
+        return dpo_loss(*logps[:2], *logps[:2])  # policy == reference
     nll = logps[2].sum() / logps[3].sum()
     return simpo_loss(logps[0], logps[1], nll) if module is simpo else orpo_loss(logps[0], logps[1], nll)
 

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from helpers import assert_same_rows, learning_env, metrics, preempt_then_resume, run_script as run
-from ppo import (Args, Pair, PPOParams, advantages_of, generate, hidden_states, response_logps, rollout_stats,
+from ppo import (Args, Pair, PPOParams, advantages_of, generate, response_logps, rollout_stats,
                  train_step, truncate_response)
 
 
@@ -54,7 +54,7 @@ def test_ppo_update_moves_logprobs_along_advantages():
     state = (params, optimizer.init(params))
     step = jax.jit(lambda s, f, b: train_step(models, optimizer, args, s, f, b, q))
     state, m = step(state, frozen, batch)
-    forward = jax.jit(lambda p, f, ids, m: response_logps(bb, p, f, ids, m, q, 1.0))  # see test_preference
+    forward = jax.jit(lambda p, f, ids, m: response_logps(bb, p, f, ids, m, q, 1.0)[:2])  # see test_preference
     new_lp, _ = forward(state[0].policy, frozen.policy, batch["query_responses"], batch["padding_mask"])
     delta = np.asarray(new_lp - lp)
     assert np.sum(delta * np.asarray(adv)) > 0
@@ -108,7 +108,7 @@ def test_cached_generation_matches_uncached_greedy_and_compiles_once():
     cached = np.asarray(gen(params, queries, qmask, jax.random.key(0)))
 
     seq, mask = np.concatenate([queries, np.zeros((8, r), np.int32)], 1), np.concatenate([qmask, np.zeros((8, r), bool)], 1)
-    logits_fn = jax.jit(lambda s, m: bb.token_embedding(hidden_states(bb, params, frozen, s, m), reverse=True))
+    logits_fn = jax.jit(lambda s, m: bb.token_embedding(common.forward(bb, params, frozen, s, m)[0], reverse=True))
     for t in range(r):  # uncached: the whole sequence again for each new token
         nxt = np.argmax(np.asarray(logits_fn(seq, mask))[:, q + t - 1], -1)
         seq[:, q + t], mask[:, q + t] = nxt, True

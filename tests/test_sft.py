@@ -8,10 +8,27 @@ import sys
 import numpy as np
 import pytest
 
-from helpers import ROOT, learning_env, metrics as read_metrics, usage_error
+from helpers import ROOT, check_exported_tokenizer, learning_env, metrics as read_metrics, usage_error
 
 sys.path.insert(0, os.path.join(ROOT, "data"))
 import toy  # noqa: E402
+
+
+CHAT = [{"role": "user", "content": "Sort: 2 1"}, {"role": "assistant", "content": "1 2"}]
+# A chat row that follows a good one, and what the refusal says (`tiny`: Gemma's template, no system role)
+BAD_CHATS = [
+    ({"messages": [{"role": "tool", "content": "7"}, *CHAT]},  # TRL's tool turn: not rendered here
+     "bad.jsonl:2: field 'messages', turn 1: unknown role 'tool' (expected 'system', 'user' or 'assistant')"),
+    ({"messages": [CHAT[0], {"role": "asistant", "content": "1 2"}]},
+     "bad.jsonl:2: field 'messages', turn 2: unknown role 'asistant'"),
+    ({"messages": CHAT[:1]}, "bad.jsonl:2: no assistant turn with text in 'messages': nothing to train on"),
+    ({"messages": [CHAT[0], {"role": "assistant", "content": " "}]},
+     "bad.jsonl:2: no assistant turn with text in 'messages'"),
+    ({"prompt": CHAT[:1], "completion": [{"role": "assistant", "content": ""}]},
+     "bad.jsonl:2: no assistant turn with text in 'completion': nothing to train on"),
+    ({"messages": [*CHAT, {"role": "system", "content": "Be brief."}]},  # no user turn after it to open
+     "bad.jsonl:2: field 'messages': a system turn must come first, then a user turn"),
+]
 
 
 def run(*args, check=True, env=None):
@@ -56,12 +73,15 @@ def test_outputs(trained):
 
 def test_export_hf(trained):
     """--export-hf: model_hf/ is a transformers checkpoint (`architectures` in its config.json)
-    that KerasHub's Hugging Face converter loads with model/'s logits and tokenizer."""
+    that KerasHub's Hugging Face converter loads with model/'s logits and tokenizer; its tokenizer.json
+    gives the bundled tokenizer's ids (transformers' Gemma class read tokenizer.model as Gemma's own
+    spec: "Sort" became "So" + "rt"), with the Gemma chat template and ordinary file modes."""
     import common  # noqa: F401  (sets the Keras backend)
     import keras_hub
     hf = os.path.join(trained, "model_hf")
     assert not os.path.exists(hf + ".tmp")
-    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"]
+    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer.model",
+                                      "tokenizer_config.json"]
     with open(os.path.join(hf, "config.json")) as f:
         config = json.load(f)
     assert config["architectures"] == ["GemmaForCausalLM"] and config["model_type"] == "gemma"
@@ -72,6 +92,7 @@ def test_export_hf(trained):
     np.testing.assert_allclose(np.asarray(exported(inputs)), np.asarray(saved(inputs)), rtol=1e-5, atol=1e-5)
     text = "Sort: 3 1 2"
     assert list(exported.preprocessor.tokenizer.tokenize(text)) == list(saved.preprocessor.tokenizer.tokenize(text))
+    check_exported_tokenizer(hf, saved.preprocessor.tokenizer, "gemma")
 
 
 def test_learns_toy_task(trained):
@@ -107,13 +128,38 @@ def test_saved_model_continues_as_model_flag_with_messages(trained, tmp_path):
      "bad.jsonl:2: field 'completion' must be a non-empty string"),
     ('{"prompt": "a", "completion": "b"}\n{"question": "a"}\n', "bad.jsonl:2: need 'text'"),
     ("", "bad.jsonl: no examples"),
+    *[(f'{json.dumps({"messages": CHAT})}\n{json.dumps(row)}\n', message) for row, message in BAD_CHATS],
 ])
 def test_bad_dataset_is_refused_naming_file_and_line(tmp_path, content, message):
     import sft  # here: JAX is imported after conftest set XLA_FLAGS
     bad = tmp_path / "bad.jsonl"
     bad.write_text(content)
-    assert message in usage_error(sft, "--dataset", str(bad), "--output-dir", str(tmp_path / "out"))
+    assert message in usage_error(sft, "--dataset", str(bad), "--max-steps", "1",
+                                  "--output-dir", str(tmp_path / "out"))
     assert not os.path.exists(tmp_path / "out")  # nothing written, no compute spent
+
+
+def test_conversational_prompt_completion_trains_on_the_completion_only(tmp_path):
+    """TRL's conversational prompt/completion row (message lists): the same tokens as that chat in `messages`
+    form, the system turn included; the loss on the completion's answer (+ EOS) only, where `messages`
+    trains on every answer."""
+    import keras_hub
+    import common
+    import sft
+    turn = lambda role, text: {"role": role, "content": text}  # noqa: E731
+    prompt = [turn("system", "Answer briefly."), *CHAT, turn("user", "Sort: 3 1")]
+    path = tmp_path / "chats.jsonl"
+    path.write_text(json.dumps({"prompt": prompt, "completion": [turn("assistant", "1 3")]}) + "\n"
+                    + json.dumps({"messages": [*prompt, turn("assistant", "1 3")]}) + "\n")
+    tokenizer = keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER)
+    rows = common.read_dataset(str(path), "sft", common.CHAT_TEMPLATES["gemma"])
+    (ids, mask), (chat_ids, chat_mask) = sft.tokenize_dataset(rows, tokenizer, 256, True, str(path))[0]
+    tokens = lambda text: [int(i) for i in tokenizer.tokenize(text)]  # noqa: E731
+    assert "".join(t for t, _ in rows[0]).startswith("<start_of_turn>user\nAnswer briefly.\n\nSort: 2 1<end")
+    assert list(ids) == list(chat_ids)
+    assert list(ids[mask]) == tokens("1 3<end_of_turn>") + [tokenizer.end_token_id]
+    assert list(chat_ids[chat_mask]) == (tokens("1 2<end_of_turn>") + tokens("1 3<end_of_turn>")
+                                         + [tokenizer.end_token_id])
 
 
 def test_bad_dataset_exits_2_in_one_line(tmp_path):
