@@ -2,9 +2,10 @@
   1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global, to_host,
                  init_optimizer (optimizer state laid out like the params)
   2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors / hub_error (a hub failure in one line),
-                 load_model (created sharded), check_sampler; forward (stateless, with the losses its layers
-                 add: a mixture of experts' router loss); per family: logits, empty_cache, cached_forward
-                 (KV-cached, left padding); split_variables, save_model, export_hf; reward
+                 load_model (created sharded; text_causal_lm: text only, multimodal checkpoints too),
+                 check_sampler; forward (stateless, with the losses its layers add: a mixture of experts'
+                 router loss); per family: logits, empty_cache, cached_forward (KV-cached or recurrent
+                 states, left padding); split_variables, save_model, export_hf; reward
                  models; reward functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a reward
                  model or weighted reward functions, one call)
   3. Files       read_rows (.jsonl/.json/.parquet, saved folders, Hub ids: load_splits), CHAT_TEMPLATES /
@@ -402,7 +403,7 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
 
 def text_causal_lm(preset, dtype=None):
     """CausalLM.from_preset, text only and without TensorFlow. A vision(-and-audio)-and-text checkpoint (a
-    KerasHub preset's backbone config, or a Hugging Face config.json's vision_config / audio_config) loads its
+    KerasHub preset's backbone config, a Hugging Face config.json's vision_config / audio_config) loads its
     decoder alone, the encoders left out (their weights stay in the file), so the model/ saved from it is
     text-only. Gemma 3's preprocessor needs TensorFlow (its tf.data code, text too): it becomes KerasHub's
     generic one, the same [BOS] + text ids."""
@@ -447,11 +448,11 @@ def logits(backbone, hidden):
 
 
 def empty_cache(backbone, batch, length):
-    """A zero cache, one entry per layer: a KV array [B, 2, S, K, H] (call_with_cache's [B, L, 2, S, K, H] is
-    their jnp.stack(…, 1): apart, a decode step updates each in place; stacked, it copied them all); Gemma 3: a
-    (K, V) pair [B, S, K, H] each, as its call_with_cache takes it; Qwen 3.5's linear-attention (gated delta
-    net) layers: fixed-size states (the causal conv's last k-1 inputs [B, C, k-1], the recurrent [B, Hv, Dk, Dv]
-    float32)."""
+    """A zero cache, one entry per layer: a KV array [B, 2, S, K, H] (call_with_cache's [B, L, 2, S, K, H]
+    is their jnp.stack(…, 1): apart, a decode step updates each in place; stacked, it copied them all);
+    Gemma 3: a (K, V) pair [B, S, K, H] each, as its call_with_cache takes it; Qwen 3.5's linear-attention
+    (gated delta net) layers: fixed-size states (the causal conv's last k-1 inputs [B, C, k-1], the
+    recurrent state [B, Hv, Dk, Dv] float32)."""
     b, dtype = backbone, backbone.compute_dtype
     head_dim = getattr(b, "head_dim", None) or b.hidden_dim // b.num_query_heads
     shape = (batch, length, b.num_key_value_heads, head_dim)
@@ -901,12 +902,12 @@ CHAT_TEMPLATES = {
     # https://huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/tokenizer_config.json
     "chatml": Template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
                        "<|im_start|>system\n", False),
-    # Qwen 3.5: ChatML, each answer opened by an empty thinking block, as its template writes an answer without
-    # reasoning_content and its non-thinking generation prompt (enable_thinking=false, 0.8B's default, per its
-    # card); it leaves the block out of answers before the last user turn, this does not
+    # Qwen 3.5: ChatML, each answer opened by an empty thinking block, as its template writes an answer
+    # without reasoning_content and its non-thinking generation prompt (enable_thinking=false, 0.8B's
+    # default, per its card); it leaves the block out of answers before the last user turn, this does not
     # https://huggingface.co/Qwen/Qwen3.5-0.8B (its chat_template, as quoted in public discussions)
-    "qwen3.5": Template("<|im_start|>user\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n", "<|im_end|>\n",
-                        "<|im_start|>system\n", False),
+    "qwen3.5": Template("<|im_start|>user\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+                        "<|im_end|>\n", "<|im_start|>system\n", False),
 }
 # The same templates in Jinja (--export-hf's chat_template), as the model cards cited above write them,
 # opened by the scripts' start token; Mistral's card ends every answer with </s>, where render() leaves the
@@ -928,9 +929,10 @@ HF_CHAT_TEMPLATES = {
     "chatml": "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
               "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
               "{% endif %}",
-    "qwen3.5": "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + ('<think>\\n\\n"
-               "</think>\\n\\n' if m['role'] == 'assistant' else '') + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
-               "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{% endif %}",
+    "qwen3.5": "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + "
+               "('<think>\\n\\n</think>\\n\\n' if m['role'] == 'assistant' else '') + m['content'] + "
+               "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+               "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{% endif %}",
 }
 
 
