@@ -1,6 +1,6 @@
 """What an algorithm touches: the mesh, the models, the data files and the batches.
   1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global, to_host,
-                 init_optimizer (optimizer state laid out like the params)
+                 init_optimizer (optimizer state laid out like the params), lr_schedule (transformers')
   2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors / hub_error (a hub failure in one line),
                  load_model (created sharded), check_sampler; forward (stateless, with the losses its layers
                  add: a mixture of experts' router loss); per family: logits, empty_cache, cached_forward
@@ -23,6 +23,7 @@ import contextlib
 import functools
 import glob
 import json
+import math
 import os
 import shutil
 import sys
@@ -219,6 +220,24 @@ def init_optimizer(optimizer, params, mesh):
     out = jax.tree.map(lambda sub: shardings(params) if like_params(sub) else replicated(mesh),
                        jax.eval_shape(optimizer.init, params), is_leaf=like_params)
     return jax.jit(optimizer.init, out_shardings=out)(params), out
+
+
+def lr_schedule(kind, peak, total_steps, warmup_steps=0, warmup_ratio=0.0, min_lr_rate=0.1):
+    """--lr-scheduler-type as transformers' get_scheduler builds it for TRL's trainers -> (schedule, warmup):
+    schedule(count) is the rate of optimizer update `count` (0 = the first update = transformers'
+    lr_lambda(0)); warmup = --warmup-steps, or ceil(--warmup-ratio × total_steps) when that is 0
+    (TrainingArguments.get_warmup_steps); `constant` has none (get_scheduler ignores it)."""
+    warmup = 0 if kind == "constant" else warmup_steps or math.ceil(warmup_ratio * total_steps)
+    decay_steps = max(1, total_steps - warmup)
+
+    def schedule(count):
+        step = jnp.asarray(count, jnp.float32)
+        cosine = 0.5 * (1.0 + jnp.cos(jnp.pi * (step - warmup) / decay_steps))  # num_cycles 0.5: a half wave
+        factor = {"linear": jnp.maximum(0.0, (total_steps - step) / decay_steps),
+                  "cosine": jnp.maximum(0.0, cosine), "constant_with_warmup": 1.0, "constant": 1.0,
+                  "cosine_with_min_lr": jnp.maximum(0.0, cosine * (1 - min_lr_rate) + min_lr_rate)}[kind]
+        return peak * jnp.where(step < warmup, step / max(1, warmup), factor)  # linear warmup from 0
+    return schedule, warmup
 
 
 # --- 2. Models ---

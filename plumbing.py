@@ -242,6 +242,16 @@ class SharedArgs:
     """examples per update, global over devices (and accumulation) (TRL: 8 per device)"""
     learning_rate: float = 1e-6
     """peak AdamW learning rate"""
+    lr_scheduler_type: Literal["linear", "cosine", "cosine_with_min_lr", "constant",
+                               "constant_with_warmup"] = "linear"
+    """the rate after the warmup, as transformers' (TRL's default: linear to 0): linear or cosine to 0,
+    cosine_with_min_lr to --min-lr-rate × the peak, constant_with_warmup; constant (no warmup either)"""
+    warmup_steps: int = 0
+    """linear warmup from 0, in optimizer updates (TRL: 0); wins over --warmup-ratio"""
+    warmup_ratio: float = 0.0
+    """warmup as a fraction of all optimizer updates (ceil(ratio × updates) steps) when --warmup-steps is 0"""
+    min_lr_rate: float = 0.1
+    """cosine_with_min_lr's floor, a fraction of the peak (transformers' lr_scheduler_kwargs min_lr_rate)"""
     weight_decay: float = 0.0
     """AdamW weight decay, on matrices only (not norms or biases) (TRL: 0.0)"""
     max_grad_norm: float = 1.0
@@ -320,15 +330,18 @@ class Run:
     Outputs are created after the first step (its run.log); from then on the first SIGINT/SIGTERM
     checkpoints at the next step boundary and raises Preempted, a second ends the process at once."""
 
-    def __init__(self, script, args, *, log_every=1, eval_every=0, grad_accum_steps=1, warmup_steps=0,
-                 export_hf=False, skip_nonfinite=None):
+    def __init__(self, script, args, *, log_every=1, eval_every=0, grad_accum_steps=1, export_hf=False,
+                 skip_nonfinite=None):
         import common
         common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
         check_flags(learning_rate=(args.learning_rate, 0, True), batch_size=(args.batch_size, 1, False),
                     max_steps=(args.max_steps, 0, False), num_epochs=(args.num_epochs, 0, True),
                     weight_decay=(args.weight_decay, 0, False), save_every=(args.save_every, 0, False),
                     log_every=(log_every, 1, False), eval_every=(eval_every, 0, False),
-                    grad_accum_steps=(grad_accum_steps, 1, False), warmup_steps=(warmup_steps, 0, False))
+                    grad_accum_steps=(grad_accum_steps, 1, False), warmup_steps=(args.warmup_steps, 0, False))
+        if not (0 <= args.warmup_ratio <= 1 and 0 <= args.min_lr_rate <= 1):
+            raise UsageError(f"--warmup-ratio {args.warmup_ratio}, --min-lr-rate {args.min_lr_rate}: "
+                             "each must be in [0, 1]")
         if export_hf:
             common.check_export_hf(args.model)
         if args.track:
