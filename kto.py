@@ -314,7 +314,7 @@ def main(args):
         if eval_path else []
     train_rows = read_examples(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of examples
-    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
+    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     mismatched = args.loss_type == "kto"  # z₀'s mismatched pairs (apo_zero_unpaired: z₀ = 0, none)

@@ -220,7 +220,13 @@ class SharedArgs:
     dtype: Literal["bfloat16", "float32"] | None = None
     """compute dtype; weights and optimizer state stay float32. None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0
-    """0 = full fine-tuning; >0 = KerasHub LoRA of this rank on the backbone"""
+    """0 = full fine-tuning; r > 0: LoRA of rank r, only its A and B train (TRL: --use-peft --lora-r r).
+    No LoRA dropout (TRL's --lora-dropout 0.05): Keras' LoRA layers have none"""
+    lora_alpha: int = 32
+    """LoRA's α: the update is (α / r)·A·B, merged so into the saved weights (TRL ModelConfig: 32)"""
+    lora_target_modules: tuple[str, ...] | None = None
+    """the layers LoRA adapts: `all-linear` (attention q/k/v/o and the MLP; not the embedding / output head),
+    or KerasHub layer names, e.g. `query value`; None: query and value (PEFT's default for these families)"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
     remat: Literal["auto", "on", "off"] = "auto"
@@ -277,6 +283,12 @@ class SharedArgs:
     """number of processes in the run"""
     process_id: int | None = None
     """this process's index"""
+
+    @property
+    def lora(self):
+        """common.load_model's LoRA keywords from --lora-rank, --lora-alpha and --lora-target-modules."""
+        return {"lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
+                "lora_target_modules": self.lora_target_modules}
 
 
 @dataclasses.dataclass

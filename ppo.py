@@ -375,9 +375,9 @@ def main(args):
     prompts, rows = common.read_prompts(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     max_steps = run.resolve_max_steps(len(prompts))  # --max-steps, or --num-epochs' worth of rollouts
     scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=[args.reward_fn],
-                                lora_rank=args.lora_rank)  # s(x, y): the reward model, or the reward function
+                                **args.lora)  # s(x, y): the reward model, or the reward function
     scorer.check_columns(rows)  # before the model loads: every column a reward function names exists
-    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
+    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     scorer.check_tokenizer(tokenizer)
     value_bb = scorer.model.backbone if scorer.model is not None else backbone

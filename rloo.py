@@ -377,7 +377,7 @@ def main(args):
     scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=args.reward_fn,
                                 weights=args.reward_weights)  # r(x, y): the reward model, or the weighted functions
     scorer.check_columns(rows)  # before the model loads: every column a reward function names exists
-    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
+    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     scorer.check_tokenizer(tokenizer)
     remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each block (not the sampler's calls)

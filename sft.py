@@ -219,7 +219,7 @@ def main(args):
     train_rows = common.read_dataset(args.dataset, "sft", template, "--dataset", args.dataset_config,
                                      args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of rows
-    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
+    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.completion_only_loss, args.dataset)
