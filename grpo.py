@@ -4,7 +4,7 @@ Shao et al. 2024 (DeepSeekMath); loss variants from DAPO (Yu et al. 2025) and Dr
     python grpo.py --model runs/sft…/model --reward-fn my_checks.py:correct my_checks.py:formatted
 Offline, toy checker data/toy.py:batch_score (the defaults are for real models; `tiny` takes its own):
     python grpo.py --model tiny --max-steps 30 --batch-size 64 --learning-rate 3e-4 \
-        --max-prompt-length 64 --response-length 16 --beta 0.04
+        --max-prompt-length 64 --response-length 16 --beta 0.04 --lr-scheduler-type constant_with_warmup
 """
 
 import math

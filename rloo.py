@@ -4,7 +4,7 @@ Ahmadian et al. 2024 (Back to Basics); TRL's RLOOTrainer: sequence-level KL in t
     python rloo.py --model runs/sft…/model --reward-fn my_checks.py:correct my_checks.py:formatted
 Offline, toy checker data/toy.py:batch_score (the defaults are for real models; `tiny` takes its own):
     python rloo.py --model tiny --max-steps 30 --batch-size 64 --num-generations 8 --learning-rate 3e-4 \
-        --max-prompt-length 64 --response-length 16 --beta 0.01
+        --max-prompt-length 64 --response-length 16 --beta 0.01 --lr-scheduler-type constant_with_warmup
 """
 
 import math
