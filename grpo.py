@@ -439,7 +439,7 @@ def main(args):
     step_fn = remat.jit(lambda s, f, b: train_step(backbone, optimizer, args, s, f, b, query_length(b)),
                         donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
-    run.record(remat=remat, warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
+    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
     # FLOPs (docs/design.md): 2N per token per forward (sampling; π_old and π_ref when needed; reward model),

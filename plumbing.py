@@ -89,7 +89,9 @@ TRL_FLAGS = {"num-train-epochs": "--num-epochs", "per-device-train-batch-size": 
              "gradient-checkpointing": "--remat on", "bf16": "--dtype bfloat16", "resume-from-checkpoint":
              "--resume", "report-to": "--track (W&B; TensorBoard files are always written)",
              "per-device-eval-batch-size": "--batch-size", "eval-strategy": "--eval-every N (0: none)",
-             "dataset-train-split": "--dataset-split", "dataset-test-split": "--eval-split"}
+             "dataset-train-split": "--dataset-split", "dataset-test-split": "--eval-split",
+             "lr-scheduler-kwargs": "--min-lr-rate (cosine_with_min_lr's min_lr_rate, the one kwarg taken)",
+             "lora-dropout": "absent (Keras' LoRA layers have no dropout)"}
 
 
 def cli(args_class, argv=None):

@@ -227,7 +227,7 @@ def main(args):
     state = jax.device_put(state, state_shardings)
     step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length,
                         donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
-    run.record(remat=remat, warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
+    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
     score_fn = jax.jit(lambda p, f, b: sequence_scores(backbone, p[0], f, p[1], b["ids"][0], b["mask"][0])[:1])
 
     def scores_of(params, data, side):

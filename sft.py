@@ -241,7 +241,7 @@ def main(args):
     # Layouts pinned in and out (donated, updated in place): one compilation per length bucket.
     step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length,
                         donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
-    run.record(remat=remat, warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
+    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
     eval_fn = jax.jit(partial(eval_nll, backbone))
 
     def evaluate(params):  # every eval example once (the last batch wraps around, then is trimmed)

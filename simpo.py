@@ -283,7 +283,7 @@ def main(args):
     # Layouts pinned in and out (donated, updated in place): one compilation per length bucket.
     step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length, donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
-    run.record(remat=remat, warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
+    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
     eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b))[:4])

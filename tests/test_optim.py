@@ -65,6 +65,18 @@ def test_warmup_ratio_rounds_up_and_warmup_steps_win():
     assert common.lr_schedule("linear", 1.0, 20, 5, warmup_ratio=0.5)[1] == 5
 
 
+def test_schedule_flags_are_checked_and_trls_extra_names_answered(tmp_path):
+    import plumbing
+    with pytest.raises(plumbing.UsageError, match="polynomial"):  # not offered: tyro lists the choices
+        plumbing.cli(dpo.Args, ["--lr-scheduler-type", "polynomial"])
+    with pytest.raises(plumbing.UsageError, match="--lr-scheduler-kwargs is --min-lr-rate"):
+        plumbing.cli(dpo.Args, ["--lr-scheduler-kwargs", '{"min_lr_rate": 0.1}'])
+    with pytest.raises(plumbing.UsageError, match="--lora-dropout is absent"):
+        plumbing.cli(dpo.Args, ["--lora-dropout", "0.05"])
+    with pytest.raises(plumbing.UsageError, match=r"--warmup-ratio 1.5, --min-lr-rate 0.1: each must be in"):
+        plumbing.Run("dpo", dpo.Args(warmup_ratio=1.5, output_dir=str(tmp_path / "run")))
+
+
 # ---------------------------------------------------------------------------
 # 20 DPO steps: dpo.py's make_optimizer + train_step against clipped AdamW in float64 NumPy
 # ---------------------------------------------------------------------------
