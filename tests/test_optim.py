@@ -261,3 +261,14 @@ def test_lora_flags_reach_the_model():
     adapted = [layer for layer in linear_layers(model.backbone) if layer.lora_enabled]
     assert sorted(layer.name for layer in adapted) == ["ffw_linear"] * 4 + ["query"] * 4  # 4 blocks
     assert {(layer.lora_rank, layer.lora_alpha) for layer in adapted} == {(4, 8)}
+
+
+def test_all_linear_on_qwen3_moe_leaves_the_stacked_experts():
+    """Qwen3-MoE's experts are one layer of stacked weights, not Dense layers: all-linear adapts attention
+    and the router only (README, Defaults: what PEFT would adapt there that Keras' LoRA cannot)."""
+    backbone = keras_hub.models.Qwen3MoeBackbone(vocabulary_size=64, num_layers=1, num_query_heads=4,
+                                                 num_key_value_heads=2, hidden_dim=32, intermediate_dim=64,
+                                                 head_dim=8, moe_intermediate_dim=16, num_experts=4, top_k=2)
+    common.enable_lora(backbone, 2, 4, ("all-linear",))
+    assert {v.path.split("/")[-2] for v in backbone.trainable_variables} == {
+        "query", "key", "value", "attention_output", "sparse_feedforward_gate_dense"}
