@@ -262,12 +262,13 @@ def test_resume_knows_what_it_resumes(tmp_path):
     import plumbing
     import sft as script
     out = str(tmp_path / "run")
-    flags = [*FAST, "--save-every", "2", "--output-dir", out]
+    flags = [*FAST, "--save-every", "2", "--warmup-ratio", "0.5", "--output-dir", out]
     script.main(plumbing.cli(script.Args, [*flags, "--max-steps", "3"]))
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["2", "3"]  # 3: the last step
     with open(os.path.join(out, "args.json")) as f:
         first = json.load(f)
     assert first["script"] == "sft" and first["max_steps"] == 3
+    assert first["num_warmup_steps"] == 2 and first["warmup_steps"] == 0  # ceil(0.5 × 3) resolved; the flag as given
     before = snapshot(out)
     line = usage_error(script, *flags, "--max-steps", "5", "--learning-rate", "1e-3", "--batch-size", "16", "--resume")
     assert "is another run" in line and "--learning-rate 2e-05 -> 0.001" in line and "--batch-size 8 -> 16" in line
