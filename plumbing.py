@@ -108,7 +108,8 @@ def cli(args_class, argv=None):
             raise
         lines = [line.strip("│╭╮╰╯ \n") for line in err.getvalue().splitlines()[1:]]  # [0]: the box's title
         text = " ".join(lines[:next((i for i, x in enumerate(lines) if set(x) <= {"─"}), len(lines))])
-        trl = [f"--{f} is {TRL_FLAGS[f]} here" for a in argv if (f := a[2:].split("=")[0]) in TRL_FLAGS]
+        trl = [f"{a.split('=')[0]} is {TRL_FLAGS[f]} here" for a in argv
+               if (f := a[2:].split("=")[0].replace("_", "-")) in TRL_FLAGS]  # TRL spells them with _ too
         guess = next((x.split()[0] for x, prev in zip(lines[1:], lines) if prev == "Perhaps you meant:"), None)
         hints = trl or ([f"perhaps you meant {guess}"] if guess else [])
         raise UsageError("; ".join([text or err.getvalue().strip(), *hints])) from None

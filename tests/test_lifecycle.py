@@ -305,6 +305,9 @@ def test_flags_as_trl_names_them_and_the_toy_task_are_answered(tmp_path):
         plumbing.cli(dpo.Args, ["--num-train-epochs", "1"])
     with pytest.raises(plumbing.UsageError, match="--per-device-train-batch-size is --batch-size"):
         plumbing.cli(grpo.Args, ["--per-device-train-batch-size=4"])
+    with pytest.raises(plumbing.UsageError, match="--max_completion_length is --response-length here"):
+        plumbing.cli(grpo.Args, ["--max_completion_length", "64"])  # TRL's own spelling, with _
+    assert plumbing.cli(dpo.Args, ["--learning_rate", "1e-5", "--lr_scheduler_type", "cosine"]).learning_rate == 1e-5
     with pytest.raises(plumbing.UsageError, match="perhaps you meant --learning-rate"):
         plumbing.cli(dpo.Args, ["--learning-rat", "1e-5"])
     with pytest.raises(plumbing.UsageError, match=r"gemma_2b would use the bundled toy task \(data/\): pass "
