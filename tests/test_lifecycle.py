@@ -261,6 +261,7 @@ def test_resume_knows_what_it_resumes(tmp_path):
     import dpo
     import plumbing
     import sft as script
+    assert plumbing.SharedArgs().save_every == 500  # TRL's save_steps: a crash keeps work by default
     out = str(tmp_path / "run")
     flags = [*FAST, "--save-every", "2", "--warmup-ratio", "0.5", "--output-dir", out]
     script.main(plumbing.cli(script.Args, [*flags, "--max-steps", "3"]))
