@@ -1,13 +1,13 @@
 """What an algorithm touches: the mesh, the models, the data files and the batches.
   1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global, to_host,
-                 init_optimizer (optimizer state laid out like the params)
+                 init_optimizer (optimizer state laid out like the params), lr_schedule (transformers')
   2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors / hub_error (a hub failure in one line),
-                 load_model (created sharded; text_causal_lm: text only, multimodal checkpoints too),
-                 check_sampler; forward (stateless, with the losses its layers add: a mixture of experts'
-                 router loss); per family: logits, empty_cache, cached_forward (KV-cached or recurrent
-                 states, left padding); split_variables, save_model, export_hf; reward
-                 models; reward functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a reward
-                 model or weighted reward functions, one call)
+                 load_model (created sharded; text_causal_lm: text only, multimodal checkpoints too;
+                 enable_lora: PEFT's LoRA), check_sampler; forward (stateless, with the losses its layers add: a
+                 mixture of experts' router loss); per family: logits, empty_cache, cached_forward (KV-cached or
+                 recurrent states, left padding); split_variables, save_model, export_hf; reward models; reward
+                 functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a reward model or weighted
+                 reward functions, one call)
   3. Files       read_rows (.jsonl/.json/.parquet, saved folders, Hub ids: load_splits), CHAT_TEMPLATES /
                  chat_template / render, TRL's formats -> text (sft_segments, preference_triple, unpaired_example,
                  prompt_text), read_dataset, eval_source (--eval-split), read_prompts
@@ -24,6 +24,7 @@ import contextlib
 import functools
 import glob
 import json
+import math
 import os
 import shutil
 import sys
@@ -233,6 +234,24 @@ def init_optimizer(optimizer, params, mesh):
     return jax.jit(optimizer.init, out_shardings=out)(params), out
 
 
+def lr_schedule(kind, peak, total_steps, warmup_steps=0, warmup_ratio=0.0, min_lr_rate=0.1):
+    """--lr-scheduler-type as transformers' get_scheduler builds it for TRL's trainers -> (schedule, warmup):
+    schedule(count) is the rate of optimizer update `count` (0 = the first update = transformers'
+    lr_lambda(0)); warmup = --warmup-steps, or ceil(--warmup-ratio × total_steps) when that is 0
+    (TrainingArguments.get_warmup_steps); `constant` has none (get_scheduler ignores it)."""
+    warmup = 0 if kind == "constant" else warmup_steps or math.ceil(warmup_ratio * total_steps)
+    decay_steps = max(1, total_steps - warmup)
+
+    def schedule(count):
+        step = jnp.asarray(count, jnp.float32)
+        cosine = 0.5 * (1.0 + jnp.cos(jnp.pi * (step - warmup) / decay_steps))  # num_cycles 0.5: a half wave
+        factor = {"linear": jnp.maximum(0.0, (total_steps - step) / decay_steps),
+                  "cosine": jnp.maximum(0.0, cosine), "constant_with_warmup": 1.0, "constant": 1.0,
+                  "cosine_with_min_lr": jnp.maximum(0.0, cosine * (1 - min_lr_rate) + min_lr_rate)}[kind]
+        return peak * jnp.where(step < warmup, step / max(1, warmup), factor)  # linear warmup from 0
+    return schedule, warmup
+
+
 # --- 2. Models ---
 def resolve_model(name):
     """--model -> what `CausalLM.from_preset` takes (or 'tiny'); unknown names raise."""
@@ -386,7 +405,7 @@ def check_sampler(name, flag="--model"):
                          f"Mistral, Qwen 2.5, Qwen 3, Qwen 3.5 and Qwen3-MoE backbones, not {cls.__name__}")
 
 
-def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
+def load_model(name, mesh, dtype=None, seed=0, lora_rank=0, lora_alpha=None, lora_target_modules=None):
     """--model -> its KerasHub CausalLM (backbone + preprocessor), every weight created sharded and float32
     whatever the checkpoint holds (`dtype`: the compute dtype); lora_rank > 0: only LoRA weights train."""
     preset = resolve_model(name)
@@ -396,7 +415,7 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0):
         else:
             model = text_causal_lm(preset, dtype_policy(dtype))
         if lora_rank:
-            model.backbone.enable_lora(lora_rank)
+            enable_lora(model.backbone, lora_rank, lora_alpha, lora_target_modules)
     ensure_start_token(getattr(model.preprocessor, "tokenizer", None), name)
     return model
 
@@ -418,6 +437,29 @@ def text_causal_lm(preset, dtype=None):
     task = find_subclass(preset, keras_hub.models.CausalLM, cls)
     preprocessor = keras_hub.models.CausalLMPreprocessor if needs_tf else task.preprocessor_cls
     return task(backbone=backbone, preprocessor=preprocessor(keras_hub.models.Tokenizer.from_preset(preset)))
+
+
+def enable_lora(backbone, rank, alpha=None, target_modules=None):
+    """LoRA as PEFT's LoraConfig: W + (alpha / rank)·A·B (alpha None: rank) on the Dense / EinsumDense
+    layers named in `target_modules` (names may be comma-separated; None: KerasHub's default, query and value,
+    PEFT's for these families; `all-linear`: every one, attention q/k/v/o and the MLP: as PEFT's, all but the
+    output head, here the embedding). Only A and B train: biases stay frozen (PEFT's bias="none")."""
+    linear = [layer for layer in backbone._flatten_layers(include_self=False)  # as KerasHub's enable_lora
+              if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))]
+    names = {n for m in target_modules or backbone.default_lora_layer_names() for n in m.split(",") if n}
+    chosen = linear if "all-linear" in names else [layer for layer in linear if layer.name in names]
+    unknown = names - {"all-linear"} - {layer.name for layer in linear} if target_modules else set()
+    if unknown or not chosen:
+        raise UsageError(f"--lora-target-modules {' '.join(target_modules or [])}: not this model's; "
+                         f"all-linear or its layers {', '.join(sorted({layer.name for layer in linear}))}")
+    backbone.trainable = True
+    for layer in backbone._flatten_layers(include_self=False):
+        layer.trainable = False
+    for layer in chosen:
+        layer.trainable = True
+        layer.enable_lora(rank, lora_alpha=alpha)  # freezes the kernel; A [..., r]: he_uniform, B [r, out]: 0
+        if layer.bias is not None:
+            layer.bias.trainable = False
 
 
 def ensure_start_token(tokenizer, name):
@@ -649,10 +691,11 @@ def save_reward_model(model, params, head, info, path):
             json.dump(info, f, indent=2)
 
 
-def load_reward_model(path, mesh, dtype=None, lora_rank=0, flag="--reward-model"):
-    """-> (CausalLM, head {weight [D, 1], bias []}, float32) from a reward.py `model/` directory."""
+def load_reward_model(path, mesh, dtype=None, lora_rank=0, flag="--reward-model", **lora):
+    """-> (CausalLM, head {weight [D, 1], bias []}, float32) from a reward.py `model/` directory (`lora`:
+    load_model's lora_alpha, lora_target_modules)."""
     check_reward_model(path, flag)
-    model = load_model(path, mesh, dtype, 0, lora_rank)
+    model = load_model(path, mesh, dtype, 0, lora_rank, **lora)
     with np.load(os.path.join(path, HEAD_FILE)) as f:
         head = {"weight": np.asarray(f["weight"], np.float32), "bias": np.asarray(f["bias"], np.float32)}
     return model, jax.tree.map(lambda x: put_global(x, replicated(mesh)), head)
@@ -795,12 +838,12 @@ class Scorer:
                              "(it scores the policy's token ids directly)")
 
 
-def load_scorer(mesh, dtype=None, reward_model=None, reward_fns=(), weights=(), lora_rank=0):
-    """The Scorer of --reward-model (reward.py's model/, loaded sharded; `lora_rank`: PPO's value model)
+def load_scorer(mesh, dtype=None, reward_model=None, reward_fns=(), weights=(), lora_rank=0, **lora):
+    """The Scorer of --reward-model (reward.py's model/, loaded sharded; `lora_rank`, `lora`: PPO's value model)
     when given, else of the --reward-fn functions weighted by --reward-weights (empty: all 1). Call it
     before the policy loads."""
     if reward_model:
-        model, head = load_reward_model(reward_model, mesh, dtype, lora_rank)
+        model, head = load_reward_model(reward_model, mesh, dtype, lora_rank, **lora)
         return Scorer(mesh, model=model, head=head, name=reward_model)
     return Scorer(mesh, [load_reward_fn(spec) for spec in reward_fns], weights)
 

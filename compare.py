@@ -130,19 +130,25 @@ class Args:
 # ---------------------------------------------------------------------------
 # The recipe's fixed flags per script, ahead of the budgets, --learning-rate and the pass-through flags.
 # The scripts' defaults are TRL's for real pretrained models (README: "Defaults"); these are the values
-# the committed comparison (docs/comparison.md) was measured with, sized for `tiny` and the toy task.
+# the committed comparison (docs/comparison.md) was measured with, sized for `tiny` and the toy task,
+# its learning-rate schedules included (the scripts' defaults before --lr-scheduler-type existed).
+COSINE_TO_10 = " --lr-scheduler-type cosine_with_min_lr --min-lr-rate 0.1"  # warmup, then to 10% of the peak
 RECIPE = {
-    "sft": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 20 --max-length 512",
-    "dpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1",
-    "simpo": "--batch-size 32 --grad-accum-steps 1 --warmup-steps 5 --max-length 512 --beta 2.0 --gamma 0.5",
-    "orpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1",
-    "kto": "--batch-size 64 --warmup-steps 5 --max-length 512 --beta 0.1",  # the completions of dpo's 32 pairs
-    "reward": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 10 --max-length 512",
+    "sft": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 20 --max-length 512" + COSINE_TO_10,
+    "dpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,
+    "simpo": "--batch-size 32 --grad-accum-steps 1 --warmup-steps 5 --max-length 512 --beta 2.0 --gamma 0.5"
+             + COSINE_TO_10,
+    "orpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,
+    # kto: 64 examples, the completions of dpo's 32 pairs
+    "kto": "--batch-size 64 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,
+    "reward": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 10 --max-length 512" + COSINE_TO_10,
     "ppo": "--batch-size 32 --num-mini-batches 2 --max-prompt-length 64 --response-length 16 "
-           "--missing-eos-penalty 1.0 --kl-coef 0.05",
-    "grpo": "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 16 --beta 0.04",
+           "--missing-eos-penalty 1.0 --kl-coef 0.05 --lr-scheduler-type linear",  # to 0 over every update
+    "grpo": "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 16 --beta 0.04 "
+            "--lr-scheduler-type constant_with_warmup",
     # β 0.01 as docs/rloo.md measured (TRL's 0.05 drowns the toy reward in the sequence KL's noise)
-    "rloo": "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 16 --beta 0.01",
+    "rloo": "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 16 --beta 0.01 "
+            "--lr-scheduler-type constant_with_warmup",
 }
 
 

@@ -4,7 +4,7 @@ Shao et al. 2024 (DeepSeekMath); loss variants from DAPO (Yu et al. 2025) and Dr
     python grpo.py --model runs/sft…/model --reward-fn my_checks.py:correct my_checks.py:formatted
 Offline, toy checker data/toy.py:batch_score (the defaults are for real models; `tiny` takes its own):
     python grpo.py --model tiny --max-steps 30 --batch-size 64 --learning-rate 3e-4 \
-        --max-prompt-length 64 --response-length 16 --beta 0.04
+        --max-prompt-length 64 --response-length 16 --beta 0.04 --lr-scheduler-type constant_with_warmup
 """
 
 import math
@@ -48,8 +48,6 @@ class Args(plumbing.RolloutArgs):
     """μ: optimisation passes over each generation batch (>1 keeps the rollout log-probs as π_old)"""
     num_mini_batches: int = 1
     """mini-batches per pass (each a whole number of groups is not required: advantages are fixed first)"""
-    warmup_steps: int = 0
-    """linear warm-up, in optimizer updates; then --learning-rate stays constant (TRL: linear decay to 0)"""
     # algorithm
     beta: float = 0.0
     """β: weight of the k3 KL to the reference (TRL: 0.0, DeepSeekMath: 0.04); 0: no reference model"""
@@ -331,13 +329,15 @@ def check_args(args, mesh):
 
 
 def make_optimizer(args, max_steps):
-    """Clip, AdamW with --weight-decay on matrices only (not norms or biases), linear warm-up then a constant
-    learning rate (so max_steps, every script's make_optimizer argument, is not used). -> (optimizer, schedule)"""
-    schedule = optax.join_schedules([optax.linear_schedule(0.0, args.learning_rate, args.warmup_steps),
-                                     optax.constant_schedule(args.learning_rate)], [args.warmup_steps])
+    """Clip, AdamW with --weight-decay on matrices only (not norms or biases), --lr-scheduler-type over all
+    updates (μ × mini-batches a step: TRL counts optimizer steps) -> (optimizer, schedule, warmup)"""
+    updates = max_steps * args.num_iterations * args.num_mini_batches
+    schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, updates, args.warmup_steps,
+                                          args.warmup_ratio, args.min_lr_rate)
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                       optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask)), schedule
+    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
+                            optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask))
+    return optimizer, schedule, warmup
 
 
 def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
@@ -389,8 +389,7 @@ def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
-    run = plumbing.Run("grpo", args, warmup_steps=args.warmup_steps,
-                       export_hf=args.export_hf)  # shared flags and --output-dir checked; nothing written
+    run = plumbing.Run("grpo", args, export_hf=args.export_hf)  # flags and --output-dir checked; nothing written
     check_args(args, run.mesh)
     template = common.chat_template(args.model, args.chat_template)
     # rows: the columns reward functions may read
@@ -401,7 +400,7 @@ def main(args):
     scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=args.reward_fn,
                                 weights=args.reward_weights)  # r(x, y): the reward model, or the weighted functions
     scorer.check_columns(rows)  # before the model loads: every column a reward function names exists
-    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
+    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     scorer.check_tokenizer(tokenizer)
     remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each block (not the sampler's calls)
@@ -419,7 +418,7 @@ def main(args):
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
     ref_params = jax.tree.map(jnp.copy, params) if args.beta else None
     off_policy = args.num_iterations > 1 or args.num_mini_batches > 1  # π_old differs from π_θ at some update
-    optimizer, schedule = make_optimizer(args, max_steps)
+    optimizer, schedule, warmup = make_optimizer(args, max_steps)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
@@ -440,7 +439,7 @@ def main(args):
     step_fn = remat.jit(lambda s, f, b: train_step(backbone, optimizer, args, s, f, b, query_length(b)),
                         donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
-    run.record(remat=remat)  # args.json: the mode --remat auto chose
+    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
     # FLOPs (docs/design.md): 2N per token per forward (sampling; π_old and π_ref when needed; reward model),

@@ -42,11 +42,9 @@ class Args(plumbing.SharedArgs):
     out in a seeded order (TRL/HF group_by_length)"""
     # optimisation
     learning_rate: float = 1e-6
-    """peak AdamW learning rate (TRL KTOConfig: 1e-6); after the warmup, cosine decay to 10% (TRL: linear to 0)"""
+    """peak AdamW learning rate (TRL KTOConfig: 1e-6)"""
     grad_accum_steps: int = 1
     """micro-batches per update (memory ÷ this; same result: z₀ is estimated over the whole batch)"""
-    warmup_steps: int = 0
-    """linear warmup steps (TRL: 0)"""
     # algorithm
     beta: float = 0.1
     """β: strength of the implicit KL penalty to the reference, the slope of the value function (Eq. 3)"""
@@ -294,18 +292,18 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
 
 
 def make_optimizer(args, max_steps):
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.learning_rate, args.warmup_steps, max(max_steps, args.warmup_steps + 1),
-        end_value=0.1 * args.learning_rate)
+    schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, max_steps,
+                                          args.warmup_steps, args.warmup_ratio, args.min_lr_rate)
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                       optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask)), schedule
+    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
+                            optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask))
+    return optimizer, schedule, warmup
 
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
     run = plumbing.Run("kto", args, log_every=args.log_every, eval_every=args.eval_every,
-                       grad_accum_steps=args.grad_accum_steps, warmup_steps=args.warmup_steps,
+                       grad_accum_steps=args.grad_accum_steps,
                        export_hf=args.export_hf)  # shared flags and --output-dir checked; nothing written
     if args.beta <= 0 or min(args.desirable_weight, args.undesirable_weight) < 0:
         raise common.UsageError("need --beta > 0, --desirable-weight >= 0 and --undesirable-weight >= 0")
@@ -316,7 +314,7 @@ def main(args):
         if eval_path else []
     train_rows = read_examples(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of examples
-    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
+    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     mismatched = args.loss_type == "kto"  # z₀'s mismatched pairs (apo_zero_unpaired: z₀ = 0, none)
@@ -333,7 +331,7 @@ def main(args):
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
     lengths, eval_lengths = example_lengths(train_data), example_lengths(eval_data) if evals else None
 
-    optimizer, schedule = make_optimizer(args, max_steps)
+    optimizer, schedule, warmup = make_optimizer(args, max_steps)
     params, frozen = common.split_variables(backbone)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     # The reference πref = the initial policy, three ways: LoRA-off base (no copy), a frozen copy,
@@ -359,7 +357,7 @@ def main(args):
     # Layouts pinned in and out (donated, updated in place): one compilation per length bucket.
     step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length, donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
-    run.record(remat=remat)  # args.json: the mode --remat auto chose
+    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
     eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), names)[:-1],
                                           *reference_logps(backbone, r, f, first(b), names)))
 

@@ -89,7 +89,9 @@ TRL_FLAGS = {"num-train-epochs": "--num-epochs", "per-device-train-batch-size": 
              "gradient-checkpointing": "--remat on", "bf16": "--dtype bfloat16", "resume-from-checkpoint":
              "--resume", "report-to": "--track (W&B; TensorBoard files are always written)",
              "per-device-eval-batch-size": "--batch-size", "eval-strategy": "--eval-every N (0: none)",
-             "dataset-train-split": "--dataset-split", "dataset-test-split": "--eval-split"}
+             "dataset-train-split": "--dataset-split", "dataset-test-split": "--eval-split",
+             "lr-scheduler-kwargs": "--min-lr-rate (cosine_with_min_lr's min_lr_rate, the one kwarg taken)",
+             "lora-dropout": "absent (Keras' LoRA layers have no dropout)"}
 
 
 def cli(args_class, argv=None):
@@ -106,7 +108,8 @@ def cli(args_class, argv=None):
             raise
         lines = [line.strip("│╭╮╰╯ \n") for line in err.getvalue().splitlines()[1:]]  # [0]: the box's title
         text = " ".join(lines[:next((i for i, x in enumerate(lines) if set(x) <= {"─"}), len(lines))])
-        trl = [f"--{f} is {TRL_FLAGS[f]} here" for a in argv if (f := a[2:].split("=")[0]) in TRL_FLAGS]
+        trl = [f"{a.split('=')[0]} is {TRL_FLAGS[f]} here" for a in argv
+               if (f := a[2:].split("=")[0].replace("_", "-")) in TRL_FLAGS]  # TRL spells them with _ too
         guess = next((x.split()[0] for x, prev in zip(lines[1:], lines) if prev == "Perhaps you meant:"), None)
         hints = trl or ([f"perhaps you meant {guess}"] if guess else [])
         raise UsageError("; ".join([text or err.getvalue().strip(), *hints])) from None
@@ -220,7 +223,13 @@ class SharedArgs:
     dtype: Literal["bfloat16", "float32"] | None = None
     """compute dtype; weights and optimizer state stay float32. None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0
-    """0 = full fine-tuning; >0 = KerasHub LoRA of this rank on the backbone"""
+    """0 = full fine-tuning; r > 0: LoRA of rank r, only its A and B train (TRL: --use-peft --lora-r r).
+    No LoRA dropout (TRL's --lora-dropout 0.05): Keras' LoRA layers have none"""
+    lora_alpha: int = 32
+    """LoRA's α: the update is (α / r)·A·B, merged so into the saved weights (TRL ModelConfig: 32)"""
+    lora_target_modules: tuple[str, ...] | None = None
+    """the layers LoRA adapts: `all-linear` (attention q/k/v/o and the MLP; not the embedding / output head),
+    or KerasHub layer names, e.g. `query value`; None: query and value (PEFT's default for these families)"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
     remat: Literal["auto", "on", "off"] = "auto"
@@ -242,6 +251,16 @@ class SharedArgs:
     """examples per update, global over devices (and accumulation) (TRL: 8 per device)"""
     learning_rate: float = 1e-6
     """peak AdamW learning rate"""
+    lr_scheduler_type: Literal["linear", "cosine", "cosine_with_min_lr", "constant",
+                               "constant_with_warmup"] = "linear"
+    """the rate after the warmup, as transformers' (TRL's default: linear to 0): linear or cosine to 0,
+    cosine_with_min_lr to --min-lr-rate × the peak, constant_with_warmup; constant (no warmup either)"""
+    warmup_steps: int = 0
+    """linear warmup from 0, in optimizer updates (TRL: 0); wins over --warmup-ratio"""
+    warmup_ratio: float = 0.0
+    """warmup as a fraction of all optimizer updates (ceil(ratio × updates) steps) when --warmup-steps is 0"""
+    min_lr_rate: float = 0.1
+    """cosine_with_min_lr's floor, a fraction of the peak (transformers' lr_scheduler_kwargs min_lr_rate)"""
     weight_decay: float = 0.0
     """AdamW weight decay, on matrices only (not norms or biases) (TRL: 0.0)"""
     max_grad_norm: float = 1.0
@@ -267,6 +286,12 @@ class SharedArgs:
     """number of processes in the run"""
     process_id: int | None = None
     """this process's index"""
+
+    @property
+    def lora(self):
+        """common.load_model's LoRA keywords from --lora-rank, --lora-alpha and --lora-target-modules."""
+        return {"lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
+                "lora_target_modules": self.lora_target_modules}
 
 
 @dataclasses.dataclass
@@ -320,15 +345,18 @@ class Run:
     Outputs are created after the first step (its run.log); from then on the first SIGINT/SIGTERM
     checkpoints at the next step boundary and raises Preempted, a second ends the process at once."""
 
-    def __init__(self, script, args, *, log_every=1, eval_every=0, grad_accum_steps=1, warmup_steps=0,
-                 export_hf=False, skip_nonfinite=None):
+    def __init__(self, script, args, *, log_every=1, eval_every=0, grad_accum_steps=1, export_hf=False,
+                 skip_nonfinite=None):
         import common
         common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
         check_flags(learning_rate=(args.learning_rate, 0, True), batch_size=(args.batch_size, 1, False),
                     max_steps=(args.max_steps, 0, False), num_epochs=(args.num_epochs, 0, True),
                     weight_decay=(args.weight_decay, 0, False), save_every=(args.save_every, 0, False),
                     log_every=(log_every, 1, False), eval_every=(eval_every, 0, False),
-                    grad_accum_steps=(grad_accum_steps, 1, False), warmup_steps=(warmup_steps, 0, False))
+                    grad_accum_steps=(grad_accum_steps, 1, False), warmup_steps=(args.warmup_steps, 0, False))
+        if not (0 <= args.warmup_ratio <= 1 and 0 <= args.min_lr_rate <= 1):
+            raise UsageError(f"--warmup-ratio {args.warmup_ratio}, --min-lr-rate {args.min_lr_rate}: "
+                             "each must be in [0, 1]")
         if export_hf:
             common.check_export_hf(args.model)
         if args.track:

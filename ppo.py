@@ -41,7 +41,7 @@ class Args(plumbing.RolloutArgs):
     """subtracted from the score of a response without EOS (None: off, as in TRL)"""
     # optimisation
     learning_rate: float = 3e-6
-    """AdamW learning rate (TRL PPOConfig: 3e-6) of policy and value together, annealed linearly to 0"""
+    """peak AdamW learning rate (TRL PPOConfig: 3e-6) of policy and value together"""
     num_mini_batches: int = 1
     """mini-batches per PPO epoch"""
     num_ppo_epochs: int = 4
@@ -312,13 +312,15 @@ def train_step(models, optimizer, args, state, frozen, batch, context_length):
 # main's pieces: optimizer, rollout, decoding, mini-batches
 # ---------------------------------------------------------------------------
 def make_optimizer(args, max_steps):
-    """Clip (policy and value together), AdamW with ε = 1e-5 and --weight-decay on matrices only (not
-    norms, biases or the value head's bias), learning rate annealed linearly to 0. -> (optimizer, schedule)"""
+    """Clip (policy and value together), AdamW with ε = 1e-5 and --weight-decay on matrices only (not norms,
+    biases or the value head's bias), --lr-scheduler-type over all updates -> (optimizer, schedule, warmup)"""
     total_updates = max_steps * args.num_ppo_epochs * args.num_mini_batches
-    schedule = optax.linear_schedule(args.learning_rate, 0.0, max(total_updates, 1))
+    schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, total_updates,
+                                          args.warmup_steps, args.warmup_ratio, args.min_lr_rate)
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                       optax.adamw(schedule, eps=1e-5, weight_decay=args.weight_decay, mask=decay_mask)), schedule
+    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
+                            optax.adamw(schedule, eps=1e-5, weight_decay=args.weight_decay, mask=decay_mask))
+    return optimizer, schedule, warmup
 
 
 def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
@@ -373,9 +375,9 @@ def main(args):
     prompts, rows = common.read_prompts(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     max_steps = run.resolve_max_steps(len(prompts))  # --max-steps, or --num-epochs' worth of rollouts
     scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=[args.reward_fn],
-                                lora_rank=args.lora_rank)  # s(x, y): the reward model, or the reward function
+                                **args.lora)  # s(x, y): the reward model, or the reward function
     scorer.check_columns(rows)  # before the model loads: every column a reward function names exists
-    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
+    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     scorer.check_tokenizer(tokenizer)
     value_bb = scorer.model.backbone if scorer.model is not None else backbone
@@ -398,7 +400,7 @@ def main(args):
     # Through one jit with explicit out_shardings, so the trainable values carry the mesh in their types and are
     # committed to their devices, as the updated ones will be: the sampler sees the same input types every step.
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
-    optimizer, schedule = make_optimizer(args, max_steps)
+    optimizer, schedule, warmup = make_optimizer(args, max_steps)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
@@ -419,7 +421,7 @@ def main(args):
     step_fn = remat.jit(lambda s, f, b: train_step(models, optimizer, args, s, f, b, query_length(b)),
                         donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
-    run.record(remat=remat)  # args.json: the mode --remat auto chose
+    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
     # FLOPs (docs/design.md): 2N per token per forward (sampling, policy + reference + value, reward model),

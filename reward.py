@@ -42,9 +42,7 @@ class Args(plumbing.SharedArgs):
     grad_accum_steps: int = 1
     """micro-batches per update (memory ÷ this; same result)"""
     learning_rate: float = 1e-4
-    """peak AdamW learning rate (TRL RewardConfig: 1e-4); after the warmup, cosine decay to 10% (TRL: linear to 0)"""
-    warmup_steps: int = 0
-    """linear warmup steps (TRL: 0)"""
+    """peak AdamW learning rate (TRL RewardConfig: 1e-4)"""
     # algorithm
     normalize: bool = False
     """shift the head bias so the training set's chosen responses score mean 0 (stats in reward_head.json)"""
@@ -185,18 +183,18 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
 
 
 def make_optimizer(args, max_steps):
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0, args.learning_rate, args.warmup_steps, max(max_steps, args.warmup_steps + 1),
-        end_value=0.1 * args.learning_rate)
+    schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, max_steps,
+                                          args.warmup_steps, args.warmup_ratio, args.min_lr_rate)
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norms / biases
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                       optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask)), schedule
+    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
+                            optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask))
+    return optimizer, schedule, warmup
 
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
     run = plumbing.Run("reward", args, log_every=args.log_every, eval_every=args.eval_every,
-                       grad_accum_steps=args.grad_accum_steps, warmup_steps=args.warmup_steps)  # nothing written yet
+                       grad_accum_steps=args.grad_accum_steps)  # nothing written yet
     if args.normalize and args.normalize_samples < 1:
         raise common.UsageError(f"--normalize-samples {args.normalize_samples}: must be >= 1 with --normalize")
     template = common.chat_template(args.model, args.chat_template)
@@ -207,7 +205,7 @@ def main(args):
     train_rows = common.read_dataset(args.dataset, "preference", template, "--dataset", args.dataset_config,
                                      args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of pairs
-    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, args.lora_rank)
+    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     train, counts = tokenize_pairs(train_rows, tokenizer, args.max_length, args.dataset)
@@ -219,7 +217,7 @@ def main(args):
     train_data, eval_data = pad_pairs(train, length), pad_pairs(evals, length) if evals else None
     lengths = pair_lengths(train_data)
 
-    optimizer, schedule = make_optimizer(args, max_steps)
+    optimizer, schedule, warmup = make_optimizer(args, max_steps)
     params, frozen = common.split_variables(backbone)
     head = jax.tree.map(lambda x: common.put_global(x, common.replicated(run.mesh)), init_head(backbone, args.seed))
     opt_state, opt_shardings = common.init_optimizer(optimizer, (params, head), run.mesh)
@@ -229,7 +227,7 @@ def main(args):
     state = jax.device_put(state, state_shardings)
     step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length,
                         donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
-    run.record(remat=remat)  # args.json: the mode --remat auto chose
+    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
     score_fn = jax.jit(lambda p, f, b: sequence_scores(backbone, p[0], f, p[1], b["ids"][0], b["mask"][0])[:1])
 
     def scores_of(params, data, side):

@@ -76,7 +76,8 @@ def import_algo(name):
 # ---------------------------------------------------------------------------
 # Models: random init at published shapes, or abstract (shapes + shardings only)
 # ---------------------------------------------------------------------------
-def build_backbone(name, mesh, dtype, lora_rank=0, seed=0, abstract=False, overrides=None):
+def build_backbone(name, mesh, dtype, lora_rank=0, seed=0, abstract=False, overrides=None,
+                   lora_target_modules=None):
     """GemmaBackbone at `ARCHS[name]` shapes, created inside the distribution scope: float32
     weights computing in `dtype`, as common.load_model builds them.
 
@@ -93,7 +94,7 @@ def build_backbone(name, mesh, dtype, lora_rank=0, seed=0, abstract=False, overr
     with distribution.scope(), scope:
         backbone = cls(dtype=common.dtype_policy(dtype), **{**ARCHS[name], **(overrides or {})})
         if lora_rank:
-            backbone.enable_lora(lora_rank)
+            common.enable_lora(backbone, lora_rank, target_modules=lora_target_modules)  # as the scripts
     if abstract:
         from keras.src.backend.common import global_state
         global_state.set_global_attribute("uninitialized_variables", [])  # never initialise them later
@@ -130,7 +131,8 @@ def load_backbone(args, mesh, abstract=False):
                 raise plumbing.UsageError(f"--arch {item!r}: expected NAME=INT, NAME one of {', '.join(ARCHS['tiny'])}")
             overrides[key] = int(value)
         return build_backbone(args.model, mesh, args.dtype or common.default_dtype(), args.lora_rank,
-                              getattr(args, "seed", 0), abstract, overrides)
+                              getattr(args, "seed", 0), abstract, overrides,
+                              getattr(args, "lora_target_modules", None))
     return common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank).backbone
 
 

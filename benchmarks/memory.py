@@ -51,6 +51,8 @@ class Args:
     """micro-batches per step (activations ÷ this)"""
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = LoRA of this rank"""
+    lora_target_modules: tuple[str, ...] | None = None
+    """the layers LoRA adapts, as the scripts' flag: `all-linear`, or layer names; None: query and value"""
     precompute_ref: bool = False
     """DPO, KTO: reference log-probs precomputed (no reference weights, no reference forward)"""
     remat: Literal["on", "off"] = "on"
@@ -147,7 +149,8 @@ def main(args):
     result = {
         "algo": args.algo, "model": args.model, "dtype": args.dtype, "mesh": dict(mesh.shape),
         "batch_size": args.batch_size, "max_length": args.max_length, "grad_accum_steps": args.grad_accum_steps,
-        "lora_rank": args.lora_rank, "precompute_ref": args.precompute_ref, "remat": args.remat,
+        "lora_rank": args.lora_rank, "lora_target_modules": args.lora_target_modules,
+        "precompute_ref": args.precompute_ref, "remat": args.remat,
         "reference": bench.note, "params": plumbing.count_params(backbone),
         "peak_bytes_per_device": int(peak), "peak_gib_per_device": peak / GIB,
         "formula": "argument + output + temp - alias",

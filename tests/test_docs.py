@@ -121,3 +121,23 @@ def test_design_sections_and_pointers():
     bad = [f"{path}: {part!r}" for path in repo_files() for found in pointer.findall(read(path))
            for part in found.split(" and ") if part not in SECTIONS]
     assert not bad, "pointers into docs/design.md that name no section of it:\n" + "\n".join(bad)
+
+
+def test_coming_from_trl_names_flags_that_exist():
+    """The README's "Coming from TRL" table: each flag it gives as this project's is a field of some script's
+    Args (read from source, as --help reads it), and each TRL name beside it is either that same flag here
+    (TRL's underscores for our dashes) or one plumbing.TRL_FLAGS answers with a hint."""
+    import plumbing  # instant: no JAX
+    scripts = ("sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rloo", "evaluate")
+    ours = {"--" + name.replace("_", "-") for s in scripts
+            for name in plumbing._fields(os.path.join(ROOT, s + ".py"), "Args")}
+    section = read("README.md").split("## Coming from TRL")[1].split("\n## ")[0]
+    rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| `--")]
+    assert len(rows) >= 15
+    for trl, here in rows:
+        trl = ["--" + t.replace("_", "-") for t in re.findall(r"--([a-z][a-z0-9_]*)", trl)]
+        here = re.findall(r"--[a-z][a-z0-9-]*", here)
+        assert trl and all(f in ours for f in here), (trl, here)
+        if not here:  # "the same, with dashes"
+            assert all(t in ours for t in trl), trl
+        assert all(t in ours or t[2:] in plumbing.TRL_FLAGS for t in trl), trl

@@ -17,7 +17,8 @@ from helpers import (ROOT, assert_same_rows, env_with_devices, learning_env, met
 
 
 # `tiny` from scratch (the defaults are TRL's for real models: β 0, lr 1e-6): the values these tests measured
-TINY = ["--learning-rate", "3e-4", "--beta", "0.04", "--max-prompt-length", "64"]
+TINY = ["--learning-rate", "3e-4", "--beta", "0.04", "--max-prompt-length", "64",
+        "--lr-scheduler-type", "constant_with_warmup"]  # the schedule the rewards below were measured with
 
 
 def run(*flags, env=None):

@@ -261,13 +261,15 @@ def test_resume_knows_what_it_resumes(tmp_path):
     import dpo
     import plumbing
     import sft as script
+    assert plumbing.SharedArgs().save_every == 500  # TRL's save_steps: a crash keeps work by default
     out = str(tmp_path / "run")
-    flags = [*FAST, "--save-every", "2", "--output-dir", out]
+    flags = [*FAST, "--save-every", "2", "--warmup-ratio", "0.5", "--output-dir", out]
     script.main(plumbing.cli(script.Args, [*flags, "--max-steps", "3"]))
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["2", "3"]  # 3: the last step
     with open(os.path.join(out, "args.json")) as f:
         first = json.load(f)
     assert first["script"] == "sft" and first["max_steps"] == 3
+    assert first["num_warmup_steps"] == 2 and first["warmup_steps"] == 0  # ceil(0.5 × 3) resolved; the flag as given
     before = snapshot(out)
     line = usage_error(script, *flags, "--max-steps", "5", "--learning-rate", "1e-3", "--batch-size", "16", "--resume")
     assert "is another run" in line and "--learning-rate 2e-05 -> 0.001" in line and "--batch-size 8 -> 16" in line
@@ -304,6 +306,9 @@ def test_flags_as_trl_names_them_and_the_toy_task_are_answered(tmp_path):
         plumbing.cli(dpo.Args, ["--num-train-epochs", "1"])
     with pytest.raises(plumbing.UsageError, match="--per-device-train-batch-size is --batch-size"):
         plumbing.cli(grpo.Args, ["--per-device-train-batch-size=4"])
+    with pytest.raises(plumbing.UsageError, match="--max_completion_length is --response-length here"):
+        plumbing.cli(grpo.Args, ["--max_completion_length", "64"])  # TRL's own spelling, with _
+    assert plumbing.cli(dpo.Args, ["--learning_rate", "1e-5", "--lr_scheduler_type", "cosine"]).learning_rate == 1e-5
     with pytest.raises(plumbing.UsageError, match="perhaps you meant --learning-rate"):
         plumbing.cli(dpo.Args, ["--learning-rat", "1e-5"])
     with pytest.raises(plumbing.UsageError, match=r"gemma_2b would use the bundled toy task \(data/\): pass "

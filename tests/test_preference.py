@@ -194,7 +194,8 @@ def test_issue_command_logs_first_batch_before_any_update(hf_checkpoint, prefs, 
 def trained(request, hf_checkpoint, tmp_path_factory):
     """30 steps from the random `tiny` (as an HF directory), every step logged."""
     out = str(tmp_path_factory.mktemp(request.param[:-3]) / "run")
-    tiny = ["--batch-size", "32", "--learning-rate", "3e-4", "--warmup-steps", "5"]  # `tiny` from scratch
+    tiny = ["--batch-size", "32", "--learning-rate", "3e-4", "--warmup-steps", "5",  # `tiny` from scratch,
+            "--lr-scheduler-type", "cosine_with_min_lr"]  # the schedule the thresholds below were measured with
     tiny += ["--grad-accum-steps", "1", "--gamma", "0.5"] if request.param == "simpo.py" else []  # SimPO: paper's
     run(request.param, "--model", hf_checkpoint, "--dataset", os.path.join(ROOT, "data", "prefs_train.jsonl"),
         "--dtype", "float32", "--max-steps", "30", *tiny, "--log-every", "1", "--eval-every", "30",
