@@ -2,11 +2,12 @@
   1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global, to_host,
                  init_optimizer (optimizer state laid out like the params), lr_schedule (transformers')
   2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors / hub_error (a hub failure in one line),
-                 load_model (created sharded; enable_lora: PEFT's LoRA), check_sampler; forward (stateless,
-                 with the losses its layers add: a mixture of experts' router loss); per family: logits,
-                 empty_cache, cached_forward (KV-cached, left padding); split_variables, save_model, export_hf;
-                 reward models; reward functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a
-                 reward model or weighted reward functions, one call)
+                 load_model (created sharded; text_causal_lm: text only, multimodal checkpoints too;
+                 enable_lora: PEFT's LoRA), check_sampler; forward (stateless, with the losses its layers add: a
+                 mixture of experts' router loss); per family: logits, empty_cache, cached_forward (KV-cached or
+                 recurrent states, left padding); split_variables, save_model, export_hf; reward models; reward
+                 functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a reward model or weighted
+                 reward functions, one call)
   3. Files       read_rows (.jsonl/.json/.parquet, saved folders, Hub ids: load_splits), CHAT_TEMPLATES /
                  chat_template / render, TRL's formats -> text (sft_segments, preference_triple, unpaired_example,
                  prompt_text), read_dataset, eval_source (--eval-split), read_prompts
@@ -91,11 +92,22 @@ MODEL_ALIASES = {
     "mistral_7b": "mistral_7b_en", "mistral_7b_it": "mistral_instruct_7b_en",
     "qwen2.5_0.5b": "qwen2.5_0.5b_en", "qwen2.5_0.5b_it": "qwen2.5_instruct_0.5b_en", "qwen2.5_7b": "qwen2.5_7b_en",
     "qwen3_0.6b": "qwen3_0.6b_en", "qwen3_8b": "qwen3_8b_en",
+    # Gemma 3: the text-only presets (4B and up also come as vision+text, which load_model reads text-only)
+    "gemma3_270m": "gemma3_270m", "gemma3_1b": "gemma3_1b", "gemma3_4b": "gemma3_4b_text",
+    "gemma3_12b": "gemma3_12b_text", "gemma3_27b": "gemma3_27b_text",
+    "gemma3_270m_it": "gemma3_instruct_270m", "gemma3_1b_it": "gemma3_instruct_1b",
+    "gemma3_4b_it": "gemma3_instruct_4b_text", "gemma3_12b_it": "gemma3_instruct_12b_text",
+    "gemma3_27b_it": "gemma3_instruct_27b_text",
+    # Qwen 3.5 (every preset is vision-and-text, loaded text-only): `_base` presets plain, post-trained `_it`
+    "qwen3.5_0.8b": "qwen3_5_0.8b_base", "qwen3.5_2b": "qwen3_5_2b_base", "qwen3.5_4b": "qwen3_5_4b_base",
+    "qwen3.5_9b": "qwen3_5_9b_base", "qwen3.5_0.8b_it": "qwen3_5_0.8b", "qwen3.5_2b_it": "qwen3_5_2b",
+    "qwen3.5_4b_it": "qwen3_5_4b", "qwen3.5_9b_it": "qwen3_5_9b", "qwen3.5_27b_it": "qwen3_5_27b",
 }
 # Backbone class -> its chat template: the families cached_forward samples (Gemma 2 is a GemmaBackbone).
 # Another family trains (KerasHub's own output layer) but needs --chat-template and has no sampler.
-FAMILIES = {"GemmaBackbone": "gemma", "Llama3Backbone": "llama3", "MistralBackbone": "mistral",
-            "QwenBackbone": "chatml", "Qwen3Backbone": "chatml",
+FAMILIES = {"GemmaBackbone": "gemma", "Gemma3Backbone": "gemma", "Llama3Backbone": "llama3",
+            "MistralBackbone": "mistral", "QwenBackbone": "chatml", "Qwen3Backbone": "chatml",
+            "Qwen3_5Backbone": "qwen3.5",
             "Qwen3MoeBackbone": "chatml"}  # Qwen3-MoE: Qwen 3's decoder call, a mixture of experts as its MLP
 # Mixtures of experts whose layers add their router's load-balancing loss (Keras add_loss) in training mode,
 # already × the model's own coefficient (Qwen3-MoE: router_aux_loss_coefficient, from the checkpoint's
@@ -389,8 +401,8 @@ def check_sampler(name, flag="--model"):
     """The KV-cached sampler (cached_forward) knows the FAMILIES' decoder layers: refuse others early."""
     cls = backbone_class(resolve_model(name))
     if cls.__name__ not in FAMILIES:
-        raise UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Llama 3, Mistral, "
-                         f"Qwen 2.5, Qwen 3 and Qwen3-MoE backbones, not {cls.__name__}")
+        raise UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Gemma 3, Llama 3, "
+                         f"Mistral, Qwen 2.5, Qwen 3, Qwen 3.5 and Qwen3-MoE backbones, not {cls.__name__}")
 
 
 def load_model(name, mesh, dtype=None, seed=0, lora_rank=0, lora_alpha=None, lora_target_modules=None):
@@ -401,11 +413,30 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0, lora_alpha=None, lor
         if preset == "tiny":
             model = tiny_causal_lm(seed, dtype)
         else:
-            model = keras_hub.models.CausalLM.from_preset(preset, dtype=dtype_policy(dtype))
+            model = text_causal_lm(preset, dtype_policy(dtype))
         if lora_rank:
             enable_lora(model.backbone, lora_rank, lora_alpha, lora_target_modules)
     ensure_start_token(getattr(model.preprocessor, "tokenizer", None), name)
     return model
+
+
+def text_causal_lm(preset, dtype=None):
+    """CausalLM.from_preset, text only and without TensorFlow. A vision(-and-audio)-and-text checkpoint (a
+    KerasHub preset's backbone config, a Hugging Face config.json's vision_config / audio_config) loads its
+    decoder alone, the encoders left out (their weights stay in the file), so the model/ saved from it is
+    text-only. Gemma 3's preprocessor needs TensorFlow (its tf.data code, text too): it becomes KerasHub's
+    generic one, the same [BOS] + text ids."""
+    from keras_hub.src.utils.preset_utils import find_subclass, load_json
+    config, cls = load_json(preset, "config.json"), backbone_class(preset)
+    encoders = {k: None for k in ("vision_encoder", "audio_encoder")
+                if config.get("config", {}).get(k) or k.replace("encoder", "config") in config}
+    needs_tf = cls.__name__ == "Gemma3Backbone"
+    if not encoders and not needs_tf:
+        return keras_hub.models.CausalLM.from_preset(preset, dtype=dtype)
+    backbone = keras_hub.models.Backbone.from_preset(preset, dtype=dtype, **encoders)
+    task = find_subclass(preset, keras_hub.models.CausalLM, cls)
+    preprocessor = keras_hub.models.CausalLMPreprocessor if needs_tf else task.preprocessor_cls
+    return task(backbone=backbone, preprocessor=preprocessor(keras_hub.models.Tokenizer.from_preset(preset)))
 
 
 def enable_lora(backbone, rank, alpha=None, target_modules=None):
@@ -459,34 +490,56 @@ def logits(backbone, hidden):
 
 
 def empty_cache(backbone, batch, length):
-    """A zero KV cache: L arrays [B, 2, S, K, H], one per layer (call_with_cache's [B, L, 2, S, K, H] is
-    their jnp.stack(…, 1)). Apart, a decode step updates each in place; stacked, it copied them all."""
-    head_dim = getattr(backbone, "head_dim", None) or backbone.hidden_dim // backbone.num_query_heads
-    shape = (batch, 2, length, backbone.num_key_value_heads, head_dim)
-    return tuple(jnp.zeros(shape, backbone.compute_dtype) for _ in range(backbone.num_layers))
+    """A zero cache, one entry per layer: a KV array [B, 2, S, K, H] (call_with_cache's [B, L, 2, S, K, H]
+    is their jnp.stack(…, 1): apart, a decode step updates each in place; stacked, it copied them all);
+    Gemma 3: a (K, V) pair [B, S, K, H] each, as its call_with_cache takes it; Qwen 3.5's linear-attention
+    (gated delta net) layers: fixed-size states (the causal conv's last k-1 inputs [B, C, k-1], the
+    recurrent state [B, Hv, Dk, Dv] float32)."""
+    b, dtype = backbone, backbone.compute_dtype
+    head_dim = getattr(b, "head_dim", None) or b.hidden_dim // b.num_query_heads
+    shape = (batch, length, b.num_key_value_heads, head_dim)
+    if isinstance(b, keras_hub.models.Gemma3Backbone):
+        return tuple((jnp.zeros(shape, dtype),) * 2 for _ in range(b.num_layers))
+    if isinstance(b, keras_hub.models.Qwen3_5Backbone):
+        conv = (batch, b.linear_num_key_heads * b.linear_key_head_dim * 2
+                + b.linear_num_value_heads * b.linear_value_head_dim, b.linear_conv_kernel_dim - 1)
+        state = (batch, b.linear_num_value_heads, b.linear_key_head_dim, b.linear_value_head_dim)
+        return tuple((jnp.zeros(conv, dtype), jnp.zeros(state, jnp.float32)) if kind == "linear_attention"
+                     else jnp.zeros((batch, 2, *shape[1:]), dtype) for kind in b.layer_types)
+    return tuple(jnp.zeros((batch, 2, *shape[1:]), dtype) for _ in range(b.num_layers))
 
 
 def cached_forward(backbone, token_ids, padding_mask, cache, index):
     """The family's CausalLM.call_with_cache plus a key padding mask, for left-padded prompts: token_ids
     [B, t] go to cache positions index…index+t-1; padding_mask [B, S] masks the padding as keys (the layers
     AND it with their causal / sliding-window mask). RoPE positions count the padding, which changes
-    nothing: scores depend only on query-key distance.
-    -> (logits [B, t, V] float32, cache: L arrays [B, 2, S, K, H], as empty_cache)."""
-    gemma = isinstance(backbone, keras_hub.models.GemmaBackbone)
+    nothing: scores depend only on query-key distance (Gemma 3's sliding window too). Qwen 3.5's gated delta
+    net layers see zeros at the padding, which leave their states at zero (as KerasHub's layer masks inputs).
+    -> (logits [B, t, V] float32, cache: one entry per layer, as empty_cache)."""
+    gemma = isinstance(backbone, (keras_hub.models.GemmaBackbone, keras_hub.models.Gemma3Backbone))
     x = backbone.token_embedding(token_ids)
     if gemma:
         x = x * jnp.sqrt(jnp.asarray(backbone.hidden_dim, x.dtype))  # Gemma's embedding scale
     caches = []
     for layer, c in zip(backbone.transformer_layers, cache):
-        if gemma:
+        if gemma:  # Gemma 3's layer also applies its query-key norms and local / global RoPE and window
             x, new = layer(x, padding_mask=padding_mask, cache=c, cache_update_index=index)
-        else:  # Llama 3, Mistral, Qwen 2.5 / 3 decoders
+        elif isinstance(c, tuple):  # Qwen 3.5's gated delta net: the t new inputs zeroed at the padding here
+            # (its RMS norm keeps a zero row zero); given the mask instead, the layer would take its conv
+            # state from the first real tokens' end, as if the padding were on the right
+            here = jax.lax.dynamic_slice_in_dim(padding_mask, index, token_ids.shape[1], 1)  # [B, t]
+            x, *new = layer(jnp.where(here[..., None], x, 0), self_attention_cache=c,
+                            self_attention_cache_update_index=index)
+            new = tuple(new)  # (conv state, recurrent state): small, replaced whole
+        else:  # Llama 3, Mistral, Qwen 2.5 / 3 decoders, Qwen 3.5's attention layers
             x, new = layer(x, decoder_padding_mask=padding_mask, self_attention_cache=c,
                            self_attention_cache_update_index=index)
-        # only the t new positions [B, 2, t, K, H] go back into c: XLA then updates it in place, where the
-        # layer's returned cache (a jnp.stack of its K and V) rewrote every entry at every decode step
-        new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
-        caches.append(jax.lax.dynamic_update_slice(c, new, (0, 0, index, 0, 0)))
+        if not isinstance(new, tuple):  # Gemma 3's (K, V), updated in place by its layer; Qwen 3.5's states
+            # only the t new positions [B, 2, t, K, H] go back into c: XLA then updates it in place, where the
+            # layer's returned cache (a jnp.stack of its K and V) rewrote every entry at every decode step
+            new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
+            new = jax.lax.dynamic_update_slice(c, new, (0, 0, index, 0, 0))
+        caches.append(new)
     return logits(backbone, backbone.layer_norm(x)), tuple(caches)
 
 
@@ -596,7 +649,7 @@ def export_hf(preset_dir, path, chat_template_name=None):
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        model = keras_hub.models.CausalLM.from_preset(preset_dir)
+        model = text_causal_lm(preset_dir)
         model.export_to_transformers(tmp)
     tokenizer, family = model.preprocessor.tokenizer, type(model.backbone).__name__
     ensure_start_token(tokenizer, preset_dir)  # Qwen's: <|endoftext|>, as the scripts train
@@ -839,6 +892,10 @@ def read_rows(path, flag="--dataset", config=None, split="train"):
     rows = rows if isinstance(rows, list) else [(r, i) for i, r in enumerate(rows, 1)]
     if not rows:
         raise UsageError(f"{path}: no examples")
+    for row, line in rows:  # TRL's vision-language rows: their images would be dropped silently
+        if isinstance(row, dict) and {"image", "images"} & row.keys():
+            raise UsageError(f"{path}:{line}: field {sorted({'image', 'images'} & row.keys())[0]!r}: "
+                             "the scripts train and sample on text only")
     return rows
 
 
@@ -888,6 +945,12 @@ CHAT_TEMPLATES = {
     # https://huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/tokenizer_config.json
     "chatml": Template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
                        "<|im_start|>system\n", False),
+    # Qwen 3.5: ChatML, each answer opened by an empty thinking block, as its template writes an answer
+    # without reasoning_content and its non-thinking generation prompt (enable_thinking=false, 0.8B's
+    # default, per its card); it leaves the block out of answers before the last user turn, this does not
+    # https://huggingface.co/Qwen/Qwen3.5-0.8B (its chat_template, as quoted in public discussions)
+    "qwen3.5": Template("<|im_start|>user\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+                        "<|im_end|>\n", "<|im_start|>system\n", False),
 }
 # The same templates in Jinja (--export-hf's chat_template), as the model cards cited above write them,
 # opened by the scripts' start token; Mistral's card ends every answer with </s>, where render() leaves the
@@ -909,6 +972,10 @@ HF_CHAT_TEMPLATES = {
     "chatml": "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
               "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
               "{% endif %}",
+    "qwen3.5": "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + "
+               "('<think>\\n\\n</think>\\n\\n' if m['role'] == 'assistant' else '') + m['content'] + "
+               "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+               "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{% endif %}",
 }
 
 
@@ -952,7 +1019,8 @@ def _messages(value, key, where, template):
     if not isinstance(value, list) or not value or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
             for m in value):
-        raise UsageError(f"{where}: field {key!r} must be a non-empty list of {{role, content}} objects")
+        raise UsageError(f"{where}: field {key!r} must be a non-empty list of {{role, content}} objects, "
+                         "content a string (text only: no image parts)")
     for i, m in enumerate(value):
         if m["role"] not in ("system", "user", "assistant"):
             raise UsageError(f"{where}: field {key!r}, turn {i + 1}: unknown role {m['role']!r} "
