@@ -582,6 +582,8 @@ def check_export_hf(name):
         if config.get("model_type") == "gemma2" or any(config.get("config", {}).get(k) for k in (
                 "use_post_ffw_norm", "use_post_attention_norm", "final_logit_soft_cap", "attention_logit_soft_cap")):
             family = "Gemma 2 (GemmaBackbone with post-norms and soft-caps)"
+        elif config.get("config", config).get("num_key_value_heads", 1) > 1:  # it writes key/value head 0 only
+            family = "a Gemma with several key/value heads (Gemma 7B)"
     if family not in MODEL_EXPORTERS:
         raise UsageError(f"--export-hf: keras-hub {keras_hub.__version__} cannot write {family} as a Hugging Face "
                          f"checkpoint (--model {name}); it can write {', '.join(sorted(MODEL_EXPORTERS))}")

@@ -136,7 +136,8 @@ def test_malformed_handles_and_other_errors():
 
 def test_export_hf_refuses_an_unsupported_family(tmp_path):
     """keras-hub 0.32 writes Gemma 2 (a GemmaBackbone with post-norms) as a Gemma 1 checkpoint, which
-    would drop those norms: refused at start-up, before data or weights load; so is Llama 2."""
+    would drop those norms, and a Gemma with several key/value heads (7B) as one with the first alone:
+    refused at start-up, before data or weights load; so is Llama 2."""
     config = {"registered_name": "keras_hub>GemmaBackbone", "config": {"use_post_ffw_norm": True}}
     (tmp_path / "config.json").write_text(json.dumps(config))
     res = run_script("sft.py", "--model", str(tmp_path), "--export-hf", "--dataset", "my.jsonl", "--eval-dataset", "",
@@ -153,3 +154,9 @@ def test_export_hf_refuses_an_unsupported_family(tmp_path):
     with pytest.raises(common.UsageError, match="cannot write LlamaBackbone as a Hugging Face checkpoint"):
         common.check_export_hf(str(tmp_path))
     common.check_export_hf("tiny")  # a GemmaBackbone without Gemma 2's extras
+    gemma_7b = tmp_path / "gemma_7b"  # 16 key/value heads, of which keras-hub's exporter writes the first
+    gemma_7b.mkdir()
+    (gemma_7b / "config.json").write_text(json.dumps({"registered_name": "keras_hub>GemmaBackbone",
+                                                      "config": {"num_key_value_heads": 16}}))
+    with pytest.raises(common.UsageError, match="cannot write a Gemma with several key/value heads"):
+        common.check_export_hf(str(gemma_7b))
