@@ -191,3 +191,25 @@ def check_exported_tokenizer(hf_dir, tokenizer, template):
     os.umask(umask)
     for name in os.listdir(hf_dir):
         assert os.stat(os.path.join(hf_dir, name)).st_mode & 0o777 == 0o666 & ~umask, name
+
+
+# Tokenizers of each kind, built offline from the toy data (test_families.py, test_moe.py)
+def corpus():
+    """The toy texts (prompts, completions) and every chat template's words: what the tokenizers learn."""
+    lines = []
+    for name in ("sft_train.jsonl", "sft_eval.jsonl"):
+        with open(os.path.join(ROOT, "data", name)) as f:
+            lines += [t for row in map(json.loads, f) for t in (row["prompt"], row["completion"])]
+    return lines + ["user model assistant system INST Sort: the quick brown fox"] * 20
+
+
+def byte_bpe(specials):
+    """(vocabulary, merges) of a byte-level BPE (as Llama 3's and Qwen's tokenizer.json) whose
+    special tokens are `specials`, each one id."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator(corpus(), trainers.BpeTrainer(
+        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    merges = json.loads(tok.to_str())["model"]["merges"]
+    return tok.get_vocab(), [m if isinstance(m, str) else " ".join(m) for m in merges]

@@ -16,7 +16,7 @@ from unittest import mock
 
 import pytest
 
-from helpers import ROOT, metrics
+from helpers import ROOT, byte_bpe, corpus, metrics
 
 FAMILIES = ("gemma", "gemma2", "gemma3", "llama3", "mistral", "qwen2.5", "qwen3", "qwen3.5")
 TEMPLATE = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "llama3": "llama3", "mistral": "mistral",
@@ -24,15 +24,6 @@ TEMPLATE = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "llama3": "l
 QWEN3_5_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|vision_start|>",
                     "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 SIZE = dict(num_layers=2, hidden_dim=64, intermediate_dim=128, num_query_heads=4, num_key_value_heads=2)
-
-
-def corpus():
-    """The toy texts (prompts, completions) and every chat template's words: what the tokenizers learn."""
-    lines = []
-    for name in ("sft_train.jsonl", "sft_eval.jsonl"):
-        with open(os.path.join(ROOT, "data", name)) as f:
-            lines += [t for row in map(json.loads, f) for t in (row["prompt"], row["completion"])]
-    return lines + ["user model assistant system INST Sort: the quick brown fox"] * 20
 
 
 def sentencepiece(**ids):
@@ -43,18 +34,6 @@ def sentencepiece(**ids):
                                    model_type="bpe", split_digits=True, byte_fallback=True,
                                    hard_vocab_limit=False, minloglevel=2, **ids)
     return proto.getvalue()
-
-
-def byte_bpe(specials):
-    """(vocabulary, merges) of a byte-level BPE (as Llama 3's and Qwen's tokenizer.json) whose
-    special tokens are `specials`, each one id."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(corpus(), trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    merges = json.loads(tok.to_str())["model"]["merges"]
-    return tok.get_vocab(), [m if isinstance(m, str) else " ".join(m) for m in merges]
 
 
 GEMMA_SPECIALS = dict(pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>",
@@ -468,9 +447,10 @@ def run_scripts(preset, out):
 # call, untied output matrices, byte-level BPE, Qwen's stand-in BOS, Mistral's template, Gemma 3's
 # per-layer (K, V) cache and its preprocessor, Qwen 3.5's recurrent layers and its template. Gemma is
 # `tiny` (every other test); Gemma 2 and Qwen 3 differ from Gemma and Qwen 2.5 only inside KerasHub's
-# layers and the tokenizer's specials, checked above. All passed run_scripts when each was added; each
-# family costs ~25 s of CPU here, Qwen 3.5 ~60 s (its chunked delta rule compiles slowly).
-SCRIPT_FAMILIES = ("gemma3", "llama3", "mistral", "qwen2.5", "qwen3.5")
+# layers and the tokenizer's specials, checked above, and Qwen 3.5's run covers Qwen 2.5's byte-level BPE,
+# stand-in BOS and ChatML turns. All passed run_scripts when each was added; each family costs ~25 s of
+# CPU here, Qwen 3.5 ~60 s (its chunked delta rule compiles slowly).
+SCRIPT_FAMILIES = ("gemma3", "llama3", "mistral", "qwen3.5")
 
 
 def test_one_step_of_each_script(presets, tmp_path):

@@ -6,7 +6,6 @@ training step's loss includes it exactly once per forward (the policy's, not the
 the router's gradient; under --remat too; the sampler's forward equals KerasHub's cached call; one step of
 sft (chats) and dpo through their main() logs `aux_loss`."""
 
-import json
 import math
 import os
 import subprocess
@@ -16,31 +15,11 @@ from functools import partial
 import numpy as np
 import pytest
 
-from helpers import ROOT, metrics, one_device_env
+from helpers import ROOT, byte_bpe, metrics, one_device_env
 
 COEFFICIENT = 0.01  # the tiny model's router_aux_loss_coefficient (Qwen3-30B-A3B's: 0.001)
 SIZE = dict(num_layers=2, hidden_dim=64, intermediate_dim=128, moe_intermediate_dim=32, num_experts=4, top_k=2,
             num_query_heads=4, num_key_value_heads=2, head_dim=16)
-
-
-def corpus():
-    """The toy texts and ChatML's words: what the tokenizer learns (as test_families.py's)."""
-    lines = []
-    for name in ("sft_train.jsonl", "sft_eval.jsonl"):
-        with open(os.path.join(ROOT, "data", name)) as f:
-            lines += [t for row in map(json.loads, f) for t in (row["prompt"], row["completion"])]
-    return lines + ["user assistant system Sort: the quick brown fox"] * 20
-
-
-def byte_bpe(specials):
-    """(vocabulary, merges) of a byte-level BPE (as Qwen's tokenizer.json) with `specials`, each one id."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(corpus(), trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
-    merges = json.loads(tok.to_str())["model"]["merges"]
-    return tok.get_vocab(), [m if isinstance(m, str) else " ".join(m) for m in merges]
 
 
 @pytest.fixture(scope="module")
