@@ -31,15 +31,13 @@ class Args(plumbing.SharedArgs):
     dataset: str = os.path.join(common.HERE, "data", "kto_train.jsonl")
     """`prompt`/`completion`/`label` rows or preference pairs: .jsonl/.json/.parquet, a HF dataset id / dir"""
     eval_dataset: str | None = os.path.join(common.HERE, "data", "kto_eval.jsonl")
-    """held-out examples for eval/ metrics (same formats); empty to skip evaluation; the bundled
-    file is used only with the bundled --dataset"""
+    """held-out examples for eval/ metrics (same formats; the bundled file only with the bundled --dataset)"""
     eval_split: str | None = None
     """evaluate on this split (e.g. `test`) of --dataset, or of --eval-dataset if given (TRL's dataset_test_split)"""
     max_length: int = 1024
     """tokens per prompt + completion (TRL KTOConfig: 1024); longer: prompt cut from the left, then dropped"""
     group_by_length: bool = False
-    """batches of similar lengths (less padding): each window of 50 batches is sorted by length and dealt
-    out in a seeded order (TRL/HF group_by_length)"""
+    """batches of similar lengths: each window of 50 batches sorted by length, dealt in a seeded order (TRL)"""
     # optimisation
     learning_rate: float = 1e-6
     """peak AdamW learning rate (TRL KTOConfig: 1e-6)"""
@@ -56,8 +54,7 @@ class Args(plumbing.SharedArgs):
     """kto: the value of Eq. 3 around the reference point z₀ (Eq. 2); apo_zero_unpaired: APO-zero's
     unpaired loss, the same with z₀ = 0 (Eq. 5: no mismatched pairs, no KL forward)"""
     precompute_ref: bool = False
-    """compute reference log-probs in one pass before training, then run no reference forward
-    (with --lora-rank the reference is the LoRA-off base; otherwise a frozen copy)"""
+    """reference log-probs in one pass before training, no reference forward after (LoRA: the LoRA-off base)"""
     # logging and outputs
     export_hf: bool = False
     """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
@@ -236,8 +233,7 @@ def reference_logps(backbone, ref_params, frozen, batch, names=("completion", "K
     """πref log-probs of the `names` sequences: precomputed ones from the batch, else a reference forward."""
     if "ref_completion_logps" in batch:
         return tuple(batch[f"ref_{name}_logps"] for name in names)
-    # stop_gradient: the reference is frozen (no gradient flows into the shared `frozen` weights); so is its
-    # router: its aux_loss is not trained (TRL's reference forward returns none)
+    # stop_gradient: the reference is frozen (no gradient into the shared `frozen`); its aux_loss is dropped
     return jax.lax.stop_gradient(concatenated_forward(backbone, ref_params, frozen, batch, names)[:-1])
 
 
@@ -253,16 +249,15 @@ def lora_off(backbone, params):
 # ---------------------------------------------------------------------------
 def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
     """state = (params, opt_state); batch arrays are [A, B/A, ...]; ref_params None if precomputed.
-    `frozen` (non-trainable weights: the whole base model under LoRA) is an input only: it is
-    neither donated nor returned, so the Keras variables keep their buffers for saving. z₀ comes
-    from the whole batch's mismatched pairs, before any micro-batch's gradient: A changes nothing."""
+    `frozen` (non-trainable weights: the base model under LoRA) is an input only, neither donated
+    nor returned: Keras keeps its buffers for saving. z₀: the whole batch's mismatched pairs, before
+    any micro-batch's gradient (A changes nothing)."""
     params, opt_state = state
     accum = batch["completion_ids"].shape[0]
     loss_fn = partial(kto_loss, beta=args.beta, desirable_weight=args.desirable_weight,
                       undesirable_weight=args.undesirable_weight, loss_type=args.loss_type)
 
-    def mismatched_logps(micro):  # π and πref log-probs of the mismatched pairs, [B/A] each: no gradient
-        # (so the aux_loss of this detached forward is not trained either: only the completions' below)
+    def mismatched_logps(micro):  # π and πref log-probs of the mismatched pairs, [B/A] each: no gradients
         return (jax.lax.stop_gradient(concatenated_forward(backbone, params, frozen, micro, ("KL",))[0]),
                 reference_logps(backbone, ref_params, frozen, micro, ("KL",))[0])
 
@@ -295,9 +290,8 @@ def make_optimizer(args, max_steps):
     schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, max_steps,
                                           args.warmup_steps, args.warmup_ratio, args.min_lr_rate)
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
-    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                            optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask))
-    return optimizer, schedule, warmup
+    adamw = optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask)
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adamw), schedule, warmup
 
 
 def main(args):
