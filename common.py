@@ -471,6 +471,15 @@ def ensure_start_token(tokenizer, name):
         tokenizer.start_token_id = tokenizer.token_to_id("<|endoftext|>")
 
 
+def inputs(backbone, token_ids, padding_mask):
+    """The backbone's inputs. Gemma 4's also take RoPE positions: 0…T-1, as the others count them (left
+    padding included)."""
+    x = {"token_ids": token_ids, "padding_mask": padding_mask}
+    if "position_ids" in backbone.input:
+        x["position_ids"] = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
+    return x
+
+
 def forward(backbone, params, frozen, token_ids, padding_mask):
     """The backbone's stateless forward (weights passed as values) -> (final-norm hidden states [B, T, D],
     aux_loss). aux_loss: the sum of the losses its layers add, which a stateless call drops unless its scope
@@ -478,7 +487,7 @@ def forward(backbone, params, frozen, token_ids, padding_mask):
     coefficient (ROUTER_AUX_LOSS); 0.0 for a dense model, whose forward is the same as without it."""
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state, collect_losses=True) as scope:
-        hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask},
+        hidden = backbone(inputs(backbone, token_ids, padding_mask),
                           training=type(backbone).__name__ in ROUTER_AUX_LOSS)
     return hidden, sum((jnp.asarray(x, jnp.float32) for x in scope.losses), jnp.float32(0.0))  # f32 upcast
 
@@ -721,7 +730,7 @@ def reward_model_scores(backbone, params, frozen, head, token_ids, padding_mask)
     """reward.py's r_φ(x, y) = w·h + b, h the final hidden state at the padding mask's last True: [B] float32."""
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):
-        hidden = backbone({"token_ids": token_ids, "padding_mask": padding_mask})  # [B, T, D]
+        hidden = backbone(inputs(backbone, token_ids, padding_mask))  # [B, T, D]
     last = padding_mask.shape[1] - 1 - jnp.argmax(padding_mask[:, ::-1], 1)
     h = jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0].astype(jnp.float32)  # f32 head
     return (h @ head["weight"])[:, 0] + head["bias"]

@@ -180,7 +180,7 @@ def hidden_states(backbone, params, frozen, token_ids, padding_mask):
     """Final-norm hidden states [B, T, D] (stateless: weights passed as values)."""
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):
-        return backbone({"token_ids": token_ids, "padding_mask": padding_mask})
+        return backbone(common.inputs(backbone, token_ids, padding_mask))
 
 
 def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature):
