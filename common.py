@@ -607,9 +607,10 @@ def save_model(model, params, path):
     model.save_to_preset(path)
 
 
-# `architectures` where keras-hub 0.32's exporter leaves it out of config.json (transformers and KerasHub read it)
+# `architectures` where keras-hub 0.32's exporter leaves it out of config.json (transformers and KerasHub read
+# it) or names a class without the output layer (Gemma 4: Gemma4TextModel)
 HF_ARCHITECTURES = {"GemmaBackbone": "GemmaForCausalLM", "QwenBackbone": "Qwen2ForCausalLM",
-                    "GPT2Backbone": "GPT2LMHeadModel"}
+                    "GPT2Backbone": "GPT2LMHeadModel", "Gemma4Backbone": "Gemma4ForCausalLM"}
 
 
 def check_export_hf(name):

@@ -227,10 +227,11 @@ def test_cached_forward_matches_keras_hub(presets, family):
     assert plumbing.count_params(backbone) == total - (0 if embedding.tie_weights else v * d)
 
 
-@pytest.mark.parametrize("family", ("gemma3", "qwen3.5"))
+@pytest.mark.parametrize("family", ("gemma3", "gemma4", "qwen3.5"))
 def test_sampler_ignores_left_padding(presets, family):
     """grpo.generate (greedy, 6 tokens): a short prompt left-padded beside a long one samples the tokens
-    it samples unpadded (Gemma 3's sliding window and Qwen 3.5's recurrent states included)."""
+    it samples unpadded (Gemma 3's and 4's sliding windows, Gemma 4's KV sharing and Qwen 3.5's recurrent
+    states included)."""
     import common
     import grpo
     import jax
@@ -413,6 +414,8 @@ def test_export_hf_tokenizer_and_chat_template(presets, family, tmp_path):
     tokenizer = keras_hub.models.Tokenizer.from_preset(presets[family])
     common.ensure_start_token(tokenizer, presets[family])
     check_exported_tokenizer(str(tmp_path / "hf"), tokenizer, TEMPLATE[family])
+    with open(tmp_path / "hf" / "config.json") as f:  # keras-hub writes Gemma 4's headless Gemma4TextModel
+        assert family != "gemma4" or json.load(f)["architectures"] == ["Gemma4ForCausalLM"]
     # keras-hub 0.32: its Gemma exporter writes the first key/value head only (Gemma 2B's one; not this model's
     # 2, nor 7B's 16), its Qwen 2 loader needs `use_sliding_window`, which its exporter leaves out
     if family in ("gemma", "qwen2.5"):
@@ -511,7 +514,7 @@ def run_scripts(preset, out):
 # layers and the tokenizer's specials, checked above, and Qwen 3.5's run covers Qwen 2.5's byte-level BPE,
 # stand-in BOS and ChatML turns. All passed run_scripts when each was added; each family costs ~25 s of
 # CPU here, Qwen 3.5 ~60 s (its chunked delta rule compiles slowly).
-SCRIPT_FAMILIES = ("gemma3", "llama3", "mistral", "qwen3.5")
+SCRIPT_FAMILIES = ("gemma3", "gemma4", "llama3", "mistral", "qwen3.5")
 
 
 def test_one_step_of_each_script(presets, tmp_path):
