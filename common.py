@@ -563,8 +563,9 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index):
         else:  # Llama 3, Mistral, Qwen 2.5 / 3 decoders, Qwen 3.5's attention layers
             x, new = layer(x, decoder_padding_mask=padding_mask, self_attention_cache=c,
                            self_attention_cache_update_index=index)
-        if new is not None and not isinstance(new, tuple):  # Gemma 3's (K, V), updated in place; Qwen 3.5's states
-            # only the t new positions [B, 2, t, K, H] go back into c: XLA then updates it in place, where the
+        if new is not None and not isinstance(new, tuple):  # not Gemma 3's (K, V), updated in place, Qwen 3.5's
+            # states, nor a KV-shared layer's nothing: only the t new positions [B, 2, t, K, H] go back into c:
+            # XLA then updates it in place, where the
             # layer's returned cache (a jnp.stack of its K and V) rewrote every entry at every decode step
             new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
             new = jax.lax.dynamic_update_slice(c, new, (0, 0, index, 0, 0))
