@@ -102,16 +102,22 @@ MODEL_ALIASES = {
     "qwen3.5_0.8b": "qwen3_5_0.8b_base", "qwen3.5_2b": "qwen3_5_2b_base", "qwen3.5_4b": "qwen3_5_4b_base",
     "qwen3.5_9b": "qwen3_5_9b_base", "qwen3.5_0.8b_it": "qwen3_5_0.8b", "qwen3.5_2b_it": "qwen3_5_2b",
     "qwen3.5_4b_it": "qwen3_5_4b", "qwen3.5_9b_it": "qwen3_5_9b", "qwen3.5_27b_it": "qwen3_5_27b",
+    # Gemma 4 (every preset is vision(-and-audio)-and-text, loaded text-only): E2B, E4B, 26B-A4B (a mixture
+    # of experts), 31B
+    "gemma4_2b": "gemma4_2b", "gemma4_4b": "gemma4_4b", "gemma4_26b_a4b": "gemma4_26b_a4b",
+    "gemma4_31b": "gemma4_31b", "gemma4_2b_it": "gemma4_instruct_2b", "gemma4_4b_it": "gemma4_instruct_4b",
+    "gemma4_26b_a4b_it": "gemma4_instruct_26b_a4b", "gemma4_31b_it": "gemma4_instruct_31b",
 }
 # Backbone class -> its chat template: the families cached_forward samples (Gemma 2 is a GemmaBackbone).
 # Another family trains (KerasHub's own output layer) but needs --chat-template and has no sampler.
 FAMILIES = {"GemmaBackbone": "gemma", "Gemma3Backbone": "gemma", "Llama3Backbone": "llama3",
             "MistralBackbone": "mistral", "QwenBackbone": "chatml", "Qwen3Backbone": "chatml",
-            "Qwen3_5Backbone": "qwen3.5",
+            "Qwen3_5Backbone": "qwen3.5", "Gemma4Backbone": "gemma4",  # 26B-A4B and 31B: gemma4_large
             "Qwen3MoeBackbone": "chatml"}  # Qwen3-MoE: Qwen 3's decoder call, a mixture of experts as its MLP
 # Mixtures of experts whose layers add their router's load-balancing loss (Keras add_loss) in training mode,
 # already × the model's own coefficient (Qwen3-MoE: router_aux_loss_coefficient, from the checkpoint's
 # router_aux_loss_coef). `forward` calls only these in training mode (which would also switch dropout on).
+# Gemma 4 26B-A4B's layers add none (keras-hub 0.32), so nothing balances its router here.
 ROUTER_AUX_LOSS = ("Qwen3MoeBackbone",)
 # The `tiny` model: a 4-layer Gemma (about 1.5M parameters) with the bundled tokenizer.
 TINY_CONFIG = dict(num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=192,
@@ -401,8 +407,8 @@ def check_sampler(name, flag="--model"):
     """The KV-cached sampler (cached_forward) knows the FAMILIES' decoder layers: refuse others early."""
     cls = backbone_class(resolve_model(name))
     if cls.__name__ not in FAMILIES:
-        raise UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Gemma 3, Llama 3, "
-                         f"Mistral, Qwen 2.5, Qwen 3, Qwen 3.5 and Qwen3-MoE backbones, not {cls.__name__}")
+        raise UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Gemma 3, Gemma 4, "
+                         f"Llama 3, Mistral, Qwen 2.5, Qwen 3, Qwen 3.5 and Qwen3-MoE backbones, not {cls.__name__}")
 
 
 def load_model(name, mesh, dtype=None, seed=0, lora_rank=0, lora_alpha=None, lora_target_modules=None):
@@ -424,17 +430,18 @@ def text_causal_lm(preset, dtype=None):
     """CausalLM.from_preset, text only and without TensorFlow. A vision(-and-audio)-and-text checkpoint (a
     KerasHub preset's backbone config, a Hugging Face config.json's vision_config / audio_config) loads its
     decoder alone, the encoders left out (their weights stay in the file), so the model/ saved from it is
-    text-only. Gemma 3's preprocessor needs TensorFlow (its tf.data code, text too): it becomes KerasHub's
-    generic one, the same [BOS] + text ids."""
+    text-only. Gemma 3's and 4's preprocessors need TensorFlow (their tf.data code, text too): each becomes
+    KerasHub's generic one, the same [BOS] + text ids."""
     from keras_hub.src.utils.preset_utils import find_subclass, load_json
     config, cls = load_json(preset, "config.json"), backbone_class(preset)
     encoders = {k: None for k in ("vision_encoder", "audio_encoder")
                 if config.get("config", {}).get(k) or k.replace("encoder", "config") in config}
-    needs_tf = cls.__name__ == "Gemma3Backbone"
+    needs_tf = cls.__name__ in ("Gemma3Backbone", "Gemma4Backbone")
     if not encoders and not needs_tf:
         return keras_hub.models.CausalLM.from_preset(preset, dtype=dtype)
     backbone = keras_hub.models.Backbone.from_preset(preset, dtype=dtype, **encoders)
-    task = find_subclass(preset, keras_hub.models.CausalLM, cls)
+    task = getattr(keras_hub.models, cls.__name__.replace("Backbone", "CausalLM"), None) or find_subclass(
+        preset, keras_hub.models.CausalLM, cls)  # Gemma 4's draft-model task, Gemma4AssistantCausalLM, has it too
     preprocessor = keras_hub.models.CausalLMPreprocessor if needs_tf else task.preprocessor_cls
     return task(backbone=backbone, preprocessor=preprocessor(keras_hub.models.Tokenizer.from_preset(preset)))
 
@@ -474,7 +481,7 @@ def ensure_start_token(tokenizer, name):
 def inputs(backbone, token_ids, padding_mask):
     """The backbone's inputs. Gemma 4's also take RoPE positions: 0…T-1, as the others count them (left
     padding included)."""
-    x = {"token_ids": token_ids, "padding_mask": padding_mask}
+    x = {"token_ids": jnp.asarray(token_ids), "padding_mask": jnp.asarray(padding_mask)}
     if "position_ids" in backbone.input:
         x["position_ids"] = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
     return x
@@ -503,10 +510,15 @@ def empty_cache(backbone, batch, length):
     is their jnp.stack(…, 1): apart, a decode step updates each in place; stacked, it copied them all);
     Gemma 3: a (K, V) pair [B, S, K, H] each, as its call_with_cache takes it; Qwen 3.5's linear-attention
     (gated delta net) layers: fixed-size states (the causal conv's last k-1 inputs [B, C, k-1], the
-    recurrent state [B, Hv, Dk, Dv] float32)."""
+    recurrent state [B, Hv, Dk, Dv] float32); Gemma 4: each layer's own heads and head size (its global
+    layers' differ), None for a layer that reads an earlier layer's keys and values (KV sharing)."""
     b, dtype = backbone, backbone.compute_dtype
     head_dim = getattr(b, "head_dim", None) or b.hidden_dim // b.num_query_heads
     shape = (batch, length, b.num_key_value_heads, head_dim)
+    if isinstance(b, keras_hub.models.Gemma4Backbone):
+        return tuple(None if layer.is_kv_shared_layer else jnp.zeros(
+            (batch, 2, length, layer.attention.effective_num_kv_heads, layer.attention.head_dim), dtype)
+            for layer in b.transformer_layers)
     if isinstance(b, keras_hub.models.Gemma3Backbone):
         return tuple((jnp.zeros(shape, dtype),) * 2 for _ in range(b.num_layers))
     if isinstance(b, keras_hub.models.Qwen3_5Backbone):
@@ -525,13 +537,21 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index):
     nothing: scores depend only on query-key distance (Gemma 3's sliding window too). Qwen 3.5's gated delta
     net layers see zeros at the padding, which leave their states at zero (as KerasHub's layer masks inputs).
     -> (logits [B, t, V] float32, cache: one entry per layer, as empty_cache)."""
-    gemma = isinstance(backbone, (keras_hub.models.GemmaBackbone, keras_hub.models.Gemma3Backbone))
+    gemma4 = isinstance(backbone, keras_hub.models.Gemma4Backbone)
+    gemma = gemma4 or isinstance(backbone, (keras_hub.models.GemmaBackbone, keras_hub.models.Gemma3Backbone))
     x = backbone.token_embedding(token_ids)
     if gemma:
         x = x * jnp.sqrt(jnp.asarray(backbone.hidden_dim, x.dtype))  # Gemma's embedding scale
+    per_layer = gemma4 and per_layer_inputs(backbone, token_ids, x)
     caches = []
-    for layer, c in zip(backbone.transformer_layers, cache):
-        if gemma:  # Gemma 3's layer also applies its query-key norms and local / global RoPE and window
+    for i, (layer, c) in enumerate(zip(backbone.transformer_layers, cache)):
+        if gemma4:  # its layer as Gemma 3's, plus a per-layer input (E2B, E4B); a KV-shared layer (E2B, E4B)
+            # attends over an earlier layer's keys and values and writes none: its entry stays None
+            shared = caches[layer.kv_shared_layer_index] if layer.is_kv_shared_layer else None
+            x, new = layer(x, padding_mask=padding_mask, cache=c if shared is None else shared,
+                           cache_update_index=index, shared_kv=shared, per_layer_input=per_layer and per_layer[i])
+            new = None if shared is not None else new
+        elif gemma:  # Gemma 3's layer also applies its query-key norms and local / global RoPE and window
             x, new = layer(x, padding_mask=padding_mask, cache=c, cache_update_index=index)
         elif isinstance(c, tuple):  # Qwen 3.5's gated delta net: the t new inputs zeroed at the padding here
             # (its RMS norm keeps a zero row zero); given the mask instead, the layer would take its conv
@@ -543,13 +563,26 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index):
         else:  # Llama 3, Mistral, Qwen 2.5 / 3 decoders, Qwen 3.5's attention layers
             x, new = layer(x, decoder_padding_mask=padding_mask, self_attention_cache=c,
                            self_attention_cache_update_index=index)
-        if not isinstance(new, tuple):  # Gemma 3's (K, V), updated in place by its layer; Qwen 3.5's states
-            # only the t new positions [B, 2, t, K, H] go back into c: XLA then updates it in place, where the
+        if new is not None and not isinstance(new, tuple):  # not Gemma 3's (K, V), updated in place, Qwen 3.5's
+            # states, nor a KV-shared layer's nothing: only the t new positions [B, 2, t, K, H] go back into c:
+            # XLA then updates it in place, where the
             # layer's returned cache (a jnp.stack of its K and V) rewrote every entry at every decode step
             new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
             new = jax.lax.dynamic_update_slice(c, new, (0, 0, index, 0, 0))
         caches.append(new)
     return logits(backbone, backbone.layer_norm(x)), tuple(caches)
+
+
+def per_layer_inputs(backbone, token_ids, x):
+    """Gemma 4 E2B / E4B: each decoder layer's own input [B, t, P] from its slice of a per-layer token embedding
+    and of a projection of the scaled embeddings `x`, as Gemma4Backbone computes them; None for other sizes."""
+    b, p = backbone, backbone.hidden_size_per_layer_input
+    if not p:
+        return None
+    emb = b.per_layer_token_embedding(token_ids).astype(x.dtype) * p ** 0.5  # [B, t, L·P]
+    proj = b.per_layer_model_projection(x) * b.hidden_dim ** -0.5
+    return [(b.per_layer_projection_norm(proj[..., i * p:(i + 1) * p]) + emb[..., i * p:(i + 1) * p]) * 2 ** -0.5
+            for i in range(b.num_layers)]
 
 
 def split_variables(backbone):
@@ -575,9 +608,10 @@ def save_model(model, params, path):
     model.save_to_preset(path)
 
 
-# `architectures` where keras-hub 0.32's exporter leaves it out of config.json (transformers and KerasHub read it)
+# `architectures` where keras-hub 0.32's exporter leaves it out of config.json (transformers and KerasHub read
+# it) or names a class without the output layer (Gemma 4: Gemma4TextModel)
 HF_ARCHITECTURES = {"GemmaBackbone": "GemmaForCausalLM", "QwenBackbone": "Qwen2ForCausalLM",
-                    "GPT2Backbone": "GPT2LMHeadModel"}
+                    "GPT2Backbone": "GPT2LMHeadModel", "Gemma4Backbone": "Gemma4ForCausalLM"}
 
 
 def check_export_hf(name):
@@ -675,7 +709,7 @@ def export_hf(preset_dir, path, chat_template_name=None):
     # lists Gemma's turn markers, which as added tokens would cut the text before its dummy prefix
     _edit_json(os.path.join(tmp, "tokenizer_config.json"), tokenizer_class="PreTrainedTokenizerFast",
                bos_token=bos, added_tokens_decoder=None, clean_up_tokenization_spaces=False,
-               chat_template=HF_CHAT_TEMPLATES.get(chat_template_name or FAMILIES.get(family)))
+               chat_template=HF_CHAT_TEMPLATES.get(chat_template_name or family_template(preset_dir)))
     umask = os.umask(0o22)
     os.umask(umask)
     for name in os.listdir(tmp):  # safetensors writes 0600
@@ -962,6 +996,13 @@ CHAT_TEMPLATES = {
     # https://huggingface.co/Qwen/Qwen3.5-0.8B (its chat_template, as quoted in public discussions)
     "qwen3.5": Template("<|im_start|>user\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n",
                         "<|im_end|>\n", "<|im_start|>system\n", False),
+    # Gemma 4: <|turn>role ... <turn|>, with a system role; contents trimmed. Its non-thinking generation
+    # prompt differs by size: E2B / E4B open the model's turn plainly, 26B-A4B and 31B with an empty thought
+    # channel (gemma4_large), written here on every answer, as their template writes earlier answers
+    # https://ai.google.dev/gemma/docs/core/prompt-formatting-gemma4, .../capabilities/thinking
+    "gemma4": Template("<|turn>user\n", "<|turn>model\n", "<turn|>\n", "<|turn>system\n", True),
+    "gemma4_large": Template("<|turn>user\n", "<|turn>model\n<|channel>thought\n<channel|>", "<turn|>\n",
+                             "<|turn>system\n", True),
 }
 # The same templates in Jinja (--export-hf's chat_template), as the model cards cited above write them,
 # opened by the scripts' start token; Mistral's card ends every answer with </s>, where render() leaves the
@@ -987,6 +1028,13 @@ HF_CHAT_TEMPLATES = {
                "('<think>\\n\\n</think>\\n\\n' if m['role'] == 'assistant' else '') + m['content'] + "
                "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
                "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{% endif %}",
+    "gemma4": "{{ bos_token }}{% for m in messages %}{{ '<|turn>' + ('model' if m['role'] == 'assistant' else "
+              "m['role']) + '\\n' + (m['content'] | trim) + '<turn|>\\n' }}{% endfor %}"
+              "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}{% endif %}",
+    "gemma4_large": "{{ bos_token }}{% for m in messages %}{{ '<|turn>' + ('model' if m['role'] == 'assistant' "
+                    "else m['role']) + '\\n' + ('<|channel>thought\\n<channel|>' if m['role'] == 'assistant' else "
+                    "'') + (m['content'] | trim) + '<turn|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+                    "{{ '<|turn>model\\n<|channel>thought\\n<channel|>' }}{% endif %}",
 }
 
 
@@ -997,8 +1045,20 @@ def chat_template(model_name, name=None):
         if name not in CHAT_TEMPLATES:
             raise UsageError(f"--chat-template {name!r}: expected one of {', '.join(CHAT_TEMPLATES)}")
         return CHAT_TEMPLATES[name]
-    family = FAMILIES.get(backbone_class(resolve_model(model_name)).__name__)
+    family = family_template(resolve_model(model_name))
     return CHAT_TEMPLATES[family] if family else None
+
+
+def family_template(preset):
+    """The name of the preset's own chat template (FAMILIES; Gemma 4 by size: 26B-A4B and 31B, the sizes
+    without per-layer embeddings, have gemma4_large), from its config; None outside FAMILIES."""
+    from keras_hub.src.utils.preset_utils import load_json
+    family = FAMILIES.get(backbone_class(preset).__name__)
+    if family == "gemma4":
+        config = load_json(preset, "config.json")  # a KerasHub preset's, or a Hugging Face config.json
+        config = config.get("config") or config.get("text_config") or config
+        family = "gemma4" if config.get("hidden_size_per_layer_input") else "gemma4_large"
+    return family
 
 
 def turn_end(template):

@@ -784,11 +784,13 @@ _measured_peak = {}
 def count_params(backbone):
     """N for FLOP accounting (docs/design.md, "FLOPs"): every weight used in a matmul. A tied embedding is
     also the output matmul (Gemma, Qwen); an untied one (Llama 3, Mistral) is a lookup, its output matrix
-    the matmul."""
+    the matmul, and so is Gemma 4 E2B / E4B's per-layer token embedding."""
     import numpy as np
     embedding = backbone.token_embedding
-    lookup = embedding.embeddings if not embedding.tie_weights else None
-    return int(sum(np.prod(v.shape) for v in backbone.weights if "lora" not in v.path and v is not lookup))
+    lookups = [] if embedding.tie_weights else [embedding.embeddings]
+    lookups += [layer.embeddings for layer in [getattr(backbone, "per_layer_token_embedding", None)] if layer]
+    return int(sum(np.prod(v.shape) for v in backbone.weights
+                   if "lora" not in v.path and not any(v is x for x in lookups)))
 
 
 def peak_flops():

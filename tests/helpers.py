@@ -165,7 +165,8 @@ TOKENIZER_TEXTS = ["Sort: 3 1 2", "Sort", " 0 1 2 6 6 9", "digits 0123456789 and
                    "  two  spaces, leading and trailing  ", "naïve café, Ünïcödé — 日本語 🙂", "ﬁne Ｆｕｌｌ ①",
                    "line one\nline two\n\n\ttab\r\nend\n", "<start_of_turn>user\nSort: 2 1<end_of_turn>\n",
                    "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
-                   "<|im_start|>user\nhi<|im_end|>\n", "[INST] hi [/INST]ok", ""]
+                   "<|im_start|>user\nhi<|im_end|>\n", "[INST] hi [/INST]ok",
+                   "<|turn>model\n<|channel>thought\n<channel|>ok<turn|>\n", ""]
 
 
 def check_exported_tokenizer(hf_dir, tokenizer, template):

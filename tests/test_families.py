@@ -18,9 +18,9 @@ import pytest
 
 from helpers import ROOT, byte_bpe, corpus, metrics
 
-FAMILIES = ("gemma", "gemma2", "gemma3", "llama3", "mistral", "qwen2.5", "qwen3", "qwen3.5")
-TEMPLATE = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "llama3": "llama3", "mistral": "mistral",
-            "qwen2.5": "chatml", "qwen3": "chatml", "qwen3.5": "qwen3.5"}
+FAMILIES = ("gemma", "gemma2", "gemma3", "gemma4", "llama3", "mistral", "qwen2.5", "qwen3", "qwen3.5")
+TEMPLATE = {"gemma": "gemma", "gemma2": "gemma", "gemma3": "gemma", "gemma4": "gemma4", "llama3": "llama3",
+            "mistral": "mistral", "qwen2.5": "chatml", "qwen3": "chatml", "qwen3.5": "qwen3.5"}
 QWEN3_5_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|vision_start|>",
                     "<|vision_end|>", "<|image_pad|>", "<|video_pad|>"]
 SIZE = dict(num_layers=2, hidden_dim=64, intermediate_dim=128, num_query_heads=4, num_key_value_heads=2)
@@ -64,11 +64,37 @@ def gemma3(vision=False):
     return m.Gemma3CausalLM(backbone=backbone, preprocessor=preprocessor)
 
 
+GEMMA4_SPECIALS = ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>", "<|image>", "<|image|>",
+                   "<image|>", "<|video|>", "<|audio>", "<|audio|>", "<audio|>"]
+
+
+def gemma4(per_layer=8):
+    """A tiny random Gemma 4 with every size's features at once (6 layers, 2 local with a sliding window of
+    4 tokens then 1 global, twice): E2B / E4B's per-layer embeddings (`per_layer` wide; 0: none, as 26B-A4B
+    and 31B), key/value sharing (the last 2 layers read layers 3's and 2's) and double-wide MLPs there;
+    31B / 26B-A4B's global layers with one key/value head, keys as values and 2x head size, RoPE on a
+    quarter of it; 26B-A4B's mixture of experts beside each MLP (4 experts, 2 per token); a Gemma4Tokenizer."""
+    import keras_hub.models as m
+    tokenizer = m.Gemma4Tokenizer(proto=sentencepiece(**{**GEMMA_SPECIALS, "user_defined_symbols": GEMMA4_SPECIALS}))
+    backbone = m.Gemma4Backbone(vocabulary_size=tokenizer.vocabulary_size(), image_size=28, head_dim=16,
+                                **{**SIZE, "num_layers": 6}, sliding_window_size=4, sliding_window_pattern=3,
+                                global_head_dim=32, global_rope_partial_rotary_factor=0.25,
+                                num_global_key_value_heads=1, num_kv_shared_layers=2, use_double_wide_mlp=True,
+                                hidden_size_per_layer_input=per_layer, enable_moe_block=True, num_experts=4,
+                                expert_intermediate_dim=32, num_experts_per_token=2, final_logit_soft_cap=30.0)
+    with mock.patch("keras_hub.src.models.gemma4.gemma4_causal_lm_preprocessor.assert_tf_installed",
+                    lambda symbol: None):  # saved as Kaggle's presets have it (it asks for TensorFlow)
+        preprocessor = m.Gemma4CausalLMPreprocessor(tokenizer, sequence_length=1024)
+    return m.Gemma4CausalLM(backbone=backbone, preprocessor=preprocessor)
+
+
 def causal_lm(family):
     """A tiny random CausalLM of `family` with its tokenizer class."""
     import keras_hub.models as m
     if family == "gemma3":
         return gemma3()
+    if family == "gemma4":
+        return gemma4()
     if family in ("gemma", "gemma2"):
         tokenizer = m.GemmaTokenizer(proto=sentencepiece(**GEMMA_SPECIALS))
         gemma2 = dict(query_head_dim_normalize=False, use_post_ffw_norm=True, use_post_attention_norm=True,
@@ -136,12 +162,18 @@ def one_device_mesh():
 
 def keras_hub_cache(backbone, cache):
     """common.empty_cache's per-layer entries -> the cache the family's call_with_cache takes: Gemma 3's
-    per-layer (K, V) pairs as they are, the others' [B, 2, S, K, H] stacked to [B, L, 2, S, K, H]; Qwen
+    per-layer (K, V) pairs as they are, the others' [B, 2, S, K, H] stacked to [B, L, 2, S, K, H] (Gemma 4:
+    each padded to the most heads and the largest head size, a KV-shared layer's all zeros); Qwen
     3.5's (KV [B, L, 2, S, K, H], conv [B, L, C, k-1], recurrent [B, L, Hv, Dk, Dv]): every layer in each,
     zeros where a layer has no such state (its call_with_cache passes those through)."""
     import jax.numpy as jnp
     if type(backbone).__name__ == "Gemma3Backbone":
         return cache
+    if type(backbone).__name__ == "Gemma4Backbone":
+        kv = [c for c in cache if c is not None]
+        k, h = max(c.shape[3] for c in kv), max(c.shape[4] for c in kv)
+        full = [jnp.zeros(kv[0].shape[:3] + (k, h), kv[0].dtype) if c is None else c for c in cache]
+        return jnp.stack([jnp.pad(c, [(0, 0)] * 3 + [(0, k - c.shape[3]), (0, h - c.shape[4])]) for c in full], 1)
     if type(backbone).__name__ != "Qwen3_5Backbone":
         return jnp.stack(cache, 1)
     kv = next(c for c in cache if not isinstance(c, tuple))
@@ -156,7 +188,7 @@ def test_cached_forward_matches_keras_hub(presets, family):
     """Prefill + one decode step of common.cached_forward == the family's CausalLM.call_with_cache
     (no padding) and == backbone() + common.logits; the same prompt left-padded gives the same
     logits (the key padding mask); common.logits is h·Wᵀ with the family's output matrix (tied or
-    not), soft-capped 30·tanh(z/30) for Gemma 2."""
+    not), soft-capped 30·tanh(z/30) for Gemma 2 and 4."""
     import common
     import jax
     import jax.numpy as jnp
@@ -170,7 +202,7 @@ def test_cached_forward_matches_keras_hub(presets, family):
     ours, ours_cache = common.cached_forward(backbone, ids, jnp.ones((1, s), bool), cache, 0)
     theirs, _, theirs_cache = model.call_with_cache(ids, keras_hub_cache(backbone, cache), 0)
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
-    hidden = backbone({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)})  # [1, t, D]
+    hidden = backbone(common.inputs(backbone, ids, np.ones_like(ids, bool)))  # [1, t, D]
     np.testing.assert_allclose(ours, common.logits(backbone, hidden), atol=1e-4)
     nxt = np.array([[7]], np.int32)
     for a, b in zip(jax.tree.leaves(keras_hub_cache(backbone, ours_cache)), jax.tree.leaves(theirs_cache)):
@@ -186,19 +218,22 @@ def test_cached_forward_matches_keras_hub(presets, family):
     embedding = backbone.token_embedding
     out = np.asarray(embedding.embeddings if embedding.tie_weights else embedding.reverse_embeddings.numpy().T)
     raw = 100 * np.asarray(hidden) @ out.T  # [1, t, V]: large enough for the soft-cap to bite
-    want = 30.0 * np.tanh(raw / 30.0) if family == "gemma2" else raw  # c·tanh(z/c), c = 30
+    want = 30.0 * np.tanh(raw / 30.0) if family in ("gemma2", "gemma4") else raw  # c·tanh(z/c), c = 30
     np.testing.assert_allclose(common.logits(backbone, 100 * hidden), want, rtol=1e-4, atol=1e-3)
     assert embedding.tie_weights == (family not in ("llama3", "mistral"))  # Llama 3, Mistral: own output matrix
-    # FLOPs count the output matmul once; an untied input embedding is a lookup, not a matmul
+    # FLOPs count the output matmul once; an untied input embedding is a lookup, not a matmul, and so is
+    # Gemma 4's per-layer one (vocabulary × 6 layers × 8)
     total = sum(int(np.prod(v.shape)) for v in backbone.weights)
     v, d = embedding.embeddings.shape
-    assert plumbing.count_params(backbone) == total - (0 if embedding.tie_weights else v * d)
+    lookups = (0 if embedding.tie_weights else v * d) + (v * 6 * 8 if family == "gemma4" else 0)
+    assert plumbing.count_params(backbone) == total - lookups
 
 
-@pytest.mark.parametrize("family", ("gemma3", "qwen3.5"))
+@pytest.mark.parametrize("family", ("gemma3", "gemma4", "qwen3.5"))
 def test_sampler_ignores_left_padding(presets, family):
     """grpo.generate (greedy, 6 tokens): a short prompt left-padded beside a long one samples the tokens
-    it samples unpadded (Gemma 3's sliding window and Qwen 3.5's recurrent states included)."""
+    it samples unpadded (Gemma 3's and 4's sliding windows, Gemma 4's KV sharing and Qwen 3.5's recurrent
+    states included)."""
     import common
     import grpo
     import jax
@@ -227,12 +262,13 @@ def test_chat_template_follows_the_family(presets, family):
     import common
     assert common.chat_template(presets[family]) == common.CHAT_TEMPLATES[TEMPLATE[family]]
     assert common.chat_template(presets[family], "mistral") == common.CHAT_TEMPLATES["mistral"]
-    with pytest.raises(common.UsageError, match="gemma, llama3, mistral, chatml, qwen3.5"):
+    with pytest.raises(common.UsageError, match="gemma, llama3, mistral, chatml, qwen3.5, gemma4, gemma4_large$"):
         common.chat_template(presets[family], "vicuna")
     tokenizer = common.load_model(presets[family], one_device_mesh(), "float32").preprocessor.tokenizer
     markers = {"gemma": ["<start_of_turn>", "<end_of_turn>"], "llama3": ["<|start_header_id|>", "<|eot_id|>"],
                "chatml": ["<|im_start|>", "<|im_end|>"], "mistral": [],
-               "qwen3.5": ["<|im_start|>", "<|im_end|>", "<think>", "</think>"]}[TEMPLATE[family]]
+               "qwen3.5": ["<|im_start|>", "<|im_end|>", "<think>", "</think>"],
+               "gemma4": ["<|turn>", "<turn|>", "<|channel>", "<channel|>"]}[TEMPLATE[family]]
     for marker in markers:  # one piece (SentencePiece may put its word-start piece before it)
         assert list(tokenizer.tokenize(marker))[-1:] == [tokenizer.token_to_id(marker)], marker
     assert tokenizer.start_token_id is not None  # Qwen: <|endoftext|> (common.ensure_start_token)
@@ -249,7 +285,9 @@ def test_templates_render_as_the_model_cards():
             "mistral": "[INST] Sort: 2 1 [/INST]1 2",
             "chatml": "<|im_start|>user\nSort: 2 1<|im_end|>\n<|im_start|>assistant\n1 2<|im_end|>\n",
             "qwen3.5": "<|im_start|>user\nSort: 2 1<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
-                       "1 2<|im_end|>\n"}
+                       "1 2<|im_end|>\n",
+            "gemma4": "<|turn>user\nSort: 2 1<turn|>\n<|turn>model\n1 2<turn|>\n",
+            "gemma4_large": "<|turn>user\nSort: 2 1<turn|>\n<|turn>model\n<|channel>thought\n<channel|>1 2<turn|>\n"}
     assert set(want) == set(common.CHAT_TEMPLATES)
     for name, text in want.items():
         template = common.CHAT_TEMPLATES[name]
@@ -263,6 +301,11 @@ def test_templates_render_as_the_model_cards():
     # Qwen 3.5's generation prompt with enable_thinking=false: the answer's turn, its thinking block empty
     assert common.prompt_text({"prompt": chat[:1]}, "f:1", common.CHAT_TEMPLATES["qwen3.5"]) == \
         "<|im_start|>user\nSort: 2 1<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    # Gemma 4's with thinking off: E2B / E4B open the model's turn; 26B-A4B and 31B add an empty thought channel
+    assert common.prompt_text({"prompt": chat[:1]}, "f:1", common.CHAT_TEMPLATES["gemma4"]) == \
+        "<|turn>user\nSort: 2 1<turn|>\n<|turn>model\n"
+    assert common.prompt_text({"prompt": chat[:1]}, "f:1", common.CHAT_TEMPLATES["gemma4_large"]) == \
+        "<|turn>user\nSort: 2 1<turn|>\n<|turn>model\n<|channel>thought\n<channel|>"
 
 
 def test_aliases_name_presets_and_the_readme_lists_them():
@@ -311,9 +354,9 @@ def test_multimodal_preset_loads_text_only(tmp_path):
 
 def test_system_and_multi_turn_chats_render_as_the_model_cards():
     """A system turn and two exchanges, written out as each family's Hugging Face chat_template renders them
-    (sources cited in common.CHAT_TEMPLATES): Gemma and Mistral have no system role, so its text opens the
-    first user turn; Llama 3 and ChatML have a system turn; Gemma and Llama 3 strip contents (`| trim`).
-    sft trains on both answers; a chat prompt renders up to the opened model turn."""
+    (sources cited in common.CHAT_TEMPLATES): Gemma 1-3 and Mistral have no system role, so its text opens
+    the first user turn; Llama 3, ChatML and Gemma 4 have a system turn; Gemma and Llama 3 strip contents
+    (`| trim`). sft trains on both answers; a chat prompt renders up to the opened model turn."""
     import common
     chat = [{"role": role, "content": text} for role, text in [
         ("system", "Answer briefly."), ("user", "Sort: 2 1"), ("assistant", "1 2"), ("user", "Sort: 3 1\n"),
@@ -339,7 +382,12 @@ def test_system_and_multi_turn_chats_render_as_the_model_cards():
                        "<|im_start|>user\nSort: 2 1<|im_end|>\n"
                        "<|im_start|>assistant\n<think>\n\n</think>\n\n1 2<|im_end|>\n"
                        "<|im_start|>user\nSort: 3 1\n<|im_end|>\n"
-                       "<|im_start|>assistant\n<think>\n\n</think>\n\n1 3<|im_end|>\n"}
+                       "<|im_start|>assistant\n<think>\n\n</think>\n\n1 3<|im_end|>\n",
+            "gemma4": "<|turn>system\nAnswer briefly.<turn|>\n<|turn>user\nSort: 2 1<turn|>\n"
+                      "<|turn>model\n1 2<turn|>\n<|turn>user\nSort: 3 1<turn|>\n<|turn>model\n1 3<turn|>\n",
+            "gemma4_large": "<|turn>system\nAnswer briefly.<turn|>\n<|turn>user\nSort: 2 1<turn|>\n"
+                            "<|turn>model\n<|channel>thought\n<channel|>1 2<turn|>\n<|turn>user\nSort: 3 1<turn|>\n"
+                            "<|turn>model\n<|channel>thought\n<channel|>1 3<turn|>\n"}
     assert set(want) == set(common.CHAT_TEMPLATES)
     for name, text in want.items():
         template = common.CHAT_TEMPLATES[name]
@@ -352,7 +400,7 @@ def test_system_and_multi_turn_chats_render_as_the_model_cards():
 
 
 # Gemma 2 and Qwen 3 are not exported: keras-hub 0.32 has no exporter for them (common.check_export_hf).
-EXPORTED = ("gemma", "gemma3", "llama3", "mistral", "qwen2.5", "qwen3.5")
+EXPORTED = ("gemma", "gemma3", "gemma4", "llama3", "mistral", "qwen2.5", "qwen3.5")
 
 
 @pytest.mark.parametrize("family", EXPORTED)
@@ -368,15 +416,33 @@ def test_export_hf_tokenizer_and_chat_template(presets, family, tmp_path):
     tokenizer = keras_hub.models.Tokenizer.from_preset(presets[family])
     common.ensure_start_token(tokenizer, presets[family])
     check_exported_tokenizer(str(tmp_path / "hf"), tokenizer, TEMPLATE[family])
+    with open(tmp_path / "hf" / "config.json") as f:  # keras-hub writes Gemma 4's headless Gemma4TextModel
+        assert family != "gemma4" or json.load(f)["architectures"] == ["Gemma4ForCausalLM"]
     # keras-hub 0.32: its Gemma exporter writes the first key/value head only (Gemma 2B's one; not this model's
     # 2, nor 7B's 16), its Qwen 2 loader needs `use_sliding_window`, which its exporter leaves out
     if family in ("gemma", "qwen2.5"):
         return
     ids = np.array([[tokenizer.start_token_id] + list(tokenizer.tokenize("Sort: 3 1 2"))], np.int32)
-    inputs = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool)}
     saved, exported = (keras_hub.models.Backbone.from_preset(p) for p in (presets[family], str(tmp_path / "hf")))
     atol = 5e-3 if family == "mistral" else 1e-5  # keras-hub 0.32 reads a Mistral checkpoint through float16
+    inputs = common.inputs(saved, ids, np.ones_like(ids, bool))
     np.testing.assert_allclose(exported(inputs), saved(inputs), atol=atol)
+
+
+def test_gemma4_template_follows_the_size(tmp_path):
+    """Gemma 4 without per-layer embeddings (26B-A4B, 31B) takes gemma4_large, whose answers open with an
+    empty thought channel, read from its KerasHub preset and from its Hugging Face checkpoint (--export-hf,
+    whose chat template is that one)."""
+    import common
+    import keras
+    from helpers import check_exported_tokenizer
+    keras.utils.set_random_seed(0)
+    model = gemma4(per_layer=0)
+    model.save_to_preset(str(tmp_path / "large"))
+    assert common.chat_template(str(tmp_path / "large")) == common.CHAT_TEMPLATES["gemma4_large"]
+    common.export_hf(str(tmp_path / "large"), str(tmp_path / "hf"))
+    check_exported_tokenizer(str(tmp_path / "hf"), model.preprocessor.tokenizer, "gemma4_large")
+    assert common.chat_template(str(tmp_path / "hf")) == common.CHAT_TEMPLATES["gemma4_large"]
 
 
 @pytest.mark.parametrize("spec", [
@@ -414,7 +480,7 @@ def test_unknown_family_needs_chat_template(presets, tmp_path):
     chats = os.path.join(ROOT, "data", "sft_messages_train.jsonl")
     res = run_script("sft.py", "--model", presets["gpt2"], "--dataset", chats, "--eval-dataset", "",
                      "--output-dir", str(tmp_path / "a"))
-    assert res.returncode == 2 and "--chat-template (gemma, llama3, mistral, chatml, qwen3.5)" in res.stderr, res.stderr
+    assert res.returncode == 2 and f"--chat-template ({', '.join(common.CHAT_TEMPLATES)})" in res.stderr, res.stderr
     assert len(res.stderr.strip().splitlines()) == 1
     rows = common.read_dataset(chats, "sft", common.chat_template(presets["gpt2"], "chatml"))  # with the flag
     assert rows[0][0] == ("<|im_start|>user\nSort: 0 9 1 6 6 2<|im_end|>\n", False)
@@ -450,7 +516,7 @@ def run_scripts(preset, out):
 # layers and the tokenizer's specials, checked above, and Qwen 3.5's run covers Qwen 2.5's byte-level BPE,
 # stand-in BOS and ChatML turns. All passed run_scripts when each was added; each family costs ~25 s of
 # CPU here, Qwen 3.5 ~60 s (its chunked delta rule compiles slowly).
-SCRIPT_FAMILIES = ("gemma3", "llama3", "mistral", "qwen3.5")
+SCRIPT_FAMILIES = ("gemma3", "gemma4", "llama3", "mistral", "qwen3.5")
 
 
 def test_one_step_of_each_script(presets, tmp_path):

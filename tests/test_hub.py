@@ -31,8 +31,8 @@ def no_credentials(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("model, hints", [
-    ("gemma_2b", ["cannot reach Kaggle", "KAGGLE_USERNAME and KAGGLE_KEY", "~/.kaggle/kaggle.json",
-                  "licence at https://www.kaggle.com/models/keras/gemma", "local directory"]),
+    ("gemma3_1b", ["cannot reach Kaggle", "kaggle://keras/gemma3/keras/gemma3_1b", "KAGGLE_USERNAME and",
+                   "~/.kaggle/kaggle.json", "licence at https://www.kaggle.com/models/keras/gemma3;", "local dir"]),
     ("kaggle://keras/gemma/keras/gemma_2b_en", ["cannot reach Kaggle", "KAGGLE_USERNAME", "local directory"]),
     ("hf://google/gemma-2b", ["cannot reach the Hugging Face Hub", "HF_TOKEN", "local directory"]),
 ])
