@@ -92,6 +92,7 @@ MODEL_ALIASES = {
     "mistral_7b": "mistral_7b_en", "mistral_7b_it": "mistral_instruct_7b_en",
     "qwen2.5_0.5b": "qwen2.5_0.5b_en", "qwen2.5_0.5b_it": "qwen2.5_instruct_0.5b_en", "qwen2.5_7b": "qwen2.5_7b_en",
     "qwen3_0.6b": "qwen3_0.6b_en", "qwen3_8b": "qwen3_8b_en",
+    "qwen3_moe_30b_a3b": "qwen3_moe_30b_a3b_en", "qwen3_moe_235b_a22b": "qwen3_moe_235b_a22b_en",  # mixtures
     # Gemma 3: the text-only presets (4B and up also come as vision+text, which load_model reads text-only)
     "gemma3_270m": "gemma3_270m", "gemma3_1b": "gemma3_1b", "gemma3_4b": "gemma3_4b_text",
     "gemma3_12b": "gemma3_12b_text", "gemma3_27b": "gemma3_27b_text",
