@@ -68,15 +68,19 @@ GEMMA4_SPECIALS = ["<|turn>", "<turn|>", "<|channel>", "<channel|>", "<|think|>"
                    "<image|>", "<|video|>", "<|audio>", "<|audio|>", "<audio|>"]
 
 
-def gemma4(per_layer=8):
+def gemma4(per_layer=8, vision=False):
     """A tiny random Gemma 4 with every size's features at once (6 layers, 2 local with a sliding window of
     4 tokens then 1 global, twice): E2B / E4B's per-layer embeddings (`per_layer` wide; 0: none, as 26B-A4B
     and 31B), key/value sharing (the last 2 layers read layers 3's and 2's) and double-wide MLPs there;
     31B / 26B-A4B's global layers with one key/value head, keys as values and 2x head size, RoPE on a
-    quarter of it; 26B-A4B's mixture of experts beside each MLP (4 experts, 2 per token); a Gemma4Tokenizer."""
+    quarter of it; 26B-A4B's mixture of experts beside each MLP (4 experts, 2 per token); a Gemma4Tokenizer;
+    `vision`: a 1-layer vision encoder, as every Gemma 4 preset has."""
     import keras_hub.models as m
     tokenizer = m.Gemma4Tokenizer(proto=sentencepiece(**{**GEMMA_SPECIALS, "user_defined_symbols": GEMMA4_SPECIALS}))
+    encoder = vision and m.Gemma4VisionEncoder(image_size=28, patch_size=14, num_heads=2, hidden_dim=16, num_layers=1,
+                                               intermediate_dim=32, head_dim=8, output_dim=SIZE["hidden_dim"])
     backbone = m.Gemma4Backbone(vocabulary_size=tokenizer.vocabulary_size(), image_size=28, head_dim=16,
+                                vision_encoder=encoder or None,
                                 **{**SIZE, "num_layers": 6}, sliding_window_size=4, sliding_window_pattern=3,
                                 global_head_dim=32, global_rope_partial_rotary_factor=0.25,
                                 num_global_key_value_heads=1, num_kv_shared_layers=2, use_double_wide_mlp=True,
@@ -324,8 +328,8 @@ def test_aliases_name_presets_and_the_readme_lists_them():
 
 
 def test_multimodal_preset_loads_text_only(tmp_path):
-    """A vision-and-text KerasHub preset (Gemma 3 4B and up), or its Hugging Face checkpoint, loads its
-    decoder alone: no encoder, the same text weights, KerasHub's generic text preprocessor (Gemma 3's
+    """A vision-and-text KerasHub preset (Gemma 3 4B and up; Gemma 4's too), or its Hugging Face checkpoint, loads
+    its decoder alone: no encoder, the same text weights, KerasHub's generic text preprocessor (Gemma 3's
     needs TensorFlow: KerasHub's generate, which sft.py's closing samples call, runs), its model/
     text-only; dataset rows carrying images stop with a UsageError."""
     import common
@@ -345,6 +349,14 @@ def test_multimodal_preset_loads_text_only(tmp_path):
     model.save_to_preset(str(tmp_path / "text"))
     with open(tmp_path / "text" / "config.json") as f:
         assert json.load(f)["config"]["vision_encoder"] is None
+    vision4 = gemma4(vision=True)  # Gemma 4's KerasHub preset: the same, its Gemma4CausalLM as the task
+    vision4.save_to_preset(str(tmp_path / "vision4"))
+    text4 = common.text_causal_lm(str(tmp_path / "vision4"))
+    assert text4.backbone.text_only_model and type(text4).__name__ == "Gemma4CausalLM"
+    weights = {w.path: w for w in vision4.backbone.weights}
+    assert len(weights) > len(text4.backbone.weights)
+    for w in text4.backbone.weights:
+        np.testing.assert_array_equal(w.numpy(), weights[w.path].numpy(), err_msg=w.path)
     assert model.generate(["Sort: 1"], max_length=6)[0].startswith("Sort: 1")  # sft.py's closing samples
     rows = tmp_path / "images.jsonl"
     rows.write_text(json.dumps({"prompt": "Describe", "completion": "A fox", "images": ["fox.png"]}) + "\n")
