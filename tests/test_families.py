@@ -328,9 +328,9 @@ def test_aliases_name_presets_and_the_readme_lists_them():
 
 
 def test_multimodal_preset_loads_text_only(tmp_path):
-    """A vision-and-text KerasHub preset (Gemma 3 4B and up; Gemma 4's too), or its Hugging Face checkpoint, loads
-    its decoder alone: no encoder, the same text weights, KerasHub's generic text preprocessor (Gemma 3's
-    needs TensorFlow: KerasHub's generate, which sft.py's closing samples call, runs), its model/
+    """A vision-and-text KerasHub preset (Gemma 3 4B and up; every Gemma 4), or its Hugging Face checkpoint,
+    loads its decoder alone: no encoder, the same text weights, KerasHub's generic text preprocessor (Gemma
+    3's needs TensorFlow: KerasHub's generate, which sft.py's closing samples call, runs), its model/
     text-only; dataset rows carrying images stop with a UsageError."""
     import common
     import keras
