@@ -35,7 +35,8 @@ class Args:
     """whose train_step is compiled"""
     # model
     model: str = "gemma_2b"
-    """architecture at published shapes: tiny, gemma_2b or gemma_7b (benchmarks/harness.py ARCHS)"""
+    """architecture at published shapes (benchmarks/harness.py ARCHS): tiny, gemma_2b, gemma_7b, gemma3_4b,
+    gemma3_12b, gemma3_27b, gemma4_31b or gemma4_26b_a4b (Gemma 3 and 4: the text decoder alone)"""
     num_layers: int = 0
     """override the architecture's decoder-block count (0: as published); for quick scaling checks"""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -59,19 +60,24 @@ class Args:
     """activation checkpointing per decoder block, as the scripts' `--remat on|off` (their `auto` picks off
     when the step without remat fits the device: compare the two here)"""
     # the target
-    target: Literal["tpu_v5e", "tpu_v5p", "cpu"] = "tpu_v5e"
-    """compile for: tpu_v5e (16 GiB chips) or tpu_v5p (95 GiB) with libtpu's ahead-of-time compiler
-    (no TPU needed), or cpu (simulated host devices; the CPU compiler upcasts bf16 matmuls to
-    float32, so bf16 numbers run high)"""
-    device_memory_gib: float = 16.0
-    """chip memory the result is judged against (TPU v5e: 16 GiB)"""
+    target: Literal["tpu_v5e", "tpu_v6e", "tpu_v5p", "cpu"] = "tpu_v5e"
+    """compile for: tpu_v5e (16 GiB chips), tpu_v6e (32 GiB) or tpu_v5p (95 GiB) with libtpu's
+    ahead-of-time compiler (no TPU needed), or cpu (simulated host devices; the CPU compiler upcasts
+    bf16 matmuls to float32, so bf16 numbers run high)"""
+    device_memory_gib: float = 0.0
+    """chip memory the result is judged against; 0: the target's (v5e 16, v6e 32, v5p 95; cpu 16 GiB)"""
 
 
 TPU_TOPOLOGIES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 V5P_TOPOLOGIES = {1: "1x1x1", 4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}
 
 
-TARGETS = {"tpu_v5e": ("v5e", TPU_TOPOLOGIES), "tpu_v5p": ("v5p", V5P_TOPOLOGIES)}
+V6E_TOPOLOGIES = {n: t for n, t in TPU_TOPOLOGIES.items() if n >= 4}  # libtpu: no v6e 1x1 (2x2 chips a host)
+
+
+TARGETS = {"tpu_v5e": ("v5e", TPU_TOPOLOGIES), "tpu_v6e": ("v6e", V6E_TOPOLOGIES),
+           "tpu_v5p": ("v5p", V5P_TOPOLOGIES)}
+CHIP_GIB = {"tpu_v5e": 16.0, "tpu_v6e": 32.0, "tpu_v5p": 95.0, "cpu": 16.0}
 
 
 def tpu_mesh(kind, shape):
@@ -95,7 +101,7 @@ def make_target_mesh(spec, target):
     if target == "cpu":
         return common.make_mesh(spec)
     if target not in TARGETS:
-        raise plumbing.UsageError(f"--target {target!r}: expected tpu_v5e, tpu_v5p or cpu")
+        raise plumbing.UsageError(f"--target {target!r}: expected tpu_v5e, tpu_v6e, tpu_v5p or cpu")
     sizes = {"data": 1, "model": 1}
     for part in (spec or "data=8").split(","):
         name, _, size = part.partition("=")
@@ -135,15 +141,16 @@ def main(args):
     try:
         compiled, bench, backbone, compile_s = compile_step(args, mesh)
     except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e) or args.target != "tpu_v5e":
+        if "RESOURCE_EXHAUSTED" not in str(e) or args.target not in ("tpu_v5e", "tpu_v6e"):
             raise
-        # The v5e compiler refuses programs over its 16 GiB HBM. Its message is the verdict;
-        # the same program compiled for 8 TPU v5p chips (95 GiB each) gives the breakdown.
+        # The v5e / v6e compiler refuses programs over the chip's HBM. Its message is the verdict;
+        # the same program compiled for as many TPU v5p chips (95 GiB each) gives the breakdown.
         over = str(e).split("RESOURCE_EXHAUSTED:")[-1].strip().splitlines()[0]
-        print(f"TPU v5e: {over}; breakdown from a TPU v5p compile of the same step", flush=True)
+        print(f"{args.target}: {over}; breakdown from a TPU v5p compile of the same step", flush=True)
         mesh = tpu_mesh("tpu_v5p", mesh.devices.shape)
         compiled, bench, backbone, compile_s = compile_step(args, mesh)
     m = compiled.memory_analysis()
+    chip_gib = args.device_memory_gib or CHIP_GIB[args.target]
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
     (params, opt_state), frozen = bench.state, bench.extra["frozen"]
     result = {
@@ -160,8 +167,8 @@ def main(args):
         "trainable_bytes": weight_bytes(params), "optimizer_bytes": weight_bytes(opt_state),
         "frozen_bytes": weight_bytes(frozen), "reference_bytes": weight_bytes(bench.extra.get("ref_params")),
         "batch_bytes": weight_bytes(bench.batch),
-        "fits": over is None and peak <= args.device_memory_gib * GIB, "tpu_v5e_error": over,
-        "device_memory_gib": args.device_memory_gib,
+        "fits": over is None and peak <= chip_gib * GIB, "target": args.target, "target_error": over,
+        "device_memory_gib": chip_gib,
         "compile_s": compile_s, "compiled_for": str(mesh.devices.flat[0].device_kind),
     }
     print(json.dumps(result))
