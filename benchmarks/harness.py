@@ -180,11 +180,15 @@ def shape_of(tree):
                         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
 
 
-def run(fn, *args, abstract=False):
-    """fn(*args) under jit; abstract: compile only and return the outputs' shapes and shardings."""
+def run(fn, *args, abstract=False, like=None):
+    """fn(*args) under jit; abstract: compile only and return the outputs' shapes and shardings. like: a
+    tree whose layout the outputs take (DPO's LoRA-off reference: the scripts' eager lora_off keeps each
+    array's layout, where under jit its zeros, made from no input, would come back whole on every device)."""
+    layout = {} if like is None else {"out_shardings": jax.tree.map(lambda x: x.sharding, like)}
+    jitted = jax.jit(fn, **layout)
     if not abstract:
-        return jax.jit(fn)(*args)
-    compiled = jax.jit(fn).lower(*args).compile()
+        return jitted(*args)
+    compiled = jitted.lower(*args).compile()
     out = jax.eval_shape(fn, *args)
     mesh = next(x.sharding.mesh for x in jax.tree.leaves(args) if isinstance(x.sharding, NamedSharding))
     # Outputs made from no input (optax's step count) come back on one device: replicate them.
@@ -361,7 +365,7 @@ def _preference(module, args, backbone, optimizer, params, frozen, rng, shape, m
     elif reference:
         copy = ((lambda p: module.lora_off(backbone, p)) if args.lora_rank
                 else (lambda p: jax.tree.map(jnp.copy, p)))
-        extra["ref_params"] = run(copy, params, abstract=abstract)
+        extra["ref_params"] = run(copy, params, abstract=abstract, like=params)
         factor, note = 8, "online reference forward (+2N)"
     state = (params, init_opt_state(optimizer, params, mesh, abstract))
     return Bench(args, script_step(module, backbone=backbone, optimizer=optimizer, args=args), state, extra,
@@ -385,7 +389,7 @@ def _kto(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, ab
     else:
         copy = ((lambda p: module.lora_off(backbone, p)) if args.lora_rank
                 else (lambda p: jax.tree.map(jnp.copy, p)))
-        extra["ref_params"] = run(copy, params, abstract=abstract)
+        extra["ref_params"] = run(copy, params, abstract=abstract, like=params)
     state = (params, init_opt_state(optimizer, params, mesh, abstract))
     return Bench(args, script_step(module, backbone=backbone, optimizer=optimizer, args=args), state, extra,
                  put_batch(mesh, host, abstract), 2 * a * b * t, factor, note)
