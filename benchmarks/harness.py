@@ -184,6 +184,9 @@ def run(fn, *args, abstract=False, like=None):
     """fn(*args) under jit; abstract: compile only and return the outputs' shapes and shardings. like: a
     tree whose layout the outputs take (DPO's LoRA-off reference: the scripts' eager lora_off keeps each
     array's layout, where under jit its zeros, made from no input, would come back whole on every device)."""
+    if abstract and like is not None:  # the layout is given: nothing to compile (a whole-model copy may not fit)
+        return jax.tree.map(lambda o, x: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=x.sharding),
+                            jax.eval_shape(fn, *args), like)
     layout = {} if like is None else {"out_shardings": jax.tree.map(lambda x: x.sharding, like)}
     jitted = jax.jit(fn, **layout)
     if not abstract:

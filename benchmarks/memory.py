@@ -56,6 +56,9 @@ class Args:
     """the layers LoRA adapts, as the scripts' flag: `all-linear`, or layer names; None: query and value"""
     precompute_ref: bool = False
     """DPO, KTO: reference log-probs precomputed (no reference weights, no reference forward)"""
+    state_only: bool = False
+    """report the state per chip alone (weights, Adam moments, frozen weights, reference: the shards of the
+    abstract arrays, exact at any depth) and the float32 gradients beside it, without compiling the step"""
     remat: Literal["on", "off"] = "on"
     """activation checkpointing per decoder block, as the scripts' `--remat on|off` (their `auto` picks off
     when the step without remat fits the device: compare the two here)"""
@@ -131,12 +134,35 @@ def compile_step(args, mesh):
     return compiled, bench, backbone, time.perf_counter() - t
 
 
+def state_of(bench):
+    """Bytes per device of the step's state: what it holds before any activation."""
+    (params, opt_state), frozen = bench.state, bench.extra["frozen"]
+    out = {"trainable_bytes": weight_bytes(params), "optimizer_bytes": weight_bytes(opt_state),
+           "frozen_bytes": weight_bytes(frozen),
+           "reference_bytes": weight_bytes(bench.extra.get("ref_params"))}
+    state = sum(out.values())
+    # float32 gradients of the trainable weights, whole before global-norm clipping
+    return {**out, "state_gib_per_device": state / GIB,
+            "state_and_gradients_gib_per_device": (state + out["trainable_bytes"]) / GIB}
+
+
 def main(args):
     mesh = make_target_mesh(args.mesh, args.target)
     if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
         raise plumbing.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
                                   f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
     harness.script_args(harness.import_algo(args.algo), args)  # unknown algorithms and options fail here
+    run = {"algo": args.algo, "model": args.model, "dtype": args.dtype, "mesh": dict(mesh.shape),
+           "batch_size": args.batch_size, "max_length": args.max_length,
+           "grad_accum_steps": args.grad_accum_steps,
+           "lora_rank": args.lora_rank, "lora_target_modules": args.lora_target_modules,
+           "precompute_ref": args.precompute_ref, "remat": args.remat}
+    if args.state_only:
+        backbone = harness.load_backbone(args, mesh, abstract=True)
+        bench = harness.setup(args, backbone, mesh, abstract=True)
+        print(json.dumps({**run, "reference": bench.note, "params": plumbing.count_params(backbone),
+                          **state_of(bench)}))
+        return
     over = None
     try:
         compiled, bench, backbone, compile_s = compile_step(args, mesh)
@@ -152,21 +178,14 @@ def main(args):
     m = compiled.memory_analysis()
     chip_gib = args.device_memory_gib or CHIP_GIB[args.target]
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    (params, opt_state), frozen = bench.state, bench.extra["frozen"]
     result = {
-        "algo": args.algo, "model": args.model, "dtype": args.dtype, "mesh": dict(mesh.shape),
-        "batch_size": args.batch_size, "max_length": args.max_length, "grad_accum_steps": args.grad_accum_steps,
-        "lora_rank": args.lora_rank, "lora_target_modules": args.lora_target_modules,
-        "precompute_ref": args.precompute_ref, "remat": args.remat,
-        "reference": bench.note, "params": plumbing.count_params(backbone),
+        **run, "reference": bench.note, "params": plumbing.count_params(backbone),
         "peak_bytes_per_device": int(peak), "peak_gib_per_device": peak / GIB,
         "formula": "argument + output + temp - alias",
         "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
         "temp_bytes": m.temp_size_in_bytes, "alias_bytes": m.alias_size_in_bytes,
         "generated_code_bytes": m.generated_code_size_in_bytes,
-        "trainable_bytes": weight_bytes(params), "optimizer_bytes": weight_bytes(opt_state),
-        "frozen_bytes": weight_bytes(frozen), "reference_bytes": weight_bytes(bench.extra.get("ref_params")),
-        "batch_bytes": weight_bytes(bench.batch),
+        **state_of(bench), "batch_bytes": weight_bytes(bench.batch),
         "fits": over is None and peak <= chip_gib * GIB, "target": args.target, "target_error": over,
         "device_memory_gib": chip_gib,
         "compile_s": compile_s, "compiled_for": str(mesh.devices.flat[0].device_kind),
