@@ -52,21 +52,21 @@ ARCHS = {
                      hidden_dim=2048, intermediate_dim=32768, head_dim=256),
     "gemma_7b": dict(vocabulary_size=256000, num_layers=28, num_query_heads=16, num_key_value_heads=16,
                      hidden_dim=3072, intermediate_dim=49152, head_dim=256),
-    # google/gemma-3-4b-it: 3.88B text weights (4.3B with its 0.42B SigLIP vision tower)
+    # google/gemma-3-4b-it config.json: 3.880B weights (published 4.3B with its 0.42B SigLIP vision tower)
     "gemma3_4b": dict(vocabulary_size=262208, num_layers=34, num_query_heads=8, num_key_value_heads=4,
                       hidden_dim=2560, intermediate_dim=10240, head_dim=256, **GEMMA3),
-    # google/gemma-3-12b-it: 11.77B text weights (12.2B with vision)
+    # google/gemma-3-12b-it config.json: 11.766B weights (published 12.2B with the vision tower)
     "gemma3_12b": dict(vocabulary_size=262208, num_layers=48, num_query_heads=16, num_key_value_heads=8,
                        hidden_dim=3840, intermediate_dim=15360, head_dim=256, **GEMMA3),
-    # google/gemma-3-27b-it: 27.01B text weights (27.4B with vision)
+    # google/gemma-3-27b-it config.json: 27.009B weights (published 27.4B with the vision tower)
     "gemma3_27b": dict(vocabulary_size=262208, num_layers=62, num_query_heads=32, num_key_value_heads=16,
                        hidden_dim=5376, intermediate_dim=21504, head_dim=128, query_head_dim_normalize=False,
                        **GEMMA3),
-    # google/gemma-4-31B: 30.7B weights (the published count includes its vision encoder)
+    # google/gemma-4-31B config.json (text_config): 30.697B weights (published 30.7B)
     "gemma4_31b": dict(num_layers=60, num_query_heads=32, num_key_value_heads=16,
                        num_global_key_value_heads=4, hidden_dim=5376, intermediate_dim=21504, **GEMMA4),
-    # google/gemma-4-26B-A4B: a dense MLP (2112) and a mixture of 128 experts (704 each, 8 per token) in
-    # every layer; 25.2B weights, 3.8B active per token
+    # google/gemma-4-26B-A4B config.json (text_config): a dense MLP (2112) and a mixture of 128 experts (704
+    # each, 8 per token) in every layer; 25.233B weights, 3.823B active per token (published 25.2B / 3.8B)
     "gemma4_26b_a4b": dict(num_layers=30, num_query_heads=16, num_key_value_heads=8,
                            num_global_key_value_heads=2, hidden_dim=2816, intermediate_dim=2112,
                            enable_moe_block=True, num_experts=128, expert_intermediate_dim=704,
