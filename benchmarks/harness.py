@@ -30,15 +30,50 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-# Published architecture numbers (KerasHub GemmaBackbone arguments). KerasHub's
-# `intermediate_dim` counts both FFN gates: Gemma-2B's 32768 = 2 × 16384 per gate.
+# Published architecture numbers (KerasHub backbone arguments). KerasHub's Gemma `intermediate_dim`
+# counts both FFN gates: Gemma-2B's 32768 = 2 × 16384 per gate; Gemma 3's and 4's count one, as
+# Hugging Face's `intermediate_size` (keras_hub's convert_gemma3.py / convert_gemma4.py pass it as it is).
+# Gemma 3: the text decoder of google/gemma-3-{4b,12b,27b}-it's config.json (text_config; keys it leaves
+# out take transformers' Gemma3TextConfig defaults: 8 query / 4 key-value heads, head_dim 256, vocabulary
+# 262208), as convert_gemma3.py maps them. 27B: query_pre_attn_scalar 168 ≠ head_dim 128, so queries
+# scale by 168^-0.5 (query_head_dim_normalize=False).
+GEMMA3 = dict(image_size=None, vision_encoder=None, use_post_ffw_norm=True, use_post_attention_norm=True,
+              use_sliding_window_attention=True, sliding_window_size=1024, global_rope_scaling_factor=8.0)
+# Gemma 4: the text_config of google/gemma-4-31B's and google/gemma-4-26B-A4B's config.json, through
+# convert_gemma4.py: every 6th layer global (head_dim 512, num_global_key_value_heads key/value heads,
+# values = keys), the rest sliding-window (1024) with head_dim 256; final logits soft-capped at 30.
+GEMMA4 = dict(image_size=None, vision_encoder=None, vocabulary_size=262144, head_dim=256, global_head_dim=512,
+              use_sliding_window_attention=True, sliding_window_size=1024, sliding_window_pattern=6,
+              final_logit_soft_cap=30.0, global_rope_partial_rotary_factor=0.25, global_rope_wavelength=1e6,
+              local_rope_wavelength=1e4)
 ARCHS = {
     "tiny": dict(vocabulary_size=320, **common.TINY_CONFIG),
     "gemma_2b": dict(vocabulary_size=256000, num_layers=18, num_query_heads=8, num_key_value_heads=1,
                      hidden_dim=2048, intermediate_dim=32768, head_dim=256),
     "gemma_7b": dict(vocabulary_size=256000, num_layers=28, num_query_heads=16, num_key_value_heads=16,
                      hidden_dim=3072, intermediate_dim=49152, head_dim=256),
+    # google/gemma-3-4b-it config.json: 3.880B weights (published 4.3B with its 0.42B SigLIP vision tower)
+    "gemma3_4b": dict(vocabulary_size=262208, num_layers=34, num_query_heads=8, num_key_value_heads=4,
+                      hidden_dim=2560, intermediate_dim=10240, head_dim=256, **GEMMA3),
+    # google/gemma-3-12b-it config.json: 11.766B weights (published 12.2B with the vision tower)
+    "gemma3_12b": dict(vocabulary_size=262208, num_layers=48, num_query_heads=16, num_key_value_heads=8,
+                       hidden_dim=3840, intermediate_dim=15360, head_dim=256, **GEMMA3),
+    # google/gemma-3-27b-it config.json: 27.009B weights (published 27.4B with the vision tower)
+    "gemma3_27b": dict(vocabulary_size=262208, num_layers=62, num_query_heads=32, num_key_value_heads=16,
+                       hidden_dim=5376, intermediate_dim=21504, head_dim=128, query_head_dim_normalize=False,
+                       **GEMMA3),
+    # google/gemma-4-31B config.json (text_config): 30.697B weights (published 30.7B)
+    "gemma4_31b": dict(num_layers=60, num_query_heads=32, num_key_value_heads=16,
+                       num_global_key_value_heads=4, hidden_dim=5376, intermediate_dim=21504, **GEMMA4),
+    # google/gemma-4-26B-A4B config.json (text_config): a dense MLP (2112) and a mixture of 128 experts (704
+    # each, 8 per token) in every layer; 25.233B weights, 3.823B active per token (published 25.2B / 3.8B)
+    "gemma4_26b_a4b": dict(num_layers=30, num_query_heads=16, num_key_value_heads=8,
+                           num_global_key_value_heads=2, hidden_dim=2816, intermediate_dim=2112,
+                           enable_moe_block=True, num_experts=128, expert_intermediate_dim=704,
+                           num_experts_per_token=8, **GEMMA4),
 }
+BACKBONES = {"gemma3_4b": "Gemma3Backbone", "gemma3_12b": "Gemma3Backbone", "gemma3_27b": "Gemma3Backbone",
+             "gemma4_31b": "Gemma4Backbone", "gemma4_26b_a4b": "Gemma4Backbone"}  # the others: GemmaBackbone
 BOS, EOS = 2, 1
 MAX_STEPS = 1000  # the scripts' --max-steps here: only the length of their learning-rate schedules
 
@@ -78,8 +113,8 @@ def import_algo(name):
 # ---------------------------------------------------------------------------
 def build_backbone(name, mesh, dtype, lora_rank=0, seed=0, abstract=False, overrides=None,
                    lora_target_modules=None):
-    """GemmaBackbone at `ARCHS[name]` shapes, created inside the distribution scope: float32
-    weights computing in `dtype`, as common.load_model builds them.
+    """The backbone (BACKBONES, else GemmaBackbone) at `ARCHS[name]` shapes, created inside the distribution
+    scope: float32 weights computing in `dtype`, as common.load_model builds them.
 
     abstract=True: variables are created under a StatelessScope that defers their
     initialisation (nothing is allocated); `abstract_variables` then gives their
@@ -88,7 +123,7 @@ def build_backbone(name, mesh, dtype, lora_rank=0, seed=0, abstract=False, overr
     if name not in ARCHS:
         raise plumbing.UsageError(f"--model {name!r} with random/abstract init: one of {', '.join(ARCHS)}")
     keras.utils.set_random_seed(seed)
-    cls = common.keras_hub.models.GemmaBackbone
+    cls = getattr(common.keras_hub.models, BACKBONES.get(name, "GemmaBackbone"))
     distribution = common.distribution_for(mesh, cls)
     scope = keras.StatelessScope(initialize_variables=False) if abstract else _nullcontext()
     with distribution.scope(), scope:
@@ -145,11 +180,18 @@ def shape_of(tree):
                         jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
 
 
-def run(fn, *args, abstract=False):
-    """fn(*args) under jit; abstract: compile only and return the outputs' shapes and shardings."""
+def run(fn, *args, abstract=False, like=None):
+    """fn(*args) under jit; abstract: compile only and return the outputs' shapes and shardings. like: a
+    tree whose layout the outputs take (DPO's LoRA-off reference: the scripts' eager lora_off keeps each
+    array's layout, where under jit its zeros, made from no input, would come back whole on every device)."""
+    if abstract and like is not None:  # the layout is given: nothing to compile (a whole-model copy may not fit)
+        return jax.tree.map(lambda o, x: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=x.sharding),
+                            jax.eval_shape(fn, *args), like)
+    layout = {} if like is None else {"out_shardings": jax.tree.map(lambda x: x.sharding, like)}
+    jitted = jax.jit(fn, **layout)
     if not abstract:
-        return jax.jit(fn)(*args)
-    compiled = jax.jit(fn).lower(*args).compile()
+        return jitted(*args)
+    compiled = jitted.lower(*args).compile()
     out = jax.eval_shape(fn, *args)
     mesh = next(x.sharding.mesh for x in jax.tree.leaves(args) if isinstance(x.sharding, NamedSharding))
     # Outputs made from no input (optax's step count) come back on one device: replicate them.
@@ -326,7 +368,7 @@ def _preference(module, args, backbone, optimizer, params, frozen, rng, shape, m
     elif reference:
         copy = ((lambda p: module.lora_off(backbone, p)) if args.lora_rank
                 else (lambda p: jax.tree.map(jnp.copy, p)))
-        extra["ref_params"] = run(copy, params, abstract=abstract)
+        extra["ref_params"] = run(copy, params, abstract=abstract, like=params)
         factor, note = 8, "online reference forward (+2N)"
     state = (params, init_opt_state(optimizer, params, mesh, abstract))
     return Bench(args, script_step(module, backbone=backbone, optimizer=optimizer, args=args), state, extra,
@@ -350,7 +392,7 @@ def _kto(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, ab
     else:
         copy = ((lambda p: module.lora_off(backbone, p)) if args.lora_rank
                 else (lambda p: jax.tree.map(jnp.copy, p)))
-        extra["ref_params"] = run(copy, params, abstract=abstract)
+        extra["ref_params"] = run(copy, params, abstract=abstract, like=params)
     state = (params, init_opt_state(optimizer, params, mesh, abstract))
     return Bench(args, script_step(module, backbone=backbone, optimizer=optimizer, args=args), state, extra,
                  put_batch(mesh, host, abstract), 2 * a * b * t, factor, note)

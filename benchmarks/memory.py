@@ -35,7 +35,8 @@ class Args:
     """whose train_step is compiled"""
     # model
     model: str = "gemma_2b"
-    """architecture at published shapes: tiny, gemma_2b or gemma_7b (benchmarks/harness.py ARCHS)"""
+    """architecture at published shapes (benchmarks/harness.py ARCHS): tiny, gemma_2b, gemma_7b, gemma3_4b,
+    gemma3_12b, gemma3_27b, gemma4_31b or gemma4_26b_a4b (Gemma 3 and 4: the text decoder alone)"""
     num_layers: int = 0
     """override the architecture's decoder-block count (0: as published); for quick scaling checks"""
     dtype: Literal["bfloat16", "float32"] = "bfloat16"
@@ -55,23 +56,31 @@ class Args:
     """the layers LoRA adapts, as the scripts' flag: `all-linear`, or layer names; None: query and value"""
     precompute_ref: bool = False
     """DPO, KTO: reference log-probs precomputed (no reference weights, no reference forward)"""
+    state_only: bool = False
+    """report the state per chip alone (weights, Adam moments, frozen weights, reference: the shards of the
+    abstract arrays, exact at any depth) and the float32 gradients beside it, without compiling the step"""
     remat: Literal["on", "off"] = "on"
     """activation checkpointing per decoder block, as the scripts' `--remat on|off` (their `auto` picks off
     when the step without remat fits the device: compare the two here)"""
     # the target
-    target: Literal["tpu_v5e", "tpu_v5p", "cpu"] = "tpu_v5e"
-    """compile for: tpu_v5e (16 GiB chips) or tpu_v5p (95 GiB) with libtpu's ahead-of-time compiler
-    (no TPU needed), or cpu (simulated host devices; the CPU compiler upcasts bf16 matmuls to
-    float32, so bf16 numbers run high)"""
-    device_memory_gib: float = 16.0
-    """chip memory the result is judged against (TPU v5e: 16 GiB)"""
+    target: Literal["tpu_v5e", "tpu_v6e", "tpu_v5p", "cpu"] = "tpu_v5e"
+    """compile for: tpu_v5e (16 GiB chips), tpu_v6e (32 GiB) or tpu_v5p (95 GiB) with libtpu's
+    ahead-of-time compiler (no TPU needed), or cpu (simulated host devices; the CPU compiler upcasts
+    bf16 matmuls to float32, so bf16 numbers run high)"""
+    device_memory_gib: float = 0.0
+    """chip memory the result is judged against; 0: the target's (v5e 16, v6e 32, v5p 95; cpu 16 GiB)"""
 
 
 TPU_TOPOLOGIES = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16", 256: "16x16"}
 V5P_TOPOLOGIES = {1: "1x1x1", 4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4"}
 
 
-TARGETS = {"tpu_v5e": ("v5e", TPU_TOPOLOGIES), "tpu_v5p": ("v5p", V5P_TOPOLOGIES)}
+V6E_TOPOLOGIES = {n: t for n, t in TPU_TOPOLOGIES.items() if n >= 4}  # libtpu: no v6e 1x1 (2x2 chips a host)
+
+
+TARGETS = {"tpu_v5e": ("v5e", TPU_TOPOLOGIES), "tpu_v6e": ("v6e", V6E_TOPOLOGIES),
+           "tpu_v5p": ("v5p", V5P_TOPOLOGIES)}
+CHIP_GIB = {"tpu_v5e": 16.0, "tpu_v6e": 32.0, "tpu_v5p": 95.0, "cpu": 16.0}
 
 
 def tpu_mesh(kind, shape):
@@ -95,7 +104,7 @@ def make_target_mesh(spec, target):
     if target == "cpu":
         return common.make_mesh(spec)
     if target not in TARGETS:
-        raise plumbing.UsageError(f"--target {target!r}: expected tpu_v5e, tpu_v5p or cpu")
+        raise plumbing.UsageError(f"--target {target!r}: expected tpu_v5e, tpu_v6e, tpu_v5p or cpu")
     sizes = {"data": 1, "model": 1}
     for part in (spec or "data=8").split(","):
         name, _, size = part.partition("=")
@@ -125,43 +134,60 @@ def compile_step(args, mesh):
     return compiled, bench, backbone, time.perf_counter() - t
 
 
+def state_of(bench):
+    """Bytes per device of the step's state: what it holds before any activation."""
+    (params, opt_state), frozen = bench.state, bench.extra["frozen"]
+    out = {"trainable_bytes": weight_bytes(params), "optimizer_bytes": weight_bytes(opt_state),
+           "frozen_bytes": weight_bytes(frozen),
+           "reference_bytes": weight_bytes(bench.extra.get("ref_params"))}
+    state = sum(out.values())
+    # float32 gradients of the trainable weights, whole before global-norm clipping
+    return {**out, "state_gib_per_device": state / GIB,
+            "state_and_gradients_gib_per_device": (state + out["trainable_bytes"]) / GIB}
+
+
 def main(args):
     mesh = make_target_mesh(args.mesh, args.target)
     if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
         raise plumbing.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
                                   f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
     harness.script_args(harness.import_algo(args.algo), args)  # unknown algorithms and options fail here
+    run = {"algo": args.algo, "model": args.model, "dtype": args.dtype, "mesh": dict(mesh.shape),
+           "batch_size": args.batch_size, "max_length": args.max_length,
+           "grad_accum_steps": args.grad_accum_steps,
+           "lora_rank": args.lora_rank, "lora_target_modules": args.lora_target_modules,
+           "precompute_ref": args.precompute_ref, "remat": args.remat}
+    if args.state_only:
+        backbone = harness.load_backbone(args, mesh, abstract=True)
+        bench = harness.setup(args, backbone, mesh, abstract=True)
+        print(json.dumps({**run, "reference": bench.note, "params": plumbing.count_params(backbone),
+                          **state_of(bench)}))
+        return
     over = None
     try:
         compiled, bench, backbone, compile_s = compile_step(args, mesh)
     except jax.errors.JaxRuntimeError as e:
-        if "RESOURCE_EXHAUSTED" not in str(e) or args.target != "tpu_v5e":
+        if "RESOURCE_EXHAUSTED" not in str(e) or args.target not in ("tpu_v5e", "tpu_v6e"):
             raise
-        # The v5e compiler refuses programs over its 16 GiB HBM. Its message is the verdict;
-        # the same program compiled for 8 TPU v5p chips (95 GiB each) gives the breakdown.
+        # The v5e / v6e compiler refuses programs over the chip's HBM. Its message is the verdict;
+        # the same program compiled for as many TPU v5p chips (95 GiB each) gives the breakdown.
         over = str(e).split("RESOURCE_EXHAUSTED:")[-1].strip().splitlines()[0]
-        print(f"TPU v5e: {over}; breakdown from a TPU v5p compile of the same step", flush=True)
+        print(f"{args.target}: {over}; breakdown from a TPU v5p compile of the same step", flush=True)
         mesh = tpu_mesh("tpu_v5p", mesh.devices.shape)
         compiled, bench, backbone, compile_s = compile_step(args, mesh)
     m = compiled.memory_analysis()
+    chip_gib = args.device_memory_gib or CHIP_GIB[args.target]
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-    (params, opt_state), frozen = bench.state, bench.extra["frozen"]
     result = {
-        "algo": args.algo, "model": args.model, "dtype": args.dtype, "mesh": dict(mesh.shape),
-        "batch_size": args.batch_size, "max_length": args.max_length, "grad_accum_steps": args.grad_accum_steps,
-        "lora_rank": args.lora_rank, "lora_target_modules": args.lora_target_modules,
-        "precompute_ref": args.precompute_ref, "remat": args.remat,
-        "reference": bench.note, "params": plumbing.count_params(backbone),
+        **run, "reference": bench.note, "params": plumbing.count_params(backbone),
         "peak_bytes_per_device": int(peak), "peak_gib_per_device": peak / GIB,
         "formula": "argument + output + temp - alias",
         "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
         "temp_bytes": m.temp_size_in_bytes, "alias_bytes": m.alias_size_in_bytes,
         "generated_code_bytes": m.generated_code_size_in_bytes,
-        "trainable_bytes": weight_bytes(params), "optimizer_bytes": weight_bytes(opt_state),
-        "frozen_bytes": weight_bytes(frozen), "reference_bytes": weight_bytes(bench.extra.get("ref_params")),
-        "batch_bytes": weight_bytes(bench.batch),
-        "fits": over is None and peak <= args.device_memory_gib * GIB, "tpu_v5e_error": over,
-        "device_memory_gib": args.device_memory_gib,
+        **state_of(bench), "batch_bytes": weight_bytes(bench.batch),
+        "fits": over is None and peak <= chip_gib * GIB, "target": args.target, "target_error": over,
+        "device_memory_gib": chip_gib,
         "compile_s": compile_s, "compiled_for": str(mesh.devices.flat[0].device_kind),
     }
     print(json.dumps(result))
