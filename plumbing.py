@@ -843,7 +843,8 @@ def phase_metrics(updates, ticks, new_tokens):
 def compilation_cache():
     """JAX's persistent compilation cache, so a resumed run, a compare.py seed and a test process reuse the
     programs of an identical earlier one: $JAX_COMPILATION_CACHE_DIR (JAX's own variable; `off` turns it
-    off), else ~/.cache/posttrain-jax. Programs compiled in under 0.5 s are not stored (JAX's default: 1 s).
+    off), else ~/.cache/posttrain-jax. Programs compiled in under 0.5 s are not stored (JAX's default: 1 s),
+    or under $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (JAX's own variable; the tests store every program).
     Returns the directory or None."""
     import jax
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
@@ -852,5 +853,6 @@ def compilation_cache():
         jax.config.update("jax_compilation_cache_dir", None)
         return None
     jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+    min_seconds = float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 0.5))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
     return path

@@ -288,13 +288,16 @@ def test_compare_failed_run_ends_in_runs_failed(tmp_path, monkeypatch, capsys):
 
 def test_compare_end_to_end_tiny_budget(tmp_path):
     """sft 20 steps, then a forked dpo (--extra) 4 steps with a 2-value --sweep and 2 seeds: rows with intervals
-    and costs, the setting picked on the eval split and only it scored on the test split, the image."""
+    and costs, the setting picked on the eval split and only it scored on the test split, the image. The runs
+    skip their own evaluations and the fork trains on batches of 8, by pass-through flags (they override the
+    recipe): 83 -> 62 CPU-s, the comparison's steps unchanged."""
     fork = tmp_path / "mydpo.py"
     fork.write_text(open(os.path.join(ROOT, "dpo.py")).read())
     out = tmp_path / "cmp"
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "compare.py"), "--model", "tiny", "--methods", "sft",
                            "--extra", str(fork), "--sft-steps", "20", "--steps", "4", "--num-prompts", "16",
-                           "--seeds", "2", "--sweep", "mydpo.learning_rate=1e-5,1e-3", "--output-dir", str(out)],
+                           "--seeds", "2", "--sweep", "mydpo.learning_rate=1e-5,1e-3", "--output-dir", str(out),
+                           "--sft-args=--eval-dataset ''", "--extra-args=--eval-dataset '' --batch-size 8"],
                           cwd=ROOT, capture_output=True, text=True, timeout=1200,
                           env=learning_env())  # its evaluation samples 16 prompts × 2 seeds × 3 models
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -313,10 +316,13 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     assert rows[1].startswith(f"| **mydpo (`learning_rate_{kept}`)**")
     for s in (0, 1):
         run = out / "mydpo" / f"learning_rate_{kept}" / f"seed{s}"
-        assert json.loads((run / "args.json").read_text())["learning_rate"] == float(kept)  # the swept flag reached it
+        run_args = json.loads((run / "args.json").read_text())
+        assert run_args["learning_rate"] == float(kept)  # the swept flag reached it
+        assert run_args["batch_size"] == 8 and not run_args["eval_dataset"]  # and the pass-through flags
         result = json.loads((run / "eval_test" / "eval.json").read_text())
         assert result["num_prompts"] == 16 and result["prompts"].endswith("prompts_test.jsonl")
         assert result["seed"] == s and np.isclose(load(run / "eval_test").mean(), result["score"])
+    assert not json.loads((out / "sft" / "args.json").read_text())["eval_dataset"]  # --sft-args reached sft
     other = "1e-5" if kept == "1e-3" else "1e-3"
     assert not (out / "mydpo" / f"learning_rate_{other}" / "seed0" / "eval_test").exists()  # only the kept one
     # the paired difference: mean over seeds and prompts of (mydpo − sft) on the test split

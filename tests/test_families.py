@@ -118,6 +118,8 @@ def causal_lm(family):
         backbone = m.Llama3Backbone(vocabulary_size=len(vocab), **SIZE)  # untied output embedding
         return m.Llama3CausalLM(backbone, m.Llama3CausalLMPreprocessor(tokenizer))
     if family == "qwen3.5":  # a gated delta net layer (2 key heads shared by 4 value heads), then attention
+        from helpers import short_delta_rule_chunks  # this process's Qwen 3.5 delta rule: chunks of 8, not 64
+        short_delta_rule_chunks()
         vocab, merges = byte_bpe(QWEN3_5_SPECIALS)  # (one of each: its chunked delta rule is slow to compile)
         tokenizer = m.Qwen3_5Tokenizer(vocabulary=vocab, merges=merges, unsplittable_tokens=QWEN3_5_SPECIALS)
         backbone = m.Qwen3_5Backbone(vocabulary_size=len(vocab), head_dim=16, **SIZE,
@@ -508,6 +510,8 @@ def run_scripts(preset, out):
     import evaluate
     import grpo
     import sft
+    from helpers import short_delta_rule_chunks
+    short_delta_rule_chunks()  # as in the test process (causal_lm): Qwen 3.5 compiles in under half the time
     prompts = os.path.join(out, "prompts.jsonl")
     with open(prompts, "w") as f:
         f.writelines(json.dumps({"prompt": [{"role": "user", "content": f"Sort: {i} 2 7"}]}) + "\n" for i in range(4))
