@@ -531,8 +531,8 @@ def run_scripts(preset, out):
 # experts and template, Qwen 3.5's recurrent layers and its template. Gemma is `tiny` (every other test);
 # Gemma 2 and Qwen 3 differ from Gemma and Qwen 2.5 only inside KerasHub's layers and the tokenizer's
 # specials, checked above, and Qwen 3.5's run covers Qwen 2.5's byte-level BPE, stand-in BOS and ChatML
-# turns. All passed run_scripts when each was added; each family costs ~25 s of CPU here, Gemma 4 and
-# Qwen 3.5 (its delta rule in 8-token chunks) about 30 s.
+# turns. All passed run_scripts when each was added; each family costs ~25 s of CPU here, Gemma 4 ~50 s
+# (measured under load), Qwen 3.5 ~27 s (its delta rule in 8-token chunks).
 SCRIPT_FAMILIES = ("gemma3", "gemma4", "llama3", "mistral", "qwen3.5")
 
 
