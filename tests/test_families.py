@@ -526,14 +526,15 @@ def run_scripts(preset, out):
 
 
 # The families whose script runs take paths the rest of the suite does not: the Llama-style decoder
-# call, untied output matrices, byte-level BPE, Qwen's stand-in BOS, Mistral's template, Gemma 3's
-# per-layer (K, V) cache and its preprocessor, Gemma 4's per-layer inputs, KV-shared layers, mixture of
-# experts and template, Qwen 3.5's recurrent layers and its template. Gemma is `tiny` (every other test);
-# Gemma 2 and Qwen 3 differ from Gemma and Qwen 2.5 only inside KerasHub's layers and the tokenizer's
-# specials, checked above, and Qwen 3.5's run covers Qwen 2.5's byte-level BPE, stand-in BOS and ChatML
-# turns. All passed run_scripts when each was added; each family costs ~25 s of CPU here, Gemma 4 ~50 s
-# (measured under load), Qwen 3.5 ~27 s (its delta rule in 8-token chunks).
-SCRIPT_FAMILIES = ("gemma3", "gemma4", "llama3", "mistral", "qwen3.5")
+# call and untied output matrices (Mistral), its template with no end-of-turn marker, byte-level BPE and
+# Qwen's stand-in BOS (Qwen 3.5), Gemma 3's per-layer (K, V) cache and its preprocessor, Gemma 4's
+# per-layer inputs, KV-shared layers, mixture of experts and template, Qwen 3.5's recurrent layers and its
+# template. Gemma is `tiny` (every other test); Gemma 2 and Qwen 3 differ from Gemma and Qwen 2.5 only
+# inside KerasHub's layers and the tokenizer's specials, checked above; Qwen 3.5's run covers Qwen 2.5's
+# byte-level BPE, stand-in BOS and ChatML turns, and Mistral's and Qwen 3.5's together Llama 3's paths
+# (its template and word splits are checked above). All passed run_scripts when each was added; each
+# family costs ~25-40 s of CPU here, Gemma 4 up to ~50 s, Qwen 3.5 ~27 s (its delta rule in 8-token chunks).
+SCRIPT_FAMILIES = ("gemma3", "gemma4", "mistral", "qwen3.5")
 
 
 def test_one_step_of_each_script(presets, tmp_path):
