@@ -409,7 +409,8 @@ def check_sampler(name, flag="--model"):
     cls = backbone_class(resolve_model(name))
     if cls.__name__ not in FAMILIES:
         raise UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Gemma 3, Gemma 4, "
-                         f"Llama 3, Mistral, Qwen 2.5, Qwen 3, Qwen 3.5 and Qwen3-MoE backbones, not {cls.__name__}")
+                         "Llama 3, Mistral, Qwen 2.5, Qwen 3, Qwen 3.5 and Qwen3-MoE backbones, not "
+                         f"{cls.__name__}")
 
 
 def load_model(name, mesh, dtype=None, seed=0, lora_rank=0, lora_alpha=None, lora_target_modules=None):
@@ -565,9 +566,9 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index):
             x, new = layer(x, decoder_padding_mask=padding_mask, self_attention_cache=c,
                            self_attention_cache_update_index=index)
         if new is not None and not isinstance(new, tuple):  # not Gemma 3's (K, V), updated in place, Qwen 3.5's
-            # states, nor a KV-shared layer's nothing: only the t new positions [B, 2, t, K, H] go back into c:
-            # XLA then updates it in place, where the
-            # layer's returned cache (a jnp.stack of its K and V) rewrote every entry at every decode step
+            # states, nor a KV-shared layer's nothing: only the t new positions [B, 2, t, K, H] go back into c;
+            # XLA then updates it in place, where the layer's returned cache (a jnp.stack of its K and V)
+            # rewrote every entry at every decode step
             new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
             new = jax.lax.dynamic_update_slice(c, new, (0, 0, index, 0, 0))
         caches.append(new)
