@@ -103,14 +103,20 @@ def main(args):
     bench = harness.setup(args, backbone, mesh)
     n_params = plumbing.count_params(backbone)
     state = bench.state
+    traces = []  # one entry per trace of the step; a timed step that retraces also recompiles
+
+    def traced_step(*a):
+        traces.append(1)
+        return bench.step(*a)
+
     # The state keeps its layout from step to step (as in the scripts): one compilation.
-    step = remat.jit(bench.step, donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), None))
+    step = remat.jit(traced_step, donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), None))
 
     t = time.perf_counter()
     for _ in range(args.warmup):
         state, metrics = step(state, bench.batch, bench.extra)
         jax.block_until_ready((state, metrics))
-    warmup_s = time.perf_counter() - t
+    warmup_s, warm_traces = time.perf_counter() - t, len(traces)
     times = []
     for _ in range(args.steps):
         t = time.perf_counter()
@@ -118,6 +124,7 @@ def main(args):
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t)
     loss = float(jax.device_get(metrics["train/loss"]))
+    retraces = len(traces) - warm_traces  # 0 when the timed steps reuse the warm-up's program
     rollout = ppo_split(bench, state, step, args) if bench.rollout else {}
 
     step_time = statistics.median(times)
@@ -131,6 +138,7 @@ def main(args):
         "remat": str(remat), "tokens_per_step": bench.tokens_per_step, "steps": args.steps,
         "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
         "step_time_min_s": min(times), "step_time_max_s": max(times), "warmup_s": warmup_s,
+        "timed_retraces": retraces,
         "mfu": tokens_per_sec * flops_per_token / peak, "flops_per_token": flops_per_token,
         "flops_convention": f"{bench.flops_factor}N, N={n_params} ({bench.note or 'forward + backward'})",
         "peak_flops": peak, "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),

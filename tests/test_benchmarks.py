@@ -42,7 +42,7 @@ def test_throughput_sft_fields(sft_row):
     assert r["mfu"] == pytest.approx(r["tokens_per_sec"] * r["flops_per_token"] / r["peak_flops"])
     assert r["num_devices"] == 8 and r["device"] == "cpu"
     assert r["final_loss"] == r["final_loss"] and r["final_loss"] > 0  # not NaN
-    assert r["step_time_max_s"] < r["warmup_s"] / 3  # no timed step recompiles (warm-up is 1 step)
+    assert r["timed_retraces"] == 0  # no timed step recompiles (counted: a warm-up from the cache is as fast)
 
 
 def test_throughput_dpo_online_reference_counts_8n(sft_row, capsys):
@@ -51,7 +51,7 @@ def test_throughput_dpo_online_reference_counts_8n(sft_row, capsys):
     assert r["tokens_per_step"] == 2 * 8 * 32  # chosen + rejected
     assert r["flops_per_token"] * 6 == sft_row["flops_per_token"] * 8  # 8N vs 6N
     assert r["tokens_per_sec"] > 0 and 0 < r["mfu"] <= 1
-    assert r["step_time_max_s"] < r["warmup_s"] / 3
+    assert r["timed_retraces"] == 0
 
 
 def test_throughput_bad_algo_exits_2():
