@@ -44,9 +44,9 @@ class Args:
     # what to run
     model: str = "tiny"
     """the base: any --model form (alias, preset, handle, local dir, `tiny`)"""
-    chat_template: Literal["gemma", "llama3", "mistral", "chatml"] | None = None
-    """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
-    Mistral: mistral, Qwen: chatml)"""
+    chat_template: Literal["gemma", "gemma4", "gemma4_large", "llama3", "mistral", "chatml", "qwen3.5"] | None = None
+    """how chats (message lists) are rendered; None: --model's family's (Gemma 1-3: gemma, Gemma 4: gemma4,
+    or gemma4_large at 26B-A4B / 31B, Llama 3: llama3, Mistral: mistral, Qwen 2.5 / 3: chatml, Qwen 3.5: qwen3.5)"""
     methods: str = "sft,dpo,simpo,orpo,kto,ppo,grpo,rloo"
     """comma-separated subset of sft,dpo,simpo,orpo,kto,ppo,grpo,rloo (ppo trains a reward model first, see
     --ppo-reward; grpo and rloo optimise the task score, --reward-fn)"""

@@ -31,9 +31,9 @@ class Args:  # not plumbing.SharedArgs: an evaluation has no training flags
     # models
     model: str = "tiny"
     """the model to evaluate: any --model form (alias, preset, handle, local dir, a run's model/ dir, `tiny`)"""
-    chat_template: Literal["gemma", "llama3", "mistral", "chatml"] | None = None
-    """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
-    Mistral: mistral, Qwen: chatml)"""
+    chat_template: Literal["gemma", "gemma4", "gemma4_large", "llama3", "mistral", "chatml", "qwen3.5"] | None = None
+    """how chats (message lists) are rendered; None: --model's family's (Gemma 1-3: gemma, Gemma 4: gemma4,
+    or gemma4_large at 26B-A4B / 31B, Llama 3: llama3, Mistral: mistral, Qwen 2.5 / 3: chatml, Qwen 3.5: qwen3.5)"""
     baseline: str | None = None
     """model to compare against (win rate, KL); same tokenizer as --model"""
     dtype: Literal["bfloat16", "float32"] | None = None

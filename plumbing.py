@@ -217,9 +217,9 @@ class SharedArgs:
     # model
     model: str = "tiny"
     """alias (gemma_2b, …), KerasHub preset, kaggle:// or hf:// handle, local preset / HF dir, or `tiny`"""
-    chat_template: Literal["gemma", "llama3", "mistral", "chatml"] | None = None
-    """how chats (message lists) are rendered; None: --model's family's (Gemma: gemma, Llama 3: llama3,
-    Mistral: mistral, Qwen: chatml)"""
+    chat_template: Literal["gemma", "gemma4", "gemma4_large", "llama3", "mistral", "chatml", "qwen3.5"] | None = None
+    """how chats (message lists) are rendered; None: --model's family's (Gemma 1-3: gemma, Gemma 4: gemma4,
+    or gemma4_large at 26B-A4B / 31B, Llama 3: llama3, Mistral: mistral, Qwen 2.5 / 3: chatml, Qwen 3.5: qwen3.5)"""
     dtype: Literal["bfloat16", "float32"] | None = None
     """compute dtype; weights and optimizer state stay float32. None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0

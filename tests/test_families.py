@@ -503,6 +503,22 @@ def test_unknown_family_needs_chat_template(presets, tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
+def test_chat_template_flag_offers_every_template():
+    """--chat-template's choices, in every script's flags (the shared ones, evaluate's and compare's), are
+    exactly common.CHAT_TEMPLATES: a template added there can be asked for by name (gemma4 and qwen3.5
+    could not be when added)."""
+    import dataclasses
+    import typing
+    import common
+    import compare
+    import evaluate
+    import plumbing
+    for args in (plumbing.SharedArgs, evaluate.Args, compare.Args):
+        kind = {f.name: f.type for f in dataclasses.fields(args)}["chat_template"]
+        literal = next(t for t in typing.get_args(kind) if typing.get_origin(t) is typing.Literal)
+        assert sorted(typing.get_args(literal)) == sorted(common.CHAT_TEMPLATES), args
+
+
 def run_scripts(preset, out):
     """One step of sft (on chats), dpo and grpo (sampler included, chat prompts) from `preset`, then
     evaluate.py on grpo's model/, each through its main(), in this process; outputs under `out`."""
