@@ -933,7 +933,7 @@ def read_rows(path, flag="--dataset", config=None, split="train"):
         splits = load_splits(path, config, flag)
     split = split or (next(iter(splits)) if len(splits) == 1 else None)
     if split not in splits:
-        which = f"no split {split!r}" if split else "name a split (--eval-split)"
+        which = f"no split {split!r}" if split else f"name a split ({flag_of(flag, 'split')})"
         raise UsageError(f"{flag} {path}: {which}; its splits: {', '.join(splits)}")
     rows = splits[split]
     rows = rows if isinstance(rows, list) else [(r, i) for i, r in enumerate(rows, 1)]
@@ -958,7 +958,7 @@ def load_splits(path, config, flag):
             with contextlib.suppress(hf.errors.HfHubHTTPError):  # a refusal: load_dataset's to explain
                 hf.HfApi().dataset_info(path, timeout=10)
         ds = (datasets.load_from_disk(path) if saved else datasets.load_dataset("parquet", data_files=path)
-              if path.endswith(".parquet") else datasets.load_dataset(path, config))
+              if path.endswith(".parquet") else datasets.load_dataset(path, config, cache_dir=local_cache(hub)))
     except Exception as e:
         if hub and {c.__name__ for c in type(e).__mro__} & NETWORK_ERRORS:
             why = ("HF_HUB_OFFLINE is set and it is not in the cache: unset it" if offline else "the Hugging Face "
@@ -967,8 +967,30 @@ def load_splits(path, config, flag):
         if not isinstance(e, (ValueError, FileNotFoundError)):  # else datasets' words: config, data, dataset
             raise
         text = " ".join(str(e).split("Example of usage")[0].split())  # on one line
-        raise UsageError(f"{flag} {path}: {text}" + " (--dataset-config)" * ("onfig" in text)) from None
+        raise UsageError(f"{flag} {path}: {text}" + f" ({flag_of(flag, 'config')})" * ("onfig" in text)) from None
     return ds if isinstance(ds, dict) else {"train": ds}
+
+
+def local_cache(hub):
+    """None (datasets' cache) for a Hub id; for a local copy of a Hub repo, a fresh cache removed at exit, so it
+    is read afresh: datasets' cache of one is keyed by the folder's name and configs, not its files, and gave
+    stale rows after an edit, or another folder's of that name (their schema too, even re-downloading)."""
+    if hub:
+        return None
+    import atexit
+    import tempfile
+    cache = tempfile.mkdtemp(prefix="datasets_")
+    atexit.register(shutil.rmtree, cache, True)
+    return cache
+
+
+def flag_of(flag, what):
+    """The flag naming the `what` ('config' or 'split') of data flag `flag`: evaluate's --prompts has its own,
+    the training scripts' --dataset and --eval-dataset share --dataset-config, and name an eval split
+    with --eval-split."""
+    if flag == "--prompts":
+        return f"--prompts-{what}"
+    return "--dataset-config" if what == "config" else "--eval-split"
 
 
 # A chat as its models' Hugging Face chat_template (tokenizer_config.json) writes it, the BOS being the

@@ -43,6 +43,10 @@ class Args:  # not plumbing.SharedArgs: an evaluation has no training flags
     # data and scorers
     prompts: str = os.path.join(common.HERE, "data", "prompts_eval.jsonl")
     """held-out prompts (`prompt`: string or message list): .jsonl/.json/.parquet or a HF dataset"""
+    prompts_config: str | None = None
+    """the configuration of a Hub dataset --prompts, e.g. `main` for gsm8k"""
+    prompts_split: str | None = None
+    """the split of --prompts, e.g. `test`; None: its only split (a file is one)"""
     num_prompts: int = 200
     """evaluate the first N prompts (0: all)"""
     reward_fn: tuple[str, ...] = (os.path.join(common.HERE, "data", "toy.py") + ":batch_score",)
@@ -395,7 +399,8 @@ def check_args(args, mesh):
         if args.reward_fn else None
     if args.reward_model:
         common.check_reward_model(args.reward_model)
-    prompts, rows = common.read_prompts(args.prompts, common.chat_template(args.model, args.chat_template), "--prompts")
+    template = common.chat_template(args.model, args.chat_template)
+    prompts, rows = common.read_prompts(args.prompts, template, "--prompts", args.prompts_config, args.prompts_split)
     if reward_fn is not None:
         reward_fn.check_columns(rows, "--prompts")  # before any model loads
     n = args.num_prompts or len(prompts)
@@ -418,7 +423,8 @@ def check_same_tokens(name, model, data, args, what):
     chat template of `name`'s family and tokenized by `model`, must be --model's."""
     template = common.chat_template(name, args.chat_template)
     prompts = data["prompts"] if template == data["template"] else common.read_dataset(
-        args.prompts, "prompt", template, "--prompts")[:len(data["prompts"])]
+        args.prompts, "prompt", template, "--prompts", args.prompts_config, args.prompts_split)
+    prompts = prompts[:len(data["prompts"])]
     queries, _ = tokenize_prompts(prompts, model.preprocessor.tokenizer, args.max_prompt_length)
     if queries.shape != data["queries"].shape or (queries != data["queries"]).any():
         raise common.UsageError(f"{what} {name}: its tokenizer differs from --model's; KL and scores need the same one")
@@ -471,6 +477,7 @@ def main(args):
     outs = evaluate_policy(policy, data, scorer, args, mesh, baseline)
     base_outs = evaluate_policy(baseline, data, scorer, args, mesh) if baseline is not None else None
     metrics = {"model": args.model, "baseline": args.baseline, "prompts": args.prompts,
+               "prompts_config": args.prompts_config, "prompts_split": args.prompts_split,
                "num_prompts": len(data["prompts"]), "seed": args.seed, "temperature": args.temperature,
                "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
                "max_new_tokens": args.max_new_tokens, "reward_fn": list(args.reward_fn),

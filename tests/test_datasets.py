@@ -90,24 +90,50 @@ def test_eval_split_takes_the_eval_set_from_the_same_dataset(prefs, tmp_path):
         assert not os.path.exists(tmp_path / name)
 
 
-def test_a_local_copy_of_a_hub_repo_takes_dataset_config(tmp_path):
-    """A Hub dataset with configurations (gsm8k's `main`/`socratic`), as `git clone` leaves it: the
-    README's `configs:` table, read by datasets' own Hub loader."""
-    repo = tmp_path / "gsm8k"
+def hub_copy(repo, field):
+    """A Hub dataset with configurations (gsm8k's `main`/`socratic`) and splits, as `git clone` leaves it:
+    the README's `configs:` table, read by datasets' own Hub loader; one row each, `field` "config split"."""
     for config in ("main", "socratic"):
         (repo / config).mkdir(parents=True)
         for split in ("train", "test"):
             (repo / config / f"{split}-00000-of-00001.jsonl").write_text(
-                f'{{"question": "{config} {split}", "answer": "4"}}\n')
+                f'{{"{field}": "{config} {split}", "answer": "4"}}\n')
     (repo / "README.md").write_text("---\nconfigs:\n" + "".join(
         f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train-*\n"
         f"  - split: test\n    path: {c}/test-*\n" for c in ("main", "socratic")) + "---\n")
+    return repo
+
+
+def test_a_local_copy_of_a_hub_repo_takes_dataset_config(tmp_path):
+    """datasets' own Hub loader reads the configuration and split asked for, afresh: an edit shows, and so
+    does another folder of the same name (its cache, keyed by name and configs, served stale rows for both);
+    without a configuration, its message names the flag."""
+    repo = hub_copy(tmp_path / "gsm8k", "question")
     assert common.read_rows(str(repo), "--dataset", "socratic", "test") == [({"question": "socratic test",
                                                                               "answer": "4"}, 1)]
+    (repo / "socratic" / "test-00000-of-00001.jsonl").write_text('{"question": "edited", "answer": "5"}\n')
+    assert common.read_rows(str(repo), "--dataset", "socratic", "test") == [({"question": "edited", "answer": "5"}, 1)]
+    other = hub_copy(tmp_path / "other" / "gsm8k", "prompt")
+    assert common.read_rows(str(other), "--dataset", "main", "train") == [({"prompt": "main train", "answer": "4"}, 1)]
     with pytest.raises(common.UsageError) as e:
         common.read_rows(str(repo))
     assert str(e.value) == (f"--dataset {repo}: Config name is missing. Please pick one among the available "
                             "configs: ['main', 'socratic'] (--dataset-config)")
+
+
+def test_evaluate_takes_a_hub_datasets_config_and_split(tmp_path):
+    """evaluate.py's --prompts reads a Hub dataset as --dataset does, with its own --prompts-config and
+    --prompts-split; datasets' messages name those flags."""
+    import evaluate
+    repo = str(hub_copy(tmp_path / "gsm8k", "prompt"))
+    mesh = common.make_mesh(None)
+    args = evaluate.Args(prompts=repo, prompts_config="socratic", prompts_split="test")
+    prompts, rows, _ = evaluate.check_args(args, mesh)
+    assert rows == [{"prompt": "socratic test", "answer": "4"}] and prompts == ["socratic test"]
+    with pytest.raises(common.UsageError, match=r"configs: \['main', 'socratic'\] \(--prompts-config\)$"):
+        evaluate.check_args(evaluate.Args(prompts=repo), mesh)
+    with pytest.raises(common.UsageError, match=r"name a split \(--prompts-split\); its splits: train, test$"):
+        evaluate.check_args(evaluate.Args(prompts=repo, prompts_config="main"), mesh)
 
 
 def test_parquet_reads_through_the_lock(tmp_path):
