@@ -456,12 +456,14 @@ def main(args):
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_ppo_epochs, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        # generate tokens/s counts the tokens sampled up to and with each EOS (all R without one)
+        # generate tokens/s counts the tokens sampled up to and with each EOS (all R without one); tokens/s
+        # and MFU, the real prompt tokens and those, of the step's B·(Qb+R) (charts/padding_fraction)
+        real = int(query_mask[idx].sum() + (lengths + has_eos).sum())
         run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())), **objective,
                  "val/num_eos_tokens": float(has_eos.sum()),
                  "charts/generate_compilations": float(gen_fn._cache_size()),
                  "charts/query_padding_fraction": float(1 - query_mask[idx].sum() / (len(idx) * qb))},
-                tokens=len(idx) * (qb + r), flops=len(idx) * (qb + r) * flops_per_token)
+                tokens=real, padded=len(idx) * (qb + r), flops=real * flops_per_token)
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
             for i, s in enumerate(common.to_host(scores)[:3]):
                 print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} score {s:.3f}")

@@ -94,6 +94,13 @@ def test_end_to_end_weighted_rewards_off_policy_updates(weighted):
     for k in ("reward_std", "kl", "clip_ratio", "completions/mean_length", "charts/tokens_per_sec",
               "entropy", "train/loss", "charts/mfu", "charts/update_time"):
         assert k in rows[-1], k
+    for r in rows:  # tokens/s and MFU count real tokens: the prompts' (from their padding share of B·Qb) and
+        # the completions' through each EOS, of the step's B·(Qb+R), for the query bucket Qb it padded to
+        b, resp = 16, 8
+        completions = b * (r["completions/mean_length"] + 1 - r["completions/clipped_ratio"])
+        qb = [q for q in range(8, 65, 8)
+              if r["charts/tokens"] == pytest.approx(b * q * (1 - r["charts/query_padding_fraction"]) + completions)]
+        assert len(qb) == 1 and r["charts/padding_fraction"] == pytest.approx(1 - r["charts/tokens"] / (b * (qb[0] + resp)))
     assert "sample:" in stdout
     assert (out_dir / "model" / "config.json").exists()
     last = stdout.strip().splitlines()[-1]  # plumbing.Run's summary line
