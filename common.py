@@ -188,12 +188,18 @@ class ShardedParallel(keras.distribution.ModelParallel):
         return keras.distribution.TensorLayout(axes, self.device_mesh)
 
 
+# Backbones without a layout map in keras-hub 0.32 whose weights are named as another's: Gemma 3's and 4's
+# attention and MLP kernels are Gemma's (query/key/value/attention_output, ffw_gating/_2, ffw_linear)
+LAYOUT_OF = {"Gemma3Backbone": "GemmaBackbone", "Gemma4Backbone": "GemmaBackbone"}
+
+
 def distribution_for(mesh, backbone_cls):
     """The Keras distribution that creates each weight directly in its shards."""
     device_mesh = keras.distribution.DeviceMesh(
         tuple(mesh.devices.shape), mesh.axis_names, devices=mesh.devices.flatten())
+    source = getattr(keras_hub.models, LAYOUT_OF.get(backbone_cls.__name__, ""), backbone_cls)
     try:
-        layout_map = backbone_cls.get_layout_map(device_mesh, "model", "data")
+        layout_map = source.get_layout_map(device_mesh, "model", "data")
     except (AttributeError, NotImplementedError, TypeError):
         layout_map = keras.distribution.LayoutMap(device_mesh)
     return ShardedParallel(layout_map=layout_map, batch_dim_name="data")
