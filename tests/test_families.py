@@ -237,9 +237,10 @@ def test_cached_forward_matches_keras_hub(presets, family):
 
 @pytest.mark.parametrize("family", ("gemma3", "gemma4"))
 def test_gemma3_and_4_take_gemmas_layout_map(presets, family):
-    """keras-hub 0.32 has no layout map for Gemma 3 or 4; their kernels are named as Gemma's, so they take
-    its map: on `data=4,model=2` the attention heads and the MLP width split over `model` (a single key/value
-    head stays whole), and the forward equals one device's."""
+    """keras-hub 0.32 has no layout map for Gemma 3 or 4; their kernels are named as Gemma's, so on a mesh
+    with a `model` axis they take its map: on `data=4,model=2` the attention heads and the MLP width split
+    over `model` (a single key/value head stays whole), and the forward equals one device's. On `data` alone
+    the generic rule stays (each kernel's largest dim over `data`: the MLP width, 128)."""
     import common
     import jax
     import numpy as np
@@ -254,6 +255,9 @@ def test_gemma3_and_4_take_gemmas_layout_map(presets, family):
     assert spec["token_embedding/embeddings"] == P("model" if vocab % 2 == 0 else None, "data")
     if family == "gemma4":  # global layers: one key/value head, whole on every `model` shard
         assert spec["decoder_block_2/attention/key/kernel"] == P(None, "data", None)
+    data_only = common.load_model(presets[family], common.make_mesh("data=8"), "float32").backbone
+    assert {v.path: v.value.sharding.spec for v in data_only.weights}["decoder_block_0/ffw_gating/kernel"] == P(
+        None, "data")
     one = common.load_model(presets[family], one_device_mesh(), "float32").backbone
     ids = np.arange(2 * 16, dtype=np.int32).reshape(2, 16) % 300 + 1
     mask = np.ones_like(ids, bool)
