@@ -188,12 +188,21 @@ class ShardedParallel(keras.distribution.ModelParallel):
         return keras.distribution.TensorLayout(axes, self.device_mesh)
 
 
+# Backbones without a layout map in keras-hub 0.32 whose weights are named as another's: Gemma 3's and 4's
+# attention and MLP kernels are Gemma's (query/key/value/attention_output, ffw_gating/_2, ffw_linear). Taken
+# on a mesh with a `model` axis only: on `data` alone the generic rule compiles to half the peak (Gemma 3
+# 12B DPO LoRA, 2 blocks, v5e: 1.66 GiB a chip against 3.74), and with `model=2` the map does (2.48 against 3.73)
+LAYOUT_OF = {"Gemma3Backbone": "GemmaBackbone", "Gemma4Backbone": "GemmaBackbone"}
+
+
 def distribution_for(mesh, backbone_cls):
     """The Keras distribution that creates each weight directly in its shards."""
     device_mesh = keras.distribution.DeviceMesh(
         tuple(mesh.devices.shape), mesh.axis_names, devices=mesh.devices.flatten())
+    other = LAYOUT_OF.get(backbone_cls.__name__) if mesh.shape["model"] > 1 else None
+    source = getattr(keras_hub.models, other) if other else backbone_cls
     try:
-        layout_map = backbone_cls.get_layout_map(device_mesh, "model", "data")
+        layout_map = source.get_layout_map(device_mesh, "model", "data")
     except (AttributeError, NotImplementedError, TypeError):
         layout_map = keras.distribution.LayoutMap(device_mesh)
     return ShardedParallel(layout_map=layout_map, batch_dim_name="data")

@@ -265,13 +265,15 @@ def main_curve(rows):
 def run_cost(run_dir):
     """-> [tokens trained, tokens generated, FLOPs] of one run. Trained tokens and FLOPs are the sums of its
     logged charts/tokens and charts/flops (the script's own count, docs/design.md "FLOPs": 6N a trained token,
-    2N an extra forward, sampling included; NaN when not logged); generated = iterations × batch × response length
-    (args.json; 0 for a script that does not sample)."""
+    2N an extra forward, sampling included; NaN when not logged); generated: the sum of its logged
+    charts/generated_tokens (through each EOS), or for a run from before that was logged, iterations × batch ×
+    response length (args.json: an upper bound); 0 for a script that does not sample."""
     rows = read_metrics(run_dir)
     path = os.path.join(run_dir, "args.json")
     a = json.load(open(path)) if os.path.exists(path) else {}
     total = lambda k: float(sum(r[k] for r in rows if k in r)) if any(k in r for r in rows) else float("nan")
     generated = a["max_steps"] * a["batch_size"] * a["response_length"] if "response_length" in a else 0
+    generated = total("charts/generated_tokens") if any("charts/generated_tokens" in r for r in rows) else generated
     return [total("charts/tokens"), float(generated), total("charts/flops")]
 
 
@@ -521,8 +523,8 @@ T={args.temperature:g} (a seed-s model, and {base_name} against it, sampled with
 - **KL from {base_name}**: mean over prompts of Σ_t [log π(y_t) − log π_{base_name}(y_t)] on the model's own sampled \
 responses (nats per response, float32, prompt and padding masked).
 - **length**: greedy response tokens before EOS. Costs are means over seeds of each run's own logged numbers: \
-**tokens trained** (`charts/tokens`: real, non-padding batch tokens; PPO, GRPO: prompt + response tokens of each rollout \
-batch, once), **tokens generated** (iterations × rollout batch × response length), **FLOPs** (`charts/flops`: \
+**tokens trained** (`charts/tokens`: real, non-padding batch tokens; PPO, GRPO, RLOO: prompt + response tokens of each \
+rollout batch, once), **tokens generated** (`charts/generated_tokens`: sampled, through each EOS), **FLOPs** (`charts/flops`: \
 6N a trained token, 2N an extra forward — reference, value, reward model, sampling; N = weights used in \
 matmuls), **wall time** (the whole script: start-up, compilation, training, saving){ppo_note}; {base_name}'s \
 costs are paid once for every row.

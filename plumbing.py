@@ -829,15 +829,16 @@ def synced(tree):
 
 
 def phase_metrics(updates, ticks, new_tokens):
-    """An RL step's row (ppo, grpo): its updates' metrics averaged on the host (one sync), and the
-    seconds of each phase from ticks [start, generated, scored] to now: generate, score, update."""
+    """An RL step's row (ppo, grpo, rloo): its updates' metrics averaged on the host (one sync), the seconds
+    of each phase from ticks [start, generated, scored] to now: generate, score, update, and the tokens
+    sampled (`new_tokens`: through each EOS; the scripts log it summed over an interval)."""
     import jax
     import numpy as np
     fetched = jax.device_get(updates)
     generate, score, update = np.diff(ticks + [time.perf_counter()])
     return {**{k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]},
             "charts/generate_tokens_per_sec": new_tokens / generate, "charts/generate_time": generate,
-            "charts/score_time": score, "charts/update_time": update}
+            "charts/score_time": score, "charts/update_time": update, "charts/generated_tokens": float(new_tokens)}
 
 
 def compilation_cache():

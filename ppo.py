@@ -432,6 +432,7 @@ def main(args):
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
     for step in run.steps(learning_rate=lambda s: schedule(s * args.num_ppo_epochs * args.num_mini_batches),
+                          summed=("charts/generated_tokens",),
                           show=("objective/scores", "objective/kl")):
         ticks, idx = [time.perf_counter()], order[step * args.batch_size:(step + 1) * args.batch_size]
         # rollout: sample responses to a batch of prompts, cut them after the first EOS

@@ -428,6 +428,7 @@ def main(args):
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
     for step in run.steps(learning_rate=lambda s: schedule(s * args.num_iterations * args.num_mini_batches),
+                          summed=("charts/generated_tokens",),
                           show=("reward", "frac_reward_zero_std")):
         ticks, idx = [time.perf_counter()], np.repeat(order[step * n_prompts:(step + 1) * n_prompts], g)  # [B]
         # rollout: k completions of each of B/k prompts (a group = k consecutive rows), cut after EOS

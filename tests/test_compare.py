@@ -225,7 +225,10 @@ def test_run_cost_from_logged_numbers(tmp_path):
     (rl / "args.json").write_text(json.dumps({"max_steps": 20, "batch_size": 32, "response_length": 16}))
     (plain / "args.json").write_text(json.dumps({"max_steps": 40, "batch_size": 32}))
     (old / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0}) + "\n")
-    assert compare.run_cost(str(rl)) == [5120.0, 20 * 32 * 16, 2.5e9]
+    assert compare.run_cost(str(rl)) == [5120.0, 20 * 32 * 16, 2.5e9]  # logged before generated_tokens: R each
+    sampled = [dict(r, **{"charts/generated_tokens": n}) for r, n in zip(rows[::2], (300.0, 212.0))]
+    (rl / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sampled))
+    assert compare.run_cost(str(rl)) == [5120.0, 512.0, 2.5e9]  # the tokens sampled, through each EOS
     assert compare.run_cost(str(plain)) == [5120.0, 0.0, 2.5e9]  # no sampling: nothing generated
     tokens, generated, flops = compare.run_cost(str(old))  # a script that logs no counts: unknown, not 0
     assert np.isnan(tokens) and np.isnan(flops) and generated == 0

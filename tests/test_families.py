@@ -235,6 +235,39 @@ def test_cached_forward_matches_keras_hub(presets, family):
     assert plumbing.count_params(backbone) == total - lookups
 
 
+@pytest.mark.parametrize("family", ("gemma3", "gemma4"))
+def test_gemma3_and_4_take_gemmas_layout_map(presets, family):
+    """keras-hub 0.32 has no layout map for Gemma 3 or 4; their kernels are named as Gemma's, so on a mesh
+    with a `model` axis they take its map: on `data=4,model=2` the attention heads and the MLP width split
+    over `model` (a single key/value head stays whole), and the forward equals one device's. On `data` alone
+    the generic rule stays (each kernel's largest dim over `data`: the MLP width, 128)."""
+    import common
+    import jax
+    import numpy as np
+    from jax.sharding import PartitionSpec as P
+    sharded = common.load_model(presets[family], common.make_mesh("data=4,model=2"), "float32").backbone
+    spec = {v.path: v.value.sharding.spec for v in sharded.weights}
+    assert spec["decoder_block_0/attention/query/kernel"] == P("model", "data", None)
+    assert spec["decoder_block_0/attention/attention_output/kernel"] == P("model", None, "data")
+    assert spec["decoder_block_0/ffw_gating/kernel"] == P("data", "model")
+    assert spec["decoder_block_0/ffw_linear/kernel"] == P("model", "data")
+    vocab = sharded.token_embedding.embeddings.shape[0]  # Gemma 3's 391 does not divide by `model`: whole
+    assert spec["token_embedding/embeddings"] == P("model" if vocab % 2 == 0 else None, "data")
+    if family == "gemma4":  # global layers: one key/value head, whole on every `model` shard
+        assert spec["decoder_block_2/attention/key/kernel"] == P(None, "data", None)
+    data_only = common.load_model(presets[family], common.make_mesh("data=8"), "float32").backbone
+    assert {v.path: v.value.sharding.spec for v in data_only.weights}["decoder_block_0/ffw_gating/kernel"] == P(
+        None, "data")
+    one = common.load_model(presets[family], one_device_mesh(), "float32").backbone
+    ids = np.arange(2 * 16, dtype=np.int32).reshape(2, 16) % 300 + 1
+    mask = np.ones_like(ids, bool)
+
+    def hidden(backbone):
+        params, frozen = common.split_variables(backbone)
+        return jax.jit(lambda p, f: common.forward(backbone, p, f, ids, mask)[0])(params, frozen)
+    np.testing.assert_allclose(hidden(sharded), hidden(one), atol=1e-4)  # float32 sums in another order
+
+
 @pytest.mark.parametrize("family", ("gemma3", "gemma4", "qwen3.5"))
 def test_sampler_ignores_left_padding(presets, family):
     """grpo.generate (greedy, 6 tokens): a short prompt left-padded beside a long one samples the tokens

@@ -100,6 +100,7 @@ def test_end_to_end_weighted_rewards_off_policy_updates(weighted):
         completions = b * (r["completions/mean_length"] + 1 - r["completions/clipped_ratio"])
         qb = [q for q in range(8, 65, 8)
               if r["charts/tokens"] == pytest.approx(b * q * (1 - r["charts/query_padding_fraction"]) + completions)]
+        assert r["charts/generated_tokens"] == pytest.approx(completions)  # sampled, through each EOS
         padded = b * (qb[0] + resp) if len(qb) == 1 else None
         assert padded and r["charts/padding_fraction"] == pytest.approx(1 - r["charts/tokens"] / padded)
     assert "sample:" in stdout
