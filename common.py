@@ -171,9 +171,10 @@ def make_mesh(spec=None):
 
 
 class ShardedParallel(keras.distribution.ModelParallel):
-    """Keras ModelParallel with docs/design.md's rules ("Mesh"): the backbone's layout map where it names a
-    variable; else a variable of rank >= 2 shards its largest divisible dim over `data` (FSDP). An axis that
-    does not divide its dim is dropped (replicated): e.g. Gemma-2B's single key/value head on `model=2`."""
+    """Keras ModelParallel with docs/design.md's rules ("Mesh"): with a `model` axis, the backbone's layout map
+    where it names a variable; else a variable of rank >= 2 shards its largest divisible dim over `data`
+    (FSDP). An axis that does not divide its dim is dropped (replicated): e.g. Gemma-2B's single key/value
+    head on `model=2`."""
 
     def get_variable_layout(self, variable):
         layout = super().get_variable_layout(variable)
@@ -189,22 +190,22 @@ class ShardedParallel(keras.distribution.ModelParallel):
 
 
 # Backbones without a layout map in keras-hub 0.32 whose weights are named as another's: Gemma 3's and 4's
-# attention and MLP kernels are Gemma's (query/key/value/attention_output, ffw_gating/_2, ffw_linear). Taken
-# on a mesh with a `model` axis only: on `data` alone the generic rule compiles to half the peak (Gemma 3
-# 12B DPO LoRA, 2 blocks, v5e: 1.66 GiB a chip against 3.74), and with `model=2` the map does (2.48 against 3.73)
+# attention and MLP kernels are Gemma's (query/key/value/attention_output, ffw_gating/_2, ffw_linear)
 LAYOUT_OF = {"Gemma3Backbone": "GemmaBackbone", "Gemma4Backbone": "GemmaBackbone"}
 
 
 def distribution_for(mesh, backbone_cls):
-    """The Keras distribution that creates each weight directly in its shards."""
+    """The Keras distribution that creates each weight directly in its shards. The backbone's KerasHub layout
+    map (FSDP over `data`, tensor parallelism over `model`) only with a `model` axis: on `data` alone the
+    generic rule compiles to about half the peak (v5e, DPO, 2 blocks: Gemma-2B 2.65 GiB a chip against 4.35,
+    Llama 3 8B LoRA 1.85 against 3.68; benchmarks/RESULTS.md, "Layout maps on `data` alone")."""
     device_mesh = keras.distribution.DeviceMesh(
         tuple(mesh.devices.shape), mesh.axis_names, devices=mesh.devices.flatten())
-    other = LAYOUT_OF.get(backbone_cls.__name__) if mesh.shape["model"] > 1 else None
-    source = getattr(keras_hub.models, other) if other else backbone_cls
-    try:
-        layout_map = source.get_layout_map(device_mesh, "model", "data")
-    except (AttributeError, NotImplementedError, TypeError):
-        layout_map = keras.distribution.LayoutMap(device_mesh)
+    source = getattr(keras_hub.models, LAYOUT_OF.get(backbone_cls.__name__, ""), backbone_cls)
+    layout_map = keras.distribution.LayoutMap(device_mesh)  # empty: the generic rule for every weight
+    if mesh.shape["model"] > 1:
+        with contextlib.suppress(AttributeError, NotImplementedError, TypeError):  # no map: the generic rule
+            layout_map = source.get_layout_map(device_mesh, "model", "data")
     return ShardedParallel(layout_map=layout_map, batch_dim_name="data")
 
 

@@ -42,6 +42,15 @@ def test_param_layouts(models):
     assert emb.addressable_shards[0].data.shape == (320 // 2, 192 // 4)
 
 
+def test_data_alone_takes_the_generic_rule():
+    """On `data` alone no layout map: each weight's largest dim that 8 divides, over `data` (compiled, about
+    half the peak of Gemma's map there: benchmarks/RESULTS.md)."""
+    model = common.load_model("tiny", common.make_mesh("data=8"), "float32")
+    specs = {v.path: v.value.sharding.spec for v in model.backbone.weights}
+    assert specs["token_embedding/embeddings"] == P("data", None)  # [320, 192]; the map: P("model", "data")
+    assert specs["decoder_block_0/attention/query/kernel"] == P(None, "data", None)  # [4, 192, 48]
+
+
 def test_generic_rule_shards_largest_divisible_dim():
     import keras
     mesh = common.make_mesh("data=4,model=2")
