@@ -943,7 +943,8 @@ def read_rows(path, flag="--dataset", config=None, split="train"):
         splits = load_splits(path, config, flag)
     split = split or (next(iter(splits)) if len(splits) == 1 else None)
     if split not in splits:
-        which = f"no split {split!r}" if split else f"name a split ({flag_of(flag, 'split')})"
+        split_flag = DATA_FLAGS.get(flag, (None, None))[1]
+        which = f"no split {split!r}" if split else "name a split" + f" ({split_flag})" * bool(split_flag)
         raise UsageError(f"{flag} {path}: {which}; its splits: {', '.join(splits)}")
     rows = splits[split]
     rows = rows if isinstance(rows, list) else [(r, i) for i, r in enumerate(rows, 1)]
@@ -977,7 +978,9 @@ def load_splits(path, config, flag):
         if not isinstance(e, (ValueError, FileNotFoundError)):  # else datasets' words: config, data, dataset
             raise
         text = " ".join(str(e).split("Example of usage")[0].split())  # on one line
-        raise UsageError(f"{flag} {path}: {text}" + f" ({flag_of(flag, 'config')})" * ("onfig" in text)) from None
+        config_flag = DATA_FLAGS.get(flag, (None, None))[0]
+        hint = f" ({config_flag})" if config_flag and "onfig" in text else ""
+        raise UsageError(f"{flag} {path}: {text}{hint}") from None
     return ds if isinstance(ds, dict) else {"train": ds}
 
 
@@ -994,13 +997,11 @@ def local_cache(hub):
     return cache
 
 
-def flag_of(flag, what):
-    """The flag naming the `what` ('config' or 'split') of data flag `flag`: evaluate's --prompts has its own,
-    the training scripts' --dataset and --eval-dataset share --dataset-config, and name an eval split
-    with --eval-split."""
-    if flag == "--prompts":
-        return f"--prompts-{what}"
-    return "--dataset-config" if what == "config" else "--eval-split"
+# The flags that name a data flag's configuration and split, for datasets' messages (compare.py's prompt
+# flags have none: its prompts are files or folders)
+DATA_FLAGS = {"--dataset": ("--dataset-config", "--dataset-split"),
+              "--eval-dataset": ("--dataset-config", "--eval-split"),
+              "--prompts": ("--prompts-config", "--prompts-split")}
 
 
 # A chat as its models' Hugging Face chat_template (tokenizer_config.json) writes it, the BOS being the

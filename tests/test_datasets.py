@@ -134,6 +134,8 @@ def test_evaluate_takes_a_hub_datasets_config_and_split(tmp_path):
         evaluate.check_args(evaluate.Args(prompts=repo), mesh)
     with pytest.raises(common.UsageError, match=r"name a split \(--prompts-split\); its splits: train, test$"):
         evaluate.check_args(evaluate.Args(prompts=repo, prompts_config="main"), mesh)
+    with pytest.raises(common.UsageError, match=r"configs: \['main', 'socratic'\]$"):  # compare.py: no such flag
+        common.read_rows(repo, "--eval-prompts")
 
 
 def test_parquet_reads_through_the_lock(tmp_path):
