@@ -845,7 +845,7 @@ def compilation_cache():
     """JAX's persistent compilation cache, so a resumed run, a compare.py seed and a test process reuse the
     programs of an identical earlier one: $JAX_COMPILATION_CACHE_DIR (JAX's own variable; `off` turns it
     off), else ~/.cache/posttrain-jax. Programs compiled in under 0.5 s are not stored (JAX's default: 1 s),
-    or under $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (JAX's own variable; the tests store every program).
+    or under $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (JAX's own variable).
     Returns the directory or None."""
     import jax
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(

@@ -4,8 +4,10 @@ repository root are put on sys.path (for `from helpers import ...` and the scrip
 model that PPO and GRPO tests score with is trained once per test run, whichever worker asks first.
 Test processes, and the scripts they start, share JAX's persistent compilation cache
 (plumbing.compilation_cache: the user's, unless JAX_COMPILATION_CACHE_DIR says otherwise), so an
-identical program compiles once per machine: every program, the quick ones too (a script's start-up
-compiles ~85 small ones, ~2 s of CPU, which later processes then load: ~5% of the suite's CPU time)."""
+identical program compiles once per machine. Quick programs (under 0.5 s) are not stored: JAX writes a
+cache file in place, unlocked, and with every small program stored (~5% of the suite's CPU time saved)
+a worker once aborted inside XLA running an eager op's program: most likely it read a file the other
+worker was still writing (not reproduced: the test passes alone)."""
 
 import os
 import subprocess
@@ -24,7 +26,6 @@ from helpers import FAST_COMPILE, learning_env  # noqa: E402  (no JAX: XLA_FLAGS
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
                                     FAST_COMPILE]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
-os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")  # store every program (above)
 import plumbing  # noqa: E402  (light: no JAX until called)
 
 plumbing.compilation_cache()  # this process's in-process compilations; subprocesses: plumbing.launch
