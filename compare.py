@@ -272,8 +272,8 @@ def run_cost(run_dir):
     path = os.path.join(run_dir, "args.json")
     a = json.load(open(path)) if os.path.exists(path) else {}
     total = lambda k: float(sum(r[k] for r in rows if k in r)) if any(k in r for r in rows) else float("nan")
-    generated = a["max_steps"] * a["batch_size"] * a["response_length"] if "response_length" in a else 0
-    generated = total("charts/generated_tokens") if any("charts/generated_tokens" in r for r in rows) else generated
+    generated = (total("charts/generated_tokens") if any("charts/generated_tokens" in r for r in rows)
+                 else a["max_steps"] * a["batch_size"] * a["response_length"] if "response_length" in a else 0)
     return [total("charts/tokens"), float(generated), total("charts/flops")]
 
 

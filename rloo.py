@@ -463,7 +463,7 @@ def main(args):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
         # generate tokens/s counts the tokens sampled up to and with each EOS (all R without one); tokens/s
-        # and MFU, the real prompt tokens and those, of the step's B·(Qb+R) (charts/padding_fraction)
+        # and MFU count real tokens: those and each prompt's, of B·(Qb+R) padded (charts/padding_fraction)
         real = int(query_mask[idx].sum() + (lengths + has_eos).sum())
         run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())),
                  **reward_metrics(rewards, parts, lengths, has_eos), **kl_log,
