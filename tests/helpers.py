@@ -77,14 +77,14 @@ def without_timing(rows):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
-def assert_same_rows(a, b, rel=1e-5):
-    """Same steps, same keys, same values (timing metrics left out)."""
+def assert_same_rows(a, b, rel=1e-5, abs=1e-7):
+    """Same steps, same keys, same values to `rel` or `abs` (timing metrics left out)."""
     a, b = without_timing(a), without_timing(b)
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         assert ra.keys() == rb.keys()
         for k in ra:
-            assert rb[k] == pytest.approx(ra[k], rel=rel, abs=1e-7), (ra["step"], k)
+            assert rb[k] == pytest.approx(ra[k], rel=rel, abs=abs), (ra["step"], k)
 
 
 def wait_for(path, proc, timeout=300):
