@@ -11,8 +11,8 @@
   3. Files       read_rows (.jsonl/.json/.parquet, saved folders, Hub ids), TRL's row formats -> text and chat
                  rendering: CHAT_TEMPLATES / chat_template / render, sft_segments, preference_triple,
                  unpaired_example, prompt_text; read_dataset, eval_source (--eval-split), read_prompts
-  4. Batch order length_batch (padded to a length bucket, optionally grouped by length; a pure function of the
-                 step: resume is exact), bucket_length, per_example
+  4. Data order  the batch order: length_batch (padded to a length bucket, optionally grouped by length; a
+                 pure function of the step: resume is exact), bucket_length, per_example
 The middle of the chain interop <- common <- plumbing, the algorithm-facing layer: the outside world (model
 hubs, Hub datasets, keras-hub's BPE fix) it reads through interop.py; the run shell plumbing.py (flags, Run,
 exits, remat, FLOP accounting) is built on it, and no algorithm needs it read. Mesh axes are ("data", "model")

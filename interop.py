@@ -1,4 +1,4 @@
-"""The outside world: the Hugging Face Hub and Kaggle, their files and formats, and the fixes to upstream.
+"""The outside world: the Hugging Face Hub and Kaggle, their files and formats, and fixes to upstream.
   1. Base         HERE, TINY_TOKENIZER (the bundled `tiny` vocabulary), UsageError (bad input: one line,
                   exit 2; every module raises it), before_keras (the JAX backend, the CPU without an
                   accelerator, no TensorFlow)
@@ -9,11 +9,11 @@
   4. Datasets     load_splits (a Hub id, a local copy of a Hub repo, a saved folder, a .parquet), DATA_FLAGS
   5. --export-hf  check_export_hf (refused at start-up), hf_tokenizer (tokenizer.json), export_hf
                   (model.safetensors, config.json, tokenizer files), HF_CHAT_TEMPLATES (Jinja)
-The bottom of the chain interop <- common <- plumbing: it needs nothing of the project's, so what every module
-raises (UsageError) lives here. common.py (what an algorithm calls) reads models and datasets through it;
-plumbing.py (the run shell) calls its --export-hf at the start and the end of a run. No algorithm file,
-evaluate.py or compare.py imports it. Only the standard library loads with it: keras, keras-hub, tokenizers,
-datasets and the hubs' clients are imported inside the functions that use them."""
+The bottom of the chain interop <- common <- plumbing: it needs nothing of the project's, so what every
+module raises (UsageError) lives here. common.py (what an algorithm calls) reads models and datasets
+through it; plumbing.py (the run shell) calls its --export-hf at the start and the end of a run. No
+algorithm file, evaluate.py or compare.py imports it. Only the standard library loads with it: keras,
+keras-hub, tokenizers, datasets and the hubs' clients are imported inside the functions that use them."""
 
 import contextlib
 import functools
@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 
+# --- 1. Base: the repository's place, `tiny`'s vocabulary, bad input, the start-up before keras ---
 HERE = os.path.dirname(os.path.abspath(__file__))
 TINY_TOKENIZER = os.path.join(HERE, "data", "tiny_tokenizer.model")  # `tiny`'s SentencePiece vocabulary
 
