@@ -1,86 +1,45 @@
-"""What an algorithm touches: the mesh, the models, the data files and the batches.
+"""What an algorithm file calls, and the model machinery behind it.
   1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global, to_host,
                  init_optimizer (optimizer state laid out like the params), lr_schedule (transformers')
-  2. Models      MODEL_ALIASES, FAMILIES; resolve_model, hub_errors / hub_error (a hub failure in one line),
-                 load_model (created sharded; text_causal_lm: text only, multimodal checkpoints too;
-                 enable_lora: PEFT's LoRA), check_sampler; forward (stateless, with the losses its layers add: a
-                 mixture of experts' router loss); per family: logits, empty_cache, cached_forward (KV-cached or
-                 recurrent states, left padding); split_variables, save_model, export_hf; reward models; reward
-                 functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a reward model or weighted
-                 reward functions, one call)
-  3. Files       read_rows (.jsonl/.json/.parquet, saved folders, Hub ids: load_splits), CHAT_TEMPLATES /
-                 chat_template / render, TRL's formats -> text (sft_segments, preference_triple, unpaired_example,
-                 prompt_text), read_dataset, eval_source (--eval-split), read_prompts
-  4. Data order  length_batch (padded to a length bucket, optionally grouped by length; a pure function of the
-                 step: resume is exact), bucket_length, per_example
-The run shell (flags, Run, exits, remat, FLOP accounting) is plumbing.py: no algorithm needs it read.
-Mesh axes are ("data", "model") everywhere: batch over `data`, parameters over both (docs/design.md).
-Importing this module sets KERAS_BACKEND=jax (and JAX_PLATFORMS=cpu where no accelerator is present)
-before keras loads, keeps TensorFlow out of the process, and makes keras-hub's byte-level BPE tokenizers
-split words as their models' own tokenizers do (BPE_SPLITS); it prints nothing."""
+  2. Models      MODEL_ALIASES, FAMILIES; resolve_model, load_model (created sharded; text_causal_lm: text
+                 only, multimodal checkpoints too; enable_lora: PEFT's LoRA), check_sampler; forward
+                 (stateless, with the losses its layers add: a mixture of experts' router loss); per family:
+                 logits, empty_cache, cached_forward (KV-cached or recurrent states, left padding);
+                 split_variables, save_model, host_model (what --export-hf converts); reward models; reward
+                 scoring: reward functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a reward
+                 model or weighted reward functions, one call)
+  3. Files       read_rows (.jsonl/.json/.parquet, saved folders, Hub ids), TRL's row formats -> text and chat
+                 rendering: CHAT_TEMPLATES / chat_template / render, sft_segments, preference_triple,
+                 unpaired_example, prompt_text; read_dataset, eval_source (--eval-split), read_prompts
+  4. Data order  the batch order: length_batch (padded to a length bucket, optionally grouped by length; a
+                 pure function of the step: resume is exact), bucket_length, per_example
+The middle of the chain interop <- common <- plumbing, the algorithm-facing layer: the outside world (model
+hubs, Hub datasets, keras-hub's BPE fix) it reads through interop.py; the run shell plumbing.py (flags, Run,
+exits, remat, FLOP accounting) is built on it, and no algorithm needs it read. Mesh axes are ("data", "model")
+everywhere: batch over `data`, parameters over both (docs/design.md). Importing this module sets
+KERAS_BACKEND=jax (and JAX_PLATFORMS=cpu where no accelerator is present) before keras loads, keeps TensorFlow
+out of the process, and corrects keras-hub's byte-level BPE word splits; it prints nothing."""
 
 import collections
 import contextlib
 import functools
-import glob
 import json
 import math
 import os
-import shutil
-import sys
 
-from plumbing import HERE, UsageError  # the run shell's: bad input is a UsageError (exit 2)
+import interop  # the outside world: model hubs, Hub datasets, --export-hf, upstream fixes (no JAX)
+from interop import HERE, TINY_TOKENIZER, UsageError  # noqa: F401  (bad input: a UsageError, exit 2)
 
-os.environ.setdefault("KERAS_BACKEND", "jax")
-if not (os.environ.get("JAX_PLATFORMS") or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
-        or os.path.exists("/dev/nvidia0")):
-    os.environ["JAX_PLATFORMS"] = "cpu"  # no accelerator: skip libtpu's noisy TPU probe
-# keras-hub imports TensorFlow when it is installed (keras-hub 0.32 requires tensorflow-text), though
-# only its tf.data tokenizer layers use it; without it they fall back to the `sentencepiece` and
-# `tokenizers` packages, which give the same ids. Kept out, it costs nothing: start-up (every run,
-# every test subprocess) takes 2.8 s instead of 5.1 s here.
-for _name in ("tensorflow", "tensorflow_text"):
-    sys.modules.setdefault(_name, None)  # `import tensorflow` now raises ImportError
-
+interop.before_keras()  # KERAS_BACKEND=jax, JAX_PLATFORMS=cpu without an accelerator, no TensorFlow
 import jax  # noqa: E402
 import keras  # noqa: E402
 import keras_hub  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-from keras_hub.src.tokenizers import byte_pair_tokenizer as _bpe  # noqa: E402
 
-# Each byte-level BPE family's word-splitting regex, as its own tokenizer.json writes it (meta-llama/Meta-Llama-3-8B:
-# digits in threes; Qwen/Qwen2.5-7B and Qwen3: one digit a piece; Qwen 3.5 adds marks \p{M} to words; openai gpt2)
-_QWEN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
-BPE_SPLITS = {
-    "Llama3Tokenizer": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                       r"\s*[\r\n]+|\s+(?!\S)|\s+",
-    **dict.fromkeys(["QwenTokenizer", "Qwen3Tokenizer", "QwenMoeTokenizer", "Qwen3MoeTokenizer"], _QWEN),
-    **dict.fromkeys(["Qwen3_5Tokenizer", "Qwen3_5MoeTokenizer"], r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?"
-                    r"[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
-    "GPT2Tokenizer": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"}
+interop.fix_bpe_splits()  # keras-hub's byte-level BPE splits words as its models' tokenizers do
 
-
-def _split_words(set_vocabulary):
-    """keras-hub 0.32's byte-level BPE without TensorFlow (Llama 3, Qwen, GPT-2) hands its split pattern to
-    pre_tokenizers.Split as a str, which `tokenizers` matches as literal text: nothing is split into words, so
-    BPE merges across words and digits and the ids are not the model's. Split by the family's regex instead."""
-    import tokenizers
-
-    def set_vocabulary_and_merges(self, vocabulary, merges):
-        set_vocabulary(self, vocabulary, merges)
-        pattern = tokenizers.Regex(BPE_SPLITS.get(type(self).__name__, _bpe.SPLIT_PATTERN_TOKENIZERS))
-        self._tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
-            tokenizers.pre_tokenizers.Split(pattern, "isolated"),
-            tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=self.add_prefix_space, use_regex=False)])
-    return set_vocabulary_and_merges
-
-
-_bpe.BytePairTokenizer._set_vocabulary_and_merges_tokenizers = _split_words(
-    _bpe.BytePairTokenizer._set_vocabulary_and_merges_tokenizers)
-
-TINY_TOKENIZER = os.path.join(HERE, "data", "tiny_tokenizer.model")
 
 # Short names -> KerasHub presets (all: keras_hub.models.CausalLM.presets); tests/test_families.py checks each.
 MODEL_ALIASES = {
@@ -305,113 +264,11 @@ def backbone_class(preset):
     if preset == "tiny":
         return keras_hub.models.GemmaBackbone
     from keras_hub.src.utils.preset_utils import get_preset_loader
-    with hub_errors(preset):
-        _fetch_config(preset)  # a hub failure stops here, in one line; it is not a fallback
+    interop.model_config(preset)  # a hub failure stops here, in one line; it is not a fallback
     try:
         return get_preset_loader(preset).check_backbone_class()
     except Exception:  # an unknown architecture falls back to the generic sharding rule
         return keras_hub.models.Backbone
-
-
-def _fetch_config(preset):
-    """Fetch the preset's config.json, raising the hub's own error (KerasHub's loader turns a missing,
-    gated or unreachable model into one generic 'has no config.json')."""
-    from keras_hub.src.utils.preset_utils import get_file
-    if preset.startswith("hf://"):
-        import huggingface_hub as hf
-        from huggingface_hub import constants
-        repo = preset.removeprefix("hf://")
-        if hf.try_to_load_from_cache(repo, "config.json") is None and not constants.HF_HUB_OFFLINE:
-            # one HEAD request, no retries: when nothing is cached, hf_hub_download retries network
-            # errors with backoff (23 s here) before failing
-            hf.get_hf_file_metadata(hf.hf_hub_url(repo, "config.json"))
-    get_file(preset, "config.json")
-
-
-@contextlib.contextmanager
-def hub_errors(preset):
-    """A model-hub failure inside (Kaggle, Hugging Face, no network) -> UsageError: one line, exit 2."""
-    try:
-        yield
-    except Exception as e:
-        message = hub_error(preset, e)
-        if message is None:
-            raise
-        raise UsageError(message) from None
-
-
-NETWORK_ERRORS = {"ConnectionError", "ConnectError", "NetworkError", "TimeoutException", "Timeout", "gaierror",
-                  "LocalEntryNotFoundError"}  # no network, or HF_HUB_OFFLINE and not in the cache
-
-
-def hub_error(preset, error):
-    """What to do about `error`, raised while fetching `preset` from a hub, in one line; None when it is no
-    hub failure. Reads the whole exception chain: KerasHub re-raises the hubs' errors."""
-    scheme = preset.split("://")[0] if "://" in preset else "kaggle"  # a preset name: its files are on Kaggle
-    if preset == "tiny" or os.path.isdir(preset) or scheme not in ("hf", "kaggle"):
-        return None  # not fetched, or another hub (modelscope://…) with its own messages
-    chain, e = [], error
-    while e is not None and e not in chain:
-        chain.append(e)
-        e = e.__cause__ or e.__context__
-    kinds = {c.__name__ for x in chain for c in type(x).__mro__}
-    text = " ".join(str(x) for x in chain)
-    statuses = (getattr(getattr(x, "response", None), "status_code", None) for x in chain)
-    status = next((s for s in statuses if isinstance(s, int)), None)  # HTTP errors carry their response
-    offline = bool(kinds & NETWORK_ERRORS)
-    explain = _hf_error if preset.startswith("hf://") else _kaggle_error
-    message = explain(preset, kinds, text, status, offline)
-    return message and (f"--model {preset}: {message}; or pass a local directory (a KerasHub preset or a "
-                        "Hugging Face checkpoint), or --model tiny")
-
-
-def _hf_error(preset, kinds, text, status, offline):
-    repo = preset.removeprefix("hf://")
-    page, token = f"https://huggingface.co/{repo}", "set HF_TOKEN or run `hf auth login`"
-    if "GatedRepoError" in kinds:
-        return f"the repo is gated: accept its licence at {page}, then {token}"
-    if "RepositoryNotFoundError" in kinds:
-        return f"no Hugging Face repo {repo!r} is visible: check the repo id at {page} (for a private repo, {token})"
-    if "HFValidationError" in kinds or "Unexpected Hugging Face preset" in text:
-        return "not a Hugging Face repo id; expected hf://{org}/{model}"
-    if "EntryNotFoundError" in kinds and not offline:
-        return f"the repo has no config.json at {page}: not a checkpoint KerasHub loads"
-    if offline:
-        from huggingface_hub import constants
-        why, fix = (("HF_HUB_OFFLINE is set", "unset it") if constants.HF_HUB_OFFLINE else
-                    ("cannot reach the Hugging Face Hub (no network?)", "connect"))
-        return f"{why} and the model is not in the local cache: {fix}, then {token} if the repo is gated"
-    return status and f"the Hugging Face Hub answered HTTP {status} for {page}"
-
-
-def _kaggle_error(preset, kinds, text, status, offline):
-    """A KerasHub preset name's files live on Kaggle too."""
-    from keras_hub.src.utils.preset_utils import BUILTIN_PRESETS
-    handle = BUILTIN_PRESETS.get(preset, {}).get("kaggle_handle", preset).removeprefix("kaggle://")
-    page = "https://www.kaggle.com/models/" + "/".join(handle.split("/")[:2])
-    try:
-        import kagglehub.config
-        user = kagglehub.config.get_kaggle_credentials()
-    except ValueError as e:  # a malformed ~/.kaggle/kaggle.json
-        return f"{e}: fix it, or set KAGGLE_USERNAME and KAGGLE_KEY"
-    creds = (f"set Kaggle credentials (KAGGLE_USERNAME and KAGGLE_KEY, or ~/.kaggle/kaggle.json) for an account "
-             f"that has accepted the model's licence at {page}")
-    if status in (401, 403) or "is not accessible in preset directory" in text or kinds & {
-            "CredentialError", "UnauthenticatedError"}:
-        if user is None:
-            return f"Kaggle refused kaggle://{handle} without credentials: {creds}"
-        who = f"the Kaggle account {user.username!r}" if user.username else "your Kaggle account"
-        return (f"Kaggle refused kaggle://{handle} to {who}: accept the model's licence at {page} with that "
-                "account, and check that its KAGGLE_KEY is current")
-    if status == 404 or "doesn't exist in preset directory" in text:
-        return (f"Kaggle has no model kaggle://{handle}: check the handle "
-                f"(kaggle://{{org}}/{{model}}/keras/{{variant}}[/{{version}}], see {page})")
-    if "Unexpected Kaggle preset" in text:
-        return "not a Kaggle model handle; expected kaggle://{org}/{model}/keras/{variant}[/{version}]"
-    if offline:
-        return f"cannot reach Kaggle (no network?) to download kaggle://{handle}: connect" + (
-            f" and {creds}" if user is None else "")
-    return status and f"Kaggle answered HTTP {status} for kaggle://{handle}"
 
 
 def check_sampler(name, flag="--model"):
@@ -427,7 +284,7 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0, lora_alpha=None, lor
     """--model -> its KerasHub CausalLM (backbone + preprocessor), every weight created sharded and float32
     whatever the checkpoint holds (`dtype`: the compute dtype); lora_rank > 0: only LoRA weights train."""
     preset = resolve_model(name)
-    with hub_errors(preset), distribution_for(mesh, backbone_class(preset)).scope():
+    with interop.hub_errors(preset), distribution_for(mesh, backbone_class(preset)).scope():
         if preset == "tiny":
             model = tiny_causal_lm(seed, dtype)
         else:
@@ -444,8 +301,8 @@ def text_causal_lm(preset, dtype=None):
     decoder alone, the encoders left out (their weights stay in the file), so the model/ saved from it is
     text-only. Gemma 3's and 4's preprocessors need TensorFlow (their tf.data code, text too): each becomes
     KerasHub's generic one, the same [BOS] + text ids."""
-    from keras_hub.src.utils.preset_utils import find_subclass, load_json
-    config, cls = load_json(preset, "config.json"), backbone_class(preset)
+    from keras_hub.src.utils.preset_utils import find_subclass
+    config, cls = interop.model_config(preset), backbone_class(preset)
     encoders = {k: None for k in ("vision_encoder", "audio_encoder")
                 if config.get("config", {}).get(k) or k.replace("encoder", "config") in config}
     needs_tf = cls.__name__ in ("Gemma3Backbone", "Gemma4Backbone")
@@ -620,114 +477,13 @@ def save_model(model, params, path):
     model.save_to_preset(path)
 
 
-# `architectures` where keras-hub 0.32's exporter leaves it out of config.json (transformers and KerasHub read
-# it) or names a class without the output layer (Gemma 4: Gemma4TextModel)
-HF_ARCHITECTURES = {"GemmaBackbone": "GemmaForCausalLM", "QwenBackbone": "Qwen2ForCausalLM",
-                    "GPT2Backbone": "GPT2LMHeadModel", "Gemma4Backbone": "Gemma4ForCausalLM"}
-
-
-def check_export_hf(name):
-    """--export-hf: refuse (at start-up) a family keras-hub cannot write as a transformers checkpoint."""
-    from keras_hub.src.utils.preset_utils import load_json
-    from keras_hub.src.utils.transformers.export.hf_exporter import MODEL_EXPORTERS
-    preset = resolve_model(name)
-    family = backbone_class(preset).__name__
-    if family == "GemmaBackbone" and preset != "tiny":  # Gemma 2 is a GemmaBackbone too, which the
-        config = load_json(preset, "config.json")  # Gemma exporter would write as Gemma 1 (no post-norms)
-        if config.get("model_type") == "gemma2" or any(config.get("config", {}).get(k) for k in (
-                "use_post_ffw_norm", "use_post_attention_norm", "final_logit_soft_cap", "attention_logit_soft_cap")):
-            family = "Gemma 2 (GemmaBackbone with post-norms and soft-caps)"
-        elif config.get("config", config).get("num_key_value_heads", 1) > 1:  # it writes key/value head 0 only
-            family = "a Gemma with several key/value heads (Gemma 7B)"
-    if family not in MODEL_EXPORTERS:
-        raise UsageError(f"--export-hf: keras-hub {keras_hub.__version__} cannot write {family} as a Hugging Face "
-                         f"checkpoint (--model {name}); it can write {', '.join(sorted(MODEL_EXPORTERS))}")
-
-
-def hf_tokenizer(tokenizer):
-    """The project's tokenizer as a `tokenizers` Tokenizer (tokenizer.json), giving its ids. KerasHub's
-    byte-level BPE (Llama 3, Qwen, GPT-2) runs one already; a SentencePiece BPE (Gemma, Mistral, `tiny`) is
-    rebuilt from its pieces and its own normalizer spec, which transformers' Gemma class replaces by Gemma's
-    (no NFKC, no dummy prefix, spaces kept): `tiny`, with SentencePiece's defaults, got "Sort" as "So", "rt"."""
-    import re
-    from sentencepiece import sentencepiece_model_pb2
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models
-    from tokenizers import normalizers as norm, pre_tokenizers as pre
-    if getattr(tokenizer, "_tokenizer", None) is not None:  # keras-hub 0.32's BytePairTokenizer, no TensorFlow
-        return Tokenizer.from_str(tokenizer._tokenizer.to_str())
-    proto = sentencepiece_model_pb2.ModelProto.FromString(tokenizer.proto)
-    spec, trainer, pieces = proto.normalizer_spec, proto.trainer_spec, list(proto.pieces)
-    if trainer.model_type != trainer.BPE:
-        raise ValueError(f"{type(tokenizer).__name__}: SentencePiece model type {trainer.model_type}, not BPE")
-    # SentencePiece's BPE merges the adjacent pair making the highest-scoring piece: one merge per split of a
-    # piece, ranked by its score, then id. Types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte.
-    normal = {p.piece: (-p.score, i) for i, p in enumerate(pieces) if p.type == 1}
-    merges = sorted((normal[p], p[:k], p[k:]) for p in normal for k in range(1, len(p))
-                    if p[:k] in normal and p[k:] in normal)
-    hf = Tokenizer(models.BPE({p.piece: i for i, p in enumerate(pieces)}, [m[1:] for m in merges],
-                              unk_token=trainer.unk_piece, fuse_unk=True, byte_fallback=trainer.byte_fallback,
-                              ignore_merges=True))  # a user-defined piece, which no merge makes, taken whole
-    steps = [norm.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []  # e.g. NFKC
-    if spec.remove_extra_whitespaces:  # spaces only (after the charsmap, which makes "\n" one in nmt_nfkc)
-        steps += [norm.Replace(Regex(r"\A +| +\z"), ""), norm.Replace(Regex(" {2,}"), " ")]
-    steps.append(norm.Replace(" ", "▁"))
-    if spec.add_dummy_prefix:  # "▁" before the text even where it starts with one (Metaspace would skip it)
-        steps.append(norm.Replace(Regex(r"\A▁"), "▁▁"))
-    hf.normalizer = norm.Sequence(steps)
-    user = sorted((p.piece for p in pieces if p.type == 4), key=len, reverse=True)  # matched whole, anywhere
-    split = [pre.Split(Regex("|".join(map(re.escape, user))), "isolated")] if user else []
-    # the dummy prefix after an added token too (a template's "<bos>"): the scripts tokenize text apart from it
-    prefix = [pre.Metaspace("▁", "always", split=False)] if spec.add_dummy_prefix else []
-    hf.pre_tokenizer = pre.Sequence(prefix + split)
-    strip = [decoders.Strip(" ", 1, 0)] if spec.add_dummy_prefix else []
-    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    *strip])
-    hf.add_special_tokens([AddedToken(p.piece, normalized=False, special=True)
-                           for p in pieces if p.type in (2, 3)])  # so a template's "<bos>" is the BOS id
-    return hf
-
-
-def _edit_json(path, **changes):
-    """Set keys of a JSON file; None removes one."""
-    with open(path) as f:
-        data = json.load(f)
-    data.update(changes)
-    with open(path, "w") as f:
-        json.dump({k: v for k, v in data.items() if v is not None}, f, indent=2)
-
-
-def export_hf(preset_dir, path, chat_template_name=None):
-    """A saved KerasHub preset (LoRA merged) -> a Hugging Face checkpoint in `path`: model.safetensors,
-    config.json with `architectures`, tokenizer.json (hf_tokenizer, adding the scripts' start token),
-    tokenizer_config.json with the chat template trained with (--chat-template, else the family's); files
-    0644 under umask 022; renamed from path.tmp once complete. On the host CPU: the exporter needs whole
-    weights."""
-    from tokenizers import processors
-    tmp = path + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+def host_model(path):
+    """A saved preset text only (text_causal_lm), its weights whole on the host CPU, with the scripts' start
+    token: what --export-hf converts (interop.export_hf)."""
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
-        model = text_causal_lm(preset_dir)
-        model.export_to_transformers(tmp)
-    tokenizer, family = model.preprocessor.tokenizer, type(model.backbone).__name__
-    ensure_start_token(tokenizer, preset_dir)  # Qwen's: <|endoftext|>, as the scripts train
-    bos = tokenizer.id_to_token(tokenizer.start_token_id)
-    hf = hf_tokenizer(tokenizer)
-    hf.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1",
-                                                      special_tokens=[(bos, tokenizer.start_token_id)])
-    hf.save(os.path.join(tmp, "tokenizer.json"))
-    if family in HF_ARCHITECTURES:
-        _edit_json(os.path.join(tmp, "config.json"), architectures=[HF_ARCHITECTURES[family]])
-    # tokenizer.json as it is: a model's own class would rebuild it, and keras-hub's added_tokens_decoder
-    # lists Gemma's turn markers, which as added tokens would cut the text before its dummy prefix
-    _edit_json(os.path.join(tmp, "tokenizer_config.json"), tokenizer_class="PreTrainedTokenizerFast",
-               bos_token=bos, added_tokens_decoder=None, clean_up_tokenization_spaces=False,
-               chat_template=HF_CHAT_TEMPLATES.get(chat_template_name or family_template(preset_dir)))
-    umask = os.umask(0o22)
-    os.umask(umask)
-    for name in os.listdir(tmp):  # safetensors writes 0600
-        os.chmod(os.path.join(tmp, name), 0o666 & ~umask)
-    shutil.rmtree(path, ignore_errors=True)
-    os.replace(tmp, path)
+        model = text_causal_lm(path)
+    ensure_start_token(model.preprocessor.tokenizer, path)  # Qwen's: <|endoftext|>, as the scripts train
+    return model
 
 
 # A reward model (reward.py's `model/`): the CausalLM preset + reward_head.npz (+ .json: how it was normalised).
@@ -940,10 +696,10 @@ def read_rows(path, flag="--dataset", config=None, split="train"):
                         raise UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
         splits = {"train": rows}
     else:
-        splits = load_splits(path, config, flag)
+        splits = interop.load_splits(path, config, flag)
     split = split or (next(iter(splits)) if len(splits) == 1 else None)
     if split not in splits:
-        split_flag = DATA_FLAGS.get(flag, (None, None))[1]
+        split_flag = interop.DATA_FLAGS.get(flag, (None, None))[1]
         which = f"no split {split!r}" if split else "name a split" + f" ({split_flag})" * bool(split_flag)
         raise UsageError(f"{flag} {path}: {which}; its splits: {', '.join(splits)}")
     rows = splits[split]
@@ -955,53 +711,6 @@ def read_rows(path, flag="--dataset", config=None, split="train"):
             raise UsageError(f"{path}:{line}: field {sorted({'image', 'images'} & row.keys())[0]!r}: "
                              "the scripts train and sample on text only")
     return rows
-
-
-def load_splits(path, config, flag):
-    """{split: Dataset} through `datasets`; a Hub failure in one line (UsageError), and a fast one: with no
-    network, load_dataset retries for 23 s, so one request without retries goes first."""
-    import datasets
-    import huggingface_hub as hf
-    hub, offline = not os.path.exists(path), datasets.config.HF_HUB_OFFLINE
-    saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
-    try:
-        if hub and not offline:
-            with contextlib.suppress(hf.errors.HfHubHTTPError):  # a refusal: load_dataset's to explain
-                hf.HfApi().dataset_info(path, timeout=10)
-        ds = (datasets.load_from_disk(path) if saved else datasets.load_dataset("parquet", data_files=path)
-              if path.endswith(".parquet") else datasets.load_dataset(path, config, cache_dir=local_cache(hub)))
-    except Exception as e:
-        if hub and {c.__name__ for c in type(e).__mro__} & NETWORK_ERRORS:
-            why = ("HF_HUB_OFFLINE is set and it is not in the cache: unset it" if offline else "the Hugging Face "
-                   "Hub cannot be reached (no network?): connect, or set HF_HUB_OFFLINE=1 to use a cached copy")
-            raise UsageError(f"{flag} {path}: no such local file or folder, and {why}") from None
-        if not isinstance(e, (ValueError, FileNotFoundError)):  # else datasets' words: config, data, dataset
-            raise
-        text = " ".join(str(e).split("Example of usage")[0].split())  # on one line
-        config_flag = DATA_FLAGS.get(flag, (None, None))[0]
-        hint = f" ({config_flag})" if config_flag and "onfig" in text else ""
-        raise UsageError(f"{flag} {path}: {text}{hint}") from None
-    return ds if isinstance(ds, dict) else {"train": ds}
-
-
-def local_cache(hub):
-    """None (datasets' cache) for a Hub id; for a local copy of a Hub repo, a fresh cache removed at exit, so it
-    is read afresh: datasets' cache of one is keyed by the folder's name and configs, not its files, and gave
-    stale rows after an edit, or another folder's of that name (their schema too, even re-downloading)."""
-    if hub:
-        return None
-    import atexit
-    import tempfile
-    cache = tempfile.mkdtemp(prefix="datasets_")
-    atexit.register(shutil.rmtree, cache, True)
-    return cache
-
-
-# The flags that name a data flag's configuration and split, for datasets' messages (compare.py's prompt
-# flags have none: its prompts are files or folders)
-DATA_FLAGS = {"--dataset": ("--dataset-config", "--dataset-split"),
-              "--eval-dataset": ("--dataset-config", "--eval-split"),
-              "--prompts": ("--prompts-config", "--prompts-split")}
 
 
 # A chat as its models' Hugging Face chat_template (tokenizer_config.json) writes it, the BOS being the
@@ -1039,38 +748,6 @@ CHAT_TEMPLATES = {
     "gemma4_large": Template("<|turn>user\n", "<|turn>model\n<|channel>thought\n<channel|>", "<turn|>\n",
                              "<|turn>system\n", True),
 }
-# The same templates in Jinja (--export-hf's chat_template), as the model cards cited above write them,
-# opened by the scripts' start token; Mistral's card ends every answer with </s>, where render() leaves the
-# EOS id to the scripts, after the last answer only.
-HF_CHAT_TEMPLATES = {
-    "gemma": "{{ bos_token }}{% for m in messages if m['role'] != 'system' %}{{ '<start_of_turn>' + "
-             "('model' if m['role'] == 'assistant' else 'user') + '\\n' + (messages[0]['content'] + '\\n\\n' "
-             "if loop.first and messages[0]['role'] == 'system' else '') + (m['content'] | trim) + "
-             "'<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
-             "{% endif %}",
-    "llama3": "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
-              "'<|end_header_id|>\\n\\n' + (m['content'] | trim) + '<|eot_id|>' }}{% endfor %}"
-              "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-              "{% endif %}",
-    "mistral": "{{ bos_token }}{% for m in messages if m['role'] != 'system' %}"
-               "{% if m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% else %}{{ '[INST] ' + "
-               "(messages[0]['content'] + '\\n\\n' if loop.first and messages[0]['role'] == 'system' else '') "
-               "+ m['content'] + ' [/INST]' }}{% endif %}{% endfor %}",
-    "chatml": "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-              "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-              "{% endif %}",
-    "qwen3.5": "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + "
-               "('<think>\\n\\n</think>\\n\\n' if m['role'] == 'assistant' else '') + m['content'] + "
-               "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
-               "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{% endif %}",
-    "gemma4": "{{ bos_token }}{% for m in messages %}{{ '<|turn>' + ('model' if m['role'] == 'assistant' else "
-              "m['role']) + '\\n' + (m['content'] | trim) + '<turn|>\\n' }}{% endfor %}"
-              "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}{% endif %}",
-    "gemma4_large": "{{ bos_token }}{% for m in messages %}{{ '<|turn>' + ('model' if m['role'] == 'assistant' "
-                    "else m['role']) + '\\n' + ('<|channel>thought\\n<channel|>' if m['role'] == 'assistant' else "
-                    "'') + (m['content'] | trim) + '<turn|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
-                    "{{ '<|turn>model\\n<|channel>thought\\n<channel|>' }}{% endif %}",
-}
 
 
 def chat_template(model_name, name=None):
@@ -1087,10 +764,9 @@ def chat_template(model_name, name=None):
 def family_template(preset):
     """The name of the preset's own chat template (FAMILIES; Gemma 4 by size: 26B-A4B and 31B, the sizes
     without per-layer embeddings, have gemma4_large), from its config; None outside FAMILIES."""
-    from keras_hub.src.utils.preset_utils import load_json
     family = FAMILIES.get(backbone_class(preset).__name__)
     if family == "gemma4":
-        config = load_json(preset, "config.json")  # a KerasHub preset's, or a Hugging Face config.json
+        config = interop.model_config(preset)  # a KerasHub preset's, or a Hugging Face config.json
         config = config.get("config") or config.get("text_config") or config
         family = "gemma4" if config.get("hidden_size_per_layer_input") else "gemma4_large"
     return family

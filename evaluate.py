@@ -1,7 +1,7 @@
 """Evaluate any model on held-out prompts with one protocol: task score, win rate, KL, length.
 
-Greedy and sampled responses from a KV-cached sampler; scores from a `--reward-fn` and/or a
-reward.py `--reward-model`; win rate and KL(model || baseline) against a `--baseline`.
+Greedy and sampled responses from grpo.py's KV-cached sampler (imported, not copied); scores from a
+`--reward-fn` and/or a reward.py `--reward-model`; win rate and KL(model || baseline) against a `--baseline`.
     python evaluate.py --model runs/dpo…/model --baseline runs/sft…/model
 Offline (toy task, bundled held-out prompts):
     python evaluate.py --model tiny --baseline tiny --max-new-tokens 16
@@ -19,6 +19,7 @@ import plumbing  # the exit boundary and fast --help (instant to import)
 plumbing.answer_help(__name__, __file__)  # `python evaluate.py --help`: from Args' source, before the imports below
 
 import common  # noqa: E402  (mesh, models, data files, the scorer)
+from grpo import generate, tokenize_prompts, truncate_response  # noqa: E402  (the RL scripts' sampler)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
@@ -85,101 +86,10 @@ class Args:  # not plumbing.SharedArgs: an evaluation has no training flags
 
 
 # ---------------------------------------------------------------------------
-# Data: prompt texts (common.read_dataset) -> left-padded queries (as in ppo.py: each script is self-contained)
+# Sampling: grpo.py's (tokenize_prompts: left-padded query ids; generate: jitted KV-cached sampling with the
+# filters top-k, top-p, min-p, stopping once every response has ended; truncate_response), imported so that
+# an evaluation samples exactly as the RL scripts do; then the log-probs KL needs
 # ---------------------------------------------------------------------------
-def tokenize_prompts(prompts, tokenizer, max_prompt_length):
-    """-> (queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
-    ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
-    ids = [x[:1] + x[1:][-(max_prompt_length - 1):] for x in ids]  # cut from the left, BOS kept
-    q = min(max_prompt_length, 8 * math.ceil(max(len(x) for x in ids) / 8))
-    queries, mask = np.zeros((len(ids), q), np.int32), np.zeros((len(ids), q), bool)
-    for i, x in enumerate(ids):  # left padding: every prompt ends at column Q-1, responses start at Q
-        queries[i, q - len(x):], mask[i, q - len(x):] = x, True
-    return queries, mask
-
-
-# ---------------------------------------------------------------------------
-# Generation: jitted KV-cached sampling with fixed shapes, stopping when every response has ended
-# (grpo.py's, with its sampling filters)
-# ---------------------------------------------------------------------------
-def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
-    """TRL's sampling filters on logits / temperature [B, V], in transformers' order: top-k, then top-p, then
-    min-p, each on what the previous left (renormalised). A dropped token gets -inf; 0, 1.0, None: off.
-
-    top-k keeps the k largest (ties with the k-th too); top-p keeps the most likely tokens until their
-    probabilities reach top_p (the token that crosses it included, ties at the cut too); min-p keeps the
-    tokens with p ≥ min_p · max p. The most likely token always stays.
-    """
-    if top_k:
-        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
-        logits = jnp.where(logits < kth, -jnp.inf, logits)
-    if top_p < 1.0:
-        ascending = jnp.sort(logits, -1)  # [B, V]: drop the prefix whose probabilities sum to ≤ 1 − top_p
-        dropped = jnp.sum(jnp.cumsum(jax.nn.softmax(ascending, -1), -1) <= 1.0 - top_p, -1)
-        cut = jnp.take_along_axis(ascending, jnp.minimum(dropped, logits.shape[-1] - 1)[:, None], -1)
-        logits = jnp.where(logits < cut, -jnp.inf, logits)
-    if min_p is not None:
-        probs = jax.nn.softmax(logits, -1)
-        logits = jnp.where(probs < min_p * probs.max(-1, keepdims=True), -jnp.inf, logits)
-    return logits
-
-
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, eos_id, pad_id,
-             top_k=0, top_p=1.0, min_p=None):
-    """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps).
-
-    One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
-    stops once every sequence has sampled its EOS (steps: tokens sampled per sequence, ≤ R): a batch of
-    short answers costs their length, not R. Shapes stay fixed: it compiles once per query bucket. After its
-    EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
-    `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
-    temperature 0 = greedy; otherwise from filter_logits(logits / temperature, top_k, top_p, min_p).
-    """
-    b, q = queries.shape
-    padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
-    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
-        cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
-        logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
-
-        def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
-            key, sample_key = jax.random.split(key)
-            if temperature == 0:
-                token = jnp.argmax(logits, -1).astype(jnp.int32)
-            else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
-                # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
-                z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
-                    logits / temperature, top_k, top_p, min_p)  # [B, V]
-                first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
-                token = first.min(-1).astype(jnp.int32)
-            token = jnp.where(done, pad_id, token)
-            return token, key, done | (token == eos_id)
-
-        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t
-            tokens, cache, t, key, done = carry
-            fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
-            logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1)
-            token, key, done = pick(logits[:, -1], key, done)
-            return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], t, 1), cache, t + 1, key, done
-
-        token, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
-        tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
-        tokens, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has no EOS yet and t < R
-            lambda c: (c[2] < response_length) & ~c[4].all(), step, (tokens, cache, jnp.int32(1), key, done))
-    return tokens, steps
-
-
-def truncate_response(responses, eos_id, pad_id):
-    """Keep tokens up to and including the first EOS, pad after it.
-
-    -> (responses [B, R], sequence_lengths [B]: index of the EOS, or R-1 when none was sampled).
-    """
-    r = responses.shape[1]
-    is_eos = responses == eos_id
-    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1), r - 1)
-    return jnp.where(jnp.arange(r)[None] > first_eos[:, None], pad_id, responses), first_eos
-
-
 def hidden_states(backbone, params, frozen, token_ids, padding_mask):
     """Final-norm hidden states [B, T, D] (stateless: weights passed as values)."""
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)

@@ -1,8 +1,8 @@
 """The run shell: plumbing every script shares and no one needs to read to learn an algorithm.
 
-  1. The boundary  UsageError, RunComplete, Preempted, RunFailed (NonFiniteLoss); launch: main under the one
-                   boundary that turns them into exit codes 2, 0, 0, 1; cli (tyro, errors in one line);
-                   answer_help (--help read from the script's source, before its heavy imports)
+  1. The boundary  UsageError (interop's), RunComplete, Preempted, RunFailed (NonFiniteLoss); launch: main
+                   under the one boundary that turns them into exit codes 2, 0, 0, 1; cli (tyro, errors in
+                   one line); answer_help (--help read from the script's source, before its heavy imports)
   2. Shared flags  SharedArgs (every script's Args extends it), RolloutArgs (+ the RL scripts' rollouts)
   3. The run       Run: output dir, --resume/--overwrite, --max-steps from --num-epochs, args.json,
                    metrics.jsonl + TensorBoard (+ W&B), progress, tokens/s and MFU, the non-finite stop, eval
@@ -10,8 +10,10 @@
   4. Remat         enable_remat (a switch per decoder block), Remat (--remat auto: by compiled memory)
   5. Accounting    count_params, peak_flops (docs/design.md, "FLOPs"); synced, phase_metrics (RL phase times);
                    compilation_cache (JAX's persistent cache, on by default)
-jax, numpy, keras and common are imported inside the functions that use them: `import plumbing` is instant,
-and `python dpo.py --help` answers before the script's own imports."""
+The top of the chain interop <- common <- plumbing: the shell that drives a run may call both (common: the
+mesh and the model; interop: --export-hf), and neither imports it. jax, numpy, keras and common are imported
+inside the functions that use them: `import plumbing` is instant, and `python dpo.py --help` answers before
+the script's own imports."""
 
 import ast
 import contextlib
@@ -27,14 +29,11 @@ import time
 import types
 from typing import Literal
 
-HERE = os.path.dirname(os.path.abspath(__file__))
+import interop  # the outside world (standard library only at import): --export-hf, the `tiny` vocabulary
+from interop import HERE, UsageError  # noqa: F401  (UsageError: bad input, exit 2; every module raises it)
 
 
 # --- 1. The boundary: the only place the process ends ---
-class UsageError(Exception):
-    """Bad input (flag, file, model name): one line on stderr, exit code 2."""
-
-
 class RunComplete(Exception):
     """--resume on a run that already reached --max-steps: the message on stdout, exit code 0."""
 
@@ -135,7 +134,7 @@ def check_defaults(args, argv):
 
 def is_toy_model(model):
     """`tiny`, or a model dir trained from it (its tokenizer is the bundled one: KerasHub's or HF's file)."""
-    with open(os.path.join(HERE, "data", "tiny_tokenizer.model"), "rb") as f:
+    with open(interop.TINY_TOKENIZER, "rb") as f:
         tiny = f.read()
     for name in ("assets/tokenizer/vocabulary.spm", "tokenizer.model"):
         if os.path.isfile(os.path.join(model, name)):
@@ -358,7 +357,8 @@ class Run:
             raise UsageError(f"--warmup-ratio {args.warmup_ratio}, --min-lr-rate {args.min_lr_rate}: "
                              "each must be in [0, 1]")
         if export_hf:
-            common.check_export_hf(args.model)
+            preset = common.resolve_model(args.model)
+            interop.check_export_hf(args.model, preset, common.backbone_class(preset).__name__)
         if args.track:
             import importlib.util
             if importlib.util.find_spec("wandb") is None:
@@ -653,7 +653,8 @@ class Run:
                 shutil.rmtree(self.model_dir)
             os.replace(tmp, self.model_dir)
             if self.export_hf:
-                common.export_hf(self.model_dir, os.path.join(self.dir, "model_hf"), self.args.chat_template)
+                interop.export_hf(common.host_model(self.model_dir), os.path.join(self.dir, "model_hf"),
+                                  self.args.chat_template or common.family_template(self.model_dir))
         self.close()
         shown = {k: self.last_train[k] for k in ("train/loss", *self._show) if k in self.last_train}
         shown.update(list(self.last_eval.items())[:2])

@@ -77,14 +77,14 @@ def without_timing(rows):
     return [{k: v for k, v in r.items() if k not in TIMING} for r in rows]
 
 
-def assert_same_rows(a, b, rel=1e-5):
-    """Same steps, same keys, same values (timing metrics left out)."""
+def assert_same_rows(a, b, rel=1e-5, abs=1e-7):
+    """Same steps, same keys, same values to `rel` or `abs` (timing metrics left out)."""
     a, b = without_timing(a), without_timing(b)
     assert [r["step"] for r in a] == [r["step"] for r in b]
     for ra, rb in zip(a, b):
         assert ra.keys() == rb.keys()
         for k in ra:
-            assert rb[k] == pytest.approx(ra[k], rel=rel, abs=1e-7), (ra["step"], k)
+            assert rb[k] == pytest.approx(ra[k], rel=rel, abs=abs), (ra["step"], k)
 
 
 def wait_for(path, proc, timeout=300):
@@ -175,7 +175,7 @@ def check_exported_tokenizer(hf_dir, tokenizer, template):
     gives `tokenizer`'s (KerasHub's) ids and text for TOKENIZER_TEXTS, adding the scripts' start token;
     tokenizer_config.json names that token and carries the Jinja of the chat template `template` (a
     common.CHAT_TEMPLATES name); every file has the ordinary mode (0644 under umask 022)."""
-    import common
+    import interop
     from tokenizers import Tokenizer
     exported = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
     for text in TOKENIZER_TEXTS:
@@ -188,7 +188,7 @@ def check_exported_tokenizer(hf_dir, tokenizer, template):
         config = json.load(f)
     assert config["tokenizer_class"] == "PreTrainedTokenizerFast"  # not a class that rebuilds tokenizer.json
     assert config["bos_token"] == tokenizer.id_to_token(tokenizer.start_token_id)
-    assert config["chat_template"] == common.HF_CHAT_TEMPLATES[template]
+    assert config["chat_template"] == interop.HF_CHAT_TEMPLATES[template]
     umask = os.umask(0)
     os.umask(umask)
     for name in os.listdir(hf_dir):

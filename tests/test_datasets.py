@@ -161,7 +161,7 @@ def test_a_hub_id_offline_or_unreachable_is_one_fast_line(monkeypatch):
     with pytest.raises(common.UsageError) as e:
         common.read_rows("trl-lib/Capybara")
     assert str(e.value) == ("--dataset trl-lib/Capybara: no such local file or folder, and HF_HUB_OFFLINE is set "
-                            "and it is not in the cache: unset it")
+                            "and it is not in the local cache: unset it")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     with socket.socket() as s:  # a free port, closed again: connections to it are refused
         s.bind(("127.0.0.1", 0))
@@ -182,5 +182,6 @@ def test_a_hub_id_offline_exits_2_in_one_line(tmp_path):
     res = run_script("grpo.py", "--dataset", "trl-lib/DeepMath-103K", "--output-dir", str(out), env=env, timeout=120)
     assert res.returncode == 2, res.stderr[-3000:]
     assert res.stderr.strip().splitlines() == ["error: --dataset trl-lib/DeepMath-103K: no such local file or "
-                                               "folder, and HF_HUB_OFFLINE is set and it is not in the cache: unset it"]
+                                               "folder, and HF_HUB_OFFLINE is set and it is not in the local cache: "
+                                               "unset it"]
     assert not out.exists()

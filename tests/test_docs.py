@@ -1,7 +1,7 @@
 """The docs against the code, by reading files only (no JAX import, no subprocess): the README's
 loop is dpo.py's, nothing cites a design document outside the repository, every backticked
-`common.NAME` / `plumbing.NAME` names something those modules define, and every pointer into
-docs/design.md names one of its sections."""
+`common.NAME` / `plumbing.NAME` / `interop.NAME` names something those modules define, and every
+pointer into docs/design.md names one of its sections."""
 
 import ast
 import os
@@ -96,13 +96,13 @@ def test_no_external_design_citations():
 
 
 def test_backticked_module_names_exist():
-    """`common.X`, `plumbing.X` (and `plumbing.Run.x`: a method of a base-less class) in backticks."""
-    modules = {m: module_names(m + ".py") for m in ("common", "plumbing")}
+    """`common.X`, `plumbing.X`, `interop.X` (and `plumbing.Run.x`: a method of a class without bases)."""
+    modules = {m: module_names(m + ".py") for m in ("common", "plumbing", "interop")}
     bad = []
     for path in doc_files():
         text = re.sub(r"```.*?```", "", read(path), flags=re.S)  # fenced code: test_readme_loop_is_dpo_main
         for span in re.findall(r"`([^`\n]+)`", text):
-            for module, name, attr in re.findall(r"\b(common|plumbing)\.(\w+)(?:\.(\w+))?", span):
+            for module, name, attr in re.findall(r"\b(common|plumbing|interop)\.(\w+)(?:\.(\w+))?", span):
                 if name == "py":  # the file itself
                     continue
                 names = modules[module]
@@ -110,7 +110,7 @@ def test_backticked_module_names_exist():
                     bad.append(f"{path}: `{module}.{name}`")
                 elif attr and names[name] is not None and attr not in names[name]:
                     bad.append(f"{path}: `{module}.{name}.{attr}`")
-    assert not bad, "names that common.py / plumbing.py do not define:\n" + "\n".join(sorted(set(bad)))
+    assert not bad, "names the shared modules do not define:\n" + "\n".join(sorted(set(bad)))
 
 
 def test_design_sections_and_pointers():

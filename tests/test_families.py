@@ -446,20 +446,27 @@ def test_system_and_multi_turn_chats_render_as_the_model_cards():
         assert common.prompt_text({"prompt": chat[:2]}, "f:1", template) == text[:text.index("1 2")], name
 
 
-# Gemma 2 and Qwen 3 are not exported: keras-hub 0.32 has no exporter for them (common.check_export_hf).
+# Gemma 2 and Qwen 3 are not exported: keras-hub 0.32 has no exporter for them (interop.check_export_hf).
 EXPORTED = ("gemma", "gemma3", "gemma4", "llama3", "mistral", "qwen2.5", "qwen3.5")
+
+
+def export_hf(preset, path):
+    """--export-hf of a saved preset, as plumbing.Run's final save calls it (the family's chat template)."""
+    import common
+    import interop
+    interop.export_hf(common.host_model(preset), path, common.family_template(preset))
 
 
 @pytest.mark.parametrize("family", EXPORTED)
 def test_export_hf_tokenizer_and_chat_template(presets, family, tmp_path):
-    """common.export_hf's model_hf/ per family: tokenizer.json gives the family tokenizer's ids (helpers.
+    """interop.export_hf's model_hf/ per family: tokenizer.json gives the family tokenizer's ids (helpers.
     check_exported_tokenizer; Qwen's start token is the scripts' <|endoftext|>), the family's chat template,
     ordinary file modes; keras-hub's own Hugging Face loader reads back the backbone's outputs."""
     import common
     import keras_hub
     import numpy as np
     from helpers import check_exported_tokenizer
-    common.export_hf(presets[family], str(tmp_path / "hf"))
+    export_hf(presets[family], str(tmp_path / "hf"))
     tokenizer = keras_hub.models.Tokenizer.from_preset(presets[family])
     common.ensure_start_token(tokenizer, presets[family])
     check_exported_tokenizer(str(tmp_path / "hf"), tokenizer, TEMPLATE[family])
@@ -487,7 +494,7 @@ def test_gemma4_template_follows_the_size(tmp_path):
     model = gemma4(per_layer=0)
     model.save_to_preset(str(tmp_path / "large"))
     assert common.chat_template(str(tmp_path / "large")) == common.CHAT_TEMPLATES["gemma4_large"]
-    common.export_hf(str(tmp_path / "large"), str(tmp_path / "hf"))
+    export_hf(str(tmp_path / "large"), str(tmp_path / "hf"))
     check_exported_tokenizer(str(tmp_path / "hf"), model.preprocessor.tokenizer, "gemma4_large")
     assert common.chat_template(str(tmp_path / "hf")) == common.CHAT_TEMPLATES["gemma4_large"]
 
@@ -499,14 +506,15 @@ def test_gemma4_template_follows_the_size(tmp_path):
     # Mistral's (and Llama 2's): no charsmap, a dummy prefix, whitespace kept
     dict(normalization_rule_name="identity", remove_extra_whitespaces=False)])
 def test_sentencepiece_tokenizer_json_follows_the_models_spec(spec):
-    """common.hf_tokenizer on SentencePiece models with the real models' normalizer specs: KerasHub's ids."""
+    """interop.hf_tokenizer on SentencePiece models with the real models' normalizer specs: KerasHub's ids."""
     import common
     import keras_hub
     from helpers import TOKENIZER_TEXTS
     tokenizer = keras_hub.models.GemmaTokenizer(proto=sentencepiece(
         pad_id=0, eos_id=1, bos_id=2, unk_id=3, pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>",
         unk_piece="<unk>", user_defined_symbols=["<start_of_turn>", "<end_of_turn>"], **spec))
-    converted = common.hf_tokenizer(tokenizer)
+    import interop
+    converted = interop.hf_tokenizer(tokenizer)
     for text in TOKENIZER_TEXTS:
         ids = [int(i) for i in tokenizer.tokenize(text)]
         assert converted.encode(text).ids == ids, text

@@ -14,6 +14,7 @@ import pytest
 import requests
 
 import common
+import interop
 from helpers import one_device_env, run_script
 
 KAGGLE_GEMMA = "kaggle://keras/gemma/keras/gemma_2b_en/2"
@@ -34,7 +35,7 @@ def no_credentials(monkeypatch, tmp_path):
     ("gemma3_1b", ["cannot reach Kaggle", "kaggle://keras/gemma3/keras/gemma3_1b", "KAGGLE_USERNAME and",
                    "~/.kaggle/kaggle.json", "licence at https://www.kaggle.com/models/keras/gemma3;", "local dir"]),
     ("kaggle://keras/gemma/keras/gemma_2b_en", ["cannot reach Kaggle", "KAGGLE_USERNAME", "local directory"]),
-    ("hf://google/gemma-2b", ["cannot reach the Hugging Face Hub", "HF_TOKEN", "local directory"]),
+    ("hf://google/gemma-2b", ["the Hugging Face Hub cannot be reached", "HF_TOKEN", "local directory"]),
 ])
 def test_unreachable_hub_is_one_line(model, hints, no_credentials):
     env = one_device_env()
@@ -130,8 +131,14 @@ def test_malformed_handles_and_other_errors():
         common.backbone_class("kaggle://keras/gemma")
     with pytest.raises(common.UsageError, match=r"not a Hugging Face repo id; expected hf://\{org\}/\{model\}"):
         common.backbone_class("hf://not a/repo id!")
-    assert common.hub_error("gemma_2b_en", RuntimeError("out of memory")) is None  # not a hub failure
-    assert common.hub_error("tiny", ConnectionError()) is None
+    assert interop.hub_error("gemma_2b_en", RuntimeError("out of memory")) is None  # not a hub failure
+    assert interop.hub_error("tiny", ConnectionError()) is None
+
+
+def check_export_hf(model):
+    """interop.check_export_hf as plumbing.Run calls it."""
+    preset = common.resolve_model(model)
+    interop.check_export_hf(model, preset, common.backbone_class(preset).__name__)
 
 
 def test_export_hf_refuses_an_unsupported_family(tmp_path):
@@ -152,11 +159,11 @@ def test_export_hf_refuses_an_unsupported_family(tmp_path):
     assert not os.path.exists(tmp_path / "out")
     (tmp_path / "config.json").write_text(json.dumps({"registered_name": "keras_hub>LlamaBackbone", "config": {}}))
     with pytest.raises(common.UsageError, match="cannot write LlamaBackbone as a Hugging Face checkpoint"):
-        common.check_export_hf(str(tmp_path))
-    common.check_export_hf("tiny")  # a GemmaBackbone without Gemma 2's extras
+        check_export_hf(str(tmp_path))
+    check_export_hf("tiny")  # a GemmaBackbone without Gemma 2's extras
     gemma_7b = tmp_path / "gemma_7b"  # 16 key/value heads, of which keras-hub's exporter writes the first
     gemma_7b.mkdir()
     (gemma_7b / "config.json").write_text(json.dumps({"registered_name": "keras_hub>GemmaBackbone",
                                                       "config": {"num_key_value_heads": 16}}))
     with pytest.raises(common.UsageError, match="cannot write a Gemma with several key/value heads"):
-        common.check_export_hf(str(gemma_7b))
+        check_export_hf(str(gemma_7b))

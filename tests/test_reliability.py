@@ -114,7 +114,9 @@ def test_two_processes_match_one(tmp_path):
     for row in (rows[1], rows_two[1]):
         noise = {k: row.pop(k) for k in list(row) if k.startswith("rewards/")}
         assert all(abs(v) < 1e-6 for k, v in noise.items() if k != "rewards/accuracies"), noise
-    assert_same_rows(rows, rows_two, rel=1e-5)
+    # abs 1e-5: step 2's rewards/margins are near 0, sums of float32 terms reduced in another order on two
+    # processes (measured 1e-6 apart), beyond any rel tolerance of so small a value
+    assert_same_rows(rows, rows_two, rel=1e-5, abs=1e-5)
     assert os.path.exists(os.path.join(two, "model", "model.weights.h5"))  # gathered and saved by process 0
 
 

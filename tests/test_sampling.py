@@ -1,9 +1,11 @@
-"""The samplers of grpo.py, ppo.py and evaluate.py (each script keeps its own): stopping once every
-sequence has sampled its EOS gives, for the same key, the tokens of the fixed-length sampler it
-replaced (kept below as the reference), ends before R, and compiles once; and the sampling filters
-(grpo.py's and evaluate.py's filter_logits: top-k, then top-p, then min-p) keep the tokens worked out
-by hand here and by a float64 NumPy re-derivation of transformers' warpers."""
+"""The samplers of grpo.py, ppo.py and rloo.py (each script keeps its own; evaluate.py imports grpo.py's):
+stopping once every sequence has sampled its EOS gives, for the same key, the tokens of the fixed-length
+sampler it replaced (kept below as the reference), ends before R, and compiles once; the sampling filters
+(grpo.py's and rloo.py's filter_logits: top-k, then top-p, then min-p) keep the tokens worked out by hand
+here and by a float64 NumPy re-derivation of transformers' warpers; and evaluate.py's responses to the
+bundled prompts are grpo.py's sampler's."""
 
+import functools
 import importlib
 
 import numpy as np
@@ -14,8 +16,8 @@ import jax
 import jax.numpy as jnp
 import keras
 
-SCRIPTS = ("grpo", "ppo", "rloo", "evaluate")
-FILTERING = ("grpo", "rloo", "evaluate")  # ppo.py samples with temperature only, as TRL's PPOConfig
+SCRIPTS = ("grpo", "ppo", "rloo")  # evaluate.py's is grpo.py's (test_evaluate_samples_with_grpos_sampler)
+FILTERING = ("grpo", "rloo")  # ppo.py samples with temperature only, as TRL's PPOConfig
 
 
 # ---------------------------------------------------------------------------
@@ -157,10 +159,38 @@ def test_early_stop_samples_the_fixed_length_tokens_and_ends_when_all_have_ended
 
 
 @pytest.mark.parametrize("script, flags", [("grpo", {"top_k": 1}), ("grpo", {"top_p": 1e-6}),
-                                           ("grpo", {"min_p": 1.0}), ("evaluate", {"top_k": 1})])
+                                           ("grpo", {"min_p": 1.0}), ("rloo", {"top_k": 1})])
 def test_a_filter_that_keeps_one_token_samples_the_greedy_tokens(script, flags, tiny):
     module = importlib.import_module(script)
     backbone, params, frozen, queries, query_mask, eos, pad = tiny
     gen = lambda t, **f: jax.device_get(jax.jit(lambda p, qs, qm, k: module.generate(
         backbone, p, frozen, qs, qm, k, 8, t, eos, pad, **f))(params, queries, query_mask, jax.random.key(1))[0])
     np.testing.assert_array_equal(gen(1.0, **flags), gen(0.0))
+
+
+def test_evaluate_samples_with_grpos_sampler():
+    """evaluate.py has no sampler of its own: grpo.py's functions, and on the bundled held-out prompts its
+    queries and sampled (top-k, top-p) responses are those grpo.py's sampler gives for the same
+    prompts and key (batch i: fold_in(key, i); evaluate cuts a batch to its bucket, which samples the same
+    tokens: tests/test_compare.py)."""
+    import evaluate
+    import grpo
+    assert all(getattr(evaluate, f) is getattr(grpo, f) for f in ("generate", "tokenize_prompts",
+                                                                  "truncate_response"))
+    args = evaluate.Args(model="tiny", num_prompts=8, max_new_tokens=6, batch_size=8, top_k=5, top_p=0.9)
+    mesh = common.make_mesh(None)
+    policy = evaluate.load_policy("tiny", mesh, args)
+    prompts, rows, _ = evaluate.check_args(args, mesh)
+    tokenizer = policy.model.preprocessor.tokenizer
+    data = evaluate.prepare(args, mesh, prompts, rows, tokenizer)
+    queries, query_mask = grpo.tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
+    np.testing.assert_array_equal(data["queries"], queries)
+    np.testing.assert_array_equal(data["query_mask"], query_mask)
+    key = jax.random.key(7)
+    out = evaluate.respond(policy, data, "sampled", key, 8, mesh)  # greedy: the same call at temperature 0
+    sample = functools.partial(grpo.generate, policy.model.backbone, response_length=6, temperature=1.0,
+                               eos_id=data["eos"], pad_id=data["pad"], top_k=5, top_p=0.9)
+    tokens, _ = jax.jit(sample)(policy.params, policy.frozen, queries, query_mask, jax.random.fold_in(key, 0))
+    expected, _ = grpo.truncate_response(tokens, data["eos"], data["pad"])
+    np.testing.assert_array_equal(out["responses"], np.asarray(expected))
+    assert len({tuple(r) for r in out["responses"]}) > 1  # sampled: the prompts' responses differ
