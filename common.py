@@ -465,14 +465,15 @@ def save_model(model, params, path):
     for var, value in zip(model.backbone.trainable_variables, params):
         var.assign(value)
     if jax.process_count() > 1:
-        # Keras saves host copies of the weights, and arrays spanning other hosts' devices
-        # have none: gather every weight (all processes take part); process 0 writes alone.
+        # Keras saves host copies of the weights, and arrays spanning other hosts' devices have none: gather
+        # every weight (all processes take part). Every process keeps the local copy (sft.py samples from it
+        # after saving); process 0 writes alone.
         from jax.experimental import multihost_utils
         gathered = [multihost_utils.process_allgather(v.value, tiled=True) for v in model.weights]
+        for var, value in zip(model.weights, gathered):
+            var._value = jax.numpy.asarray(value)  # keras 3.15 internals: a whole local copy
         if jax.process_index() != 0:
             return
-        for var, value in zip(model.weights, gathered):
-            var._value = jax.numpy.asarray(value)  # keras 3.15 internals: a local copy, only to save
     os.makedirs(path, exist_ok=True)
     model.save_to_preset(path)
 

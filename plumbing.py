@@ -58,6 +58,9 @@ def _end(code, message=None, stream=None):
             print(message, file=stream or sys.stdout)
     sys.stdout.flush()
     sys.stderr.flush()
+    if "jax" in sys.modules:  # a pod's processes leave the coordination service together: one that found it
+        with contextlib.suppress(Exception):  # closed by process 0 would die with a fatal error
+            sys.modules["jax"].distributed.shutdown()
     os._exit(code)
 
 

@@ -120,6 +120,27 @@ def test_two_processes_match_one(tmp_path):
     assert os.path.exists(os.path.join(two, "model", "model.weights.h5"))  # gathered and saved by process 0
 
 
+def test_two_processes_sft_with_eval_and_samples_exit_0(tmp_path):
+    """sft.py with evaluation and its closing samples on 2 processes × 4 devices logs the rows of 1 process × 8,
+    and both processes exit 0 (run_two_processes asserts it). Process 1 used to die with "the JAX distributed
+    service detected fatal errors" once process 0 had ended and closed the coordination service, and it sampled
+    from weights it no longer held whole (common.save_model kept the gathered copy on process 0 only)."""
+    for name, n in (("train", 64), ("eval", 16)):
+        with open(os.path.join(ROOT, "data", f"sft_{name}.jsonl")) as f:
+            (tmp_path / f"{name}.jsonl").write_text("".join(f.readlines()[:n]))
+    flags = [sys.executable, os.path.join(ROOT, "sft.py"), "--model", "tiny", "--max-steps", "3", "--log-every", "1",
+             "--batch-size", "16", "--learning-rate", "3e-4", "--max-length", "64", "--eval-every", "2",
+             "--num-samples", "2", "--dataset", str(tmp_path / "train.jsonl"),
+             "--eval-dataset", str(tmp_path / "eval.jsonl")]
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=env_with_devices(8))
+    run_two_processes(flags, two, env_with_devices(4))
+    rows = metrics(one)
+    assert [r["step"] for r in rows if "eval/loss" in r] == [0, 2, 3]
+    assert_same_rows(rows, metrics(two))
+    assert os.path.exists(os.path.join(two, "model", "model.weights.h5"))
+
+
 @pytest.mark.parametrize("content, where", [
     ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n', "pairs.jsonl:2:"),
     ('{"prompt": 7, "chosen": "b", "rejected": "c"}\n', "pairs.jsonl:1:"),
