@@ -801,8 +801,8 @@ def described(fn):
 
 
 def call_reward_fn(fn, n, *args, **kwargs):
-    """fn(*args, **kwargs) -> [n] float64 scores, NaN where it returned None; a UsageError naming fn
-    when it raises or returns anything else."""
+    """fn(*args, **kwargs) -> ([n] float64 scores, NaN where it returned None or NaN; [n] bool: it returned
+    NaN itself); a UsageError naming fn when it raises or returns anything else."""
     import traceback
     try:
         out = fn(*args, **kwargs)
@@ -811,13 +811,23 @@ def call_reward_fn(fn, n, *args, **kwargs):
         raise UsageError(f"reward function {described(fn)} raised {type(e).__name__}: {e} "
                          f"(at {where.filename}:{where.lineno})") from None
     try:
-        values = np.array([np.nan if v is None else float(v) for v in out], np.float64)
+        scores = [None if v is None else float(v) for v in out]
     except (TypeError, ValueError):
         raise UsageError(f"reward function {described(fn)} returned {str(out)[:80]!r}: expected one float "
                          f"(or None) per completion") from None
-    if values.shape != (n,):
-        raise UsageError(f"reward function {described(fn)} returned {len(values)} scores for {n} completions")
-    return values
+    if len(scores) != n:
+        raise UsageError(f"reward function {described(fn)} returned {len(scores)} scores for {n} completions")
+    values = np.array([np.nan if v is None else v for v in scores], np.float64)
+    return values, np.array([v is not None for v in scores], bool) & np.isnan(values)
+
+
+def reward_names(fns):
+    """One metric name per function, by position: its __name__; where two share it, `module.name` (the file's
+    stem: data/toy.py:accuracy -> toy.accuracy); where those clash too, `module.name_<position in --reward-fn,
+    from 1>`."""
+    names = [f"{f.__module__}.{f.__name__}" if [g.__name__ for g in fns].count(f.__name__) > 1 else f.__name__
+             for f in fns]
+    return [f"{n}_{i + 1}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
 TRL_INPUTS = ("prompts", "completions", "completion_ids")
@@ -840,15 +850,16 @@ class Scorer:
     `scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)`, s the weighted sum of the
     parts: reward functions (TRL's form: reward_inputs; or f(prompt texts, texts)) on the texts cut at `end`,
     the template's end-of-turn marker (`rows`: each completion's dataset row), or reward.py's model on
-    batch["query_responses"] / ["padding_mask"] [B, T]. None from a function leaves it out of that sample's
-    sum (TRL: "does not apply"). -> scores [B] float32 over `data`, parts {a function's __name__ or
-    "reward_model": [B] float64 on the host, NaN for None}. Every process passes the whole batch. `model`
+    batch["query_responses"] / ["padding_mask"] [B, T]. None or NaN from a function leaves it out of that
+    sample's sum (TRL's nansum: "does not apply"). -> scores [B] float32 over `data`, parts {reward_names'
+    name or "reward_model": [B] float64 on the host, NaN for None}. Every process passes the whole batch. `model`
     and `head`: a reward model's (PPO's value model starts from them), else None."""
 
     def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None):
         self.model, self.head, self.name, self.on_data = model, head, name, NamedSharding(mesh, P("data"))
-        self.fns = [(f, w, reward_fn_signature(f))
-                    for f, w in zip(fns, weights or [1.0] * len(fns), strict=True)]
+        self.fns = [(f, w, reward_fn_signature(f), n) for f, w, n in
+                    zip(fns, weights or [1.0] * len(fns), reward_names(fns), strict=True)]  # by position
+        self.warned = set()  # the functions told once that their NaN counts as None
         if model is not None:  # the weights are jit arguments: closed over, they would be baked in as constants
             forward = jax.jit(functools.partial(reward_model_scores, model.backbone))
             values = (*split_variables(model.backbone), head)
@@ -857,7 +868,7 @@ class Scorer:
     def check_columns(self, rows, flag="--dataset"):
         """Before the model loads: each TRL-form function's required parameters are inputs or columns."""
         have = {k for r in rows for k in r} | set(TRL_INPUTS)
-        for f, _, signature in self.fns:
+        for f, _, signature, _ in self.fns:
             missing = [k for k in (signature[0] if signature else []) if k not in have]
             if missing:
                 raise UsageError(f"reward function {described(f)} takes {missing[0]!r}, which is not a "
@@ -865,25 +876,31 @@ class Scorer:
 
     def __call__(self, prompts, texts, batch, rows, completion_ids, end=None):
         texts = [t.split(end)[0] for t in texts] if end else list(texts)
-        inputs = reward_inputs(prompts, texts, rows, completion_ids) if any(s for _, _, s in self.fns) else None
-        parts = {}
-        for f, _, signature in self.fns:
+        inputs = reward_inputs(prompts, texts, rows, completion_ids) if any(f[2] for f in self.fns) else None
+        parts, nan = {}, {}
+        for f, _, signature, name in self.fns:
             if signature is None:
-                parts[f.__name__] = call_reward_fn(f, len(texts), prompts, texts)
+                parts[name], nan[name] = call_reward_fn(f, len(texts), prompts, texts)
             else:
                 _, names, var_kw = signature
-                parts[f.__name__] = call_reward_fn(f, len(texts), **(
+                parts[name], nan[name] = call_reward_fn(f, len(texts), **(
                     inputs if var_kw else {k: v for k, v in inputs.items() if k in names}))
-        weighted = [w * parts[f.__name__] for f, w, _ in self.fns]
+            if nan[name].any() and name not in self.warned:  # TRL's nansum takes a NaN as a None
+                self.warned.add(name)
+                print(f"warning: reward function {described(f)} returned NaN for {nan[name].sum()} of "
+                      f"{len(texts)} completions: taken as None (does not apply), as TRL does", file=sys.stderr)
+        weighted = [w * parts[name] for _, w, _, name in self.fns]  # w_k × s_k, by position
         if self.model is not None:
             parts["reward_model"] = np.asarray(self.forward(batch), np.float64)
             weighted.append(parts["reward_model"])
-        weighted = np.stack(weighted)  # [parts, B], NaN where a function returned None
+        weighted = np.stack(weighted)  # [parts, B], NaN where a function returned None or NaN
         none = np.isnan(weighted).all(0)
         if none.any():
             i = int(np.argmax(none))
-            raise UsageError(f"every reward function returned None for completion {i} of the batch "
-                             f"(prompt {prompts[i][:80]!r}): at least one must score each completion")
+            said = ", ".join(f"{described(f)} returned {'NaN' if nan[n][i] else 'None'}"
+                             for f, _, _, n in self.fns)
+            raise UsageError(f"every reward function returned None or NaN for completion {i} of the batch "
+                             f"(prompt {prompts[i][:80]!r}): {said}; at least one must score each completion")
         total = np.nansum(weighted, 0)
         return put_global(np.asarray(total, np.float32), self.on_data), parts
 

@@ -80,18 +80,27 @@ def launch(main, args_class):
         _end(1, f"error: {e}", sys.stderr)
 
 
-# TRL's (transformers') flag names that are spelled otherwise here -> this project's flag
+# TRL's (transformers') flag names that are spelled otherwise here -> this project's: the first flag of the
+# " | " alternatives the script takes (a hint without a flag fits every script; none: no counterpart there)
 TRL_FLAGS = {"num-train-epochs": "--num-epochs", "per-device-train-batch-size": "--batch-size (global: all devices)",
-             "gradient-accumulation-steps": "--grad-accum-steps", "max-completion-length": "--response-length",
-             "max-new-tokens": "--response-length (evaluate.py: --max-new-tokens)", "lora-r": "--lora-rank",
-             "use-peft": "--lora-rank N", "model-name-or-path": "--model", "dataset-name": "--dataset",
+             "gradient-accumulation-steps": "--grad-accum-steps", "max-completion-length": "--response-length | "
+             "--max-new-tokens", "max-new-tokens": "--response-length", "lora-r": "--lora-rank",
+             "use-peft": "--lora-rank N", "model-name-or-path": "--model", "dataset-name": "--dataset | --prompts",
              "save-steps": "--save-every", "eval-steps": "--eval-every", "logging-steps": "--log-every",
              "gradient-checkpointing": "--remat on", "bf16": "--dtype bfloat16", "resume-from-checkpoint":
              "--resume", "report-to": "--track (W&B; TensorBoard files are always written)",
              "per-device-eval-batch-size": "--batch-size", "eval-strategy": "--eval-every N (0: none)",
-             "dataset-train-split": "--dataset-split", "dataset-test-split": "--eval-split",
+             "dataset-train-split": "--dataset-split | --prompts-split", "dataset-test-split": "--eval-split",
              "lr-scheduler-kwargs": "--min-lr-rate (cosine_with_min_lr's min_lr_rate, the one kwarg taken)",
              "lora-dropout": "absent (Keras' LoRA layers have no dropout)"}
+
+
+def trl_hint(flag, args_class):
+    """What the TRL flag `flag` (as typed, maybe with TRL's _) is in the script of `args_class`."""
+    ours, name = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(args_class)}, flag.split("=")[0]
+    here = [h for h in TRL_FLAGS[name[2:].replace("_", "-")].split(" | ") if h[:2] != "--" or h.split()[0] in ours]
+    script = os.path.basename(getattr(sys.modules.get(args_class.__module__), "__file__", None) or "this script")
+    return f"{name} is {here[0]} here" if here else f"{name} has no counterpart in {script} (see --help)"
 
 
 def cli(args_class, argv=None):
@@ -108,8 +117,7 @@ def cli(args_class, argv=None):
             raise
         lines = [line.strip("│╭╮╰╯ \n") for line in err.getvalue().splitlines()[1:]]  # [0]: the box's title
         text = " ".join(lines[:next((i for i, x in enumerate(lines) if set(x) <= {"─"}), len(lines))])
-        trl = [f"{a.split('=')[0]} is {TRL_FLAGS[f]} here" for a in argv
-               if (f := a[2:].split("=")[0].replace("_", "-")) in TRL_FLAGS]  # TRL spells them with _ too
+        trl = [trl_hint(a, args_class) for a in argv if a[2:].split("=")[0].replace("_", "-") in TRL_FLAGS]
         guess = next((x.split()[0] for x, prev in zip(lines[1:], lines) if prev == "Perhaps you meant:"), None)
         hints = trl or ([f"perhaps you meant {guess}"] if guess else [])
         raise UsageError("; ".join([text or err.getvalue().strip(), *hints])) from None

@@ -4,8 +4,10 @@ during start-up and twice, fast grouped --help, a plain `import`, and what a run
 at its end. Refusals are checked in this process (the exception main raises); one subprocess per
 kind of exit checks what the boundary makes of it (one line, the exit code)."""
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -293,6 +295,33 @@ def test_resume_knows_what_it_resumes(tmp_path):
     assert "newest checkpoint" in line and "(step 4) is older than its finished model/ (step 5)" in line
     assert f"start a new run from --model {out}/model" in line
     assert snapshot(out) == before
+
+
+SCRIPTS = ("sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rloo", "evaluate", "compare")
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_every_trl_flag_hint_names_a_flag_the_script_takes(script):
+    """Each TRL name, typed as TRL spells it, to each script: the hint names one of that script's own flags,
+    or says it has no counterpart there, never a flag the script would then refuse (cli's hint for one,
+    parsed; trl_hint, what cli calls, for every name)."""
+    import importlib
+    import plumbing
+    args_class = importlib.import_module(script).Args
+    ours = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(args_class)}
+    for trl in plumbing.TRL_FLAGS:
+        typed = "--" + trl.replace("-", "_")
+        if typed.replace("_", "-") in ours:
+            continue  # the script has TRL's flag itself (evaluate.py's --max-new-tokens)
+        hint = plumbing.trl_hint(typed + "=1", args_class)
+        named = re.match(rf"{typed} is (--[a-z-]+)", hint)
+        assert (named and named[1] in ours) or hint == f"{typed} has no counterpart in {script}.py (see --help)" \
+            or hint.startswith(f"{typed} is absent"), (script, hint)
+    with pytest.raises(plumbing.UsageError) as e:
+        plumbing.cli(args_class, ["--logging_steps", "5"])
+    assert str(e.value).endswith("; " + plumbing.trl_hint("--logging_steps", args_class))
+    if "--log-every" in ours:
+        assert plumbing.cli(args_class, ["--log-every", "5"]).log_every == 5
 
 
 def test_flags_as_trl_names_them_and_the_toy_task_are_answered(tmp_path):
