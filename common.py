@@ -284,6 +284,9 @@ def resolve_model(name):
         return name
     if name in keras_hub.models.CausalLM.presets:
         return name
+    if name.count("/") == 1 and not name.startswith(("/", ".", "~")):  # a Hub repo id, as TRL takes it
+        raise UsageError(f"--model {name}: no such directory; as a Hugging Face Hub repo id it is "
+                         f"--model hf://{name}")
     aliases = ", ".join(["tiny"] + sorted(MODEL_ALIASES))
     raise UsageError(f"unknown --model {name!r}. Aliases: {aliases}; or any KerasHub preset, "
                      "a kaggle:// or hf:// handle, or a local preset / Hugging Face directory")

@@ -349,6 +349,9 @@ def test_flags_as_trl_names_them_and_the_toy_task_are_answered(tmp_path):
         plumbing.cli(evaluate.Args, ["--model", "qwen3_8b"])
     with pytest.raises(plumbing.UsageError, match="unknown --model 'gemma_3b_typo'"):
         plumbing.cli(dpo.Args, ["--model", "gemma_3b_typo"])
+    with pytest.raises(plumbing.UsageError, match="^--model google/gemma-3-1b-it: no such directory; as a Hugging "
+                                                  "Face Hub repo id it is --model hf://google/gemma-3-1b-it$"):
+        plumbing.cli(grpo.Args, ["--model", "google/gemma-3-1b-it"])  # TRL's form: the hub id, bare
     assert plumbing.cli(grpo.Args, ["--model", "gemma_2b", "--dataset", "x.jsonl", "--reward-model", "rm"])
     assert plumbing.cli(dpo.Args, ["--model", "gemma_2b", "--dataset", "data/prefs_train.jsonl",
                                    "--eval-dataset", ""]).eval_dataset == ""
