@@ -255,12 +255,13 @@ def lr_schedule(kind, peak, total_steps, warmup_steps=0, warmup_ratio=0.0, min_l
     """--lr-scheduler-type as transformers' get_scheduler builds it for TRL's trainers -> (schedule, warmup):
     schedule(count) is the rate of optimizer update `count` (0 = the first update = transformers'
     lr_lambda(0)); warmup = --warmup-steps, or ceil(--warmup-ratio × total_steps) when that is 0
-    (TrainingArguments.get_warmup_steps); `constant` has none (get_scheduler ignores it)."""
+    (TrainingArguments.get_warmup_steps); `constant` has none (get_scheduler ignores it). Past the last update
+    (a run extended by --resume, plumbing.Run.schedule_steps): the last update's rate, held."""
     warmup = 0 if kind == "constant" else warmup_steps or math.ceil(warmup_ratio * total_steps)
     decay_steps = max(1, total_steps - warmup)
 
     def schedule(count):
-        step = jnp.asarray(count, jnp.float32)
+        step = jnp.minimum(jnp.asarray(count, jnp.float32), max(0, total_steps - 1))
         cosine = 0.5 * (1.0 + jnp.cos(jnp.pi * (step - warmup) / decay_steps))  # num_cycles 0.5: a half wave
         factor = {"linear": jnp.maximum(0.0, (total_steps - step) / decay_steps),
                   "cosine": jnp.maximum(0.0, cosine), "constant_with_warmup": 1.0, "constant": 1.0,

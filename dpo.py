@@ -292,7 +292,7 @@ def main(args):
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
     lengths, eval_lengths = pair_lengths(train_data), pair_lengths(eval_data) if evals else None
 
-    optimizer, schedule, warmup = make_optimizer(args, max_steps)
+    optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
     params, frozen = common.split_variables(backbone)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     average = args.loss_type == "ipo"

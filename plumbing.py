@@ -283,6 +283,9 @@ class SharedArgs:
     kept; 0: only on SIGTERM/SIGINT"""
     resume: bool = False
     """continue from the newest complete checkpoint in --output-dir"""
+    resume_schedule: Literal["keep", "stretch"] = "keep"
+    """--resume with another --max-steps: keep the run's learning-rate schedule (past its end: its last rate),
+    or stretch it over the new length as transformers' Trainer does (the rate can rise)"""
     overwrite: bool = False
     """replace a run already in --output-dir (otherwise refused)"""
     track: bool = False
@@ -327,7 +330,7 @@ RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model", "model_hf")
 # must match args.json; --max-steps and --num-epochs may extend the run)
 RESUMABLE = {"max_steps", "num_epochs", "output_dir", "resume", "overwrite", "track", "save_every", "eval_every",
              "log_every", "sample_every", "num_samples", "mesh", "remat", "export_hf", "skip_nonfinite",
-             "coordinator_address", "num_processes", "process_id"}
+             "resume_schedule", "coordinator_address", "num_processes", "process_id"}
 
 
 def default_output_dir(script, model, seed):
@@ -400,10 +403,11 @@ class Run:
         if os.path.isdir(os.path.join(d, "checkpoints")):  # a step's dir appears (renamed) once complete
             steps = sorted(int(s) for s in os.listdir(os.path.join(d, "checkpoints")) if s.isdigit())
         last, finished = steps[-1] if steps else None, os.path.isdir(self.model_dir)
-        self._done = self._no_checkpoint = None
+        self._done = self._no_checkpoint = self._scheduled = None
         if self.args.resume:
             if "args.json" in held:
                 recorded = self._check_same_run()
+                self._scheduled = recorded.get("schedule_steps", recorded.get("max_steps"))  # its schedule's
                 self._done = max(last or 0, recorded.get("max_steps") or 0) if finished else None
             if last is None:
                 self._no_checkpoint = f"--resume: {d} holds no checkpoint to continue from" + (
@@ -454,7 +458,9 @@ class Run:
             raise UsageError(self._no_checkpoint)
 
     def resolve_max_steps(self, num_rows, rows_per_step=None):
-        """--max-steps, or ceil(--num-epochs × num_rows / rows_per_step (default --batch-size))."""
+        """--max-steps, or ceil(--num-epochs × num_rows / rows_per_step (default --batch-size)). Also
+        run.schedule_steps, the steps the learning-rate schedule spans: a resumed run's own (--resume-schedule
+        keep: the rate never rises above what its schedule gave) or max_steps (a new run, or stretch)."""
         if self.max_steps is None:
             per_step = rows_per_step or self.args.batch_size
             self.max_steps = max(1, math.ceil(self.args.num_epochs * num_rows / per_step))
@@ -462,6 +468,12 @@ class Run:
                 print(f"--max-steps {self.max_steps}: {self.args.num_epochs:g} epochs of {num_rows} rows, "
                       f"{per_step} a step")
         self._check_resumable()
+        keep = self._scheduled if self.args.resume_schedule == "keep" and self._scheduled else self.max_steps
+        self.schedule_steps = self.resolved["schedule_steps"] = keep
+        if keep != self.max_steps and self.main and self.args.lr_scheduler_type != "constant":
+            print(f"--resume: the learning-rate schedule stays the run's, over {keep} steps"
+                  + (f", then its last rate to step {self.max_steps}" if keep < self.max_steps else "")
+                  + " (--resume-schedule stretch: over all steps, as transformers does; the rate can rise)")
         return self.max_steps
 
     def record(self, **values):

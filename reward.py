@@ -217,7 +217,7 @@ def main(args):
     train_data, eval_data = pad_pairs(train, length), pad_pairs(evals, length) if evals else None
     lengths = pair_lengths(train_data)
 
-    optimizer, schedule, warmup = make_optimizer(args, max_steps)
+    optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
     params, frozen = common.split_variables(backbone)
     head = jax.tree.map(lambda x: common.put_global(x, common.replicated(run.mesh)), init_head(backbone, args.seed))
     opt_state, opt_shardings = common.init_optimizer(optimizer, (params, head), run.mesh)

@@ -232,7 +232,7 @@ def main(args):
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
     lengths = train_data["padding_mask"].sum(-1)
 
-    optimizer, schedule, warmup = make_optimizer(args, max_steps)
+    optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
     params, frozen = common.split_variables(backbone)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     (params, opt_state), _ = run.resume((params, opt_state))

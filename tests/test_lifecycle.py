@@ -288,6 +288,9 @@ def test_resume_knows_what_it_resumes(tmp_path):
     assert {k: v for k, v in record.items() if k != "resumes"} == first
     (resumed,) = record["resumes"]
     assert resumed["resumed_at_step"] == 3 and resumed["max_steps"] == 5 and resumed["log_every"] == 1
+    assert first["schedule_steps"] == resumed["schedule_steps"] == 3  # the schedule the run was built on, kept
+    rate = {r["step"]: r["charts/learning_rate"] for r in metrics(out)}
+    assert rate[3] == rate[4] == rate[5] == pytest.approx(2e-5)  # the last update's, held (spread over 5: 1e-5)
 
     shutil.rmtree(os.path.join(out, "checkpoints", "5"))  # as a run saved before its last step
     before = snapshot(out)
@@ -297,10 +300,26 @@ def test_resume_knows_what_it_resumes(tmp_path):
     assert snapshot(out) == before
 
 
-SCRIPTS = ("sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rloo", "evaluate", "compare")
+def test_an_extended_run_keeps_its_schedule_unless_asked(tmp_path, capsys):
+    """--resume --max-steps 80 on a finished 60-step run (its outputs as Run finds them; no model, no step):
+    the schedule still spans 60 steps, and says so; --resume-schedule stretch spreads it over 80."""
+    import plumbing
+    import sft
+    out = tmp_path / "run"
+    run = plumbing.Run("sft", plumbing.cli(sft.Args, [*FAST, "--max-steps", "60", "--output-dir", str(out)]))
+    assert run.resolve_max_steps(100) == 60 and run.schedule_steps == 60
+    (out / "checkpoints" / "60").mkdir(parents=True)
+    (out / "model").mkdir()
+    (out / "args.json").write_text(json.dumps(run._record(), default=str))
+    for how, spans in (("keep", 60), ("stretch", 80)):
+        flags = [*FAST, "--max-steps", "80", "--output-dir", str(out), "--resume", "--resume-schedule", how]
+        run = plumbing.Run("sft", plumbing.cli(sft.Args, flags))
+        assert run.resolve_max_steps(100) == 80 and run.schedule_steps == spans
+    assert capsys.readouterr().out.count("the learning-rate schedule stays the run's, over 60 steps, then its "
+                                         "last rate to step 80 (--resume-schedule stretch: over all steps") == 1
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
+@pytest.mark.parametrize("script", [s.removesuffix(".py") for s in SCRIPTS])
 def test_every_trl_flag_hint_names_a_flag_the_script_takes(script):
     """Each TRL name, typed as TRL spells it, to each script: the hint names one of that script's own flags,
     or says it has no counterpart there, never a flag the script would then refuse (cli's hint for one,
