@@ -1022,6 +1022,7 @@ def local_cache(hub):
 # flags have none: its prompts are files or folders)
 DATA_FLAGS = {"--dataset": ("--dataset-config", "--dataset-split"),
               "--eval-dataset": ("--dataset-config", "--eval-split"),
+              "--eval-split of --dataset": ("--dataset-config", "--eval-split"),
               "--prompts": ("--prompts-config", "--prompts-split")}
 
 
@@ -1268,12 +1269,15 @@ def eval_source(dataset, eval_dataset, eval_split, defaults):
     """(path, split) of the eval set, path None for none: --eval-dataset "", or your own --dataset without an eval
     set named (TRL evaluates only when asked; the bundled eval file goes with the bundled training file).
     --eval-split takes that split of --eval-dataset if one other than the default is given, else of --dataset
-    (TRL's dataset_test_split). defaults: the script's (dataset, eval_dataset) defaults."""
+    (TRL's dataset_test_split). defaults: the script's (dataset, eval_dataset) defaults. -> (path, split, the
+    flag its messages name: a split of --dataset is not --eval-dataset's)."""
     if eval_split and not eval_dataset:
         raise UsageError(f'--eval-split {eval_split}: --eval-dataset "" turns evaluation off')
     if not eval_split and eval_dataset == defaults[1] and dataset != defaults[0]:
-        return None, None
-    return (dataset if eval_split and eval_dataset == defaults[1] else eval_dataset or None), eval_split
+        return None, None, None
+    if eval_split and eval_dataset == defaults[1]:
+        return dataset, eval_split, "--eval-split of --dataset"
+    return eval_dataset or None, eval_split, "--eval-dataset"
 
 
 def read_prompts(path, template, flag="--dataset", config=None, split="train"):

@@ -302,9 +302,9 @@ def main(args):
     if args.beta <= 0 or min(args.desirable_weight, args.undesirable_weight) < 0:
         raise common.UsageError("need --beta > 0, --desirable-weight >= 0 and --undesirable-weight >= 0")
     template = common.chat_template(args.model, args.chat_template)
-    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
+    eval_path, eval_split, eval_flag = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
                                              (Args.dataset, Args.eval_dataset))
-    eval_rows = read_examples(eval_path, template, "--eval-dataset", args.dataset_config, eval_split) \
+    eval_rows = read_examples(eval_path, template, eval_flag, args.dataset_config, eval_split) \
         if eval_path else []
     train_rows = read_examples(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of examples

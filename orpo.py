@@ -255,9 +255,9 @@ def main(args):
     if args.beta < 0:
         raise common.UsageError("need --beta (λ) >= 0")
     template = common.chat_template(args.model, args.chat_template)
-    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
+    eval_path, eval_split, eval_flag = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
                                              (Args.dataset, Args.eval_dataset))
-    eval_rows = common.read_dataset(eval_path, "preference", template, "--eval-dataset", args.dataset_config,
+    eval_rows = common.read_dataset(eval_path, "preference", template, eval_flag, args.dataset_config,
                                     eval_split) if eval_path else []
     train_rows = common.read_dataset(args.dataset, "preference", template, "--dataset", args.dataset_config,
                                      args.dataset_split)

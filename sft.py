@@ -197,6 +197,12 @@ def eval_nll(backbone, params, frozen, batch):
     return -jnp.sum(jnp.where(mask, logps, 0.0), -1), mask.sum(-1)
 
 
+def sample_prompt(segments):
+    """A row's text up to its last answer, the earlier answers of a chat included: what a sample continues."""
+    last = max(i for i, (_, is_completion) in enumerate(segments) if is_completion)
+    return "".join(text for text, _ in segments[:last])
+
+
 def make_optimizer(args, max_steps):
     schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, max_steps,
                                           args.warmup_steps, args.warmup_ratio, args.min_lr_rate)
@@ -212,9 +218,9 @@ def main(args):
                        grad_accum_steps=args.grad_accum_steps,
                        export_hf=args.export_hf, skip_nonfinite=args.skip_nonfinite)  # nothing written yet
     template = common.chat_template(args.model, args.chat_template)
-    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
+    eval_path, eval_split, eval_flag = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
                                              (Args.dataset, Args.eval_dataset))
-    eval_rows = common.read_dataset(eval_path, "sft", template, "--eval-dataset", args.dataset_config,
+    eval_rows = common.read_dataset(eval_path, "sft", template, eval_flag, args.dataset_config,
                                     eval_split) if eval_path else []
     train_rows = common.read_dataset(args.dataset, "sft", template, "--dataset", args.dataset_config,
                                      args.dataset_split)
@@ -264,8 +270,7 @@ def main(args):
     # ---- outputs: final model (LoRA merged) and a few greedy samples from it ----
     def save_and_sample(path):
         common.save_model(model, state[0], path)  # also writes the trained values into `model`
-        prompts = ["".join(t for t, is_completion in segs if not is_completion)
-                   for segs in eval_rows[:args.num_samples]]
+        prompts = [sample_prompt(segs) for segs in eval_rows[:args.num_samples]]
         for p, out in zip(prompts, model.generate(prompts, max_length=length, strip_prompt=True) if prompts else []):
             print(f"sample: {p!r} -> {out!r}")
 
