@@ -95,11 +95,11 @@ TRL_FLAGS = {"num-train-epochs": "--num-epochs", "per-device-train-batch-size": 
              "lora-dropout": "absent (Keras' LoRA layers have no dropout)"}
 
 
-def trl_hint(flag, args_class):
-    """What the TRL flag `flag` (as typed, maybe with TRL's _) is in the script of `args_class`."""
-    ours, name = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(args_class)}, flag.split("=")[0]
-    here = [h for h in TRL_FLAGS[name[2:].replace("_", "-")].split(" | ") if h[:2] != "--" or h.split()[0] in ours]
-    script = os.path.basename(getattr(sys.modules.get(args_class.__module__), "__file__", None) or "this script")
+def trl_hint(name, ours, script):
+    """What the TRL flag `name` (--x_y or --x-y) is in `script`, whose flags are `ours`; None: not TRL's."""
+    if (trl := name[2:].replace("_", "-")) not in TRL_FLAGS:
+        return None
+    here = [h for h in TRL_FLAGS[trl].split(" | ") if h[:2] != "--" or h.split()[0] in ours]
     return f"{name} is {here[0]} here" if here else f"{name} has no counterpart in {script} (see --help)"
 
 
@@ -117,7 +117,9 @@ def cli(args_class, argv=None):
             raise
         lines = [line.strip("│╭╮╰╯ \n") for line in err.getvalue().splitlines()[1:]]  # [0]: the box's title
         text = " ".join(lines[:next((i for i, x in enumerate(lines) if set(x) <= {"─"}), len(lines))])
-        trl = [trl_hint(a, args_class) for a in argv if a[2:].split("=")[0].replace("_", "-") in TRL_FLAGS]
+        ours = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(args_class)}
+        script = os.path.basename(getattr(sys.modules.get(args_class.__module__), "__file__", None) or "")
+        trl = [h for a in argv if a[:2] == "--" and (h := trl_hint(a.split("=")[0], ours, script))]
         guess = next((x.split()[0] for x, prev in zip(lines[1:], lines) if prev == "Perhaps you meant:"), None)
         hints = trl or ([f"perhaps you meant {guess}"] if guess else [])
         raise UsageError("; ".join([text or err.getvalue().strip(), *hints])) from None
@@ -153,12 +155,23 @@ def is_toy_model(model):
 
 
 def answer_help(module_name, path):
-    """`python <script> --help`: print the help read from the script's `Args` source and exit 0,
-    before the script's heavy imports (keras-hub takes seconds). Does nothing on `import <script>`."""
-    if module_name == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
-        text = help_from_source(path)
-        if text is not None:
-            _end(0, text)
+    """`python <script> --help`: print the help read from the script's `Args` source and exit 0; an option it
+    does not have: cli's one line (the hint for a TRL name, or the closest flag), exit 2. Both before the
+    script's heavy imports (keras-hub takes seconds). Does nothing on `import <script>`."""
+    import difflib
+    import re
+    if module_name != "__main__":
+        return
+    argv, fields = sys.argv[1:], _fields(path, "Args") or {}
+    if {"-h", "--help"} & set(argv) and fields:
+        _end(0, help_from_source(path))
+    ours = set(re.findall(r"--[\w-]+", " ".join(f[1] for f in fields.values())))  # --resume, --no-resume, …
+    unknown = [a.split("=")[0] for a in argv[:argv.index("--") if "--" in argv else None]
+               if a[:2] == "--" and " " not in a and a.split("=")[0].replace("_", "-") not in ours]
+    if fields and unknown:  # tyro would refuse them, after the imports
+        hints = [h for a in unknown if (h := trl_hint(a, ours, os.path.basename(path)))] or [
+            f"perhaps you meant {c}" for c in difflib.get_close_matches(unknown[0].replace("_", "-"), ours, 1)]
+        _end(2, f"error: Unrecognized options: {', '.join(unknown)}" + "".join(f"; {h}" for h in hints), sys.stderr)
 
 
 def _fields(path, name):

@@ -56,6 +56,9 @@ class Args(plumbing.SharedArgs):
     """evaluate every N steps (and at the end)"""
     num_samples: int = 4
     """greedy generations from eval prompts printed at the end"""
+    print_example: int = 0
+    """print the first N rows of --dataset as the model trains on them (the text the chat template renders,
+    the trained parts in [[ ]]; each token `id:piece`, `*` where the loss covers it) and exit, training nothing"""
 
 
 # ---------------------------------------------------------------------------
@@ -90,6 +93,16 @@ def tokenize_dataset(segs, tokenizer, max_length, completion_only_loss, path):
     if not examples:
         raise common.UsageError(f"{path}: every example is longer than --max-length {max_length}")
     return examples, {"examples": len(examples), "truncated": truncated, "dropped": dropped}
+
+
+def print_examples(rows, tokenizer, args):
+    """--print-example N: each row's segments rendered (trained text in [[ ]]) and tokenised as training is."""
+    for i, segs in enumerate(rows):
+        ((ids, mask),), _ = tokenize_dataset([segs], tokenizer, args.max_length, args.completion_only_loss,
+                                             f"{args.dataset} row {i + 1}")
+        pieces = " ".join(f"{t}{'*' if m else ''}:{tokenizer.id_to_token(int(t))!r}" for t, m in zip(ids, mask))
+        print(f"--- row {i + 1}: {len(ids)} tokens, {mask.sum()} trained (* below)\n"
+              + "".join(f"[[{t}]]" if trained else t for t, trained in segs) + f"\n{pieces}")
 
 
 def pad_examples(examples, length):
@@ -224,6 +237,9 @@ def main(args):
                                     eval_split) if eval_path else []
     train_rows = common.read_dataset(args.dataset, "sft", template, "--dataset", args.dataset_config,
                                      args.dataset_split)
+    if args.print_example:  # the rows as the model sees them, and no run
+        model = common.load_model(args.model, run.mesh, run.dtype, args.seed)
+        return print_examples(train_rows[:args.print_example], model.preprocessor.tokenizer, args)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of rows
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block

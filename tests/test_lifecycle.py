@@ -332,15 +332,34 @@ def test_every_trl_flag_hint_names_a_flag_the_script_takes(script):
         typed = "--" + trl.replace("-", "_")
         if typed.replace("_", "-") in ours:
             continue  # the script has TRL's flag itself (evaluate.py's --max-new-tokens)
-        hint = plumbing.trl_hint(typed + "=1", args_class)
+        hint = plumbing.trl_hint(typed, ours, f"{script}.py")
         named = re.match(rf"{typed} is (--[a-z-]+)", hint)
         assert (named and named[1] in ours) or hint == f"{typed} has no counterpart in {script}.py (see --help)" \
             or hint.startswith(f"{typed} is absent"), (script, hint)
     with pytest.raises(plumbing.UsageError) as e:
         plumbing.cli(args_class, ["--logging_steps", "5"])
-    assert str(e.value).endswith("; " + plumbing.trl_hint("--logging_steps", args_class))
+    assert str(e.value).endswith("; " + plumbing.trl_hint("--logging_steps", ours, f"{script}.py"))
     if "--log-every" in ours:
         assert plumbing.cli(args_class, ["--log-every", "5"]).log_every == 5
+
+
+def test_an_unknown_option_is_answered_before_the_heavy_imports(tmp_path):
+    """A parse error of an option the script does not have is answered from its source, as --help is: with
+    a `jax` that cannot be imported first on the path, the one line (TRL's name, or the closest flag) still
+    comes, exit 2 (tyro's own answer came after 3 s of imports)."""
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "__init__.py").write_text("raise ImportError('jax imported')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    for script, flags, line in (
+            ("grpo.py", ["--logging_steps", "5"], "error: Unrecognized options: --logging_steps; --logging_steps "
+                                                  "has no counterpart in grpo.py (see --help)"),
+            ("sft.py", ["--logging_steps=5", "--max-steps", "3"], "error: Unrecognized options: --logging_steps; "
+                                                                  "--logging_steps is --log-every here"),
+            ("dpo.py", ["--learning-rat", "1e-5"], "error: Unrecognized options: --learning-rat; perhaps you meant "
+                                                    "--learning-rate")):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], capture_output=True, text=True,
+                              env=env, timeout=60)
+        assert (proc.returncode, proc.stderr.strip(), proc.stdout) == (2, line, ""), script
 
 
 def test_flags_as_trl_names_them_and_the_toy_task_are_answered(tmp_path):
