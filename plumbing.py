@@ -51,9 +51,18 @@ class NonFiniteLoss(RunFailed):
     """train/loss became NaN or inf: the message on stderr, exit code 1 (the checkpoints stay)."""
 
 
+def say(text, file=None):
+    """print(text) on its own line above a running progress bar, which tqdm then redraws."""
+    from tqdm import tqdm
+    tqdm.write(text, file=file)
+
+
 def _end(code, message=None, stream=None):
-    """Print `message` and end the process (answer_help's and launch's exit, nowhere else). os._exit
-    skips interpreter teardown, which can wait on JAX's or orbax's threads after an error."""
+    """Print `message` and end the process (answer_help's and launch's exit, nowhere else), on a line of its
+    own: an open progress bar is closed first. os._exit skips interpreter teardown, which can wait on JAX's or
+    orbax's threads after an error."""
+    for bar in list(getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())):
+        bar.close()
     if message is not None:
         with contextlib.suppress(BrokenPipeError):  # `--help | head`
             print(message, file=stream or sys.stdout)
@@ -646,7 +655,7 @@ class Run:
         row = {k: float(v) for k, v in row.items()}
         self._write(self.step, row)
         self.last_eval = row
-        print(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3]), flush=True)
+        say(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3]))
         if self._eval_started is not None:
             self._paused += time.perf_counter() - self._eval_started
             self._eval_started = None
@@ -774,8 +783,7 @@ class Remat:
         for backbone in self.backbones:
             backbone.remat_on = mode == "on"
         if why and jax.process_index() == 0:
-            from tqdm import tqdm
-            tqdm.write(f"remat: auto -> {mode} ({why})")  # above the progress bar the first step runs under
+            say(f"remat: auto -> {mode} ({why})")  # above the progress bar the first step runs under
         return jax.jit(fn, **jit_kwargs)  # a new callable: traced afresh, with the switch as now set
 
     def jit(self, fn, length=None, **jit_kwargs):

@@ -343,6 +343,17 @@ def test_every_trl_flag_hint_names_a_flag_the_script_takes(script):
         assert plumbing.cli(args_class, ["--log-every", "5"]).log_every == 5
 
 
+def test_the_last_line_is_not_glued_to_the_progress_bar():
+    """An error (or the preemption line) ending a run mid-loop starts a line of its own: the bar, drawn with
+    no newline, is closed first; eval lines go above the bar (plumbing.say)."""
+    code = ("import sys, tqdm, plumbing; bar = tqdm.tqdm(total=3, desc='sft'); bar.update(1); "
+            "plumbing.say('step 1: eval/loss 1.0', sys.stderr); plumbing._end(2, 'error: bad', sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.replace("\r", "\n").splitlines()
+    assert proc.returncode == 2 and lines[-1] == "error: bad" and "step 1: eval/loss 1.0" in lines
+    assert lines[-2].startswith("sft:  33%")  # the bar, closed where it stood
+
+
 def test_an_unknown_option_is_answered_before_the_heavy_imports(tmp_path):
     """A parse error of an option the script does not have is answered from its source, as --help is: with
     a `jax` that cannot be imported first on the path, the one line (TRL's name, or the closest flag) still
