@@ -58,9 +58,8 @@ def say(text, file=None):
 
 
 def _end(code, message=None, stream=None):
-    """Print `message` and end the process (answer_help's and launch's exit, nowhere else), on a line of its
-    own: an open progress bar is closed first. os._exit skips interpreter teardown, which can wait on JAX's or
-    orbax's threads after an error."""
+    """Print `message` on a line of its own (an open progress bar closed first) and end the process (answer_help's
+    and launch's exit, nowhere else). os._exit skips teardown, which can wait on JAX's or orbax's threads."""
     for bar in list(getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())):
         bar.close()
     if message is not None:
@@ -112,12 +111,26 @@ def trl_hint(name, ours, script):
     return f"{name} is {here[0]} here" if here else f"{name} has no counterpart in {script} (see --help)"
 
 
+def check_options(argv, ours, script):
+    """A UsageError naming the options of argv that `script` lacks (`ours`: its flags; TRL's --x_y spelling
+    passes for --x-y, as tyro takes it), with a hint: a TRL flag's name there, else its closest flag."""
+    import difflib
+    unknown = [a.split("=")[0] for a in argv[:argv.index("--") if "--" in argv else None]  # " ": a value
+               if a[:2] == "--" and " " not in a and a.split("=")[0].replace("_", "-") not in ours | {"--help"}]
+    if unknown:
+        hints = [h for a in unknown if (h := trl_hint(a, ours, script))] or [
+            f"perhaps you meant {c}" for c in difflib.get_close_matches(unknown[0].replace("_", "-"), ours, 1)]
+        raise UsageError(f"Unrecognized options: {', '.join(unknown)}" + "".join(f"; {h}" for h in hints))
+
+
 def cli(args_class, argv=None):
-    """tyro.cli(Args) on argv (None: sys.argv), with tyro's boxed parse errors as one UsageError: a TRL flag
-    name gets this project's, a typo tyro's guess. Then check_defaults."""
+    """tyro.cli(Args) on argv (None: sys.argv), with tyro's boxed parse errors as one UsageError (an unknown
+    option: check_options' line, hint included). Then check_defaults."""
     import io
     import tyro
     err, argv = io.StringIO(), sys.argv[1:] if argv is None else list(argv)
+    ours = {f"--{no}{f.name.replace('_', '-')}" for f in dataclasses.fields(args_class) for no in ("", "no-")}
+    check_options(argv, ours, os.path.basename(getattr(sys.modules.get(args_class.__module__), "__file__", "")))
     try:
         with contextlib.redirect_stderr(err):
             args = tyro.cli(args_class, args=argv)
@@ -126,12 +139,7 @@ def cli(args_class, argv=None):
             raise
         lines = [line.strip("│╭╮╰╯ \n") for line in err.getvalue().splitlines()[1:]]  # [0]: the box's title
         text = " ".join(lines[:next((i for i, x in enumerate(lines) if set(x) <= {"─"}), len(lines))])
-        ours = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(args_class)}
-        script = os.path.basename(getattr(sys.modules.get(args_class.__module__), "__file__", None) or "")
-        trl = [h for a in argv if a[:2] == "--" and (h := trl_hint(a.split("=")[0], ours, script))]
-        guess = next((x.split()[0] for x, prev in zip(lines[1:], lines) if prev == "Perhaps you meant:"), None)
-        hints = trl or ([f"perhaps you meant {guess}"] if guess else [])
-        raise UsageError("; ".join([text or err.getvalue().strip(), *hints])) from None
+        raise UsageError(text or err.getvalue().strip()) from None
     check_defaults(args, argv)
     return args
 
@@ -167,20 +175,18 @@ def answer_help(module_name, path):
     """`python <script> --help`: print the help read from the script's `Args` source and exit 0; an option it
     does not have: cli's one line (the hint for a TRL name, or the closest flag), exit 2. Both before the
     script's heavy imports (keras-hub takes seconds). Does nothing on `import <script>`."""
-    import difflib
     import re
     if module_name != "__main__":
         return
     argv, fields = sys.argv[1:], _fields(path, "Args") or {}
     if {"-h", "--help"} & set(argv) and fields:
         _end(0, help_from_source(path))
-    ours = set(re.findall(r"--[\w-]+", " ".join(f[1] for f in fields.values())))  # --resume, --no-resume, …
-    unknown = [a.split("=")[0] for a in argv[:argv.index("--") if "--" in argv else None]
-               if a[:2] == "--" and " " not in a and a.split("=")[0].replace("_", "-") not in ours]
-    if fields and unknown:  # tyro would refuse them, after the imports
-        hints = [h for a in unknown if (h := trl_hint(a, ours, os.path.basename(path)))] or [
-            f"perhaps you meant {c}" for c in difflib.get_close_matches(unknown[0].replace("_", "-"), ours, 1)]
-        _end(2, f"error: Unrecognized options: {', '.join(unknown)}" + "".join(f"; {h}" for h in hints), sys.stderr)
+    try:  # what tyro would refuse, after the imports
+        if fields:
+            check_options(argv, set(re.findall(r"--[\w-]+", " ".join(f[1] for f in fields.values()))),
+                          os.path.basename(path))
+    except UsageError as e:
+        _end(2, f"error: {e}", sys.stderr)
 
 
 def _fields(path, name):
@@ -225,9 +231,9 @@ def _fields(path, name):
 def help_from_source(path, width=100):
     """--help of the script at `path` from its `class Args` source (no import, so it is instant): every
     flag in its section (the outputs' sections last), with its choices, doc and default. None without Args."""
-    fields, sections = _fields(path, "Args"), {}
-    if fields is None:
+    if (fields := _fields(path, "Args")) is None:
         return None
+    sections = {}
     for section, *rest in fields.values():
         sections.setdefault(section, []).append(rest)
     last = ("logging and outputs", "multi-host (TPU pods and clusters are detected without these)")
@@ -493,9 +499,8 @@ class Run:
         keep = self._scheduled if self.args.resume_schedule == "keep" and self._scheduled else self.max_steps
         self.schedule_steps = self.resolved["schedule_steps"] = keep
         if keep != self.max_steps and self.main and self.args.lr_scheduler_type != "constant":
-            print(f"--resume: the learning-rate schedule stays the run's, over {keep} steps"
-                  + (f", then its last rate to step {self.max_steps}" if keep < self.max_steps else "")
-                  + " (--resume-schedule stretch: over all steps, as transformers does; the rate can rise)")
+            print(f"--resume: the learning-rate schedule stays the run's, over {keep} steps, then its last rate "
+                  "(--resume-schedule stretch: over all steps, as transformers does; the rate can rise)")
         return self.max_steps
 
     def record(self, **values):
@@ -631,14 +636,13 @@ class Run:
             row[k] = float(np.dot([float(m[k]) for m in fetched], w) / w.sum()) if w.sum() else 0.0
         if self._lr is not None:
             row["charts/learning_rate"] = float(self._lr(self.step - 1))
-        row["charts/tokens_per_sec"] = self._tokens / elapsed
-        row["charts/mfu"] = self._flops / elapsed / self._peak
+        row["charts/tokens_per_sec"], row["charts/mfu"] = self._tokens / elapsed, self._flops / elapsed / self._peak
         row["charts/tokens"], row["charts/flops"] = float(self._tokens), float(self._flops)  # the interval's (sums)
         if self._padded:
             row["charts/padding_fraction"] = 1.0 - self._tokens / self._padded
             row["charts/compilations"] = float(len(self._shapes))
-        self._write(self.step, row)
         self.last_train = row
+        self._write(self.step, row)
         shown = {k.split("/")[-1]: f"{row[k]:.4g}" for k in ("train/loss", *self._show) if k in row}
         self._bar.set_postfix(**shown, tok_s=f"{row['charts/tokens_per_sec']:.0f}")
         self._pending, self._tokens, self._flops, self._padded = [], 0, 0.0, 0
@@ -652,9 +656,8 @@ class Run:
 
     def log_eval(self, row):
         """Log eval metrics (host floats, names prefixed eval/) at the current step, and print them."""
-        row = {k: float(v) for k, v in row.items()}
+        self.last_eval = row = {k: float(v) for k, v in row.items()}
         self._write(self.step, row)
-        self.last_eval = row
         say(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3]))
         if self._eval_started is not None:
             self._paused += time.perf_counter() - self._eval_started
@@ -687,12 +690,11 @@ class Run:
         self._open()
         self._flush()
         tmp = self.model_dir + ".tmp"
-        if self.main and os.path.exists(tmp):
-            shutil.rmtree(tmp)
+        if self.main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a save cut short
         save(tmp)
         if self.main:
-            if os.path.exists(self.model_dir):
-                shutil.rmtree(self.model_dir)
+            shutil.rmtree(self.model_dir, ignore_errors=True)
             os.replace(tmp, self.model_dir)
             if self.export_hf:
                 common.export_hf(self.model_dir, os.path.join(self.dir, "model_hf"), self.args.chat_template)
@@ -851,15 +853,11 @@ def matmul_flops_per_sec(n=1024, repeats=5):
     """FLOP/s of a float32 n × n matmul on this process's first device, best of `repeats` (measured now)."""
     import jax
     import numpy as np
+    import timeit
     x = jax.device_put(np.ones((n, n), np.float32), jax.local_devices()[0])
     f = jax.jit(lambda a: a @ a)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / min(times)
+    f(x).block_until_ready()  # compiled before the timing
+    return 2 * n**3 / min(timeit.repeat(lambda: f(x).block_until_ready(), number=1, repeat=repeats))
 
 
 def synced(tree):
@@ -886,8 +884,7 @@ def compilation_cache():
     """JAX's persistent compilation cache, so a resumed run, a compare.py seed and a test process reuse the
     programs of an identical earlier one: $JAX_COMPILATION_CACHE_DIR (JAX's own variable; `off` turns it
     off), else ~/.cache/posttrain-jax. Programs compiled in under 0.5 s are not stored (JAX's default: 1 s),
-    or under $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (JAX's own variable).
-    Returns the directory or None."""
+    or under $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (JAX's own variable). -> the directory or None."""
     import jax
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "posttrain-jax")

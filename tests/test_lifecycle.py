@@ -316,7 +316,7 @@ def test_an_extended_run_keeps_its_schedule_unless_asked(tmp_path, capsys):
         run = plumbing.Run("sft", plumbing.cli(sft.Args, flags))
         assert run.resolve_max_steps(100) == 80 and run.schedule_steps == spans
     assert capsys.readouterr().out.count("the learning-rate schedule stays the run's, over 60 steps, then its "
-                                         "last rate to step 80 (--resume-schedule stretch: over all steps") == 1
+                                         "last rate (--resume-schedule stretch: over all steps") == 1
 
 
 @pytest.mark.parametrize("script", [s.removesuffix(".py") for s in SCRIPTS])
