@@ -29,7 +29,7 @@ import os
 import shutil
 import sys
 
-from plumbing import HERE, UsageError, say  # the run shell's: bad input is a UsageError (exit 2)
+from plumbing import HERE, UsageError  # the run shell's: bad input is a UsageError (exit 2)
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 if not (os.environ.get("JAX_PLATFORMS") or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
@@ -891,8 +891,9 @@ class Scorer:
                     inputs if var_kw else {k: v for k, v in inputs.items() if k in names}))
             if nan[name].any() and name not in self.warned:  # TRL's nansum takes a NaN as a None
                 self.warned.add(name)
-                say(f"warning: reward function {described(f)} returned NaN for {nan[name].sum()} of "
-                    f"{len(texts)} completions: taken as None (does not apply), as TRL does", sys.stderr)
+                from tqdm import tqdm  # on a line of its own, above the progress bar
+                tqdm.write(f"warning: reward function {described(f)} returned NaN for {nan[name].sum()} of "
+                           f"{len(texts)} completions: taken as None (does not apply), as TRL does", sys.stderr)
         weighted = [w * parts[name] for _, w, _, name in self.fns]  # w_k × s_k, by position
         if self.model is not None:
             parts["reward_model"] = np.asarray(self.forward(batch), np.float64)

@@ -51,12 +51,6 @@ class NonFiniteLoss(RunFailed):
     """train/loss became NaN or inf: the message on stderr, exit code 1 (the checkpoints stay)."""
 
 
-def say(text, file=None):
-    """print(text) on its own line above a running progress bar, which tqdm then redraws."""
-    from tqdm import tqdm
-    tqdm.write(text, file=file)
-
-
 def _end(code, message=None, stream=None):
     """Print `message` on a line of its own (an open progress bar closed first) and end the process (answer_help's
     and launch's exit, nowhere else). os._exit skips teardown, which can wait on JAX's or orbax's threads."""
@@ -103,24 +97,23 @@ TRL_FLAGS = {"num-train-epochs": "--num-epochs", "per-device-train-batch-size": 
              "lora-dropout": "absent (Keras' LoRA layers have no dropout)"}
 
 
-def trl_hint(name, ours, script):
-    """What the TRL flag `name` (--x_y or --x-y) is in `script`, whose flags are `ours`; None: not TRL's."""
-    if (trl := name[2:].replace("_", "-")) not in TRL_FLAGS:
-        return None
-    here = [h for h in TRL_FLAGS[trl].split(" | ") if h[:2] != "--" or h.split()[0] in ours]
-    return f"{name} is {here[0]} here" if here else f"{name} has no counterpart in {script} (see --help)"
-
-
 def check_options(argv, ours, script):
     """A UsageError naming the options of argv that `script` lacks (`ours`: its flags; TRL's --x_y spelling
-    passes for --x-y, as tyro takes it), with a hint: a TRL flag's name there, else its closest flag."""
+    passes for --x-y, as tyro takes it), with hints: what a TRL flag is there (the first of its TRL_FLAGS
+    alternatives `script` takes, or none), else the closest of `ours`."""
     import difflib
     unknown = [a.split("=")[0] for a in argv[:argv.index("--") if "--" in argv else None]  # " ": a value
                if a[:2] == "--" and " " not in a and a.split("=")[0].replace("_", "-") not in ours | {"--help"}]
+    hints = []
+    for name in unknown:
+        if (trl := name[2:].replace("_", "-")) in TRL_FLAGS:
+            here = [h for h in TRL_FLAGS[trl].split(" | ") if h[:2] != "--" or h.split()[0] in ours]
+            hints.append(f"{name} is {here[0]} here" if here else f"{name} has no counterpart in {script} "
+                         "(see --help)")
     if unknown:
-        hints = [h for a in unknown if (h := trl_hint(a, ours, script))] or [
-            f"perhaps you meant {c}" for c in difflib.get_close_matches(unknown[0].replace("_", "-"), ours, 1)]
-        raise UsageError(f"Unrecognized options: {', '.join(unknown)}" + "".join(f"; {h}" for h in hints))
+        close = difflib.get_close_matches(unknown[0].replace("_", "-"), ours, 1)
+        raise UsageError(f"Unrecognized options: {', '.join(unknown)}"
+                         + "".join(f"; {h}" for h in hints or [f"perhaps you meant {c}" for c in close]))
 
 
 def cli(args_class, argv=None):
@@ -343,8 +336,7 @@ class RolloutArgs(SharedArgs):
     """prompt tokens (BOS included); longer prompts are cut from the left (TRL GRPOConfig ≤ 0.2x: 512)"""
     # rollouts
     response_length: int = 256
-    """new tokens sampled per completion (TRL GRPOConfig's max_completion_length: 256); without EOS by then:
-    `clipped`"""
+    """new tokens per completion (TRL GRPOConfig's max_completion_length: 256); without EOS by then: `clipped`"""
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
     # logging and outputs
@@ -658,7 +650,8 @@ class Run:
         """Log eval metrics (host floats, names prefixed eval/) at the current step, and print them."""
         self.last_eval = row = {k: float(v) for k, v in row.items()}
         self._write(self.step, row)
-        say(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3]))
+        from tqdm import tqdm
+        tqdm.write(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3]))  # above a bar
         if self._eval_started is not None:
             self._paused += time.perf_counter() - self._eval_started
             self._eval_started = None
@@ -785,7 +778,8 @@ class Remat:
         for backbone in self.backbones:
             backbone.remat_on = mode == "on"
         if why and jax.process_index() == 0:
-            say(f"remat: auto -> {mode} ({why})")  # above the progress bar the first step runs under
+            from tqdm import tqdm
+            tqdm.write(f"remat: auto -> {mode} ({why})")  # above the progress bar the first step runs under
         return jax.jit(fn, **jit_kwargs)  # a new callable: traced afresh, with the switch as now set
 
     def jit(self, fn, length=None, **jit_kwargs):
