@@ -1,8 +1,9 @@
 """The run shell: plumbing every script shares and no one needs to read to learn an algorithm.
 
   1. The boundary  UsageError, RunComplete, Preempted, RunFailed (NonFiniteLoss); launch: main under the one
-                   boundary that turns them into exit codes 2, 0, 0, 1; cli (tyro, errors in one line);
-                   answer_help (--help read from the script's source, before its heavy imports)
+                   boundary that turns them into exit codes 2, 0, 0, 1; cli (tyro, errors in one line;
+                   check_options: unknown ones, TRL's names answered); answer_help (--help and unknown
+                   options from the script's source, before its heavy imports)
   2. Shared flags  SharedArgs (every script's Args extends it), RolloutArgs (+ the RL scripts' rollouts)
   3. The run       Run: output dir, --resume/--overwrite, --max-steps from --num-epochs, args.json,
                    metrics.jsonl + TensorBoard (+ W&B), progress, tokens/s and MFU, the non-finite stop, eval
@@ -98,9 +99,8 @@ TRL_FLAGS = {"num-train-epochs": "--num-epochs", "per-device-train-batch-size": 
 
 
 def check_options(argv, ours, script):
-    """A UsageError naming the options of argv that `script` lacks (`ours`: its flags; TRL's --x_y spelling
-    passes for --x-y, as tyro takes it), with hints: what a TRL flag is there (the first of its TRL_FLAGS
-    alternatives `script` takes, or none), else the closest of `ours`."""
+    """A UsageError naming the options of argv that `script` lacks (`ours`: its flags; --x_y passes as --x-y),
+    with hints: a TRL flag's name there (its first TRL_FLAGS alternative taken, or none), else the closest."""
     import difflib
     unknown = [a.split("=")[0] for a in argv[:argv.index("--") if "--" in argv else None]  # " ": a value
                if a[:2] == "--" and " " not in a and a.split("=")[0].replace("_", "-") not in ours | {"--help"}]
@@ -165,9 +165,8 @@ def is_toy_model(model):
 
 
 def answer_help(module_name, path):
-    """`python <script> --help`: print the help read from the script's `Args` source and exit 0; an option it
-    does not have: cli's one line (the hint for a TRL name, or the closest flag), exit 2. Both before the
-    script's heavy imports (keras-hub takes seconds). Does nothing on `import <script>`."""
+    """`python <script> --help`: the help read from its `Args` source, exit 0; an option it lacks: cli's line
+    (check_options), exit 2; both before its heavy imports (seconds). Does nothing on `import <script>`."""
     import re
     if module_name != "__main__":
         return
