@@ -214,12 +214,13 @@ def lr_schedule(kind, peak, total_steps, warmup_steps=0, warmup_ratio=0.0, min_l
     """--lr-scheduler-type as transformers' get_scheduler builds it for TRL's trainers -> (schedule, warmup):
     schedule(count) is the rate of optimizer update `count` (0 = the first update = transformers'
     lr_lambda(0)); warmup = --warmup-steps, or ceil(--warmup-ratio × total_steps) when that is 0
-    (TrainingArguments.get_warmup_steps); `constant` has none (get_scheduler ignores it)."""
+    (TrainingArguments.get_warmup_steps); `constant` has none (get_scheduler ignores it). Past the last update
+    (a run extended by --resume, plumbing.Run.schedule_steps): the last update's rate, held."""
     warmup = 0 if kind == "constant" else warmup_steps or math.ceil(warmup_ratio * total_steps)
     decay_steps = max(1, total_steps - warmup)
 
     def schedule(count):
-        step = jnp.asarray(count, jnp.float32)
+        step = jnp.minimum(jnp.asarray(count, jnp.float32), max(0, total_steps - 1))
         cosine = 0.5 * (1.0 + jnp.cos(jnp.pi * (step - warmup) / decay_steps))  # num_cycles 0.5: a half wave
         factor = {"linear": jnp.maximum(0.0, (total_steps - step) / decay_steps),
                   "cosine": jnp.maximum(0.0, cosine), "constant_with_warmup": 1.0, "constant": 1.0,
@@ -243,6 +244,9 @@ def resolve_model(name):
         return name
     if name in keras_hub.models.CausalLM.presets:
         return name
+    if name.count("/") == 1 and not name.startswith(("/", ".", "~")):  # a Hub repo id, as TRL takes it
+        raise UsageError(f"--model {name}: no such directory; as a Hugging Face Hub repo id it is "
+                         f"--model hf://{name}")
     aliases = ", ".join(["tiny"] + sorted(MODEL_ALIASES))
     raise UsageError(f"unknown --model {name!r}. Aliases: {aliases}; or any KerasHub preset, "
                      "a kaggle:// or hf:// handle, or a local preset / Hugging Face directory")
@@ -558,8 +562,8 @@ def described(fn):
 
 
 def call_reward_fn(fn, n, *args, **kwargs):
-    """fn(*args, **kwargs) -> [n] float64 scores, NaN where it returned None; a UsageError naming fn
-    when it raises or returns anything else."""
+    """fn(*args, **kwargs) -> ([n] float64 scores, NaN where it returned None or NaN; [n] bool: it returned
+    NaN itself); a UsageError naming fn when it raises or returns anything else."""
     import traceback
     try:
         out = fn(*args, **kwargs)
@@ -568,13 +572,23 @@ def call_reward_fn(fn, n, *args, **kwargs):
         raise UsageError(f"reward function {described(fn)} raised {type(e).__name__}: {e} "
                          f"(at {where.filename}:{where.lineno})") from None
     try:
-        values = np.array([np.nan if v is None else float(v) for v in out], np.float64)
+        scores = [None if v is None else float(v) for v in out]
     except (TypeError, ValueError):
         raise UsageError(f"reward function {described(fn)} returned {str(out)[:80]!r}: expected one float "
                          f"(or None) per completion") from None
-    if values.shape != (n,):
-        raise UsageError(f"reward function {described(fn)} returned {len(values)} scores for {n} completions")
-    return values
+    if len(scores) != n:
+        raise UsageError(f"reward function {described(fn)} returned {len(scores)} scores for {n} completions")
+    values = np.array([np.nan if v is None else v for v in scores], np.float64)
+    return values, np.array([v is not None for v in scores], bool) & np.isnan(values)
+
+
+def reward_names(fns):
+    """One metric name per function, by position: its __name__; where two share it, `module.name` (the file's
+    stem: data/toy.py:accuracy -> toy.accuracy); where those clash too, `module.name_<position in --reward-fn,
+    from 1>`."""
+    names = [f"{f.__module__}.{f.__name__}" if [g.__name__ for g in fns].count(f.__name__) > 1 else f.__name__
+             for f in fns]
+    return [f"{n}_{i + 1}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
 TRL_INPUTS = ("prompts", "completions", "completion_ids")
@@ -597,15 +611,16 @@ class Scorer:
     `scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)`, s the weighted sum of the
     parts: reward functions (TRL's form: reward_inputs; or f(prompt texts, texts)) on the texts cut at `end`,
     the template's end-of-turn marker (`rows`: each completion's dataset row), or reward.py's model on
-    batch["query_responses"] / ["padding_mask"] [B, T]. None from a function leaves it out of that sample's
-    sum (TRL: "does not apply"). -> scores [B] float32 over `data`, parts {a function's __name__ or
-    "reward_model": [B] float64 on the host, NaN for None}. Every process passes the whole batch. `model`
+    batch["query_responses"] / ["padding_mask"] [B, T]. None or NaN from a function leaves it out of that
+    sample's sum (TRL's nansum: "does not apply"). -> scores [B] float32 over `data`, parts {reward_names'
+    name or "reward_model": [B] float64 on the host, NaN for None}. Every process passes the whole batch. `model`
     and `head`: a reward model's (PPO's value model starts from them), else None."""
 
     def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None):
         self.model, self.head, self.name, self.on_data = model, head, name, NamedSharding(mesh, P("data"))
-        self.fns = [(f, w, reward_fn_signature(f))
-                    for f, w in zip(fns, weights or [1.0] * len(fns), strict=True)]
+        self.fns = [(f, w, reward_fn_signature(f), n) for f, w, n in
+                    zip(fns, weights or [1.0] * len(fns), reward_names(fns), strict=True)]  # by position
+        self.warned = set()  # the functions told once that their NaN counts as None
         if model is not None:  # the weights are jit arguments: closed over, they would be baked in as constants
             forward = jax.jit(functools.partial(reward_model_scores, model.backbone))
             values = (*split_variables(model.backbone), head)
@@ -614,7 +629,7 @@ class Scorer:
     def check_columns(self, rows, flag="--dataset"):
         """Before the model loads: each TRL-form function's required parameters are inputs or columns."""
         have = {k for r in rows for k in r} | set(TRL_INPUTS)
-        for f, _, signature in self.fns:
+        for f, _, signature, _ in self.fns:
             missing = [k for k in (signature[0] if signature else []) if k not in have]
             if missing:
                 raise UsageError(f"reward function {described(f)} takes {missing[0]!r}, which is not a "
@@ -622,25 +637,32 @@ class Scorer:
 
     def __call__(self, prompts, texts, batch, rows, completion_ids, end=None):
         texts = [t.split(end)[0] for t in texts] if end else list(texts)
-        inputs = reward_inputs(prompts, texts, rows, completion_ids) if any(s for _, _, s in self.fns) else None
-        parts = {}
-        for f, _, signature in self.fns:
+        inputs = reward_inputs(prompts, texts, rows, completion_ids) if any(f[2] for f in self.fns) else None
+        parts, nan = {}, {}
+        for f, _, signature, name in self.fns:
             if signature is None:
-                parts[f.__name__] = call_reward_fn(f, len(texts), prompts, texts)
+                parts[name], nan[name] = call_reward_fn(f, len(texts), prompts, texts)
             else:
                 _, names, var_kw = signature
-                parts[f.__name__] = call_reward_fn(f, len(texts), **(
+                parts[name], nan[name] = call_reward_fn(f, len(texts), **(
                     inputs if var_kw else {k: v for k, v in inputs.items() if k in names}))
-        weighted = [w * parts[f.__name__] for f, w, _ in self.fns]
+            if nan[name].any() and name not in self.warned:  # TRL's nansum takes a NaN as a None
+                self.warned.add(name)
+                from tqdm import tqdm  # on a line of its own, above the progress bar
+                tqdm.write(f"warning: reward function {described(f)} returned NaN for {nan[name].sum()} of "
+                           f"{len(texts)} completions: taken as None (does not apply), as TRL does", sys.stderr)
+        weighted = [w * parts[name] for _, w, _, name in self.fns]  # w_k × s_k, by position
         if self.model is not None:
             parts["reward_model"] = np.asarray(self.forward(batch), np.float64)
             weighted.append(parts["reward_model"])
-        weighted = np.stack(weighted)  # [parts, B], NaN where a function returned None
+        weighted = np.stack(weighted)  # [parts, B], NaN where a function returned None or NaN
         none = np.isnan(weighted).all(0)
         if none.any():
             i = int(np.argmax(none))
-            raise UsageError(f"every reward function returned None for completion {i} of the batch "
-                             f"(prompt {prompts[i][:80]!r}): at least one must score each completion")
+            said = ", ".join(f"{described(f)} returned {'NaN' if nan[n][i] else 'None'}"
+                             for f, _, _, n in self.fns)
+            raise UsageError(f"every reward function returned None or NaN for completion {i} of the batch "
+                             f"(prompt {prompts[i][:80]!r}): {said}; at least one must score each completion")
         total = np.nansum(weighted, 0)
         return put_global(np.asarray(total, np.float32), self.on_data), parts
 
@@ -924,12 +946,15 @@ def eval_source(dataset, eval_dataset, eval_split, defaults):
     """(path, split) of the eval set, path None for none: --eval-dataset "", or your own --dataset without an eval
     set named (TRL evaluates only when asked; the bundled eval file goes with the bundled training file).
     --eval-split takes that split of --eval-dataset if one other than the default is given, else of --dataset
-    (TRL's dataset_test_split). defaults: the script's (dataset, eval_dataset) defaults."""
+    (TRL's dataset_test_split). defaults: the script's (dataset, eval_dataset) defaults. -> (path, split, the
+    flag its messages name: a split of --dataset is not --eval-dataset's)."""
     if eval_split and not eval_dataset:
         raise UsageError(f'--eval-split {eval_split}: --eval-dataset "" turns evaluation off')
     if not eval_split and eval_dataset == defaults[1] and dataset != defaults[0]:
-        return None, None
-    return (dataset if eval_split and eval_dataset == defaults[1] else eval_dataset or None), eval_split
+        return None, None, None
+    if eval_split and eval_dataset == defaults[1]:
+        return dataset, eval_split, "--eval-split of --dataset"
+    return eval_dataset or None, eval_split, "--eval-dataset"
 
 
 def read_prompts(path, template, flag="--dataset", config=None, split="train"):

@@ -421,13 +421,15 @@ def note(name, st, base_name, base_st, run_metrics, on_reward_model):
     return head + f"moved (KL {mean('kl'):.2f}) in a direction its training signal prefers but the task score does not"
 
 
-def fmt(v, digits=3):
-    """(mean, ±) -> '0.558 ± 0.031'; a count -> '5120' / '1.23M' / '3.40e12'; NaN or None -> '–'."""
+def fmt(v, digits=3, top=None):
+    """(mean, ±) -> '0.558 ± 0.031'; a count -> '5120' / '1.23M' / '3.40e12', in the unit of `top` (a table
+    column's largest: '0.06M' beside '1.23M', not '55648'); NaN or None -> '–'."""
     if isinstance(v, tuple):
         return f"{v[0]:.{digits}f} ± {v[1]:.{digits}f}"
     if v is None or not np.isfinite(v):
         return "–"
-    return f"{v:.2e}".replace("e+", "e") if v >= 1e10 else f"{v / 1e6:.2f}M" if v >= 1e5 else f"{v:.0f}"
+    top = v if top is None else top
+    return f"{v:.2e}".replace("e+", "e") if top >= 1e10 else f"{v / 1e6:.2f}M" if top >= 1e5 else f"{v:.0f}"
 
 
 def table(rows, base_name, with_rm):
@@ -437,9 +439,10 @@ def table(rows, base_name, with_rm):
                                             "tokens trained", "tokens generated", "FLOPs", "wall time", "notes"]
     keys = ["score", "delta", "score_sampled"] + (["rm_score"] if with_rm else []) + ["win", "kl", "length"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 2) + ["---"]) + "|"]
+    tops = np.nanmax([[np.nan if c is None else c for c in cost[:3]] for _, _, cost, _ in rows] + [[0] * 3], 0)
     for name, st, cost, text in rows:
         cells = [fmt(st[k], 2 if k in ("rm_score", "kl", "length") else 3) if st and k in st else "–" for k in keys]
-        cells += [fmt(c) for c in cost[:3]] + [f"{cost[3]:.0f} s" if cost[3] else "–"]
+        cells += [fmt(c, top=t) for c, t in zip(cost[:3], tops)] + [f"{cost[3]:.0f} s" if cost[3] else "–"]
         lines.append("| " + " | ".join([f"**{name}**"] + cells + [text]) + " |")
     return "\n".join(lines)
 

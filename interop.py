@@ -245,6 +245,7 @@ def local_cache(hub):
 # flags have none: its prompts are files or folders)
 DATA_FLAGS = {"--dataset": ("--dataset-config", "--dataset-split"),
               "--eval-dataset": ("--dataset-config", "--eval-split"),
+              "--eval-split of --dataset": ("--dataset-config", "--eval-split"),
               "--prompts": ("--prompts-config", "--prompts-split")}
 
 

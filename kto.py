@@ -302,9 +302,9 @@ def main(args):
     if args.beta <= 0 or min(args.desirable_weight, args.undesirable_weight) < 0:
         raise common.UsageError("need --beta > 0, --desirable-weight >= 0 and --undesirable-weight >= 0")
     template = common.chat_template(args.model, args.chat_template)
-    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
+    eval_path, eval_split, eval_flag = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
                                              (Args.dataset, Args.eval_dataset))
-    eval_rows = read_examples(eval_path, template, "--eval-dataset", args.dataset_config, eval_split) \
+    eval_rows = read_examples(eval_path, template, eval_flag, args.dataset_config, eval_split) \
         if eval_path else []
     train_rows = read_examples(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of examples
@@ -325,7 +325,7 @@ def main(args):
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
     lengths, eval_lengths = example_lengths(train_data), example_lengths(eval_data) if evals else None
 
-    optimizer, schedule, warmup = make_optimizer(args, max_steps)
+    optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
     params, frozen = common.split_variables(backbone)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     # The reference πref = the initial policy, three ways: LoRA-off base (no copy), a frozen copy,

@@ -1,8 +1,9 @@
 """The run shell: plumbing every script shares and no one needs to read to learn an algorithm.
 
-  1. The boundary  UsageError (interop's), RunComplete, Preempted, RunFailed (NonFiniteLoss); launch: main
-                   under the one boundary that turns them into exit codes 2, 0, 0, 1; cli (tyro, errors in
-                   one line); answer_help (--help read from the script's source, before its heavy imports)
+  1. The boundary  UsageError (interop's), RunComplete, Preempted, RunFailed (NonFiniteLoss); launch: main under the one
+                   boundary that turns them into exit codes 2, 0, 0, 1; cli (tyro, errors in one line;
+                   check_options: unknown ones, TRL's names answered); answer_help (--help and unknown
+                   options from the script's source, before its heavy imports)
   2. Shared flags  SharedArgs (every script's Args extends it), RolloutArgs (+ the RL scripts' rollouts)
   3. The run       Run: output dir, --resume/--overwrite, --max-steps from --num-epochs, args.json,
                    metrics.jsonl + TensorBoard (+ W&B), progress, tokens/s and MFU, the non-finite stop, eval
@@ -51,8 +52,10 @@ class NonFiniteLoss(RunFailed):
 
 
 def _end(code, message=None, stream=None):
-    """Print `message` and end the process (answer_help's and launch's exit, nowhere else). os._exit
-    skips interpreter teardown, which can wait on JAX's or orbax's threads after an error."""
+    """Print `message` on a line of its own (an open progress bar closed first) and end the process (answer_help's
+    and launch's exit, nowhere else). os._exit skips teardown, which can wait on JAX's or orbax's threads."""
+    for bar in list(getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())):
+        bar.close()
     if message is not None:
         with contextlib.suppress(BrokenPipeError):  # `--help | head`
             print(message, file=stream or sys.stdout)
@@ -82,26 +85,47 @@ def launch(main, args_class):
         _end(1, f"error: {e}", sys.stderr)
 
 
-# TRL's (transformers') flag names that are spelled otherwise here -> this project's flag
+# TRL's (transformers') flag names that are spelled otherwise here -> this project's: the first flag of the
+# " | " alternatives the script takes (a hint without a flag fits every script; none: no counterpart there)
 TRL_FLAGS = {"num-train-epochs": "--num-epochs", "per-device-train-batch-size": "--batch-size (global: all devices)",
-             "gradient-accumulation-steps": "--grad-accum-steps", "max-completion-length": "--response-length",
-             "max-new-tokens": "--response-length (evaluate.py: --max-new-tokens)", "lora-r": "--lora-rank",
-             "use-peft": "--lora-rank N", "model-name-or-path": "--model", "dataset-name": "--dataset",
+             "gradient-accumulation-steps": "--grad-accum-steps", "max-completion-length": "--response-length | "
+             "--max-new-tokens", "max-new-tokens": "--response-length", "lora-r": "--lora-rank",
+             "use-peft": "--lora-rank N", "model-name-or-path": "--model", "dataset-name": "--dataset | --prompts",
              "save-steps": "--save-every", "eval-steps": "--eval-every", "logging-steps": "--log-every",
              "gradient-checkpointing": "--remat on", "bf16": "--dtype bfloat16", "resume-from-checkpoint":
              "--resume", "report-to": "--track (W&B; TensorBoard files are always written)",
              "per-device-eval-batch-size": "--batch-size", "eval-strategy": "--eval-every N (0: none)",
-             "dataset-train-split": "--dataset-split", "dataset-test-split": "--eval-split",
+             "dataset-train-split": "--dataset-split | --prompts-split", "dataset-test-split": "--eval-split",
              "lr-scheduler-kwargs": "--min-lr-rate (cosine_with_min_lr's min_lr_rate, the one kwarg taken)",
              "lora-dropout": "absent (Keras' LoRA layers have no dropout)"}
 
 
+def check_options(argv, ours, script):
+    """A UsageError naming the options of argv that `script` lacks (`ours`: its flags; --x_y passes as --x-y),
+    with hints: a TRL flag's name there (its first TRL_FLAGS alternative taken, or none), else the closest."""
+    import difflib
+    unknown = [a.split("=")[0] for a in argv[:argv.index("--") if "--" in argv else None]  # " ": a value
+               if a[:2] == "--" and " " not in a and a.split("=")[0].replace("_", "-") not in ours | {"--help"}]
+    hints = []
+    for name in unknown:
+        if (trl := name[2:].replace("_", "-")) in TRL_FLAGS:
+            here = [h for h in TRL_FLAGS[trl].split(" | ") if h[:2] != "--" or h.split()[0] in ours]
+            hints.append(f"{name} is {here[0]} here" if here else f"{name} has no counterpart in {script} "
+                         "(see --help)")
+    if unknown:
+        close = difflib.get_close_matches(unknown[0].replace("_", "-"), ours, 1)
+        raise UsageError(f"Unrecognized options: {', '.join(unknown)}"
+                         + "".join(f"; {h}" for h in hints or [f"perhaps you meant {c}" for c in close]))
+
+
 def cli(args_class, argv=None):
-    """tyro.cli(Args) on argv (None: sys.argv), with tyro's boxed parse errors as one UsageError: a TRL flag
-    name gets this project's, a typo tyro's guess. Then check_defaults."""
+    """tyro.cli(Args) on argv (None: sys.argv), with tyro's boxed parse errors as one UsageError (an unknown
+    option: check_options' line, hint included). Then check_defaults."""
     import io
     import tyro
     err, argv = io.StringIO(), sys.argv[1:] if argv is None else list(argv)
+    ours = {f"--{no}{f.name.replace('_', '-')}" for f in dataclasses.fields(args_class) for no in ("", "no-")}
+    check_options(argv, ours, os.path.basename(getattr(sys.modules.get(args_class.__module__), "__file__", "")))
     try:
         with contextlib.redirect_stderr(err):
             args = tyro.cli(args_class, args=argv)
@@ -110,11 +134,7 @@ def cli(args_class, argv=None):
             raise
         lines = [line.strip("│╭╮╰╯ \n") for line in err.getvalue().splitlines()[1:]]  # [0]: the box's title
         text = " ".join(lines[:next((i for i, x in enumerate(lines) if set(x) <= {"─"}), len(lines))])
-        trl = [f"{a.split('=')[0]} is {TRL_FLAGS[f]} here" for a in argv
-               if (f := a[2:].split("=")[0].replace("_", "-")) in TRL_FLAGS]  # TRL spells them with _ too
-        guess = next((x.split()[0] for x, prev in zip(lines[1:], lines) if prev == "Perhaps you meant:"), None)
-        hints = trl or ([f"perhaps you meant {guess}"] if guess else [])
-        raise UsageError("; ".join([text or err.getvalue().strip(), *hints])) from None
+        raise UsageError(text or err.getvalue().strip()) from None
     check_defaults(args, argv)
     return args
 
@@ -147,12 +167,20 @@ def is_toy_model(model):
 
 
 def answer_help(module_name, path):
-    """`python <script> --help`: print the help read from the script's `Args` source and exit 0,
-    before the script's heavy imports (keras-hub takes seconds). Does nothing on `import <script>`."""
-    if module_name == "__main__" and {"-h", "--help"} & set(sys.argv[1:]):
-        text = help_from_source(path)
-        if text is not None:
-            _end(0, text)
+    """`python <script> --help`: the help read from its `Args` source, exit 0; an option it lacks: cli's line
+    (check_options), exit 2; both before its heavy imports (seconds). Does nothing on `import <script>`."""
+    import re
+    if module_name != "__main__":
+        return
+    argv, fields = sys.argv[1:], _fields(path, "Args") or {}
+    if {"-h", "--help"} & set(argv) and fields:
+        _end(0, help_from_source(path))
+    try:  # what tyro would refuse, after the imports
+        if fields:
+            check_options(argv, set(re.findall(r"--[\w-]+", " ".join(f[1] for f in fields.values()))),
+                          os.path.basename(path))
+    except UsageError as e:
+        _end(2, f"error: {e}", sys.stderr)
 
 
 def _fields(path, name):
@@ -197,9 +225,9 @@ def _fields(path, name):
 def help_from_source(path, width=100):
     """--help of the script at `path` from its `class Args` source (no import, so it is instant): every
     flag in its section (the outputs' sections last), with its choices, doc and default. None without Args."""
-    fields, sections = _fields(path, "Args"), {}
-    if fields is None:
+    if (fields := _fields(path, "Args")) is None:
         return None
+    sections = {}
     for section, *rest in fields.values():
         sections.setdefault(section, []).append(rest)
     last = ("logging and outputs", "multi-host (TPU pods and clusters are detected without these)")
@@ -277,6 +305,9 @@ class SharedArgs:
     kept; 0: only on SIGTERM/SIGINT"""
     resume: bool = False
     """continue from the newest complete checkpoint in --output-dir"""
+    resume_schedule: Literal["keep", "stretch"] = "keep"
+    """--resume with another --max-steps: keep the run's learning-rate schedule (past its end: its last rate),
+    or stretch it over the new length as transformers' Trainer does (the rate can rise)"""
     overwrite: bool = False
     """replace a run already in --output-dir (otherwise refused)"""
     track: bool = False
@@ -306,8 +337,7 @@ class RolloutArgs(SharedArgs):
     """prompt tokens (BOS included); longer prompts are cut from the left (TRL GRPOConfig ≤ 0.2x: 512)"""
     # rollouts
     response_length: int = 256
-    """new tokens sampled per completion (TRL GRPOConfig's max_completion_length: 256); without EOS by then:
-    `clipped`"""
+    """new tokens per completion (TRL GRPOConfig's max_completion_length: 256); without EOS by then: `clipped`"""
     temperature: float = 1.0
     """sampling temperature; log-probs are computed from logits / temperature to match"""
     # logging and outputs
@@ -321,7 +351,7 @@ RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model", "model_hf")
 # must match args.json; --max-steps and --num-epochs may extend the run)
 RESUMABLE = {"max_steps", "num_epochs", "output_dir", "resume", "overwrite", "track", "save_every", "eval_every",
              "log_every", "sample_every", "num_samples", "mesh", "remat", "export_hf", "skip_nonfinite",
-             "coordinator_address", "num_processes", "process_id"}
+             "resume_schedule", "coordinator_address", "num_processes", "process_id"}
 
 
 def default_output_dir(script, model, seed):
@@ -395,10 +425,11 @@ class Run:
         if os.path.isdir(os.path.join(d, "checkpoints")):  # a step's dir appears (renamed) once complete
             steps = sorted(int(s) for s in os.listdir(os.path.join(d, "checkpoints")) if s.isdigit())
         last, finished = steps[-1] if steps else None, os.path.isdir(self.model_dir)
-        self._done = self._no_checkpoint = None
+        self._done = self._no_checkpoint = self._scheduled = None
         if self.args.resume:
             if "args.json" in held:
                 recorded = self._check_same_run()
+                self._scheduled = recorded.get("schedule_steps", recorded.get("max_steps"))  # its schedule's
                 self._done = max(last or 0, recorded.get("max_steps") or 0) if finished else None
             if last is None:
                 self._no_checkpoint = f"--resume: {d} holds no checkpoint to continue from" + (
@@ -449,7 +480,9 @@ class Run:
             raise UsageError(self._no_checkpoint)
 
     def resolve_max_steps(self, num_rows, rows_per_step=None):
-        """--max-steps, or ceil(--num-epochs × num_rows / rows_per_step (default --batch-size))."""
+        """--max-steps, or ceil(--num-epochs × num_rows / rows_per_step (default --batch-size)). Also
+        run.schedule_steps, the steps the learning-rate schedule spans: a resumed run's own (--resume-schedule
+        keep: the rate never rises above what its schedule gave) or max_steps (a new run, or stretch)."""
         if self.max_steps is None:
             per_step = rows_per_step or self.args.batch_size
             self.max_steps = max(1, math.ceil(self.args.num_epochs * num_rows / per_step))
@@ -457,6 +490,11 @@ class Run:
                 print(f"--max-steps {self.max_steps}: {self.args.num_epochs:g} epochs of {num_rows} rows, "
                       f"{per_step} a step")
         self._check_resumable()
+        keep = self._scheduled if self.args.resume_schedule == "keep" and self._scheduled else self.max_steps
+        self.schedule_steps = self.resolved["schedule_steps"] = keep
+        if keep != self.max_steps and self.main and self.args.lr_scheduler_type != "constant":
+            print(f"--resume: the learning-rate schedule stays the run's, over {keep} steps, then its last rate "
+                  "(--resume-schedule stretch: over all steps, as transformers does; the rate can rise)")
         return self.max_steps
 
     def record(self, **values):
@@ -592,14 +630,13 @@ class Run:
             row[k] = float(np.dot([float(m[k]) for m in fetched], w) / w.sum()) if w.sum() else 0.0
         if self._lr is not None:
             row["charts/learning_rate"] = float(self._lr(self.step - 1))
-        row["charts/tokens_per_sec"] = self._tokens / elapsed
-        row["charts/mfu"] = self._flops / elapsed / self._peak
+        row["charts/tokens_per_sec"], row["charts/mfu"] = self._tokens / elapsed, self._flops / elapsed / self._peak
         row["charts/tokens"], row["charts/flops"] = float(self._tokens), float(self._flops)  # the interval's (sums)
         if self._padded:
             row["charts/padding_fraction"] = 1.0 - self._tokens / self._padded
             row["charts/compilations"] = float(len(self._shapes))
-        self._write(self.step, row)
         self.last_train = row
+        self._write(self.step, row)
         shown = {k.split("/")[-1]: f"{row[k]:.4g}" for k in ("train/loss", *self._show) if k in row}
         self._bar.set_postfix(**shown, tok_s=f"{row['charts/tokens_per_sec']:.0f}")
         self._pending, self._tokens, self._flops, self._padded = [], 0, 0.0, 0
@@ -613,10 +650,10 @@ class Run:
 
     def log_eval(self, row):
         """Log eval metrics (host floats, names prefixed eval/) at the current step, and print them."""
-        row = {k: float(v) for k, v in row.items()}
+        self.last_eval = row = {k: float(v) for k, v in row.items()}
         self._write(self.step, row)
-        self.last_eval = row
-        print(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3]), flush=True)
+        from tqdm import tqdm
+        tqdm.write(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3]))  # above a bar
         if self._eval_started is not None:
             self._paused += time.perf_counter() - self._eval_started
             self._eval_started = None
@@ -648,12 +685,11 @@ class Run:
         self._open()
         self._flush()
         tmp = self.model_dir + ".tmp"
-        if self.main and os.path.exists(tmp):
-            shutil.rmtree(tmp)
+        if self.main:
+            shutil.rmtree(tmp, ignore_errors=True)  # a save cut short
         save(tmp)
         if self.main:
-            if os.path.exists(self.model_dir):
-                shutil.rmtree(self.model_dir)
+            shutil.rmtree(self.model_dir, ignore_errors=True)
             os.replace(tmp, self.model_dir)
             if self.export_hf:
                 interop.export_hf(common.host_model(self.model_dir), os.path.join(self.dir, "model_hf"),
@@ -814,15 +850,11 @@ def matmul_flops_per_sec(n=1024, repeats=5):
     """FLOP/s of a float32 n × n matmul on this process's first device, best of `repeats` (measured now)."""
     import jax
     import numpy as np
+    import timeit
     x = jax.device_put(np.ones((n, n), np.float32), jax.local_devices()[0])
     f = jax.jit(lambda a: a @ a)
-    f(x).block_until_ready()
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        f(x).block_until_ready()
-        times.append(time.perf_counter() - t)
-    return 2 * n**3 / min(times)
+    f(x).block_until_ready()  # compiled before the timing
+    return 2 * n**3 / min(timeit.repeat(lambda: f(x).block_until_ready(), number=1, repeat=repeats))
 
 
 def synced(tree):
@@ -849,8 +881,7 @@ def compilation_cache():
     """JAX's persistent compilation cache, so a resumed run, a compare.py seed and a test process reuse the
     programs of an identical earlier one: $JAX_COMPILATION_CACHE_DIR (JAX's own variable; `off` turns it
     off), else ~/.cache/posttrain-jax. Programs compiled in under 0.5 s are not stored (JAX's default: 1 s),
-    or under $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (JAX's own variable).
-    Returns the directory or None."""
+    or under $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (JAX's own variable). -> the directory or None."""
     import jax
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "posttrain-jax")

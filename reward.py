@@ -198,9 +198,9 @@ def main(args):
     if args.normalize and args.normalize_samples < 1:
         raise common.UsageError(f"--normalize-samples {args.normalize_samples}: must be >= 1 with --normalize")
     template = common.chat_template(args.model, args.chat_template)
-    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
+    eval_path, eval_split, eval_flag = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
                                              (Args.dataset, Args.eval_dataset))
-    eval_rows = common.read_dataset(eval_path, "preference", template, "--eval-dataset", args.dataset_config,
+    eval_rows = common.read_dataset(eval_path, "preference", template, eval_flag, args.dataset_config,
                                     eval_split) if eval_path else []
     train_rows = common.read_dataset(args.dataset, "preference", template, "--dataset", args.dataset_config,
                                      args.dataset_split)
@@ -217,7 +217,7 @@ def main(args):
     train_data, eval_data = pad_pairs(train, length), pad_pairs(evals, length) if evals else None
     lengths = pair_lengths(train_data)
 
-    optimizer, schedule, warmup = make_optimizer(args, max_steps)
+    optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
     params, frozen = common.split_variables(backbone)
     head = jax.tree.map(lambda x: common.put_global(x, common.replicated(run.mesh)), init_head(backbone, args.seed))
     opt_state, opt_shardings = common.init_optimizer(optimizer, (params, head), run.mesh)

@@ -56,6 +56,9 @@ class Args(plumbing.SharedArgs):
     """evaluate every N steps (and at the end)"""
     num_samples: int = 4
     """greedy generations from eval prompts printed at the end"""
+    print_example: int = 0
+    """print the first N rows of --dataset as the model trains on them (the text the chat template renders,
+    the trained parts in [[ ]]; each token `id:piece`, `*` where the loss covers it) and exit, training nothing"""
 
 
 # ---------------------------------------------------------------------------
@@ -90,6 +93,16 @@ def tokenize_dataset(segs, tokenizer, max_length, completion_only_loss, path):
     if not examples:
         raise common.UsageError(f"{path}: every example is longer than --max-length {max_length}")
     return examples, {"examples": len(examples), "truncated": truncated, "dropped": dropped}
+
+
+def print_examples(rows, tokenizer, args):
+    """--print-example N: each row's segments rendered (trained text in [[ ]]) and tokenised as training is."""
+    for i, segs in enumerate(rows):
+        ((ids, mask),), _ = tokenize_dataset([segs], tokenizer, args.max_length, args.completion_only_loss,
+                                             f"{args.dataset} row {i + 1}")
+        pieces = " ".join(f"{t}{'*' if m else ''}:{tokenizer.id_to_token(int(t))!r}" for t, m in zip(ids, mask))
+        print(f"--- row {i + 1}: {len(ids)} tokens, {mask.sum()} trained (* below)\n"
+              + "".join(f"[[{t}]]" if trained else t for t, trained in segs) + f"\n{pieces}")
 
 
 def pad_examples(examples, length):
@@ -197,6 +210,12 @@ def eval_nll(backbone, params, frozen, batch):
     return -jnp.sum(jnp.where(mask, logps, 0.0), -1), mask.sum(-1)
 
 
+def sample_prompt(segments):
+    """A row's text up to its last answer, the earlier answers of a chat included: what a sample continues."""
+    last = max(i for i, (_, is_completion) in enumerate(segments) if is_completion)
+    return "".join(text for text, _ in segments[:last])
+
+
 def make_optimizer(args, max_steps):
     schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, max_steps,
                                           args.warmup_steps, args.warmup_ratio, args.min_lr_rate)
@@ -212,12 +231,15 @@ def main(args):
                        grad_accum_steps=args.grad_accum_steps,
                        export_hf=args.export_hf, skip_nonfinite=args.skip_nonfinite)  # nothing written yet
     template = common.chat_template(args.model, args.chat_template)
-    eval_path, eval_split = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
+    eval_path, eval_split, eval_flag = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
                                              (Args.dataset, Args.eval_dataset))
-    eval_rows = common.read_dataset(eval_path, "sft", template, "--eval-dataset", args.dataset_config,
+    eval_rows = common.read_dataset(eval_path, "sft", template, eval_flag, args.dataset_config,
                                     eval_split) if eval_path else []
     train_rows = common.read_dataset(args.dataset, "sft", template, "--dataset", args.dataset_config,
                                      args.dataset_split)
+    if args.print_example:  # the rows as the model sees them, and no run
+        model = common.load_model(args.model, run.mesh, run.dtype, args.seed)
+        return print_examples(train_rows[:args.print_example], model.preprocessor.tokenizer, args)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of rows
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
@@ -232,7 +254,7 @@ def main(args):
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
     lengths = train_data["padding_mask"].sum(-1)
 
-    optimizer, schedule, warmup = make_optimizer(args, max_steps)
+    optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
     params, frozen = common.split_variables(backbone)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     (params, opt_state), _ = run.resume((params, opt_state))
@@ -264,8 +286,7 @@ def main(args):
     # ---- outputs: final model (LoRA merged) and a few greedy samples from it ----
     def save_and_sample(path):
         common.save_model(model, state[0], path)  # also writes the trained values into `model`
-        prompts = ["".join(t for t, is_completion in segs if not is_completion)
-                   for segs in eval_rows[:args.num_samples]]
+        prompts = [sample_prompt(segs) for segs in eval_rows[:args.num_samples]]
         for p, out in zip(prompts, model.generate(prompts, max_length=length, strip_prompt=True) if prompts else []):
             print(f"sample: {p!r} -> {out!r}")
 

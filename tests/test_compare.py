@@ -233,6 +233,10 @@ def test_run_cost_from_logged_numbers(tmp_path):
     tokens, generated, flops = compare.run_cost(str(old))  # a script that logs no counts: unknown, not 0
     assert np.isnan(tokens) and np.isnan(flops) and generated == 0
     assert [compare.fmt(v) for v in (5120.0, 1.234e6, 2.5e12, float("nan"))] == ["5120", "1.23M", "2.50e12", "–"]
+    table = compare.table([("a", None, [55648.0, 0.0, 5e9, 1.0], ""), ("b", None, [1.1e5, 0.0, 2.5e12, 1.0], "")],
+                          "a", False)
+    assert [line.split(" | ")[7:10] for line in table.splitlines()[2:]] == [
+        ["0.06M", "0", "5.00e09"], ["0.11M", "0", "2.50e12"]]  # one unit a column: its largest value's
     assert compare.fmt((0.5581, 0.0312)) == "0.558 ± 0.031"
 
 
@@ -334,7 +338,9 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     assert cells["mydpo"][1].startswith(f"{diff:+.3f} ± ".lstrip("+"))
     # costs: the runs' own logged counts, mean over seeds
     cost = np.mean([compare.run_cost(str(r)) for r in runs], 0)
-    assert cells["mydpo"][6:9] == [compare.fmt(c) for c in cost] and cost[0] > 0 and cost[1] == 0
+    value = lambda c: float(c[:-1]) * 1e6 if c.endswith("M") else float(c)  # the column's unit: maybe sft's
+    assert [value(c) for c in cells["mydpo"][6:9]] == pytest.approx(cost, rel=0.01, abs=5e3)
+    assert cost[0] > 0 and cost[1] == 0 and ("M" in cells["mydpo"][6]) == ("M" in cells["sft"][6])
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| **sft**" in proc.stdout  # the table is printed at the end
 

@@ -66,12 +66,13 @@ def test_eval_split_takes_the_eval_set_from_the_same_dataset(prefs, tmp_path):
     without an eval set named (TRL evaluates only when asked): the bundled eval file goes with the bundled
     training file only."""
     defaults = ("data/prefs_train.jsonl", "data/prefs_eval.jsonl")
-    assert common.eval_source(prefs, defaults[1], "test_prefs", defaults) == (prefs, "test_prefs")
-    assert common.eval_source(prefs, "other", "test", defaults) == ("other", "test")
-    assert common.eval_source(prefs, "other", None, defaults) == ("other", None)
-    assert common.eval_source(prefs, defaults[1], None, defaults) == (None, None)  # own data: no toy eval
-    assert common.eval_source(defaults[0], defaults[1], None, defaults) == (defaults[1], None)  # the toy task
-    assert common.eval_source(prefs, "", None, defaults) == (None, None)
+    of = "--eval-split of --dataset"  # the flag its messages name: the user typed no --eval-dataset
+    assert common.eval_source(prefs, defaults[1], "test_prefs", defaults) == (prefs, "test_prefs", of)
+    assert common.eval_source(prefs, "other", "test", defaults) == ("other", "test", "--eval-dataset")
+    assert common.eval_source(prefs, "other", None, defaults) == ("other", None, "--eval-dataset")
+    assert common.eval_source(prefs, defaults[1], None, defaults) == (None, None, None)  # own data: no toy eval
+    assert common.eval_source(defaults[0], defaults[1], None, defaults)[:2] == (defaults[1], None)  # the toy task
+    assert common.eval_source(prefs, "", None, defaults)[:2] == (None, None)
     with pytest.raises(common.UsageError, match='--eval-split test: --eval-dataset "" turns evaluation off'):
         common.eval_source(prefs, "", "test", defaults)
     # A real model's run never gets the bundled eval file: its own split, its own file, or none.
@@ -86,7 +87,7 @@ def test_eval_split_takes_the_eval_set_from_the_same_dataset(prefs, tmp_path):
         flags = ["--model", "tiny", "--dataset", prefs, "--output-dir", str(tmp_path / name)]
         assert usage_error(script, *flags, "--eval-split", "broken").startswith(f"{prefs}:1: "), name
         assert usage_error(script, *flags, "--eval-split", "test") == \
-            f"--eval-dataset {prefs}: no split 'test'; its splits: train_prefs, test_prefs, broken", name
+            f"{of} {prefs}: no split 'test'; its splits: train_prefs, test_prefs, broken", name  # not --eval-dataset
         assert not os.path.exists(tmp_path / name)
 
 

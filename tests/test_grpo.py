@@ -68,16 +68,17 @@ def test_bad_input_exits_2_before_any_output(tmp_path):
 
 @pytest.fixture(scope="module")
 def weighted(tmp_path_factory):
-    """Two reward functions (the toy checker + a constant 1 with weight 0.5), two iterations of two
-    mini-batches per generation batch (π_old from the rollout), the Dr. GRPO variant: 4 steps run
+    """Two reward functions of one name, batch_score (the toy checker + a constant 1 with weight 0.5: one
+    score each, by position, logged by module), two iterations of two mini-batches per generation batch
+    (π_old from the rollout), the Dr. GRPO variant: 4 steps run
     uninterrupted and, beside it, stopped by SIGTERM after the step-2 checkpoint and resumed."""
     tmp_path = tmp_path_factory.mktemp("weighted")
     const = tmp_path / "const.py"
-    const.write_text("def one(prompts, responses):\n    return [1.0] * len(prompts)\n")
+    const.write_text("def batch_score(prompts, responses):\n    return [1.0] * len(prompts)\n")
     flags = ["--model", "tiny", "--max-steps", "4", "--save-every", "2", "--batch-size", "16",
              "--num-generations", "4", "--num-iterations", "2", "--num-mini-batches", "2", "--response-length", "8",
              "--scale-rewards", "none", "--loss-type", "dr_grpo", "--epsilon-high", "0.28",
-             "--reward-fn", os.path.join(ROOT, "data", "toy.py") + ":batch_score", f"{const}:one",
+             "--reward-fn", os.path.join(ROOT, "data", "toy.py") + ":batch_score", f"{const}:batch_score",
              "--reward-weights", "1.0", "0.5", "--sample-every", "2", "--seed", "3", *TINY]
     return tmp_path / "clean", preempt_then_resume("grpo.py", flags, 2, tmp_path)
 
@@ -87,8 +88,8 @@ def test_end_to_end_weighted_rewards_off_policy_updates(weighted):
     rows = metrics(out_dir)
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for r in rows:
-        assert r["rewards/one/mean"] == 1.0
-        assert r["reward"] == pytest.approx(r["rewards/batch_score/mean"] + 0.5, abs=1e-6)
+        assert r["rewards/const.batch_score/mean"] == 1.0
+        assert r["reward"] == pytest.approx(r["rewards/toy.batch_score/mean"] + 0.5, abs=1e-6)
         assert r["charts/generate_compilations"] == 1  # the sampler compiled once
         assert 0 <= r["frac_reward_zero_std"] <= 1 and 0 <= r["completions/clipped_ratio"] <= 1
     for k in ("reward_std", "kl", "clip_ratio", "completions/mean_length", "charts/tokens_per_sec",

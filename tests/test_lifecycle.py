@@ -4,8 +4,10 @@ during start-up and twice, fast grouped --help, a plain `import`, and what a run
 at its end. Refusals are checked in this process (the exception main raises); one subprocess per
 kind of exit checks what the boundary makes of it (one line, the exit code)."""
 
+import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -286,6 +288,9 @@ def test_resume_knows_what_it_resumes(tmp_path):
     assert {k: v for k, v in record.items() if k != "resumes"} == first
     (resumed,) = record["resumes"]
     assert resumed["resumed_at_step"] == 3 and resumed["max_steps"] == 5 and resumed["log_every"] == 1
+    assert first["schedule_steps"] == resumed["schedule_steps"] == 3  # the schedule the run was built on, kept
+    rate = {r["step"]: r["charts/learning_rate"] for r in metrics(out)}
+    assert rate[3] == rate[4] == rate[5] == pytest.approx(2e-5)  # the last update's, held (spread over 5: 1e-5)
 
     shutil.rmtree(os.path.join(out, "checkpoints", "5"))  # as a run saved before its last step
     before = snapshot(out)
@@ -293,6 +298,81 @@ def test_resume_knows_what_it_resumes(tmp_path):
     assert "newest checkpoint" in line and "(step 4) is older than its finished model/ (step 5)" in line
     assert f"start a new run from --model {out}/model" in line
     assert snapshot(out) == before
+
+
+def test_an_extended_run_keeps_its_schedule_unless_asked(tmp_path, capsys):
+    """--resume --max-steps 80 on a finished 60-step run (its outputs as Run finds them; no model, no step):
+    the schedule still spans 60 steps, and says so; --resume-schedule stretch spreads it over 80."""
+    import plumbing
+    import sft
+    out = tmp_path / "run"
+    run = plumbing.Run("sft", plumbing.cli(sft.Args, [*FAST, "--max-steps", "60", "--output-dir", str(out)]))
+    assert run.resolve_max_steps(100) == 60 and run.schedule_steps == 60
+    (out / "checkpoints" / "60").mkdir(parents=True)
+    (out / "model").mkdir()
+    (out / "args.json").write_text(json.dumps(run._record(), default=str))
+    for how, spans in (("keep", 60), ("stretch", 80)):
+        flags = [*FAST, "--max-steps", "80", "--output-dir", str(out), "--resume", "--resume-schedule", how]
+        run = plumbing.Run("sft", plumbing.cli(sft.Args, flags))
+        assert run.resolve_max_steps(100) == 80 and run.schedule_steps == spans
+    assert capsys.readouterr().out.count("the learning-rate schedule stays the run's, over 60 steps, then its "
+                                         "last rate (--resume-schedule stretch: over all steps") == 1
+
+
+@pytest.mark.parametrize("script", [s.removesuffix(".py") for s in SCRIPTS])
+def test_every_trl_flag_hint_names_a_flag_the_script_takes(script):
+    """Each TRL name, typed as TRL spells it, to each script: the hint names one of that script's own flags,
+    or says it has no counterpart there, never a flag the script would then refuse (cli's hint for one,
+    parsed; check_options, what cli calls, for every name)."""
+    import importlib
+    import plumbing
+    args_class = importlib.import_module(script).Args
+    ours = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(args_class)}
+    for trl in plumbing.TRL_FLAGS:
+        typed = "--" + trl.replace("-", "_")
+        if typed.replace("_", "-") in ours:
+            continue  # the script has TRL's flag itself (evaluate.py's --max-new-tokens)
+        with pytest.raises(plumbing.UsageError) as e:
+            plumbing.check_options([typed, "1"], ours, f"{script}.py")
+        hint = str(e.value).removeprefix(f"Unrecognized options: {typed}; ")
+        named = re.match(rf"{typed} is (--[a-z-]+)", hint)
+        assert (named and named[1] in ours) or hint == f"{typed} has no counterpart in {script}.py (see --help)" \
+            or hint.startswith(f"{typed} is absent"), (script, hint)
+    with pytest.raises(plumbing.UsageError) as e:
+        plumbing.cli(args_class, ["--logging_steps", "5"])
+    assert str(e.value).startswith("Unrecognized options: --logging_steps; --logging_steps ")
+    if "--log-every" in ours:
+        assert plumbing.cli(args_class, ["--log-every", "5"]).log_every == 5
+
+
+def test_the_last_line_is_not_glued_to_the_progress_bar():
+    """An error (or the preemption line) ending a run mid-loop starts a line of its own: the bar, drawn with
+    no newline, is closed first; eval lines go above the bar (tqdm.write, as Run.log_eval writes them)."""
+    code = ("import sys, tqdm, plumbing; bar = tqdm.tqdm(total=3, desc='sft'); bar.update(1); "
+            "tqdm.tqdm.write('step 1: eval/loss 1.0', sys.stderr); plumbing._end(2, 'error: bad', sys.stderr)")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    lines = proc.stderr.replace("\r", "\n").splitlines()
+    assert proc.returncode == 2 and lines[-1] == "error: bad" and "step 1: eval/loss 1.0" in lines
+    assert lines[-2].startswith("sft:  33%")  # the bar, closed where it stood
+
+
+def test_an_unknown_option_is_answered_before_the_heavy_imports(tmp_path):
+    """A parse error of an option the script does not have is answered from its source, as --help is: with
+    a `jax` that cannot be imported first on the path, the one line (TRL's name, or the closest flag) still
+    comes, exit 2 (tyro's own answer came after 3 s of imports)."""
+    (tmp_path / "jax").mkdir()
+    (tmp_path / "jax" / "__init__.py").write_text("raise ImportError('jax imported')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path))
+    for script, flags, line in (
+            ("grpo.py", ["--logging_steps", "5"], "error: Unrecognized options: --logging_steps; --logging_steps "
+                                                  "has no counterpart in grpo.py (see --help)"),
+            ("sft.py", ["--logging_steps=5", "--max-steps", "3"], "error: Unrecognized options: --logging_steps; "
+                                                                  "--logging_steps is --log-every here"),
+            ("dpo.py", ["--learning-rat", "1e-5"], "error: Unrecognized options: --learning-rat; perhaps you meant "
+                                                    "--learning-rate")):
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], capture_output=True, text=True,
+                              env=env, timeout=60)
+        assert (proc.returncode, proc.stderr.strip(), proc.stdout) == (2, line, ""), script
 
 
 def test_flags_as_trl_names_them_and_the_toy_task_are_answered(tmp_path):
@@ -320,6 +400,9 @@ def test_flags_as_trl_names_them_and_the_toy_task_are_answered(tmp_path):
         plumbing.cli(evaluate.Args, ["--model", "qwen3_8b"])
     with pytest.raises(plumbing.UsageError, match="unknown --model 'gemma_3b_typo'"):
         plumbing.cli(dpo.Args, ["--model", "gemma_3b_typo"])
+    with pytest.raises(plumbing.UsageError, match="^--model google/gemma-3-1b-it: no such directory; as a Hugging "
+                                                  "Face Hub repo id it is --model hf://google/gemma-3-1b-it$"):
+        plumbing.cli(grpo.Args, ["--model", "google/gemma-3-1b-it"])  # TRL's form: the hub id, bare
     assert plumbing.cli(grpo.Args, ["--model", "gemma_2b", "--dataset", "x.jsonl", "--reward-model", "rm"])
     assert plumbing.cli(dpo.Args, ["--model", "gemma_2b", "--dataset", "data/prefs_train.jsonl",
                                    "--eval-dataset", ""]).eval_dataset == ""

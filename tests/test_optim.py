@@ -29,20 +29,31 @@ def rates(kind, total=10, warmup_steps=2, **kw):
 def test_linear_warmup_then_linear_to_zero():
     r, warmup = rates("linear")  # TRL's default (transformers' get_linear_schedule_with_warmup)
     assert warmup == 2
-    expected = {0: 0.0, 1: 1 / 2, 2: 8 / 8, 3: 7 / 8, 6: 4 / 8, 9: 1 / 8, 10: 0.0}  # (10 - t) / (10 - 2)
+    expected = {0: 0.0, 1: 1 / 2, 2: 8 / 8, 3: 7 / 8, 6: 4 / 8, 9: 1 / 8}  # (10 - t) / (10 - 2)
     assert {t: r[t] for t in expected} == pytest.approx(expected, abs=1e-7)
+    assert r[10] == r[9]  # past the last update (t = 9), as --resume extends a run: its rate held, not 0
+
+
+def test_past_the_last_update_the_rate_is_held_never_raised():
+    """An extended run (--resume --max-steps 80 on a finished 60-step one, plumbing.Run.schedule_steps 60)
+    goes on at the rate of update 59; spread over 80 instead (transformers' re-built scheduler,
+    --resume-schedule stretch), update 69 would be at 11/80 of the peak, up from 1/60."""
+    kept, _ = common.lr_schedule("linear", 1.5e-4, 60)
+    assert [float(kept(t)) for t in (59, 60, 69, 79)] == pytest.approx([1.5e-4 * 1 / 60] * 4, rel=1e-6)
+    stretched, _ = common.lr_schedule("linear", 1.5e-4, 80)
+    assert float(stretched(69)) == pytest.approx(1.5e-4 * 11 / 80) and float(stretched(69)) > float(kept(59))
 
 
 def test_cosine_to_zero():
     r, _ = rates("cosine")
     half_cos = lambda progress: 0.5 * (1 + math.cos(math.pi * progress))  # progress = (t - 2) / 8
-    expected = {0: 0.0, 1: 1 / 2, 2: 1.0, 4: 0.5 + math.sqrt(2) / 4, 6: 0.5, 9: half_cos(7 / 8), 10: 0.0}
+    expected = {0: 0.0, 1: 1 / 2, 2: 1.0, 4: 0.5 + math.sqrt(2) / 4, 6: 0.5, 9: half_cos(7 / 8), 10: half_cos(7 / 8)}
     assert {t: r[t] for t in expected} == pytest.approx(expected, abs=1e-7)
 
 
 def test_cosine_with_min_lr_floors_at_the_rate_and_is_the_former_schedule():
     r, _ = rates("cosine_with_min_lr", min_lr_rate=0.1)
-    expected = {0: 0.0, 1: 1 / 2, 2: 1.0, 6: 0.5 * 0.9 + 0.1, 10: 0.1}  # cosine · (1 − 0.1) + 0.1
+    expected = {0: 0.0, 1: 1 / 2, 2: 1.0, 6: 0.5 * 0.9 + 0.1, 9: 0.5 * (1 + math.cos(math.pi * 7 / 8)) * 0.9 + 0.1}
     assert {t: r[t] for t in expected} == pytest.approx(expected, abs=1e-7)
     # min_lr_rate 0.1 is the warmup + cosine-to-10% every offline script ran before the flag existed
     for total, warmup in ((40, 5), (150, 20), (10, 0), (3, 5)):

@@ -95,8 +95,48 @@ def test_none_is_left_out_of_the_weighted_sum():
     total, parts = scored([math, style], ["p"] * 8, texts, rows, weights=(2.0, 4.0))
     np.testing.assert_allclose(total, [2.0, 1.0] * 4)  # 2 × 1, or 4 × 0.25
     assert np.isnan(parts["math"][1::2]).all() and np.isnan(parts["style"][::2]).all()
-    with pytest.raises(common.UsageError, match=r"every reward function returned None for completion 1 "):
+    with pytest.raises(common.UsageError, match=r"every reward function returned None or NaN for completion 1 .*"
+                                                r": math \(.*test_rewards.py:\d+\) returned None; at least one"):
         scored([math], ["p"] * 8, texts, rows)
+
+
+def test_a_nan_counts_as_none_as_trl_nansum_does_and_is_named(capsys):
+    """TRL puts a function's own NaN into its nansum like a None: left out of the sum and of the function's
+    mean; said once per function on stderr (NaN, its name). Every function NaN or None: exit 2 naming each."""
+    def half(completions, **kwargs):
+        return [float("nan") if i % 2 else 1.0 for i in range(len(completions))]
+
+    def other(completions, **kwargs):
+        return [0.25 if i % 2 else None for i in range(len(completions))]
+
+    rows, texts = [{"prompt": "p"}] * 8, ["x"] * 8
+    total, parts = scored([half, other], ["p"] * 8, texts, rows, weights=(2.0, 4.0))
+    np.testing.assert_allclose(total, [2 * 1.0, 4 * 0.25] * 4)  # never 2 × NaN, never 0 for the NaN
+    assert np.nanmean(parts["half"]) == 1.0  # grpo.py's rewards/half/mean: the 4 scores that apply
+    err = capsys.readouterr().err
+    assert "reward function half (" in err and "returned NaN for 4 of 8 completions: taken as None" in err
+    def never(completions, **kwargs):
+        return [None] * len(completions)
+
+    with pytest.raises(common.UsageError, match=r"None or NaN for completion 1 .*: half \(.*\) returned NaN, "
+                                                r"never \(.*\) returned None; at least one must score"):
+        scored([half, never], ["p"] * 8, texts, rows)
+
+
+def test_same_named_functions_keep_one_score_each_by_position():
+    """data/toy.py:accuracy and data/gsm8k.py:accuracy: two metric names by module, weights by position.
+    '8 8 9' for `Sort: 8 6 8 9 7` is wrong for the sort checker (0 of 5 places) but ends in the answer's
+    last number, 9, which is all GSM8K's checker reads (1.0)."""
+    fns = [common.load_reward_fn(os.path.join(ROOT, "data", f)) for f in ("toy.py:accuracy", "gsm8k.py:accuracy")]
+    assert common.reward_names(fns) == ["toy.accuracy", "gsm8k.accuracy"]
+    assert common.reward_names(fns[:1] * 2 + [gsm8k.number]) == ["toy.accuracy_1", "toy.accuracy_2", "number"]
+    rows = [{"prompt": "Sort: 8 6 8 9 7", "answer": " 6 7 8 8 9"}] * 8
+    texts = [" 8 8 9", " 6 7 8 8 9"] * 4
+    total, parts = scored(fns, ["Sort: 8 6 8 9 7"] * 8, texts, rows, weights=(1.0, 0.0))
+    assert list(parts) == ["toy.accuracy", "gsm8k.accuracy"]
+    np.testing.assert_array_equal(total, [1.0 * 0 + 0.0 * 1, 1.0 * 1 + 0.0 * 1] * 4)  # the toy checker's
+    total, _ = scored(fns, ["Sort: 8 6 8 9 7"] * 8, texts, rows, weights=(0.0, 1.0))
+    np.testing.assert_array_equal(total, [1.0, 1.0] * 4)  # GSM8K's
 
 
 @pytest.mark.parametrize("body, message", [

@@ -122,6 +122,36 @@ def test_saved_model_continues_as_model_flag_with_messages(trained, tmp_path):
     assert len([r for r in read_metrics(out) if "train/loss" in r]) == 2
 
 
+def test_print_example_shows_rows_as_trained_and_runs_nothing(tmp_path, capsys):
+    """--print-example 1: the chat as the template renders it, the answer (and its turn end) marked trained,
+    every token id with its piece (`*`: in the loss), the EOS last; no output dir, no step."""
+    import plumbing
+    import sft
+    sft.main(plumbing.cli(sft.Args, ["--print-example", "1", "--dataset", os.path.join(ROOT, "data",
+                                     "sft_messages_train.jsonl"), "--output-dir", str(tmp_path / "out")]))
+    out = capsys.readouterr().out
+    first = json.loads(open(os.path.join(ROOT, "data", "sft_messages_train.jsonl")).readline())["messages"]
+    assert f"<start_of_turn>user\n{first[0]['content']}<end_of_turn>\n<start_of_turn>model\n" \
+           f"[[{first[1]['content']}<end_of_turn>]]" in out
+    assert out.count("--- row ") == 1 and "2:'<bos>' " in out and out.rstrip().endswith("5*:'<end_of_turn>' 1*:'<eos>'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_sample_continues_the_whole_chat_earlier_answers_included():
+    """The closing `sample:` lines prompt with a chat up to its last answer, as it was trained (the earlier
+    answers in their turns), not with the user turns alone."""
+    import common
+    import sft
+    chat = [{"role": "user", "content": "Sort: 3 1"}, {"role": "assistant", "content": "1 3"},
+            {"role": "user", "content": "Sort: 2 1"}, {"role": "assistant", "content": "1 2"}]
+    segments = common.sft_segments({"messages": chat}, "x.jsonl:1", common.CHAT_TEMPLATES["gemma"])
+    assert sft.sample_prompt(segments) == ("<start_of_turn>user\nSort: 3 1<end_of_turn>\n<start_of_turn>model\n"
+                                           "1 3<end_of_turn>\n<start_of_turn>user\nSort: 2 1<end_of_turn>\n"
+                                           "<start_of_turn>model\n")
+    assert sft.sample_prompt([("Sort: 2 1", False), (" 1 2", True)]) == "Sort: 2 1"  # prompt + completion
+    assert sft.sample_prompt([("1 2 3", True)]) == ""  # `text`: a sample from nothing
+
+
 @pytest.mark.parametrize("content, message", [
     ('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": "b"}\n{"prompt": "a",\n',
      "bad.jsonl:3: invalid JSON"),
