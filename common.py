@@ -26,6 +26,7 @@ import functools
 import json
 import math
 import os
+import sys
 
 import interop  # the outside world: model hubs, Hub datasets, --export-hf, upstream fixes (no JAX)
 from interop import HERE, TINY_TOKENIZER, UsageError  # noqa: F401  (bad input: a UsageError, exit 2)
