@@ -54,7 +54,7 @@ class Args(plumbing.RolloutArgs):
     epsilon: float = 0.2
     """ε: ratio clip, lower side (and upper side unless --epsilon-high is given)"""
     epsilon_high: float | None = None
-    """ε_high: upper ratio clip (DAPO's clip-higher: 0.28); `cispo`: the cap of the weight itself (ScaleRL: 5.0)"""
+    """ε_high: upper ratio clip (DAPO's clip-higher: 0.28); `cispo`: the weight's cap itself (ScaleRL: 5.0)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """ratio per `token` (GRPO) or per `sequence` (GSPO: exp of the mean token log-ratio, clipped once)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
@@ -67,9 +67,9 @@ class Args(plumbing.RolloutArgs):
     sapo_temperature_neg: float = 1.05
     """τ_neg: temperature of SAPO's soft gate for Â ≤ 0 (higher: off-policy negative updates fade faster)"""
     vespo_k_pos: float = 2.0
-    """k for Â ≥ 0 in VESPO's weight φ(w) = e^λ w^k e^(−λw), w the sequence ratio: down-weights w < 1"""
+    """k for Â ≥ 0 in VESPO's weight φ(w) = w^k e^(λ(1−w)) of the sequence ratio w: φ → 0 as w^k, w → 0"""
     vespo_lambda_pos: float = 3.0
-    """λ for Â ≥ 0 in VESPO's φ(w): down-weights w > 1"""
+    """λ for Â ≥ 0 in VESPO's φ(w): φ → 0 as e^(−λw) for large w"""
     vespo_k_neg: float = 3.0
     """k for Â < 0 in VESPO's φ(w)"""
     vespo_lambda_neg: float = 2.0
@@ -101,8 +101,7 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 
 # ---------------------------------------------------------------------------
 # ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once; it stops when every completion has ended),
-# forwards of the policy and reference on query + response, group-relative advantages, the k3 KL,
-# the clipped surrogate
+# forwards of policy and reference on query + response, group-relative advantages, the k3 KL, the objectives
 # ---------------------------------------------------------------------------
 def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
     """TRL's sampling filters on logits / temperature [B, V], in transformers' order: top-k, then top-p, then
@@ -236,27 +235,16 @@ def aggregate(per_token, mask, loss_type):
     x = jnp.where(mask, per_token, 0.0)
     if loss_type in ("grpo", "sapo"):  # mean over each completion's tokens, then over completions
         return jnp.mean(x.sum(1) / jnp.maximum(mask.sum(1), 1))
-    # dr_grpo: a constant (no length normalisation); luspo: each completion's term × |o_i|, ÷ B; the rest
-    # (dapo, bnpo, cispo, vespo): every real token of the (mini-)batch weighs the same
+    # dr_grpo: ÷ a constant; luspo: terms × |o_i|, ÷ B; dapo, bnpo, cispo, vespo: every token the same
     return x.sum() / {"dr_grpo": x.size, "luspo": x.shape[0]}.get(loss_type, jnp.maximum(mask.sum(), 1))
-
-
-def vespo_weights(log_ratio, advantages, k_pos, lambda_pos, k_neg, lambda_neg):
-    """VESPO's φ(w) = e^λ w^k e^(−λw) (eq. 10) of the sequence ratio w = exp(Σ_t token log-ratios [B, R]), (k, λ)
-    by the sign of Â, in log space with TRL's clamps -> [B, 1], held constant: it scales the gradient only."""
-    log_w = jnp.clip(jnp.clip(log_ratio, -20.0, 20.0).sum(1, keepdims=True), math.log(1e-8), 20.0)
-    pos = advantages >= 0
-    k, lam = jnp.where(pos, k_pos, k_neg), jnp.maximum(jnp.where(pos, lambda_pos, lambda_neg), 1e-4)
-    return jax.lax.stop_gradient(jnp.exp(lam + k * log_w - lam * jnp.exp(log_w)))
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_high, beta, loss_type,
               importance_sampling_level, entropy=None, top_entropy_quantile=1.0, entropy_coef=0.0,
               sapo_temperatures=(1.0, 1.05), vespo_params=(2.0, 3.0, 3.0, 2.0)):
     """The policy term of `loss_type` (eq. 3, GSPO's 6, CISPO 7, SAPO 8, VESPO 10) on the tokens ρ keeps (11),
-    + β·k3 KL (4), aggregated (5, 9), − entropy_coef × entropy (12). logps / old_logps / ref_logps (None when
-    β = 0) / entropy [B, R] per response token, advantages [B], mask [B, R]; sapo_temperatures (τ_pos, τ_neg),
-    vespo_params (k_pos, λ_pos, k_neg, λ_neg)."""
+    + β·k3 KL (4), aggregated (5, 9), − entropy_coef × entropy (12). logps, old_logps, ref_logps (None: β 0),
+    entropy, mask [B, R], advantages [B]; sapo_temperatures and vespo_params: Args' fields in their order."""
     token_log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # [B, R]; padding may hold anything: 0 here
     log_ratio = token_log_ratio
     if importance_sampling_level == "sequence":  # GSPO (eq. 6): log s_i = (1/|o_i|) Σ_t log ρ_{i,t}, [B, 1]
@@ -273,11 +261,14 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
     elif loss_type == "sapo":  # a sigmoid gate for the clip: gradient weight 1 at ratio 1, fading off it
         tau = jnp.where(a > 0, *sapo_temperatures)
         per_token = -jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * a
-    elif loss_type == "vespo":  # a smooth weight of the whole sequence's ratio, held constant, times Â log π
-        phi = vespo_weights(token_log_ratio, a, *vespo_params)
+    elif loss_type == "vespo":  # φ(w) = w^k e^(λ(1−w)) of the whole sequence's ratio w [B, 1], held constant,
+        # times Â log π; (k, λ) by the sign of Â; in log space with TRL's clamps
+        log_w = jnp.clip(jnp.clip(token_log_ratio, -20.0, 20.0).sum(1, keepdims=True), math.log(1e-8), 20.0)
+        k_pos, lambda_pos, k_neg, lambda_neg = vespo_params
+        k, lam = jnp.where(a >= 0, k_pos, k_neg), jnp.maximum(jnp.where(a >= 0, lambda_pos, lambda_neg), 1e-4)
+        phi = jax.lax.stop_gradient(jnp.exp(lam * (1.0 - jnp.exp(log_w)) + k * log_w))
         per_token, metrics["vespo/phi_seq_mean"] = -phi * a * real_logps, jnp.mean(phi)
-    else:  # pessimistic: the clip only ever removes gradient. [B, R], or [B, 1] at sequence level: every
-        # real token of o_i then carries its completion's term, and `aggregate` weighs it as any token (as TRL)
+    else:  # pessimistic: the clip only removes gradient. [B, 1] at sequence level: o_i's real tokens share it
         per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * a)
         low = (ratio < 1.0 - epsilon) & (a < 0)  # clipped from below: pushing further down is blocked
         high = (ratio > 1.0 + epsilon_high) & (a > 0)  # clipped from above
@@ -286,7 +277,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
     kept = mask  # the tokens that carry the policy term
     if top_entropy_quantile < 1.0:  # eq. 11: entropy ≥ its (1 − ρ)-quantile over the batch's real tokens
         real = jnp.where(mask, jax.lax.stop_gradient(entropy), jnp.nan)  # [B, R]; padding left out
-        cut = jnp.nanquantile(real, 1.0 - top_entropy_quantile)  # linear interpolation, as TRL's torch.quantile
+        cut = jnp.nanquantile(real, 1.0 - top_entropy_quantile)  # linear interpolation: TRL's torch.quantile
         kept = (entropy >= cut) & mask
         per_token = jnp.where(kept, per_token, 0.0)
     if beta:  # on every real token, kept or not (as TRL)
@@ -315,11 +306,8 @@ def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, t
 # train_step: one update of the policy on a (mini-)batch of completions
 # ---------------------------------------------------------------------------
 def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
-    """One update on a (mini-)batch of completions. state = (params, opt_state).
-
-    batch: query_responses / padding_mask [B, Q+R], response_mask [B, R], advantages [B],
-    and, when computed at rollout time, old_logps / ref_logps [B, R].
-    """
+    """One update. state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask
+    [B, R], advantages [B], and old_logps / ref_logps [B, R] when computed at rollout time."""
     params, opt_state = state
     ids, mask = batch["query_responses"], batch["padding_mask"]
 
@@ -333,7 +321,8 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
                                   args.beta, args.loss_type, args.importance_sampling_level, entropy,
                                   args.top_entropy_quantile, args.entropy_coef,
                                   (args.sapo_temperature_pos, args.sapo_temperature_neg),
-                                  (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg))
+                                  (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
+                                   args.vespo_lambda_neg))
         loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
         return loss, {**metrics, "entropy": masked_mean(entropy, batch["response_mask"]), "aux_loss": aux_loss}
 
@@ -361,11 +350,11 @@ def check_args(args, mesh):
                                 f"each divisible by the data axis ({mesh.shape['data']})")
     loss_types = get_args(Args.__annotations__["loss_type"])
     if args.scale_rewards not in ("group", "batch", "none") or args.loss_type not in loss_types:
-        raise common.UsageError(f"--scale-rewards: group, batch or none; --loss-type: {', '.join(loss_types)}")
+        raise common.UsageError(f"--scale-rewards: group, batch or none; --loss-type: one of {loss_types}")
     if args.importance_sampling_level not in ("token",) + ("sequence",) * (args.loss_type != "vespo"):
-        raise common.UsageError("--importance-sampling-level: token or sequence (--loss-type vespo: token; "
-                                "its weight takes the whole sequence's ratio itself)")
-    if not 0 <= args.top_entropy_quantile <= 1 or min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
+        raise common.UsageError("--importance-sampling-level: token or sequence (vespo: token; w is its own)")
+    if not 0 <= args.top_entropy_quantile <= 1 or min(args.sapo_temperature_pos,
+                                                       args.sapo_temperature_neg) <= 0:
         raise common.UsageError("--top-entropy-quantile must be in [0, 1], --sapo-temperature-pos/-neg > 0")
     if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
         raise common.UsageError(f"--reward-weights: {len(args.reward_weights)} weights for "
@@ -374,8 +363,8 @@ def check_args(args, mesh):
 
 
 def make_optimizer(args, max_steps):
-    """Clip, AdamW with --weight-decay on matrices only (not norms or biases), --lr-scheduler-type over all
-    updates (μ × mini-batches a step: TRL counts optimizer steps) -> (optimizer, schedule, warmup)"""
+    """Clip, AdamW (--weight-decay on matrices only), --lr-scheduler-type over all μ × mini-batches updates
+    (TRL counts optimizer steps) -> (optimizer, schedule, warmup)"""
     updates = max_steps * args.num_iterations * args.num_mini_batches
     schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, updates, args.warmup_steps,
                                           args.warmup_ratio, args.min_lr_rate)
@@ -455,11 +444,9 @@ def main(args):
           f"{n_prompts} prompts × G={g} completions "
           f"of {r} tokens per step; reward: {args.reward_model or ', '.join(args.reward_fn)}")
 
-    # Policy trainable; reference = frozen copy of its initial values (with LoRA: the zero-init
-    # adapters, i.e. the LoRA-off base), only when β > 0.
+    # Reference: a frozen copy of the initial trainable values (LoRA: the LoRA-off base), only when β > 0.
     params, frozen = common.split_variables(backbone)
-    # Through one jit with explicit out_shardings, so the trainable values carry the mesh in their types and are
-    # committed to their devices, as the updated ones will be: the sampler sees the same input types every step.
+    # one jit with out_shardings commits the values to the mesh as updates will: the sampler sees one type
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
     ref_params = jax.tree.map(jnp.copy, params) if args.beta else None
     off_policy = args.num_iterations > 1 or args.num_mini_batches > 1  # π_old differs from π_θ at some update
@@ -472,8 +459,7 @@ def main(args):
     # --resume: params, optimizer state, sampling key, mini-batch shuffler (the prompt order is a function of the step)
     (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
                                                      {"rng": rng.bit_generator.state})
-    # the key through the host: restored, it is committed to one device, and the sampler's other
-    # arguments span the mesh (jit refuses the mix on every multi-device run)
+    # the key through the host: restored, it sits on one device, which jit refuses beside mesh-wide arguments
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
@@ -487,8 +473,7 @@ def main(args):
     run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
-    # FLOPs (docs/design.md): 2N per token per forward (sampling; π_old and π_ref when needed; reward model),
-    # 6N per token per trained forward+backward (every iteration).
+    # FLOPs (docs/design.md): 2N a token per forward (sampler, π_old, π_ref, reward model), 6N per update pass
     n = plumbing.count_params(backbone)
     n_rm = plumbing.count_params(scorer.model.backbone) if scorer.model is not None else 0
     flops_per_token = 2 * n * (1 + off_policy + (args.beta > 0)) + 2 * n_rm + args.num_iterations * 6 * n
