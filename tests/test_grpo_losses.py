@@ -246,6 +246,26 @@ def test_loss_types_direction(loss_type, level):
     assert (g[neg] >= 0).all() and (g[neg] > 0).any()
 
 
+def test_sharded_over_8_devices_equals_one_device():
+    """The quantile of (11) and VESPO's sequence sums over a batch sharded on `data` (8 simulated devices, as
+    train_step sees it): the same loss and metrics as on one device."""
+    rng = np.random.default_rng(7)
+    lp, old, ent = rng.normal(-1, 0.3, (3, 8, 5))
+    adv, mask = rng.normal(size=8), rng.random((8, 5)) > 0.3
+    on_data = jax.sharding.NamedSharding(common.make_mesh(None), jax.sharding.PartitionSpec("data"))
+    for loss_type in ("vespo", "sapo"):
+        f = jax.jit(lambda lp, old, adv, mask, ent: grpo_loss(lp, old, None, adv, mask, 0.2, 0.28, 0.0, loss_type,
+                                                              "token", ent, 0.3, 0.02, SAPO, VESPO))
+        inputs = [jnp.array(x) for x in (lp, old, adv, mask, ent)]
+        one = f(*inputs)
+        placed = [jax.device_put(x, on_data) for x in inputs]
+        assert len(placed[0].sharding.device_set) == 8
+        sharded = f(*placed)
+        np.testing.assert_allclose(sharded[0], one[0], rtol=1e-6, err_msg=loss_type)
+        for k in one[1]:
+            np.testing.assert_allclose(sharded[1][k], one[1][k], rtol=1e-6, err_msg=f"{loss_type} {k}")
+
+
 # ---------------------------------------------------------------------------
 # the flags reach the loss: a 2-step run's metrics
 # ---------------------------------------------------------------------------
