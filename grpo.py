@@ -282,8 +282,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
         per_token = jnp.where(kept, per_token, 0.0)
     if beta:  # on every real token, kept or not (as TRL)
         kl = k3_kl(logps, ref_logps)
-        per_token = per_token + beta * kl
-        metrics["kl"] = masked_mean(kl, mask)
+        per_token, metrics["kl"] = per_token + beta * kl, masked_mean(kl, mask)
     loss = aggregate(per_token, mask, loss_type)
     if entropy_coef:  # TRL's bonus: the kept tokens' mean entropy, whatever the aggregation
         metrics.update({"policy_loss": loss, "entropy_coef": jnp.float32(entropy_coef)})
