@@ -347,9 +347,9 @@ def check_args(args, mesh):
     if b % args.num_mini_batches or b // args.num_mini_batches % mesh.shape["data"]:
         raise common.UsageError(f"--batch-size {b} must split into --num-mini-batches {args.num_mini_batches} "
                                 f"each divisible by the data axis ({mesh.shape['data']})")
-    loss_types = get_args(Args.__annotations__["loss_type"])
-    if args.scale_rewards not in ("group", "batch", "none") or args.loss_type not in loss_types:
-        raise common.UsageError(f"--scale-rewards: group, batch or none; --loss-type: one of {loss_types}")
+    losses = get_args(Args.__annotations__["loss_type"])
+    if args.scale_rewards not in ("group", "batch", "none") or args.loss_type not in losses:
+        raise common.UsageError(f"--scale-rewards: group, batch or none; --loss-type: {', '.join(losses)}")
     if args.importance_sampling_level not in ("token",) + ("sequence",) * (args.loss_type != "vespo"):
         raise common.UsageError("--importance-sampling-level: token or sequence (vespo: token; w is its own)")
     if not 0 <= args.top_entropy_quantile <= 1 or min(args.sapo_temperature_pos,
