@@ -11,7 +11,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, get_args
 
 import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
 plumbing.answer_help(__name__, __file__)  # `python grpo.py --help`: from Args' source, before the imports below
@@ -54,13 +54,30 @@ class Args(plumbing.RolloutArgs):
     epsilon: float = 0.2
     """ε: ratio clip, lower side (and upper side unless --epsilon-high is given)"""
     epsilon_high: float | None = None
-    """ε_high: upper ratio clip (DAPO's clip-higher: 0.28); None: --epsilon"""
+    """ε_high: upper ratio clip (DAPO's clip-higher: 0.28); `cispo`: the weight's cap itself (ScaleRL: 5.0)"""
     importance_sampling_level: Literal["token", "sequence"] = "token"
     """ratio per `token` (GRPO) or per `sequence` (GSPO: exp of the mean token log-ratio, clipped once)"""
     scale_rewards: Literal["group", "batch", "none"] = "group"
     """advantage scale: `group` (÷ group std, GRPO), `batch` (÷ batch std), `none` (Dr. GRPO: no division)"""
-    loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
-    """`dapo` (token mean over the batch), `grpo` (sequence means' mean), `dr_grpo` (÷ B × response_length)"""
+    loss_type: Literal["dapo", "grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo", "vespo"] = "dapo"
+    """objective and aggregation, docs/grpo.md (3)-(10): `dapo` `bnpo` `cispo` `vespo` ÷ the batch's tokens,
+    `grpo` `sapo` sequence means' mean, `dr_grpo` ÷ B × response_length, `luspo` ÷ B"""
+    sapo_temperature_pos: float = 1.0
+    """τ_pos: temperature of SAPO's soft gate for Â > 0 (`--loss-type sapo`)"""
+    sapo_temperature_neg: float = 1.05
+    """τ_neg: temperature of SAPO's soft gate for Â ≤ 0 (higher: off-policy negative updates fade faster)"""
+    vespo_k_pos: float = 2.0
+    """k for Â ≥ 0 in VESPO's weight φ(w) = w^k e^(λ(1−w)) of the sequence ratio w: φ → 0 as w^k, w → 0"""
+    vespo_lambda_pos: float = 3.0
+    """λ for Â ≥ 0 in VESPO's φ(w): φ → 0 as e^(−λw) for large w"""
+    vespo_k_neg: float = 3.0
+    """k for Â < 0 in VESPO's φ(w)"""
+    vespo_lambda_neg: float = 2.0
+    """λ for Â < 0 in VESPO's φ(w)"""
+    top_entropy_quantile: float = 1.0
+    """ρ: only the top-ρ share of real tokens by entropy carry the policy loss (80/20 rule: 0.2; 1.0: all)"""
+    entropy_coef: float = 0.0
+    """entropy bonus: L − coef × the mean entropy of the tokens that carry the policy loss (0: off)"""
     mask_truncated_completions: bool = False
     """leave completions without EOS out of the loss (DAPO's overlong filtering)"""
     # logging and outputs
@@ -84,8 +101,7 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 
 # ---------------------------------------------------------------------------
 # ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once; it stops when every completion has ended),
-# forwards of the policy and reference on query + response, group-relative advantages, the k3 KL,
-# the clipped surrogate
+# forwards of policy and reference on query + response, group-relative advantages, the k3 KL, the objectives
 # ---------------------------------------------------------------------------
 def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
     """TRL's sampling filters on logits / temperature [B, V], in transformers' order: top-k, then top-p, then
@@ -194,13 +210,9 @@ def masked_mean(x, mask):
 
 
 def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
-    """Â_i = (r_i − mean(group)) / (std(group) + ε)   (eq. 2 of docs/grpo.md).
-
-    rewards [B] hold B/G groups of G consecutive completions of one prompt. std has
-    Bessel's correction (as TRL); `batch` divides by the std of all B rewards instead,
-    `none` not at all (Dr. GRPO). A group whose rewards are all equal gets Â = 0: it
-    carries no signal. -> (advantages [B], group std [B/G]).
-    """
+    """Â_i = (r_i − mean(group)) / (std(group) + ε)   (eq. 2): rewards [B] hold B/G groups of G consecutive
+    completions of one prompt; std with Bessel's correction (as TRL); `batch` divides by the std of all B
+    rewards, `none` not at all (Dr. GRPO). An all-equal group gets Â = 0. -> (advantages [B], std [B/G])."""
     grouped = rewards.reshape(-1, num_generations)  # [B/G, G]
     std = grouped.std(1, ddof=1)
     advantages = grouped - grouped.mean(1, keepdims=True)
@@ -212,54 +224,70 @@ def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
 
 
 def k3_kl(logps, ref_logps):
-    """Per-token KL(π ‖ π_ref) estimate k3 = π_ref/π − log(π_ref/π) − 1 (Schulman 2020): ≥ 0, unbiased
-    on tokens sampled from π, lower variance than k1 = log π − log π_ref.   (eq. 4)"""
+    """Per-token KL(π ‖ π_ref) estimate k3 = π_ref/π − log(π_ref/π) − 1 (Schulman 2020; eq. 4): ≥ 0,
+    unbiased on tokens sampled from π, lower variance than k1 = log π − log π_ref."""
     log_ratio = ref_logps - logps
     return jnp.expm1(log_ratio) - log_ratio
 
 
 def aggregate(per_token, mask, loss_type):
-    """Per-token losses [B, R] -> scalar, by --loss-type (eq. 5); masked tokens never count."""
+    """Per-token losses [B, R] -> scalar, by --loss-type (eq. 5, LUSPO's 9); masked tokens never count."""
     x = jnp.where(mask, per_token, 0.0)
-    if loss_type == "grpo":  # mean over each completion's tokens, then over completions
+    if loss_type in ("grpo", "sapo"):  # mean over each completion's tokens, then over completions
         return jnp.mean(x.sum(1) / jnp.maximum(mask.sum(1), 1))
-    if loss_type == "dr_grpo":  # a constant denominator: no length normalisation at all
-        return x.sum() / x.size
-    return x.sum() / jnp.maximum(mask.sum(), 1)  # dapo: every token of the batch weighs the same
+    # dr_grpo: ÷ a constant; luspo: terms × |o_i|, ÷ B; dapo, bnpo, cispo, vespo: every token the same
+    return x.sum() / {"dr_grpo": x.size, "luspo": x.shape[0]}.get(loss_type, jnp.maximum(mask.sum(), 1))
 
 
 def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_high, beta, loss_type,
-              importance_sampling_level):
-    """Clipped surrogate (eq. 3, or eq. 6 with GSPO's sequence ratio) + β·k3 KL (eq. 4), aggregated by
-    `loss_type` (eq. 5).
-
-    logps / old_logps / ref_logps [B, R] per response token (ref_logps None when β = 0),
-    advantages [B] (one per completion, the same for each of its tokens), mask [B, R].
-    """
-    log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # [B, R]; padding may hold anything, it adds nothing
-    if importance_sampling_level == "sequence":
-        # GSPO (eq. 6; Zheng et al. 2025's eq. 5): log s_i = (1/|o_i|) Σ_t log ρ_{i,t}, one per completion.
-        # Differentiated through the mean (as TRL's GRPOTrainer): ∂ s_i / ∂ log π_{i,t} = s_i / |o_i|
-        log_ratio = log_ratio.sum(1, keepdims=True) / jnp.maximum(mask.sum(1, keepdims=True), 1)  # [B, 1]
-    ratio = jnp.exp(log_ratio)  # ρ_{i,t} or s_i; with one update per batch old = sg(π_θ): ratio 1
-    a = advantages[:, None]
-    clipped = jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high)
-    # pessimistic: the clip only ever removes gradient. [B, R], or [B, 1] at sequence level: every real
-    # token of o_i then carries its completion's term, and `aggregate` weighs it as any token (as TRL)
-    per_token = -jnp.minimum(ratio * a, clipped * a)
+              importance_sampling_level, entropy=None, top_entropy_quantile=1.0, entropy_coef=0.0,
+              sapo_temperatures=(1.0, 1.05), vespo_params=(2.0, 3.0, 3.0, 2.0)):
+    """The policy term of `loss_type` (eq. 3, GSPO's 6, CISPO 7, SAPO 8, VESPO 10) on the tokens ρ keeps (11),
+    + β·k3 KL (4), aggregated (5, 9), − entropy_coef × entropy (12). logps, old_logps, ref_logps (None: β 0),
+    entropy, mask [B, R], advantages [B]; sapo_temperatures and vespo_params: Args' fields in their order."""
+    token_log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # [B, R]; padding may hold anything: 0 here
+    log_ratio = token_log_ratio
+    if importance_sampling_level == "sequence":  # GSPO (eq. 6): log s_i = (1/|o_i|) Σ_t log ρ_{i,t}, [B, 1]
+        # differentiated through the mean (as TRL's GRPOTrainer): ∂ s_i / ∂ log π_{i,t} = s_i / |o_i|
+        log_ratio = log_ratio.sum(1, keepdims=True) / jnp.maximum(mask.sum(1, keepdims=True), 1)
+    ratio, a = jnp.exp(log_ratio), advantages[:, None]  # ρ or s; one update a batch: old = sg(π_θ), ratio 1
+    # shares over real tokens, or at sequence level over the B completions (TRL counts all B)
+    share = lambda x: masked_mean(x, mask if importance_sampling_level == "token" else jnp.ones_like(x))
+    real_logps = jnp.where(mask, logps, 0.0)  # cispo and vespo weigh log π itself: padding's must not count
     metrics = {}
-    if beta:
+    if loss_type == "cispo":  # the importance weight capped at ε_high, held constant, times Â log π
+        per_token = -jax.lax.stop_gradient(jnp.minimum(ratio, epsilon_high)) * a * real_logps
+        metrics["cispo_clip_ratio"] = share((ratio > epsilon_high) & (a > 0))
+    elif loss_type == "sapo":  # a sigmoid gate for the clip: gradient weight 1 at ratio 1, fading off it
+        tau = jnp.where(a > 0, *sapo_temperatures)
+        per_token = -jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * a
+    elif loss_type == "vespo":  # φ(w) = w^k e^(λ(1−w)) of the whole sequence's ratio w [B, 1], held constant,
+        # times Â log π; (k, λ) by the sign of Â; in log space with TRL's clamps
+        log_w = jnp.clip(jnp.clip(token_log_ratio, -20.0, 20.0).sum(1, keepdims=True), math.log(1e-8), 20.0)
+        k_pos, lambda_pos, k_neg, lambda_neg = vespo_params
+        k, lam = jnp.where(a >= 0, k_pos, k_neg), jnp.maximum(jnp.where(a >= 0, lambda_pos, lambda_neg), 1e-4)
+        phi = jax.lax.stop_gradient(jnp.exp(lam * (1.0 - jnp.exp(log_w)) + k * log_w))
+        per_token, metrics["vespo/phi_seq_mean"] = -phi * a * real_logps, jnp.mean(phi)
+    else:  # pessimistic: the clip only removes gradient. [B, 1] at sequence level: o_i's real tokens share it
+        per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * a)
+        low = (ratio < 1.0 - epsilon) & (a < 0)  # clipped from below: pushing further down is blocked
+        high = (ratio > 1.0 + epsilon_high) & (a > 0)  # clipped from above
+        metrics.update({"clip_ratio/low_mean": share(low), "clip_ratio/high_mean": share(high),
+                        "clip_ratio": share(low | high)})
+    kept = mask  # the tokens that carry the policy term
+    if top_entropy_quantile < 1.0:  # eq. 11: entropy ≥ its (1 − ρ)-quantile over the batch's real tokens
+        real = jnp.where(mask, jax.lax.stop_gradient(entropy), jnp.nan)  # [B, R]; padding left out
+        cut = jnp.nanquantile(real, 1.0 - top_entropy_quantile)  # linear interpolation: TRL's torch.quantile
+        kept = (entropy >= cut) & mask
+        per_token = jnp.where(kept, per_token, 0.0)
+    if beta:  # on every real token, kept or not (as TRL)
         kl = k3_kl(logps, ref_logps)
-        per_token = per_token + beta * kl
-        metrics["kl"] = masked_mean(kl, mask)
-    low = (ratio < 1.0 - epsilon) & (a < 0)  # clipped from below: pushing further down is blocked
-    high = (ratio > 1.0 + epsilon_high) & (a > 0)  # clipped from above
-    # clip shares over real tokens, or at sequence level over the B completions (TRL counts all B)
-    clip_mask = mask if importance_sampling_level == "token" else jnp.ones_like(low)
-    metrics.update({"clip_ratio/low_mean": masked_mean(low, clip_mask),
-                    "clip_ratio/high_mean": masked_mean(high, clip_mask),
-                    "clip_ratio": masked_mean(low | high, clip_mask)})
-    return aggregate(per_token, mask, loss_type), metrics
+        per_token, metrics["kl"] = per_token + beta * kl, masked_mean(kl, mask)
+    loss = aggregate(per_token, mask, loss_type)
+    if entropy_coef:  # TRL's bonus: the kept tokens' mean entropy, whatever the aggregation
+        metrics.update({"policy_loss": loss, "entropy_coef": jnp.float32(entropy_coef)})
+        loss = loss - entropy_coef * masked_mean(entropy, kept)
+    return loss, metrics
 
 
 def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, temperature):
@@ -277,11 +305,8 @@ def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, t
 # train_step: one update of the policy on a (mini-)batch of completions
 # ---------------------------------------------------------------------------
 def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
-    """One update on a (mini-)batch of completions. state = (params, opt_state).
-
-    batch: query_responses / padding_mask [B, Q+R], response_mask [B, R], advantages [B],
-    and, when computed at rollout time, old_logps / ref_logps [B, R].
-    """
+    """One update. state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask
+    [B, R], advantages [B], and old_logps / ref_logps [B, R] when computed at rollout time."""
     params, opt_state = state
     ids, mask = batch["query_responses"], batch["padding_mask"]
 
@@ -292,7 +317,11 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
         old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
         loss, metrics = grpo_loss(logps, old, batch.get("ref_logps"), batch["advantages"], batch["response_mask"],
                                   args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high,
-                                  args.beta, args.loss_type, args.importance_sampling_level)
+                                  args.beta, args.loss_type, args.importance_sampling_level, entropy,
+                                  args.top_entropy_quantile, args.entropy_coef,
+                                  (args.sapo_temperature_pos, args.sapo_temperature_neg),
+                                  (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
+                                   args.vespo_lambda_neg))
         loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
         return loss, {**metrics, "entropy": masked_mean(entropy, batch["response_mask"]), "aux_loss": aux_loss}
 
@@ -318,10 +347,14 @@ def check_args(args, mesh):
     if b % args.num_mini_batches or b // args.num_mini_batches % mesh.shape["data"]:
         raise common.UsageError(f"--batch-size {b} must split into --num-mini-batches {args.num_mini_batches} "
                                 f"each divisible by the data axis ({mesh.shape['data']})")
-    if args.scale_rewards not in ("group", "batch", "none") or args.loss_type not in ("dapo", "grpo", "dr_grpo"):
-        raise common.UsageError("--scale-rewards: group, batch or none; --loss-type: dapo, grpo or dr_grpo")
-    if args.importance_sampling_level not in ("token", "sequence"):
-        raise common.UsageError("--importance-sampling-level: token or sequence")
+    losses = get_args(Args.__annotations__["loss_type"])
+    if args.scale_rewards not in ("group", "batch", "none") or args.loss_type not in losses:
+        raise common.UsageError(f"--scale-rewards: group, batch or none; --loss-type: {', '.join(losses)}")
+    if args.importance_sampling_level not in ("token",) + ("sequence",) * (args.loss_type != "vespo"):
+        raise common.UsageError("--importance-sampling-level: token or sequence (vespo: token; w is its own)")
+    if not 0 <= args.top_entropy_quantile <= 1 or min(args.sapo_temperature_pos,
+                                                       args.sapo_temperature_neg) <= 0:
+        raise common.UsageError("--top-entropy-quantile must be in [0, 1], --sapo-temperature-pos/-neg > 0")
     if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
         raise common.UsageError(f"--reward-weights: {len(args.reward_weights)} weights for "
                                 f"{len(args.reward_fn)} --reward-fn functions")
@@ -329,8 +362,8 @@ def check_args(args, mesh):
 
 
 def make_optimizer(args, max_steps):
-    """Clip, AdamW with --weight-decay on matrices only (not norms or biases), --lr-scheduler-type over all
-    updates (μ × mini-batches a step: TRL counts optimizer steps) -> (optimizer, schedule, warmup)"""
+    """Clip, AdamW (--weight-decay on matrices only), --lr-scheduler-type over all μ × mini-batches updates
+    (TRL counts optimizer steps) -> (optimizer, schedule, warmup)"""
     updates = max_steps * args.num_iterations * args.num_mini_batches
     schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, updates, args.warmup_steps,
                                           args.warmup_ratio, args.min_lr_rate)
@@ -410,11 +443,9 @@ def main(args):
           f"{n_prompts} prompts × G={g} completions "
           f"of {r} tokens per step; reward: {args.reward_model or ', '.join(args.reward_fn)}")
 
-    # Policy trainable; reference = frozen copy of its initial values (with LoRA: the zero-init
-    # adapters, i.e. the LoRA-off base), only when β > 0.
+    # Reference: a frozen copy of the initial trainable values (LoRA: the LoRA-off base), only when β > 0.
     params, frozen = common.split_variables(backbone)
-    # Through one jit with explicit out_shardings, so the trainable values carry the mesh in their types and are
-    # committed to their devices, as the updated ones will be: the sampler sees the same input types every step.
+    # one jit with out_shardings commits the values to the mesh as updates will: the sampler sees one type
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
     ref_params = jax.tree.map(jnp.copy, params) if args.beta else None
     off_policy = args.num_iterations > 1 or args.num_mini_batches > 1  # π_old differs from π_θ at some update
@@ -427,8 +458,7 @@ def main(args):
     # --resume: params, optimizer state, sampling key, mini-batch shuffler (the prompt order is a function of the step)
     (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
                                                      {"rng": rng.bit_generator.state})
-    # the key through the host: restored, it is committed to one device, and the sampler's other
-    # arguments span the mesh (jit refuses the mix on every multi-device run)
+    # the key through the host: restored, it sits on one device, which jit refuses beside mesh-wide arguments
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
@@ -442,8 +472,7 @@ def main(args):
     run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
-    # FLOPs (docs/design.md): 2N per token per forward (sampling; π_old and π_ref when needed; reward model),
-    # 6N per token per trained forward+backward (every iteration).
+    # FLOPs (docs/design.md): 2N a token per forward (sampler, π_old, π_ref, reward model), 6N per update pass
     n = plumbing.count_params(backbone)
     n_rm = plumbing.count_params(scorer.model.backbone) if scorer.model is not None else 0
     flops_per_token = 2 * n * (1 + off_policy + (args.beta > 0)) + 2 * n_rm + args.num_iterations * 6 * n

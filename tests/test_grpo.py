@@ -33,7 +33,10 @@ def run(*flags, env=None):
     ({"batch_size": 8, "num_generations": 1}, "multiple of --num-generations"),
     ({"batch_size": 16, "num_mini_batches": 4}, "divisible by the data axis"),
     ({"num_mini_batches": 0}, "--num-mini-batches"),
-    ({"loss_type": "bnpo"}, "--loss-type"),
+    ({"loss_type": "sum"}, "--loss-type"),
+    ({"loss_type": "vespo", "importance_sampling_level": "sequence"}, "vespo: token"),
+    ({"top_entropy_quantile": 1.5}, "--top-entropy-quantile"),
+    ({"sapo_temperature_neg": 0.0}, "--sapo-temperature"),
     ({"scale_rewards": "std"}, "--scale-rewards"),
     ({"reward_weights": (1.0, 2.0)}, "2 weights for 1 --reward-fn"),
     ({"top_p": 0.0}, "--top-p must be in"),
@@ -59,7 +62,7 @@ def test_a_reward_function_needing_a_missing_column_is_refused_before_the_model_
 def test_bad_input_exits_2_before_any_output(tmp_path):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"prompt": "Sort: 1 2"}\n{"prompt": 7}\n')
-    out = run("--dataset", str(bad), "--loss-type", "bnpo", "--output-dir", str(tmp_path / "a"))
+    out = run("--dataset", str(bad), "--loss-type", "sum", "--output-dir", str(tmp_path / "a"))
     assert out.returncode == 2 and "--loss-type" in out.stderr, out.stderr  # flags first: no model loaded
     out = run("--dataset", str(bad), "--output-dir", str(tmp_path / "b"))
     assert out.returncode == 2 and f"{bad}:2" in out.stderr and "Traceback" not in out.stderr, out.stderr
