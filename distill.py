@@ -3,9 +3,9 @@ r"""On-policy distillation: the student samples, a frozen teacher of the same vo
 Agarwal et al. 2024 (GKD, arXiv:2306.13649); TRL's DistillationTrainer: generalized JSD chosen by β
 (0: forward KL, 1: reverse KL, the default). Data: `prompt` (string or chat messages).
     python distill.py --model qwen3.5_0.8b --teacher-model qwen3.5_9b --dataset my_prompts.jsonl
-Offline toy (docs/distill.md: a teacher SFT'd for 150 steps, a student for 40; ~2 min on 2 CPU cores):
-    python distill.py --model runs/student/model --teacher-model runs/teacher/model --max-steps 30 \
-        --batch-size 32 --learning-rate 1e-4 --response-length 16 --max-prompt-length 64
+Offline toy (docs/distill.md: teacher = `tiny` after 150 sft.py steps, student after 40; ~2 min, 2 CPU cores):
+    python distill.py --model runs/student/model --teacher-model runs/teacher/model --max-steps 40 \
+        --batch-size 32 --learning-rate 1e-3 --response-length 16 --max-prompt-length 64
 """
 
 import math
