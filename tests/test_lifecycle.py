@@ -146,7 +146,7 @@ def test_import_has_no_side_effects():
     leaves sys.excepthook and the signal handlers alone."""
     code = ("import signal, sys; sys.argv = ['notebook', '--help']; hook = sys.excepthook; "
             "handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]; "
-            "import dpo, sft, simpo, orpo, kto, reward, ppo, grpo, rloo, evaluate, compare; "
+            "import dpo, sft, simpo, orpo, kto, reward, ppo, grpo, rloo, distill, evaluate, compare; "
             "assert sys.excepthook is hook; "
             "assert handlers == [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
