@@ -110,8 +110,8 @@ def completion_divergence(backbone, params, frozen, teacher, teacher_weights, to
                              params + frozen))
     teacher_state = list(zip(teacher.trainable_variables + teacher.non_trainable_variables,
                              teacher_params + teacher_frozen))
-    # A padded embedding matrix (Qwen 2.5's rows past the tokenizer's) may differ in width between sizes of a
-    # family: compare the shared ids; the vocabularies were checked equal at start-up.
+    # One tokenizer, embedding matrices of other widths (Gemma 3 1B: 262,144 rows, 4B: 262,208, the rows past
+    # the tokenizer's padding): the divergence is over the ids both have (vocabularies: checked at start-up)
     v = min(backbone.vocabulary_size, teacher.vocabulary_size)
 
     @jax.checkpoint
