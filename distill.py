@@ -360,7 +360,7 @@ def main(args):
     flops_per_token = 8 * plumbing.count_params(backbone) + 2 * plumbing.count_params(teacher)
 
     # ---- the loop: rollout (the student samples) -> the teacher grades every token -> update ----
-    for step in run.steps(show=("entropy",), summed=("charts/generated_tokens",)):
+    for step in run.steps(learning_rate=schedule, show=("entropy",), summed=("charts/generated_tokens",)):
         ticks, idx = [time.perf_counter()], order[step * args.batch_size:(step + 1) * args.batch_size]  # [B]
         key, gen_key = jax.random.split(key)
         batch, sequence_lengths = rollout(gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key,

@@ -259,7 +259,8 @@ def test_sigterm_then_resume_equals_uninterrupted(resumed):
     assert [r["step"] for r in clean] == [1, 2, 3, 4]
     assert_same_rows(clean, cut)
     for k in ("train/loss", "entropy", "train/grad_norm", "completions/mean_length",
-              "completions/truncated_fraction", "charts/generated_tokens", "charts/padding_fraction"):
+              "completions/truncated_fraction", "charts/generated_tokens", "charts/padding_fraction",
+              "charts/learning_rate"):
         assert k in clean[-1], k  # (tokens/s and MFU too: helpers drop timing metrics before comparing)
     assert all(r["train/loss"] > 0 for r in clean)
     assert "sample:" in stdout and (out_dir / "model" / "config.json").exists()
