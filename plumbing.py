@@ -97,7 +97,8 @@ TRL_FLAGS = {"num-train-epochs": "--num-epochs", "per-device-train-batch-size": 
              "per-device-eval-batch-size": "--batch-size", "eval-strategy": "--eval-every N (0: none)",
              "dataset-train-split": "--dataset-split | --prompts-split", "dataset-test-split": "--eval-split",
              "lr-scheduler-kwargs": "--min-lr-rate (cosine_with_min_lr's min_lr_rate, the one kwarg taken)",
-             "lora-dropout": "absent (Keras' LoRA layers have no dropout)"}
+             "lora-dropout": "absent (Keras' LoRA layers have no dropout)",
+             "teacher-model-name-or-path": "--teacher-model (distill.py)"}
 
 
 def check_options(argv, ours, script):

@@ -55,6 +55,11 @@ ARCHS = {
     # google/gemma-3-4b-it config.json: 3.880B weights (published 4.3B with its 0.42B SigLIP vision tower)
     "gemma3_4b": dict(vocabulary_size=262208, num_layers=34, num_query_heads=8, num_key_value_heads=4,
                       hidden_dim=2560, intermediate_dim=10240, head_dim=256, **GEMMA3),
+    # google/gemma-3-1b-it config.json: 0.999B weights; a 262144-token embedding (the 4B's has 262208 rows, the
+    # same tokenizer), sliding windows of 512, no global RoPE scaling
+    "gemma3_1b": dict(vocabulary_size=262144, num_layers=26, num_query_heads=4, num_key_value_heads=1,
+                      hidden_dim=1152, intermediate_dim=6912, head_dim=256,
+                      **{**GEMMA3, "sliding_window_size": 512, "global_rope_scaling_factor": 1.0}),
     # google/gemma-3-12b-it config.json: 11.766B weights (published 12.2B with the vision tower)
     "gemma3_12b": dict(vocabulary_size=262208, num_layers=48, num_query_heads=16, num_key_value_heads=8,
                        hidden_dim=3840, intermediate_dim=15360, head_dim=256, **GEMMA3),
@@ -72,7 +77,7 @@ ARCHS = {
                            enable_moe_block=True, num_experts=128, expert_intermediate_dim=704,
                            num_experts_per_token=8, **GEMMA4),
 }
-BACKBONES = {"gemma3_4b": "Gemma3Backbone", "gemma3_12b": "Gemma3Backbone", "gemma3_27b": "Gemma3Backbone",
+BACKBONES = {"gemma3_1b": "Gemma3Backbone", "gemma3_4b": "Gemma3Backbone", "gemma3_12b": "Gemma3Backbone", "gemma3_27b": "Gemma3Backbone",
              "gemma4_31b": "Gemma4Backbone", "gemma4_26b_a4b": "Gemma4Backbone"}  # the others: GemmaBackbone
 BOS, EOS = 2, 1
 MAX_STEPS = 1000  # the scripts' --max-steps here: only the length of their learning-rate schedules
@@ -88,6 +93,8 @@ class Config:
     lora_rank: int = 0
     precompute_ref: bool = False
     """DPO: reference log-probs in the batch instead of a reference forward"""
+    teacher_model: str = ""
+    """distill: the teacher, an ARCHS name (random weights at its shapes) or a common.load_model name"""
     seed: int = 0
     """the synthetic tokens"""
 
@@ -306,6 +313,16 @@ def grpo_args(module, cfg):
                        num_generations=g)
 
 
+def distill_args(module, cfg):
+    """distill.py's Args at its defaults (TRL's: β = 1, reverse KL) with --max-length T = prompt T/2 +
+    response T/2 and the teacher --teacher-model."""
+    if cfg.grad_accum_steps != 1 or cfg.max_length < 4 or not cfg.teacher_model:
+        raise plumbing.UsageError("distill: needs --teacher-model, --grad-accum-steps 1 and --max-length >= 4")
+    return module.Args(batch_size=cfg.batch_size, lora_rank=cfg.lora_rank, max_steps=MAX_STEPS,
+                       teacher_model=cfg.teacher_model, max_prompt_length=cfg.max_length // 2,
+                       response_length=cfg.max_length - cfg.max_length // 2)
+
+
 def setup(cfg, backbone, mesh, abstract=False):
     """Bench for cfg.algo (a Config, or a benchmark's Args: Config.of): the script's own optimizer
     (make_optimizer), state and train_step on a synthetic batch."""
@@ -489,6 +506,28 @@ def _grpo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, a
     return bench
 
 
+def _distill(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
+    """distill.py's train_step on one synthetic batch of completions: the student's forward + backward and the
+    frozen teacher's forward (an ARCHS teacher: random weights at its shapes, abstract with the student)."""
+    b, vocab = shape[1], shape[3]
+    q, r = args.max_prompt_length, args.response_length
+    dtype = backbone.dtype_policy.compute_dtype
+    if args.teacher_model in ARCHS:
+        teacher = build_backbone(args.teacher_model, mesh, dtype, seed=1, abstract=abstract)
+    else:
+        teacher = common.load_model(args.teacher_model, mesh, dtype, 1).backbone
+    weights = abstract_variables(teacher) if abstract else common.split_variables(teacher)
+    state = (params, init_opt_state(optimizer, params, mesh, abstract))
+    step = script_step(module, backbone=backbone, optimizer=optimizer, args=args, context_length=q, teacher=teacher)
+    ids, pad, mask = sequences(rng, 1, b, q + r, min(vocab, teacher.vocabulary_size))
+    host = {"query_responses": ids[0], "padding_mask": pad[0], "response_mask": mask[0, :, q:]}
+    ratio = plumbing.count_params(teacher) / plumbing.count_params(backbone)
+    return Bench(args, step, state, {"frozen": frozen, "teacher_weights": weights},
+                 rollout_batch(host, mesh, abstract), b * (q + r), round(6 + 2 * ratio, 3),
+                 f"update step: the student's forward + backward (6N) and the teacher's forward (2N_T = "
+                 f"{2 * ratio:.3f}N)")
+
+
 def group_advantages(module, rewards, args):
     """grpo.py's group-relative advantages of rewards [B]."""
     return module.group_advantages(rewards, args.num_generations, args.scale_rewards)[0]
@@ -556,4 +595,5 @@ ALGOS = {
     "ppo": Algo(_ppo, ppo_args, trained_models=2),  # policy and value
     "grpo": Algo(functools.partial(_grpo, advantages=group_advantages), grpo_args),
     "rloo": Algo(functools.partial(_grpo, advantages=leave_one_out), grpo_args),  # grpo's step and rollout
+    "distill": Algo(_distill, distill_args),  # + a frozen teacher's forward
 }

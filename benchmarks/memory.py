@@ -31,7 +31,7 @@ GIB = 2**30
 @dataclass
 class Args:
     # what is compiled
-    algo: Literal["sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo"] = "sft"
+    algo: Literal["sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "distill"] = "sft"
     """whose train_step is compiled"""
     # model
     model: str = "gemma_2b"
@@ -56,6 +56,8 @@ class Args:
     """the layers LoRA adapts, as the scripts' flag: `all-linear`, or layer names; None: query and value"""
     precompute_ref: bool = False
     """DPO, KTO: reference log-probs precomputed (no reference weights, no reference forward)"""
+    teacher_model: str = ""
+    """distill: the frozen teacher (an ARCHS name: random weights at its shapes; throughput: any model name)"""
     state_only: bool = False
     """report the state per chip alone (weights, Adam moments, frozen weights, reference: the shards of the
     abstract arrays, exact at any depth) and the float32 gradients beside it, without compiling the step"""
@@ -135,11 +137,12 @@ def compile_step(args, mesh):
 
 
 def state_of(bench):
-    """Bytes per device of the step's state: what it holds before any activation."""
+    """Bytes per device of the step's state: what it holds before any activation (distill: the teacher too)."""
     (params, opt_state), frozen = bench.state, bench.extra["frozen"]
     out = {"trainable_bytes": weight_bytes(params), "optimizer_bytes": weight_bytes(opt_state),
            "frozen_bytes": weight_bytes(frozen),
-           "reference_bytes": weight_bytes(bench.extra.get("ref_params"))}
+           "reference_bytes": weight_bytes(bench.extra.get("ref_params")),
+           "teacher_bytes": weight_bytes(bench.extra.get("teacher_weights"))}  # distill's frozen teacher
     state = sum(out.values())
     # float32 gradients of the trainable weights, whole before global-norm clipping
     return {**out, "state_gib_per_device": state / GIB,
@@ -156,7 +159,7 @@ def main(args):
            "batch_size": args.batch_size, "max_length": args.max_length,
            "grad_accum_steps": args.grad_accum_steps,
            "lora_rank": args.lora_rank, "lora_target_modules": args.lora_target_modules,
-           "precompute_ref": args.precompute_ref, "remat": args.remat}
+           "precompute_ref": args.precompute_ref, "teacher_model": args.teacher_model, "remat": args.remat}
     if args.state_only:
         backbone = harness.load_backbone(args, mesh, abstract=True)
         bench = harness.setup(args, backbone, mesh, abstract=True)

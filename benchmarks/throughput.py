@@ -30,7 +30,7 @@ import jax  # noqa: E402
 @dataclass
 class Args:
     # what is timed
-    algo: Literal["sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rloo"] = "sft"
+    algo: Literal["sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rloo", "distill"] = "sft"
     """whose train_step is timed"""
     # model
     model: str = "tiny"
@@ -56,6 +56,8 @@ class Args:
     """0 = full fine-tuning; >0 = LoRA of this rank"""
     precompute_ref: bool = False
     """DPO, KTO: reference log-probs in the batch instead of a reference forward (DPO: 6N, not 8N)"""
+    teacher_model: str = ""
+    """distill: the frozen teacher (an ARCHS name: random weights at its shapes; throughput: any model name)"""
     remat: Literal["auto", "on", "off"] = "auto"
     """activation checkpointing per decoder block, as the scripts' `--remat` (auto: plumbing.Remat's rule)"""
     # timing

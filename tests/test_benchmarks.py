@@ -69,7 +69,7 @@ def test_throughput_bad_algo_exits_2():
         throughput.main(throughput.Args(algo="nope"))
     out = subprocess.run([sys.executable, "-X", "importtime", script, "--help"], cwd=ROOT, capture_output=True,
                          text=True, timeout=60)
-    assert out.returncode == 0 and "--algo {sft,dpo,simpo,orpo,kto,reward,ppo,grpo,rloo}" in out.stdout, out.stderr[-500:]
+    assert out.returncode == 0 and "--algo {sft,dpo,simpo,orpo,kto,reward,ppo,grpo,rloo,distill}" in out.stdout, out.stderr[-500:]
     imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
     assert "plumbing" in imported and not {"jax", "keras", "common", "harness"} & imported
 
@@ -159,6 +159,20 @@ def test_throughput_rl_splits_an_iteration(capsys, algo, batch, tokens, factor):
     assert r["iteration_s"] == pytest.approx(r["generate_s"] + r["score_s"] + r["update_s"])
     assert r["generate_tokens_per_sec"] == pytest.approx(batch * 8 / r["generate_s"])  # response = 16 / 2
     assert min(r["generate_s"], r["score_s"], r["update_s"]) > 0
+
+
+def test_throughput_distill_times_the_student_update_with_the_teacher_forward(capsys):
+    """--algo distill: distill.py's train_step, the 1-layer student's 6N and a 4-layer teacher's forward
+    (2 N_T, counted in the student's N: between 4N and 8N, the embedding shared by neither)."""
+    throughput.main(throughput.Args(algo="distill", model="tiny", teacher_model="tiny", random_init=True,
+                                    num_layers=1, batch_size=8, max_length=16, steps=1, warmup=1, remat="off"))
+    r = last_json(capsys)
+    assert r["tokens_per_step"] == 8 * 16 and r["final_loss"] > 0 and 0 < r["mfu"] <= 1
+    factor = float(r["flops_convention"].split("N,")[0])
+    assert 6 + 2 * 2 < factor < 6 + 2 * 4  # the 4-layer teacher over the 1-layer student (embedding shared)
+    import plumbing
+    with pytest.raises(plumbing.UsageError, match="needs --teacher-model"):
+        throughput.main(throughput.Args(algo="distill", model="tiny", random_init=True, num_layers=1))
 
 
 def test_longtail_modes(capsys):

@@ -128,7 +128,7 @@ def test_coming_from_trl_names_flags_that_exist():
     Args (read from source, as --help reads it), and each TRL name beside it is either that same flag here
     (TRL's underscores for our dashes) or one plumbing.TRL_FLAGS answers with a hint."""
     import plumbing  # instant: no JAX
-    scripts = ("sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rloo", "evaluate")
+    scripts = ("sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rloo", "distill", "evaluate")
     ours = {"--" + name.replace("_", "-") for s in scripts
             for name in plumbing._fields(os.path.join(ROOT, s + ".py"), "Args")}
     section = read("README.md").split("## Coming from TRL")[1].split("\n## ")[0]

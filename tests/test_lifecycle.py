@@ -20,7 +20,7 @@ from helpers import ROOT, learning_env, one_device_env, run_script, usage_error
 
 FAST = ["--model", "tiny", "--batch-size", "8", "--log-every", "2", "--eval-dataset", "", "--num-samples", "0"]
 SCRIPTS = ("sft.py", "dpo.py", "simpo.py", "orpo.py", "kto.py", "reward.py", "ppo.py", "grpo.py", "rloo.py",
-           "evaluate.py", "compare.py")
+           "distill.py", "evaluate.py", "compare.py")
 
 
 def sft(*flags):
@@ -148,7 +148,7 @@ def test_import_has_no_side_effects():
     leaves sys.excepthook and the signal handlers alone."""
     code = ("import signal, sys; sys.argv = ['notebook', '--help']; hook = sys.excepthook; "
             "handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]; "
-            "import dpo, sft, simpo, orpo, kto, reward, ppo, grpo, rloo, evaluate, compare; "
+            "import dpo, sft, simpo, orpo, kto, reward, ppo, grpo, rloo, distill, evaluate, compare; "
             "assert sys.excepthook is hook; "
             "assert handlers == [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
@@ -222,7 +222,8 @@ def test_help_is_fast_grouped_and_lists_choices(script):
         assert line.count("(default:") <= 1 and "(default: None) (default" not in line
     # the defaults are for real pretrained models: TRL's learning rate (SimPO: its paper's recipe)
     trl_rate = {"sft.py": "2e-05", "dpo.py": "1e-06", "simpo.py": "6e-07", "orpo.py": "1e-06", "kto.py": "1e-06",
-                "reward.py": "0.0001", "ppo.py": "3e-06", "grpo.py": "1e-06", "rloo.py": "1e-06"}
+                "reward.py": "0.0001", "ppo.py": "3e-06", "grpo.py": "1e-06", "rloo.py": "1e-06",
+                "distill.py": "1e-06"}
     if script in trl_rate:
         rate = text.split("  --learning-rate FLOAT\n")[1].split("  --")[0]
         assert f"(default: {trl_rate[script]})" in rate, rate

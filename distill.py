@@ -1,0 +1,391 @@
+r"""On-policy distillation: the student samples, a frozen teacher of the same vocabulary grades every token.
+
+Agarwal et al. 2024 (GKD, arXiv:2306.13649); TRL's DistillationTrainer: generalized JSD chosen by β
+(0: forward KL, 1: reverse KL, the default). Data: `prompt` (string or chat messages).
+    python distill.py --model qwen3.5_0.8b --teacher-model qwen3.5_9b --dataset my_prompts.jsonl
+Offline toy (docs/distill.md: teacher = `tiny` after 150 sft.py steps, student after 40; ~2 min, 2 CPU cores):
+    python distill.py --model runs/student/model --teacher-model runs/teacher/model --max-steps 40 \
+        --batch-size 32 --learning-rate 1e-3 --response-length 16 --max-prompt-length 64
+"""
+
+import math
+import os
+import time
+from dataclasses import dataclass
+
+import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
+plumbing.answer_help(__name__, __file__)  # `python distill.py --help`: from Args' source, before the imports
+
+import common  # noqa: E402  (mesh, models, data files)
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import keras  # noqa: E402
+import keras_hub  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+
+@dataclass
+class Args(plumbing.RolloutArgs):
+    """The shared flags (plumbing.RolloutArgs: model, dtype, mesh, prompts, lengths, outputs…), distill's."""
+    # model
+    teacher_model: str | None = None
+    """the frozen teacher: any --model form; its tokenizer's vocabulary must be the student's, its width and
+    depth may differ (TRL's teacher_model_name_or_path)"""
+    # rollouts
+    response_length: int = 512
+    """new tokens the student samples per completion (TRL DistillationConfig's max_completion_length: 512)"""
+    top_p: float = 1.0
+    """top-p: sample from the likeliest tokens that hold this probability mass (1.0 = off)"""
+    top_k: int = 0
+    """top-k: sample among the k likeliest tokens (0 = off); the loss is over all the vocabulary, as TRL's"""
+    min_p: float | None = None
+    """min-p: drop tokens less likely than min_p × the top token's probability (None = off)"""
+    # algorithm
+    beta: float = 1.0
+    """β of the generalized JSD: 0 forward KL(teacher ‖ student), 1 reverse KL(student ‖ teacher) (TRL: 1.0),
+    in between β·KL(p_T ‖ m) + (1 − β)·KL(p_S ‖ m), m = (1 − β)·p_S + β·p_T"""
+    temperature: float = 1.0
+    """τ: sampling temperature, and both models' logits are divided by it in the loss (TRL: 1.0)"""
+    logits_chunk: int = 64
+    """completion positions projected to [B, chunk, V] logits at a time (memory: 2 such blocks per model)"""
+    # logging and outputs
+    export_hf: bool = False
+    """also write the student as a Hugging Face checkpoint, tokenizer and template in model_hf/"""
+
+
+# ---------------------------------------------------------------------------
+# ALGO LOGIC (the loss first: it is what this file is about): the generalized JSD on one chunk of logits,
+# then the chunked projection of both models' hidden states that feeds it
+# ---------------------------------------------------------------------------
+def generalized_jsd(student_logits, teacher_logits, mask, beta, temperature):
+    """Per-token divergence of the teacher's and the student's next-token distributions (docs/distill.md):
+    logits [..., V] (float32, each model's soft-cap applied), mask [...] -> [...], 0 where mask is False.
+
+      β = 0 (eq. 1):  KL(p_T ‖ p_S) = Σ_v p_T (log p_T − log p_S)      forward: mass-covering
+      β = 1 (eq. 2):  KL(p_S ‖ p_T) = Σ_v p_S (log p_S − log p_T)      reverse: mode-seeking
+      else  (eq. 3):  β·KL(p_T ‖ m) + (1 − β)·KL(p_S ‖ m),  m = (1 − β)·p_S + β·p_T
+    p = softmax(logits / τ) for both. As TRL's, β = 0 and 1 are their own cases: eq. 3 tends to 0 at each end.
+    """
+    s = jax.nn.log_softmax(student_logits / temperature, -1)  # log p_S [..., V]
+    t = jax.nn.log_softmax(teacher_logits / temperature, -1)  # log p_T [..., V]
+    if beta == 0:
+        per_token = jnp.sum(jnp.exp(t) * (t - s), -1)
+    elif beta == 1:
+        per_token = jnp.sum(jnp.exp(s) * (s - t), -1)
+    else:  # log m = log((1 − β)·p_S + β·p_T), stably in log space
+        m = jnp.logaddexp(s + math.log1p(-beta), t + math.log(beta))
+        per_token = beta * jnp.sum(jnp.exp(t) * (t - m), -1) + (1 - beta) * jnp.sum(jnp.exp(s) * (s - m), -1)
+    return jnp.where(mask, per_token, 0.0)
+
+
+def distill_loss(divergence, mask):
+    """Σ over completion tokens of the per-token divergence [B, R] ÷ the batch's completion tokens (eq. 4, as
+    TRL's: every token of the batch weighs the same, a long completion counts more) -> (loss, metrics)."""
+    loss = jnp.sum(jnp.where(mask, divergence, 0.0)) / jnp.maximum(mask.sum(), 1)
+    return loss, {"train/loss": loss}
+
+
+def completion_divergence(backbone, params, frozen, teacher, teacher_weights, token_ids, padding_mask,
+                          response_mask, context_length, beta, temperature, chunk=64):
+    """generalized_jsd at every completion position: [B, R] float32; the student's entropy [B, R]; and the
+    student forward's aux_loss (a mixture of experts' router loss, common.forward; 0.0 dense).
+
+    Both models run on query + response [B, Q+R]; position Q+i-1 predicts response token i, so the hidden
+    states [:, Q-1:-1] are kept. The [B, R, V] logits of either model are never materialised: each model's
+    own output layer (its soft-cap included) projects `chunk` positions at a time under jax.checkpoint, so
+    one [B, chunk, V] float32 block per model is alive at a time, forward and backward (recomputed).
+    """
+    teacher_params, teacher_frozen = teacher_weights
+    hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D]
+    # the frozen teacher: no gradient into it (and its router's aux_loss is not trained), as TRL's no_grad
+    teacher_hidden = jax.lax.stop_gradient(
+        common.forward(teacher, teacher_params, teacher_frozen, token_ids, padding_mask)[0])  # [B, T, D_T]
+    b, r = response_mask.shape
+    n = -(-r // chunk)
+    cut = lambda h: jnp.pad(h[:, context_length - 1:-1], ((0, 0), (0, n * chunk - r), (0, 0))).reshape(
+        b, n, chunk, h.shape[-1]).swapaxes(0, 1)  # [B, T, D] -> [n, B, C, D]: response positions, padded
+    mask = jnp.pad(response_mask, ((0, 0), (0, n * chunk - r))).reshape(b, n, chunk).swapaxes(0, 1)  # [n,B,C]
+    student_state = list(zip(backbone.trainable_variables + backbone.non_trainable_variables,
+                             params + frozen))
+    teacher_state = list(zip(teacher.trainable_variables + teacher.non_trainable_variables,
+                             teacher_params + teacher_frozen))
+    # One tokenizer, embedding matrices of other widths (Gemma 3 1B: 262,144 rows, 4B: 262,208, the rows past
+    # the tokenizer's padding): the divergence is over the ids both have (vocabularies: checked at start-up)
+    v = min(backbone.vocabulary_size, teacher.vocabulary_size)
+
+    @jax.checkpoint
+    def chunk_divergence(h, h_teacher, m):  # [B, C, D], [B, C, D_T], [B, C] -> [B, C], [B, C]
+        with keras.StatelessScope(state_mapping=student_state):  # each output layer reads its own weights
+            logits = common.logits(backbone, h)[..., :v]  # f32 [B, C, V]
+        with keras.StatelessScope(state_mapping=teacher_state):
+            teacher_logits = jax.lax.stop_gradient(common.logits(teacher, h_teacher)[..., :v])
+        logp = jax.nn.log_softmax(logits / temperature, -1)
+        entropy = -jnp.sum(jnp.exp(logp) * logp, -1)
+        return generalized_jsd(logits, teacher_logits, m, beta, temperature), entropy
+
+    divergence, entropy = jax.lax.map(lambda x: chunk_divergence(*x),
+                                      (cut(hidden), cut(teacher_hidden), mask))
+    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :r]  # [n, B, C] -> [B, R]
+    return unchunk(divergence), unchunk(entropy), aux_loss
+
+
+# ---------------------------------------------------------------------------
+# Data and rollouts, as grpo.py's (copied: each algorithm file forks alone): left-padded prompts [N, Q],
+# KV-cached sampling with TRL's filters, responses cut after their first EOS
+# ---------------------------------------------------------------------------
+def tokenize_prompts(prompts, tokenizer, max_prompt_length):
+    """-> (queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
+    ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
+    ids = [x[:1] + x[1:][-(max_prompt_length - 1):] for x in ids]  # cut from the left, BOS kept
+    q = min(max_prompt_length, 8 * math.ceil(max(len(x) for x in ids) / 8))
+    queries, mask = np.zeros((len(ids), q), np.int32), np.zeros((len(ids), q), bool)
+    for i, x in enumerate(ids):  # left padding: every prompt ends at column Q-1, responses start at Q
+        queries[i, q - len(x):], mask[i, q - len(x):] = x, True
+    return queries, mask
+def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
+    """TRL's sampling filters on logits / temperature [B, V], in transformers' order: top-k, then top-p, then
+    min-p, each on what the previous left (renormalised). A dropped token gets -inf; 0, 1.0, None: off.
+
+    top-k keeps the k largest (ties with the k-th too); top-p keeps the most likely tokens until their
+    probabilities reach top_p (the token that crosses it included, ties at the cut too); min-p keeps the
+    tokens with p ≥ min_p · max p. The most likely token always stays.
+    """
+    if top_k:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ascending = jnp.sort(logits, -1)  # [B, V]: drop the prefix whose probabilities sum to ≤ 1 − top_p
+        dropped = jnp.sum(jnp.cumsum(jax.nn.softmax(ascending, -1), -1) <= 1.0 - top_p, -1)
+        cut = jnp.take_along_axis(ascending, jnp.minimum(dropped, logits.shape[-1] - 1)[:, None], -1)
+        logits = jnp.where(logits < cut, -jnp.inf, logits)
+    if min_p is not None:
+        probs = jax.nn.softmax(logits, -1)
+        logits = jnp.where(probs < min_p * probs.max(-1, keepdims=True), -jnp.inf, logits)
+    return logits
+
+
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, eos_id, pad_id,
+             top_k=0, top_p=1.0, min_p=None):
+    """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps).
+
+    One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
+    stops once every sequence has sampled its EOS (steps: tokens sampled per sequence, ≤ R): a batch of
+    short answers costs their length, not R. Fixed shapes: one compilation per query bucket. After its
+    EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
+    `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
+    temperature 0 = greedy; otherwise from filter_logits(logits / temperature, top_k, top_p, min_p).
+    """
+    b, q = queries.shape
+    padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
+    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    with keras.StatelessScope(state_mapping=state):
+        cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
+        logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
+
+        def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
+            key, sample_key = jax.random.split(key)
+            if temperature == 0:
+                token = jnp.argmax(logits, -1).astype(jnp.int32)
+            else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
+                # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
+                z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
+                    logits / temperature, top_k, top_p, min_p)  # [B, V]
+                first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
+                token = first.min(-1).astype(jnp.int32)
+            token = jnp.where(done, pad_id, token)
+            return token, key, done | (token == eos_id)
+
+        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t
+            tokens, cache, t, key, done = carry
+            fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
+            logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1)
+            token, key, done = pick(logits[:, -1], key, done)
+            return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], t, 1), cache, t + 1, key, done
+
+        token, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
+        tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
+        tokens, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has no EOS yet and t < R
+            lambda c: (c[2] < response_length) & ~c[4].all(), step, (tokens, cache, jnp.int32(1), key, done))
+    return tokens, steps
+
+
+def truncate_response(responses, eos_id, pad_id):
+    """Keep tokens up to and including the first EOS, pad after it.
+
+    -> (responses [B, R], sequence_lengths [B]: index of the last real token,
+    the EOS, or R-1 when none was sampled).
+    """
+    r = responses.shape[1]
+    is_eos = responses == eos_id
+    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1), r - 1)
+    return jnp.where(jnp.arange(r)[None] > first_eos[:, None], pad_id, responses), first_eos
+
+
+def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
+    """Responses to host queries [B, Q] (whole on each process), cut after the first EOS -> (batch, lengths
+    [B]). The queries are first cut to [B, Qb], Qb the bucket of this batch's longest prompt (≤ Q): short
+    prompts do not pay for the run's longest, and each jitted function compiles once per bucket met."""
+    qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
+    # left padding: every prompt ends at column Q-1, so the last Qb columns hold all of their real tokens
+    qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
+    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key)[0], eos, pad)
+    response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
+    return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
+            "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
+
+
+def query_length(batch):
+    """Qb, the width of a rollout batch's queries: query_responses [B, Qb+R] less response_mask [B, R]."""
+    return batch["query_responses"].shape[1] - batch["response_mask"].shape[1]
+
+
+# ---------------------------------------------------------------------------
+# train_step: one update of the student on a batch of its own completions
+# ---------------------------------------------------------------------------
+def train_step(backbone, optimizer, args, state, frozen, batch, context_length, teacher, teacher_weights):
+    """state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask [B, R].
+
+    teacher_weights (its params, its frozen values) are an input only: neither donated nor returned.
+    """
+    params, opt_state = state
+    mask = batch["response_mask"]
+
+    def loss_fn(p):
+        divergence, entropy, aux_loss = completion_divergence(
+            backbone, p, frozen, teacher, teacher_weights, batch["query_responses"], batch["padding_mask"],
+            mask, context_length, args.beta, args.temperature, args.logits_chunk)
+        loss, metrics = distill_loss(divergence, mask)
+        loss = loss + aux_loss  # + the student's router load-balancing loss (a mixture of experts; 0.0 dense)
+        return loss, {**metrics, "train/loss": loss, "entropy": jnp.sum(jnp.where(mask, entropy, 0.0))
+                      / jnp.maximum(mask.sum(), 1), "aux_loss": aux_loss}
+
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return (params, opt_state), {**metrics, "train/grad_norm": optax.global_norm(grads)}
+
+
+# ---------------------------------------------------------------------------
+# main's pieces: flag checks, the teacher's checks (before any weights load), optimizer
+# ---------------------------------------------------------------------------
+def check_args(args):
+    """Flags out of range, a teacher that cannot grade the student's tokens: stop before the models load."""
+    if not 0 <= args.beta <= 1 or args.temperature <= 0:
+        raise common.UsageError(f"--beta {args.beta} must be in [0, 1] (0: forward KL, 1: reverse KL) and "
+                                f"--temperature {args.temperature} > 0")
+    if not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= (args.min_p or 0) <= 1:
+        raise common.UsageError("--top-p must be in (0, 1], --top-k ≥ 0 (0: off), --min-p in [0, 1]")
+    if args.logits_chunk < 1 or args.response_length < 1:
+        raise common.UsageError("--logits-chunk and --response-length must be ≥ 1")
+    if not args.teacher_model:
+        raise common.UsageError("--teacher-model is required: the model whose next-token distributions the "
+                                "student learns")
+    if os.path.exists(os.path.join(args.teacher_model, common.HEAD_FILE)):
+        raise common.UsageError(f"--teacher-model {args.teacher_model}: a reward model (reward.py's); the "
+                                "teacher is a causal LM whose next-token distributions the student learns")
+    common.check_sampler(args.model)  # the student samples: a family whose decoder layers the sampler knows
+    student, teacher = vocabulary(args.model), vocabulary(args.teacher_model)
+    if student != teacher:
+        first = next((i for i, (a, b) in enumerate(zip(student, teacher)) if a != b),
+                     min(len(student), len(teacher)))  # the first id the two tokenizers disagree on
+        raise common.UsageError(f"--teacher-model {args.teacher_model}: its tokenizer's vocabulary "
+                                f"({len(teacher)} tokens) is not --model {args.model}'s ({len(student)}; they"
+                                f" differ from id {first}): the divergence compares the two models' "
+                                "probabilities token by token")
+
+
+def vocabulary(name):
+    """The tokenizer's vocabulary of a --model form: its tokenizer files alone, no weights."""
+    preset = common.resolve_model(name)
+    if preset == "tiny":
+        return keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER).get_vocabulary()
+    with common.hub_errors(preset):
+        return keras_hub.models.Tokenizer.from_preset(preset).get_vocabulary()
+
+
+def make_optimizer(args, max_steps):
+    """Clip, AdamW with --weight-decay on matrices only (not norms or biases), --lr-scheduler-type over the
+    updates (one a step) -> (optimizer, schedule, warmup)"""
+    schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, max_steps,
+                                          args.warmup_steps, args.warmup_ratio, args.min_lr_rate)
+    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
+    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
+                            optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask))
+    return optimizer, schedule, warmup
+
+
+def main(args):
+    # ---- set-up: every flag, file and the teacher's vocabulary checked before the models load ----
+    run = plumbing.Run("distill", args, export_hf=args.export_hf)  # flags, --output-dir checked; none written
+    check_args(args)
+    template = common.chat_template(args.model, args.chat_template)
+    prompts, _ = common.read_prompts(args.dataset, template, "--dataset", args.dataset_config,
+                                     args.dataset_split)
+    max_steps = run.resolve_max_steps(len(prompts), args.batch_size)  # --max-steps, or --num-epochs' worth
+    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)  # LoRA: the student's
+    # the teacher: laid out on the mesh by the same rule (its family's layout map, or the generic one)
+    teacher_model = common.load_model(args.teacher_model, run.mesh, run.dtype, args.seed)
+    backbone, teacher, tokenizer = model.backbone, teacher_model.backbone, model.preprocessor.tokenizer
+    remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each student block
+    queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
+    q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
+    print(f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
+          f"{args.batch_size} completions of ≤ {r} tokens a step; teacher {args.teacher_model}")
+
+    params, frozen = common.split_variables(backbone)
+    # committed to the mesh in their types, as the updated ones will be: the sampler compiles once (grpo.py)
+    params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
+    teacher_weights = common.split_variables(teacher)  # frozen: never updated, donated or saved
+    optimizer, schedule, warmup = make_optimizer(args, max_steps)
+    opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
+    state_shardings = (common.shardings(params), opt_shardings)
+    key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
+    order = np.concatenate([rng.permutation(len(prompts))
+                            for _ in range(-(-max_steps * args.batch_size // len(prompts)))])
+    # --resume: params, optimizer state, sampling key (the prompt order: a function of the seed and the step)
+    (params, opt_state, key_data), _ = run.resume((params, opt_state, jax.random.key_data(key)))
+    key = jax.random.wrap_key_data(np.asarray(key_data))  # through the host: not committed to one device
+    state = jax.device_put((params, opt_state), state_shardings)
+
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, eos,
+                                                      pad, args.top_k, args.top_p, args.min_p))
+    # the state donated (updated in place); the teacher's weights (tw) an input only
+    step_fn = remat.jit(lambda s, f, b, tw: train_step(backbone, optimizer, args, s, f, b, query_length(b),
+                                                       teacher, tw),
+                        donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
+    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, warmup steps
+    on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
+    # FLOPs (docs/design.md): 2N per token sampling, 6N the student's forward + backward, 2N_T the teacher's
+    flops_per_token = 8 * plumbing.count_params(backbone) + 2 * plumbing.count_params(teacher)
+
+    # ---- the loop: rollout (the student samples) -> the teacher grades every token -> update ----
+    for step in run.steps(learning_rate=schedule, show=("entropy",), summed=("charts/generated_tokens",)):
+        ticks, idx = [time.perf_counter()], order[step * args.batch_size:(step + 1) * args.batch_size]  # [B]
+        key, gen_key = jax.random.split(key)
+        batch, sequence_lengths = rollout(gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key,
+                                          eos, pad, on_data)
+        ticks += [plumbing.synced(batch)] * 2  # generated; "scored" too: the teacher runs inside the update
+        state, metrics = step_fn(state, frozen, batch, teacher_weights)
+        lengths = common.to_host(sequence_lengths) + 1  # completion tokens through each EOS (R without one)
+        qb, real = query_length(batch), int(query_mask[idx].sum() + lengths.sum())
+        logged = plumbing.phase_metrics([metrics], ticks, int(lengths.sum()))
+        del logged["charts/score_time"]  # no phase of its own: the teacher's forward is inside the update's
+        run.log({**logged, "completions/mean_length": float(lengths.mean()),  # TRL's completion metrics
+                 "completions/max_length": float(lengths.max()),
+                 "completions/min_length": float(lengths.min()),
+                 "completions/truncated_fraction": float(np.mean(lengths >= r))},
+                tokens=real, padded=len(idx) * (qb + r), flops=real * flops_per_token)
+        if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
+            responses = common.to_host(batch["query_responses"][:2, qb:])
+            cut = [[t for t in x[:n] if t != eos] for x, n in zip(responses, lengths)]  # before the EOS
+            for i, text in enumerate(tokenizer.detokenize(cut)):
+                print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {text!r}")
+        run.checkpoint((state[0], state[1], jax.random.key_data(key)))
+
+    # ---- outputs: the student (LoRA merged) as a KerasHub preset; the teacher is not saved ----
+    run.finish(lambda path: common.save_model(model, state[0], path))
+
+
+if __name__ == "__main__":
+    plumbing.launch(main, Args)  # the one boundary: exceptions -> exit codes and one-line messages
