@@ -2,7 +2,7 @@
   1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global, to_host,
                  init_optimizer (optimizer state laid out like the params), lr_schedule (transformers')
   2. Models      MODEL_ALIASES, FAMILIES; resolve_model, load_model (created sharded; text_causal_lm: text
-                 only, multimodal checkpoints too; enable_lora: PEFT's LoRA), check_sampler; forward
+                 only, multimodal checkpoints too; enable_lora: PEFT's LoRA), check_sampler, vocabulary; forward
                  (stateless, with the losses its layers add: a mixture of experts' router loss); per family:
                  logits, empty_cache, cached_forward (KV-cached or recurrent states, left padding);
                  split_variables, save_model, host_model (what --export-hf converts); reward models; reward
@@ -283,6 +283,15 @@ def check_sampler(name, flag="--model"):
         raise UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Gemma 3, Gemma 4, "
                          "Llama 3, Mistral, Qwen 2.5, Qwen 3, Qwen 3.5 and Qwen3-MoE backbones, not "
                          f"{cls.__name__}")
+
+
+def vocabulary(name):
+    """The tokenizer's vocabulary of a --model form, from its tokenizer files alone (no weights)."""
+    preset = resolve_model(name)
+    if preset == "tiny":
+        return keras_hub.models.GemmaTokenizer(proto=TINY_TOKENIZER).get_vocabulary()
+    with interop.hub_errors(preset):
+        return keras_hub.models.Tokenizer.from_preset(preset).get_vocabulary()
 
 
 def load_model(name, mesh, dtype=None, seed=0, lora_rank=0, lora_alpha=None, lora_target_modules=None):

@@ -20,7 +20,6 @@ import common  # noqa: E402  (mesh, models, data files)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
-import keras_hub  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -285,7 +284,7 @@ def check_args(args):
         raise common.UsageError(f"--teacher-model {args.teacher_model}: a reward model (reward.py's); the "
                                 "teacher is a causal LM whose next-token distributions the student learns")
     common.check_sampler(args.model)  # the student samples: a family whose decoder layers the sampler knows
-    student, teacher = vocabulary(args.model), vocabulary(args.teacher_model)
+    student, teacher = common.vocabulary(args.model), common.vocabulary(args.teacher_model)
     if student != teacher:
         first = next((i for i, (a, b) in enumerate(zip(student, teacher)) if a != b),
                      min(len(student), len(teacher)))  # the first id the two tokenizers disagree on
@@ -293,15 +292,6 @@ def check_args(args):
                                 f"({len(teacher)} tokens) is not --model {args.model}'s ({len(student)}; they"
                                 f" differ from id {first}): the divergence compares the two models' "
                                 "probabilities token by token")
-
-
-def vocabulary(name):
-    """The tokenizer's vocabulary of a --model form: its tokenizer files alone, no weights."""
-    preset = common.resolve_model(name)
-    if preset == "tiny":
-        return keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER).get_vocabulary()
-    with common.hub_errors(preset):
-        return keras_hub.models.Tokenizer.from_preset(preset).get_vocabulary()
 
 
 def make_optimizer(args, max_steps):

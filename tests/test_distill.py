@@ -210,9 +210,9 @@ def test_a_teacher_with_another_vocabulary_exits_2_before_any_weights_load(other
 
 def test_vocabularies_are_compared_by_their_tokens_not_their_sizes(monkeypatch, tmp_path):
     """Two vocabularies of one size that differ in one token: refused, naming the first id that differs."""
-    tiny = distill.vocabulary("tiny")
+    tiny = common.vocabulary("tiny")
     swapped = tiny[:5] + [tiny[6], tiny[5]] + tiny[7:]
-    monkeypatch.setattr(distill, "vocabulary", lambda name: tiny if name == "tiny" else swapped)
+    monkeypatch.setattr(common, "vocabulary", lambda name: tiny if name == "tiny" else swapped)
     message = usage_error(distill, "--teacher-model", str(tmp_path), "--output-dir", str(tmp_path / "o"))
     assert f"({len(tiny)} tokens) is not --model tiny's ({len(tiny)}; they differ from id 5)" in message
 
