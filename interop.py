@@ -10,6 +10,7 @@
   4. Datasets     load_splits (a Hub id, a local copy of a Hub repo, a saved folder, a .parquet), DATA_FLAGS
   5. --export-hf  check_export_hf (refused at start-up), hf_tokenizer (tokenizer.json), export_hf
                   (model.safetensors, config.json, tokenizer files), HF_CHAT_TEMPLATES (Jinja)
+  6. TRL's flags  TRL_FLAGS (TRL's flag names spelled otherwise here -> this project's)
 The bottom of the chain interop <- common <- plumbing: it needs nothing of the project's, so what every
 module raises (UsageError) lives here. common.py (what an algorithm calls) reads models and datasets
 through it; plumbing.py (the run shell) calls its --export-hf at the start and the end of a run. No
@@ -421,3 +422,19 @@ HF_CHAT_TEMPLATES = {
                     "'') + (m['content'] | trim) + '<turn|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
                     "{{ '<|turn>model\\n<|channel>thought\\n<channel|>' }}{% endif %}",
 }
+
+
+# --- 6. TRL's flags: the names a TRL user types, answered by plumbing.check_options ---
+# TRL's (transformers') flag names that are spelled otherwise here -> this project's: the first flag of the
+# " | " alternatives the script takes (a hint without a flag fits every script; none: no counterpart there)
+TRL_FLAGS = {"num-train-epochs": "--num-epochs", "per-device-train-batch-size": "--batch-size (global: all devices)",
+             "gradient-accumulation-steps": "--grad-accum-steps", "max-completion-length": "--response-length | "
+             "--max-new-tokens", "max-new-tokens": "--response-length", "lora-r": "--lora-rank",
+             "use-peft": "--lora-rank N", "model-name-or-path": "--model", "dataset-name": "--dataset | --prompts",
+             "save-steps": "--save-every", "eval-steps": "--eval-every", "logging-steps": "--log-every",
+             "gradient-checkpointing": "--remat on", "bf16": "--dtype bfloat16", "resume-from-checkpoint":
+             "--resume", "report-to": "--track (W&B; TensorBoard files are always written)",
+             "per-device-eval-batch-size": "--batch-size", "eval-strategy": "--eval-every N (0: none)",
+             "dataset-train-split": "--dataset-split | --prompts-split", "dataset-test-split": "--eval-split",
+             "lr-scheduler-kwargs": "--min-lr-rate (cosine_with_min_lr's min_lr_rate, the one kwarg taken)",
+             "lora-dropout": "absent (Keras' LoRA layers have no dropout)"}
