@@ -1,24 +1,23 @@
 """What an algorithm file calls, and the model machinery behind it.
   1. Mesh        init_distributed, make_mesh, ShardedParallel (layouts), shard_batch, put_global, to_host,
                  init_optimizer (optimizer state laid out like the params), lr_schedule (transformers')
-  2. Models      MODEL_ALIASES, FAMILIES; resolve_model, load_model (created sharded; text_causal_lm: text
-                 only, multimodal checkpoints too; enable_lora: PEFT's LoRA), check_sampler, vocabulary; forward
-                 (stateless, with the losses its layers add: a mixture of experts' router loss); per family:
-                 logits, empty_cache, cached_forward (KV-cached or recurrent states, left padding);
-                 split_variables, save_model, host_model (what --export-hf converts); reward models; reward
-                 scoring: reward functions (TRL's contract: call_reward_fn) and load_scorer (Scorer: a reward
-                 model or weighted reward functions, one call)
+  2. Models      FAMILIES (MODEL_ALIASES: interop's), resolve_model, load_model (created sharded;
+                 text_causal_lm: text only, multimodal checkpoints too; enable_lora: PEFT's LoRA),
+                 check_sampler, vocabulary (a tokenizer's, no weights); forward (stateless, with the losses
+                 its layers add: a mixture of experts' router loss); per family: logits, empty_cache, cached_forward (KV-cached or recurrent
+                 states, left padding); split_variables, save_model, host_model (what --export-hf converts);
+                 reward models; reward scoring: reward functions (TRL's contract: call_reward_fn) and
+                 load_scorer (Scorer: a reward model or weighted reward functions, one call)
   3. Files       read_rows (.jsonl/.json/.parquet, saved folders, Hub ids), TRL's row formats -> text and chat
                  rendering: CHAT_TEMPLATES / chat_template / render, sft_segments, preference_triple,
                  unpaired_example, prompt_text; read_dataset, eval_source (--eval-split), read_prompts
   4. Data order  the batch order: length_batch (padded to a length bucket, optionally grouped by length; a
                  pure function of the step: resume is exact), bucket_length, per_example
 The middle of the chain interop <- common <- plumbing, the algorithm-facing layer: the outside world (model
-hubs, Hub datasets, keras-hub's BPE fix) it reads through interop.py; the run shell plumbing.py (flags, Run,
-exits, remat, FLOP accounting) is built on it, and no algorithm needs it read. Mesh axes are ("data", "model")
-everywhere: batch over `data`, parameters over both (docs/design.md). Importing this module sets
-KERAS_BACKEND=jax (and JAX_PLATFORMS=cpu where no accelerator is present) before keras loads, keeps TensorFlow
-out of the process, and corrects keras-hub's byte-level BPE word splits; it prints nothing."""
+hubs, Hub datasets, keras-hub's BPE fix) comes through interop.py; the run shell plumbing.py (flags, Run, exits,
+remat, FLOPs) is built on it. Mesh axes are ("data", "model"): batch over `data`, parameters over both
+(docs/design.md). Importing it sets KERAS_BACKEND=jax (JAX_PLATFORMS=cpu without an accelerator) before keras
+loads, keeps TensorFlow out and fixes keras-hub's byte-level BPE word splits; it prints nothing."""
 
 import collections
 import contextlib
@@ -29,7 +28,7 @@ import os
 import sys
 
 import interop  # the outside world: model hubs, Hub datasets, --export-hf, upstream fixes (no JAX)
-from interop import HERE, TINY_TOKENIZER, UsageError  # noqa: F401  (bad input: a UsageError, exit 2)
+from interop import HERE, MODEL_ALIASES, TINY_TOKENIZER, UsageError  # noqa: F401  (bad input: exit 2)
 
 interop.before_keras()  # KERAS_BACKEND=jax, JAX_PLATFORMS=cpu without an accelerator, no TensorFlow
 import jax  # noqa: E402
@@ -42,43 +41,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 interop.fix_bpe_splits()  # keras-hub's byte-level BPE splits words as its models' tokenizers do
 
 
-# Short names -> KerasHub presets (all: keras_hub.models.CausalLM.presets); tests/test_families.py checks each.
-MODEL_ALIASES = {
-    "gemma_2b": "gemma_2b_en", "gemma_7b": "gemma_7b_en",
-    "gemma_2b_it": "gemma_instruct_2b_en", "gemma_7b_it": "gemma_instruct_7b_en",
-    "gemma2_2b": "gemma2_2b_en", "gemma2_9b": "gemma2_9b_en", "gemma2_27b": "gemma2_27b_en",
-    "gemma2_2b_it": "gemma2_instruct_2b_en", "gemma2_9b_it": "gemma2_instruct_9b_en",
-    "llama3_8b": "llama3_8b_en", "llama3_8b_it": "llama3_instruct_8b_en",
-    "mistral_7b": "mistral_7b_en", "mistral_7b_it": "mistral_instruct_7b_en",
-    "qwen2.5_0.5b": "qwen2.5_0.5b_en", "qwen2.5_0.5b_it": "qwen2.5_instruct_0.5b_en", "qwen2.5_7b": "qwen2.5_7b_en",
-    "qwen3_0.6b": "qwen3_0.6b_en", "qwen3_8b": "qwen3_8b_en",
-    "qwen3_moe_30b_a3b": "qwen3_moe_30b_a3b_en", "qwen3_moe_235b_a22b": "qwen3_moe_235b_a22b_en",  # mixtures
-    # Gemma 3: the text-only presets (4B and up also come as vision+text, which load_model reads text-only)
-    "gemma3_270m": "gemma3_270m", "gemma3_1b": "gemma3_1b", "gemma3_4b": "gemma3_4b_text",
-    "gemma3_12b": "gemma3_12b_text", "gemma3_27b": "gemma3_27b_text",
-    "gemma3_270m_it": "gemma3_instruct_270m", "gemma3_1b_it": "gemma3_instruct_1b",
-    "gemma3_4b_it": "gemma3_instruct_4b_text", "gemma3_12b_it": "gemma3_instruct_12b_text",
-    "gemma3_27b_it": "gemma3_instruct_27b_text",
-    # Qwen 3.5 (every preset is vision-and-text, loaded text-only): `_base` presets plain, post-trained `_it`
-    "qwen3.5_0.8b": "qwen3_5_0.8b_base", "qwen3.5_2b": "qwen3_5_2b_base", "qwen3.5_4b": "qwen3_5_4b_base",
-    "qwen3.5_9b": "qwen3_5_9b_base", "qwen3.5_0.8b_it": "qwen3_5_0.8b", "qwen3.5_2b_it": "qwen3_5_2b",
-    "qwen3.5_4b_it": "qwen3_5_4b", "qwen3.5_9b_it": "qwen3_5_9b", "qwen3.5_27b_it": "qwen3_5_27b",
-    # Gemma 4 (every preset is vision(-and-audio)-and-text, loaded text-only): E2B, E4B, 26B-A4B (a mixture
-    # of experts), 31B
-    "gemma4_2b": "gemma4_2b", "gemma4_4b": "gemma4_4b", "gemma4_26b_a4b": "gemma4_26b_a4b",
-    "gemma4_31b": "gemma4_31b", "gemma4_2b_it": "gemma4_instruct_2b", "gemma4_4b_it": "gemma4_instruct_4b",
-    "gemma4_26b_a4b_it": "gemma4_instruct_26b_a4b", "gemma4_31b_it": "gemma4_instruct_31b",
-}
 # Backbone class -> its chat template: the families cached_forward samples (Gemma 2 is a GemmaBackbone).
 # Another family trains (KerasHub's own output layer) but needs --chat-template and has no sampler.
 FAMILIES = {"GemmaBackbone": "gemma", "Gemma3Backbone": "gemma", "Llama3Backbone": "llama3",
             "MistralBackbone": "mistral", "QwenBackbone": "chatml", "Qwen3Backbone": "chatml",
             "Qwen3_5Backbone": "qwen3.5", "Gemma4Backbone": "gemma4",  # 26B-A4B and 31B: gemma4_large
             "Qwen3MoeBackbone": "chatml"}  # Qwen3-MoE: Qwen 3's decoder call, a mixture of experts as its MLP
-# Mixtures of experts whose layers add their router's load-balancing loss (Keras add_loss) in training mode,
-# already × the model's own coefficient (Qwen3-MoE: router_aux_loss_coefficient, from the checkpoint's
-# router_aux_loss_coef). `forward` calls only these in training mode (which would also switch dropout on).
-# Gemma 4 26B-A4B's layers add none (keras-hub 0.32), so nothing balances its router here.
+# Mixtures of experts whose layers add their router's load-balancing loss (add_loss) in training mode, already
+# × the model's coefficient (Qwen3-MoE: the checkpoint's router_aux_loss_coef). `forward` calls only these in
+# training mode (which also switches dropout on). Gemma 4 26B-A4B's add none (keras-hub 0.32): unbalanced here.
 ROUTER_AUX_LOSS = ("Qwen3MoeBackbone",)
 # The `tiny` model: a 4-layer Gemma (about 1.5M parameters) with the bundled tokenizer.
 TINY_CONFIG = dict(num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=192,
@@ -132,9 +103,8 @@ def make_mesh(spec=None):
 
 class ShardedParallel(keras.distribution.ModelParallel):
     """Keras ModelParallel with docs/design.md's rules ("Mesh"): with a `model` axis, the backbone's layout map
-    where it names a variable; else a variable of rank >= 2 shards its largest divisible dim over `data`
-    (FSDP). An axis that does not divide its dim is dropped (replicated): e.g. Gemma-2B's single key/value
-    head on `model=2`."""
+    where it names a variable; else a variable of rank >= 2 shards its largest divisible dim over `data` (FSDP).
+    An axis that does not divide its dim is dropped (replicated): e.g. Gemma-2B's one KV head on `model=2`."""
 
     def get_variable_layout(self, variable):
         layout = super().get_variable_layout(variable)
@@ -212,11 +182,11 @@ def init_optimizer(optimizer, params, mesh):
 
 
 def lr_schedule(kind, peak, total_steps, warmup_steps=0, warmup_ratio=0.0, min_lr_rate=0.1):
-    """--lr-scheduler-type as transformers' get_scheduler builds it for TRL's trainers -> (schedule, warmup):
-    schedule(count) is the rate of optimizer update `count` (0 = the first update = transformers'
-    lr_lambda(0)); warmup = --warmup-steps, or ceil(--warmup-ratio × total_steps) when that is 0
-    (TrainingArguments.get_warmup_steps); `constant` has none (get_scheduler ignores it). Past the last update
-    (a run extended by --resume, plumbing.Run.schedule_steps): the last update's rate, held."""
+    """--lr-scheduler-type as transformers' get_scheduler builds it for TRL -> (schedule, warmup):
+    schedule(count) is the rate of optimizer update `count` (0: the first, transformers' lr_lambda(0));
+    warmup = --warmup-steps, or ceil(--warmup-ratio × total_steps) when that is 0 (get_warmup_steps);
+    `constant` has none. Past the last update (a run extended by --resume, plumbing.Run.schedule_steps):
+    the last update's rate, held."""
     warmup = 0 if kind == "constant" else warmup_steps or math.ceil(warmup_ratio * total_steps)
     decay_steps = max(1, total_steps - warmup)
 
@@ -233,11 +203,9 @@ def lr_schedule(kind, peak, total_steps, warmup_steps=0, warmup_ratio=0.0, min_l
 # --- 2. Models ---
 def resolve_model(name):
     """--model -> what `CausalLM.from_preset` takes (or 'tiny'); unknown names raise."""
-    if name == "tiny":
-        return "tiny"
     if name in MODEL_ALIASES:
         return MODEL_ALIASES[name]
-    if "://" in name:  # kaggle://, hf://, modelscope:// handles
+    if name == "tiny" or "://" in name:  # kaggle://, hf://, modelscope:// handles
         return name
     if os.path.isdir(name):
         if not any(os.path.exists(os.path.join(name, f)) for f in ("config.json", "metadata.json")):
@@ -299,10 +267,7 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0, lora_alpha=None, lor
     whatever the checkpoint holds (`dtype`: the compute dtype); lora_rank > 0: only LoRA weights train."""
     preset = resolve_model(name)
     with interop.hub_errors(preset), distribution_for(mesh, backbone_class(preset)).scope():
-        if preset == "tiny":
-            model = tiny_causal_lm(seed, dtype)
-        else:
-            model = text_causal_lm(preset, dtype_policy(dtype))
+        model = tiny_causal_lm(seed, dtype) if preset == "tiny" else text_causal_lm(preset, dtype_policy(dtype))
         if lora_rank:
             enable_lora(model.backbone, lora_rank, lora_alpha, lora_target_modules)
     ensure_start_token(getattr(model.preprocessor, "tokenizer", None), name)
@@ -311,10 +276,9 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0, lora_alpha=None, lor
 
 def text_causal_lm(preset, dtype=None):
     """CausalLM.from_preset, text only and without TensorFlow. A vision(-and-audio)-and-text checkpoint (a
-    KerasHub preset's backbone config, a Hugging Face config.json's vision_config / audio_config) loads its
-    decoder alone, the encoders left out (their weights stay in the file), so the model/ saved from it is
-    text-only. Gemma 3's and 4's preprocessors need TensorFlow (their tf.data code, text too): each becomes
-    KerasHub's generic one, the same [BOS] + text ids."""
+    KerasHub preset's backbone config, an HF config.json's vision_config / audio_config) loads its decoder
+    alone (the encoders' weights stay in the file): the model/ saved from it is text-only. Gemma 3's and 4's
+    preprocessors need TensorFlow (tf.data, text too): each becomes KerasHub's generic one, same ids."""
     from keras_hub.src.utils.preset_utils import find_subclass
     config, cls = interop.model_config(preset), backbone_class(preset)
     encoders = {k: None for k in ("vision_encoder", "audio_encoder")
@@ -330,10 +294,10 @@ def text_causal_lm(preset, dtype=None):
 
 
 def enable_lora(backbone, rank, alpha=None, target_modules=None):
-    """LoRA as PEFT's LoraConfig: W + (alpha / rank)·A·B (alpha None: rank) on the Dense / EinsumDense
-    layers named in `target_modules` (names may be comma-separated; None: KerasHub's default, query and value,
-    PEFT's for these families; `all-linear`: every one, attention q/k/v/o and the MLP: as PEFT's, all but the
-    output head, here the embedding). Only A and B train: biases stay frozen (PEFT's bias="none")."""
+    """LoRA as PEFT's LoraConfig: W + (alpha / rank)·A·B (alpha None: rank) on the Dense / EinsumDense layers
+    named in `target_modules` (maybe comma-separated; None: KerasHub's default, query and value, PEFT's for
+    these families; `all-linear`: attention q/k/v/o and the MLP, as PEFT's: all but the output head, here the
+    embedding). Only A and B train: biases stay frozen (PEFT's bias="none")."""
     linear = [layer for layer in backbone._flatten_layers(include_self=False)  # as KerasHub's enable_lora
               if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))]
     names = {n for m in target_modules or backbone.default_lora_layer_names() for n in m.split(",") if n}
@@ -362,8 +326,7 @@ def ensure_start_token(tokenizer, name):
 
 
 def inputs(backbone, token_ids, padding_mask):
-    """The backbone's inputs. Gemma 4's also take RoPE positions: 0…T-1, as the others count them (left
-    padding included)."""
+    """The backbone's inputs; Gemma 4's also take RoPE positions 0…T-1, as the others count them."""
     x = {"token_ids": jnp.asarray(token_ids), "padding_mask": jnp.asarray(padding_mask)}
     if "position_ids" in backbone.input:
         x["position_ids"] = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
@@ -372,9 +335,8 @@ def inputs(backbone, token_ids, padding_mask):
 
 def forward(backbone, params, frozen, token_ids, padding_mask):
     """The backbone's stateless forward (weights passed as values) -> (final-norm hidden states [B, T, D],
-    aux_loss). aux_loss: the sum of the losses its layers add, which a stateless call drops unless its scope
-    collects them: a mixture of experts' router load-balancing loss, one per MoE layer, each × the model's
-    coefficient (ROUTER_AUX_LOSS); 0.0 for a dense model, whose forward is the same as without it."""
+    aux_loss: the sum of the losses its layers add, which a stateless call drops unless its scope collects
+    them: a mixture of experts' router loss per MoE layer, × its coefficient (ROUTER_AUX_LOSS); dense: 0.0)."""
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state, collect_losses=True) as scope:
         hidden = backbone(inputs(backbone, token_ids, padding_mask),
@@ -389,12 +351,11 @@ def logits(backbone, hidden):
 
 
 def empty_cache(backbone, batch, length):
-    """A zero cache, one entry per layer: a KV array [B, 2, S, K, H] (call_with_cache's [B, L, 2, S, K, H]
-    is their jnp.stack(…, 1): apart, a decode step updates each in place; stacked, it copied them all);
-    Gemma 3: a (K, V) pair [B, S, K, H] each, as its call_with_cache takes it; Qwen 3.5's linear-attention
-    (gated delta net) layers: fixed-size states (the causal conv's last k-1 inputs [B, C, k-1], the
-    recurrent state [B, Hv, Dk, Dv] float32); Gemma 4: each layer's own heads and head size (its global
-    layers' differ), None for a layer that reads an earlier layer's keys and values (KV sharing)."""
+    """A zero cache, one entry per layer: a KV array [B, 2, S, K, H] (call_with_cache's [B, L, 2, S, K, H] is
+    their jnp.stack(…, 1): apart, a decode step updates each in place; stacked, it copied them all); Gemma 3:
+    a (K, V) pair [B, S, K, H] each, as its call_with_cache takes it; Qwen 3.5's gated delta net layers:
+    fixed-size states (the causal conv's last k-1 inputs [B, C, k-1], the recurrent state [B, Hv, Dk, Dv] f32);
+    Gemma 4: each layer's own heads and head size, None for a layer reading an earlier one's (KV sharing)."""
     b, dtype = backbone, backbone.compute_dtype
     head_dim = getattr(b, "head_dim", None) or b.hidden_dim // b.num_query_heads
     shape = (batch, length, b.num_key_value_heads, head_dim)
@@ -447,9 +408,8 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index):
             x, new = layer(x, decoder_padding_mask=padding_mask, self_attention_cache=c,
                            self_attention_cache_update_index=index)
         if new is not None and not isinstance(new, tuple):  # not Gemma 3's (K, V), updated in place, Qwen 3.5's
-            # states, nor a KV-shared layer's nothing: only the t new positions [B, 2, t, K, H] go back into c;
-            # XLA then updates it in place, where the layer's returned cache (a jnp.stack of its K and V)
-            # rewrote every entry at every decode step
+            # states, nor a KV-shared layer's None: only the t new positions [B, 2, t, K, H] go back into c,
+            # which XLA updates in place (the layer's returned cache, a jnp.stack of K and V, rewrote it all)
             new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
             new = jax.lax.dynamic_update_slice(c, new, (0, 0, index, 0, 0))
         caches.append(new)
@@ -479,13 +439,11 @@ def save_model(model, params, path):
     for var, value in zip(model.backbone.trainable_variables, params):
         var.assign(value)
     if jax.process_count() > 1:
-        # Keras saves host copies of the weights, and arrays spanning other hosts' devices have none: gather
-        # every weight (all processes take part). Every process keeps the local copy (sft.py samples from it
-        # after saving); process 0 writes alone.
-        from jax.experimental import multihost_utils
-        gathered = [multihost_utils.process_allgather(v.value, tiled=True) for v in model.weights]
+        # Keras saves host copies of the weights, and arrays spanning other hosts' devices have none: every
+        # process gathers every weight and keeps the copy (sft.py samples from it after saving); 0 writes alone.
+        gathered = [to_host(v.value) for v in model.weights]
         for var, value in zip(model.weights, gathered):
-            var._value = jax.numpy.asarray(value)  # keras 3.15 internals: a whole local copy
+            var._value = jnp.asarray(value)  # keras 3.15 internals: a whole local copy
         if jax.process_index() != 0:
             return
     os.makedirs(path, exist_ok=True)
@@ -493,8 +451,7 @@ def save_model(model, params, path):
 
 
 def host_model(path):
-    """A saved preset text only (text_causal_lm), its weights whole on the host CPU, with the scripts' start
-    token: what --export-hf converts (interop.export_hf)."""
+    """A saved preset, text only, whole on the host CPU, with the scripts' start token: --export-hf's input."""
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
         model = text_causal_lm(path)
     ensure_start_token(model.preprocessor.tokenizer, path)  # Qwen's: <|endoftext|>, as the scripts train
@@ -594,8 +551,7 @@ def call_reward_fn(fn, n, *args, **kwargs):
 
 def reward_names(fns):
     """One metric name per function, by position: its __name__; where two share it, `module.name` (the file's
-    stem: data/toy.py:accuracy -> toy.accuracy); where those clash too, `module.name_<position in --reward-fn,
-    from 1>`."""
+    stem: data/toy.py:accuracy -> toy.accuracy); where those clash too, `module.name_<position, from 1>`."""
     names = [f"{f.__module__}.{f.__name__}" if [g.__name__ for g in fns].count(f.__name__) > 1 else f.__name__
              for f in fns]
     return [f"{n}_{i + 1}" if names.count(n) > 1 else n for i, n in enumerate(names)]
@@ -606,8 +562,8 @@ TRL_INPUTS = ("prompts", "completions", "completion_ids")
 
 def reward_inputs(prompts, texts, rows, completion_ids):
     """TRL's keyword arguments of a reward function, each a list aligned with the completions: prompts and
-    completions as the dataset holds them (a chat: the prompt's messages, each completion
-    [{"role": "assistant", "content": text}]), completion_ids, and every other column."""
+    completions as the dataset holds them (a chat: the prompt's messages, each completion [{"role": "assistant",
+    "content": text}]), completion_ids, and every other column."""
     chat = [isinstance(r.get("prompt"), list) for r in rows]
     columns = {k for r in rows for k in r} - {"prompt", "completion", *TRL_INPUTS}
     return {"prompts": [r["prompt"] if c else p for r, p, c in zip(rows, prompts, chat)],
@@ -617,14 +573,14 @@ def reward_inputs(prompts, texts, rows, completion_ids):
 
 
 class Scorer:
-    """s(x, y) per completion, the one scoring call of ppo.py, grpo.py and evaluate.py (load_scorer makes it):
-    `scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)`, s the weighted sum of the
-    parts: reward functions (TRL's form: reward_inputs; or f(prompt texts, texts)) on the texts cut at `end`,
-    the template's end-of-turn marker (`rows`: each completion's dataset row), or reward.py's model on
-    batch["query_responses"] / ["padding_mask"] [B, T]. None or NaN from a function leaves it out of that
-    sample's sum (TRL's nansum: "does not apply"). -> scores [B] float32 over `data`, parts {reward_names'
-    name or "reward_model": [B] float64 on the host, NaN for None}. Every process passes the whole batch. `model`
-    and `head`: a reward model's (PPO's value model starts from them), else None."""
+    """s(x, y) per completion, the one scoring call of ppo.py, grpo.py and evaluate.py (made by load_scorer):
+    `scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)`, s the weighted sum of the parts:
+    reward functions (TRL's form: reward_inputs; or f(prompt texts, texts)) on the texts cut at `end`, the turn
+    end (`rows`: each completion's dataset row), or reward.py's model on batch["query_responses"] /
+    ["padding_mask"] [B, T]. A None or NaN leaves its function out of that sample's sum (TRL's nansum). ->
+    scores [B] float32 over `data`, parts {reward_names' name or "reward_model": [B] float64 on the host, NaN
+    for None}; every process passes the whole batch. `model`, `head`: a reward model's (PPO's value model
+    starts from them), else None."""
 
     def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None):
         self.model, self.head, self.name, self.on_data = model, head, name, NamedSharding(mesh, P("data"))
@@ -650,12 +606,11 @@ class Scorer:
         inputs = reward_inputs(prompts, texts, rows, completion_ids) if any(f[2] for f in self.fns) else None
         parts, nan = {}, {}
         for f, _, signature, name in self.fns:
-            if signature is None:
+            if signature is None:  # f(prompts, responses)
                 parts[name], nan[name] = call_reward_fn(f, len(texts), prompts, texts)
-            else:
-                _, names, var_kw = signature
-                parts[name], nan[name] = call_reward_fn(f, len(texts), **(
-                    inputs if var_kw else {k: v for k, v in inputs.items() if k in names}))
+            else:  # TRL's keywords: those it names (signature[1]), or all where it takes **kwargs ([2])
+                parts[name], nan[name] = call_reward_fn(f, len(texts), **{
+                    k: v for k, v in inputs.items() if signature[2] or k in signature[1]})
             if nan[name].any() and name not in self.warned:  # TRL's nansum takes a NaN as a None
                 self.warned.add(name)
                 from tqdm import tqdm  # on a line of its own, above the progress bar
@@ -685,9 +640,8 @@ class Scorer:
 
 
 def load_scorer(mesh, dtype=None, reward_model=None, reward_fns=(), weights=(), lora_rank=0, **lora):
-    """The Scorer of --reward-model (reward.py's model/, loaded sharded; `lora_rank`, `lora`: PPO's value model)
-    when given, else of the --reward-fn functions weighted by --reward-weights (empty: all 1). Call it
-    before the policy loads."""
+    """The Scorer of --reward-model (reward.py's model/, loaded sharded; `lora_rank`, `lora`: PPO's value
+    model), else of --reward-fn weighted by --reward-weights (empty: all 1); called before the policy loads."""
     if reward_model:
         model, head = load_reward_model(reward_model, mesh, dtype, lora_rank, **lora)
         return Scorer(mesh, model=model, head=head, name=reward_model)
@@ -767,9 +721,9 @@ CHAT_TEMPLATES = {
     # https://huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/tokenizer_config.json
     "chatml": Template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
                        "<|im_start|>system\n", False),
-    # Qwen 3.5: ChatML, each answer opened by an empty thinking block, as its template writes an answer
-    # without reasoning_content and its non-thinking generation prompt (enable_thinking=false, 0.8B's
-    # default, per its card); it leaves the block out of answers before the last user turn, this does not
+    # Qwen 3.5: ChatML, each answer opened by an empty thinking block, as its template writes an answer without
+    # reasoning_content and its non-thinking generation prompt (enable_thinking=false, 0.8B's default, per its
+    # card); it leaves the block out of answers before the last user turn, this does not
     # https://huggingface.co/Qwen/Qwen3.5-0.8B (its chat_template, as quoted in public discussions)
     "qwen3.5": Template("<|im_start|>user\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n",
                         "<|im_end|>\n", "<|im_start|>system\n", False),
@@ -883,22 +837,20 @@ def sft_segments(row, where, template):
 
 def preference_triple(row, where, template, names=("chosen", "rejected")):
     """A preference row -> (prompt, chosen, rejected) texts: explicit or implicit prompt, strings or messages.
-    Implicit prompt (only `chosen`/`rejected`): their longest common prefix (of messages for
-    chats; of characters for strings, a split space going to the responses). `names`: the fields read
-    as chosen and rejected (unpaired_example reads `completion` as both)."""
+    Implicit prompt (only `chosen`/`rejected`): their longest common prefix (of messages for chats; of
+    characters for strings, a split space going to the responses). `names`: the fields read as chosen and
+    rejected (unpaired_example reads `completion` as both)."""
     if not isinstance(row, dict):
         raise UsageError(f"{where}: expected a JSON object")
-    for key in names:
-        if key not in row:
-            raise UsageError(f"{where}: missing field {key!r} (need 'chosen', 'rejected', optional 'prompt')")
+    if missing := [key for key in names if key not in row]:
+        raise UsageError(f"{where}: missing field {missing[0]!r} (need 'chosen', 'rejected', optional 'prompt')")
     keys = [k for k in ("prompt", *names) if k in row]
     if isinstance(row[names[0]], list):  # conversational: message lists
         prompt, chosen, rejected = (_messages(row[k], k, where, template) if k in row else []
                                     for k in ("prompt", *names))
         if "prompt" not in row:
-            n = 0
-            while n < min(len(chosen), len(rejected)) and chosen[n] == rejected[n]:
-                n += 1
+            n = next((i for i, (c, r) in enumerate(zip(chosen, rejected)) if c != r),
+                     min(len(chosen), len(rejected)))  # the turns they share
             prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
         model, end = template[1], template[2]
         responses = []
@@ -942,22 +894,18 @@ def prompt_text(row, where, template):
     raise UsageError(f"{where}: need 'prompt' (a non-empty string or a list of {{role, content}})")
 
 
-FORMATS = {"sft": sft_segments, "preference": preference_triple, "prompt": prompt_text}
-
-
 def read_dataset(path, form, template, flag="--dataset", config=None, split="train"):
     """Every row of `path` (read_rows) in TRL's format `form` ('sft', 'preference', 'prompt'), validated
     and rendered to text; a bad row stops with its file and line (exit 2)."""
-    rows = read_rows(path, flag, config, split)
-    return [FORMATS[form](row, f"{path}:{line}", template) for row, line in rows]
+    parse = {"sft": sft_segments, "preference": preference_triple, "prompt": prompt_text}[form]
+    return [parse(row, f"{path}:{line}", template) for row, line in read_rows(path, flag, config, split)]
 
 
 def eval_source(dataset, eval_dataset, eval_split, defaults):
-    """(path, split) of the eval set, path None for none: --eval-dataset "", or your own --dataset without an eval
-    set named (TRL evaluates only when asked; the bundled eval file goes with the bundled training file).
-    --eval-split takes that split of --eval-dataset if one other than the default is given, else of --dataset
-    (TRL's dataset_test_split). defaults: the script's (dataset, eval_dataset) defaults. -> (path, split, the
-    flag its messages name: a split of --dataset is not --eval-dataset's)."""
+    """The eval set -> (path, split, the flag its messages name), path None for none: --eval-dataset "", or your
+    own --dataset without an eval set named (TRL evaluates only when asked; the bundled eval file goes with the
+    bundled training file). --eval-split: that split of --eval-dataset if one other than the default is given,
+    else of --dataset (TRL's dataset_test_split). defaults: the script's (dataset, eval_dataset) defaults."""
     if eval_split and not eval_dataset:
         raise UsageError(f'--eval-split {eval_split}: --eval-dataset "" turns evaluation off')
     if not eval_split and eval_dataset == defaults[1] and dataset != defaults[0]:

@@ -4,11 +4,13 @@
                   accelerator, no TensorFlow)
   2. Tokenizers   BPE_SPLITS, fix_bpe_splits (keras-hub's byte-level BPE splits words as its models' own
                   tokenizers do)
-  3. Model hubs   model_config (a preset's config.json, read once), hub_errors / hub_error (a Kaggle or
-                  Hugging Face failure in one line saying what to do), NETWORK_ERRORS, hub_unreachable
+  3. Model hubs   MODEL_ALIASES (--model's short names), model_config (a preset's config.json, read once),
+                  hub_errors / hub_error (a Kaggle or Hugging Face failure in one line saying what to do),
+                  NETWORK_ERRORS, hub_unreachable
   4. Datasets     load_splits (a Hub id, a local copy of a Hub repo, a saved folder, a .parquet), DATA_FLAGS
   5. --export-hf  check_export_hf (refused at start-up), hf_tokenizer (tokenizer.json), export_hf
                   (model.safetensors, config.json, tokenizer files), HF_CHAT_TEMPLATES (Jinja)
+  6. TRL's flags  TRL_FLAGS (TRL's flag names spelled otherwise here -> this project's)
 The bottom of the chain interop <- common <- plumbing: it needs nothing of the project's, so what every
 module raises (UsageError) lives here. common.py (what an algorithm calls) reads models and datasets
 through it; plumbing.py (the run shell) calls its --export-hf at the start and the end of a run. No
@@ -83,6 +85,35 @@ def fix_bpe_splits():
 
 
 # --- 3. Model hubs: a preset's files, and a failure to fetch them in one line ---
+# --model's short names -> KerasHub presets (all: keras_hub.models.CausalLM.presets; common.resolve_model
+# reads them); tests/test_families.py checks each.
+MODEL_ALIASES = {
+    "gemma_2b": "gemma_2b_en", "gemma_7b": "gemma_7b_en",
+    "gemma_2b_it": "gemma_instruct_2b_en", "gemma_7b_it": "gemma_instruct_7b_en",
+    "gemma2_2b": "gemma2_2b_en", "gemma2_9b": "gemma2_9b_en", "gemma2_27b": "gemma2_27b_en",
+    "gemma2_2b_it": "gemma2_instruct_2b_en", "gemma2_9b_it": "gemma2_instruct_9b_en",
+    "llama3_8b": "llama3_8b_en", "llama3_8b_it": "llama3_instruct_8b_en",
+    "mistral_7b": "mistral_7b_en", "mistral_7b_it": "mistral_instruct_7b_en",
+    "qwen2.5_0.5b": "qwen2.5_0.5b_en", "qwen2.5_0.5b_it": "qwen2.5_instruct_0.5b_en", "qwen2.5_7b": "qwen2.5_7b_en",
+    "qwen3_0.6b": "qwen3_0.6b_en", "qwen3_8b": "qwen3_8b_en",
+    "qwen3_moe_30b_a3b": "qwen3_moe_30b_a3b_en", "qwen3_moe_235b_a22b": "qwen3_moe_235b_a22b_en",  # mixtures
+    # Gemma 3: the text-only presets (4B and up also come as vision+text, which load_model reads text-only)
+    "gemma3_270m": "gemma3_270m", "gemma3_1b": "gemma3_1b", "gemma3_4b": "gemma3_4b_text",
+    "gemma3_12b": "gemma3_12b_text", "gemma3_27b": "gemma3_27b_text",
+    "gemma3_270m_it": "gemma3_instruct_270m", "gemma3_1b_it": "gemma3_instruct_1b",
+    "gemma3_4b_it": "gemma3_instruct_4b_text", "gemma3_12b_it": "gemma3_instruct_12b_text",
+    "gemma3_27b_it": "gemma3_instruct_27b_text",
+    # Qwen 3.5 (every preset is vision-and-text, loaded text-only): `_base` presets plain, post-trained `_it`
+    "qwen3.5_0.8b": "qwen3_5_0.8b_base", "qwen3.5_2b": "qwen3_5_2b_base", "qwen3.5_4b": "qwen3_5_4b_base",
+    "qwen3.5_9b": "qwen3_5_9b_base", "qwen3.5_0.8b_it": "qwen3_5_0.8b", "qwen3.5_2b_it": "qwen3_5_2b",
+    "qwen3.5_4b_it": "qwen3_5_4b", "qwen3.5_9b_it": "qwen3_5_9b", "qwen3.5_27b_it": "qwen3_5_27b",
+    # Gemma 4 (every preset is vision(-and-audio)-and-text, loaded text-only): E2B, E4B, 26B-A4B (MoE), 31B
+    "gemma4_2b": "gemma4_2b", "gemma4_4b": "gemma4_4b", "gemma4_26b_a4b": "gemma4_26b_a4b",
+    "gemma4_31b": "gemma4_31b", "gemma4_2b_it": "gemma4_instruct_2b", "gemma4_4b_it": "gemma4_instruct_4b",
+    "gemma4_26b_a4b_it": "gemma4_instruct_26b_a4b", "gemma4_31b_it": "gemma4_instruct_31b",
+}
+
+
 @functools.cache  # asked by backbone_class, text_causal_lm, the chat template and the --export-hf check
 def model_config(preset):
     """The preset's config.json (a KerasHub preset's, or a Hugging Face checkpoint's), once per process; a hub
@@ -391,3 +422,20 @@ HF_CHAT_TEMPLATES = {
                     "'') + (m['content'] | trim) + '<turn|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
                     "{{ '<|turn>model\\n<|channel>thought\\n<channel|>' }}{% endif %}",
 }
+
+
+# --- 6. TRL's flags: the names a TRL user types, answered by plumbing.check_options ---
+# TRL's (transformers') flag names that are spelled otherwise here -> this project's: the first flag of the
+# " | " alternatives the script takes (a hint without a flag fits every script; none: no counterpart there)
+TRL_FLAGS = {"num-train-epochs": "--num-epochs", "per-device-train-batch-size": "--batch-size (global: all devices)",
+             "gradient-accumulation-steps": "--grad-accum-steps", "max-completion-length": "--response-length | "
+             "--max-new-tokens", "max-new-tokens": "--response-length", "lora-r": "--lora-rank",
+             "use-peft": "--lora-rank N", "model-name-or-path": "--model", "dataset-name": "--dataset | --prompts",
+             "save-steps": "--save-every", "eval-steps": "--eval-every", "logging-steps": "--log-every",
+             "gradient-checkpointing": "--remat on", "bf16": "--dtype bfloat16", "resume-from-checkpoint":
+             "--resume", "report-to": "--track (W&B; TensorBoard files are always written)",
+             "per-device-eval-batch-size": "--batch-size", "eval-strategy": "--eval-every N (0: none)",
+             "dataset-train-split": "--dataset-split | --prompts-split", "dataset-test-split": "--eval-split",
+             "lr-scheduler-kwargs": "--min-lr-rate (cosine_with_min_lr's min_lr_rate, the one kwarg taken)",
+             "lora-dropout": "absent (Keras' LoRA layers have no dropout)",
+             "teacher-model-name-or-path": "--teacher-model"}

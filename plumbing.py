@@ -1,9 +1,8 @@
 """The run shell: plumbing every script shares and no one needs to read to learn an algorithm.
-
-  1. The boundary  UsageError (interop's), RunComplete, Preempted, RunFailed (NonFiniteLoss); launch: main under the one
-                   boundary that turns them into exit codes 2, 0, 0, 1; cli (tyro, errors in one line;
-                   check_options: unknown ones, TRL's names answered); answer_help (--help and unknown
-                   options from the script's source, before its heavy imports)
+  1. The boundary  UsageError (interop's), RunComplete, Preempted, RunFailed (NonFiniteLoss); launch: main
+                   under the one boundary that turns them into exit codes 2, 0, 0, 1; cli (tyro, errors in
+                   one line; check_options: unknown ones, TRL's names answered); answer_help (--help and
+                   unknown options from the script's source, before its heavy imports)
   2. Shared flags  SharedArgs (every script's Args extends it), RolloutArgs (+ the RL scripts' rollouts)
   3. The run       Run: output dir, --resume/--overwrite, --max-steps from --num-epochs, args.json,
                    metrics.jsonl + TensorBoard (+ W&B), progress, tokens/s and MFU, the non-finite stop, eval
@@ -11,14 +10,14 @@
   4. Remat         enable_remat (a switch per decoder block), Remat (--remat auto: by compiled memory)
   5. Accounting    count_params, peak_flops (docs/design.md, "FLOPs"); synced, phase_metrics (RL phase times);
                    compilation_cache (JAX's persistent cache, on by default)
-The top of the chain interop <- common <- plumbing: the shell that drives a run may call both (common: the
-mesh and the model; interop: --export-hf), and neither imports it. jax, numpy, keras and common are imported
-inside the functions that use them: `import plumbing` is instant, and `python dpo.py --help` answers before
-the script's own imports."""
+The top of the chain interop <- common <- plumbing: it may call both (common: the mesh and the model; interop:
+--export-hf), and neither imports it. jax, numpy, keras and common are imported inside the functions that use
+them: `import plumbing` is instant, and `python dpo.py --help` answers before the script's own imports."""
 
 import ast
 import contextlib
 import dataclasses
+import importlib.util
 import json
 import math
 import os
@@ -31,7 +30,7 @@ import types
 from typing import Literal
 
 import interop  # the outside world (standard library only at import): --export-hf, the `tiny` vocabulary
-from interop import HERE, UsageError  # noqa: F401  (UsageError: bad input, exit 2; every module raises it)
+from interop import HERE, TRL_FLAGS, UsageError  # noqa: F401  (UsageError: bad input, exit 2)
 
 
 # --- 1. The boundary: the only place the process ends ---
@@ -68,9 +67,8 @@ def _end(code, message=None, stream=None):
 
 
 def launch(main, args_class):
-    """main(the parsed Args) under the boundary: UsageError -> `error: ...` on stderr, exit 2;
-    RunComplete and Preempted -> their line on stdout, exit 0; RunFailed (NonFiniteLoss) -> stderr, exit 1.
-    Until a Run's loop starts, SIGINT/SIGTERM end the process at once (nothing to save yet)."""
+    """main(the parsed Args) under the boundary: UsageError -> `error: ...` on stderr, exit 2; RunComplete,
+    Preempted -> stdout, 0; RunFailed -> stderr, 1. Until a Run's loop starts, a SIGINT/SIGTERM ends it."""
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     try:
@@ -85,25 +83,9 @@ def launch(main, args_class):
         _end(1, f"error: {e}", sys.stderr)
 
 
-# TRL's (transformers') flag names that are spelled otherwise here -> this project's: the first flag of the
-# " | " alternatives the script takes (a hint without a flag fits every script; none: no counterpart there)
-TRL_FLAGS = {"num-train-epochs": "--num-epochs", "per-device-train-batch-size": "--batch-size (global: all devices)",
-             "gradient-accumulation-steps": "--grad-accum-steps", "max-completion-length": "--response-length | "
-             "--max-new-tokens", "max-new-tokens": "--response-length", "lora-r": "--lora-rank",
-             "use-peft": "--lora-rank N", "model-name-or-path": "--model", "dataset-name": "--dataset | --prompts",
-             "save-steps": "--save-every", "eval-steps": "--eval-every", "logging-steps": "--log-every",
-             "gradient-checkpointing": "--remat on", "bf16": "--dtype bfloat16", "resume-from-checkpoint":
-             "--resume", "report-to": "--track (W&B; TensorBoard files are always written)",
-             "per-device-eval-batch-size": "--batch-size", "eval-strategy": "--eval-every N (0: none)",
-             "dataset-train-split": "--dataset-split | --prompts-split", "dataset-test-split": "--eval-split",
-             "lr-scheduler-kwargs": "--min-lr-rate (cosine_with_min_lr's min_lr_rate, the one kwarg taken)",
-             "lora-dropout": "absent (Keras' LoRA layers have no dropout)",
-             "teacher-model-name-or-path": "--teacher-model (distill.py)"}
-
-
 def check_options(argv, ours, script):
     """A UsageError naming the options of argv that `script` lacks (`ours`: its flags; --x_y passes as --x-y),
-    with hints: a TRL flag's name there (its first TRL_FLAGS alternative taken, or none), else the closest."""
+    with hints: a TRL flag's name there (interop.TRL_FLAGS' first alternative taken, or none), else the closest."""
     import difflib
     unknown = [a.split("=")[0] for a in argv[:argv.index("--") if "--" in argv else None]  # " ": a value
                if a[:2] == "--" and " " not in a and a.split("=")[0].replace("_", "-") not in ours | {"--help"}]
@@ -150,9 +132,8 @@ def check_defaults(args, argv):
     if toy and not is_toy_model(args.model):
         import common
         common.resolve_model(args.model)  # an unknown --model is reported as that
-        what = {"--reward-fn": "--reward-fn path.py:function"}
-        raise UsageError(f"--model {args.model} would use the bundled toy task (data/): pass "
-                         + ", ".join(what.get(f, f + " DATA") for f in toy)
+        raise UsageError(f"--model {args.model} would use the bundled toy task (data/): pass " + ", ".join(
+                         {"--reward-fn": "--reward-fn path.py:function"}.get(f, f + " DATA") for f in toy)
                          + "; DATA: a .jsonl/.json/.parquet file, a saved dataset dir or a Hub dataset id")
 
 
@@ -171,23 +152,20 @@ def answer_help(module_name, path):
     """`python <script> --help`: the help read from its `Args` source, exit 0; an option it lacks: cli's line
     (check_options), exit 2; both before its heavy imports (seconds). Does nothing on `import <script>`."""
     import re
-    if module_name != "__main__":
+    if module_name != "__main__" or not (fields := _fields(path, "Args")):
         return
-    argv, fields = sys.argv[1:], _fields(path, "Args") or {}
-    if {"-h", "--help"} & set(argv) and fields:
+    if {"-h", "--help"} & set(argv := sys.argv[1:]):
         _end(0, help_from_source(path))
     try:  # what tyro would refuse, after the imports
-        if fields:
-            check_options(argv, set(re.findall(r"--[\w-]+", " ".join(f[1] for f in fields.values()))),
-                          os.path.basename(path))
+        check_options(argv, set(re.findall(r"--[\w-]+", " ".join(f[1] for f in fields.values()))),
+                      os.path.basename(path))
     except UsageError as e:
         _end(2, f"error: {e}", sys.stderr)
 
 
 def _fields(path, name):
-    """{name: (section, flag, doc, default)} of class `name` in the file at `path`, read without importing
-    it: the fields of its bases defined in this module first (a field redefined keeps its base's section
-    and place); a `# comment` between fields opens a section. None where there is no such class."""
+    """{name: (section, flag, doc, default)} of class `name` in `path`, not imported: its bases' fields in this
+    module first (one redefined keeps its place); a `# comment` between fields opens a section; None: none."""
     source = open(path).read()
     lines, tree = source.splitlines(), ast.parse(source)
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
@@ -225,11 +203,9 @@ def _fields(path, name):
 
 def help_from_source(path, width=100):
     """--help of the script at `path` from its `class Args` source (no import, so it is instant): every
-    flag in its section (the outputs' sections last), with its choices, doc and default. None without Args."""
-    if (fields := _fields(path, "Args")) is None:
-        return None
+    flag in its section (the outputs' sections last), with its choices, doc and default."""
     sections = {}
-    for section, *rest in fields.values():
+    for section, *rest in _fields(path, "Args").values():
         sections.setdefault(section, []).append(rest)
     last = ("logging and outputs", "multi-host (TPU pods and clusters are detected without these)")
     doc = ast.get_docstring(ast.parse(open(path).read())) or ""
@@ -254,8 +230,7 @@ class SharedArgs:
     dtype: Literal["bfloat16", "float32"] | None = None
     """compute dtype; weights and optimizer state stay float32. None: bfloat16 on TPU/GPU, float32 on CPU"""
     lora_rank: int = 0
-    """0 = full fine-tuning; r > 0: LoRA of rank r, only its A and B train (TRL: --use-peft --lora-r r).
-    No LoRA dropout (TRL's --lora-dropout 0.05): Keras' LoRA layers have none"""
+    """0 = full fine-tuning; r > 0: LoRA of rank r, only its A and B train (TRL: --use-peft --lora-r r)"""
     lora_alpha: int = 32
     """LoRA's α: the update is (α / r)·A·B, merged so into the saved weights (TRL ModelConfig: 32)"""
     lora_target_modules: tuple[str, ...] | None = None
@@ -302,8 +277,7 @@ class SharedArgs:
     output_dir: str | None = None
     """None: runs/{script}__{model}__{seed}__{time}"""
     save_every: int = 500
-    """checkpoint every N steps, and the last step of a run this long (TRL's save_steps: 500); the newest 3 are
-    kept; 0: only on SIGTERM/SIGINT"""
+    """checkpoint every N steps and at a run's last (TRL's save_steps), the newest 3 kept; 0: on signals only"""
     resume: bool = False
     """continue from the newest complete checkpoint in --output-dir"""
     resume_schedule: Literal["keep", "stretch"] = "keep"
@@ -370,13 +344,12 @@ def check_flags(**flags):
 class Run:
     """One training run's life, so that each script's loop shows only its algorithm: made in main (it starts
     jax.distributed where several processes take part, makes run.mesh, checks the shared flags and
-    --output-dir, and writes nothing); then run.resolve_max_steps, run.resume(state), and the loop:
-    `for step in run.steps(...)`: step, run.log(metrics, real, padded tokens), run.eval_due() /
-    run.log_eval(...), run.checkpoint(state); then run.finish(save). It reads only SharedArgs' fields of
-    `args` and the keywords given, and never changes `args`: what it resolves (output_dir, dtype,
-    max_steps, what main passes to `record`) is an attribute and goes into args.json beside the flags.
-    Outputs are created after the first step (its run.log); from then on the first SIGINT/SIGTERM
-    checkpoints at the next step boundary and raises Preempted, a second ends the process at once."""
+    --output-dir, and writes nothing); then run.resolve_max_steps, run.resume(state), and the loop: `for step in
+    run.steps(...)`: step, run.log(metrics, real, padded tokens), run.eval_due() / run.log_eval(...),
+    run.checkpoint(state); then run.finish(save). It reads only SharedArgs' fields of `args` and the keywords
+    given, and never changes `args`: what it resolves (output_dir, dtype, max_steps, what main passes to
+    `record`) is an attribute and goes into args.json. Outputs are created after the first step (its run.log);
+    from then on a first SIGINT/SIGTERM checkpoints at the next step and raises Preempted, a second ends it."""
 
     def __init__(self, script, args, *, log_every=1, eval_every=0, grad_accum_steps=1, export_hf=False,
                  skip_nonfinite=None):
@@ -393,10 +366,8 @@ class Run:
         if export_hf:
             preset = common.resolve_model(args.model)
             interop.check_export_hf(args.model, preset, common.backbone_class(preset).__name__)
-        if args.track:
-            import importlib.util
-            if importlib.util.find_spec("wandb") is None:
-                raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
+        if args.track and importlib.util.find_spec("wandb") is None:
+            raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
         self.script, self.args, self.log_every, self.eval_every = script, args, log_every, eval_every
         self.export_hf, self.skip_nonfinite, self.resolved = export_hf, skip_nonfinite, {}
         self.dtype = args.dtype or common.default_dtype()
@@ -444,13 +415,12 @@ class Run:
             self._check_resumable()  # with --max-steps None: in resolve_max_steps, once it is derived
             return last or 0
         if held and not self.args.overwrite:
-            what, hint = "a run without checkpoints", "pass --overwrite to replace it, or choose another --output-dir"
-            if finished:
-                what = "a finished run (model/)"
-            elif last is not None:
-                what, hint = f"an unfinished run (checkpoint at step {last})", \
-                    "pass --resume to continue it or --overwrite to replace it"
-            raise UsageError(f"--output-dir {d} already holds {what}; {hint}")
+            unfinished = last is not None and not finished
+            what = "a finished run (model/)" if finished else f"an unfinished run (checkpoint at step {last})" \
+                if unfinished else "a run without checkpoints"
+            hint = "--resume to continue it or --overwrite to replace it" if unfinished else \
+                "--overwrite to replace it, or choose another --output-dir"
+            raise UsageError(f"--output-dir {d} already holds {what}; pass {hint}")
         return 0
 
     def _check_same_run(self):
@@ -481,9 +451,8 @@ class Run:
             raise UsageError(self._no_checkpoint)
 
     def resolve_max_steps(self, num_rows, rows_per_step=None):
-        """--max-steps, or ceil(--num-epochs × num_rows / rows_per_step (default --batch-size)). Also
-        run.schedule_steps, the steps the learning-rate schedule spans: a resumed run's own (--resume-schedule
-        keep: the rate never rises above what its schedule gave) or max_steps (a new run, or stretch)."""
+        """--max-steps, or ceil(--num-epochs × num_rows / rows_per_step (default --batch-size)). Also sets
+        run.schedule_steps, the steps the rate schedule spans: a resumed run's own (keep) or max_steps."""
         if self.max_steps is None:
             per_step = rows_per_step or self.args.batch_size
             self.max_steps = max(1, math.ceil(self.args.num_epochs * num_rows / per_step))
@@ -567,8 +536,7 @@ class Run:
         return ocp, self._manager
 
     def resume(self, state, meta=None):
-        """(state, meta) of the newest checkpoint with --resume (shaped and sharded like `state`), else as
-        given. The data position is the step itself."""
+        """--resume: (state, meta) of the newest checkpoint, laid out as `state` (data position = step)."""
         if not self.start:
             return state, meta
         import jax
@@ -580,10 +548,9 @@ class Run:
 
     def steps(self, flops_per_token=0, learning_rate=None, show=(), summed=(), counted=None):
         """Step indices from the start (or resumed step) to max_steps, with a progress bar showing `show`.
-        flops_per_token: for charts/mfu; learning_rate: the schedule; summed: metrics logged as sums;
-        counted: {metric: count metrics} for a step's mean over some of its examples (those the count
-        metrics count; pairs of two kinds: their product): the interval's mean over all such examples,
-        0 where it has none (a plain mean of the steps would count a step without any as a 0)."""
+        flops_per_token: for charts/mfu; learning_rate: the schedule; summed: metrics logged as sums; counted:
+        {metric: count metrics} for a step's mean over some of its examples (those the count metrics count;
+        pairs of two kinds: their product): the interval's mean over all such examples, 0 where it has none."""
         from tqdm import tqdm
         assert self.max_steps is not None, "call run.resolve_max_steps before the loop"
         self._flops_per_token, self._lr, self._show, self._summed = flops_per_token, learning_rate, show, summed
@@ -598,9 +565,8 @@ class Run:
         self._bar.close()
 
     def log(self, metrics, tokens=0, padded=None, flops=None):
-        """Keep one step's metrics (device arrays: no host sync), its real tokens (tokens/s, MFU) and its
-        padded batch's (charts/padding_fraction, charts/compilations: distinct shapes). Every log_every
-        steps and at the last: one sync, NonFiniteLoss on a non-finite train/loss, the means logged."""
+        """Keep one step's metrics (device arrays: no host sync), real and padded tokens (tokens/s, MFU,
+        padding). Every log_every steps and at the last: one sync, NonFiniteLoss on a non-finite train/loss."""
         self._open()  # the first step is compiled and dispatched: from here on a signal checkpoints
         self._pending.append(metrics)
         self._tokens += tokens
@@ -660,9 +626,8 @@ class Run:
             self._eval_started = None
 
     def checkpoint(self, state, meta=None):
-        """Every --save-every steps (and at the last step, where the run is that long: a finished run extends
-        from its final state), and once a SIGTERM/SIGINT has arrived: save `state` (a pytree of arrays) + meta
-        (JSON) + the step; after a signal, raise Preempted."""
+        """Every --save-every steps (and at the last, where the run is that long: a finished run extends from
+        its final state) and after a SIGTERM/SIGINT: save `state` (pytree), meta (JSON), step; then Preempted"""
         stopping, every = self.stop_signal, self.args.save_every  # a later signal: at the next step
         last = self.step == self.max_steps and self.max_steps >= every
         if not (stopping or (every and (self.step % every == 0 or last))):
@@ -680,8 +645,7 @@ class Run:
             raise Preempted(f"{stopping}: checkpoint saved at step {self.step}; continue with --resume")
 
     def finish(self, save):
-        """save(path) writes the final model into model.tmp/, renamed to model/ once complete (then
-        model_hf/ with export_hf); then one summary line."""
+        """save(path) writes model.tmp/, renamed model/ once whole (+ model_hf/: export_hf); then a summary."""
         import common
         self._open()
         self._flush()
@@ -717,11 +681,10 @@ class Run:
 
 # --- 4. Remat: activation checkpointing per decoder block, --remat {auto,on,off} ---
 def enable_remat(backbone, on=True):
-    """Activation checkpointing per decoder block: each block's activations are recomputed in the backward
-    pass, so only the block inputs [B, T, D] stay alive between forward and backward (about +1/3 FLOPs; what
-    makes Gemma-2B DPO fit 16 GiB chips). Calls with a KV cache (generation) have no backward pass and are
-    left alone. `backbone.remat_on`, read when a step is traced, switches it (Remat's auto). The losses a
-    block adds (a mixture of experts' router loss, common.forward) leave the checkpoint as its outputs."""
+    """Activation checkpointing per decoder block: its activations are recomputed in the backward pass, so only
+    block inputs [B, T, D] stay alive between forward and backward (about +1/3 FLOPs; Gemma-2B DPO fits 16 GiB
+    chips). Calls with a KV cache (generation) are left alone. `backbone.remat_on`, read when a step is traced,
+    switches it (Remat's auto). A block's added losses (MoE router loss) leave the checkpoint as outputs."""
     import jax
     from keras.src.backend.common.stateless_scope import get_stateless_scope
     backbone.remat_on = on
@@ -738,8 +701,7 @@ def enable_remat(backbone, on=True):
             def block(a, kw):  # a loss added inside, left in the scope, would be a leaked tracer
                 n = len(losses)
                 out = _call(*a, **kw, **rest)
-                added = losses[n:]
-                del losses[n:]
+                added, losses[n:] = losses[n:], []  # taken out of the scope, returned instead
                 return out, added
 
             out, added = jax.checkpoint(block)(args, arrays)
@@ -757,10 +719,9 @@ def device_memory_limit():
 
 
 class Remat:
-    """--remat for `backbones`: "off" leaves them untouched; otherwise each decoder block gets a switch
+    """--remat for `backbones`: "off" leaves them untouched; else each decoder block gets a switch
     (enable_remat) that `jit` sets: on / off as asked; auto: off where the device sets no memory limit (CPU:
-    remat is pure cost), else decided at the step's first call by compiling it ahead of time without remat.
-    str(remat) is the resolved mode (args.json)."""
+    remat is pure cost), else decided at the first call by compiling without remat. str(remat): the mode."""
 
     def __init__(self, mode, *backbones):
         self.requested, self.mode, self.backbones = mode, None if mode == "auto" else mode, []
@@ -787,12 +748,11 @@ class Remat:
         return jax.jit(fn, **jit_kwargs)  # a new callable: traced afresh, with the switch as now set
 
     def jit(self, fn, length=None, **jit_kwargs):
-        """jax.jit(fn, **jit_kwargs) with the remat mode applied. auto, on a device with a memory limit: at
-        the first call fn is compiled ahead of time without remat for that call's shapes and shardings, the
-        batch (third argument, leaves [A, B, T, ...]) at `length` tokens (the run's longest), and remat is
-        turned on when the compiled peak per device (argument + output + temp − alias) exceeds 90% of the
-        limit: the 10% covers what the analysis leaves out (fragmentation, the runtime's own buffers, the
-        next batch beside the step). Costs one extra compile (benchmarks/RESULTS.md, "Step performance")."""
+        """jax.jit(fn, **jit_kwargs) with the remat mode applied. auto, on a device with a memory limit: at the
+        first call fn is compiled ahead of time without remat for that call's shapes and shardings, the batch
+        (third argument, leaves [A, B, T, ...]) at `length` tokens (the run's longest); remat goes on when the
+        compiled peak per device (argument + output + temp − alias) exceeds 90% of the limit (the 10%: what the
+        analysis leaves out: fragmentation, runtime buffers, the next batch). Costs one compile (RESULTS.md)."""
         import functools
         import jax
         fn, limit, resolved = functools.partial(fn), device_memory_limit(), []
@@ -816,16 +776,14 @@ class Remat:
 
 # --- 5. Accounting: FLOPs, peak, phase times; the compilation cache ---
 # Dense bf16 peak FLOP/s per chip, from the vendors' datasheets.
-PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12,
-              "TPU v5": 459e12, "TPU v6 lite": 918e12, "TPU v6e": 918e12,
-              "H100": 989e12, "H200": 989e12, "A100": 312e12}
+PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
+              "TPU v6 lite": 918e12, "TPU v6e": 918e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
 _measured_peak = {}
 
 
 def count_params(backbone):
-    """N for FLOP accounting (docs/design.md, "FLOPs"): every weight used in a matmul. A tied embedding is
-    also the output matmul (Gemma, Qwen); an untied one (Llama 3, Mistral) is a lookup, its output matrix
-    the matmul, and so is Gemma 4 E2B / E4B's per-layer token embedding."""
+    """N for FLOP accounting (docs/design.md, "FLOPs"): the weights used in matmuls, a tied embedding (Gemma,
+    Qwen) as the output's; an untied one (Llama 3, Mistral) or Gemma 4 E2B / E4B's per-layer one is a lookup."""
     import numpy as np
     embedding = backbone.token_embedding
     lookups = [] if embedding.tie_weights else [embedding.embeddings]
@@ -842,8 +800,7 @@ def peak_flops():
     for name, flops in PEAK_FLOPS.items():
         if name.lower() in kind.lower():
             return flops * jax.device_count()
-    if kind not in _measured_peak:
-        _measured_peak[kind] = matmul_flops_per_sec()
+    _measured_peak[kind] = _measured_peak.get(kind) or matmul_flops_per_sec()
     return _measured_peak[kind] * jax.process_count()
 
 
@@ -866,9 +823,8 @@ def synced(tree):
 
 
 def phase_metrics(updates, ticks, new_tokens):
-    """An RL step's row (ppo, grpo, rloo): its updates' metrics averaged on the host (one sync), the seconds
-    of each phase from ticks [start, generated, scored] to now: generate, score, update, and the tokens
-    sampled (`new_tokens`: through each EOS; the scripts log it summed over an interval)."""
+    """An RL step's row (ppo, grpo, rloo): its updates' metrics averaged on the host (one sync), the seconds of
+    each phase from ticks [start, generated, scored] to now, and the tokens sampled (through each EOS)."""
     import jax
     import numpy as np
     fetched = jax.device_get(updates)
@@ -879,10 +835,9 @@ def phase_metrics(updates, ticks, new_tokens):
 
 
 def compilation_cache():
-    """JAX's persistent compilation cache, so a resumed run, a compare.py seed and a test process reuse the
-    programs of an identical earlier one: $JAX_COMPILATION_CACHE_DIR (JAX's own variable; `off` turns it
-    off), else ~/.cache/posttrain-jax. Programs compiled in under 0.5 s are not stored (JAX's default: 1 s),
-    or under $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (JAX's own variable). -> the directory or None."""
+    """JAX's persistent compilation cache (a resumed run, a compare.py seed, a test process reuse an identical
+    earlier one's programs) in $JAX_COMPILATION_CACHE_DIR (`off`: none), else ~/.cache/posttrain-jax; programs
+    compiled in under $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (0.5 s) are not stored. -> dir or None."""
     import jax
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "posttrain-jax")
