@@ -37,6 +37,14 @@ class Args(plumbing.RolloutArgs):
     """new tokens sampled per prompt (TRL PPOConfig: 53)"""
     temperature: float = 0.7
     """sampling temperature (TRL PPOConfig: 0.7); log-probs are computed from logits / temperature to match"""
+    top_p: float = 1.0
+    """top-p: sample from the likeliest tokens that hold this probability mass (TRL: 1.0 = off)"""
+    top_k: int = 0
+    """top-k: sample among the k likeliest tokens (TRL: 0 = off); log-probs are of the filtered distribution"""
+    min_p: float | None = None
+    """min-p: drop tokens less likely than min_p × the top token's probability (TRL: None = off)"""
+    stop_token: tuple[str, ...] = ()
+    """more tokens a completion ends at (a vocabulary token's text or id), besides EOS and the turn end"""
     missing_eos_penalty: float | None = None
     """subtracted from the score of a response without EOS (None: off, as in TRL)"""
     # optimisation
@@ -100,65 +108,109 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 # forwards of policy, reference and value model on query + response, per-token rewards, GAE, whitening,
 # the PPO losses
 # ---------------------------------------------------------------------------
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature,
-             eos_id, pad_id):
-    """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps).
+def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
+    """TRL's sampling filters on logits / temperature [B, V], in transformers' order: top-k, then top-p, then
+    min-p, each on what the previous left (renormalised). A dropped token gets -inf; 0, 1.0, None: off.
+
+    top-k keeps the k largest (ties with the k-th too); top-p keeps the most likely tokens until their
+    probabilities reach top_p (the token that crosses it included, ties at the cut too); min-p keeps the
+    tokens with p ≥ min_p · max p. The most likely token always stays.
+    """
+    if top_k:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ascending = jnp.sort(logits, -1)  # [B, V]: drop the prefix whose probabilities sum to ≤ 1 − top_p
+        dropped = jnp.sum(jnp.cumsum(jax.nn.softmax(ascending, -1), -1) <= 1.0 - top_p, -1)
+        cut = jnp.take_along_axis(ascending, jnp.minimum(dropped, logits.shape[-1] - 1)[:, None], -1)
+        logits = jnp.where(logits < cut, -jnp.inf, logits)
+    if min_p is not None:
+        probs = jax.nn.softmax(logits, -1)
+        logits = jnp.where(probs < min_p * probs.max(-1, keepdims=True), -jnp.inf, logits)
+    return logits
+
+
+def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
+    """log q(token) and the entropy of q, [B] each, for logits [B, V] (float32) and tokens [B]: q is what the
+    sampler draws from, softmax(filter_logits(logits / temperature, …)), renormalised over the kept tokens
+    (eq. 1 of docs/grpo.md). Filters off: log softmax(logits / temperature), the same arithmetic as without
+    them. The token itself always counts as kept: a token the sampler drew sits in q's support, and only a
+    rounding difference between its cached forward and this one could move it out (to -inf, a NaN loss)."""
+    scaled = logits / temperature
+    kept = filter_logits(scaled, top_k, top_p, min_p)
+    kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
+    logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
+    # Σ p·logit over the kept tokens only (0 · -inf is NaN); the inner where keeps the gradient finite too
+    entropy = logz - jnp.sum(jnp.where(finite, jax.nn.softmax(kept, -1) * jnp.where(finite, kept, 0.0), 0.0), -1)
+    return jnp.take_along_axis(kept, tokens[:, None], -1)[:, 0] - logz, entropy
+
+
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, stop_ids, pad_id,
+             top_k=0, top_p=1.0, min_p=None):
+    """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps,
+    the sampler's log q of each token [B, R] (filtered_logps; 0 where greedy or after the end)).
 
     One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
-    stops once every sequence has sampled its EOS (steps: tokens sampled per sequence, ≤ R): a batch of
-    short answers costs their length, not R. Fixed shapes: one compilation per query bucket. After its
-    EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
-    `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
-    temperature 0 = greedy.
+    stops once every sequence has sampled one of `stop_ids` (the EOS, the turn end, …; steps: tokens sampled
+    per sequence, ≤ R): short answers cost their length, not R. Fixed shapes: one compilation per query
+    bucket. After its end a sequence holds `pad_id`. The key is split once per step, as a `lax.scan` over
+    all R steps splits it: the same key gives the same tokens, wherever the loop ends. temperature 0: greedy.
     """
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
+    stops = jnp.asarray(stop_ids, jnp.int32)
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):
         cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
         logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
-        def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
+        def pick(logits, key, done):  # logits [B, V] -> token [B], its log q [B]; a finished sequence only pads
             key, sample_key = jax.random.split(key)
             if temperature == 0:
-                token = jnp.argmax(logits, -1).astype(jnp.int32)
+                token, logq = jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b,))
             else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
                 # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
-                z = jax.random.gumbel(sample_key, logits.shape) + logits / temperature  # [B, V]
+                z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
+                    logits / temperature, top_k, top_p, min_p)  # [B, V]
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
+                # one filter in the compiled program: XLA merges this call's filter_logits with the one above
+                logq = filtered_logps(logits, token, temperature, top_k, top_p, min_p)[0]
             token = jnp.where(done, pad_id, token)
-            return token, key, done | (token == eos_id)
+            return token, jnp.where(done, 0.0, logq), key, done | jnp.isin(token, stops)
 
         def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t
-            tokens, cache, t, key, done = carry
+            tokens, logqs, cache, t, key, done = carry
             fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
             logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1)
-            token, key, done = pick(logits[:, -1], key, done)
-            return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], t, 1), cache, t + 1, key, done
+            token, logq, key, done = pick(logits[:, -1], key, done)
+            return (jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], t, 1),
+                    jax.lax.dynamic_update_slice_in_dim(logqs, logq[:, None], t, 1), cache, t + 1, key, done)
 
-        token, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
+        token, logq, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
         tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
-        tokens, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has no EOS yet and t < R
-            lambda c: (c[2] < response_length) & ~c[4].all(), step, (tokens, cache, jnp.int32(1), key, done))
-    return tokens, steps
+        logqs = jnp.zeros((b, response_length)).at[:, 0].set(logq)  # [B, R]
+        tokens, logqs, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has not ended and t < R
+            lambda c: (c[3] < response_length) & ~c[5].all(), step,
+            (tokens, logqs, cache, jnp.int32(1), key, done))
+    return tokens, steps, logqs
 
 
-def truncate_response(responses, eos_id, pad_id):
-    """Keep tokens up to and including the first EOS, pad after it.
+def truncate_response(responses, stop_ids, pad_id):
+    """Keep tokens up to and including the first stop token (EOS, turn end, …), pad after it.
 
-    -> (responses [B, R], sequence_lengths [B]: index of the last real token,
-    the EOS, or R-1 when none was sampled).
+    -> (responses [B, R], sequence_lengths [B]: index of the last real token, the stop token, or R-1 without one).
     """
     r = responses.shape[1]
-    is_eos = responses == eos_id
-    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1), r - 1)
-    return jnp.where(jnp.arange(r)[None] > first_eos[:, None], pad_id, responses), first_eos
+    is_stop = jnp.isin(responses, jnp.asarray(stop_ids, jnp.int32))
+    first = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1), r - 1)
+    return jnp.where(jnp.arange(r)[None] > first[:, None], pad_id, responses), first
 
 
-def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature):
-    """log π(response token) from logits / temperature, and the entropy: [B, R] each, float32; and the
-    forward's aux_loss (a mixture of experts' router load-balancing loss, common.forward; 0.0 dense).
+def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature,
+                   top_k=0, top_p=1.0, min_p=None):
+    """log q(response token) and q's entropy, q the distribution sampled from (filtered_logps): [B, R] each,
+    float32; and the forward's aux_loss (a mixture of experts' router load-balancing loss; 0.0 dense).
 
     Position t predicts token t+1, so response token Q+i is scored by hidden[Q+i-1].
     The [B, R, V] logits are made one response position at a time under jax.checkpoint.
@@ -168,13 +220,8 @@ def response_logps(backbone, params, frozen, token_ids, padding_mask, context_le
     labels = token_ids[:, context_length:]  # [B, R]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
-        @jax.checkpoint
-        def position(h, y):  # [B, D], [B] -> [B], [B]
-            logits = common.logits(backbone, h) / temperature  # f32
-            logz = jax.nn.logsumexp(logits, -1)
-            entropy = logz - jnp.sum(jax.nn.softmax(logits, -1) * logits, -1)
-            return jnp.take_along_axis(logits, y[:, None], -1)[:, 0] - logz, entropy
-
+        position = jax.checkpoint(lambda h, y: filtered_logps(common.logits(backbone, h), y, temperature,
+                                                              top_k, top_p, min_p))  # [B, D], [B] -> [B], [B]
         logps, entropy = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
     return logps.T, entropy.T, aux_loss
 
@@ -188,6 +235,17 @@ def response_values(backbone, params, frozen, head, token_ids, padding_mask, con
 
 def masked_mean(x, mask):
     return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)
+
+
+def mismatch(logps, sampler_logps, mask):
+    """The mismatch meter: ρ = π_trainer / q_sampler on every sampled token (mask [B, R]), from the trainer's
+    first forward (same weights) and the sampler's own log-probs. 1 up to float rounding when both take the
+    same distribution; a filter scored unfiltered (as TRL) gives ρ = kept mass < 1."""
+    ratio = jnp.exp(logps - sampler_logps)  # [B, R]
+    outside = (ratio < 0.9) | (ratio > 1.1)
+    return {"mismatch/ratio_mean": masked_mean(ratio, mask), "mismatch/ratio_max": jnp.where(mask, ratio, 1.0).max(),
+            "mismatch/ratio_min": jnp.where(mask, ratio, 1.0).min(),
+            "mismatch/frac_outside_10pct": masked_mean(outside, mask)}
 
 
 def whiten(x, mask, shift_mean=True):
@@ -252,14 +310,15 @@ def ppo_loss(new_logprobs, new_values, logprobs, values, advantages, returns, ma
     return pg_loss + vf_coef * vf_loss, metrics
 
 
-def rollout_stats(models, params, ref_params, frozen, batch, context_length, temperature):
-    """Log-probs of policy and reference, and values, for a finished rollout batch.
-    models, frozen: Pairs (backbones, frozen values); params: PPOParams; ref_params: policy values."""
+def rollout_stats(models, params, ref_params, frozen, batch, context_length, sampling):
+    """Log-probs of policy and reference, and values, for a finished rollout batch: the policy's of the
+    filtered distribution sampled from (sampling: temperature, top-k, top-p, min-p), the reference's of
+    logits / temperature only (docs/ppo.md). models, frozen: Pairs; params: PPOParams; ref_params: policy's."""
     ids, mask = batch["query_responses"], batch["padding_mask"]
     logprobs, _, _ = response_logps(models.policy, params.policy, frozen.policy, ids, mask, context_length,
-                                    temperature)
+                                    *sampling)
     ref_logprobs, _, _ = response_logps(models.policy, ref_params, frozen.policy, ids, mask, context_length,
-                                        temperature)
+                                        sampling[0])
     values, _ = response_values(models.value, params.value, frozen.value, params.head, ids, mask, context_length)
     return logprobs, ref_logprobs, values
 
@@ -290,7 +349,8 @@ def train_step(models, optimizer, args, state, frozen, batch, context_length):
 
     def loss_fn(p):
         new_logprobs, entropy, aux_loss = response_logps(models.policy, p.policy, frozen.policy, ids, mask,
-                                                         context_length, args.temperature)
+                                                         context_length, args.temperature, args.top_k,
+                                                         args.top_p, args.min_p)
         new_values, value_aux_loss = response_values(models.value, p.value, frozen.value, p.head, ids, mask,
                                                      context_length)
         loss, metrics = ppo_loss(new_logprobs, new_values, batch["logprobs"], batch["values"],
@@ -323,17 +383,18 @@ def make_optimizer(args, max_steps):
     return optimizer, schedule, warmup
 
 
-def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
-    """Responses to host queries [B, Q] (whole on each process), cut after the first EOS -> (batch, lengths
-    [B]). The queries are first cut to [B, Qb], Qb the bucket of this batch's longest prompt (≤ Q): short
+def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_data):
+    """Responses to host queries [B, Q] (whole on each process), cut after the first stop token -> (batch with
+    the sampler's own log-probs, lengths [B]). The queries are first cut to [B, Qb], Qb the bucket of this batch's longest prompt (≤ Q): short
     prompts do not pay for the run's longest, and each jitted function compiles once per bucket met."""
     qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
     # left padding: every prompt ends at column Q-1, so the last Qb columns hold all of their real tokens
     qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
-    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key)[0], eos, pad)
-    response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
+    responses, _, sampler_logps = gen_fn(params, frozen, qs, qm, key)
+    responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
+    response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: stop included
     return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
-            "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
+            "padding_mask": jnp.concatenate([qm, response_mask], 1), "sampler_logps": sampler_logps}, sequence_lengths
 
 
 def query_length(batch):
@@ -341,11 +402,11 @@ def query_length(batch):
     return batch["query_responses"].shape[1] - batch["response_mask"].shape[1]
 
 
-def decode(tokenizer, batch, sequence_lengths, context_length):
-    """The responses cut before the EOS -> (texts, their token ids, lengths [B]: tokens before the EOS
-    (all R without one), has_eos [B]), whole on every process (on the host)."""
+def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
+    """The responses cut before their stop token -> (texts, their token ids, lengths [B]: tokens before it
+    (all R without one), has_eos [B]: ended by a stop token, EOS or another), whole on every process (host)."""
     responses = common.to_host(batch["query_responses"][:, context_length:])
-    has_eos = (responses == tokenizer.end_token_id).any(1)
+    has_eos = np.isin(responses, stop_ids).any(1)
     lengths = common.to_host(sequence_lengths) + 1 - has_eos
     ids = [list(x[:n]) for x, n in zip(responses, lengths)]
     texts = tokenizer.detokenize(ids)
@@ -366,6 +427,8 @@ def main(args):
     run = plumbing.Run("ppo", args, export_hf=args.export_hf)  # flags and --output-dir checked; nothing written
     if args.num_mini_batches < 1 or args.num_ppo_epochs < 1 or args.temperature <= 0:
         raise common.UsageError("--num-mini-batches and --num-ppo-epochs must be ≥ 1, --temperature > 0")
+    if not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= (args.min_p or 0) <= 1:
+        raise common.UsageError("--top-p must be in (0, 1], --top-k ≥ 0 (0: off), --min-p in [0, 1]")
     if args.batch_size % args.num_mini_batches or args.batch_size // args.num_mini_batches % run.mesh.shape["data"]:
         raise common.UsageError(f"--batch-size {args.batch_size} must split into --num-mini-batches "
                                 f"{args.num_mini_batches} each divisible by the data axis ({run.mesh.shape['data']})")
@@ -383,9 +446,10 @@ def main(args):
     value_bb = scorer.model.backbone if scorer.model is not None else backbone
     remat = plumbing.Remat(args.remat, backbone, value_bb)  # --remat on policy and value (not the KV-cached sampler)
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
+    q, r, pad = queries.shape[1], args.response_length, tokenizer.pad_token_id
+    stops = common.stop_token_ids(tokenizer, template, args.stop_token)  # EOS, the turn end, --stop-token
     print(f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
-          f"responses {r} tokens; reward: {args.reward_model or args.reward_fn}")
+          f"responses ≤ {r} tokens, ended by ids {stops}; reward: {args.reward_model or args.reward_fn}")
 
     # Policy trainable; reference = frozen copy of its initial values (with LoRA: the zero-init adapters,
     # i.e. the LoRA-off base); value = a copy of the reward model (Huang et al.), else of the policy + a zero head.
@@ -414,9 +478,10 @@ def main(args):
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, eos, pad))
-    stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, query_length(b),
-                                                           args.temperature))
+    sampling = (args.temperature, args.top_k, args.top_p, args.min_p)  # q: the distribution sampled and scored
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, stops, pad,
+                                                      *sampling[1:]))
+    stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, query_length(b), sampling))
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: advantages_of(s, lp, rlp, v, sl, args))
     step_fn = remat.jit(lambda s, f, b: train_step(models, optimizer, args, s, f, b, query_length(b)),
                         donate_argnums=0,
@@ -435,19 +500,21 @@ def main(args):
                           summed=("charts/generated_tokens",),
                           show=("objective/scores", "objective/kl")):
         ticks, idx = [time.perf_counter()], order[step * args.batch_size:(step + 1) * args.batch_size]
-        # rollout: sample responses to a batch of prompts, cut them after the first EOS
+        # rollout: sample responses to a batch of prompts, cut them after the first stop token
         key, gen_key = jax.random.split(key)
         batch, sequence_lengths = rollout(gen_fn, state[0].policy, frozen.policy, queries[idx], query_mask[idx],
-                                          gen_key, eos, pad, on_data)
+                                          gen_key, stops, pad, on_data)
         qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
         # rewards: a score per response (1), minus the missing-EOS penalty; log-probs of policy and reference; values
-        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb)
+        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb, stops)
         scores, _ = scorer([prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids,
                            common.turn_end(template))
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * common.put_global(np.float32(~has_eos), on_data)
         logprobs, ref_logprobs, values = stats_fn(state[0], ref_params, frozen, batch)
+        # mismatch/*: the sampler's log q against the first forward of the weights that sampled
+        meter = mismatch(logprobs, batch.pop("sampler_logps"), batch["padding_mask"][:, qb:])
         # advantages: per-token KL-penalised rewards (2) -> GAE (3) -> whitening
         advantages, returns, objective = adv_fn(scores, logprobs, ref_logprobs, values, sequence_lengths)
         batch.update(logprobs=logprobs, values=values, advantages=advantages, returns=returns)
@@ -460,7 +527,7 @@ def main(args):
         # generate tokens/s counts the tokens sampled up to and with each EOS (all R without one); tokens/s
         # and MFU count real tokens: those and each prompt's, of B·(Qb+R) padded (charts/padding_fraction)
         real = int(query_mask[idx].sum() + (lengths + has_eos).sum())
-        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())), **objective,
+        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())), **objective, **meter,
                  "val/num_eos_tokens": float(has_eos.sum()),
                  "charts/generate_compilations": float(gen_fn._cache_size()),
                  "charts/query_padding_fraction": float(1 - query_mask[idx].sum() / (len(idx) * qb))},
