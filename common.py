@@ -1106,14 +1106,13 @@ def stop_token_ids(tokenizer, template, extra=()):
     """The ids a sampled completion ends at, as the models' own generation configs (Gemma 3's eos_token_id
     is [1, 106]): the EOS, the template's turn end where the vocabulary holds it as one token, and `extra`
     (--stop-token: a token's text, else its id) -> a tuple of ints, EOS first."""
-    vocab = {token: i for i, token in enumerate(tokenizer.get_vocabulary())}
-    ids = [tokenizer.end_token_id] + ([vocab[turn_end(template)]] if turn_end(template) in vocab else [])
+    vocab, size, end = set(tokenizer.get_vocabulary()), tokenizer.vocabulary_size(), turn_end(template)
+    ids = [tokenizer.end_token_id] + ([tokenizer.token_to_id(end)] if end in vocab else [])
     for token in extra:
-        i = vocab.get(token, int(token) if token.isdigit() else -1)
-        if not 0 <= i < len(vocab):
+        if token not in vocab and not (token.isdigit() and int(token) < size):
             raise UsageError(f"--stop-token {token!r}: neither a token of this tokenizer's vocabulary nor an id "
-                             f"below its size {len(vocab)}")
-        ids.append(i)
+                             f"below its size {size}")
+        ids.append(tokenizer.token_to_id(token) if token in vocab else int(token))
     return tuple(dict.fromkeys(int(i) for i in ids))  # each once, in order
 
 

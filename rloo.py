@@ -39,11 +39,11 @@ class Args(plumbing.RolloutArgs):
     top_p: float = 1.0
     """top-p: sample from the likeliest tokens that hold this probability mass (TRL: 1.0 = off)"""
     top_k: int = 0
-    """top-k: sample among the k likeliest tokens (TRL: 0 = off); log-probs are of the filtered distribution"""
+    """top-k: sample among the k likeliest tokens (TRL: 0 = off); log-probs: of what is sampled from"""
     min_p: float | None = None
     """min-p: drop tokens less likely than min_p × the top token's probability (TRL: None = off)"""
     stop_token: tuple[str, ...] = ()
-    """more tokens a completion ends at (a vocabulary token's text or id), besides EOS and the turn end"""
+    """more tokens a completion ends at (a token's text or id), besides EOS and the chat's turn end"""
     # optimisation
     num_iterations: int = 1
     """μ: optimisation passes over each generation batch (>1 keeps the rollout log-probs as π_old)"""
@@ -89,13 +89,10 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 # advantages, the clipped sequence-level surrogate
 # ---------------------------------------------------------------------------
 def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
-    """TRL's sampling filters on logits / temperature [B, V], in transformers' order: top-k, then top-p, then
-    min-p, each on what the previous left (renormalised). A dropped token gets -inf; 0, 1.0, None: off.
-
-    top-k keeps the k largest (ties with the k-th too); top-p keeps the most likely tokens until their
-    probabilities reach top_p (the token that crosses it included, ties at the cut too); min-p keeps the
-    tokens with p ≥ min_p · max p. The most likely token always stays.
-    """
+    """TRL's sampling filters on logits / temperature [B, V], in transformers' order (top-k, top-p, min-p),
+    each on what the previous left, renormalised; a dropped token gets -inf (0, 1.0, None: off). top-k keeps
+    the k largest, top-p the likeliest until their mass reaches top_p (the token crossing it included), min-p
+    those with p ≥ min_p · max p. Ties at a cut stay, and so does the likeliest token."""
     if top_k:
         kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -111,40 +108,34 @@ def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
 
 
 def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
-    """log q(token) and the entropy of q, [B] each, for logits [B, V] (float32) and tokens [B]: q is what the
-    sampler draws from, softmax(filter_logits(logits / temperature, …)), renormalised over the kept tokens
-    (eq. 1 of docs/grpo.md). Filters off: log softmax(logits / temperature), the same arithmetic as without
-    them. The token itself always counts as kept: a token the sampler drew sits in q's support, and only a
-    rounding difference between its cached forward and this one could move it out (to -inf, a NaN loss)."""
+    """log q(token) and q's entropy, [B] each, for float32 logits [B, V] and tokens [B]: q is what the sampler
+    draws from, softmax(filter_logits(logits / temperature, …)), renormalised over the kept tokens (eq. 1 of
+    docs/design.md); filters off, log softmax(logits / temperature) in the same arithmetic. The token always
+    counts as kept: only a rounding gap between the sampler's forward and this one could drop it (a NaN loss)."""
     scaled = logits / temperature
     kept = filter_logits(scaled, top_k, top_p, min_p)
     kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
     logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
     # Σ p·logit over the kept tokens only (0 · -inf is NaN); the inner where keeps the gradient finite too
-    entropy = logz - jnp.sum(jnp.where(finite, jax.nn.softmax(kept, -1) * jnp.where(finite, kept, 0.0), 0.0), -1)
-    return jnp.take_along_axis(kept, tokens[:, None], -1)[:, 0] - logz, entropy
+    plogp = jnp.where(finite, jax.nn.softmax(kept, -1) * jnp.where(finite, kept, 0.0), 0.0)
+    return jnp.take_along_axis(kept, tokens[:, None], -1)[:, 0] - logz, logz - plogp.sum(-1)
 
 
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, stop_ids, pad_id,
-             top_k=0, top_p=1.0, min_p=None):
-    """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps,
-    the sampler's log q of each token [B, R] (filtered_logps; 0 where greedy or after the end)).
-
-    One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
-    stops once every sequence has sampled one of `stop_ids` (the EOS, the turn end, …; steps: tokens sampled
-    per sequence, ≤ R): short answers cost their length, not R. Fixed shapes: one compilation per query
-    bucket. After its end a sequence holds `pad_id`. The key is split once per step, as a `lax.scan` over
-    all R steps splits it: the same key gives the same tokens, wherever the loop ends. temperature 0: greedy.
-    """
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, stop_ids,
+             pad_id, top_k=0, top_p=1.0, min_p=None):
+    """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
+    of each token [B, R]: filtered_logps, 0 where greedy or after the end). A prefill, then a `lax.while_loop`
+    of one token a step until every sequence has sampled one of `stop_ids` (steps ≤ R): short answers cost
+    their length. Fixed shapes: one compilation per query bucket; `pad_id` after the end. One key split per
+    step, as a `lax.scan` over R: the same key gives the same tokens wherever the loop ends. T = 0: greedy."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
-    stops = jnp.asarray(stop_ids, jnp.int32)
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):
         cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
         logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
-        def pick(logits, key, done):  # logits [B, V] -> token [B], its log q [B]; a finished sequence only pads
+        def pick(logits, key, done):  # logits [B, V] -> token [B], its log q [B]; a finished sequence pads
             key, sample_key = jax.random.split(key)
             if temperature == 0:
                 token, logq = jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b,))
@@ -154,18 +145,18 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
                     logits / temperature, top_k, top_p, min_p)  # [B, V]
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
-                # one filter in the compiled program: XLA merges this call's filter_logits with the one above
+                # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
                 logq = filtered_logps(logits, token, temperature, top_k, top_p, min_p)[0]
             token = jnp.where(done, pad_id, token)
-            return token, jnp.where(done, 0.0, logq), key, done | jnp.isin(token, stops)
+            return token, jnp.where(done, 0.0, logq), key, done | jnp.isin(token, jnp.asarray(stop_ids))
 
-        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t
+        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t (and its log q)
             tokens, logqs, cache, t, key, done = carry
             fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
             logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1)
             token, logq, key, done = pick(logits[:, -1], key, done)
-            return (jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], t, 1),
-                    jax.lax.dynamic_update_slice_in_dim(logqs, logq[:, None], t, 1), cache, t + 1, key, done)
+            put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new[:, None], t, 1)
+            return put(tokens, token), put(logqs, logq), cache, t + 1, key, done
 
         token, logq, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
         tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
@@ -177,24 +168,18 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
 
 
 def truncate_response(responses, stop_ids, pad_id):
-    """Keep tokens up to and including the first stop token (EOS, turn end, …), pad after it.
-
-    -> (responses [B, R], sequence_lengths [B]: index of the last real token, the stop token, or R-1 without one).
-    """
-    r = responses.shape[1]
-    is_stop = jnp.isin(responses, jnp.asarray(stop_ids, jnp.int32))
+    """Keep tokens up to and including the first of `stop_ids` (EOS, turn end, …), pad after it -> (responses
+    [B, R], sequence_lengths [B]: index of the last real token, the stop token, or R-1 without one)."""
+    r, is_stop = responses.shape[1], jnp.isin(responses, jnp.asarray(stop_ids, jnp.int32))
     first = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1), r - 1)
     return jnp.where(jnp.arange(r)[None] > first[:, None], pad_id, responses), first
 
 
 def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature,
                    top_k=0, top_p=1.0, min_p=None):
-    """log q(response token) and q's entropy, q the distribution sampled from (filtered_logps): [B, R] each,
-    float32; and the forward's aux_loss (a mixture of experts' router load-balancing loss; 0.0 dense).
-
-    Position t predicts token t+1, so response token Q+i is scored by hidden[Q+i-1].
-    The [B, R, V] logits are made one response position at a time under jax.checkpoint.
-    """
+    """log q(response token) and q's entropy (filtered_logps), [B, R] each, float32, and the forward's aux_loss
+    (a mixture of experts' router loss, common.forward; 0.0 dense). Position t predicts t+1: response token
+    Q+i is scored by hidden[Q+i-1]; the [B, R, V] logits come one position at a time."""
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
     hidden = hidden[:, context_length - 1:-1]
     labels = token_ids[:, context_length:]  # [B, R]
@@ -211,14 +196,13 @@ def masked_mean(x, mask):
 
 
 def mismatch(logps, sampler_logps, mask):
-    """The mismatch meter: ρ = π_trainer / q_sampler on every sampled token (mask [B, R]), from the trainer's
-    first forward (same weights) and the sampler's own log-probs. 1 up to float rounding when both take the
-    same distribution; a filter scored unfiltered (as TRL) gives ρ = kept mass < 1."""
-    ratio = jnp.exp(logps - sampler_logps)  # [B, R]
-    outside = (ratio < 0.9) | (ratio > 1.1)
-    return {"mismatch/ratio_mean": masked_mean(ratio, mask), "mismatch/ratio_max": jnp.where(mask, ratio, 1.0).max(),
-            "mismatch/ratio_min": jnp.where(mask, ratio, 1.0).min(),
-            "mismatch/frac_outside_10pct": masked_mean(outside, mask)}
+    """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the trainer's first forward
+    of the weights that sampled against the sampler's own log q: 1 to float rounding when both take the same
+    distribution (a filter scored unfiltered, as TRL, gives ρ = the kept mass < 1)."""
+    ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
+    return {"mismatch/ratio_mean": masked_mean(ratio, mask), "mismatch/ratio_max": real(ratio).max(),
+            "mismatch/ratio_min": real(ratio).min(),
+            "mismatch/frac_outside_10pct": masked_mean(abs(ratio - 1.0) > 0.1, mask)}  # outside [0.9, 1.1]
 
 
 def sequence_kl(old_logps, ref_logps, mask):
@@ -303,7 +287,7 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
         loss, metrics = rloo_loss(logps, old, batch["advantages"], batch["response_mask"], args.epsilon,
                                   args.epsilon if args.epsilon_high is None else args.epsilon_high)
         loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
-        if "sampler_logps" in batch:  # mismatch/*, over every sampled token (the padding mask's response part)
+        if "sampler_logps" in batch:  # mismatch/*, over every sampled token (padding_mask's response part)
             metrics.update(mismatch(logps, batch["sampler_logps"], mask[:, context_length:]))
         return loss, {**metrics, "entropy": masked_mean(entropy, batch["response_mask"]), "aux_loss": aux_loss}
 
@@ -351,9 +335,9 @@ def make_optimizer(args, max_steps):
 
 
 def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_data):
-    """Responses to host queries [B, Q] (whole on each process), cut after the first stop token -> (batch with
-    the sampler's own log-probs, lengths [B]). The queries are first cut to [B, Qb], Qb the bucket of this batch's longest prompt (≤ Q): short
-    prompts do not pay for the run's longest, and each jitted function compiles once per bucket met."""
+    """Responses to host queries [B, Q] (whole on each process), cut after their first stop token -> (batch,
+    with the sampler's own log-probs, lengths [B]). The queries are first cut to [B, Qb], Qb the bucket of the
+    longest prompt (≤ Q): short prompts do not pay for the run's longest; jit compiles once per bucket met."""
     qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
     # left padding: every prompt ends at column Q-1, so the last Qb columns hold all of their real tokens
     qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
@@ -361,7 +345,8 @@ def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_
     responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
     response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: stop included
     return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
-            "padding_mask": jnp.concatenate([qm, response_mask], 1), "sampler_logps": sampler_logps}, sequence_lengths
+            "padding_mask": jnp.concatenate([qm, response_mask], 1),
+            "sampler_logps": sampler_logps}, sequence_lengths
 
 
 def query_length(batch):
@@ -371,7 +356,7 @@ def query_length(batch):
 
 def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
     """The responses cut before their stop token -> (texts, their token ids, lengths [B]: tokens before it
-    (all R without one), has_eos [B]: ended by a stop token, EOS or another), whole on every process (host)."""
+    (all R without one), has_eos [B]: ended by a stop token, EOS or another), on the host, whole."""
     responses = common.to_host(batch["query_responses"][:, context_length:])
     has_eos = np.isin(responses, stop_ids).any(1)
     lengths = common.to_host(sequence_lengths) + 1 - has_eos
@@ -407,8 +392,7 @@ def main(args):
     template = common.chat_template(args.model, args.chat_template)
     # rows: the columns reward functions may read
     prompts, rows = common.read_prompts(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
-    g = args.num_generations
-    n_prompts = args.batch_size // g
+    g, n_prompts = args.num_generations, args.batch_size // args.num_generations
     max_steps = run.resolve_max_steps(len(prompts), n_prompts)  # --max-steps, or --num-epochs' worth of B/k prompts
     scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=args.reward_fn,
                                 weights=args.reward_weights)  # r(x, y): the reward model, or the weighted functions
@@ -441,18 +425,16 @@ def main(args):
     # --resume: params, optimizer state, sampling key, mini-batch shuffler (the prompt order is a function of the step)
     (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
                                                      {"rng": rng.bit_generator.state})
-    # the key through the host: restored, it is committed to one device, and the sampler's other
-    # arguments span the mesh (jit refuses the mix on every multi-device run)
+    # the key through the host: restored, it sits on one device, which jit refuses beside mesh-wide inputs
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
     sampling = (args.temperature, args.top_k, args.top_p, args.min_p)  # q: the distribution sampled and scored
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, stops, pad,
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, sampling[0], stops, pad,
                                                       *sampling[1:]))
     logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, query_length(b), sampling))
     step_fn = remat.jit(lambda s, f, b: train_step(backbone, optimizer, args, s, f, b, query_length(b)),
-                        donate_argnums=0,
-                        out_shardings=(state_shardings, common.replicated(run.mesh)))
+                        donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
     run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
@@ -465,8 +447,7 @@ def main(args):
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
     for step in run.steps(learning_rate=lambda s: schedule(s * args.num_iterations * args.num_mini_batches),
-                          summed=("charts/generated_tokens",),
-                          show=("reward", "frac_reward_zero_std")):
+                          summed=("charts/generated_tokens",), show=("reward", "frac_reward_zero_std")):
         ticks, idx = [time.perf_counter()], np.repeat(order[step * n_prompts:(step + 1) * n_prompts], g)  # [B]
         # rollout: k completions of each of B/k prompts (a group = k consecutive rows), cut after a stop token
         key, gen_key = jax.random.split(key)
@@ -484,8 +465,7 @@ def main(args):
         # the KL to the reference per completion (2): π_old and π_ref forwards at rollout time, no gradient
         logps = logps_fn(state[0], ref_params, frozen, batch) if off_policy or ref_params is not None else {}
         kl, kl_log = np.zeros(len(idx), np.float32), {}
-        # mismatch/*: the sampler's log q against the first forward of the weights that sampled, π_old's when
-        # it was taken here, else the update's own (train_step)
+        # mismatch/*: the sampler's log q against the first forward of its weights: here, else train_step's
         meter = (mismatch(logps["old_logps"], batch.pop("sampler_logps"), batch["padding_mask"][:, qb:])
                  if "old_logps" in logps else {})
         if ref_params is not None:  # logged per real token, as TRL: Σ_i KL_i / Σ_i |o_i|
@@ -503,8 +483,8 @@ def main(args):
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        # generate tokens/s counts the tokens sampled up to and with each EOS (all R without one); tokens/s
-        # and MFU count real tokens: those and each prompt's, of B·(Qb+R) padded (charts/padding_fraction)
+        # generate tokens/s: the tokens sampled, through each stop token (all R without one); tokens/s and
+        # MFU count real tokens: those and each prompt's, of B·(Qb+R) padded (charts/padding_fraction)
         real = int(query_mask[idx].sum() + (lengths + has_eos).sum())
         run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())), **meter,
                  **reward_metrics(rewards, parts, lengths, has_eos), **kl_log,
