@@ -256,9 +256,8 @@ def rloo_loss(logps, old_logps, advantages, mask, epsilon, epsilon_high):
 
 
 def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, sampling):
-    """π_old (the rollout policy's) and π_ref log-probs of a finished generation batch (π_ref: β > 0): π_old
-    of the filtered distribution sampled from (sampling: temperature, top-k, top-p, min-p), π_ref of
-    logits / temperature only (docs/rloo.md, "the reference")."""
+    """π_old (the rollout policy's, of the distribution sampled from: sampling = temperature, top-k, top-p,
+    min-p) and π_ref (logits / T only: docs/grpo.md, detail 17) log-probs of a finished batch (π_ref: β > 0)."""
     ids, mask = batch["query_responses"], batch["padding_mask"]
     out = {"old_logps": response_logps(backbone, params, frozen, ids, mask, context_length, *sampling)[0]}
     if ref_params is not None:
