@@ -37,12 +37,6 @@ class Args(plumbing.RolloutArgs):
     """new tokens sampled per prompt (TRL PPOConfig: 53)"""
     temperature: float = 0.7
     """sampling temperature (TRL PPOConfig: 0.7); log-probs are computed from logits / temperature to match"""
-    top_p: float = 1.0
-    """top-p: sample from the likeliest tokens that hold this probability mass (TRL: 1.0 = off)"""
-    top_k: int = 0
-    """top-k: sample among the k likeliest tokens (TRL: 0 = off); log-probs: of what is sampled from"""
-    min_p: float | None = None
-    """min-p: drop tokens less likely than min_p × the top token's probability (TRL: None = off)"""
     stop_token: tuple[str, ...] = ()
     """more tokens a completion ends at (a token's text or id), besides EOS and the chat's turn end"""
     missing_eos_penalty: float | None = None
@@ -132,8 +126,7 @@ def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
     draws from, softmax(filter_logits(logits / temperature, …)), renormalised over the kept tokens (eq. 1 of
     docs/design.md); filters off, log softmax(logits / temperature) in the same arithmetic. The token always
     counts as kept: only a rounding gap between the sampler's forward and this one could drop it (a NaN loss)."""
-    scaled = logits / temperature
-    kept = filter_logits(scaled, top_k, top_p, min_p)
+    kept = filter_logits(scaled := logits / temperature, top_k, top_p, min_p)
     kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
     logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
     # Σ p·logit over the kept tokens only (0 · -inf is NaN); the inner where keeps the gradient finite too
@@ -201,8 +194,7 @@ def response_logps(backbone, params, frozen, token_ids, padding_mask, context_le
     (a mixture of experts' router loss, common.forward; 0.0 dense). Position t predicts t+1: response token
     Q+i is scored by hidden[Q+i-1]; the [B, R, V] logits come one position at a time."""
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
-    hidden = hidden[:, context_length - 1:-1]
-    labels = token_ids[:, context_length:]  # [B, R]
+    hidden, labels = hidden[:, context_length - 1:-1], token_ids[:, context_length:]  # [B, R, D], [B, R]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
         position = jax.checkpoint(lambda h, y: filtered_logps(common.logits(backbone, h), y, temperature,
@@ -223,9 +215,8 @@ def masked_mean(x, mask):
 
 
 def mismatch(logps, sampler_logps, mask):
-    """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the trainer's first forward
-    of the weights that sampled against the sampler's own log q: 1 to float rounding when both take the same
-    distribution (a filter scored unfiltered, as TRL, gives ρ = the kept mass < 1)."""
+    """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the weights
+    that sampled against the sampler's own log q: 1 to float rounding (scored unfiltered: the kept mass)."""
     ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
     return {"mismatch/ratio_mean": masked_mean(ratio, mask), "mismatch/ratio_max": real(ratio).max(),
             "mismatch/ratio_min": real(ratio).min(),
@@ -242,13 +233,10 @@ def whiten(x, mask, shift_mean=True):
 
 
 def compute_rewards(scores, logprobs, ref_logprobs, sequence_lengths, kl_coef, kl_estimator="k1"):
-    """Per-token rewards (eq. 2 of docs/ppo.md): -β·KL_t on every real response token,
-    plus the score on the last real one (the EOS). Padding after it gets 0.
-
-    -> (rewards, kl, non_score_reward), each [B, R].
-    """
+    """Per-token rewards (eq. 2 of docs/ppo.md): -β·KL_t on every real response token, plus the score on the
+    last real one (the stop token). Padding after it gets 0. -> (rewards, kl, non_score_reward), each [B, R]."""
     idx = jnp.arange(logprobs.shape[1])[None]
-    mask = idx <= sequence_lengths[:, None]  # [B, R]: real response tokens (EOS included)
+    mask = idx <= sequence_lengths[:, None]  # [B, R]: real response tokens (the stop token included)
     logr = jnp.where(mask, ref_logprobs - logprobs, 0.0)
     kl = -logr if kl_estimator == "k1" else jnp.expm1(logr) - logr  # k1, or k3 (Schulman's blog)
     non_score_reward = -kl_coef * kl
@@ -257,11 +245,9 @@ def compute_rewards(scores, logprobs, ref_logprobs, sequence_lengths, kl_coef, k
 
 
 def compute_gae(rewards, values, mask, gamma, lam):
-    """Generalized advantage estimation (eq. 3), backwards over the response.
-
-    Values and rewards are zeroed where `mask` is False, so the value after the
-    last real token is 0: the episode ends at EOS. -> (advantages, returns) [B, R].
-    """
+    """Generalized advantage estimation (eq. 3), backwards over the response. Values and rewards are zeroed
+    where `mask` is False, so the value after the last real token is 0: the episode ends there. -> (advantages,
+    returns) [B, R]."""
     values, rewards = jnp.where(mask, values, 0.0), jnp.where(mask, rewards, 0.0)
     next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], 1)
     deltas = rewards + gamma * next_values - values  # δ_t = r_t + γ V_{t+1} - V_t
@@ -294,15 +280,14 @@ def ppo_loss(new_logprobs, new_values, logprobs, values, advantages, returns, ma
     return pg_loss + vf_coef * vf_loss, metrics
 
 
-def rollout_stats(models, params, ref_params, frozen, batch, context_length, sampling):
-    """Log-probs of policy and reference, and values, for a finished rollout batch: the policy's of the
-    filtered distribution sampled from (sampling: temperature, top-k, top-p, min-p), the reference's of
-    logits / temperature only (docs/ppo.md). models, frozen: Pairs; params: PPOParams; ref_params: policy's."""
+def rollout_stats(models, params, ref_params, frozen, batch, context_length, temperature):
+    """Log-probs of policy and reference, and values, for a finished rollout batch.
+    models, frozen: Pairs (backbones, frozen values); params: PPOParams; ref_params: policy values."""
     ids, mask = batch["query_responses"], batch["padding_mask"]
     logprobs, _, _ = response_logps(models.policy, params.policy, frozen.policy, ids, mask, context_length,
-                                    *sampling)
+                                    temperature)
     ref_logprobs, _, _ = response_logps(models.policy, ref_params, frozen.policy, ids, mask, context_length,
-                                        sampling[0])
+                                        temperature)
     values, _ = response_values(models.value, params.value, frozen.value, params.head, ids, mask, context_length)
     return logprobs, ref_logprobs, values
 
@@ -333,8 +318,7 @@ def train_step(models, optimizer, args, state, frozen, batch, context_length):
 
     def loss_fn(p):
         new_logprobs, entropy, aux_loss = response_logps(models.policy, p.policy, frozen.policy, ids, mask,
-                                                         context_length, args.temperature, args.top_k,
-                                                         args.top_p, args.min_p)
+                                                         context_length, args.temperature)
         new_values, value_aux_loss = response_values(models.value, p.value, frozen.value, p.head, ids, mask,
                                                      context_length)
         loss, metrics = ppo_loss(new_logprobs, new_values, batch["logprobs"], batch["values"],
@@ -412,8 +396,6 @@ def main(args):
     run = plumbing.Run("ppo", args, export_hf=args.export_hf)  # flags and --output-dir checked; nothing written
     if args.num_mini_batches < 1 or args.num_ppo_epochs < 1 or args.temperature <= 0:
         raise common.UsageError("--num-mini-batches and --num-ppo-epochs must be ≥ 1, --temperature > 0")
-    if not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= (args.min_p or 0) <= 1:
-        raise common.UsageError("--top-p must be in (0, 1], --top-k ≥ 0 (0: off), --min-p in [0, 1]")
     if args.batch_size % args.num_mini_batches or args.batch_size // args.num_mini_batches % run.mesh.shape["data"]:
         raise common.UsageError(f"--batch-size {args.batch_size} must split into --num-mini-batches "
                                 f"{args.num_mini_batches} each divisible by the data axis ({run.mesh.shape['data']})")
@@ -436,8 +418,8 @@ def main(args):
     print(f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
           f"responses ≤ {r} tokens, ended by ids {stops}; reward: {args.reward_model or args.reward_fn}")
 
-    # Policy trainable; reference = frozen copy of its initial values (with LoRA: the zero-init adapters,
-    # i.e. the LoRA-off base); value = a copy of the reward model (Huang et al.), else of the policy + a zero head.
+    # Policy trainable; reference = frozen copy of its initial values (with LoRA: the LoRA-off base); value = a
+    # copy of the reward model (Huang et al.), else of the policy + a zero head.
     policy_params, policy_frozen = common.split_variables(backbone)
     ref_params = jax.tree.map(jnp.copy, policy_params)
     value_params, value_frozen = common.split_variables(value_bb)  # the scorer keeps the reward model's as loaded
@@ -462,10 +444,10 @@ def main(args):
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    sampling = (args.temperature, args.top_k, args.top_p, args.min_p)  # q: the distribution sampled and scored
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, sampling[0], stops, pad,
-                                                      *sampling[1:]))
-    stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, query_length(b), sampling))
+    # temperature only, as TRL's PPOConfig (its generate takes the filters, off here: grpo.py's sampler)
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, stops, pad))
+    stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, query_length(b),
+                                                           args.temperature))
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: advantages_of(s, lp, rlp, v, sl, args))
     step_fn = remat.jit(lambda s, f, b: train_step(models, optimizer, args, s, f, b, query_length(b)),
                         donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))

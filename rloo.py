@@ -112,8 +112,7 @@ def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
     draws from, softmax(filter_logits(logits / temperature, …)), renormalised over the kept tokens (eq. 1 of
     docs/design.md); filters off, log softmax(logits / temperature) in the same arithmetic. The token always
     counts as kept: only a rounding gap between the sampler's forward and this one could drop it (a NaN loss)."""
-    scaled = logits / temperature
-    kept = filter_logits(scaled, top_k, top_p, min_p)
+    kept = filter_logits(scaled := logits / temperature, top_k, top_p, min_p)
     kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
     logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
     # Σ p·logit over the kept tokens only (0 · -inf is NaN); the inner where keeps the gradient finite too
@@ -181,8 +180,7 @@ def response_logps(backbone, params, frozen, token_ids, padding_mask, context_le
     (a mixture of experts' router loss, common.forward; 0.0 dense). Position t predicts t+1: response token
     Q+i is scored by hidden[Q+i-1]; the [B, R, V] logits come one position at a time."""
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
-    hidden = hidden[:, context_length - 1:-1]
-    labels = token_ids[:, context_length:]  # [B, R]
+    hidden, labels = hidden[:, context_length - 1:-1], token_ids[:, context_length:]  # [B, R, D], [B, R]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
         position = jax.checkpoint(lambda h, y: filtered_logps(common.logits(backbone, h), y, temperature,
@@ -196,9 +194,8 @@ def masked_mean(x, mask):
 
 
 def mismatch(logps, sampler_logps, mask):
-    """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the trainer's first forward
-    of the weights that sampled against the sampler's own log q: 1 to float rounding when both take the same
-    distribution (a filter scored unfiltered, as TRL, gives ρ = the kept mass < 1)."""
+    """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the weights
+    that sampled against the sampler's own log q: 1 to float rounding (scored unfiltered: the kept mass)."""
     ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
     return {"mismatch/ratio_mean": masked_mean(ratio, mask), "mismatch/ratio_max": real(ratio).max(),
             "mismatch/ratio_min": real(ratio).min(),

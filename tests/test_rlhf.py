@@ -46,7 +46,7 @@ def test_ppo_update_moves_logprobs_along_advantages():
     responses = jnp.array(rng.integers(3, 300, (8, r)), jnp.int32)
     batch = {"query_responses": jnp.concatenate([queries, responses], 1),
              "padding_mask": jnp.ones((8, q + r), bool), "response_mask": jnp.ones((8, r), bool)}
-    lp, ref, values = rollout_stats(models, params, params.policy, frozen, batch, q, (1.0,))
+    lp, ref, values = rollout_stats(models, params, params.policy, frozen, batch, q, 1.0)
     scores = jnp.array(rng.normal(size=8), jnp.float32)
     adv, ret, _ = advantages_of(scores, lp, ref, values, jnp.full((8,), r - 1), args)
     batch.update(logprobs=lp, values=values, advantages=adv, returns=ret)
