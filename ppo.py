@@ -98,9 +98,8 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 
 
 # ---------------------------------------------------------------------------
-# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once; it stops when every response has ended),
-# forwards of policy, reference and value model on query + response, per-token rewards, GAE, whitening,
-# the PPO losses
+# ALGO LOGIC: KV-cached sampling and its log-probs (temperature only: the filters stay off, as TRL's
+# PPOConfig), policy, reference and value forwards, per-token rewards, GAE, whitening, the PPO losses
 # ---------------------------------------------------------------------------
 def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
     """TRL's sampling filters on logits / temperature [B, V], in transformers' order (top-k, top-p, min-p),
@@ -444,7 +443,6 @@ def main(args):
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    # temperature only, as TRL's PPOConfig (its generate takes the filters, off here: grpo.py's sampler)
     gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, stops, pad))
     stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, query_length(b),
                                                            args.temperature))

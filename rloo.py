@@ -266,12 +266,10 @@ def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, s
 # train_step: one update of the policy on a (mini-)batch of completions
 # ---------------------------------------------------------------------------
 def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
-    """One update on a (mini-)batch of completions. state = (params, opt_state).
-
-    batch: query_responses / padding_mask [B, Q+R], response_mask [B, R], advantages [B] (the KL already
-    in them), and, when more than one update uses the batch, old_logps [B, R] from rollout time;
-    sampler_logps [B, R] when this update is the first forward of the weights that sampled (mismatch/*).
-    """
+    """One update on a (mini-)batch of completions. state = (params, opt_state). batch: query_responses /
+    padding_mask [B, Q+R], response_mask [B, R], advantages [B] (the KL already in them); old_logps [B, R] from
+    rollout time when more than one update uses the batch; sampler_logps [B, R] when this is the first forward
+    of the weights that sampled."""
     params, opt_state = state
     ids, mask = batch["query_responses"], batch["padding_mask"]
 
@@ -404,8 +402,7 @@ def main(args):
           f"{n_prompts} prompts × k={g} completions of ≤ {r} tokens per step, ended by ids {stops}; "
           f"reward: {args.reward_model or ', '.join(args.reward_fn)}")
 
-    # Policy trainable; reference = frozen copy of its initial values (with LoRA: the zero-init
-    # adapters, i.e. the LoRA-off base), only when β > 0.
+    # Policy trainable; reference (β > 0) = frozen copy of its initial values (with LoRA: the LoRA-off base)
     params, frozen = common.split_variables(backbone)
     # Through one jit with explicit out_shardings, so the trainable values carry the mesh in their types and are
     # committed to their devices, as the updated ones will be: the sampler sees the same input types every step.
