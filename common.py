@@ -1110,8 +1110,8 @@ def stop_token_ids(tokenizer, template, extra=()):
     ids = [tokenizer.end_token_id] + ([tokenizer.token_to_id(end)] if end in vocab else [])
     for token in extra:
         if token not in vocab and not (token.isdigit() and int(token) < size):
-            raise UsageError(f"--stop-token {token!r}: neither a token of this tokenizer's vocabulary nor an id "
-                             f"below its size {size}")
+            raise UsageError(f"--stop-token {token!r}: neither a token of this tokenizer's vocabulary nor an "
+                             f"id below its size {size}")
         ids.append(tokenizer.token_to_id(token) if token in vocab else int(token))
     return tuple(dict.fromkeys(int(i) for i in ids))  # each once, in order
 

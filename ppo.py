@@ -124,7 +124,7 @@ def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
     """log q(token) and q's entropy, [B] each, for float32 logits [B, V] and tokens [B]: q is what the sampler
     draws from, softmax(filter_logits(logits / temperature, …)), renormalised over the kept tokens (eq. 1 of
     docs/design.md); filters off, log softmax(logits / temperature) in the same arithmetic. The token always
-    counts as kept: only a rounding gap between the sampler's forward and this one could drop it (a NaN loss)."""
+    counts as kept: only a rounding gap between the sampler's forward and this one could drop it (NaN)."""
     kept = filter_logits(scaled := logits / temperature, top_k, top_p, min_p)
     kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
     logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
@@ -189,9 +189,9 @@ def truncate_response(responses, stop_ids, pad_id):
 
 def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature,
                    top_k=0, top_p=1.0, min_p=None):
-    """log q(response token) and q's entropy (filtered_logps), [B, R] each, float32, and the forward's aux_loss
-    (a mixture of experts' router loss, common.forward; 0.0 dense). Position t predicts t+1: response token
-    Q+i is scored by hidden[Q+i-1]; the [B, R, V] logits come one position at a time."""
+    """log q(response token) and q's entropy (filtered_logps), [B, R] each, float32, and the forward's
+    aux_loss (a mixture of experts' router loss, common.forward; 0.0 dense). Position t predicts t+1:
+    response token Q+i is scored by hidden[Q+i-1]; the [B, R, V] logits come one position at a time."""
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
     hidden, labels = hidden[:, context_length - 1:-1], token_ids[:, context_length:]  # [B, R, D], [B, R]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
@@ -214,8 +214,8 @@ def masked_mean(x, mask):
 
 
 def mismatch(logps, sampler_logps, mask):
-    """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the weights
-    that sampled against the sampler's own log q: 1 to float rounding (scored unfiltered: the kept mass)."""
+    """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the
+    weights that sampled against the sampler's own log q: 1 to float rounding (unfiltered: the kept mass)."""
     ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
     return {"mismatch/ratio_mean": masked_mean(ratio, mask), "mismatch/ratio_max": real(ratio).max(),
             "mismatch/ratio_min": real(ratio).min(),
@@ -233,7 +233,7 @@ def whiten(x, mask, shift_mean=True):
 
 def compute_rewards(scores, logprobs, ref_logprobs, sequence_lengths, kl_coef, kl_estimator="k1"):
     """Per-token rewards (eq. 2 of docs/ppo.md): -β·KL_t on every real response token, plus the score on the
-    last real one (the stop token). Padding after it gets 0. -> (rewards, kl, non_score_reward), each [B, R]."""
+    last real one (the stop token). Padding after it gets 0. -> (rewards, kl, non_score_reward) [B, R]."""
     idx = jnp.arange(logprobs.shape[1])[None]
     mask = idx <= sequence_lengths[:, None]  # [B, R]: real response tokens (the stop token included)
     logr = jnp.where(mask, ref_logprobs - logprobs, 0.0)
@@ -245,8 +245,8 @@ def compute_rewards(scores, logprobs, ref_logprobs, sequence_lengths, kl_coef, k
 
 def compute_gae(rewards, values, mask, gamma, lam):
     """Generalized advantage estimation (eq. 3), backwards over the response. Values and rewards are zeroed
-    where `mask` is False, so the value after the last real token is 0: the episode ends there. -> (advantages,
-    returns) [B, R]."""
+    where `mask` is False, so the value after the last real token is 0: the episode ends there.
+    -> (advantages, returns) [B, R]."""
     values, rewards = jnp.where(mask, values, 0.0), jnp.where(mask, rewards, 0.0)
     next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], 1)
     deltas = rewards + gamma * next_values - values  # δ_t = r_t + γ V_{t+1} - V_t
@@ -417,8 +417,8 @@ def main(args):
     print(f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
           f"responses ≤ {r} tokens, ended by ids {stops}; reward: {args.reward_model or args.reward_fn}")
 
-    # Policy trainable; reference = frozen copy of its initial values (with LoRA: the LoRA-off base); value = a
-    # copy of the reward model (Huang et al.), else of the policy + a zero head.
+    # Policy trainable; reference = frozen copy of its initial values (with LoRA: the LoRA-off base);
+    # value = a copy of the reward model (Huang et al.), else of the policy + a zero head.
     policy_params, policy_frozen = common.split_variables(backbone)
     ref_params = jax.tree.map(jnp.copy, policy_params)
     value_params, value_frozen = common.split_variables(value_bb)  # the scorer keeps the reward model's as loaded
@@ -443,7 +443,8 @@ def main(args):
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, stops, pad))
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, stops,
+                                                      pad))
     stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, query_length(b),
                                                            args.temperature))
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: advantages_of(s, lp, rlp, v, sl, args))
@@ -489,8 +490,8 @@ def main(args):
         # generate tokens/s: the tokens sampled, through each stop token (all R without one); tokens/s and
         # MFU count real tokens: those and each prompt's, of B·(Qb+R) padded (charts/padding_fraction)
         real = int(query_mask[idx].sum() + (lengths + has_eos).sum())
-        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())), **objective, **meter,
-                 "val/num_eos_tokens": float(has_eos.sum()),
+        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())), **objective,
+                 **meter, "val/num_eos_tokens": float(has_eos.sum()),
                  "charts/generate_compilations": float(gen_fn._cache_size()),
                  "charts/query_padding_fraction": float(1 - query_mask[idx].sum() / (len(idx) * qb))},
                 tokens=real, padded=len(idx) * (qb + r), flops=real * flops_per_token)

@@ -111,7 +111,7 @@ def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
     """log q(token) and q's entropy, [B] each, for float32 logits [B, V] and tokens [B]: q is what the sampler
     draws from, softmax(filter_logits(logits / temperature, …)), renormalised over the kept tokens (eq. 1 of
     docs/design.md); filters off, log softmax(logits / temperature) in the same arithmetic. The token always
-    counts as kept: only a rounding gap between the sampler's forward and this one could drop it (a NaN loss)."""
+    counts as kept: only a rounding gap between the sampler's forward and this one could drop it (NaN)."""
     kept = filter_logits(scaled := logits / temperature, top_k, top_p, min_p)
     kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
     logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
@@ -176,9 +176,9 @@ def truncate_response(responses, stop_ids, pad_id):
 
 def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature,
                    top_k=0, top_p=1.0, min_p=None):
-    """log q(response token) and q's entropy (filtered_logps), [B, R] each, float32, and the forward's aux_loss
-    (a mixture of experts' router loss, common.forward; 0.0 dense). Position t predicts t+1: response token
-    Q+i is scored by hidden[Q+i-1]; the [B, R, V] logits come one position at a time."""
+    """log q(response token) and q's entropy (filtered_logps), [B, R] each, float32, and the forward's
+    aux_loss (a mixture of experts' router loss, common.forward; 0.0 dense). Position t predicts t+1:
+    response token Q+i is scored by hidden[Q+i-1]; the [B, R, V] logits come one position at a time."""
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
     hidden, labels = hidden[:, context_length - 1:-1], token_ids[:, context_length:]  # [B, R, D], [B, R]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
@@ -194,8 +194,8 @@ def masked_mean(x, mask):
 
 
 def mismatch(logps, sampler_logps, mask):
-    """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the weights
-    that sampled against the sampler's own log q: 1 to float rounding (scored unfiltered: the kept mass)."""
+    """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the
+    weights that sampled against the sampler's own log q: 1 to float rounding (unfiltered: the kept mass)."""
     ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
     return {"mismatch/ratio_mean": masked_mean(ratio, mask), "mismatch/ratio_max": real(ratio).max(),
             "mismatch/ratio_min": real(ratio).min(),
@@ -254,11 +254,12 @@ def rloo_loss(logps, old_logps, advantages, mask, epsilon, epsilon_high):
 
 def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, sampling):
     """π_old (the rollout policy's, of the distribution sampled from: sampling = temperature, top-k, top-p,
-    min-p) and π_ref (logits / T only: docs/grpo.md, detail 17) log-probs of a finished batch (π_ref: β > 0)."""
+    min-p) and π_ref (logits / T only: docs/grpo.md, detail 17) log-probs of a finished batch (β > 0)."""
     ids, mask = batch["query_responses"], batch["padding_mask"]
     out = {"old_logps": response_logps(backbone, params, frozen, ids, mask, context_length, *sampling)[0]}
     if ref_params is not None:
-        out["ref_logps"] = response_logps(backbone, ref_params, frozen, ids, mask, context_length, sampling[0])[0]
+        out["ref_logps"] = response_logps(backbone, ref_params, frozen, ids, mask, context_length,
+                                          sampling[0])[0]
     return out
 
 
@@ -267,9 +268,9 @@ def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, s
 # ---------------------------------------------------------------------------
 def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
     """One update on a (mini-)batch of completions. state = (params, opt_state). batch: query_responses /
-    padding_mask [B, Q+R], response_mask [B, R], advantages [B] (the KL already in them); old_logps [B, R] from
-    rollout time when more than one update uses the batch; sampler_logps [B, R] when this is the first forward
-    of the weights that sampled."""
+    padding_mask [B, Q+R], response_mask [B, R], advantages [B] (the KL already in them); old_logps [B, R]
+    from rollout time when more than one update uses the batch; sampler_logps [B, R] when this is the first
+    forward of the weights that sampled."""
     params, opt_state = state
     ids, mask = batch["query_responses"], batch["padding_mask"]
 
@@ -422,7 +423,7 @@ def main(args):
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    sampling = (args.temperature, args.top_k, args.top_p, args.min_p)  # q: the distribution sampled and scored
+    sampling = (args.temperature, args.top_k, args.top_p, args.min_p)  # q: what is sampled and scored
     gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, sampling[0], stops, pad,
                                                       *sampling[1:]))
     logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, query_length(b), sampling))
