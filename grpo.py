@@ -203,12 +203,10 @@ def mismatch(logps, sampler_logps, mask):
 
 
 def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
-    """Â_i = (r_i − mean(group)) / (std(group) + ε)   (eq. 2 of docs/grpo.md).
-
-    rewards [B] hold B/G groups of G consecutive completions of one prompt. std has Bessel's correction (as
-    TRL); `batch` divides by the std of all B rewards instead, `none` not at all (Dr. GRPO). A group whose
-    rewards are all equal gets Â = 0: it carries no signal. -> (advantages [B], group std [B/G]).
-    """
+    """Â_i = (r_i − mean(group)) / (std(group) + ε)   (eq. 2 of docs/grpo.md). rewards [B] hold B/G groups of
+    G consecutive completions of one prompt. std has Bessel's correction (as TRL); `batch` divides by the std
+    of all B rewards instead, `none` not at all (Dr. GRPO). A group whose rewards are all equal gets Â = 0: it
+    carries no signal. -> (advantages [B], group std [B/G])."""
     grouped = rewards.reshape(-1, num_generations)  # [B/G, G]
     std = grouped.std(1, ddof=1)
     advantages = grouped - grouped.mean(1, keepdims=True)
