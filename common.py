@@ -765,6 +765,20 @@ def turn_end(template):
     return (template[2].strip() or None) if template else None
 
 
+def stop_token_ids(tokenizer, template, extra=()):
+    """The ids a sampled completion ends at, as the models' own generation configs (Gemma 3's eos_token_id
+    is [1, 106]): the EOS, the template's turn end where the vocabulary holds it as one token, and `extra`
+    (--stop-token: a token's text, else its id) -> a tuple of ints, EOS first."""
+    vocab, size, end = set(tokenizer.get_vocabulary()), tokenizer.vocabulary_size(), turn_end(template)
+    ids = [tokenizer.end_token_id] + ([tokenizer.token_to_id(end)] if end in vocab else [])
+    for token in extra:
+        if token not in vocab and not (token.isdigit() and int(token) < size):
+            raise UsageError(f"--stop-token {token!r}: neither a token of this tokenizer's vocabulary nor an "
+                             f"id below its size {size}")
+        ids.append(tokenizer.token_to_id(token) if token in vocab else int(token))
+    return tuple(dict.fromkeys(int(i) for i in ids))  # each once, in order
+
+
 def _fold(messages, template):
     """[(role, turn prefix, content)] as the template writes them (where it has no system role, folded in)"""
     prefix = {"system": template.system, "user": template.user, "assistant": template.model}

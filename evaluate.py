@@ -19,7 +19,7 @@ import plumbing  # the exit boundary and fast --help (instant to import)
 plumbing.answer_help(__name__, __file__)  # `python evaluate.py --help`: from Args' source, before the imports below
 
 import common  # noqa: E402  (mesh, models, data files, the scorer)
-from grpo import generate, tokenize_prompts, truncate_response  # noqa: E402  (the RL scripts' sampler)
+from grpo import generate, response_logps, tokenize_prompts, truncate_response  # noqa: E402  (the RL scripts')
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
@@ -63,7 +63,10 @@ class Args:  # not plumbing.SharedArgs: an evaluation has no training flags
     only to its own longest prompt's bucket)"""
     max_new_tokens: int = 256
     """tokens generated per prompt, at most (all stop once every response has ended; each is cut after its
-    first EOS); grpo.py's --response-length and TRL's max_completion_length: 256"""
+    first stop token); grpo.py's --response-length and TRL's max_completion_length: 256"""
+    stop_token: tuple[str, ...] = ()
+    """tokens (text, else an id) that also end a response, besides the EOS and the chat template's turn end
+    (grpo.py's --stop-token)"""
     temperature: float = 1.0
     """sampling temperature of the sampled responses (1.0: KL is the models' own KL)"""
     top_p: float = 1.0
@@ -87,32 +90,10 @@ class Args:  # not plumbing.SharedArgs: an evaluation has no training flags
 
 # ---------------------------------------------------------------------------
 # Sampling: grpo.py's (tokenize_prompts: left-padded query ids; generate: jitted KV-cached sampling with the
-# filters top-k, top-p, min-p, stopping once every response has ended; truncate_response), imported so that
-# an evaluation samples exactly as the RL scripts do; then the log-probs KL needs
+# filters top-k, top-p, min-p, stopping once every response has reached a stop token; truncate_response;
+# response_logps: the log-probs of the distribution sampled from), imported so that an evaluation samples and
+# scores exactly as the RL scripts do
 # ---------------------------------------------------------------------------
-def hidden_states(backbone, params, frozen, token_ids, padding_mask):
-    """Final-norm hidden states [B, T, D] (stateless: weights passed as values)."""
-    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
-        return backbone(common.inputs(backbone, token_ids, padding_mask))
-
-
-def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature):
-    """log π(response token) from logits / temperature, float32: [B, R].
-
-    Position t predicts token t+1, so response token Q+i is scored by hidden[Q+i-1];
-    the [B, R, V] logits are made one response position at a time.
-    """
-    hidden = hidden_states(backbone, params, frozen, token_ids, padding_mask)[:, context_length - 1:-1]
-    labels = token_ids[:, context_length:]  # [B, R]
-    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
-        def position(h, y):  # [B, D], [B] -> [B]
-            logits = common.logits(backbone, h) / temperature  # f32
-            return jnp.take_along_axis(logits, y[:, None], -1)[:, 0] - jax.nn.logsumexp(logits, -1)
-
-        logps = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
-    return logps.T
 
 
 # ---------------------------------------------------------------------------
@@ -134,9 +115,9 @@ def sequence_kl(logps, baseline_logps, response_mask):
     return jnp.sum(jnp.where(response_mask, diff, 0.0), axis=1)
 
 
-def response_lengths(responses, sequence_lengths, eos_id):
-    """Response length in tokens, the EOS not counted (no EOS: all R tokens)."""
-    has_eos = (np.asarray(responses) == eos_id).any(1)
+def response_lengths(responses, sequence_lengths, stop_ids):
+    """Response length in tokens, the stop token (EOS, turn end) not counted (none: all R tokens)."""
+    has_eos = np.isin(np.asarray(responses), np.asarray(stop_ids)).any(1)
     return np.where(has_eos, np.asarray(sequence_lengths), responses.shape[1]), has_eos
 
 
@@ -151,14 +132,18 @@ class Policy(NamedTuple):
     fns: dict      # jitted generate / log-prob functions, shared by policies of one architecture
 
 
-def make_fns(backbone, args, eos, pad):
+def make_fns(backbone, args, stops, pad):
+    """Jitted sampling and log-probs: the policy's of the distribution it sampled from (filtered), the
+    baseline's of logits / T alone (as grpo.py's reference: a filtered one's support is not the policy's)."""
     r, t = args.max_new_tokens, args.temperature
     filters = {"top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
-    return {"greedy": jax.jit(partial(generate, backbone, response_length=r, temperature=0.0, eos_id=eos,
+    logps = lambda **f: jax.jit(lambda params, frozen, ids, mask, q: response_logps(  # -> [B, R]
+        backbone, params, frozen, ids, mask, q, t, **f)[0], static_argnums=4)
+    return {"greedy": jax.jit(partial(generate, backbone, response_length=r, temperature=0.0, stop_ids=stops,
                                       pad_id=pad)),
-            "sampled": jax.jit(partial(generate, backbone, response_length=r, temperature=t, eos_id=eos,
+            "sampled": jax.jit(partial(generate, backbone, response_length=r, temperature=t, stop_ids=stops,
                                        pad_id=pad, **filters)),
-            "logps": jax.jit(partial(response_logps, backbone, temperature=t), static_argnums=4)}
+            "logps": logps(**filters), "ref_logps": logps()}
 
 
 def load_policy(name, mesh, args, like=None, flag="--model"):
@@ -168,8 +153,9 @@ def load_policy(name, mesh, args, like=None, flag="--model"):
     params, frozen = common.split_variables(model.backbone)
     same = like is not None and like.model.backbone.get_config() == model.backbone.get_config()
     tokenizer = model.preprocessor.tokenizer
+    stops = common.stop_token_ids(tokenizer, common.chat_template(name, args.chat_template), args.stop_token)
     return Policy(name, model, params, frozen, like.fns if same else make_fns(
-        model.backbone, args, tokenizer.end_token_id, tokenizer.pad_token_id))
+        model.backbone, args, stops, tokenizer.pad_token_id))
 
 
 def batched(fn, arrays, batch_size, query_mask):
@@ -187,11 +173,11 @@ def batched(fn, arrays, batch_size, query_mask):
 
 def respond(policy, data, kind, key, batch_size, mesh):
     """Greedy or sampled responses to every prompt -> dict of host arrays and decoded texts."""
-    eos, pad, put = data["eos"], data["pad"], partial(jax.device_put, device=NamedSharding(mesh, P("data")))
+    stops, pad, put = data["stops"], data["pad"], partial(jax.device_put, device=NamedSharding(mesh, P("data")))
     gen = lambda i, rows, drop, qs, qm: truncate_response(policy.fns[kind](  # the batch's bucket of columns
-        policy.params, policy.frozen, put(qs[:, drop:]), put(qm[:, drop:]), jax.random.fold_in(key, i))[0], eos, pad)
+        policy.params, policy.frozen, put(qs[:, drop:]), put(qm[:, drop:]), jax.random.fold_in(key, i))[0], stops, pad)
     responses, seq_lens = batched(gen, (data["queries"], data["query_mask"]), batch_size, data["query_mask"])
-    lengths, has_eos = response_lengths(responses, seq_lens, eos)
+    lengths, has_eos = response_lengths(responses, seq_lens, stops)
     ids = [list(x[:n]) for x, n in zip(responses, lengths)]
     texts = data["tokenizer"].detokenize(ids) if len(lengths) else []
     texts = [t.decode() if isinstance(t, bytes) else str(t) for t in texts]
@@ -233,7 +219,7 @@ def evaluate_policy(policy, data, scorer, args, mesh, baseline=None):
         ids, mask, response_mask = full_sequences(data, outs["sampled"])
         kl_of = lambda i, rows, drop, ids, m, rm: sequence_kl(  # the prompt columns cut to the batch's bucket
             policy.fns["logps"](policy.params, policy.frozen, put(ids[:, drop:]), put(m[:, drop:]), q - drop),
-            baseline.fns["logps"](baseline.params, baseline.frozen, put(ids[:, drop:]), put(m[:, drop:]), q - drop),
+            baseline.fns["ref_logps"](baseline.params, baseline.frozen, put(ids[:, drop:]), put(m[:, drop:]), q - drop),
             put(rm))
         outs["kl"] = batched(kl_of, (ids, mask, response_mask), bs, data["query_mask"])
     return outs
@@ -321,10 +307,10 @@ def prepare(args, mesh, prompts, rows, tokenizer):
     """Prompt texts -> left-padded queries and the fixed generation batch size; `rows`: the dataset rows
     (what reward functions read)."""
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    d = mesh.shape["data"]
+    d, template = mesh.shape["data"], common.chat_template(args.model, args.chat_template)
     return {"prompts": prompts, "rows": rows, "queries": queries, "query_mask": query_mask, "tokenizer": tokenizer,
-            "eos": tokenizer.end_token_id, "pad": tokenizer.pad_token_id,
-            "template": common.chat_template(args.model, args.chat_template),
+            "stops": common.stop_token_ids(tokenizer, template, args.stop_token), "pad": tokenizer.pad_token_id,
+            "template": template,
             "batch_size": min(args.batch_size, d * math.ceil(len(prompts) / d))}
 
 

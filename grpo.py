@@ -40,9 +40,11 @@ class Args(plumbing.RolloutArgs):
     top_p: float = 1.0
     """top-p: sample from the likeliest tokens that hold this probability mass (TRL: 1.0 = off)"""
     top_k: int = 0
-    """top-k: sample among the k likeliest tokens (TRL: 0 = off); log-probs stay unfiltered, as TRL's"""
+    """top-k: sample among the k likeliest tokens (TRL: 0 = off); log-probs: of what is sampled from"""
     min_p: float | None = None
     """min-p: drop tokens less likely than min_p × the top token's probability (TRL: None = off)"""
+    stop_token: tuple[str, ...] = ()
+    """more tokens a completion ends at (a token's text or id), besides EOS and the chat's turn end"""
     # optimisation
     num_iterations: int = 1
     """μ: optimisation passes over each generation batch (>1 keeps the rollout log-probs as π_old)"""
@@ -79,7 +81,7 @@ class Args(plumbing.RolloutArgs):
     entropy_coef: float = 0.0
     """entropy bonus: L − coef × the mean entropy of the tokens that carry the policy loss (0: off)"""
     mask_truncated_completions: bool = False
-    """leave completions without EOS out of the loss (DAPO's overlong filtering)"""
+    """leave completions that never stopped out of the loss (DAPO's overlong filtering)"""
     # logging and outputs
     export_hf: bool = False
     """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
@@ -100,17 +102,14 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 
 
 # ---------------------------------------------------------------------------
-# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once; it stops when every completion has ended),
-# forwards of policy and reference on query + response, group-relative advantages, the k3 KL, the objectives
+# ALGO LOGIC: KV-cached sampling and its log-probs, policy and reference forwards on query + response,
+# group-relative advantages, the k3 KL, the objectives
 # ---------------------------------------------------------------------------
 def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
-    """TRL's sampling filters on logits / temperature [B, V], in transformers' order: top-k, then top-p, then
-    min-p, each on what the previous left (renormalised). A dropped token gets -inf; 0, 1.0, None: off.
-
-    top-k keeps the k largest (ties with the k-th too); top-p keeps the most likely tokens until their
-    probabilities reach top_p (the token that crosses it included, ties at the cut too); min-p keeps the
-    tokens with p ≥ min_p · max p. The most likely token always stays.
-    """
+    """TRL's sampling filters on logits / temperature [B, V], in transformers' order (top-k, top-p, min-p),
+    each on what the previous left, renormalised; a dropped token gets -inf (0, 1.0, None: off). top-k keeps
+    the k largest, top-p the likeliest until their mass reaches top_p (the token crossing it included), min-p
+    those with p ≥ min_p · max p. Ties at a cut stay, and so does the likeliest token."""
     if top_k:
         kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -125,17 +124,26 @@ def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
     return logits
 
 
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, eos_id, pad_id,
-             top_k=0, top_p=1.0, min_p=None):
-    """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps).
+def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
+    """log q(token) and q's entropy, [B] each, for float32 logits [B, V] and tokens [B]: q is what the sampler
+    draws from, softmax(filter_logits(logits / temperature, …)), renormalised over the kept tokens (eq. 1 of
+    docs/design.md); filters off, log softmax(logits / temperature) in the same arithmetic. The token always
+    counts as kept: only a rounding gap between the sampler's forward and this one could drop it (NaN)."""
+    kept = filter_logits(scaled := logits / temperature, top_k, top_p, min_p)
+    kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
+    logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
+    # Σ p·logit over the kept tokens only (0 · -inf is NaN); the inner where keeps the gradient finite too
+    plogp = jnp.where(finite, jax.nn.softmax(kept, -1) * jnp.where(finite, kept, 0.0), 0.0)
+    return jnp.take_along_axis(kept, tokens[:, None], -1)[:, 0] - logz, logz - plogp.sum(-1)
 
-    One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
-    stops once every sequence has sampled its EOS (steps: tokens sampled per sequence, ≤ R): a batch of
-    short answers costs their length, not R. Fixed shapes: one compilation per query bucket. After its
-    EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
-    `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
-    temperature 0 = greedy; otherwise from filter_logits(logits / temperature, top_k, top_p, min_p).
-    """
+
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, stop_ids,
+             pad_id, top_k=0, top_p=1.0, min_p=None):
+    """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
+    of each token [B, R]: filtered_logps, 0 where greedy or after the end). A prefill, then a `lax.while_loop`
+    of one token a step until every sequence has sampled one of `stop_ids` (steps ≤ R): short answers cost
+    their length. Fixed shapes: one compilation per query bucket; `pad_id` after the end. One key split per
+    step, as a `lax.scan` over R: the same key gives the same tokens wherever the loop ends. T = 0: greedy."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
@@ -143,70 +151,72 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
         cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
         logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
-        def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
+        def pick(logits, key, done):  # logits [B, V] -> token [B], its log q [B]; a finished sequence pads
             key, sample_key = jax.random.split(key)
             if temperature == 0:
-                token = jnp.argmax(logits, -1).astype(jnp.int32)
+                token, logq = jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b,))
             else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
                 # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
                 z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
                     logits / temperature, top_k, top_p, min_p)  # [B, V]
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
+                # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
+                logq = filtered_logps(logits, token, temperature, top_k, top_p, min_p)[0]
             token = jnp.where(done, pad_id, token)
-            return token, key, done | (token == eos_id)
+            return token, jnp.where(done, 0.0, logq), key, done | jnp.isin(token, jnp.asarray(stop_ids))
 
-        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t
-            tokens, cache, t, key, done = carry
+        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t (and its log q)
+            tokens, logqs, cache, t, key, done = carry
             fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
             logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1)
-            token, key, done = pick(logits[:, -1], key, done)
-            return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], t, 1), cache, t + 1, key, done
+            token, logq, key, done = pick(logits[:, -1], key, done)
+            put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new[:, None], t, 1)
+            return put(tokens, token), put(logqs, logq), cache, t + 1, key, done
 
-        token, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
+        token, logq, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
         tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
-        tokens, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has no EOS yet and t < R
-            lambda c: (c[2] < response_length) & ~c[4].all(), step, (tokens, cache, jnp.int32(1), key, done))
-    return tokens, steps
+        logqs = jnp.zeros((b, response_length)).at[:, 0].set(logq)  # [B, R]
+        tokens, logqs, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has not ended and t < R
+            lambda c: (c[3] < response_length) & ~c[5].all(), step,
+            (tokens, logqs, cache, jnp.int32(1), key, done))
+    return tokens, steps, logqs
 
 
-def truncate_response(responses, eos_id, pad_id):
-    """Keep tokens up to and including the first EOS, pad after it.
-
-    -> (responses [B, R], sequence_lengths [B]: index of the last real token,
-    the EOS, or R-1 when none was sampled).
-    """
-    r = responses.shape[1]
-    is_eos = responses == eos_id
-    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1), r - 1)
-    return jnp.where(jnp.arange(r)[None] > first_eos[:, None], pad_id, responses), first_eos
+def truncate_response(responses, stop_ids, pad_id):
+    """Keep tokens up to and including the first of `stop_ids` (EOS, turn end, …), pad after it -> (responses
+    [B, R], sequence_lengths [B]: index of the last real token, the stop token, or R-1 without one)."""
+    r, is_stop = responses.shape[1], jnp.isin(responses, jnp.asarray(stop_ids, jnp.int32))
+    first = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1), r - 1)
+    return jnp.where(jnp.arange(r)[None] > first[:, None], pad_id, responses), first
 
 
-def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature):
-    """log π(response token) from logits / temperature, and the entropy: [B, R] each, float32; and the
-    forward's aux_loss (a mixture of experts' router load-balancing loss, common.forward; 0.0 dense).
-
-    Position t predicts token t+1, so response token Q+i is scored by hidden[Q+i-1].
-    The [B, R, V] logits are made one response position at a time under jax.checkpoint.
-    """
+def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature,
+                   top_k=0, top_p=1.0, min_p=None):
+    """log q(response token) and q's entropy (filtered_logps), [B, R] each, float32, and the forward's
+    aux_loss (a mixture of experts' router loss, common.forward; 0.0 dense). Position t predicts t+1:
+    response token Q+i is scored by hidden[Q+i-1]; the [B, R, V] logits come one position at a time."""
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
-    hidden = hidden[:, context_length - 1:-1]
-    labels = token_ids[:, context_length:]  # [B, R]
+    hidden, labels = hidden[:, context_length - 1:-1], token_ids[:, context_length:]  # [B, R, D], [B, R]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
-        @jax.checkpoint
-        def position(h, y):  # [B, D], [B] -> [B], [B]
-            logits = common.logits(backbone, h) / temperature  # f32
-            logz = jax.nn.logsumexp(logits, -1)
-            entropy = logz - jnp.sum(jax.nn.softmax(logits, -1) * logits, -1)
-            return jnp.take_along_axis(logits, y[:, None], -1)[:, 0] - logz, entropy
-
+        position = jax.checkpoint(lambda h, y: filtered_logps(common.logits(backbone, h), y, temperature,
+                                                              top_k, top_p, min_p))  # [B, D], [B] -> [B], [B]
         logps, entropy = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
     return logps.T, entropy.T, aux_loss
 
 
 def masked_mean(x, mask):
     return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)
+
+
+def mismatch(logps, sampler_logps, mask):
+    """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the
+    weights that sampled against the sampler's own log q: 1 to float rounding (unfiltered: the kept mass)."""
+    ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
+    return {"mismatch/ratio_mean": masked_mean(ratio, mask), "mismatch/ratio_max": real(ratio).max(),
+            "mismatch/ratio_min": real(ratio).min(),
+            "mismatch/frac_outside_10pct": masked_mean(abs(ratio - 1.0) > 0.1, mask)}  # outside [0.9, 1.1]
 
 
 def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
@@ -290,14 +300,17 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
     return loss, metrics
 
 
-def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, temperature):
-    """π_old and π_ref log-probs of a finished generation batch ({} entries left out when not needed)."""
+def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, sampling):
+    """π_old and π_ref log-probs of a finished generation batch ({} entries left out when not needed):
+    π_old's of the distribution sampled from (sampling: temperature, top-k, top-p, min-p), π_ref's of
+    logits / T only."""
     ids, mask = batch["query_responses"], batch["padding_mask"]
     out = {}
     if params is not None:
-        out["old_logps"] = response_logps(backbone, params, frozen, ids, mask, context_length, temperature)[0]
+        out["old_logps"] = response_logps(backbone, params, frozen, ids, mask, context_length, *sampling)[0]
     if ref_params is not None:
-        out["ref_logps"] = response_logps(backbone, ref_params, frozen, ids, mask, context_length, temperature)[0]
+        out["ref_logps"] = response_logps(backbone, ref_params, frozen, ids, mask, context_length,
+                                          sampling[0])[0]
     return out
 
 
@@ -306,13 +319,14 @@ def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, t
 # ---------------------------------------------------------------------------
 def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
     """One update. state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask
-    [B, R], advantages [B], and old_logps / ref_logps [B, R] when computed at rollout time."""
+    [B, R], advantages [B]; old_logps / ref_logps [B, R] when computed at rollout time; sampler_logps [B, R]
+    when this is the first forward of the weights that sampled."""
     params, opt_state = state
     ids, mask = batch["query_responses"], batch["padding_mask"]
 
     def loss_fn(p):
         logps, entropy, aux_loss = response_logps(backbone, p, frozen, ids, mask, context_length,
-                                                  args.temperature)
+                                                  args.temperature, args.top_k, args.top_p, args.min_p)
         # one update per generation batch: π_old is π_θ itself, held constant (ratio 1, gradient of π_θ)
         old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
         loss, metrics = grpo_loss(logps, old, batch.get("ref_logps"), batch["advantages"], batch["response_mask"],
@@ -323,6 +337,8 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
                                   (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
                                    args.vespo_lambda_neg))
         loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
+        if "sampler_logps" in batch:  # mismatch/*, over every sampled token (padding_mask's response part)
+            metrics.update(mismatch(logps, batch["sampler_logps"], mask[:, context_length:]))
         return loss, {**metrics, "entropy": masked_mean(entropy, batch["response_mask"]), "aux_loss": aux_loss}
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -373,17 +389,19 @@ def make_optimizer(args, max_steps):
     return optimizer, schedule, warmup
 
 
-def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
-    """Responses to host queries [B, Q] (whole on each process), cut after the first EOS -> (batch, lengths
-    [B]). The queries are first cut to [B, Qb], Qb the bucket of this batch's longest prompt (≤ Q): short
-    prompts do not pay for the run's longest, and each jitted function compiles once per bucket met."""
+def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_data):
+    """Responses to host queries [B, Q] (whole on each process), cut after their first stop token -> (batch,
+    with the sampler's own log-probs, lengths [B]). The queries are first cut to [B, Qb], Qb the bucket of the
+    longest prompt (≤ Q): short prompts do not pay for the run's longest; jit compiles once per bucket met."""
     qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
     # left padding: every prompt ends at column Q-1, so the last Qb columns hold all of their real tokens
     qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
-    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key)[0], eos, pad)
-    response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
+    responses, _, sampler_logps = gen_fn(params, frozen, qs, qm, key)
+    responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
+    response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: stop included
     return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
-            "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
+            "padding_mask": jnp.concatenate([qm, response_mask], 1),
+            "sampler_logps": sampler_logps}, sequence_lengths
 
 
 def query_length(batch):
@@ -391,11 +409,11 @@ def query_length(batch):
     return batch["query_responses"].shape[1] - batch["response_mask"].shape[1]
 
 
-def decode(tokenizer, batch, sequence_lengths, context_length):
-    """The responses cut before the EOS -> (texts, their token ids, lengths [B]: tokens before the EOS
-    (all R without one), has_eos [B]), whole on every process (on the host)."""
+def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
+    """The responses cut before their stop token -> (texts, their token ids, lengths [B]: tokens before it
+    (all R without one), has_eos [B]: ended by a stop token, EOS or another), on the host, whole."""
     responses = common.to_host(batch["query_responses"][:, context_length:])
-    has_eos = (responses == tokenizer.end_token_id).any(1)
+    has_eos = np.isin(responses, stop_ids).any(1)
     lengths = common.to_host(sequence_lengths) + 1 - has_eos
     ids = [list(x[:n]) for x, n in zip(responses, lengths)]
     texts = tokenizer.detokenize(ids)
@@ -427,8 +445,7 @@ def main(args):
     template = common.chat_template(args.model, args.chat_template)
     # rows: the columns reward functions may read
     prompts, rows = common.read_prompts(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
-    g = args.num_generations
-    n_prompts = args.batch_size // g
+    g, n_prompts = args.num_generations, args.batch_size // args.num_generations
     max_steps = run.resolve_max_steps(len(prompts), n_prompts)  # --max-steps, or --num-epochs' worth of B/G prompts
     scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=args.reward_fn,
                                 weights=args.reward_weights)  # r(x, y): the reward model, or the weighted functions
@@ -438,10 +455,11 @@ def main(args):
     scorer.check_tokenizer(tokenizer)
     remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each block (not the sampler's calls)
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
+    q, r, pad = queries.shape[1], args.response_length, tokenizer.pad_token_id
+    stops = common.stop_token_ids(tokenizer, template, args.stop_token)  # EOS, the turn end, --stop-token
     print(f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
-          f"{n_prompts} prompts × G={g} completions "
-          f"of {r} tokens per step; reward: {args.reward_model or ', '.join(args.reward_fn)}")
+          f"{n_prompts} prompts × G={g} completions of ≤ {r} tokens per step, ended by ids {stops}; "
+          f"reward: {args.reward_model or ', '.join(args.reward_fn)}")
 
     # Reference: a frozen copy of the initial trainable values (LoRA: the LoRA-off base), only when β > 0.
     params, frozen = common.split_variables(backbone)
@@ -462,13 +480,12 @@ def main(args):
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, eos, pad,
-                                                      args.top_k, args.top_p, args.min_p))
-    logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, query_length(b),
-                                                           args.temperature))
+    sampling = (args.temperature, args.top_k, args.top_p, args.min_p)  # q: what is sampled and scored
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, sampling[0], stops, pad,
+                                                      *sampling[1:]))
+    logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, query_length(b), sampling))
     step_fn = remat.jit(lambda s, f, b: train_step(backbone, optimizer, args, s, f, b, query_length(b)),
-                        donate_argnums=0,
-                        out_shardings=(state_shardings, common.replicated(run.mesh)))
+                        donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
     run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
@@ -479,17 +496,16 @@ def main(args):
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
     for step in run.steps(learning_rate=lambda s: schedule(s * args.num_iterations * args.num_mini_batches),
-                          summed=("charts/generated_tokens",),
-                          show=("reward", "frac_reward_zero_std")):
+                          summed=("charts/generated_tokens",), show=("reward", "frac_reward_zero_std")):
         ticks, idx = [time.perf_counter()], np.repeat(order[step * n_prompts:(step + 1) * n_prompts], g)  # [B]
-        # rollout: G completions of each of B/G prompts (a group = G consecutive rows), cut after EOS
+        # rollout: G completions of each of B/G prompts (a group = G consecutive rows), cut after a stop token
         key, gen_key = jax.random.split(key)
         batch, sequence_lengths = rollout(gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key,
-                                          eos, pad, on_data)
+                                          stops, pad, on_data)
         qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
         # rewards: one scalar per completion (1), a weighted sum over the reward functions (or the RM score)
-        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb)
+        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb, stops)
         scores, parts = scorer([prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids,
                                common.turn_end(template))
         rewards = common.to_host(scores)
@@ -500,16 +516,19 @@ def main(args):
         batch["advantages"] = common.put_global(advantages, on_data)
         if off_policy or ref_params is not None:  # else neither π_old nor π_ref needs a forward
             batch.update(logps_fn(state[0] if off_policy else None, ref_params, frozen, batch))
+        # mismatch/*: the sampler's log q against the first forward of its weights: here, else train_step's
+        meter = (mismatch(batch["old_logps"], batch.pop("sampler_logps"), batch["padding_mask"][:, qb:])
+                 if "old_logps" in batch else {})
         ticks.append(plumbing.synced(batch))
         # update: num_iterations passes, each over num_mini_batches shuffled mini-batches
         updates = []
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        # generate tokens/s counts the tokens sampled up to and with each EOS (all R without one); tokens/s
-        # and MFU count real tokens: those and each prompt's, of B·(Qb+R) padded (charts/padding_fraction)
+        # generate tokens/s: the tokens sampled, through each stop token (all R without one); tokens/s and
+        # MFU count real tokens: those and each prompt's, of B·(Qb+R) padded (charts/padding_fraction)
         real = int(query_mask[idx].sum() + (lengths + has_eos).sum())
-        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())),
+        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())), **meter,
                  **reward_metrics(rewards, parts, lengths, has_eos), "reward_std": float(np.mean(group_std)),
                  "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
                  "charts/generate_compilations": float(gen_fn._cache_size()),

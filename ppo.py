@@ -37,6 +37,8 @@ class Args(plumbing.RolloutArgs):
     """new tokens sampled per prompt (TRL PPOConfig: 53)"""
     temperature: float = 0.7
     """sampling temperature (TRL PPOConfig: 0.7); log-probs are computed from logits / temperature to match"""
+    stop_token: tuple[str, ...] = ()
+    """more tokens a completion ends at (a token's text or id), besides EOS and the chat's turn end"""
     missing_eos_penalty: float | None = None
     """subtracted from the score of a response without EOS (None: off, as in TRL)"""
     # optimisation
@@ -96,21 +98,48 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 
 
 # ---------------------------------------------------------------------------
-# ALGO LOGIC: KV-cached sampling (fixed shapes: compiled once; it stops when every response has ended),
-# forwards of policy, reference and value model on query + response, per-token rewards, GAE, whitening,
-# the PPO losses
+# ALGO LOGIC: KV-cached sampling and its log-probs (temperature only: the filters stay off, as TRL's
+# PPOConfig), policy, reference and value forwards, per-token rewards, GAE, whitening, the PPO losses
 # ---------------------------------------------------------------------------
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature,
-             eos_id, pad_id):
-    """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps).
+def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
+    """TRL's sampling filters on logits / temperature [B, V], in transformers' order (top-k, top-p, min-p),
+    each on what the previous left, renormalised; a dropped token gets -inf (0, 1.0, None: off). top-k keeps
+    the k largest, top-p the likeliest until their mass reaches top_p (the token crossing it included), min-p
+    those with p ≥ min_p · max p. Ties at a cut stay, and so does the likeliest token."""
+    if top_k:
+        kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
+        logits = jnp.where(logits < kth, -jnp.inf, logits)
+    if top_p < 1.0:
+        ascending = jnp.sort(logits, -1)  # [B, V]: drop the prefix whose probabilities sum to ≤ 1 − top_p
+        dropped = jnp.sum(jnp.cumsum(jax.nn.softmax(ascending, -1), -1) <= 1.0 - top_p, -1)
+        cut = jnp.take_along_axis(ascending, jnp.minimum(dropped, logits.shape[-1] - 1)[:, None], -1)
+        logits = jnp.where(logits < cut, -jnp.inf, logits)
+    if min_p is not None:
+        probs = jax.nn.softmax(logits, -1)
+        logits = jnp.where(probs < min_p * probs.max(-1, keepdims=True), -jnp.inf, logits)
+    return logits
 
-    One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
-    stops once every sequence has sampled its EOS (steps: tokens sampled per sequence, ≤ R): a batch of
-    short answers costs their length, not R. Fixed shapes: one compilation per query bucket. After its
-    EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
-    `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
-    temperature 0 = greedy.
-    """
+
+def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
+    """log q(token) and q's entropy, [B] each, for float32 logits [B, V] and tokens [B]: q is what the sampler
+    draws from, softmax(filter_logits(logits / temperature, …)), renormalised over the kept tokens (eq. 1 of
+    docs/design.md); filters off, log softmax(logits / temperature) in the same arithmetic. The token always
+    counts as kept: only a rounding gap between the sampler's forward and this one could drop it (NaN)."""
+    kept = filter_logits(scaled := logits / temperature, top_k, top_p, min_p)
+    kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
+    logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
+    # Σ p·logit over the kept tokens only (0 · -inf is NaN); the inner where keeps the gradient finite too
+    plogp = jnp.where(finite, jax.nn.softmax(kept, -1) * jnp.where(finite, kept, 0.0), 0.0)
+    return jnp.take_along_axis(kept, tokens[:, None], -1)[:, 0] - logz, logz - plogp.sum(-1)
+
+
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, stop_ids,
+             pad_id, top_k=0, top_p=1.0, min_p=None):
+    """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
+    of each token [B, R]: filtered_logps, 0 where greedy or after the end). A prefill, then a `lax.while_loop`
+    of one token a step until every sequence has sampled one of `stop_ids` (steps ≤ R): short answers cost
+    their length. Fixed shapes: one compilation per query bucket; `pad_id` after the end. One key split per
+    step, as a `lax.scan` over R: the same key gives the same tokens wherever the loop ends. T = 0: greedy."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
@@ -118,63 +147,57 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
         cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
         logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
-        def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
+        def pick(logits, key, done):  # logits [B, V] -> token [B], its log q [B]; a finished sequence pads
             key, sample_key = jax.random.split(key)
             if temperature == 0:
-                token = jnp.argmax(logits, -1).astype(jnp.int32)
+                token, logq = jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b,))
             else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
                 # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
-                z = jax.random.gumbel(sample_key, logits.shape) + logits / temperature  # [B, V]
+                z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
+                    logits / temperature, top_k, top_p, min_p)  # [B, V]
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
+                # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
+                logq = filtered_logps(logits, token, temperature, top_k, top_p, min_p)[0]
             token = jnp.where(done, pad_id, token)
-            return token, key, done | (token == eos_id)
+            return token, jnp.where(done, 0.0, logq), key, done | jnp.isin(token, jnp.asarray(stop_ids))
 
-        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t
-            tokens, cache, t, key, done = carry
+        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t (and its log q)
+            tokens, logqs, cache, t, key, done = carry
             fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
             logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1)
-            token, key, done = pick(logits[:, -1], key, done)
-            return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], t, 1), cache, t + 1, key, done
+            token, logq, key, done = pick(logits[:, -1], key, done)
+            put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new[:, None], t, 1)
+            return put(tokens, token), put(logqs, logq), cache, t + 1, key, done
 
-        token, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
+        token, logq, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
         tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
-        tokens, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has no EOS yet and t < R
-            lambda c: (c[2] < response_length) & ~c[4].all(), step, (tokens, cache, jnp.int32(1), key, done))
-    return tokens, steps
+        logqs = jnp.zeros((b, response_length)).at[:, 0].set(logq)  # [B, R]
+        tokens, logqs, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has not ended and t < R
+            lambda c: (c[3] < response_length) & ~c[5].all(), step,
+            (tokens, logqs, cache, jnp.int32(1), key, done))
+    return tokens, steps, logqs
 
 
-def truncate_response(responses, eos_id, pad_id):
-    """Keep tokens up to and including the first EOS, pad after it.
-
-    -> (responses [B, R], sequence_lengths [B]: index of the last real token,
-    the EOS, or R-1 when none was sampled).
-    """
-    r = responses.shape[1]
-    is_eos = responses == eos_id
-    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1), r - 1)
-    return jnp.where(jnp.arange(r)[None] > first_eos[:, None], pad_id, responses), first_eos
+def truncate_response(responses, stop_ids, pad_id):
+    """Keep tokens up to and including the first of `stop_ids` (EOS, turn end, …), pad after it -> (responses
+    [B, R], sequence_lengths [B]: index of the last real token, the stop token, or R-1 without one)."""
+    r, is_stop = responses.shape[1], jnp.isin(responses, jnp.asarray(stop_ids, jnp.int32))
+    first = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1), r - 1)
+    return jnp.where(jnp.arange(r)[None] > first[:, None], pad_id, responses), first
 
 
-def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature):
-    """log π(response token) from logits / temperature, and the entropy: [B, R] each, float32; and the
-    forward's aux_loss (a mixture of experts' router load-balancing loss, common.forward; 0.0 dense).
-
-    Position t predicts token t+1, so response token Q+i is scored by hidden[Q+i-1].
-    The [B, R, V] logits are made one response position at a time under jax.checkpoint.
-    """
+def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature,
+                   top_k=0, top_p=1.0, min_p=None):
+    """log q(response token) and q's entropy (filtered_logps), [B, R] each, float32, and the forward's
+    aux_loss (a mixture of experts' router loss, common.forward; 0.0 dense). Position t predicts t+1:
+    response token Q+i is scored by hidden[Q+i-1]; the [B, R, V] logits come one position at a time."""
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
-    hidden = hidden[:, context_length - 1:-1]
-    labels = token_ids[:, context_length:]  # [B, R]
+    hidden, labels = hidden[:, context_length - 1:-1], token_ids[:, context_length:]  # [B, R, D], [B, R]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
-        @jax.checkpoint
-        def position(h, y):  # [B, D], [B] -> [B], [B]
-            logits = common.logits(backbone, h) / temperature  # f32
-            logz = jax.nn.logsumexp(logits, -1)
-            entropy = logz - jnp.sum(jax.nn.softmax(logits, -1) * logits, -1)
-            return jnp.take_along_axis(logits, y[:, None], -1)[:, 0] - logz, entropy
-
+        position = jax.checkpoint(lambda h, y: filtered_logps(common.logits(backbone, h), y, temperature,
+                                                              top_k, top_p, min_p))  # [B, D], [B] -> [B], [B]
         logps, entropy = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
     return logps.T, entropy.T, aux_loss
 
@@ -190,6 +213,15 @@ def masked_mean(x, mask):
     return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)
 
 
+def mismatch(logps, sampler_logps, mask):
+    """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the
+    weights that sampled against the sampler's own log q: 1 to float rounding (unfiltered: the kept mass)."""
+    ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
+    return {"mismatch/ratio_mean": masked_mean(ratio, mask), "mismatch/ratio_max": real(ratio).max(),
+            "mismatch/ratio_min": real(ratio).min(),
+            "mismatch/frac_outside_10pct": masked_mean(abs(ratio - 1.0) > 0.1, mask)}  # outside [0.9, 1.1]
+
+
 def whiten(x, mask, shift_mean=True):
     """(x - mean) / std over the positions where `mask` is True (std with Bessel's
     correction, as TRL); masked positions come out as 0 and never count."""
@@ -200,13 +232,10 @@ def whiten(x, mask, shift_mean=True):
 
 
 def compute_rewards(scores, logprobs, ref_logprobs, sequence_lengths, kl_coef, kl_estimator="k1"):
-    """Per-token rewards (eq. 2 of docs/ppo.md): -β·KL_t on every real response token,
-    plus the score on the last real one (the EOS). Padding after it gets 0.
-
-    -> (rewards, kl, non_score_reward), each [B, R].
-    """
+    """Per-token rewards (eq. 2 of docs/ppo.md): -β·KL_t on every real response token, plus the score on the
+    last real one (the stop token). Padding after it gets 0. -> (rewards, kl, non_score_reward) [B, R]."""
     idx = jnp.arange(logprobs.shape[1])[None]
-    mask = idx <= sequence_lengths[:, None]  # [B, R]: real response tokens (EOS included)
+    mask = idx <= sequence_lengths[:, None]  # [B, R]: real response tokens (the stop token included)
     logr = jnp.where(mask, ref_logprobs - logprobs, 0.0)
     kl = -logr if kl_estimator == "k1" else jnp.expm1(logr) - logr  # k1, or k3 (Schulman's blog)
     non_score_reward = -kl_coef * kl
@@ -215,11 +244,9 @@ def compute_rewards(scores, logprobs, ref_logprobs, sequence_lengths, kl_coef, k
 
 
 def compute_gae(rewards, values, mask, gamma, lam):
-    """Generalized advantage estimation (eq. 3), backwards over the response.
-
-    Values and rewards are zeroed where `mask` is False, so the value after the
-    last real token is 0: the episode ends at EOS. -> (advantages, returns) [B, R].
-    """
+    """Generalized advantage estimation (eq. 3), backwards over the response. Values and rewards are zeroed
+    where `mask` is False, so the value after the last real token is 0: the episode ends there.
+    -> (advantages, returns) [B, R]."""
     values, rewards = jnp.where(mask, values, 0.0), jnp.where(mask, rewards, 0.0)
     next_values = jnp.concatenate([values[:, 1:], jnp.zeros_like(values[:, :1])], 1)
     deltas = rewards + gamma * next_values - values  # δ_t = r_t + γ V_{t+1} - V_t
@@ -323,17 +350,19 @@ def make_optimizer(args, max_steps):
     return optimizer, schedule, warmup
 
 
-def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
-    """Responses to host queries [B, Q] (whole on each process), cut after the first EOS -> (batch, lengths
-    [B]). The queries are first cut to [B, Qb], Qb the bucket of this batch's longest prompt (≤ Q): short
-    prompts do not pay for the run's longest, and each jitted function compiles once per bucket met."""
+def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_data):
+    """Responses to host queries [B, Q] (whole on each process), cut after their first stop token -> (batch,
+    with the sampler's own log-probs, lengths [B]). The queries are first cut to [B, Qb], Qb the bucket of the
+    longest prompt (≤ Q): short prompts do not pay for the run's longest; jit compiles once per bucket met."""
     qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
     # left padding: every prompt ends at column Q-1, so the last Qb columns hold all of their real tokens
     qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
-    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key)[0], eos, pad)
-    response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
+    responses, _, sampler_logps = gen_fn(params, frozen, qs, qm, key)
+    responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
+    response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: stop included
     return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
-            "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
+            "padding_mask": jnp.concatenate([qm, response_mask], 1),
+            "sampler_logps": sampler_logps}, sequence_lengths
 
 
 def query_length(batch):
@@ -341,11 +370,11 @@ def query_length(batch):
     return batch["query_responses"].shape[1] - batch["response_mask"].shape[1]
 
 
-def decode(tokenizer, batch, sequence_lengths, context_length):
-    """The responses cut before the EOS -> (texts, their token ids, lengths [B]: tokens before the EOS
-    (all R without one), has_eos [B]), whole on every process (on the host)."""
+def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
+    """The responses cut before their stop token -> (texts, their token ids, lengths [B]: tokens before it
+    (all R without one), has_eos [B]: ended by a stop token, EOS or another), on the host, whole."""
     responses = common.to_host(batch["query_responses"][:, context_length:])
-    has_eos = (responses == tokenizer.end_token_id).any(1)
+    has_eos = np.isin(responses, stop_ids).any(1)
     lengths = common.to_host(sequence_lengths) + 1 - has_eos
     ids = [list(x[:n]) for x, n in zip(responses, lengths)]
     texts = tokenizer.detokenize(ids)
@@ -383,12 +412,13 @@ def main(args):
     value_bb = scorer.model.backbone if scorer.model is not None else backbone
     remat = plumbing.Remat(args.remat, backbone, value_bb)  # --remat on policy and value (not the KV-cached sampler)
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
+    q, r, pad = queries.shape[1], args.response_length, tokenizer.pad_token_id
+    stops = common.stop_token_ids(tokenizer, template, args.stop_token)  # EOS, the turn end, --stop-token
     print(f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
-          f"responses {r} tokens; reward: {args.reward_model or args.reward_fn}")
+          f"responses ≤ {r} tokens, ended by ids {stops}; reward: {args.reward_model or args.reward_fn}")
 
-    # Policy trainable; reference = frozen copy of its initial values (with LoRA: the zero-init adapters,
-    # i.e. the LoRA-off base); value = a copy of the reward model (Huang et al.), else of the policy + a zero head.
+    # Policy trainable; reference = frozen copy of its initial values (with LoRA: the LoRA-off base);
+    # value = a copy of the reward model (Huang et al.), else of the policy + a zero head.
     policy_params, policy_frozen = common.split_variables(backbone)
     ref_params = jax.tree.map(jnp.copy, policy_params)
     value_params, value_frozen = common.split_variables(value_bb)  # the scorer keeps the reward model's as loaded
@@ -409,18 +439,17 @@ def main(args):
     # --resume: params, optimizer state, sampling key, mini-batch shuffler (the prompt order is a function of the step)
     (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
                                                      {"rng": rng.bit_generator.state})
-    # the key through the host: restored, it is committed to one device, and the sampler's other
-    # arguments span the mesh (jit refuses the mix on every multi-device run)
+    # the key through the host: restored, it sits on one device, which jit refuses beside mesh-wide inputs
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, eos, pad))
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, stops,
+                                                      pad))
     stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, query_length(b),
                                                            args.temperature))
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: advantages_of(s, lp, rlp, v, sl, args))
     step_fn = remat.jit(lambda s, f, b: train_step(models, optimizer, args, s, f, b, query_length(b)),
-                        donate_argnums=0,
-                        out_shardings=(state_shardings, common.replicated(run.mesh)))
+                        donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
     run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
@@ -432,22 +461,23 @@ def main(args):
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
     for step in run.steps(learning_rate=lambda s: schedule(s * args.num_ppo_epochs * args.num_mini_batches),
-                          summed=("charts/generated_tokens",),
-                          show=("objective/scores", "objective/kl")):
+                          summed=("charts/generated_tokens",), show=("objective/scores", "objective/kl")):
         ticks, idx = [time.perf_counter()], order[step * args.batch_size:(step + 1) * args.batch_size]
-        # rollout: sample responses to a batch of prompts, cut them after the first EOS
+        # rollout: sample responses to a batch of prompts, cut them after the first stop token
         key, gen_key = jax.random.split(key)
         batch, sequence_lengths = rollout(gen_fn, state[0].policy, frozen.policy, queries[idx], query_mask[idx],
-                                          gen_key, eos, pad, on_data)
+                                          gen_key, stops, pad, on_data)
         qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
         # rewards: a score per response (1), minus the missing-EOS penalty; log-probs of policy and reference; values
-        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb)
+        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb, stops)
         scores, _ = scorer([prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids,
                            common.turn_end(template))
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * common.put_global(np.float32(~has_eos), on_data)
         logprobs, ref_logprobs, values = stats_fn(state[0], ref_params, frozen, batch)
+        # mismatch/*: the sampler's log q against the first forward of the weights that sampled
+        meter = mismatch(logprobs, batch.pop("sampler_logps"), batch["padding_mask"][:, qb:])
         # advantages: per-token KL-penalised rewards (2) -> GAE (3) -> whitening
         advantages, returns, objective = adv_fn(scores, logprobs, ref_logprobs, values, sequence_lengths)
         batch.update(logprobs=logprobs, values=values, advantages=advantages, returns=returns)
@@ -457,11 +487,11 @@ def main(args):
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_ppo_epochs, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        # generate tokens/s counts the tokens sampled up to and with each EOS (all R without one); tokens/s
-        # and MFU count real tokens: those and each prompt's, of B·(Qb+R) padded (charts/padding_fraction)
+        # generate tokens/s: the tokens sampled, through each stop token (all R without one); tokens/s and
+        # MFU count real tokens: those and each prompt's, of B·(Qb+R) padded (charts/padding_fraction)
         real = int(query_mask[idx].sum() + (lengths + has_eos).sum())
         run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())), **objective,
-                 "val/num_eos_tokens": float(has_eos.sum()),
+                 **meter, "val/num_eos_tokens": float(has_eos.sum()),
                  "charts/generate_compilations": float(gen_fn._cache_size()),
                  "charts/query_padding_fraction": float(1 - query_mask[idx].sum() / (len(idx) * qb))},
                 tokens=real, padded=len(idx) * (qb + r), flops=real * flops_per_token)

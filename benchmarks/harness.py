@@ -572,7 +572,7 @@ def grpo_rollout(module, args, backbone, mesh, rng, vocab, advantages=group_adva
         t0 = time.perf_counter()
         batch, lengths = module.rollout(gen_fn, state[0], extra["frozen"], queries, query_mask, key, EOS, 0, on_data)
         t1 = plumbing.synced(batch)
-        texts, ids = module.decode(tokenizer, batch, lengths, q)[:2]
+        texts, ids = module.decode(tokenizer, batch, lengths, q, (EOS,))[:2]
         rewards = common.to_host(scorer(prompts, texts, batch, [{"prompt": p} for p in prompts], ids)[0])
         batch["advantages"] = common.put_global(jax.device_get(advantages(module, jnp.asarray(rewards), args)),
                                                 on_data)

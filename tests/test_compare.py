@@ -47,12 +47,12 @@ def test_sequence_kl_by_hand_numpy_and_masking():
     assert (sequence_kl(jnp.array(a), jnp.array(a), jnp.array(m)) == 0).all()  # identical models: exactly 0
 
 
-def test_response_lengths_exclude_eos():
-    eos = 1
-    responses = np.array([[5, 1, 0, 0], [5, 6, 7, 8], [1, 0, 0, 0]])
-    lengths, has_eos = response_lengths(responses, np.array([1, 3, 0]), eos)
-    np.testing.assert_array_equal(lengths, [1, 4, 0])  # no EOS: all R tokens count
-    np.testing.assert_array_equal(has_eos, [True, False, True])
+def test_response_lengths_exclude_the_stop_token():
+    stops = (1, 9)  # EOS and a turn end
+    responses = np.array([[5, 1, 0, 0], [5, 6, 7, 8], [1, 0, 0, 0], [5, 6, 9, 0]])
+    lengths, has_eos = response_lengths(responses, np.array([1, 3, 0, 2]), stops)
+    np.testing.assert_array_equal(lengths, [1, 4, 0, 2])  # no stop token: all R tokens count
+    np.testing.assert_array_equal(has_eos, [True, False, True, True])
 
 
 # ---------------------------------------------------------------------------
@@ -364,7 +364,7 @@ def test_evaluate_pads_each_batch_to_its_own_bucket(tmp_path):
     on_data = NamedSharding(mesh, P("data"))
     for i in range(2):  # the run-wide width, as before buckets
         rows_i = slice(8 * i, 8 * i + 8)
-        wide, _ = policy.fns["sampled"](policy.params, policy.frozen, jax.device_put(data["queries"][rows_i], on_data),
-                                        jax.device_put(data["query_mask"][rows_i], on_data), jax.random.fold_in(key, i))
-        wide, _ = evaluate.truncate_response(wide, data["eos"], data["pad"])
+        wide = policy.fns["sampled"](policy.params, policy.frozen, jax.device_put(data["queries"][rows_i], on_data),
+                                     jax.device_put(data["query_mask"][rows_i], on_data), jax.random.fold_in(key, i))[0]
+        wide, _ = evaluate.truncate_response(wide, data["stops"], data["pad"])
         np.testing.assert_array_equal(out["responses"][rows_i], np.asarray(wide))

@@ -9,7 +9,8 @@ import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP_DIRS = {"runs", "__pycache__", "node_modules"}  # plus every dot-directory (.git, .venv, …)
-SECTIONS = ("Files", "Flags", "Outputs", "Lifecycle", "Mesh", "FLOPs", "Metrics", "Compilation cache")
+SECTIONS = ("Files", "Flags", "Outputs", "Lifecycle", "Mesh", "FLOPs", "Metrics", "Sampling",
+            "Compilation cache")
 
 
 def read(*path):

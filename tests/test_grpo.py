@@ -137,10 +137,13 @@ def test_sigterm_then_resume_equals_uninterrupted(weighted):
 
 def test_two_processes_match_one(tmp_path):
     """jax.distributed with 2 processes × 4 CPU devices == 1 process × 8 devices: the rollout goes
-    in with put_global and comes out with to_host (an allgather), the same rows are logged."""
+    in with put_global and comes out with to_host (an allgather), the same rows are logged. β = 0: at
+    step 1 the policy is the reference, the k3 KL's gradient is float noise (the two collectives round
+    differently), and Adam scales noise up to full-size steps; tiny's completions that end at its turn end
+    (<end_of_turn>) give step 1 real tokens, where before every one was cut and masked."""
     flags = [sys.executable, os.path.join(ROOT, "grpo.py"), "--model", "tiny", "--max-steps", "2",
              "--batch-size", "16", "--num-generations", "4", "--response-length", "8", "--num-mini-batches", "2",
-             "--mask-truncated-completions", "--sample-every", "0", "--seed", "5", *TINY]
+             "--mask-truncated-completions", "--sample-every", "0", "--seed", "5", *TINY, "--beta", "0"]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=env_with_devices(8),
                    timeout=600)  # first: the pair then has the cores to itself

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import keras
 
 SCRIPTS = ("grpo", "ppo", "rloo")  # evaluate.py's is grpo.py's (test_evaluate_samples_with_grpos_sampler)
-FILTERING = ("grpo", "rloo")  # ppo.py samples with temperature only, as TRL's PPOConfig
+FILTERING = ("grpo", "rloo", "ppo")  # ppo.py samples at temperature only, as TRL's PPOConfig, with the same functions
 
 
 # ---------------------------------------------------------------------------
@@ -147,7 +147,7 @@ def test_early_stop_samples_the_fixed_length_tokens_and_ends_when_all_have_ended
     ends = []
     for k in range(2):  # two batches of one shape: other prompts (rows rolled), another key
         qs, qm, key = np.roll(queries, k, 0), np.roll(query_mask, k, 0), jax.random.key(k)
-        tokens, steps = jax.device_get(new(params, qs, qm, key))
+        tokens, steps = jax.device_get(new(params, qs, qm, key))[:2]  # grpo, ppo, rloo: and their log q
         expected, first_eos = jax.device_get(module.truncate_response(old(params, qs, qm, key), eos, pad))
         # the same tokens up to and with each EOS, PAD after it: what truncate_response made of them before
         np.testing.assert_array_equal(tokens, expected)
@@ -189,8 +189,216 @@ def test_evaluate_samples_with_grpos_sampler():
     key = jax.random.key(7)
     out = evaluate.respond(policy, data, "sampled", key, 8, mesh)  # greedy: the same call at temperature 0
     sample = functools.partial(grpo.generate, policy.model.backbone, response_length=6, temperature=1.0,
-                               eos_id=data["eos"], pad_id=data["pad"], top_k=5, top_p=0.9)
-    tokens, _ = jax.jit(sample)(policy.params, policy.frozen, queries, query_mask, jax.random.fold_in(key, 0))
-    expected, _ = grpo.truncate_response(tokens, data["eos"], data["pad"])
+                               stop_ids=data["stops"], pad_id=data["pad"], top_k=5, top_p=0.9)
+    tokens, _, _ = jax.jit(sample)(policy.params, policy.frozen, queries, query_mask, jax.random.fold_in(key, 0))
+    expected, _ = grpo.truncate_response(tokens, data["stops"], data["pad"])
     np.testing.assert_array_equal(out["responses"], np.asarray(expected))
     assert len({tuple(r) for r in out["responses"]}) > 1  # sampled: the prompts' responses differ
+
+
+# ---------------------------------------------------------------------------
+# filtered_logps: the log-probs of the distribution sampled from (hand-computed, ties, float64, as before)
+# ---------------------------------------------------------------------------
+RL = ("grpo", "rloo", "ppo")
+
+
+def test_the_three_samplers_are_one_copy():
+    """grpo.py, rloo.py and ppo.py each keep the sampler (forkable alone), and keep it the same."""
+    import inspect
+    names = ("filter_logits", "filtered_logps", "generate", "truncate_response", "response_logps", "mismatch",
+             "rollout", "decode")
+    grpo, rloo, ppo = (importlib.import_module(s) for s in RL)
+    for name in names:
+        assert inspect.getsource(getattr(grpo, name)) == inspect.getsource(getattr(rloo, name)) \
+            == inspect.getsource(getattr(ppo, name)), name
+
+
+@pytest.mark.parametrize("script", RL)
+def test_filtered_logps_renormalise_over_the_kept_tokens(script):
+    filtered_logps = importlib.import_module(script).filtered_logps
+    logits = jnp.asarray(np.log(P5)[None].repeat(5, 0), jnp.float32)  # [5, V=5]: one row per token scored
+    tokens = jnp.arange(5)
+    lq = lambda t=1.0, **f: np.asarray(filtered_logps(logits, tokens, t, **f)[0], np.float64)
+    entropy = lambda t=1.0, **f: np.asarray(filtered_logps(logits, tokens, t, **f)[1], np.float64)
+    # filters off: log P5, entropy −Σ p log p
+    np.testing.assert_allclose(lq(), np.log(P5), rtol=1e-6)
+    np.testing.assert_allclose(entropy()[0], -np.sum(P5 * np.log(P5)), rtol=1e-6)
+    # top-p 0.8 keeps tokens 1, 3, 4 (test_filter_logits_keeps_the_hand_computed_tokens), mass 0.40 + 0.25 +
+    # 0.20 = 0.85: q = p / 0.85. A token outside (0, 2) is scored as if kept too: p / (0.85 + p)
+    q = np.array([0.05 / 0.90, 0.40 / 0.85, 0.10 / 0.95, 0.25 / 0.85, 0.20 / 0.85])
+    np.testing.assert_allclose(lq(top_p=0.8), np.log(q), rtol=1e-6)
+    kept = np.array([0.40, 0.25, 0.20]) / 0.85
+    np.testing.assert_allclose(entropy(top_p=0.8)[1], -np.sum(kept * np.log(kept)), rtol=1e-6)
+    # temperature 2 then top-k 2: q ∝ √p over tokens 1 and 3: √0.40 / (√0.40 + √0.25)
+    np.testing.assert_allclose(lq(2.0, top_k=2)[[1, 3]], np.log(np.sqrt([0.40, 0.25]) / (0.4 ** 0.5 + 0.5)),
+                               rtol=1e-6)
+    # direction: raising token 3's logit raises its log q and lowers token 1's, under the filter too
+    up = np.asarray(filtered_logps(logits.at[:, 3].add(0.1), tokens, 1.0, top_p=0.8)[0])
+    assert up[3] > lq(top_p=0.8)[3] and up[1] < lq(top_p=0.8)[1]
+
+
+@pytest.mark.parametrize("flags", [{"top_k": 1}, {"top_p": 0.5}, {"top_p": 0.3}, {"top_k": 1, "min_p": 0.9}])
+def test_ties_at_the_cut_stay_in_sampling_and_in_scoring(flags):
+    """p = (0.3, 0.3, 0.2, 0.2): top-k 1 keeps both 0.3s (a tie with the k-th); top-p 0.5 drops while the
+    ascending sum stays ≤ 0.5 (0.2, 0.4) and top-p 0.3 while ≤ 0.7 (0.2, 0.4, 0.7: the cut falls inside
+    the tie), and each keeps both 0.3s. The sampler draws from filter_logits' support, filtered_logps gives
+    each of its tokens q = 0.3 / 0.6 = 1/2: over that support the renormalised probabilities sum to 1."""
+    import grpo
+    logits = jnp.log(jnp.array([[0.3, 0.3, 0.2, 0.2]] * 4, jnp.float32))
+    support = np.isfinite(np.asarray(grpo.filter_logits(logits, **flags)))[0]
+    assert support.tolist() == [True, True, False, False]
+    logq = np.asarray(grpo.filtered_logps(logits, jnp.arange(4), 1.0, **flags)[0])
+    np.testing.assert_allclose(logq[:2], np.log(0.5), rtol=1e-6)
+    np.testing.assert_allclose(np.exp(logq[support]).sum(), 1.0, rtol=1e-6)
+    draws = jax.random.categorical(jax.random.key(0), grpo.filter_logits(logits[:1], **flags), shape=(400,))
+    assert set(np.asarray(draws).tolist()) == {0, 1}  # both tied tokens are sampled, nothing else
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(0.7, 0, 0.9, None), (1.0, 10, 1.0, None),
+                                                             (1.3, 0, 1.0, 0.1), (0.9, 20, 0.7, 0.05)])
+def test_filtered_logps_match_a_float64_numpy_rederivation(temperature, top_k, top_p, min_p):
+    import grpo
+    rng = np.random.default_rng(1)
+    logits = rng.normal(0, 2, (32, 64)).astype(np.float32)  # [B, V]
+    kept = transformers_filters64(logits / np.float64(temperature), top_k, top_p, min_p)
+    q = softmax64(kept)
+    tokens = np.array([rng.choice(64, p=row) for row in q])  # sampled from q: always inside its support
+    tokens[:4] = np.argmin(logits[:4], -1)  # the least likely: outside it (counted as kept, p / (Z + p))
+    with_token = np.where(np.arange(64) == tokens[:, None], logits / np.float64(temperature), kept)
+    expected = (with_token - np.log(np.exp(with_token).sum(-1, keepdims=True)))[np.arange(32), tokens]
+    logq, entropy = jax.device_get(grpo.filtered_logps(jnp.asarray(logits), jnp.asarray(tokens), temperature,
+                                                       top_k, top_p, min_p))
+    np.testing.assert_allclose(logq, expected, rtol=1e-5, atol=1e-5)
+    p = softmax64(with_token)
+    np.testing.assert_allclose(entropy, -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0), -1),
+                               rtol=1e-5, atol=1e-5)
+    # and the gradient stays finite where tokens are dropped (-inf logits): 0 · -inf is kept out
+    grad = jax.grad(lambda x: grpo.filtered_logps(x, jnp.asarray(tokens), temperature, top_k, top_p,
+                                                  min_p)[1].sum())(jnp.asarray(logits))
+    assert np.isfinite(np.asarray(grad)).all()
+
+
+def test_filters_off_give_todays_log_probs_bit_for_bit():
+    """At top-k 0, top-p 1, min-p None: the arithmetic the scripts had before (log-softmax of logits / T
+    and its entropy), to the last bit, so an unfiltered run computes what it did."""
+    import grpo
+    logits = jnp.asarray(np.random.default_rng(2).normal(0, 3, (16, 320)), jnp.float32)
+    tokens = jnp.asarray(np.random.default_rng(3).integers(0, 320, 16))
+
+    def before(logits, y):  # the position() of response_logps before filtered_logps
+        logits = logits / 0.7
+        logz = jax.nn.logsumexp(logits, -1)
+        entropy = logz - jnp.sum(jax.nn.softmax(logits, -1) * logits, -1)
+        return jnp.take_along_axis(logits, y[:, None], -1)[:, 0] - logz, entropy
+
+    now = jax.jit(lambda x, y: grpo.filtered_logps(x, y, 0.7))(logits, tokens)
+    for a, b in zip(jax.device_get(now), jax.device_get(jax.jit(before)(logits, tokens))):
+        np.testing.assert_array_equal(a, b)
+
+
+# ---------------------------------------------------------------------------
+# the mismatch meter: the sampler's own log q against the trainer's forward of the same weights
+# ---------------------------------------------------------------------------
+@pytest.mark.parametrize("flags", [{"top_p": 0.8}, {"top_k": 5}])
+def test_the_sampler_and_the_trainer_take_the_same_distribution(flags, tiny):
+    """mismatch/ratio_mean is 1 within 1e-5 and ratio_max within 1e-4 at top-p 0.8 and at top-k 5, on 8
+    simulated devices (the batch over `data`) as on 1; with the trainer unfiltered, as TRL and this
+    project's main before, the ratio is the kept mass, far below 1."""
+    import grpo
+    backbone, params, frozen, queries, query_mask, eos, pad = tiny
+    r, q = 12, queries.shape[1]
+
+    def meter(params, queries, query_mask, trainer_flags):
+        tokens, _, logq = grpo.generate(backbone, params, frozen, queries, query_mask, jax.random.key(3), r,
+                                        1.0, (eos,), pad, **flags)
+        responses, lengths = grpo.truncate_response(tokens, (eos,), pad)
+        mask = jnp.arange(r)[None] <= lengths[:, None]
+        ids, padding = jnp.concatenate([queries, responses], 1), jnp.concatenate([query_mask, mask], 1)
+        logps = grpo.response_logps(backbone, params, frozen, ids, padding, q, 1.0, **trainer_flags)[0]
+        return grpo.mismatch(logps, logq, mask)
+
+    on_data = jax.sharding.NamedSharding(common.make_mesh(None), jax.sharding.PartitionSpec("data"))
+    one = jax.devices()[0]
+    for where in (on_data, one):
+        inputs = jax.device_put((params, queries, query_mask),
+                                (None if where is on_data else one, where, where))
+        m = jax.device_get(jax.jit(lambda p, qs, qm: meter(p, qs, qm, flags))(*inputs))
+        assert abs(m["mismatch/ratio_mean"] - 1) < 1e-5 and abs(m["mismatch/ratio_max"] - 1) < 1e-4, m
+        assert abs(m["mismatch/ratio_min"] - 1) < 1e-4 and m["mismatch/frac_outside_10pct"] == 0, m
+    unfiltered = jax.device_get(jax.jit(lambda p, qs, qm: meter(p, qs, qm, {}))(params, queries, query_mask))
+    assert unfiltered["mismatch/ratio_max"] < 0.9, unfiltered
+    assert unfiltered["mismatch/frac_outside_10pct"] == 1, unfiltered
+
+
+# ---------------------------------------------------------------------------
+# stop tokens: EOS, the chat template's turn end, --stop-token
+# ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def chat_tokenizers():
+    """{template: a tokenizer of that family holding its turn end as one token}: tiny's SentencePiece (Gemma's
+    <end_of_turn>), and Llama 3's and Qwen's (ChatML) byte-level BPE kinds learnt from the toy data."""
+    import keras_hub.models as m
+    from helpers import byte_bpe
+    llama3 = byte_bpe(["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
+                       "<|eot_id|>"])
+    chatml = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    return {"gemma": common.tiny_causal_lm(0, "float32").preprocessor.tokenizer,
+            "llama3": m.Llama3Tokenizer(vocabulary=llama3[0], merges=llama3[1]),
+            "chatml": m.QwenTokenizer(*byte_bpe(chatml), unsplittable_tokens=chatml)}
+
+
+def test_stop_token_ids_are_eos_the_turn_end_and_the_flags(chat_tokenizers):
+    for name, tok in chat_tokenizers.items():
+        turn = tok.token_to_id(common.turn_end(common.CHAT_TEMPLATES[name]))
+        stops = common.stop_token_ids(tok, common.CHAT_TEMPLATES[name])
+        assert stops == (tok.end_token_id, turn) and turn != tok.end_token_id, name
+    tiny = chat_tokenizers["gemma"]
+    # --stop-token: a token's text, else an id, each once ("1" is a token here, the digit: id 293); a turn
+    # end that is no single token (tiny's vocabulary and <|eot_id|>) and Mistral's (the EOS) add nothing
+    extra = ("<start_of_turn>", "300", "<start_of_turn>", "1")
+    assert common.stop_token_ids(tiny, common.CHAT_TEMPLATES["gemma"], extra) == (1, 5, 4, 300, 293)
+    assert common.stop_token_ids(tiny, common.CHAT_TEMPLATES["llama3"]) == (1,)
+    assert common.stop_token_ids(tiny, common.CHAT_TEMPLATES["mistral"]) == (1,)
+    assert common.stop_token_ids(tiny, None) == (1,)
+    for bad in ("<|eot_id|>", "320", "-1"):
+        with pytest.raises(common.UsageError, match=f"--stop-token '{bad}': neither a token"):
+            common.stop_token_ids(tiny, None, (bad,))
+
+
+TURN_BIAS = 5.0  # added to the turn end's logit: random `tiny` writes it within a few tokens, then goes on
+
+
+@pytest.mark.parametrize("template", ["gemma", "llama3", "chatml"])
+def test_completions_end_at_the_chats_turn_end(template, chat_tokenizers, tiny, monkeypatch):
+    """A tiny model that writes the turn end and carries on: stopped at EOS only (main before), every
+    completion runs to R; stopped at the template's turn end too, each ends there: the same tokens up to it,
+    PAD after, the loss mask through it, completion_ids and the text before it, clipped_ratio 0."""
+    import grpo
+    backbone, params, frozen, queries, query_mask, _, pad = tiny
+    tok, r = chat_tokenizers[template], 32
+    stops = common.stop_token_ids(tok, common.CHAT_TEMPLATES[template])  # (EOS, the turn end)
+    logits = common.logits
+    monkeypatch.setattr(common, "logits", lambda bb, h: logits(bb, h).at[..., stops[1]].add(TURN_BIAS).at[
+        ..., jnp.array([0, 1])].set(-jnp.inf))  # never an EOS (tiny's is 1, the Qwen tokenizer's 0)
+    gen = jax.jit(lambda p, f, qs, qm, k, s: grpo.generate(backbone, p, f, qs, qm, k, r, 1.0, s, pad))
+    on_data = jax.sharding.NamedSharding(common.make_mesh(None), jax.sharding.PartitionSpec("data"))
+    out = {}
+    for kind, ids in (("eos only", (stops[0],) * 2), ("turn end", stops)):  # one shape: one compilation
+        batch, lengths = grpo.rollout(lambda p, f, qs, qm, k: gen(p, f, qs, qm, k, jnp.asarray(ids)), params,
+                                      frozen, queries, query_mask, jax.random.key(5), ids, pad, on_data)
+        qb = grpo.query_length(batch)
+        out[kind] = (jax.device_get(batch), *grpo.decode(tok, batch, lengths, qb, ids))
+    turn, (batch, texts, ids, lengths, ended) = stops[1], out["turn end"]
+    carried = out["eos only"][0]["query_responses"][:, qb:]
+    assert (carried[:, :r // 2] == turn).any(1).all() and (carried != pad).all()  # wrote it, and went on
+    assert grpo.reward_metrics(np.zeros(8), {}, out["eos only"][3], out["eos only"][4])[
+        "completions/clipped_ratio"] == 1.0
+    responses, mask = batch["query_responses"][:, qb:], batch["response_mask"]
+    assert grpo.reward_metrics(np.zeros(8), {}, lengths, ended)["completions/clipped_ratio"] == 0.0
+    for i in range(8):
+        n = int(np.argmax(carried[i] == turn))  # the first turn end
+        np.testing.assert_array_equal(responses[i, :n + 1], carried[i, :n + 1])  # the same tokens up to it
+        assert (responses[i, n + 1:] == pad).all() and mask[i].tolist() == [j <= n for j in range(r)]
+        assert ids[i] == list(carried[i, :n]) and lengths[i] == n  # completion_ids: the tokens before it
+        assert common.turn_end(common.CHAT_TEMPLATES[template]) not in texts[i]
+    assert gen._cache_size() == 1
