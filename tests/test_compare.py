@@ -243,6 +243,49 @@ def test_test_split_is_disjoint():
     assert not set(test) & (set(held) | set(train)) and not set(held) & set(train)
 
 
+def one_mistake(right, wrong):
+    """wrong is right with one adjacent swap, one digit changed or one digit dropped."""
+    if len(wrong) == len(right) - 1:
+        return any(right[:i] + right[i + 1:] == wrong for i in range(len(right)))
+    diffs = [i for i, (a, b) in enumerate(zip(right, wrong)) if a != b]
+    swap = len(diffs) == 2 and diffs[1] == diffs[0] + 1 and wrong[diffs[0]] == right[diffs[1]] and \
+        wrong[diffs[1]] == right[diffs[0]]
+    return len(wrong) == len(right) and (len(diffs) == 1 or swap)
+
+
+def test_compare_task_data(tmp_path, monkeypatch):
+    """data/compare/: the stated share of demonstrations carries exactly one mistake, every preference pair
+    is ranked by the checker, the splits are disjoint, and the generator rewrites the files byte for byte."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "data"))
+    import generate
+    import toy
+    read = lambda name: [json.loads(line) for line in open(os.path.join(ROOT, "data", "compare", name))]
+    demos = read("sft_train.jsonl")
+    right = [toy.answer(d["prompt"]).split() for d in demos]
+    wrong = [(r, d["completion"].split()) for r, d in zip(right, demos) if d["completion"].split() != r]
+    n, share = len(demos), generate.MISTAKE_SHARE
+    assert n == 4000 and abs(len(wrong) / n - share) < 3 * np.sqrt(share * (1 - share) / n)  # binomial, 3σ
+    assert all(one_mistake(r, w) for r, w in wrong) and not one_mistake(["1", "2"], ["2", "2", "1"])
+    assert all(toy.score(d["prompt"], d["completion"]) == 1.0 for d in read("sft_eval.jsonl"))
+    for split in ("train", "eval"):
+        pairs = read(f"prefs_{split}.jsonl")
+        assert all(toy.score(p["prompt"], p["chosen"]) > toy.score(p["prompt"], p["rejected"]) for p in pairs)
+        kto = read(f"kto_{split}.jsonl")
+        assert [k["completion"] for k in kto] == [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+    lengths = {len(toy.parse_digits(p["prompt"])) for p in read("prompts_test.jsonl")}
+    assert lengths == set(range(generate.COMPARE_LEN[0], generate.COMPARE_LEN[1] + 1))
+    prompts = {s: [p["prompt"] for p in read(f"prompts_{s}.jsonl")] for s in ("train", "eval", "test")}
+    assert len(set(prompts["test"])) == 500 and len(set(prompts["eval"])) == 200
+    assert not set(prompts["test"]) & (set(prompts["eval"]) | set(prompts["train"]))
+    assert not set(prompts["eval"]) & set(prompts["train"])
+    assert [d["prompt"] for d in demos] == prompts["train"]
+    monkeypatch.setattr(generate, "HERE", str(tmp_path))
+    generate.compare_task()
+    for name in os.listdir(os.path.join(ROOT, "data", "compare")):
+        assert (tmp_path / "compare" / name).read_bytes() == open(os.path.join(ROOT, "data", "compare", name),
+                                                                   "rb").read(), name
+
+
 # ---------------------------------------------------------------------------
 # compare.py: plan and end to end
 # ---------------------------------------------------------------------------
