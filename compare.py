@@ -70,10 +70,11 @@ class Args:
     every setting trained with every seed, the best mean greedy task score on --eval-prompts kept and reported
     on --test-prompts; the flag is appended last (it overrides the recipe and --<method>-args)"""
     # budgets
-    sft_steps: int = 150
-    """SFT optimizer updates (the base every other method starts from)"""
-    steps: int = 40
-    """optimizer updates of each preference method (dpo, simpo, orpo, kto, --extra): one shared budget"""
+    sft_steps: int = 300
+    """SFT optimizer updates (the base every other method starts from; docs/comparison.md's toy run: 150)"""
+    steps: int = 100
+    """optimizer updates of each preference method (dpo, simpo, orpo, kto, --extra) and of sft+: one shared
+    budget (docs/comparison.md's toy run: 40)"""
     reward_steps: int = 40
     """reward model updates (before PPO)"""
     ppo_steps: int = 20
