@@ -16,9 +16,12 @@ others, so the train and eval files are the same as before the test split existe
 
 data/compare/ holds compare.py's task (docs/compare.md, "The comparison task"): the same sorting, checked by
 toy.py's score, but with signals that differ. Its own RNG (seed 2), so the files above never change with it:
-  sft_{train,eval}.jsonl   demonstrations; in train a share MISTAKE_SHARE carries one mistake (a hurried
-                           annotator: a swapped pair, a changed digit or a dropped one); eval is correct
-  prefs_{train,eval}.jsonl two such annotator answers ranked by the checker: chosen scores higher (ties redrawn)
+  sft_{train,eval}.jsonl   demonstrations; in train about 30% carry one mistake, always the same one (a hurried
+                           annotator's habit: in a share HABIT of the lists with a repeated digit, it is written
+                           once); eval is correct
+  prefs_{train,eval}.jsonl two answers of that annotator, each also slipping (a swapped pair, a changed or a
+                           dropped digit) with probability SLIP, ranked by the checker: chosen scores higher
+                           (ties drawn again)
   kto_{train,eval}.jsonl   the pairs unpaired, as above
   prompts_{train,eval,test}.jsonl  prompt + answer: the RL prompts, the sweep's split, the reported split
 """
@@ -35,8 +38,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MIN_LEN, MAX_LEN = 3, 6
 SIZES = {"train": 4000, "eval": 200, "test": 500}
 COMPARE_LEN = (3, 5)  # digits a list in the comparison task
-MISTAKE_SHARE = 0.3  # share of the comparison task's SFT demonstrations with one mistake
-PAIR_SHARE = 0.5  # share of each answer of a preference pair with one mistake (before ranking)
+HABIT = 0.6  # share of the lists with a repeated digit whose demonstration writes that digit once
+SLIP = 0.5  # share of each answer of a preference pair with one random mistake besides (before ranking)
 
 
 def make_prompt(rng, lengths=(MIN_LEN, MAX_LEN)):
@@ -63,16 +66,23 @@ def corrupt(rng, correct):
     return wrong
 
 
-def annotate(rng, correct, share):
-    """A hurried annotator's answer: with probability `share` one mistake (corrupt), else the sorted list."""
-    return corrupt(rng, correct) if rng.random() < share else list(correct)
+def annotate(rng, correct, habit, slip):
+    """A hurried annotator's answer: a list with a repeated digit gets that digit once with probability
+    `habit` (the same mistake every time: imitation learns it); otherwise, with probability `slip`, one
+    random mistake (corrupt); else the sorted list."""
+    repeated = [d for i, d in enumerate(correct) if d in correct[:i]]
+    if repeated and rng.random() < habit:
+        wrong = list(correct)
+        wrong.remove(rng.choice(repeated))
+        return wrong
+    return corrupt(rng, correct) if rng.random() < slip else list(correct)
 
 
 def ranked_pair(rng, prompt, correct):
     """Two annotator answers ranked by the checker -> (chosen, rejected), chosen the higher score; a tie
     (both right, or equally wrong) is drawn again, so every pair carries a preference."""
     while True:
-        a, b = annotate(rng, correct, PAIR_SHARE), annotate(rng, correct, PAIR_SHARE)
+        a, b = annotate(rng, correct, HABIT, SLIP), annotate(rng, correct, HABIT, SLIP)
         sa, sb = score(prompt, fmt(a)), score(prompt, fmt(b))
         if sa != sb:
             return (a, b) if sa > sb else (b, a)
@@ -107,8 +117,8 @@ def compare_task():
     for split in ("train", "eval"):
         ps = prompts[split]
         answers = [sorted(int(d) for d in p.split()[1:]) for p in ps]
-        share = MISTAKE_SHARE if split == "train" else 0.0
-        write(f"compare/sft_{split}.jsonl", [{"prompt": p, "completion": fmt(annotate(rng, a, share))}
+        habit = HABIT if split == "train" else 0.0
+        write(f"compare/sft_{split}.jsonl", [{"prompt": p, "completion": fmt(annotate(rng, a, habit, 0.0))}
                                              for p, a in zip(ps, answers)])
         pairs = [ranked_pair(rng, p, a) for p, a in zip(ps, answers)]
         prefs = [{"prompt": p, "chosen": fmt(c), "rejected": fmt(r)} for p, (c, r) in zip(ps, pairs)]

@@ -339,29 +339,26 @@ def test_test_split_is_disjoint():
     assert not set(test) & (set(held) | set(train)) and not set(held) & set(train)
 
 
-def one_mistake(right, wrong):
-    """wrong is right with one adjacent swap, one digit changed or one digit dropped."""
-    if len(wrong) == len(right) - 1:
-        return any(right[:i] + right[i + 1:] == wrong for i in range(len(right)))
-    diffs = [i for i, (a, b) in enumerate(zip(right, wrong)) if a != b]
-    swap = len(diffs) == 2 and diffs[1] == diffs[0] + 1 and wrong[diffs[0]] == right[diffs[1]] and \
-        wrong[diffs[1]] == right[diffs[0]]
-    return len(wrong) == len(right) and (len(diffs) == 1 or swap)
-
-
 def test_compare_task_data(tmp_path, monkeypatch):
-    """data/compare/: the stated share of demonstrations carries exactly one mistake, every preference pair
-    is ranked by the checker, the splits are disjoint, and the generator rewrites the files byte for byte."""
+    """data/compare/: the annotator's habit (a repeated digit written once) in the stated share of the lists
+    that have one, and no other mistake in the demonstrations; every preference pair ranked by the checker;
+    disjoint splits; the generator rewrites the files byte for byte."""
     monkeypatch.syspath_prepend(os.path.join(ROOT, "data"))
     import generate
     import toy
     read = lambda name: [json.loads(line) for line in open(os.path.join(ROOT, "data", "compare", name))]
     demos = read("sft_train.jsonl")
     right = [toy.answer(d["prompt"]).split() for d in demos]
-    wrong = [(r, d["completion"].split()) for r, d in zip(right, demos) if d["completion"].split() != r]
-    n, share = len(demos), generate.MISTAKE_SHARE
-    assert n == 4000 and abs(len(wrong) / n - share) < 3 * np.sqrt(share * (1 - share) / n)  # binomial, 3σ
-    assert all(one_mistake(r, w) for r, w in wrong) and not one_mistake(["1", "2"], ["2", "2", "1"])
+    repeated = [(r, d["completion"].split()) for r, d in zip(right, demos) if len(set(r)) < len(r)]
+    wrong = [(r, w) for r, w in repeated if w != r]
+    n, habit = len(repeated), generate.HABIT
+    assert len(demos) == 4000 and abs(len(wrong) / n - habit) < 3 * np.sqrt(habit * (1 - habit) / n)  # 3σ
+    assert all(toy.answer(d["prompt"]).split() == d["completion"].split() for d in demos
+               if len(set(toy.parse_digits(d["prompt"]))) == len(toy.parse_digits(d["prompt"])))
+    # each wrong one: a repeated digit written once, i.e. the sorted list with one copy of it removed
+    drop = lambda r, w: any(r[:i] + r[i + 1:] == w for i in range(len(r)) if r[i] in r[:i] + r[i + 1:])
+    assert all(drop(r, w) for r, w in wrong) and not drop(["1", "2", "3"], ["1", "3"])
+    assert 0.25 < len(wrong) / len(demos) < 0.35  # the share docs/compare.md states: about 30%
     assert all(toy.score(d["prompt"], d["completion"]) == 1.0 for d in read("sft_eval.jsonl"))
     for split in ("train", "eval"):
         pairs = read(f"prefs_{split}.jsonl")
