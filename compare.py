@@ -270,8 +270,8 @@ def plan(args, output_dir):
                 name = "/".join(filter(None, [row, tag(setting), f"seed{seed}"]))
                 flags = (["--max-steps", str(steps)] if steps else []) + ([] if row in CONTROL else lr)
                 needs = sft + ([f"reward/seed{seed}"] if on_rm else []) + (ran if not steps else [])
-                stages.append(stage(name, row, path, recipe, base, flags + seed_flags(seed), seed, extra, needs,
-                                    setting))
+                stages.append(stage(name, row, path, recipe, base, flags + seed_flags(seed), seed, extra,
+                                    needs, setting))
     return stages, base, seeds, grid
 
 
@@ -467,7 +467,7 @@ def row_stats(arrays, base_arrays):
 # Report: the table (markdown), the picture
 # ---------------------------------------------------------------------------
 def verdict(delta, name):
-    """(Δ, ±) against `name` -> 'beats name (Δ …)', 'within noise of name (Δ … covers 0)', 'below name (Δ …)'."""
+    """(Δ, ±) against `name` -> 'beats name (Δ …)', 'within noise of name (… covers 0)' or 'below …'."""
     d, h = delta
     if d - h > 0:
         return f"beats {name} (Δ {d:+.3f} ± {h:.3f})"
@@ -511,9 +511,9 @@ def fmt(v, digits=3):
 
 def table(rows, base_name, with_rm):
     """rows: [(name, stats or None, cost [tokens trained, generated, FLOPs, wall s], note)] -> markdown."""
-    cols = ["method", "task score", f"Δ vs {base_name} (paired)", "Δ vs control (paired)", "sampled score"] + (
-        ["RM score"] if with_rm else []) + [f"win rate vs {base_name}", f"KL from {base_name}", "length",
-                                            "tokens trained", "tokens generated", "FLOPs", "wall time", "notes"]
+    cols = ["method", "task score", f"Δ vs {base_name} (paired)", "Δ vs control (paired)", "sampled score"]
+    cols += (["RM score"] if with_rm else []) + [f"win rate vs {base_name}", f"KL from {base_name}", "length",
+                                                 "tokens trained", "tokens generated", "FLOPs", "wall time", "notes"]
     keys = ["score", "delta", "score_sampled"] + (["rm_score"] if with_rm else []) + ["win", "kl", "length"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 2) + ["---"]) + "|"]
     for name, st, cost, text in rows:
@@ -736,12 +736,13 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
         rows.append((name, metrics, on_rm))
     rows = [(f"{n} (`{kept[n]}`)" if n in kept else n, stats.get(n), costs.get(n, [np.nan] * 3 + [0.0]),
              note(n, stats[n], base_name, stats[base_name], m, on_rm) if n in stats
-             else f"failed or skipped: see {n}/*.log") for n, m, on_rm in rows]  # a row's control may follow it
+             else f"failed or skipped: see {n}/*.log") for n, m, on_rm in rows]  # controls may come later
     accs = [[r["eval/accuracy"] for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
              if "eval/accuracy" in r][-1:] for x in seeds]
     accs = sum(accs, [])  # each reward model's last held-out accuracy
+    reward_acc = float(np.mean(accs)) if accs else None
     return write_report(args, output_dir, stages, rows, stats, costs, (curves, score_curves), sweep,
-                        base_name, float(np.mean(accs)) if accs else None, seeds, time.perf_counter() - t_start)
+                        base_name, reward_acc, seeds, time.perf_counter() - t_start)
 
 
 if __name__ == "__main__":
