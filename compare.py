@@ -512,8 +512,8 @@ def fmt(v, digits=3):
 def table(rows, base_name, with_rm):
     """rows: [(name, stats or None, cost [tokens trained, generated, FLOPs, wall s], note)] -> markdown."""
     cols = ["method", "task score", f"Δ vs {base_name} (paired)", "Δ vs control (paired)", "sampled score"]
-    cols += (["RM score"] if with_rm else []) + [f"win rate vs {base_name}", f"KL from {base_name}", "length",
-                                                 "tokens trained", "tokens generated", "FLOPs", "wall time", "notes"]
+    cols += (["RM score"] if with_rm else []) + [f"win rate vs {base_name}", f"KL from {base_name}", "length"]
+    cols += ["tokens trained", "tokens generated", "FLOPs", "wall time", "notes"]
     keys = ["score", "delta", "score_sampled"] + (["rm_score"] if with_rm else []) + ["win", "kl", "length"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 2) + ["---"]) + "|"]
     for name, st, cost, text in rows:
