@@ -567,8 +567,10 @@ def plot(curves, stats, costs, base_name, temperature, path):
         k = min(len(r) for r in runs)
         if k:
             xy = np.stack([r[:k] for r in runs])  # [seeds, points, (FLOPs, score)]
-            x, y = sft_flops + xy[..., 0].mean(0), xy[..., 1]
-            ax.plot(x, y.mean(0), lw=1, label=f"{n}: sampled, training prompts")
+            w = max(1, k // 10)  # a running mean over a tenth of the run: 8 prompts a batch are noisy
+            y = np.stack([np.convolve(v, np.ones(w) / w, "valid") for v in xy[..., 1]])
+            x = sft_flops + xy[..., 0].mean(0)[w - 1:]
+            ax.plot(x, y.mean(0), lw=1, label=f"{n}: sampled, training prompts (running mean)")
             ax.fill_between(x, y.min(0), y.max(0), alpha=0.2)
     ax.set(xscale="log", xlabel=FLOPS_LABEL, ylabel="task score (points: greedy, test split)")
     ax.set_title("score against compute", fontsize=10), ax.legend(fontsize=8), fig.tight_layout()
