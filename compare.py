@@ -1,14 +1,16 @@
-"""Compare post-training recipes on one base: SFT, then DPO, SimPO, ORPO, KTO, reward model + PPO, GRPO.
+"""Compare post-training recipes on one base: SFT, then DPO, SimPO, ORPO, KTO, reward model + PPO, GRPO, RLOO.
 
 Every script runs through its real CLI (a subprocess), so a forked script slots in by name
 (`--extra mydpo.py`); every resulting model is scored with evaluate.py's protocol against
-the SFT model, over --seeds seeds, with paired 95% intervals; --sweep picks settings on the eval split,
-the table reports the test split. Writes comparison.md (table, sweep, costs) and comparison.png.
+the SFT model and against a compute-matched continued-SFT control (sft+, sft+rl), over --seeds seeds, with
+paired 95% intervals; --sweep picks settings on the eval split, the table reports the test split. Writes
+comparison.md (table, sweep, costs) and comparison.png (scores, and the task score against training FLOPs).
     python compare.py --model gemma_2b --sft-args="--dataset sft.jsonl" --dpo-args="--dataset prefs.jsonl"
-Offline, the toy task on the `tiny` model (minutes a seed on a laptop-class CPU):
-    python compare.py --model tiny --seeds 3 --sweep dpo.learning_rate=1e-5,5e-5
+Offline, the bundled comparison task (data/compare/, docs/compare.md) on the `tiny` model:
+    python compare.py --model tiny --seeds 3 --sweep dpo.learning_rate=5e-5,1e-4
 """
 
+import dataclasses
 import json
 import math
 import os
@@ -27,8 +29,10 @@ import common  # noqa: E402  (data files, reward functions, mesh; JAX's devices 
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
-METHODS = ("sft", "dpo", "simpo", "orpo", "kto", "ppo", "grpo", "rloo")
+METHODS = ("sft", "sft+", "dpo", "simpo", "orpo", "kto", "ppo", "grpo", "rloo", "sft+rl")
 PREFERENCE = ("dpo", "simpo", "orpo", "kto")  # started from the SFT model on the same preference data
+RL = ("ppo", "ppo_fn", "grpo", "rloo")  # rows that sample; the rest read their controls' in CONTROL
+CONTROL = {**{r: "sft+rl" for r in RL}, "sft+": "sft", "sft+rl": "sft"}  # a row's control; others: sft+
 MAIN_METRIC = ("objective/scores", "reward", "train/loss")  # the curve plotted per run: the first one logged
 RepeatedStr = Annotated[tuple[str, ...], tyro.conf.UseAppendAction]  # `--flag a --flag b` -> ("a", "b")
 FLOPS_LABEL = 'training FLOPs (SFT included; docs/design.md, "FLOPs")'  # the score-against-compute x axis
@@ -47,9 +51,15 @@ class Args:
     chat_template: Literal["gemma", "gemma4", "gemma4_large", "llama3", "mistral", "chatml", "qwen3.5"] | None = None
     """how chats (message lists) are rendered; None: --model's family's (Gemma 1-3: gemma, Gemma 4: gemma4,
     or gemma4_large at 26B-A4B / 31B, Llama 3: llama3, Mistral: mistral, Qwen 2.5 / 3: chatml, Qwen 3.5: qwen3.5)"""
-    methods: str = "sft,dpo,simpo,orpo,kto,ppo,grpo,rloo"
-    """comma-separated subset of sft,dpo,simpo,orpo,kto,ppo,grpo,rloo (ppo trains a reward model first, see
-    --ppo-reward; grpo and rloo optimise the task score, --reward-fn)"""
+    task: Literal["compare", "toy"] = "compare"
+    """the bundled data every script trains on (with a `tiny`-based --model; any other keeps each script's own
+    flags): `compare`, data/compare/ (imperfect demonstrations, checker-ranked pairs; docs/compare.md); `toy`,
+    the scripts' defaults, data/*.jsonl (all demonstrations correct)"""
+    methods: str = "sft,sft+,dpo,simpo,orpo,kto,ppo,grpo,rloo,sft+rl"
+    """comma-separated subset of sft,sft+,dpo,simpo,orpo,kto,ppo,grpo,rloo,sft+rl (ppo trains a reward model
+    first, see --ppo-reward; grpo and rloo optimise the task score, --reward-fn); the controls: sft+ continues
+    SFT from the base for --steps updates of twice the preference batch (the same steps and about the same
+    tokens as a preference row), sft+rl the same but for as many updates as match the RL rows' logged FLOPs"""
     extra: tuple[str, ...] = ()
     """forked scripts (e.g. mydpo.py), each run like dpo from the SFT model; the row is the file's name"""
     seeds: int = 3
@@ -60,10 +70,11 @@ class Args:
     every setting trained with every seed, the best mean greedy task score on --eval-prompts kept and reported
     on --test-prompts; the flag is appended last (it overrides the recipe and --<method>-args)"""
     # budgets
-    sft_steps: int = 150
-    """SFT optimizer updates (the base every other method starts from)"""
-    steps: int = 40
-    """optimizer updates of each preference method (dpo, simpo, orpo, kto, --extra): one shared budget"""
+    sft_steps: int = 300
+    """SFT optimizer updates (the base every other method starts from; docs/comparison.md's toy run: 150)"""
+    steps: int = 100
+    """optimizer updates of each preference method (dpo, simpo, orpo, kto, --extra) and of sft+: one shared
+    budget (docs/comparison.md's toy run: 40)"""
     reward_steps: int = 40
     """reward model updates (before PPO)"""
     ppo_steps: int = 20
@@ -74,15 +85,16 @@ class Args:
     rloo_steps: int = 100
     """RLOO iterations (as GRPO's: 8 prompts × 8 completions + one update each)"""
     learning_rate: float = 5e-5
-    """peak learning rate of every method after SFT (dpo, simpo, orpo, kto, --extra, ppo, grpo, rloo); the
-    other fixed flags of the recipe are in RECIPE (the scripts' defaults are TRL's, for real pretrained models)"""
+    """peak learning rate of every method after SFT (dpo, simpo, orpo, kto, --extra, ppo, grpo, rloo; the
+    controls keep SFT's final one, RECIPE's sft+); the other fixed flags of the recipe are in RECIPE (the
+    scripts' defaults are TRL's, for real pretrained models)"""
     ppo_reward: Literal["model", "fn", "both"] = "both"
     """`model`: PPO optimises a reward model trained on the same preference pairs (the same
     information the preference methods get); `fn`: the task score itself (--reward-fn, a
     verifiable reward); `both`: two PPO rows, `ppo` (reward model) and `ppo_fn`"""
     # pass-through flags, appended last (they override compare's choices); write them with `=`
     sft_args: str = ""
-    """extra flags for sft.py, e.g. --sft-args="--learning-rate 5e-4" """
+    """extra flags for sft.py, e.g. --sft-args="--learning-rate 5e-4" (the base and both controls)"""
     dpo_args: str = ""
     """extra flags for dpo.py, e.g. --dpo-args="--beta 0.2 --precompute-ref" """
     simpo_args: str = "--sft-weight 1.0"
@@ -104,10 +116,12 @@ class Args:
     extra_args: str = ""
     """extra flags for every --extra script"""
     # evaluation (evaluate.py's protocol)
-    eval_prompts: str = os.path.join(common.HERE, "data", "prompts_eval.jsonl")
-    """held-out prompts that choose among --sweep settings (the eval split)"""
-    test_prompts: str = os.path.join(common.HERE, "data", "prompts_test.jsonl")
-    """held-out prompts of the reported numbers (the test split: never used to choose anything)"""
+    eval_prompts: str | None = None
+    """held-out prompts that choose among --sweep settings (the eval split); None: --task's
+    prompts_eval.jsonl"""
+    test_prompts: str | None = None
+    """held-out prompts of the reported numbers (the test split: never used to choose anything); None:
+    --task's prompts_test.jsonl"""
     num_prompts: int = 0
     """the first N prompts of each split (0: all: 200 eval, 500 test)"""
     reward_fn: str = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
@@ -135,6 +149,10 @@ class Args:
 COSINE_TO_10 = " --lr-scheduler-type cosine_with_min_lr --min-lr-rate 0.1"  # warmup, then to 10% of the peak
 RECIPE = {
     "sft": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 20 --max-length 512" + COSINE_TO_10,
+    # the controls: SFT continued at the rate its schedule ended on (10% of 1e-3), 64 demonstrations a step
+    # (a preference step's 32 pairs are 64 prompt + answer sequences: the same tokens, tests/test_compare.py)
+    "sft+": "--batch-size 64 --learning-rate 1e-4 --warmup-steps 0 --max-length 512 "
+            "--lr-scheduler-type constant",
     "dpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,
     "simpo": "--batch-size 32 --grad-accum-steps 1 --warmup-steps 5 --max-length 512 --beta 2.0 --gamma 0.5"
              + COSINE_TO_10,
@@ -150,6 +168,27 @@ RECIPE = {
     "rloo": "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 16 --beta 0.01 "
             "--lr-scheduler-type constant_with_warmup",
 }
+# --task compare: each script's data (data/compare/), ahead of the recipe; --task toy: the scripts' defaults.
+TASK_FILES = {"sft": ("sft_train", "sft_eval"), "prefs": ("prefs_train", "prefs_eval"), "kto": ("kto_train",
+              "kto_eval"), "prompts": ("prompts_train", None)}
+TASK_DATA = {"sft": "sft", "sft+": "sft", "sft+rl": "sft", "dpo": "prefs", "simpo": "prefs", "orpo": "prefs",
+             "reward": "prefs", "kto": "kto", "ppo": "prompts", "grpo": "prompts", "rloo": "prompts"}
+
+
+def task_flags(task, model, recipe):
+    """The data flags of one script under --task (its recipe key names it; a fork reads dpo's)."""
+    if task == "toy" or not plumbing.is_toy_model(model):
+        return []
+    path = lambda name: os.path.join(common.HERE, "data", "compare", f"{name}.jsonl")
+    train, held = TASK_FILES[TASK_DATA[recipe]]
+    return ["--dataset", path(train)] + (["--eval-dataset", path(held)] if held else [])
+
+
+def task_prompts(args):
+    """(eval prompts, test prompts): the flags', or --task's held-out splits."""
+    folder = os.path.join(common.HERE, "data", "compare" if args.task == "compare" else "")
+    return (args.eval_prompts or os.path.join(folder, "prompts_eval.jsonl"),
+            args.test_prompts or os.path.join(folder, "prompts_test.jsonl"))
 
 
 def parse_sweep(specs, rows):
@@ -191,6 +230,8 @@ def plan(args, output_dir):
         if not path.endswith(".py") or not os.path.exists(path) or name in METHODS + ("reward",):
             raise plumbing.UsageError(f"--extra {path}: expected an existing script whose name is not a built-in")
         rows.append((name, os.path.abspath(path), "dpo", args.steps, lambda s: [], args.extra_args, False))
+    if "sft+" in methods:  # the preference rows' control: their steps, their tokens (RECIPE's sft+)
+        rows.append(("sft+", script("sft"), "sft+", args.steps, lambda s: [], args.sft_args, False))
     if "ppo" in methods and args.ppo_reward in ("model", "both"):
         rows.append(("ppo", script("ppo"), "ppo", args.ppo_steps, lambda s: ["--reward-model", rm_dir(s)],
                      args.ppo_args, True))
@@ -203,6 +244,8 @@ def plan(args, output_dir):
     if "rloo" in methods:
         rows.append(("rloo", script("rloo"), "rloo", args.rloo_steps, lambda s: ["--reward-fn", args.reward_fn],
                      args.rloo_args, False))
+    if "sft+rl" in methods and any(r[0] in RL for r in rows):  # steps: matched_steps, once the RL rows ran
+        rows.append(("sft+rl", script("sft"), "sft+", None, lambda s: [], args.sft_args, False))
     grid = parse_sweep(args.sweep, [r[0] for r in rows])
     template = ["--chat-template", args.chat_template] if args.chat_template else []
 
@@ -210,7 +253,8 @@ def plan(args, output_dir):
         setting = setting or {}
         swept = [x for k, v in setting.items() for x in ("--" + k.replace("_", "-"), v)]
         return {"name": name, "row": row, "setting": tag(setting), "seed": seed, "script": script, "needs": needs,
-                "flags": ["--model", model] + flags + shlex.split(RECIPE[recipe]) + ["--seed", str(seed)] + template
+                "flags": ["--model", model] + flags + task_flags(args.task, args.model, recipe)
+                + shlex.split(RECIPE[recipe]) + ["--seed", str(seed)] + template
                 + ["--output-dir", os.path.join(output_dir, name)] + shlex.split(extra) + swept}
 
     seeds = [args.seed + k for k in range(args.seeds)]
@@ -221,12 +265,28 @@ def plan(args, output_dir):
             stages.append(stage(f"reward/seed{seed}", "reward", script("reward"), "reward", base,
                                 ["--max-steps", str(args.reward_steps), "--normalize"], seed, args.reward_args, sft))
         for row, path, recipe, steps, seed_flags, extra, on_rm in rows:
+            ran = [s["name"] for s in stages if s["seed"] == seed and s["row"] in (RL + ("sft+",))]
             for setting in grid.get(row, [{}]):
                 name = "/".join(filter(None, [row, tag(setting), f"seed{seed}"]))
-                flags = ["--max-steps", str(steps)] + lr + seed_flags(seed)
-                stages.append(stage(name, row, path, recipe, base, flags, seed, extra,
-                                    sft + ([f"reward/seed{seed}"] if on_rm else []), setting))
+                flags = (["--max-steps", str(steps)] if steps else []) + ([] if row in CONTROL else lr)
+                needs = sft + ([f"reward/seed{seed}"] if on_rm else []) + (ran if not steps else [])
+                stages.append(stage(name, row, path, recipe, base, flags + seed_flags(seed), seed, extra,
+                                    needs, setting))
     return stages, base, seeds, grid
+
+
+def matched_steps(output_dir, stage):
+    """sft+rl's updates: the mean logged FLOPs of the runs it needs that sample (its seed's RL rows) over the
+    logged FLOPs of one sft+ update (that seed's sft+ run), rounded, at least 1; raises RunsFailed when there
+    is nothing to match."""
+    runs = [os.path.join(output_dir, n) for n in stage["needs"]]
+    control = [r for r, n in zip(runs, stage["needs"]) if n.split("/")[0] == "sft+"]
+    rl = [run_cost(r)[2] for r, n in zip(runs, stage["needs"]) if n.split("/")[0] in RL]
+    if not control or not rl or not all(np.isfinite(rl)):
+        raise RunsFailed(f"{stage['name']}: no sft+ run or logged RL FLOPs to match ({stage['needs']})")
+    with open(os.path.join(control[0], "args.json")) as f:
+        per_step = run_cost(control[0])[2] / json.load(f)["max_steps"]
+    return max(1, round(float(np.mean(rl)) / per_step))
 
 
 def prepare_output_dir(output_dir, stages, overwrite):
@@ -260,6 +320,16 @@ def main_curve(rows):
             steps, values = zip(*points)
             return name, list(steps), list(values)
     return None, [], []
+
+
+def flops_curve(rows):
+    """(training FLOPs so far, main metric) at each logged point of one run: charts/flops summed up to it."""
+    name, total, points = main_curve(rows)[0], 0.0, []
+    for r in rows:
+        total += r.get("charts/flops", 0.0)
+        if name in r:
+            points.append((total, r[name]))
+    return np.array(points).reshape(-1, 2)
 
 
 def run_cost(run_dir):
@@ -396,17 +466,26 @@ def row_stats(arrays, base_arrays):
 # ---------------------------------------------------------------------------
 # Report: the table (markdown), the picture
 # ---------------------------------------------------------------------------
+def verdict(delta, name):
+    """(Δ, ±) against `name` -> 'beats name (Δ …)', 'within noise of name (… covers 0)' or 'below …'."""
+    d, h = delta
+    if d - h > 0:
+        return f"beats {name} (Δ {d:+.3f} ± {h:.3f})"
+    if d + h >= 0:
+        return f"within noise of {name} (Δ {d:+.3f} ± {h:.3f} covers 0)"
+    return f"below {name} (Δ {d:+.3f} ± {h:.3f})"
+
+
 def note(name, st, base_name, base_st, run_metrics, on_reward_model):
     """One honest line per row: beats the base, within noise of it (the paired interval covers 0), or below
-    it, and then the likely why, read from the numbers (the runs' held-out log-probs, the RM score, KL)."""
+    it, and then the likely why, read from the numbers (the runs' held-out log-probs, the RM score, KL); then
+    the same verdict against the row's compute-matched control, where it ran."""
     if name == base_name:
         return "the base every other method starts from (one model, shared by every seed)"
-    d, h = st["delta"]
-    if d - h > 0:
-        return f"beats {base_name} (Δ {d:+.3f} ± {h:.3f})"
-    if d + h >= 0:
-        return f"within noise of {base_name} (Δ {d:+.3f} ± {h:.3f} covers 0)"
-    head, mean = f"below {base_name} (Δ {d:+.3f} ± {h:.3f}): ", lambda k, b=st: b[k][0]
+    against = f"; {verdict(st['delta_control'], st['control'])}" if "delta_control" in st else ""
+    if st["delta"][0] + st["delta"][1] >= 0:
+        return verdict(st["delta"], base_name) + against
+    head, mean = f"{verdict(st['delta'], base_name)}{against}: ", lambda k, b=st: b[k][0]
     chosen = [[r["eval/logps/chosen"] for r in rows if "eval/logps/chosen" in r] for rows in run_metrics]
     chosen = [c for c in chosen if len(c) >= 2]
     first, last = (np.mean([c[0] for c in chosen]), np.mean([c[-1] for c in chosen])) if chosen else (0, 0)
@@ -434,14 +513,16 @@ def fmt(v, digits=3, top=None):
 
 def table(rows, base_name, with_rm):
     """rows: [(name, stats or None, cost [tokens trained, generated, FLOPs, wall s], note)] -> markdown."""
-    cols = ["method", "task score", f"Δ vs {base_name} (paired)", "sampled score"] + (
-        ["RM score"] if with_rm else []) + [f"win rate vs {base_name}", f"KL from {base_name}", "length",
-                                            "tokens trained", "tokens generated", "FLOPs", "wall time", "notes"]
+    cols = ["method", "task score", f"Δ vs {base_name} (paired)", "Δ vs control (paired)", "sampled score"]
+    cols += (["RM score"] if with_rm else []) + [f"win rate vs {base_name}", f"KL from {base_name}", "length"]
+    cols += ["tokens trained", "tokens generated", "FLOPs", "wall time", "notes"]
     keys = ["score", "delta", "score_sampled"] + (["rm_score"] if with_rm else []) + ["win", "kl", "length"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 2) + ["---"]) + "|"]
     tops = np.nanmax([[np.nan if c is None else c for c in cost[:3]] for _, _, cost, _ in rows] + [[0] * 3], 0)
     for name, st, cost, text in rows:
         cells = [fmt(st[k], 2 if k in ("rm_score", "kl", "length") else 3) if st and k in st else "–" for k in keys]
+        against = f"{fmt(st['delta_control'])} ({st['control']})" if st and "delta_control" in st else "–"
+        cells.insert(2, against)
         cells += [fmt(c, top=t) for c, t in zip(cost[:3], tops)] + [f"{cost[3]:.0f} s" if cost[3] else "–"]
         lines.append("| " + " | ".join([f"**{name}**"] + cells + [text]) + " |")
     return "\n".join(lines)
@@ -449,7 +530,9 @@ def table(rows, base_name, with_rm):
 
 def plot(curves, stats, costs, base_name, temperature, path):
     """Each row's main training metric (left grid; every seed), the test scores with their intervals
-    (middle) and the greedy task score against total training FLOPs, SFT included (right)."""
+    (middle) and the task score against total training FLOPs, SFT included (right): every row's greedy test
+    score, and the RL rows' checker score on their own samples as they trained (mean, band: seeds' range)."""
+    curves, score_curves = curves
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -478,11 +561,21 @@ def plot(curves, stats, costs, base_name, temperature, path):
     ax.legend(fontsize=8, loc="upper right")
     ax = fig.add_subplot(grid[:, cols + 1])
     sft_flops = costs.get(base_name, [0, 0, 0])[2] if base_name == "sft" else 0.0
+    sft_flops = sft_flops if np.isfinite(sft_flops) else 0.0  # not logged: the curves start at the base
     for n in names:
         flops = costs[n][2] + (sft_flops if n != base_name else 0.0)
         if np.isfinite(flops) and flops > 0:
             ax.errorbar(flops, stats[n]["score"][0], yerr=stats[n]["score"][1], fmt="o", capsize=3, label=n)
-    ax.set(xscale="log", xlabel=FLOPS_LABEL, ylabel="test task score, greedy")
+    for n, runs in score_curves.items():
+        k = min(len(r) for r in runs)
+        if k:
+            xy = np.stack([r[:k] for r in runs])  # [seeds, points, (FLOPs, score)]
+            w = max(1, k // 10)  # a running mean over a tenth of the run: 8 prompts a batch are noisy
+            y = np.stack([np.convolve(v, np.ones(w) / w, "valid") for v in xy[..., 1]])
+            x = sft_flops + xy[..., 0].mean(0)[w - 1:]
+            ax.plot(x, y.mean(0), lw=1, label=f"{n}: sampled, training prompts (running mean)")
+            ax.fill_between(x, y.min(0), y.max(0), alpha=0.2)
+    ax.set(xscale="log", xlabel=FLOPS_LABEL, ylabel="task score (points: greedy, test split)")
     ax.set_title("score against compute", fontsize=10), ax.legend(fontsize=8), fig.tight_layout()
     fig.savefig(path, dpi=110), plt.close(fig)
 
@@ -545,6 +638,8 @@ Commands run:
 
 
 def main(args):
+    eval_prompts, test_prompts = task_prompts(args)
+    args = dataclasses.replace(args, eval_prompts=eval_prompts, test_prompts=test_prompts)  # resolved: a copy
     output_dir = args.output_dir or plumbing.default_output_dir("compare", args.model, args.seed)
     stages, base, seeds, grid = plan(args, output_dir)
     common.load_reward_fn(args.reward_fn)
@@ -559,6 +654,8 @@ def main(args):
             print(f"[{i}/{len(stages)}] {stage['name']}: skipped ({', '.join(missing)} failed)", flush=True)
             ok[stage["name"]], walls[stage["name"]] = False, 0.0
             continue
+        if stage["row"] == "sft+rl":  # its budget is known only now: the RL rows' logged FLOPs
+            stage["flags"][2:2] = ["--max-steps", str(matched_steps(output_dir, stage))]
         ok[stage["name"]], walls[stage["name"]] = run_stage(i, len(stages), stage, output_dir)
     if "sft" in ok and not ok["sft"]:
         raise RunsFailed(f"sft failed: nothing to compare (see {output_dir}/sft.log)")
@@ -623,7 +720,7 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
         (s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), rm(s["seed"])) for s in final], "test")
     stats = {base_name: row_stats(*stack(res, list(base_keys.values()), list(base_keys.values())))}
     costs = {base_name: stage_cost(output_dir, stages[0], walls) if base_name == "sft" else [np.nan] * 3 + [0.0]}
-    curves, rows = {}, []
+    curves, score_curves, rows = {}, {}, []
     for name in [base_name] + list(dict.fromkeys(s["row"] for s in stages if s["row"] not in ("sft", "reward"))):
         runs = [s for s in final if s["row"] == name] or [s for s in stages if s["name"] == name]
         metrics = [read_metrics(os.path.join(output_dir, s["name"])) for s in runs]
@@ -633,15 +730,24 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
         if metrics and main_curve(metrics[0])[0]:
             curves[name] = [main_curve(m) for m in metrics]
         on_rm = any("--reward-model" in s["flags"] for s in runs)
-        text = (note(name, stats[name], base_name, stats[base_name], metrics, on_rm) if name in stats
-                else f"failed or skipped: see {name}/*.log")
-        rows.append((f"{name} (`{kept[name]}`)" if name in kept else name, stats.get(name),
-                     costs.get(name, [np.nan] * 3 + [0.0]), text))
+        if name in RL and not on_rm and metrics:  # the checker's score on its own samples, as it trained
+            score_curves[name] = [flops_curve(m) for m in metrics]
+        ctl = CONTROL.get(name, "sft+")
+        control = {s["seed"]: s["name"] for s in final if s["row"] == ctl}
+        paired = [s for s in runs if s["seed"] in control] if base_name not in (name, ctl) else []
+        if name in stats and paired:  # paired per prompt and per seed against the control of the same seed
+            a, c = stack(res, [s["name"] for s in paired], [control[s["seed"]] for s in paired])
+            stats[name].update(delta_control=mean_interval(a["score"] - c["score"]), control=ctl)
+        rows.append((name, metrics, on_rm))
+    rows = [(f"{n} (`{kept[n]}`)" if n in kept else n, stats.get(n), costs.get(n, [np.nan] * 3 + [0.0]),
+             note(n, stats[n], base_name, stats[base_name], m, on_rm) if n in stats
+             else f"failed or skipped: see {n}/*.log") for n, m, on_rm in rows]  # controls may come later
     accs = [[r["eval/accuracy"] for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
              if "eval/accuracy" in r][-1:] for x in seeds]
     accs = sum(accs, [])  # each reward model's last held-out accuracy
-    return write_report(args, output_dir, stages, rows, stats, costs, curves, sweep, base_name,
-                        float(np.mean(accs)) if accs else None, seeds, time.perf_counter() - t_start)
+    reward_acc = float(np.mean(accs)) if accs else None
+    return write_report(args, output_dir, stages, rows, stats, costs, (curves, score_curves), sweep,
+                        base_name, reward_acc, seeds, time.perf_counter() - t_start)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Generate the bundled toy datasets and train the `tiny` tokenizer.
 
-    python data/generate.py            # rewrites data/*.jsonl and data/tiny_tokenizer.model
+    python data/generate.py            # rewrites data/*.jsonl, data/compare/*.jsonl and data/tiny_tokenizer.model
+    python data/generate.py compare    # rewrites data/compare/*.jsonl only (the tokenizer stays as it is)
 
 Deterministic (fixed seed). Files:
   sft_{train,eval}.jsonl           prompt + completion
@@ -12,21 +13,37 @@ Deterministic (fixed seed). Files:
   prompts_test.jsonl               the same: compare.py's reported numbers (the eval split picks settings)
 Eval prompts never occur in any train split; test prompts occur in neither (own RNG, drawn after the
 others, so the train and eval files are the same as before the test split existed).
+
+data/compare/ holds compare.py's task (docs/compare.md, "The comparison task"): the same sorting, checked by
+toy.py's score, but with signals that differ. Its own RNG (seed 2), so the files above never change with it:
+  sft_{train,eval}.jsonl   demonstrations; in train about 30% carry one mistake, always the same one (a hurried
+                           annotator's habit: in a share HABIT of the lists with a repeated digit, it is written
+                           once); eval is correct
+  prefs_{train,eval}.jsonl two answers of that annotator, each also slipping (a swapped pair, a changed or a
+                           dropped digit) with probability SLIP, ranked by the checker: chosen scores higher
+                           (ties drawn again)
+  kto_{train,eval}.jsonl   the pairs unpaired, as above
+  prompts_{train,eval,test}.jsonl  prompt + answer: the RL prompts, the sweep's split, the reported split
 """
 
 import json
 import os
 import random
 
-import sentencepiece as spm
+import sys
+
+from toy import score
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MIN_LEN, MAX_LEN = 3, 6
 SIZES = {"train": 4000, "eval": 200, "test": 500}
+COMPARE_LEN = (3, 5)  # digits a list in the comparison task
+HABIT = 0.6  # share of the lists with a repeated digit whose demonstration writes that digit once
+SLIP = 0.5  # share of each answer of a preference pair with one random mistake besides (before ranking)
 
 
-def make_prompt(rng):
-    digits = [rng.randrange(10) for _ in range(rng.randint(MIN_LEN, MAX_LEN))]
+def make_prompt(rng, lengths=(MIN_LEN, MAX_LEN)):
+    digits = [rng.randrange(10) for _ in range(rng.randint(*lengths))]
     return "Sort: " + " ".join(map(str, digits))
 
 
@@ -49,13 +66,76 @@ def corrupt(rng, correct):
     return wrong
 
 
+def annotate(rng, correct, habit, slip):
+    """A hurried annotator's answer: a list with a repeated digit gets that digit once with probability
+    `habit` (the same mistake every time: imitation learns it); otherwise, with probability `slip`, one
+    random mistake (corrupt); else the sorted list."""
+    repeated = [d for i, d in enumerate(correct) if d in correct[:i]]
+    if repeated and rng.random() < habit:
+        wrong = list(correct)
+        wrong.remove(rng.choice(repeated))
+        return wrong
+    return corrupt(rng, correct) if rng.random() < slip else list(correct)
+
+
+def ranked_pair(rng, prompt, correct):
+    """Two annotator answers ranked by the checker -> (chosen, rejected), chosen the higher score; a tie
+    (both right, or equally wrong) is drawn again, so every pair carries a preference."""
+    while True:
+        a, b = annotate(rng, correct, HABIT, SLIP), annotate(rng, correct, HABIT, SLIP)
+        sa, sb = score(prompt, fmt(a)), score(prompt, fmt(b))
+        if sa != sb:
+            return (a, b) if sa > sb else (b, a)
+
+
 def write(name, rows):
+    os.makedirs(os.path.dirname(os.path.join(HERE, name)), exist_ok=True)
     with open(os.path.join(HERE, name), "w") as f:
         for row in rows:
             f.write(json.dumps(row) + "\n")
 
 
+def splits(rng, lengths, sizes):
+    """{split: prompts}: eval drawn first, then train avoiding it, then test avoiding both; eval and test
+    have no repeats and are sorted, train keeps its order (and may repeat a prompt, as the toy's does)."""
+    out, seen = {}, set()
+    for split in ("eval", "train", "test"):
+        ps = []
+        while len(ps) < sizes[split]:
+            p = make_prompt(rng, lengths)
+            if p not in seen and (split == "train" or p not in ps):
+                ps.append(p)
+        out[split] = ps if split == "train" else sorted(ps)
+        seen |= set(ps)
+    return out
+
+
+def compare_task():
+    """data/compare/: the comparison task (module docstring)."""
+    rng = random.Random(2)
+    prompts = splits(rng, COMPARE_LEN, SIZES)
+    for split in ("train", "eval"):
+        ps = prompts[split]
+        answers = [sorted(int(d) for d in p.split()[1:]) for p in ps]
+        habit = HABIT if split == "train" else 0.0
+        write(f"compare/sft_{split}.jsonl", [{"prompt": p, "completion": fmt(annotate(rng, a, habit, 0.0))}
+                                             for p, a in zip(ps, answers)])
+        pairs = [ranked_pair(rng, p, a) for p, a in zip(ps, answers)]
+        prefs = [{"prompt": p, "chosen": fmt(c), "rejected": fmt(r)} for p, (c, r) in zip(ps, pairs)]
+        write(f"compare/prefs_{split}.jsonl", prefs)
+        write(f"compare/kto_{split}.jsonl", [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
+                                             for k in ("chosen", "rejected") for r in prefs])
+    for split, ps in prompts.items():
+        write(f"compare/prompts_{split}.jsonl",
+              [{"prompt": p, "answer": fmt(sorted(int(d) for d in p.split()[1:]))} for p in ps])
+
+
 def main():
+    compare_task()
+    if sys.argv[1:] == ["compare"]:
+        return
+    import sentencepiece as spm
+
     rng = random.Random(0)
     prompts = {"eval": set(), "train": []}
     while len(prompts["eval"]) < SIZES["eval"]:

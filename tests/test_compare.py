@@ -3,6 +3,7 @@
 == KerasHub's own generate), bad flags exit 2; compare.py's statistics (intervals by hand and on synthetic tables with a
 known difference), sweep, costs and plan, and compare.py end to end with a tiny budget."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -240,11 +241,146 @@ def test_run_cost_from_logged_numbers(tmp_path):
     assert compare.fmt((0.5581, 0.0312)) == "0.558 ± 0.031"
 
 
+def last(flags, name):
+    """The value a flag ends with (the scripts' CLIs: the last occurrence wins)."""
+    return flags[len(flags) - 1 - flags[::-1].index(name) + 1]
+
+
+def test_plan_controls_and_task_data(tmp_path):
+    """--task compare: each script reads data/compare/ (its own files); sft+ runs --steps updates of twice the
+    preference batch from the base at its own rate; sft+rl waits for its seed's RL runs for its step count."""
+    args = compare.Args(methods="sft,sft+,dpo,kto,grpo,sft+rl", seeds=1, steps=7, grpo_steps=3)
+    stages = {s["name"]: s for s in compare.plan(args, str(tmp_path))[0]}
+    assert list(stages) == ["sft", "dpo/seed0", "kto/seed0", "sft+/seed0", "grpo/seed0", "sft+rl/seed0"]
+    data = os.path.join(ROOT, "data", "compare")
+    expect = {"sft": "sft_train", "dpo/seed0": "prefs_train", "kto/seed0": "kto_train", "sft+/seed0": "sft_train",
+              "grpo/seed0": "prompts_train", "sft+rl/seed0": "sft_train"}
+    for name, file in expect.items():
+        assert last(stages[name]["flags"], "--dataset") == os.path.join(data, file + ".jsonl"), name
+    plus, dpo = stages["sft+/seed0"]["flags"], stages["dpo/seed0"]["flags"]
+    assert last(plus, "--max-steps") == last(dpo, "--max-steps") == "7"
+    assert int(last(plus, "--batch-size")) == 2 * int(last(dpo, "--batch-size"))  # 64 sequences each
+    assert last(plus, "--model") == str(tmp_path / "sft" / "model") and last(plus, "--learning-rate") == "1e-4"
+    assert last(dpo, "--learning-rate") == str(args.learning_rate)
+    rl = stages["sft+rl/seed0"]
+    assert "--max-steps" not in rl["flags"] and rl["needs"] == ["sft", "sft+/seed0", "grpo/seed0"]
+    toy = compare.plan(dataclasses.replace(args, task="toy"), str(tmp_path))[0]
+    assert not any("--dataset" in s["flags"] for s in toy)  # the scripts' defaults: data/*.jsonl
+    other = compare.plan(dataclasses.replace(args, model="gemma_2b"), str(tmp_path))[0]
+    assert not any("--dataset" in s["flags"] for s in other)  # never the bundled data for a real model
+    assert compare.task_prompts(args)[1] == os.path.join(data, "prompts_test.jsonl")
+    assert compare.task_prompts(dataclasses.replace(args, task="toy"))[1] == os.path.join(
+        ROOT, "data", "prompts_test.jsonl")
+
+
+def test_sft_plus_matches_preference_tokens():
+    """A step of sft+ (64 demonstrations) and of dpo (32 pairs: prompt twice, chosen, rejected) train about the
+    same number of tokens on data/compare/ (tiny tokenizer, BOS + EOS each sequence)."""
+    import sentencepiece as spm
+    sp = spm.SentencePieceProcessor(model_file=common.TINY_TOKENIZER)
+    n = lambda text: len(sp.encode(text))
+    read = lambda name: [json.loads(line) for line in open(os.path.join(ROOT, "data", "compare", name))]
+    demo = np.mean([n(r["prompt"]) + n(r["completion"]) + 2 for r in read("sft_train.jsonl")])
+    pair = np.mean([2 * n(r["prompt"]) + n(r["chosen"]) + n(r["rejected"]) + 4 for r in read("prefs_train.jsonl")])
+    assert abs(64 * demo / (32 * pair) - 1) < 0.05, (demo, pair)
+
+
+def test_matched_steps_from_logged_flops(tmp_path):
+    """sft+rl's updates = mean RL FLOPs of its seed / FLOPs of one sft+ update: (2.5e9 + 3.5e9) / 2 / 1e8 = 30."""
+    def run(name, flops, steps=None):
+        d = tmp_path / name
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "charts/flops": f}) + "\n"
+                                                 for i, f in enumerate(flops)))
+        if steps:
+            (d / "args.json").write_text(json.dumps({"max_steps": steps}))
+    run("sft+/seed0", [4e8, 6e8], steps=10)
+    run("grpo/seed0", [1e9, 1.5e9])
+    run("rloo/seed0", [3.5e9])
+    stage = {"name": "sft+rl/seed0", "needs": ["sft", "sft+/seed0", "grpo/seed0", "rloo/seed0"]}
+    assert compare.matched_steps(str(tmp_path), stage) == (2.5e9 + 3.5e9) / 2 / (1e9 / 10) == 30
+    with pytest.raises(compare.RunsFailed, match="sft\\+rl/seed0"):
+        compare.matched_steps(str(tmp_path), {"name": "sft+rl/seed0", "needs": ["sft", "grpo/seed0"]})
+
+
+def test_delta_against_control_worked_example(tmp_path, monkeypatch):
+    """The report from synthetic per-prompt scores (2 seeds × 4 prompts, the evaluation replaced): dpo − sft
+    = 0.25 everywhere (± 0); dpo − sft+
+    = [0, .5, 0, 1] on both seeds -> mean 0.375; identical seeds leave the prompts' spread: var = s²/P with
+    s² = (.375² + .125² + .375² + .625²)/3, df 3 -> ± t_.975(3)·√(s²/4). grpo is read against sft+rl, sft+
+    against sft only; the RL curve goes into the picture."""
+    args = compare.Args(methods="sft,sft+,dpo,grpo,sft+rl", seeds=2, output_dir=str(tmp_path))
+    args = dataclasses.replace(args, **dict(zip(("eval_prompts", "test_prompts"), compare.task_prompts(args))))
+    stages, base, seeds, grid = compare.plan(args, str(tmp_path))
+    scores = {"sft": [0.75, 0.75, 0.25, 0.75], "sft+": [1.0, 0.5, 0.5, 0.0], "dpo": [1.0, 1.0, 0.5, 1.0],
+              "sft+rl": [0.0, 0.0, 0.0, 0.0], "grpo": [1.0, 1.0, 1.0, 1.0]}
+    arrays = lambda row: {k: np.array(scores[row]) for k in ("score", "score_sampled")} | {"kl": np.zeros(4)}
+    monkeypatch.setattr(compare, "evaluate_models",
+                        lambda a, prompts, b, jobs, d: {k: arrays(k.split("/")[0].split(" ")[0]) for k, *_ in jobs})
+    for seed in seeds:
+        (tmp_path / f"grpo/seed{seed}").mkdir(parents=True)
+        (tmp_path / f"grpo/seed{seed}/metrics.jsonl").write_text("".join(
+            json.dumps({"step": i, "reward": 0.5 + 0.1 * i + 0.01 * seed, "charts/flops": 1e9}) + "\n"
+            for i in range(3)))
+    ok = {s["name"]: True for s in stages}
+    md = compare.evaluate_and_report(args, str(tmp_path), stages, base, seeds, grid, ok, {}, 0.0)
+    cells = {r.split("**")[1]: [c.strip() for c in r.split("|")[2:-1]] for r in md.splitlines() if r.startswith("| **")}
+    s2 = (0.375 ** 2 + 0.125 ** 2 + 0.375 ** 2 + 0.625 ** 2) / 3
+    h = compare.t_quantile(0.975, 3) * np.sqrt(s2 / 4)
+    assert abs(h - 3.182446 * np.sqrt(s2 / 4)) < 1e-5
+    assert cells["dpo"][2] == f"0.375 ± {h:.3f} (sft+)" and cells["dpo"][1] == "0.250 ± 0.000"  # dpo − sft: .25
+    assert cells["grpo"][2] == "1.000 ± 0.000 (sft+rl)" and cells["sft+"][2] == "–" and cells["sft"][2] == "–"
+    assert cells["dpo"][-1] == f"beats sft (Δ +0.250 ± 0.000); within noise of sft+ (Δ +0.375 ± {h:.3f} covers 0)"
+    assert (tmp_path / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    np.testing.assert_allclose(compare.flops_curve(compare.read_metrics(str(tmp_path / "grpo/seed1"))),
+                               [[1e9, 0.51], [2e9, 0.61], [3e9, 0.71]])
+
+
 def test_test_split_is_disjoint():
     read = lambda name: [json.loads(line)["prompt"] for line in open(os.path.join(ROOT, "data", name))]
     test, held, train = read("prompts_test.jsonl"), read("prompts_eval.jsonl"), read("prompts_train.jsonl")
     assert len(test) == len(set(test)) == 500 and len(held) == 200
     assert not set(test) & (set(held) | set(train)) and not set(held) & set(train)
+
+
+def test_compare_task_data(tmp_path, monkeypatch):
+    """data/compare/: the annotator's habit (a repeated digit written once) in the stated share of the lists
+    that have one, and no other mistake in the demonstrations; every preference pair ranked by the checker;
+    disjoint splits; the generator rewrites the files byte for byte."""
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "data"))
+    import generate
+    import toy
+    read = lambda name: [json.loads(line) for line in open(os.path.join(ROOT, "data", "compare", name))]
+    demos = read("sft_train.jsonl")
+    right = [toy.answer(d["prompt"]).split() for d in demos]
+    repeated = [(r, d["completion"].split()) for r, d in zip(right, demos) if len(set(r)) < len(r)]
+    wrong = [(r, w) for r, w in repeated if w != r]
+    n, habit = len(repeated), generate.HABIT
+    assert len(demos) == 4000 and abs(len(wrong) / n - habit) < 3 * np.sqrt(habit * (1 - habit) / n)  # 3σ
+    assert all(toy.answer(d["prompt"]).split() == d["completion"].split() for d in demos
+               if len(set(toy.parse_digits(d["prompt"]))) == len(toy.parse_digits(d["prompt"])))
+    # each wrong one: a repeated digit written once, i.e. the sorted list with one copy of it removed
+    drop = lambda r, w: any(r[:i] + r[i + 1:] == w for i in range(len(r)) if r[i] in r[:i] + r[i + 1:])
+    assert all(drop(r, w) for r, w in wrong) and not drop(["1", "2", "3"], ["1", "3"])
+    assert 0.25 < len(wrong) / len(demos) < 0.35  # the share docs/compare.md states: about 30%
+    assert all(toy.score(d["prompt"], d["completion"]) == 1.0 for d in read("sft_eval.jsonl"))
+    for split in ("train", "eval"):
+        pairs = read(f"prefs_{split}.jsonl")
+        assert all(toy.score(p["prompt"], p["chosen"]) > toy.score(p["prompt"], p["rejected"]) for p in pairs)
+        kto = read(f"kto_{split}.jsonl")
+        assert [k["completion"] for k in kto] == [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+    lengths = {len(toy.parse_digits(p["prompt"])) for p in read("prompts_test.jsonl")}
+    assert lengths == set(range(generate.COMPARE_LEN[0], generate.COMPARE_LEN[1] + 1))
+    prompts = {s: [p["prompt"] for p in read(f"prompts_{s}.jsonl")] for s in ("train", "eval", "test")}
+    assert len(set(prompts["test"])) == 500 and len(set(prompts["eval"])) == 200
+    assert not set(prompts["test"]) & (set(prompts["eval"]) | set(prompts["train"]))
+    assert not set(prompts["eval"]) & set(prompts["train"])
+    assert [d["prompt"] for d in demos] == prompts["train"]
+    monkeypatch.setattr(generate, "HERE", str(tmp_path))
+    generate.compare_task()
+    for name in os.listdir(os.path.join(ROOT, "data", "compare")):
+        assert (tmp_path / "compare" / name).read_bytes() == open(os.path.join(ROOT, "data", "compare", name),
+                                                                   "rb").read(), name
 
 
 # ---------------------------------------------------------------------------
@@ -312,8 +448,9 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     rows = [line for line in md.splitlines() if line.startswith("| **")]
     cells = {r.split("**")[1].split(" ")[0]: [c.strip() for c in r.split("|")[2:-1]] for r in rows}
     assert list(cells) == ["sft", "mydpo"]
-    assert cells["sft"][1] == "0.000 ± 0.000" and cells["sft"][3:5] == ["0.500 ± 0.000", "0.00 ± 0.00"]
-    assert all(" ± " in c for r in cells.values() for c in r[:6])  # every score cell an interval
+    assert cells["sft"][1] == "0.000 ± 0.000" and cells["sft"][4:6] == ["0.500 ± 0.000", "0.00 ± 0.00"]
+    assert all(" ± " in c for r in cells.values() for c in r[:2] + r[3:7])  # every score cell an interval
+    assert cells["mydpo"][2] == cells["sft"][2] == "–"  # no sft+ ran: no control to read against
     # the sweep: every setting's eval-split score in the report, the best mean kept, the test split reported
     load = lambda d: np.load(d / "scores.npz")["score"]
     evals = {v: np.mean([load(out / "mydpo" / f"learning_rate_{v}" / f"seed{s}" / "eval_eval") for s in (0, 1)])
@@ -339,8 +476,8 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     # costs: the runs' own logged counts, mean over seeds
     cost = np.mean([compare.run_cost(str(r)) for r in runs], 0)
     value = lambda c: float(c[:-1]) * 1e6 if c.endswith("M") else float(c)  # the column's unit: maybe sft's
-    assert [value(c) for c in cells["mydpo"][6:9]] == pytest.approx(cost, rel=0.01, abs=5e3)
-    assert cost[0] > 0 and cost[1] == 0 and ("M" in cells["mydpo"][6]) == ("M" in cells["sft"][6])
+    assert [value(c) for c in cells["mydpo"][7:10]] == pytest.approx(cost, rel=0.01, abs=5e3)
+    assert cost[0] > 0 and cost[1] == 0 and ("M" in cells["mydpo"][7]) == ("M" in cells["sft"][7])
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| **sft**" in proc.stdout  # the table is printed at the end
 
