@@ -236,7 +236,7 @@ def test_run_cost_from_logged_numbers(tmp_path):
     assert [compare.fmt(v) for v in (5120.0, 1.234e6, 2.5e12, float("nan"))] == ["5120", "1.23M", "2.50e12", "–"]
     table = compare.table([("a", None, [55648.0, 0.0, 5e9, 1.0], ""), ("b", None, [1.1e5, 0.0, 2.5e12, 1.0], "")],
                           "a", False)
-    assert [line.split(" | ")[7:10] for line in table.splitlines()[2:]] == [
+    assert [line.split(" | ")[8:11] for line in table.splitlines()[2:]] == [
         ["0.06M", "0", "5.00e09"], ["0.11M", "0", "2.50e12"]]  # one unit a column: its largest value's
     assert compare.fmt((0.5581, 0.0312)) == "0.558 ± 0.031"
 
