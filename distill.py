@@ -327,7 +327,7 @@ def main(args):
     # committed to the mesh in their types, as the updated ones will be: the sampler compiles once (grpo.py)
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
     teacher_weights = common.split_variables(teacher)  # frozen: never updated, donated or saved
-    optimizer, schedule, warmup = make_optimizer(args, max_steps)
+    optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
