@@ -55,10 +55,8 @@ class Args(plumbing.RolloutArgs):
     """also write the student as a Hugging Face checkpoint, tokenizer and template in model_hf/"""
 
 
-# ---------------------------------------------------------------------------
-# ALGO LOGIC (the loss first: it is what this file is about): the generalized JSD on one chunk of logits,
+# ---- ALGO LOGIC (the loss first: it is what this file is about): the generalized JSD on one chunk of logits,
 # then the chunked projection of both models' hidden states that feeds it
-# ---------------------------------------------------------------------------
 def generalized_jsd(student_logits, teacher_logits, mask, beta, temperature):
     """Per-token divergence of the teacher's and the student's next-token distributions (docs/distill.md):
     logits [..., V] (float32, each model's soft-cap applied), mask [...] -> [...], 0 where mask is False.
@@ -136,10 +134,8 @@ def completion_divergence(backbone, params, frozen, teacher, teacher_weights, to
     return unchunk(divergence), unchunk(logq), unchunk(entropy), aux_loss
 
 
-# ---------------------------------------------------------------------------
-# Data and rollouts, as grpo.py's (copied: each algorithm file forks alone): left-padded prompts [N, Q],
+# ---- Data and rollouts, as grpo.py's (copied: each algorithm file forks alone): left-padded prompts [N, Q],
 # KV-cached sampling with TRL's filters, responses cut after their first stop token (EOS, turn end, …)
-# ---------------------------------------------------------------------------
 def tokenize_prompts(prompts, tokenizer, max_prompt_length):
     """-> (queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
     ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
@@ -186,10 +182,9 @@ def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
 def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, stop_ids,
              pad_id, top_k=0, top_p=1.0, min_p=None):
     """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
-    of each token [B, R]: filtered_logps, 0 where greedy or after the end). A prefill, then a `lax.while_loop`
-    of one token a step until every sequence has sampled one of `stop_ids` (steps ≤ R): short answers cost
-    their length. Fixed shapes: one compilation per query bucket; `pad_id` after the end. One key split per
-    step, as a `lax.scan` over R: the same key gives the same tokens wherever the loop ends. T = 0: greedy."""
+    [B, R]: filtered_logps, 0 if greedy or after the end). A prefill, then a `lax.while_loop` of one token a
+    step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes (one compilation per bucket),
+    `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
@@ -252,10 +247,9 @@ def mismatch(logps, sampler_logps, mask):
 
 def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_data):
     """Responses to host queries [B, Q] (whole on each process), cut after their first stop token -> (batch,
-    with the sampler's own log-probs, lengths [B]). The queries are first cut to [B, Qb], Qb the bucket of the
-    longest prompt (≤ Q): short prompts do not pay for the run's longest; jit compiles once per bucket met."""
+    with the sampler's own log-probs, lengths [B]). The queries are cut to their last Qb columns (left padded:
+    all their real tokens), Qb the bucket of the longest prompt (≤ Q): jit compiles once per bucket met."""
     qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
-    # left padding: every prompt ends at column Q-1, so the last Qb columns hold all of their real tokens
     qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
     responses, _, sampler_logps = gen_fn(params, frozen, qs, qm, key)
     responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
@@ -276,14 +270,11 @@ def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
     responses = common.to_host(batch["query_responses"][:, context_length:])
     has_eos = np.isin(responses, stop_ids).any(1)
     lengths = common.to_host(sequence_lengths) + 1 - has_eos
-    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
-    texts = tokenizer.detokenize(ids)
+    texts = tokenizer.detokenize(ids := [list(x[:n]) for x, n in zip(responses, lengths)])
     return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
 
 
-# ---------------------------------------------------------------------------
-# train_step: one update of the student on a batch of its own completions
-# ---------------------------------------------------------------------------
+# ---- train_step: one update of the student on a batch of its own completions
 def train_step(backbone, optimizer, args, state, frozen, batch, context_length, teacher, teacher_weights):
     """state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask [B, R],
     sampler_logps [B, R] when rollout made it (the sampler's log q, against this first forward: mismatch/*).
@@ -311,9 +302,7 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length, 
     return (params, opt_state), {**metrics, "train/grad_norm": optax.global_norm(grads)}
 
 
-# ---------------------------------------------------------------------------
-# main's pieces: flag checks, the teacher's checks (before any weights load), optimizer
-# ---------------------------------------------------------------------------
+# ---- main's pieces: flag checks, the teacher's checks (before any weights load), optimizer
 def check_args(args):
     """Flags out of range, a teacher that cannot grade the student's tokens: stop before the models load."""
     if not 0 <= args.beta <= 1 or args.temperature <= 0:
