@@ -99,8 +99,7 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
     return queries, mask
 
 
-# ---- ALGO LOGIC: KV-cached sampling and its log-probs, policy and reference forwards on query + response,
-# group-relative advantages, the k3 KL, the objectives
+# ---- ALGO LOGIC: sampling and its log-probs, forwards on query + response, Â, the k3 KL, the objectives
 def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
     """TRL's sampling filters on logits / temperature [B, V], in transformers' order (top-k, top-p, min-p),
     each on what the previous left, renormalised; a dropped token gets -inf (0, 1.0, None: off). top-k keeps
@@ -219,13 +218,9 @@ def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
     std with Bessel's correction (TRL's); `batch`: ÷ all B's std, `none`: no division (Dr. GRPO) -> (Â [B],
     std [B/G]); an all-equal group gets Â = 0."""
     grouped = rewards.reshape(-1, num_generations)  # [B/G, G]
-    std = grouped.std(1, ddof=1)
-    advantages = grouped - grouped.mean(1, keepdims=True)
-    if scale_rewards == "group":
-        advantages = advantages / (std[:, None] + eps)
-    elif scale_rewards == "batch":
-        advantages = advantages / (rewards.std(ddof=1) + eps)
-    return advantages.reshape(-1), std
+    std, centred = grouped.std(1, ddof=1), grouped - grouped.mean(1, keepdims=True)
+    scale = {"group": std[:, None] + eps, "batch": rewards.std(ddof=1) + eps, "none": 1.0}[scale_rewards]
+    return (centred / scale).reshape(-1), std
 
 
 def k3_kl(logps, ref_logps):
@@ -268,9 +263,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
     elif loss_type == "vespo":  # φ(w) = w^k e^(λ(1−w)) of the whole sequence's ratio w [B, 1], held constant,
         # times Â log π; (k, λ) by the sign of Â; in log space with TRL's clamps
         log_w = jnp.clip(jnp.clip(token_log_ratio, -20.0, 20.0).sum(1, keepdims=True), math.log(1e-8), 20.0)
-        k_pos, lambda_pos, k_neg, lambda_neg = vespo_params
-        k, lam = jnp.where(a >= 0, k_pos, k_neg), jnp.maximum(jnp.where(a >= 0, lambda_pos, lambda_neg), 1e-4)
-        phi = jax.lax.stop_gradient(jnp.exp(lam * (1.0 - jnp.exp(log_w)) + k * log_w))
+        k, lam = jnp.where(a >= 0, *vespo_params[::2]), jnp.where(a >= 0, *vespo_params[1::2])  # (k, λ) by Â
+        phi = jax.lax.stop_gradient(jnp.exp(jnp.maximum(lam, 1e-4) * (1.0 - jnp.exp(log_w)) + k * log_w))
         per_token, metrics["vespo/phi_seq_mean"] = -phi * a * real_logps, jnp.mean(phi)
     else:  # pessimistic: the clip only removes gradient. [B, 1] at sequence level: o_i's real tokens share it
         per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * a)
@@ -285,8 +279,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
         kept = (entropy >= cut) & mask
         per_token = jnp.where(kept, per_token, 0.0)
     if beta:  # on every real token, kept or not (as TRL)
-        kl = k3_kl(logps, ref_logps)
-        per_token, metrics["kl"] = per_token + beta * kl, masked_mean(kl, mask)
+        per_token, metrics["kl"] = per_token + beta * (kl := k3_kl(logps, ref_logps)), masked_mean(kl, mask)
     loss = aggregate(per_token, mask, loss_type)
     if entropy_coef:  # TRL's bonus: the kept tokens' mean entropy, whatever the aggregation
         metrics.update({"policy_loss": loss, "entropy_coef": jnp.float32(entropy_coef)})
@@ -403,19 +396,17 @@ def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
 def reward_metrics(rewards, parts, lengths, has_eos):
     """The summed reward, each reward function's (or the reward model's) mean and std (a function's None,
     NaN here, left out of them as TRL does), completion lengths."""
-    return {"reward": float(rewards.mean()), **{f"rewards/{k}/mean": float(np.nanmean(v)) for k, v in parts.items()},
-            **{f"rewards/{k}/std": float(np.nanstd(v)) for k, v in parts.items()},
+    return {"reward": float(rewards.mean()), **{f"rewards/{k}/{s}": float(f(v)) for k, v in parts.items()
+                                                for s, f in (("mean", np.nanmean), ("std", np.nanstd))},
             "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(1.0 - has_eos.mean())}
 
 
 def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
     """Index arrays [B / num_mini_batches]: num_epochs passes over the batch, reshuffled for each."""
-    mini = batch_size // num_mini_batches
     for _ in range(num_epochs):
-        perm = rng.permutation(batch_size)
-        for m in range(num_mini_batches):
-            yield common.put_global(perm[m * mini:(m + 1) * mini], on_data)
+        for part in np.split(rng.permutation(batch_size), num_mini_batches):  # equal parts: checked at start
+            yield common.put_global(part, on_data)
 
 
 def main(args):

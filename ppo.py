@@ -372,11 +372,9 @@ def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
 
 def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
     """Index arrays [B / num_mini_batches]: num_epochs passes over the batch, reshuffled for each."""
-    mini = batch_size // num_mini_batches
     for _ in range(num_epochs):
-        perm = rng.permutation(batch_size)
-        for m in range(num_mini_batches):
-            yield common.put_global(perm[m * mini:(m + 1) * mini], on_data)
+        for part in np.split(rng.permutation(batch_size), num_mini_batches):  # equal parts: checked at start
+            yield common.put_global(part, on_data)
 
 
 def main(args):
