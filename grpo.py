@@ -101,10 +101,9 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
 
 # ---- ALGO LOGIC: sampling and its log-probs, forwards on query + response, Â, the k3 KL, the objectives
 def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
-    """TRL's sampling filters on logits / temperature [B, V], in transformers' order (top-k, top-p, min-p),
-    each on what the previous left, renormalised; a dropped token gets -inf (0, 1.0, None: off). top-k keeps
-    the k largest, top-p the likeliest until their mass reaches top_p (the token crossing it included), min-p
-    those with p ≥ min_p · max p. Ties at a cut stay, and so does the likeliest token."""
+    """TRL's sampling filters on logits / T [B, V] in transformers' order, each on what the previous left
+    (renormalised): top-k keeps the k largest, top-p the likeliest until their mass reaches top_p (the one
+    crossing it too), min-p p ≥ min_p · max p. Dropped: -inf; 0, 1.0, None: off; ties at a cut stay."""
     if top_k:
         kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -120,10 +119,9 @@ def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
 
 
 def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
-    """log q(token) and q's entropy, [B] each, for float32 logits [B, V] and tokens [B]: q is what the sampler
-    draws from, softmax(filter_logits(logits / temperature, …)), renormalised over the kept tokens (eq. 1 of
-    docs/design.md); filters off, log softmax(logits / temperature) in the same arithmetic. The token always
-    counts as kept: only a rounding gap between the sampler's forward and this one could drop it (NaN)."""
+    """log q(token) and q's entropy [B] for float32 logits [B, V], tokens [B]; q, what the sampler draws from:
+    softmax(filter_logits(logits / T, …)), renormalised over the kept tokens (eq. 1 of docs/design.md). The
+    token always counts as kept: only a rounding gap between the two forwards could drop it (NaN)."""
     kept = filter_logits(scaled := logits / temperature, top_k, top_p, min_p)
     kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
     logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
@@ -226,8 +224,7 @@ def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
 def k3_kl(logps, ref_logps):
     """Per-token KL(π ‖ π_ref) estimate k3 = π_ref/π − log(π_ref/π) − 1 (Schulman 2020; eq. 4): ≥ 0,
     unbiased on tokens sampled from π, lower variance than k1 = log π − log π_ref."""
-    log_ratio = ref_logps - logps
-    return jnp.expm1(log_ratio) - log_ratio
+    return jnp.expm1(log_ratio := ref_logps - logps) - log_ratio
 
 
 def aggregate(per_token, mask, loss_type):
