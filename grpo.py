@@ -303,8 +303,7 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
     def loss_fn(p):
         logps, entropy, aux_loss = response_logps(backbone, p, frozen, ids, mask, context_length,
                                                   args.temperature, args.top_k, args.top_p, args.min_p)
-        # one update per generation batch: π_old is π_θ itself, held constant (ratio 1, gradient of π_θ)
-        old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
+        old = batch.get("old_logps", jax.lax.stop_gradient(logps))  # μ = 1: π_old = sg(π_θ), ratio 1
         loss, metrics = grpo_loss(logps, old, batch.get("ref_logps"), batch["advantages"], batch["response_mask"],
                                   args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high,
                                   args.beta, args.loss_type, args.importance_sampling_level, entropy,
