@@ -40,6 +40,8 @@ class Args(plumbing.RolloutArgs):
     """top-k: sample among the k likeliest tokens (0 = off); the loss is over all the vocabulary, as TRL's"""
     min_p: float | None = None
     """min-p: drop tokens less likely than min_p × the top token's probability (None = off)"""
+    stop_token: tuple[str, ...] = ()
+    """more tokens a completion ends at (a token's text or id), besides EOS and the chat's turn end"""
     # algorithm
     beta: float = 1.0
     """β of the generalized JSD: 0 forward KL(teacher ‖ student), 1 reverse KL(student ‖ teacher) (TRL: 1.0),
@@ -53,10 +55,8 @@ class Args(plumbing.RolloutArgs):
     """also write the student as a Hugging Face checkpoint, tokenizer and template in model_hf/"""
 
 
-# ---------------------------------------------------------------------------
-# ALGO LOGIC (the loss first: it is what this file is about): the generalized JSD on one chunk of logits,
+# ---- ALGO LOGIC (the loss first: it is what this file is about): the generalized JSD on one chunk of logits,
 # then the chunked projection of both models' hidden states that feeds it
-# ---------------------------------------------------------------------------
 def generalized_jsd(student_logits, teacher_logits, mask, beta, temperature):
     """Per-token divergence of the teacher's and the student's next-token distributions (docs/distill.md):
     logits [..., V] (float32, each model's soft-cap applied), mask [...] -> [...], 0 where mask is False.
@@ -86,9 +86,11 @@ def distill_loss(divergence, mask):
 
 
 def completion_divergence(backbone, params, frozen, teacher, teacher_weights, token_ids, padding_mask,
-                          response_mask, context_length, beta, temperature, chunk=64):
-    """generalized_jsd at every completion position: [B, R] float32; the student's entropy [B, R]; and the
-    student forward's aux_loss (a mixture of experts' router loss, common.forward; 0.0 dense).
+                          response_mask, context_length, beta, temperature, chunk=64, top_k=0, top_p=1.0,
+                          min_p=None):
+    """generalized_jsd at every completion position: [B, R] float32 (full distributions at τ); the student's
+    log q of its sampled tokens and q's entropy [B, R] (filtered_logps: the distribution it sampled from, for
+    mismatch/*); and the student forward's aux_loss (a mixture of experts' router loss; 0.0 dense).
 
     Both models run on query + response [B, Q+R]; position Q+i-1 predicts response token i, so the hidden
     states [:, Q-1:-1] are kept. The [B, R, V] logits of either model are never materialised: each model's
@@ -114,25 +116,26 @@ def completion_divergence(backbone, params, frozen, teacher, teacher_weights, to
     v = min(backbone.vocabulary_size, teacher.vocabulary_size)
 
     @jax.checkpoint
-    def chunk_divergence(h, h_teacher, m):  # [B, C, D], [B, C, D_T], [B, C] -> [B, C], [B, C]
+    def chunk_divergence(h, h_teacher, m, y):  # [B, C, D], [B, C, D_T], [B, C], [B, C] -> 3 × [B, C]
         with keras.StatelessScope(state_mapping=student_state):  # each output layer reads its own weights
             logits = common.logits(backbone, h)[..., :v]  # f32 [B, C, V]
         with keras.StatelessScope(state_mapping=teacher_state):
             teacher_logits = jax.lax.stop_gradient(common.logits(teacher, h_teacher)[..., :v])
-        logp = jax.nn.log_softmax(logits / temperature, -1)
-        entropy = -jnp.sum(jnp.exp(logp) * logp, -1)
-        return generalized_jsd(logits, teacher_logits, m, beta, temperature), entropy
+        # the sampled tokens under the sampler's filters (a metric only: the divergence is the full one)
+        logq, entropy = filtered_logps(logits.reshape(-1, v), y.reshape(-1), temperature, top_k, top_p, min_p)
+        divergence = generalized_jsd(logits, teacher_logits, m, beta, temperature)
+        return divergence, logq.reshape(m.shape), entropy.reshape(m.shape)
 
-    divergence, entropy = jax.lax.map(lambda x: chunk_divergence(*x),
-                                      (cut(hidden), cut(teacher_hidden), mask))
+    labels = token_ids[:, context_length:]  # [B, R]: position Q+i-1's hidden state predicts token i
+    labels = jnp.pad(labels, ((0, 0), (0, n * chunk - r))).reshape(b, n, chunk).swapaxes(0, 1)  # [n, B, C]
+    divergence, logq, entropy = jax.lax.map(lambda x: chunk_divergence(*x),
+                                            (cut(hidden), cut(teacher_hidden), mask, labels))
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :r]  # [n, B, C] -> [B, R]
-    return unchunk(divergence), unchunk(entropy), aux_loss
+    return unchunk(divergence), unchunk(logq), unchunk(entropy), aux_loss
 
 
-# ---------------------------------------------------------------------------
-# Data and rollouts, as grpo.py's (copied: each algorithm file forks alone): left-padded prompts [N, Q],
-# KV-cached sampling with TRL's filters, responses cut after their first EOS
-# ---------------------------------------------------------------------------
+# ---- Data and rollouts, as grpo.py's (copied: each algorithm file forks alone): left-padded prompts [N, Q],
+# KV-cached sampling with TRL's filters, responses cut after their first stop token (EOS, turn end, …)
 def tokenize_prompts(prompts, tokenizer, max_prompt_length):
     """-> (queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
     ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
@@ -142,14 +145,12 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
     for i, x in enumerate(ids):  # left padding: every prompt ends at column Q-1, responses start at Q
         queries[i, q - len(x):], mask[i, q - len(x):] = x, True
     return queries, mask
-def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
-    """TRL's sampling filters on logits / temperature [B, V], in transformers' order: top-k, then top-p, then
-    min-p, each on what the previous left (renormalised). A dropped token gets -inf; 0, 1.0, None: off.
 
-    top-k keeps the k largest (ties with the k-th too); top-p keeps the most likely tokens until their
-    probabilities reach top_p (the token that crosses it included, ties at the cut too); min-p keeps the
-    tokens with p ≥ min_p · max p. The most likely token always stays.
-    """
+
+def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
+    """TRL's sampling filters on logits / T [B, V] in transformers' order, each on what the previous left
+    (renormalised): top-k keeps the k largest, top-p the likeliest until their mass reaches top_p (the one
+    crossing it too), min-p p ≥ min_p · max p. Dropped: -inf; 0, 1.0, None: off; ties at a cut stay."""
     if top_k:
         kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -164,17 +165,24 @@ def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
     return logits
 
 
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, eos_id, pad_id,
-             top_k=0, top_p=1.0, min_p=None):
-    """Sample up to `response_length` tokens after left-padded queries [B, Q] -> (responses [B, R], steps).
+def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
+    """log q(token) and q's entropy [B] for float32 logits [B, V], tokens [B]; q, what the sampler draws from:
+    softmax(filter_logits(logits / T, …)), renormalised over the kept tokens (eq. 1 of docs/design.md). The
+    token always counts as kept: only a rounding gap between the two forwards could drop it (NaN)."""
+    kept = filter_logits(scaled := logits / temperature, top_k, top_p, min_p)
+    kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
+    logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
+    # Σ p·logit over the kept tokens only (0 · -inf is NaN); the inner where keeps the gradient finite too
+    plogp = jnp.where(finite, jax.nn.softmax(kept, -1) * jnp.where(finite, kept, 0.0), 0.0)
+    return jnp.take_along_axis(kept, tokens[:, None], -1)[:, 0] - logz, logz - plogp.sum(-1)
 
-    One prefill writes the prompts into the cache; a `lax.while_loop` then feeds one token per step and
-    stops once every sequence has sampled its EOS (steps: tokens sampled per sequence, ≤ R): a batch of
-    short answers costs their length, not R. Fixed shapes: one compilation per query bucket. After its
-    EOS a sequence holds `pad_id`, as truncate_response leaves it. The key is split once per step, as a
-    `lax.scan` over all R steps splits it: the same key gives the same tokens, wherever the loop ends.
-    temperature 0 = greedy; otherwise from filter_logits(logits / temperature, top_k, top_p, min_p).
-    """
+
+def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, stop_ids,
+             pad_id, top_k=0, top_p=1.0, min_p=None):
+    """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
+    [B, R]: filtered_logps, 0 if greedy or after the end). A prefill, then a `lax.while_loop` of one token a
+    step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes (one compilation per bucket),
+    `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
@@ -182,56 +190,71 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
         cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
         logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
-        def pick(logits, key, done):  # logits [B, V] -> token [B]; a finished sequence only pads
+        def pick(logits, key, done):  # logits [B, V] -> token [B], its log q [B]; a finished sequence pads
             key, sample_key = jax.random.split(key)
             if temperature == 0:
-                token = jnp.argmax(logits, -1).astype(jnp.int32)
+                token, logq = jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b,))
             else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
                 # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
                 z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
                     logits / temperature, top_k, top_p, min_p)  # [B, V]
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
+                # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
+                logq = filtered_logps(logits, token, temperature, top_k, top_p, min_p)[0]
             token = jnp.where(done, pad_id, token)
-            return token, key, done | (token == eos_id)
+            return token, jnp.where(done, 0.0, logq), key, done | jnp.isin(token, jnp.asarray(stop_ids))
 
-        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t
-            tokens, cache, t, key, done = carry
+        def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t (and its log q)
+            tokens, logqs, cache, t, key, done = carry
             fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
             logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1)
-            token, key, done = pick(logits[:, -1], key, done)
-            return jax.lax.dynamic_update_slice_in_dim(tokens, token[:, None], t, 1), cache, t + 1, key, done
+            token, logq, key, done = pick(logits[:, -1], key, done)
+            put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new[:, None], t, 1)
+            return put(tokens, token), put(logqs, logq), cache, t + 1, key, done
 
-        token, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
+        token, logq, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
         tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
-        tokens, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has no EOS yet and t < R
-            lambda c: (c[2] < response_length) & ~c[4].all(), step, (tokens, cache, jnp.int32(1), key, done))
-    return tokens, steps
+        logqs = jnp.zeros((b, response_length)).at[:, 0].set(logq)  # [B, R]
+        tokens, logqs, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has not ended and t < R
+            lambda c: (c[3] < response_length) & ~c[5].all(), step,
+            (tokens, logqs, cache, jnp.int32(1), key, done))
+    return tokens, steps, logqs
 
 
-def truncate_response(responses, eos_id, pad_id):
-    """Keep tokens up to and including the first EOS, pad after it.
-
-    -> (responses [B, R], sequence_lengths [B]: index of the last real token,
-    the EOS, or R-1 when none was sampled).
-    """
-    r = responses.shape[1]
-    is_eos = responses == eos_id
-    first_eos = jnp.where(is_eos.any(1), jnp.argmax(is_eos, 1), r - 1)
-    return jnp.where(jnp.arange(r)[None] > first_eos[:, None], pad_id, responses), first_eos
+def truncate_response(responses, stop_ids, pad_id):
+    """Keep tokens up to and including the first of `stop_ids` (EOS, turn end, …), pad after it -> (responses
+    [B, R], sequence_lengths [B]: index of the last real token, the stop token, or R-1 without one)."""
+    r, is_stop = responses.shape[1], jnp.isin(responses, jnp.asarray(stop_ids, jnp.int32))
+    first = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1), r - 1)
+    return jnp.where(jnp.arange(r)[None] > first[:, None], pad_id, responses), first
 
 
-def rollout(gen_fn, params, frozen, queries, query_mask, key, eos, pad, on_data):
-    """Responses to host queries [B, Q] (whole on each process), cut after the first EOS -> (batch, lengths
-    [B]). The queries are first cut to [B, Qb], Qb the bucket of this batch's longest prompt (≤ Q): short
-    prompts do not pay for the run's longest, and each jitted function compiles once per bucket met."""
+def masked_mean(x, mask):
+    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)
+
+
+def mismatch(logps, sampler_logps, mask):
+    """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the
+    weights that sampled against the sampler's own log q: 1 to float rounding (unfiltered: the kept mass)."""
+    ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
+    return {"mismatch/ratio_mean": masked_mean(ratio, mask), "mismatch/ratio_max": real(ratio).max(),
+            "mismatch/ratio_min": real(ratio).min(),
+            "mismatch/frac_outside_10pct": masked_mean(abs(ratio - 1.0) > 0.1, mask)}  # outside [0.9, 1.1]
+
+
+def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_data):
+    """Responses to host queries [B, Q] (whole on each process), cut after their first stop token -> (batch,
+    with the sampler's own log-probs, lengths [B]). The queries are cut to their last Qb columns (left padded:
+    all their real tokens), Qb the bucket of the longest prompt (≤ Q): jit compiles once per bucket met."""
     qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
-    # left padding: every prompt ends at column Q-1, so the last Qb columns hold all of their real tokens
     qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
-    responses, sequence_lengths = truncate_response(gen_fn(params, frozen, qs, qm, key)[0], eos, pad)
-    response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: EOS included
+    responses, _, sampler_logps = gen_fn(params, frozen, qs, qm, key)
+    responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
+    response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: stop included
     return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
-            "padding_mask": jnp.concatenate([qm, response_mask], 1)}, sequence_lengths
+            "padding_mask": jnp.concatenate([qm, response_mask], 1),
+            "sampler_logps": sampler_logps}, sequence_lengths
 
 
 def query_length(batch):
@@ -239,11 +262,20 @@ def query_length(batch):
     return batch["query_responses"].shape[1] - batch["response_mask"].shape[1]
 
 
-# ---------------------------------------------------------------------------
-# train_step: one update of the student on a batch of its own completions
-# ---------------------------------------------------------------------------
+def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
+    """The responses cut before their stop token -> (texts, their token ids, lengths [B]: tokens before it
+    (all R without one), has_eos [B]: ended by a stop token, EOS or another), on the host, whole."""
+    responses = common.to_host(batch["query_responses"][:, context_length:])
+    has_eos = np.isin(responses, stop_ids).any(1)
+    lengths = common.to_host(sequence_lengths) + 1 - has_eos
+    texts = tokenizer.detokenize(ids := [list(x[:n]) for x, n in zip(responses, lengths)])
+    return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
+
+
+# ---- train_step: one update of the student on a batch of its own completions
 def train_step(backbone, optimizer, args, state, frozen, batch, context_length, teacher, teacher_weights):
-    """state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask [B, R].
+    """state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask [B, R],
+    sampler_logps [B, R] when rollout made it (the sampler's log q, against this first forward: mismatch/*).
 
     teacher_weights (its params, its frozen values) are an input only: neither donated nor returned.
     """
@@ -251,13 +283,16 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length, 
     mask = batch["response_mask"]
 
     def loss_fn(p):
-        divergence, entropy, aux_loss = completion_divergence(
+        divergence, logq, entropy, aux_loss = completion_divergence(
             backbone, p, frozen, teacher, teacher_weights, batch["query_responses"], batch["padding_mask"],
-            mask, context_length, args.beta, args.temperature, args.logits_chunk)
+            mask, context_length, args.beta, args.temperature, args.logits_chunk, args.top_k, args.top_p,
+            args.min_p)
         loss, metrics = distill_loss(divergence, mask)
         loss = loss + aux_loss  # + the student's router load-balancing loss (a mixture of experts; 0.0 dense)
-        return loss, {**metrics, "train/loss": loss, "entropy": jnp.sum(jnp.where(mask, entropy, 0.0))
-                      / jnp.maximum(mask.sum(), 1), "aux_loss": aux_loss}
+        if "sampler_logps" in batch:  # mismatch/*: rollout's batches carry it (these weights sampled them)
+            metrics.update(mismatch(logq, batch["sampler_logps"], mask))
+        return loss, {**metrics, "train/loss": loss, "entropy": masked_mean(entropy, mask),
+                      "aux_loss": aux_loss}
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -265,9 +300,7 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length, 
     return (params, opt_state), {**metrics, "train/grad_norm": optax.global_norm(grads)}
 
 
-# ---------------------------------------------------------------------------
-# main's pieces: flag checks, the teacher's checks (before any weights load), optimizer
-# ---------------------------------------------------------------------------
+# ---- main's pieces: flag checks, the teacher's checks (before any weights load), optimizer
 def check_args(args):
     """Flags out of range, a teacher that cannot grade the student's tokens: stop before the models load."""
     if not 0 <= args.beta <= 1 or args.temperature <= 0:
@@ -319,9 +352,11 @@ def main(args):
     backbone, teacher, tokenizer = model.backbone, teacher_model.backbone, model.preprocessor.tokenizer
     remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each student block
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    q, r, eos, pad = queries.shape[1], args.response_length, tokenizer.end_token_id, tokenizer.pad_token_id
+    q, r, pad = queries.shape[1], args.response_length, tokenizer.pad_token_id
+    stops = common.stop_token_ids(tokenizer, template, args.stop_token)  # EOS, the turn end, --stop-token
     print(f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
-          f"{args.batch_size} completions of ≤ {r} tokens a step; teacher {args.teacher_model}")
+          f"{args.batch_size} completions of ≤ {r} tokens a step, ended by ids {stops}; teacher "
+          f"{args.teacher_model}")
 
     params, frozen = common.split_variables(backbone)
     # committed to the mesh in their types, as the updated ones will be: the sampler compiles once (grpo.py)
@@ -338,7 +373,7 @@ def main(args):
     key = jax.random.wrap_key_data(np.asarray(key_data))  # through the host: not committed to one device
     state = jax.device_put((params, opt_state), state_shardings)
 
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, eos,
+    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, stops,
                                                       pad, args.top_k, args.top_p, args.min_p))
     # the state donated (updated in place); the teacher's weights (tw) an input only
     step_fn = remat.jit(lambda s, f, b, tw: train_step(backbone, optimizer, args, s, f, b, query_length(b),
@@ -354,10 +389,10 @@ def main(args):
         ticks, idx = [time.perf_counter()], order[step * args.batch_size:(step + 1) * args.batch_size]  # [B]
         key, gen_key = jax.random.split(key)
         batch, sequence_lengths = rollout(gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key,
-                                          eos, pad, on_data)
+                                          stops, pad, on_data)
         ticks += [plumbing.synced(batch)] * 2  # generated; "scored" too: the teacher runs inside the update
         state, metrics = step_fn(state, frozen, batch, teacher_weights)
-        lengths = common.to_host(sequence_lengths) + 1  # completion tokens through each EOS (R without one)
+        lengths = common.to_host(sequence_lengths) + 1  # completion tokens through each stop (R without one)
         qb, real = query_length(batch), int(query_mask[idx].sum() + lengths.sum())
         logged = plumbing.phase_metrics([metrics], ticks, int(lengths.sum()))
         del logged["charts/score_time"]  # no phase of its own: the teacher's forward is inside the update's
@@ -367,10 +402,9 @@ def main(args):
                  "completions/truncated_fraction": float(np.mean(lengths >= r))},
                 tokens=real, padded=len(idx) * (qb + r), flops=real * flops_per_token)
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
-            responses = common.to_host(batch["query_responses"][:2, qb:])
-            cut = [[t for t in x[:n] if t != eos] for x, n in zip(responses, lengths)]  # before the EOS
-            for i, text in enumerate(tokenizer.detokenize(cut)):
-                print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {text!r}")
+            texts = decode(tokenizer, batch, sequence_lengths, qb, stops)[0]  # each cut before its stop token
+            for i in range(2):
+                print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r}")
         run.checkpoint((state[0], state[1], jax.random.key_data(key)))
 
     # ---- outputs: the student (LoRA merged) as a KerasHub preset; the teacher is not saved ----

@@ -87,9 +87,7 @@ class Args(plumbing.RolloutArgs):
     """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
 
 
-# ---------------------------------------------------------------------------
-# Data: prompt texts (common.read_dataset: strings or chats) -> left-padded query ids [N, Q]
-# ---------------------------------------------------------------------------
+# ---- Data: prompt texts (common.read_dataset: strings or chats) -> left-padded query ids [N, Q]
 def tokenize_prompts(prompts, tokenizer, max_prompt_length):
     """-> (queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
     ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
@@ -101,15 +99,11 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
     return queries, mask
 
 
-# ---------------------------------------------------------------------------
-# ALGO LOGIC: KV-cached sampling and its log-probs, policy and reference forwards on query + response,
-# group-relative advantages, the k3 KL, the objectives
-# ---------------------------------------------------------------------------
+# ---- ALGO LOGIC: sampling and its log-probs, forwards on query + response, Â, the k3 KL, the objectives
 def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
-    """TRL's sampling filters on logits / temperature [B, V], in transformers' order (top-k, top-p, min-p),
-    each on what the previous left, renormalised; a dropped token gets -inf (0, 1.0, None: off). top-k keeps
-    the k largest, top-p the likeliest until their mass reaches top_p (the token crossing it included), min-p
-    those with p ≥ min_p · max p. Ties at a cut stay, and so does the likeliest token."""
+    """TRL's sampling filters on logits / T [B, V] in transformers' order, each on what the previous left
+    (renormalised): top-k keeps the k largest, top-p the likeliest until their mass reaches top_p (the one
+    crossing it too), min-p p ≥ min_p · max p. Dropped: -inf; 0, 1.0, None: off; ties at a cut stay."""
     if top_k:
         kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -125,10 +119,9 @@ def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
 
 
 def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
-    """log q(token) and q's entropy, [B] each, for float32 logits [B, V] and tokens [B]: q is what the sampler
-    draws from, softmax(filter_logits(logits / temperature, …)), renormalised over the kept tokens (eq. 1 of
-    docs/design.md); filters off, log softmax(logits / temperature) in the same arithmetic. The token always
-    counts as kept: only a rounding gap between the sampler's forward and this one could drop it (NaN)."""
+    """log q(token) and q's entropy [B] for float32 logits [B, V], tokens [B]; q, what the sampler draws from:
+    softmax(filter_logits(logits / T, …)), renormalised over the kept tokens (eq. 1 of docs/design.md). The
+    token always counts as kept: only a rounding gap between the two forwards could drop it (NaN)."""
     kept = filter_logits(scaled := logits / temperature, top_k, top_p, min_p)
     kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
     logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
@@ -140,10 +133,9 @@ def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
 def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, stop_ids,
              pad_id, top_k=0, top_p=1.0, min_p=None):
     """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
-    of each token [B, R]: filtered_logps, 0 where greedy or after the end). A prefill, then a `lax.while_loop`
-    of one token a step until every sequence has sampled one of `stop_ids` (steps ≤ R): short answers cost
-    their length. Fixed shapes: one compilation per query bucket; `pad_id` after the end. One key split per
-    step, as a `lax.scan` over R: the same key gives the same tokens wherever the loop ends. T = 0: greedy."""
+    [B, R]: filtered_logps, 0 if greedy or after the end). A prefill, then a `lax.while_loop` of one token a
+    step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes (one compilation per bucket),
+    `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
@@ -220,24 +212,19 @@ def mismatch(logps, sampler_logps, mask):
 
 
 def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
-    """Â_i = (r_i − mean(group)) / (std(group) + ε)   (eq. 2): rewards [B] hold B/G groups of G consecutive
-    completions of one prompt; std with Bessel's correction (as TRL); `batch` divides by the std of all B
-    rewards, `none` not at all (Dr. GRPO). An all-equal group gets Â = 0. -> (advantages [B], std [B/G])."""
+    """Â_i = (r_i − mean(group)) / (std(group) + ε) (eq. 2), rewards [B]: B/G groups of G consecutive rows;
+    std with Bessel's correction (TRL's); `batch`: ÷ all B's std, `none`: no division (Dr. GRPO) -> (Â [B],
+    std [B/G]); an all-equal group gets Â = 0."""
     grouped = rewards.reshape(-1, num_generations)  # [B/G, G]
-    std = grouped.std(1, ddof=1)
-    advantages = grouped - grouped.mean(1, keepdims=True)
-    if scale_rewards == "group":
-        advantages = advantages / (std[:, None] + eps)
-    elif scale_rewards == "batch":
-        advantages = advantages / (rewards.std(ddof=1) + eps)
-    return advantages.reshape(-1), std
+    std, centred = grouped.std(1, ddof=1), grouped - grouped.mean(1, keepdims=True)
+    scale = {"group": std[:, None] + eps, "batch": rewards.std(ddof=1) + eps, "none": 1.0}[scale_rewards]
+    return (centred / scale).reshape(-1), std
 
 
 def k3_kl(logps, ref_logps):
     """Per-token KL(π ‖ π_ref) estimate k3 = π_ref/π − log(π_ref/π) − 1 (Schulman 2020; eq. 4): ≥ 0,
     unbiased on tokens sampled from π, lower variance than k1 = log π − log π_ref."""
-    log_ratio = ref_logps - logps
-    return jnp.expm1(log_ratio) - log_ratio
+    return jnp.expm1(log_ratio := ref_logps - logps) - log_ratio
 
 
 def aggregate(per_token, mask, loss_type):
@@ -255,8 +242,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
     """The policy term of `loss_type` (eq. 3, GSPO's 6, CISPO 7, SAPO 8, VESPO 10) on the tokens ρ keeps (11),
     + β·k3 KL (4), aggregated (5, 9), − entropy_coef × entropy (12). logps, old_logps, ref_logps (None: β 0),
     entropy, mask [B, R], advantages [B]; sapo_temperatures and vespo_params: Args' fields in their order."""
-    token_log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # [B, R]; padding may hold anything: 0 here
-    log_ratio = token_log_ratio
+    log_ratio = token_log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # [B, R]; padding may hold anything
     if importance_sampling_level == "sequence":  # GSPO (eq. 6): log s_i = (1/|o_i|) Σ_t log ρ_{i,t}, [B, 1]
         # differentiated through the mean (as TRL's GRPOTrainer): ∂ s_i / ∂ log π_{i,t} = s_i / |o_i|
         log_ratio = log_ratio.sum(1, keepdims=True) / jnp.maximum(mask.sum(1, keepdims=True), 1)
@@ -274,9 +260,8 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
     elif loss_type == "vespo":  # φ(w) = w^k e^(λ(1−w)) of the whole sequence's ratio w [B, 1], held constant,
         # times Â log π; (k, λ) by the sign of Â; in log space with TRL's clamps
         log_w = jnp.clip(jnp.clip(token_log_ratio, -20.0, 20.0).sum(1, keepdims=True), math.log(1e-8), 20.0)
-        k_pos, lambda_pos, k_neg, lambda_neg = vespo_params
-        k, lam = jnp.where(a >= 0, k_pos, k_neg), jnp.maximum(jnp.where(a >= 0, lambda_pos, lambda_neg), 1e-4)
-        phi = jax.lax.stop_gradient(jnp.exp(lam * (1.0 - jnp.exp(log_w)) + k * log_w))
+        k, lam = jnp.where(a >= 0, *vespo_params[::2]), jnp.where(a >= 0, *vespo_params[1::2])  # (k, λ) by Â
+        phi = jax.lax.stop_gradient(jnp.exp(jnp.maximum(lam, 1e-4) * (1.0 - jnp.exp(log_w)) + k * log_w))
         per_token, metrics["vespo/phi_seq_mean"] = -phi * a * real_logps, jnp.mean(phi)
     else:  # pessimistic: the clip only removes gradient. [B, 1] at sequence level: o_i's real tokens share it
         per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * a)
@@ -291,8 +276,7 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
         kept = (entropy >= cut) & mask
         per_token = jnp.where(kept, per_token, 0.0)
     if beta:  # on every real token, kept or not (as TRL)
-        kl = k3_kl(logps, ref_logps)
-        per_token, metrics["kl"] = per_token + beta * kl, masked_mean(kl, mask)
+        per_token, metrics["kl"] = per_token + beta * (kl := k3_kl(logps, ref_logps)), masked_mean(kl, mask)
     loss = aggregate(per_token, mask, loss_type)
     if entropy_coef:  # TRL's bonus: the kept tokens' mean entropy, whatever the aggregation
         metrics.update({"policy_loss": loss, "entropy_coef": jnp.float32(entropy_coef)})
@@ -301,41 +285,31 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
 
 
 def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, sampling):
-    """π_old and π_ref log-probs of a finished generation batch ({} entries left out when not needed):
-    π_old's of the distribution sampled from (sampling: temperature, top-k, top-p, min-p), π_ref's of
-    logits / T only."""
-    ids, mask = batch["query_responses"], batch["padding_mask"]
-    out = {}
-    if params is not None:
-        out["old_logps"] = response_logps(backbone, params, frozen, ids, mask, context_length, *sampling)[0]
-    if ref_params is not None:
-        out["ref_logps"] = response_logps(backbone, ref_params, frozen, ids, mask, context_length,
-                                          sampling[0])[0]
-    return out
+    """π_old's log-probs of a finished generation batch, of the distribution sampled from (sampling: T, top-k,
+    top-p, min-p), and π_ref's of logits / T only; an entry is left out where its params are None."""
+    logps = lambda p, s: response_logps(backbone, p, frozen, batch["query_responses"], batch["padding_mask"],
+                                        context_length, *s)[0]
+    return {**({"old_logps": logps(params, sampling)} if params is not None else {}),
+            **({"ref_logps": logps(ref_params, sampling[:1])} if ref_params is not None else {})}
 
 
-# ---------------------------------------------------------------------------
-# train_step: one update of the policy on a (mini-)batch of completions
-# ---------------------------------------------------------------------------
+# ---- train_step: one update of the policy on a (mini-)batch of completions
 def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
-    """One update. state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask
-    [B, R], advantages [B]; old_logps / ref_logps [B, R] when computed at rollout time; sampler_logps [B, R]
-    when this is the first forward of the weights that sampled."""
+    """state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask [B, R],
+    advantages [B]; old_logps / ref_logps [B, R] if made at rollout; sampler_logps [B, R] if its weights'."""
     params, opt_state = state
     ids, mask = batch["query_responses"], batch["padding_mask"]
 
     def loss_fn(p):
         logps, entropy, aux_loss = response_logps(backbone, p, frozen, ids, mask, context_length,
                                                   args.temperature, args.top_k, args.top_p, args.min_p)
-        # one update per generation batch: π_old is π_θ itself, held constant (ratio 1, gradient of π_θ)
-        old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
+        old = batch.get("old_logps", jax.lax.stop_gradient(logps))  # μ = 1: π_old = sg(π_θ), ratio 1
         loss, metrics = grpo_loss(logps, old, batch.get("ref_logps"), batch["advantages"], batch["response_mask"],
                                   args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high,
                                   args.beta, args.loss_type, args.importance_sampling_level, entropy,
-                                  args.top_entropy_quantile, args.entropy_coef,
-                                  (args.sapo_temperature_pos, args.sapo_temperature_neg),
-                                  (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg,
-                                   args.vespo_lambda_neg))
+                                  args.top_entropy_quantile, args.entropy_coef, (args.sapo_temperature_pos,
+                                  args.sapo_temperature_neg), (args.vespo_k_pos, args.vespo_lambda_pos,
+                                  args.vespo_k_neg, args.vespo_lambda_neg))
         loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
         if "sampler_logps" in batch:  # mismatch/*, over every sampled token (padding_mask's response part)
             metrics.update(mismatch(logps, batch["sampler_logps"], mask[:, context_length:]))
@@ -347,9 +321,7 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
     return (params, opt_state), {**metrics, "train/loss": loss, "train/grad_norm": optax.global_norm(grads)}
 
 
-# ---------------------------------------------------------------------------
-# main's pieces: flag checks, optimizer, rollout, decoding, reward metrics, mini-batches
-# ---------------------------------------------------------------------------
+# ---- main's pieces: flag checks, optimizer, rollout, decoding, reward metrics, mini-batches
 def check_args(args, mesh):
     """Inconsistent sizes, unsupported choices, weights that do not match the functions: stop before the model loads."""
     g, b = args.num_generations, args.batch_size
@@ -383,18 +355,16 @@ def make_optimizer(args, max_steps):
     updates = max_steps * args.num_iterations * args.num_mini_batches
     schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, updates, args.warmup_steps,
                                           args.warmup_ratio, args.min_lr_rate)
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                            optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask))
+    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adamw(
+        schedule, weight_decay=args.weight_decay, mask=lambda ps: jax.tree.map(lambda p: p.ndim >= 2, ps)))
     return optimizer, schedule, warmup
 
 
 def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_data):
     """Responses to host queries [B, Q] (whole on each process), cut after their first stop token -> (batch,
-    with the sampler's own log-probs, lengths [B]). The queries are first cut to [B, Qb], Qb the bucket of the
-    longest prompt (≤ Q): short prompts do not pay for the run's longest; jit compiles once per bucket met."""
+    with the sampler's own log-probs, lengths [B]). The queries are cut to their last Qb columns (left padded:
+    all their real tokens), Qb the bucket of the longest prompt (≤ Q): jit compiles once per bucket met."""
     qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
-    # left padding: every prompt ends at column Q-1, so the last Qb columns hold all of their real tokens
     qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
     responses, _, sampler_logps = gen_fn(params, frozen, qs, qm, key)
     responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
@@ -415,27 +385,24 @@ def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
     responses = common.to_host(batch["query_responses"][:, context_length:])
     has_eos = np.isin(responses, stop_ids).any(1)
     lengths = common.to_host(sequence_lengths) + 1 - has_eos
-    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
-    texts = tokenizer.detokenize(ids)
+    texts = tokenizer.detokenize(ids := [list(x[:n]) for x, n in zip(responses, lengths)])
     return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
 
 
 def reward_metrics(rewards, parts, lengths, has_eos):
-    """The summed reward, each reward function's (or the reward model's) mean and std, completion lengths."""
-    # a function's None (NaN here) is left out of its mean and std, as TRL does
-    return {"reward": float(rewards.mean()), **{f"rewards/{k}/mean": float(np.nanmean(v)) for k, v in parts.items()},
-            **{f"rewards/{k}/std": float(np.nanstd(v)) for k, v in parts.items()},
+    """The summed reward, each reward function's (or the reward model's) mean and std (a function's None,
+    NaN here, left out of them as TRL does), completion lengths."""
+    return {"reward": float(rewards.mean()), **{f"rewards/{k}/{s}": float(f(v)) for k, v in parts.items()
+                                                for s, f in (("mean", np.nanmean), ("std", np.nanstd))},
             "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
             "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(1.0 - has_eos.mean())}
 
 
 def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
     """Index arrays [B / num_mini_batches]: num_epochs passes over the batch, reshuffled for each."""
-    mini = batch_size // num_mini_batches
     for _ in range(num_epochs):
-        perm = rng.permutation(batch_size)
-        for m in range(num_mini_batches):
-            yield common.put_global(perm[m * mini:(m + 1) * mini], on_data)
+        for part in np.split(rng.permutation(batch_size), num_mini_batches):  # equal parts: checked at start
+            yield common.put_global(part, on_data)
 
 
 def main(args):
@@ -443,7 +410,6 @@ def main(args):
     run = plumbing.Run("grpo", args, export_hf=args.export_hf)  # flags and --output-dir checked; nothing written
     check_args(args, run.mesh)
     template = common.chat_template(args.model, args.chat_template)
-    # rows: the columns reward functions may read
     prompts, rows = common.read_prompts(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     g, n_prompts = args.num_generations, args.batch_size // args.num_generations
     max_steps = run.resolve_max_steps(len(prompts), n_prompts)  # --max-steps, or --num-epochs' worth of B/G prompts
@@ -461,11 +427,10 @@ def main(args):
           f"{n_prompts} prompts × G={g} completions of ≤ {r} tokens per step, ended by ids {stops}; "
           f"reward: {args.reward_model or ', '.join(args.reward_fn)}")
 
-    # Reference: a frozen copy of the initial trainable values (LoRA: the LoRA-off base), only when β > 0.
     params, frozen = common.split_variables(backbone)
     # one jit with out_shardings commits the values to the mesh as updates will: the sampler sees one type
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
-    ref_params = jax.tree.map(jnp.copy, params) if args.beta else None
+    ref_params = jax.tree.map(jnp.copy, params) if args.beta else None  # the initial values (LoRA: the base)
     off_policy = args.num_iterations > 1 or args.num_mini_batches > 1  # π_old differs from π_θ at some update
     optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
@@ -473,10 +438,10 @@ def main(args):
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
     order = np.concatenate([rng.permutation(len(prompts))
                             for _ in range(-(-max_steps * n_prompts // len(prompts)))])
-    # --resume: params, optimizer state, sampling key, mini-batch shuffler (the prompt order is a function of the step)
+    # --resume: params, optimizer state, sampling key, shuffler (the prompt order: a function of the step);
+    # the key through the host: restored, it sits on one device, which jit refuses beside mesh-wide arguments
     (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
                                                      {"rng": rng.bit_generator.state})
-    # the key through the host: restored, it sits on one device, which jit refuses beside mesh-wide arguments
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
@@ -487,46 +452,38 @@ def main(args):
     step_fn = remat.jit(lambda s, f, b: train_step(backbone, optimizer, args, s, f, b, query_length(b)),
                         donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
     run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
-    # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
-    on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
+    on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))  # rollouts [B, …]
     # FLOPs (docs/design.md): 2N a token per forward (sampler, π_old, π_ref, reward model), 6N per update pass
-    n = plumbing.count_params(backbone)
-    n_rm = plumbing.count_params(scorer.model.backbone) if scorer.model is not None else 0
+    n, n_rm = (plumbing.count_params(m.backbone) if m is not None else 0 for m in (model, scorer.model))
     flops_per_token = 2 * n * (1 + off_policy + (args.beta > 0)) + 2 * n_rm + args.num_iterations * 6 * n
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
     for step in run.steps(learning_rate=lambda s: schedule(s * args.num_iterations * args.num_mini_batches),
                           summed=("charts/generated_tokens",), show=("reward", "frac_reward_zero_std")):
         ticks, idx = [time.perf_counter()], np.repeat(order[step * n_prompts:(step + 1) * n_prompts], g)  # [B]
-        # rollout: G completions of each of B/G prompts (a group = G consecutive rows), cut after a stop token
-        key, gen_key = jax.random.split(key)
+        key, gen_key = jax.random.split(key)  # rollout: G completions of B/G prompts, a group per G rows
         batch, sequence_lengths = rollout(gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key,
                                           stops, pad, on_data)
         qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
-        # rewards: one scalar per completion (1), a weighted sum over the reward functions (or the RM score)
-        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb, stops)
+        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb, stops)  # rewards: (1)
         scores, parts = scorer([prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids,
                                common.turn_end(template))
         rewards = common.to_host(scores)
-        # advantages: relative to the other completions of the same prompt (2)
         advantages, group_std = jax.device_get(group_advantages(jnp.asarray(rewards), g, args.scale_rewards))
         if args.mask_truncated_completions:  # DAPO: a cut-off completion is not judged at all
             batch["response_mask"] = batch["response_mask"] & common.put_global(has_eos[:, None], on_data)
-        batch["advantages"] = common.put_global(advantages, on_data)
+        batch["advantages"] = common.put_global(advantages, on_data)  # relative to the prompt's group (2)
         if off_policy or ref_params is not None:  # else neither π_old nor π_ref needs a forward
             batch.update(logps_fn(state[0] if off_policy else None, ref_params, frozen, batch))
-        # mismatch/*: the sampler's log q against the first forward of its weights: here, else train_step's
         meter = (mismatch(batch["old_logps"], batch.pop("sampler_logps"), batch["padding_mask"][:, qb:])
-                 if "old_logps" in batch else {})
+                 if "old_logps" in batch else {})  # mismatch/*: here, or in train_step
         ticks.append(plumbing.synced(batch))
-        # update: num_iterations passes, each over num_mini_batches shuffled mini-batches
-        updates = []
+        updates = []  # update: num_iterations passes, each over num_mini_batches shuffled mini-batches
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        # generate tokens/s: the tokens sampled, through each stop token (all R without one); tokens/s and
-        # MFU count real tokens: those and each prompt's, of B·(Qb+R) padded (charts/padding_fraction)
+        # tokens sampled: through each stop (R without one); tokens/s, MFU: those + prompts' (of B·(Qb+R))
         real = int(query_mask[idx].sum() + (lengths + has_eos).sum())
         run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())), **meter,
                  **reward_metrics(rewards, parts, lengths, has_eos), "reward_std": float(np.mean(group_std)),

@@ -83,9 +83,7 @@ class Pair(NamedTuple):
     value: object
 
 
-# ---------------------------------------------------------------------------
-# Data: prompt texts (common.read_dataset: strings or chats) -> left-padded query ids [N, Q]
-# ---------------------------------------------------------------------------
+# ---- Data: prompt texts (common.read_dataset: strings or chats) -> left-padded query ids [N, Q]
 def tokenize_prompts(prompts, tokenizer, max_prompt_length):
     """-> (queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
     ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
@@ -97,15 +95,12 @@ def tokenize_prompts(prompts, tokenizer, max_prompt_length):
     return queries, mask
 
 
-# ---------------------------------------------------------------------------
-# ALGO LOGIC: KV-cached sampling and its log-probs (temperature only: the filters stay off, as TRL's
+# ---- ALGO LOGIC: KV-cached sampling and its log-probs (temperature only: the filters stay off, as TRL's
 # PPOConfig), policy, reference and value forwards, per-token rewards, GAE, whitening, the PPO losses
-# ---------------------------------------------------------------------------
 def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
-    """TRL's sampling filters on logits / temperature [B, V], in transformers' order (top-k, top-p, min-p),
-    each on what the previous left, renormalised; a dropped token gets -inf (0, 1.0, None: off). top-k keeps
-    the k largest, top-p the likeliest until their mass reaches top_p (the token crossing it included), min-p
-    those with p ≥ min_p · max p. Ties at a cut stay, and so does the likeliest token."""
+    """TRL's sampling filters on logits / T [B, V] in transformers' order, each on what the previous left
+    (renormalised): top-k keeps the k largest, top-p the likeliest until their mass reaches top_p (the one
+    crossing it too), min-p p ≥ min_p · max p. Dropped: -inf; 0, 1.0, None: off; ties at a cut stay."""
     if top_k:
         kth = jax.lax.top_k(logits, min(top_k, logits.shape[-1]))[0][:, -1:]  # [B, 1]
         logits = jnp.where(logits < kth, -jnp.inf, logits)
@@ -121,10 +116,9 @@ def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
 
 
 def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
-    """log q(token) and q's entropy, [B] each, for float32 logits [B, V] and tokens [B]: q is what the sampler
-    draws from, softmax(filter_logits(logits / temperature, …)), renormalised over the kept tokens (eq. 1 of
-    docs/design.md); filters off, log softmax(logits / temperature) in the same arithmetic. The token always
-    counts as kept: only a rounding gap between the sampler's forward and this one could drop it (NaN)."""
+    """log q(token) and q's entropy [B] for float32 logits [B, V], tokens [B]; q, what the sampler draws from:
+    softmax(filter_logits(logits / T, …)), renormalised over the kept tokens (eq. 1 of docs/design.md). The
+    token always counts as kept: only a rounding gap between the two forwards could drop it (NaN)."""
     kept = filter_logits(scaled := logits / temperature, top_k, top_p, min_p)
     kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
     logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
@@ -136,10 +130,9 @@ def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
 def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, stop_ids,
              pad_id, top_k=0, top_p=1.0, min_p=None):
     """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
-    of each token [B, R]: filtered_logps, 0 where greedy or after the end). A prefill, then a `lax.while_loop`
-    of one token a step until every sequence has sampled one of `stop_ids` (steps ≤ R): short answers cost
-    their length. Fixed shapes: one compilation per query bucket; `pad_id` after the end. One key split per
-    step, as a `lax.scan` over R: the same key gives the same tokens wherever the loop ends. T = 0: greedy."""
+    [B, R]: filtered_logps, 0 if greedy or after the end). A prefill, then a `lax.while_loop` of one token a
+    step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes (one compilation per bucket),
+    `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
@@ -306,9 +299,7 @@ def advantages_of(scores, logprobs, ref_logprobs, values, sequence_lengths, args
     return advantages, returns, metrics
 
 
-# ---------------------------------------------------------------------------
-# train_step: one PPO update of policy and value on a mini-batch
-# ---------------------------------------------------------------------------
+# ---- train_step: one PPO update of policy and value on a mini-batch
 def train_step(models, optimizer, args, state, frozen, batch, context_length):
     """One PPO update on a mini-batch. state = (PPOParams, opt_state); models = Pair of backbones;
     frozen = Pair of their non-trainable values, an input only (never donated)."""
@@ -335,9 +326,7 @@ def train_step(models, optimizer, args, state, frozen, batch, context_length):
     return (params, opt_state), {**metrics, "train/loss": loss, "train/grad_norm": optax.global_norm(grads)}
 
 
-# ---------------------------------------------------------------------------
-# main's pieces: optimizer, rollout, decoding, mini-batches
-# ---------------------------------------------------------------------------
+# ---- main's pieces: optimizer, rollout, decoding, mini-batches
 def make_optimizer(args, max_steps):
     """Clip (policy and value together), AdamW with ε = 1e-5 and --weight-decay on matrices only (not norms,
     biases or the value head's bias), --lr-scheduler-type over all updates -> (optimizer, schedule, warmup)"""
@@ -352,10 +341,9 @@ def make_optimizer(args, max_steps):
 
 def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_data):
     """Responses to host queries [B, Q] (whole on each process), cut after their first stop token -> (batch,
-    with the sampler's own log-probs, lengths [B]). The queries are first cut to [B, Qb], Qb the bucket of the
-    longest prompt (≤ Q): short prompts do not pay for the run's longest; jit compiles once per bucket met."""
+    with the sampler's own log-probs, lengths [B]). The queries are cut to their last Qb columns (left padded:
+    all their real tokens), Qb the bucket of the longest prompt (≤ Q): jit compiles once per bucket met."""
     qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
-    # left padding: every prompt ends at column Q-1, so the last Qb columns hold all of their real tokens
     qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
     responses, _, sampler_logps = gen_fn(params, frozen, qs, qm, key)
     responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
@@ -376,18 +364,15 @@ def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
     responses = common.to_host(batch["query_responses"][:, context_length:])
     has_eos = np.isin(responses, stop_ids).any(1)
     lengths = common.to_host(sequence_lengths) + 1 - has_eos
-    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
-    texts = tokenizer.detokenize(ids)
+    texts = tokenizer.detokenize(ids := [list(x[:n]) for x, n in zip(responses, lengths)])
     return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
 
 
 def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
     """Index arrays [B / num_mini_batches]: num_epochs passes over the batch, reshuffled for each."""
-    mini = batch_size // num_mini_batches
     for _ in range(num_epochs):
-        perm = rng.permutation(batch_size)
-        for m in range(num_mini_batches):
-            yield common.put_global(perm[m * mini:(m + 1) * mini], on_data)
+        for part in np.split(rng.permutation(batch_size), num_mini_batches):  # equal parts: checked at start
+            yield common.put_global(part, on_data)
 
 
 def main(args):

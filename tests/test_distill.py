@@ -260,8 +260,9 @@ def test_sigterm_then_resume_equals_uninterrupted(resumed):
     assert_same_rows(clean, cut)
     for k in ("train/loss", "entropy", "train/grad_norm", "completions/mean_length",
               "completions/truncated_fraction", "charts/generated_tokens", "charts/padding_fraction",
-              "charts/learning_rate"):
+              "charts/learning_rate", "mismatch/ratio_mean", "mismatch/frac_outside_10pct"):
         assert k in clean[-1], k  # (tokens/s and MFU too: helpers drop timing metrics before comparing)
     assert all(r["train/loss"] > 0 for r in clean)
+    assert all(abs(r["mismatch/ratio_mean"] - 1) < 1e-2 for r in clean)  # the update scores what was sampled
     assert "sample:" in stdout and (out_dir / "model" / "config.json").exists()
     assert not (out_dir / "model" / "reward_head.npz").exists()

@@ -203,14 +203,16 @@ RL = ("grpo", "rloo", "ppo")
 
 
 def test_the_three_samplers_are_one_copy():
-    """grpo.py, rloo.py and ppo.py each keep the sampler (forkable alone), and keep it the same."""
+    """grpo.py, rloo.py, ppo.py and distill.py each keep the sampler (forkable alone), and keep it the same."""
     import inspect
     names = ("filter_logits", "filtered_logps", "generate", "truncate_response", "response_logps", "mismatch",
              "rollout", "decode")
-    grpo, rloo, ppo = (importlib.import_module(s) for s in RL)
+    grpo, rloo, ppo, distill = (importlib.import_module(s) for s in RL + ("distill",))
     for name in names:
         assert inspect.getsource(getattr(grpo, name)) == inspect.getsource(getattr(rloo, name)) \
             == inspect.getsource(getattr(ppo, name)), name
+        if name != "response_logps":  # distill.py's copy (its student's log q comes in its divergence's chunks)
+            assert inspect.getsource(getattr(distill, name)) == inspect.getsource(getattr(grpo, name)), name
 
 
 @pytest.mark.parametrize("script", RL)
@@ -368,26 +370,28 @@ def test_stop_token_ids_are_eos_the_turn_end_and_the_flags(chat_tokenizers):
 TURN_BIAS = 5.0  # added to the turn end's logit: random `tiny` writes it within a few tokens, then goes on
 
 
-@pytest.mark.parametrize("template", ["gemma", "llama3", "chatml"])
-def test_completions_end_at_the_chats_turn_end(template, chat_tokenizers, tiny, monkeypatch):
+@pytest.mark.parametrize("template, script", [("gemma", "grpo"), ("llama3", "grpo"), ("chatml", "grpo"),
+                                              ("gemma", "distill")])  # distill.py: its own copy
+def test_completions_end_at_the_chats_turn_end(template, script, chat_tokenizers, tiny, monkeypatch):
     """A tiny model that writes the turn end and carries on: stopped at EOS only (main before), every
     completion runs to R; stopped at the template's turn end too, each ends there: the same tokens up to it,
     PAD after, the loss mask through it, completion_ids and the text before it, clipped_ratio 0."""
     import grpo
+    sampler = importlib.import_module(script)  # generate, rollout, decode: the script's own copy
     backbone, params, frozen, queries, query_mask, _, pad = tiny
     tok, r = chat_tokenizers[template], 32
     stops = common.stop_token_ids(tok, common.CHAT_TEMPLATES[template])  # (EOS, the turn end)
     logits = common.logits
     monkeypatch.setattr(common, "logits", lambda bb, h: logits(bb, h).at[..., stops[1]].add(TURN_BIAS).at[
         ..., jnp.array([0, 1])].set(-jnp.inf))  # never an EOS (tiny's is 1, the Qwen tokenizer's 0)
-    gen = jax.jit(lambda p, f, qs, qm, k, s: grpo.generate(backbone, p, f, qs, qm, k, r, 1.0, s, pad))
+    gen = jax.jit(lambda p, f, qs, qm, k, s: sampler.generate(backbone, p, f, qs, qm, k, r, 1.0, s, pad))
     on_data = jax.sharding.NamedSharding(common.make_mesh(None), jax.sharding.PartitionSpec("data"))
     out = {}
     for kind, ids in (("eos only", (stops[0],) * 2), ("turn end", stops)):  # one shape: one compilation
-        batch, lengths = grpo.rollout(lambda p, f, qs, qm, k: gen(p, f, qs, qm, k, jnp.asarray(ids)), params,
-                                      frozen, queries, query_mask, jax.random.key(5), ids, pad, on_data)
-        qb = grpo.query_length(batch)
-        out[kind] = (jax.device_get(batch), *grpo.decode(tok, batch, lengths, qb, ids))
+        batch, lengths = sampler.rollout(lambda p, f, qs, qm, k: gen(p, f, qs, qm, k, jnp.asarray(ids)),
+                                         params, frozen, queries, query_mask, jax.random.key(5), ids, pad, on_data)
+        qb = sampler.query_length(batch)
+        out[kind] = (jax.device_get(batch), *sampler.decode(tok, batch, lengths, qb, ids))
     turn, (batch, texts, ids, lengths, ended) = stops[1], out["turn end"]
     carried = out["eos only"][0]["query_responses"][:, qb:]
     assert (carried[:, :r // 2] == turn).any(1).all() and (carried != pad).all()  # wrote it, and went on
