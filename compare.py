@@ -1,10 +1,8 @@
 """Compare post-training recipes on one base: SFT, then DPO, SimPO, ORPO, KTO, reward model + PPO, GRPO, RLOO.
-
-Every script runs through its real CLI (a subprocess), so a forked script slots in by name
-(`--extra mydpo.py`); every resulting model is scored with evaluate.py's protocol against
-the SFT model and against a compute-matched continued-SFT control (sft+, sft+rl), over --seeds seeds, with
-paired 95% intervals; --sweep picks settings on the eval split, the table reports the test split. Writes
-comparison.md (table, sweep, costs) and comparison.png (scores, and the task score against training FLOPs).
+Every script runs through its real CLI (a subprocess; a fork slots in by name, `--extra mydpo.py`); every model
+is scored with evaluate.py's protocol against SFT and a compute-matched continued-SFT control (sft+, sft+rl),
+over --seeds seeds, paired 95% intervals; --sweep picks settings on the eval split, the table reports the test
+split. Writes comparison.md (table, sweep, costs), comparison.png (scores; task score against training FLOPs).
     python compare.py --model gemma_2b --sft-args="--dataset sft.jsonl" --dpo-args="--dataset prefs.jsonl"
 Offline, the bundled comparison task (data/compare/, docs/compare.md) on the `tiny` model:
     python compare.py --model tiny --seeds 3 --sweep dpo.learning_rate=5e-5,1e-4
@@ -39,8 +37,7 @@ FLOPS_LABEL = 'training FLOPs (SFT included; docs/design.md, "FLOPs")'  # the sc
 
 
 class RunsFailed(plumbing.RunFailed):
-    """A script exited non-zero (or was skipped for one that did): the message on stderr, exit code 1,
-    after the report of the runs that finished."""
+    """A script exited non-zero (or was skipped for one that did): exit code 1, after the report of the rest."""
 
 
 @dataclass
@@ -52,17 +49,14 @@ class Args:
     """how chats are rendered; None: --model's family's (Gemma 1-3: gemma, Gemma 4: gemma4, or gemma4_large
     at 26B-A4B / 31B, Llama 3: llama3, Mistral: mistral, Qwen 2.5 / 3: chatml, Qwen 3.5: qwen3.5)"""
     task: Literal["compare", "toy"] = "compare"
-    """the bundled data every script trains on (with a `tiny`-based --model; any other keeps each script's
-    flags): `compare`, data/compare/ (docs/compare.md); `toy`, the scripts' defaults, data/*.jsonl"""
+    """the data of every script on a `tiny`-based --model: `compare`, data/compare/ (docs/compare.md); `toy`, data/"""
     methods: str = "sft,sft+,dpo,simpo,orpo,kto,ppo,grpo,rloo,sft+rl"
-    """comma-separated subset of METHODS (ppo: see --ppo-reward; grpo, rloo optimise --reward-fn); sft+
-    continues SFT for --steps updates of twice the preference batch (a preference row's steps and tokens),
-    sft+rl for as many updates as match the RL rows' logged FLOPs"""
+    """comma-separated subset of METHODS (ppo: --ppo-reward; grpo, rloo: --reward-fn); sft+: SFT continued for
+    --steps updates of twice the preference batch (a preference row's tokens), sft+rl: the RL rows' FLOPs"""
     extra: tuple[str, ...] = ()
     """forked scripts (e.g. mydpo.py), each run like dpo from the SFT model; the row is the file's name"""
     seeds: int = 3
-    """training seeds of every method after SFT: --seed, --seed+1, …; SFT is trained once (seed --seed): the
-    one shared base every method and seed starts from, so the paired differences measure the methods alone"""
+    """training seeds after SFT: --seed, --seed+1, …; SFT is trained once (--seed), the base every run shares"""
     sweep: RepeatedStr = ()
     """`method.flag=v1,v2,…` (repeatable; two flags of a method: their grid), e.g. dpo.learning_rate=1e-5,5e-5
     (appended last): every setting × seed; the best mean greedy score on --eval-prompts is tested"""
@@ -80,8 +74,7 @@ class Args:
     rloo_steps: int = 100
     """RLOO iterations (as GRPO's: 8 prompts × 8 completions + one update each)"""
     learning_rate: float = 5e-5
-    """peak learning rate of every method after SFT but the controls (they keep SFT's final one); the recipe's
-    other fixed flags are in RECIPE (the scripts' defaults are TRL's, for real pretrained models)"""
+    """peak learning rate after SFT, but the controls' (SFT's final one); the recipe's other flags: RECIPE"""
     ppo_reward: Literal["model", "fn", "both"] = "both"
     """`model`: PPO optimises a reward model trained on the preference pairs (what the preference methods
     get); `fn`: the task score itself (--reward-fn); `both`: two rows, `ppo` (reward model) and `ppo_fn`"""
@@ -131,9 +124,8 @@ class Args:
 
 
 # === The plan: which script runs, from which model, with which flags, for which seed and setting ===
-# The recipe's fixed flags per script, ahead of the budgets, --learning-rate and the pass-through flags. The
-# scripts' defaults are TRL's for real pretrained models (README: "Defaults"); these are the values the committed
-# comparison (docs/comparison.md) was measured with, sized for `tiny` and the toy task, schedules included.
+# Each script's fixed flags, ahead of the budgets, --learning-rate and the pass-through flags: docs/comparison.md's
+# values, sized for `tiny` and the toy task (the scripts' defaults are TRL's, for real pretrained models).
 COSINE_TO_10 = " --lr-scheduler-type cosine_with_min_lr --min-lr-rate 0.1"  # warmup, then to 10% of the peak
 SAMPLER = "--num-generations 8 --max-prompt-length 64 --response-length 16"
 RECIPE = {
@@ -226,7 +218,6 @@ def plan(args, output_dir):
         rows.append(("sft+rl", script("sft"), "sft+", None, [], args.sft_args, False))
     grid = parse_sweep(args.sweep, [r[0] for r in rows])
     template = ["--chat-template", args.chat_template] if args.chat_template else []
-
     def stage(name, row, script, recipe, model, flags, seed, extra, needs, setting=None):
         setting = setting or {}
         swept = [x for k, v in setting.items() for x in ("--" + k.replace("_", "-"), v)]
@@ -234,7 +225,6 @@ def plan(args, output_dir):
                 "flags": ["--model", model] + flags + task_flags(args.task, args.model, recipe)
                 + shlex.split(RECIPE[recipe]) + ["--seed", str(seed)] + template
                 + ["--output-dir", os.path.join(output_dir, name)] + shlex.split(extra) + swept}
-
     seeds = [args.seed + k for k in range(args.seeds)]
     stages = [stage("sft", "sft", script("sft"), "sft", args.model, ["--max-steps", str(args.sft_steps)],
                     args.seed, args.sft_args, [])] if sft else []
@@ -327,16 +317,16 @@ def run_stage(i, n, stage, output_dir):
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     cmd = [sys.executable, stage["script"]] + stage["flags"]
     print(f"[{i}/{n}] {stage['name']}: {shlex.join(cmd[1:])}", flush=True)
-    t0 = time.perf_counter()
     # A forked script (--extra) may live anywhere: it still finds `common` and the toy data.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [common.HERE, os.environ.get("PYTHONPATH")]))}
     with open(log_path, "w") as log:
+        t0 = time.perf_counter()
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     wall = time.perf_counter() - t0
     if rc != 0:
         with open(log_path) as f:
-            tail = "".join(f.readlines()[-10:])
-        print(f"      FAILED (exit {rc}) after {wall:.0f} s; last lines of {log_path}:\n{tail}", flush=True)
+            print(f"      FAILED (exit {rc}) after {wall:.0f} s; last lines of {log_path}:\n"
+                  + "".join(f.readlines()[-10:]), flush=True)
         return False, wall
     name, _, values = main_curve(read_metrics(os.path.join(output_dir, stage["name"])))
     print(f"      done in {wall:.0f} s" + (f"; {name} {values[0]:.3f} -> {values[-1]:.3f}" if values else ""),
@@ -347,8 +337,7 @@ def run_stage(i, n, stage, output_dir):
 # === Evaluation (evaluate.py's protocol, in this process: one compilation for every model) ===
 def evaluate_models(args, prompts_path, base, jobs, eval_dir):
     """jobs: [(key, seed, model dir, reward model dir or None)] -> {key: evaluate.per_prompt arrays}: each model
-    scored on `prompts_path` against `base` with sampling seed `seed` (the base sampled with the same seed:
-    paired per prompt and per seed); eval.json, samples.jsonl and scores.npz go to eval_dir(key, seed)."""
+    on `prompts_path` against `base`, both sampled with `seed` (paired); its outputs go to eval_dir(key, seed)."""
     import evaluate  # JAX starts only now, after the training processes ended (a TPU admits one)
 
     eargs = lambda seed, rm: evaluate.Args(
@@ -372,10 +361,9 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
             evaluate.check_same_tokens(model_dir, policy.model, data, ea, key)
             outs = evaluate.evaluate_policy(policy, data, scorers[rm], ea, mesh, baseline=base_policy)
         results[key], m = evaluate.per_prompt(outs, b), evaluate.summarize(outs, b)
-        evaluate.write_outputs(eval_dir(key, seed), {"model": model_dir, "baseline": base, "prompts": prompts_path,
-                                                     "num_prompts": len(data["prompts"]), "seed": seed,
-                                                     "temperature": args.temperature, **m},
-                               evaluate.examples(outs, data, 8, b), results[key])
+        meta = {"model": model_dir, "baseline": base, "prompts": prompts_path, "num_prompts": len(data["prompts"]),
+                "seed": seed, "temperature": args.temperature, **m}
+        evaluate.write_outputs(eval_dir(key, seed), meta, evaluate.examples(outs, data, 8, b), results[key])
         print(f"      {key} (seed {seed}): task score {m['score']:.3f}, KL {m['kl']:.3f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return results
@@ -383,29 +371,22 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
 
 # === STATISTICS: pure functions of per-prompt score tables [seeds S, prompts P] ===
 def t_quantile(p, df):
-    """Student-t quantile t_p(df) for p > ½, numpy only: bisection on 0.5 + ∫_0^x density (Simpson, 2000
-    panels)."""
+    """Student-t quantile t_p(df), p > ½, numpy only: bisection on 0.5 + ∫_0^x density (Simpson, 2000 panels)."""
     df = min(float(df), 1e7)  # beyond: the normal
     logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
     def cdf(x):
         f = np.exp(logc - (df + 1) / 2 * np.log1p(np.linspace(0.0, x, 2001) ** 2 / df))
         return 0.5 + x / 6000 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
-
-    lo, hi = 0.0, 1.0
-    while cdf(hi) < p:
-        hi *= 2
+    lo, hi = 0.0, 2.0 ** next(k for k in range(1000) if cdf(2.0 ** k) >= p)  # the first of 1, 2, 4, … past p
     for _ in range(50):
         lo, hi = ((lo + hi) / 2, hi) if cdf((lo + hi) / 2) < p else (lo, (lo + hi) / 2)
     return (lo + hi) / 2
 
 
 def mean_interval(x, level=0.95):
-    """Mean of x [S seeds, P prompts] and the half-width of its `level` interval, seeds and prompts both
-    random draws (a crossed two-way random-effects design, Cornfield–Tukey):
-        Var(mean) = (MS_seed + MS_prompt − MS_resid) / (S·P),   t with Satterthwaite's df,
-    each mean square floored at MS_resid (variance components >= 0). S = 1: the t-interval over prompts
-    (the seed's own noise then goes unmeasured)."""
+    """Mean of x [S seeds, P prompts] and the half-width of its `level` interval, seeds and prompts both random
+    (crossed two-way random effects, Cornfield–Tukey): Var(mean) = (MS_seed + MS_prompt − MS_resid) / (S·P), t
+    with Satterthwaite's df, each MS floored at MS_resid; S = 1: the t-interval over prompts (seed noise unseen)."""
     x = np.asarray(x, np.float64)
     s, p = x.shape
     m, rows, cols = x.mean(), x.mean(1), x.mean(0)
@@ -440,9 +421,8 @@ def verdict(delta, name):
 
 
 def note(name, st, base_name, base_st, run_metrics, on_reward_model):
-    """One honest line per row: beats the base, within noise of it (the paired interval covers 0), or below
-    it, and then the likely why, read from the numbers (the runs' held-out log-probs, the RM score, KL); then
-    the same verdict against the row's compute-matched control, where it ran."""
+    """One honest line per row: its verdict against the base and its control, then (below the base) the likely
+    why, read from the numbers (the runs' held-out log-probs, the RM score, KL)."""
     if name == base_name:
         return "the base every other method starts from (one model, shared by every seed)"
     head = verdict(st["delta"], base_name) + (f"; {verdict(st['delta_control'], st['control'])}"
@@ -494,15 +474,14 @@ def table(rows, base_name, with_rm):
 
 
 def plot(curves, stats, costs, base_name, temperature, path):
-    """Each row's main training metric (left grid; every seed), the test scores with their intervals
-    (middle) and the task score against total training FLOPs, SFT included (right): every row's greedy test
-    score, and the RL rows' checker score on their own samples as they trained (mean, band: seeds' range)."""
+    """Each row's main training metric (left; every seed), the test scores ± intervals (middle), the task score
+    against training FLOPs, SFT included (right: greedy test scores; RL rows' sampled scores as they trained)."""
     curves, score_curves = curves
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cols = max(1, -(-len(curves) // 2))
+    cols = max(1, -(-len(curves) // 2))  # the training curves: two rows of them
     fig = plt.figure(figsize=(3.0 * cols + 10.0, 6.0))
     grid = fig.add_gridspec(2, cols + 2, width_ratios=[1] * cols + [1.6, 1.6])
     for i, (name, runs) in enumerate(curves.items()):
@@ -511,17 +490,15 @@ def plot(curves, stats, costs, base_name, temperature, path):
             ax.plot(steps, values, marker=None if k else ".", lw=0.8 if k else 1.2, alpha=0.6 if k else 1)
         ax.set_title(f"{name}: {runs[0][0]}", fontsize=9), ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
-    ax, names = fig.add_subplot(grid[:, cols]), list(stats)
-    x = np.arange(len(names))
+    ax, names, x = fig.add_subplot(grid[:, cols]), list(stats), np.arange(len(stats))
     for dx, key, label in ((-0.2, "score", "greedy"), (0.2, "score_sampled", f"sampled (T={temperature:g})")):
         ax.bar(x + dx, [stats[n][key][0] for n in names], 0.4, yerr=[stats[n][key][1] for n in names],
                capsize=3, label=label)
     if base_name in stats:
         ax.axhline(stats[base_name]["score"][0], ls="--", lw=1, color="gray", label=f"{base_name} greedy")
-    ax.set_xticks(x, names, rotation=30, fontsize=8)
+    ax.set_xticks(x, names, rotation=30, fontsize=8), ax.legend(fontsize=8, loc="upper right")
     ax.set(ylim=(0, 1.05), ylabel="test task score (mean ± 95% interval)")
     ax.set_title("final scores (evaluate.py protocol, test split)", fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
     ax = fig.add_subplot(grid[:, cols + 1])
     sft_flops = costs.get(base_name, [0, 0, 0])[2] if base_name == "sft" else 0.0
     sft_flops = sft_flops if np.isfinite(sft_flops) else 0.0  # not logged: the curves start at the base
@@ -603,8 +580,7 @@ Commands run:
 
 
 def main(args):
-    eval_prompts, test_prompts = task_prompts(args)
-    args = dataclasses.replace(args, eval_prompts=eval_prompts, test_prompts=test_prompts)  # resolved: a copy
+    args = dataclasses.replace(args, **dict(zip(("eval_prompts", "test_prompts"), task_prompts(args))))  # a copy
     output_dir = args.output_dir or plumbing.default_output_dir("compare", args.model, args.seed)
     stages, base, seeds, grid = plan(args, output_dir)
     common.load_reward_fn(args.reward_fn)
@@ -646,6 +622,11 @@ def stage_cost(output_dir, stage, walls):
     return list(np.sum([run_cost(os.path.join(output_dir, n)) + [walls.get(n, 0.0)] for n in names], 0))
 
 
+def versus_base(res, runs, base_keys):
+    """row_stats of `runs` (one row's stages) against the base sampled with each run's seed."""
+    return row_stats(*stack(res, [s["name"] for s in runs], [base_keys[s["seed"]] for s in runs]))
+
+
 def choose_settings(args, output_dir, base, grid, swept, evaluate_on, base_keys):
     """Every swept run scored on the eval split -> ({row: kept setting}, {row: [[setting, stats, kept]]}):
     the setting with the best mean greedy task score over its seeds (the first of equals)."""
@@ -653,16 +634,13 @@ def choose_settings(args, output_dir, base, grid, swept, evaluate_on, base_keys)
     res = evaluate_on(args.eval_prompts, [(k, x, base, None) for x, k in base_keys.items()]
                       + [(s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), None) for s in swept],
                       "eval")
-    kept, sweep = {}, {}
-    for row in grid:
-        sweep[row] = []
-        for setting in dict.fromkeys(tag(g) for g in grid[row]):
-            runs = [s for s in swept if s["row"] == row and s["setting"] == setting]
-            if runs:
-                st = row_stats(*stack(res, [s["name"] for s in runs], [base_keys[s["seed"]] for s in runs]))
-                sweep[row].append([setting, st, False])
-        if sweep[row]:
-            best = max(sweep[row], key=lambda x: x[1]["score"][0])
+    runs = lambda row, t: [s for s in swept if s["row"] == row and s["setting"] == t]
+    sweep = {row: [[t, versus_base(res, runs(row, t), base_keys), False] for t in dict.fromkeys(map(tag, grid[row]))
+                   if runs(row, t)] for row in grid}
+    kept = {}
+    for row, settings in sweep.items():
+        if settings:
+            best = max(settings, key=lambda x: x[1]["score"][0])
             best[2], kept[row] = True, best[0]
     return kept, sweep
 
@@ -690,7 +668,7 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
         runs = [s for s in final if s["row"] == name] or [s for s in stages if s["name"] == name]
         metrics = [read_metrics(os.path.join(output_dir, s["name"])) for s in runs]
         if name != base_name and runs:
-            stats[name] = row_stats(*stack(res, [s["name"] for s in runs], [base_keys[s["seed"]] for s in runs]))
+            stats[name] = versus_base(res, runs, base_keys)
             costs[name] = list(np.mean([stage_cost(output_dir, s, walls) for s in runs], 0))
         if metrics and main_curve(metrics[0])[0]:
             curves[name] = [main_curve(m) for m in metrics]
@@ -707,12 +685,10 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
     rows = [(f"{n} (`{kept[n]}`)" if n in kept else n, stats.get(n), costs.get(n, [np.nan] * 3 + [0.0]),
              note(n, stats[n], base_name, stats[base_name], m, on_rm) if n in stats
              else f"failed or skipped: see {n}/*.log") for n, m, on_rm in rows]  # controls may come later
-    accs = [[r["eval/accuracy"] for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
-             if "eval/accuracy" in r][-1:] for x in seeds]
-    accs = sum(accs, [])  # each reward model's last held-out accuracy
-    reward_acc = float(np.mean(accs)) if accs else None
-    return write_report(args, output_dir, stages, rows, stats, costs, (curves, score_curves), sweep,
-                        base_name, reward_acc, seeds, time.perf_counter() - t_start)
+    accs = sum([[r["eval/accuracy"] for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
+                 if "eval/accuracy" in r][-1:] for x in seeds], [])  # each reward model's last held-out accuracy
+    return write_report(args, output_dir, stages, rows, stats, costs, (curves, score_curves), sweep, base_name,
+                        float(np.mean(accs)) if accs else None, seeds, time.perf_counter() - t_start)
 
 
 if __name__ == "__main__":
