@@ -32,7 +32,6 @@ PREFERENCE = ("dpo", "simpo", "orpo", "kto")  # started from the SFT model on th
 RL = ("ppo", "ppo_fn", "grpo", "rloo")  # rows that sample; the rest read their controls' in CONTROL
 CONTROL = {**{r: "sft+rl" for r in RL}, "sft+": "sft", "sft+rl": "sft"}  # a row's control; others: sft+
 MAIN_METRIC = ("objective/scores", "reward", "train/loss")  # the curve plotted per run: the first one logged
-RepeatedStr = Annotated[tuple[str, ...], tyro.conf.UseAppendAction]  # `--flag a --flag b` -> ("a", "b")
 FLOPS_LABEL = 'training FLOPs (SFT included; docs/design.md, "FLOPs")'  # the score-against-compute x axis
 
 
@@ -57,7 +56,7 @@ class Args:
     """forked scripts (e.g. mydpo.py), each run like dpo from the SFT model; the row is the file's name"""
     seeds: int = 3
     """training seeds after SFT: --seed, --seed+1, …; SFT is trained once (--seed), the base every run shares"""
-    sweep: RepeatedStr = ()
+    sweep: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()  # `--sweep a --sweep b` -> ("a", "b")
     """`method.flag=v1,v2,…` (repeatable; two flags of a method: their grid), e.g. dpo.learning_rate=1e-5,5e-5
     (appended last): every setting × seed; the best mean greedy score on --eval-prompts is tested"""
     # budgets
@@ -76,8 +75,7 @@ class Args:
     learning_rate: float = 5e-5
     """peak learning rate after SFT, but the controls' (SFT's final one); the recipe's other flags: RECIPE"""
     ppo_reward: Literal["model", "fn", "both"] = "both"
-    """`model`: PPO optimises a reward model trained on the preference pairs (what the preference methods
-    get); `fn`: the task score itself (--reward-fn); `both`: two rows, `ppo` (reward model) and `ppo_fn`"""
+    """`model`: PPO optimises a reward model trained on the preference pairs; `fn`: --reward-fn; `both`: ppo, ppo_fn"""
     # pass-through flags, appended last (they override compare's choices); write them with `=`
     sft_args: str = ""
     """extra flags for sft.py, e.g. --sft-args="--learning-rate 5e-4" (the base and both controls)"""
@@ -299,9 +297,8 @@ def flops_curve(rows):
 
 
 def run_cost(run_dir):
-    """-> [tokens trained, tokens generated, FLOPs] of one run: the sums of its logged charts/tokens,
-    charts/generated_tokens and charts/flops (docs/design.md "FLOPs"; NaN when not logged). A run from before
-    generated tokens were logged: iterations × batch × response length (an upper bound); no sampling: 0."""
+    """-> [tokens trained, tokens generated, FLOPs]: the sums of the run's logged charts/tokens, /generated_tokens,
+    /flops (NaN if never logged; generated: else iterations × batch × response length, or 0 if it never samples)."""
     rows = read_metrics(run_dir)
     path = os.path.join(run_dir, "args.json")
     a = json.load(open(path)) if os.path.exists(path) else {}
@@ -371,16 +368,9 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
 
 # === STATISTICS: pure functions of per-prompt score tables [seeds S, prompts P] ===
 def t_quantile(p, df):
-    """Student-t quantile t_p(df), p > ½, numpy only: bisection on 0.5 + ∫_0^x density (Simpson, 2000 panels)."""
-    df = min(float(df), 1e7)  # beyond: the normal
-    logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-    def cdf(x):
-        f = np.exp(logc - (df + 1) / 2 * np.log1p(np.linspace(0.0, x, 2001) ** 2 / df))
-        return 0.5 + x / 6000 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
-    lo, hi = 0.0, 2.0 ** next(k for k in range(1000) if cdf(2.0 ** k) >= p)  # the first of 1, 2, 4, … past p
-    for _ in range(50):
-        lo, hi = ((lo + hi) / 2, hi) if cdf((lo + hi) / 2) < p else (lo, (lo + hi) / 2)
-    return (lo + hi) / 2
+    """Student-t quantile t_p(df) (SciPy's, a dependency of JAX's)."""
+    import scipy.stats  # here: `import compare` stays light
+    return float(scipy.stats.t.ppf(p, df))
 
 
 def mean_interval(x, level=0.95):
@@ -407,9 +397,8 @@ def mean_interval(x, level=0.95):
 def row_stats(arrays, base_arrays):
     """{metric: [S, P]} of one row and of the base (same seeds, same prompts) -> {metric: (mean, ±)}, plus
     `delta`: the task score paired per prompt and per seed against the base, mean(row − base) ± its interval."""
-    out = {k: mean_interval(v) for k, v in arrays.items()}
-    out["delta"] = mean_interval(arrays["score"] - base_arrays["score"])
-    return out
+    return {**{k: mean_interval(v) for k, v in arrays.items()},
+            "delta": mean_interval(arrays["score"] - base_arrays["score"])}
 
 
 # === Report: the table (markdown), the picture ===
