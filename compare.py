@@ -31,6 +31,7 @@ METHODS = ("sft", "sft+", "dpo", "simpo", "orpo", "kto", "ppo", "grpo", "rloo", 
 PREFERENCE = ("dpo", "simpo", "orpo", "kto")  # started from the SFT model on the same preference data
 RL = ("ppo", "ppo_fn", "grpo", "rloo")  # rows that sample; the rest read their controls' in CONTROL
 CONTROL = {**{r: "sft+rl" for r in RL}, "sft+": "sft", "sft+rl": "sft"}  # a row's control; others: sft+
+RepeatedStr = Annotated[tuple[str, ...], tyro.conf.UseAppendAction]  # `--flag a --flag b` -> ("a", "b")
 MAIN_METRIC = ("objective/scores", "reward", "train/loss")  # the curve plotted per run: the first one logged
 FLOPS_LABEL = 'training FLOPs (SFT included; docs/design.md, "FLOPs")'  # the score-against-compute x axis
 
@@ -56,7 +57,7 @@ class Args:
     """forked scripts (e.g. mydpo.py), each run like dpo from the SFT model; the row is the file's name"""
     seeds: int = 3
     """training seeds after SFT: --seed, --seed+1, …; SFT is trained once (--seed), the base every run shares"""
-    sweep: Annotated[tuple[str, ...], tyro.conf.UseAppendAction] = ()  # `--sweep a --sweep b` -> ("a", "b")
+    sweep: RepeatedStr = ()
     """`method.flag=v1,v2,…` (repeatable; two flags of a method: their grid), e.g. dpo.learning_rate=1e-5,5e-5
     (appended last): every setting × seed; the best mean greedy score on --eval-prompts is tested"""
     # budgets
@@ -82,11 +83,9 @@ class Args:
     dpo_args: str = ""
     """extra flags for dpo.py, e.g. --dpo-args="--beta 0.2 --precompute-ref" """
     simpo_args: str = "--sft-weight 1.0"
-    """extra flags for simpo.py; the default adds an NLL on the chosen response with weight 1 (TRL's CPO-SimPO
-    `cpo_alpha=1`; pure SimPO lowers the chosen likelihood too here)"""
+    """extra flags for simpo.py; default: TRL's CPO-SimPO `cpo_alpha=1` (pure SimPO lowers the chosen too here)"""
     orpo_args: str = "--no-prompt-nll"
-    """extra flags for orpo.py; the default puts the NLL on the chosen response only, like sft.py
-    (the toy prompts are random digits: an NLL on them teaches nothing and swamps the loss)"""
+    """extra flags for orpo.py; default: the NLL on the chosen response only (an NLL on toy prompts swamps it)"""
     kto_args: str = ""
     """extra flags for kto.py (its default data: the same pairs, unpaired)"""
     reward_args: str = ""
@@ -243,8 +242,8 @@ def plan(args, output_dir):
 
 
 def matched_steps(output_dir, stage):
-    """sft+rl's updates: the mean logged FLOPs of the RL runs it needs (its seed's) over the logged FLOPs of
-    one update of its seed's sft+ run, rounded, at least 1; raises RunsFailed when there is nothing to match."""
+    """sft+rl's updates: its seed's RL runs' mean logged FLOPs over those of one update of its seed's sft+ run
+    (rounded, at least 1); RunsFailed when there is nothing to match."""
     kind = lambda n: n.split("/")[0]
     control = [os.path.join(output_dir, n) for n in stage["needs"] if kind(n) == "sft+"]
     rl = [run_cost(os.path.join(output_dir, n))[2] for n in stage["needs"] if kind(n) in RL]
@@ -336,7 +335,6 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
     """jobs: [(key, seed, model dir, reward model dir or None)] -> {key: evaluate.per_prompt arrays}: each model
     on `prompts_path` against `base`, both sampled with `seed` (paired); its outputs go to eval_dir(key, seed)."""
     import evaluate  # JAX starts only now, after the training processes ended (a TPU admits one)
-
     eargs = lambda seed, rm: evaluate.Args(
         model=base, baseline=base, prompts=prompts_path, num_prompts=args.num_prompts, reward_fn=(args.reward_fn,),
         reward_model=rm, chat_template=args.chat_template, max_new_tokens=args.max_new_tokens,
@@ -447,11 +445,11 @@ def fmt(v, digits=3, top=None):
 
 def table(rows, base_name, with_rm):
     """rows: [(name, stats or None, cost [tokens trained, generated, FLOPs, wall s], note)] -> markdown."""
-    rm = ["RM score"] if with_rm else []
-    cols = ["method", "task score", f"Δ vs {base_name} (paired)", "Δ vs control (paired)", "sampled score", *rm,
-            f"win rate vs {base_name}", f"KL from {base_name}", "length", "tokens trained", "tokens generated",
-            "FLOPs", "wall time", "notes"]
-    keys = ["score", "delta", "score_sampled"] + (["rm_score"] if with_rm else []) + ["win", "kl", "length"]
+    rm = ["rm_score"] if with_rm else []  # the RM score column: only where a row trained on a reward model
+    cols = ["method", "task score", f"Δ vs {base_name} (paired)", "Δ vs control (paired)", "sampled score",
+            *["RM score"] * len(rm), f"win rate vs {base_name}", f"KL from {base_name}", "length", "tokens trained",
+            "tokens generated", "FLOPs", "wall time", "notes"]
+    keys = ["score", "delta", "score_sampled", *rm, "win", "kl", "length"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 2) + ["---"]) + "|"]
     tops = np.nanmax([[np.nan if c is None else c for c in cost[:3]] for _, _, cost, _ in rows] + [[0] * 3], 0)
     for name, st, cost, text in rows:
@@ -469,7 +467,6 @@ def plot(curves, stats, costs, base_name, temperature, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
     cols = max(1, -(-len(curves) // 2))  # the training curves: two rows of them
     fig = plt.figure(figsize=(3.0 * cols + 10.0, 6.0))
     grid = fig.add_gridspec(2, cols + 2, width_ratios=[1] * cols + [1.6, 1.6])
@@ -635,8 +632,7 @@ def choose_settings(args, output_dir, base, grid, swept, evaluate_on, base_keys)
 
 
 def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, t_start):
-    """Pick each swept row's setting on the eval split, score the kept runs and the base on the test split
-    (paired per prompt and seed), then write comparison.md / .png -> the table."""
+    """Pick swept settings on the eval split, score the kept runs and the base on the test split -> the table."""
     base_name = "sft" if "sft" in ok else "base"
     done = [s for s in stages if s["row"] not in ("sft", "reward") and ok[s["name"]]]
     rm = lambda seed: os.path.join(output_dir, f"reward/seed{seed}/model") if ok.get(f"reward/seed{seed}") else None
