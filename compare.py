@@ -142,9 +142,8 @@ RECIPE = {
     # β 0.01 as docs/rloo.md measured (TRL's 0.05 drowns the toy reward in the sequence KL's noise)
     "rloo": f"--batch-size 64 {SAMPLER} --beta 0.01 --lr-scheduler-type constant_with_warmup",
 }
-# --task compare: each script's data (data/compare/), ahead of the recipe; --task toy: the scripts' defaults.
-TASK_FILES = {"sft": ("sft_train", "sft_eval"), "prefs": ("prefs_train", "prefs_eval"),
-              "kto": ("kto_train", "kto_eval"), "prompts": ("prompts_train", None)}
+# --task compare: a script's data, data/compare/{kind}_train.jsonl and, but for prompts, {kind}_eval.jsonl,
+# ahead of the recipe; --task toy: the scripts' defaults.
 TASK_DATA = {"sft": "sft", "sft+": "sft", "sft+rl": "sft", "dpo": "prefs", "simpo": "prefs", "orpo": "prefs",
              "reward": "prefs", "kto": "kto", "ppo": "prompts", "grpo": "prompts", "rloo": "prompts"}
 
@@ -153,9 +152,9 @@ def task_flags(task, model, recipe):
     """The data flags of one script under --task (its recipe key names it; a fork reads dpo's)."""
     if task == "toy" or not plumbing.is_toy_model(model):
         return []
-    path = lambda name: os.path.join(common.HERE, "data", "compare", f"{name}.jsonl")
-    train, held = TASK_FILES[TASK_DATA[recipe]]
-    return ["--dataset", path(train)] + (["--eval-dataset", path(held)] if held else [])
+    kind = TASK_DATA[recipe]
+    path = lambda split: os.path.join(common.HERE, "data", "compare", f"{kind}_{split}.jsonl")
+    return ["--dataset", path("train")] + (["--eval-dataset", path("eval")] if kind != "prompts" else [])
 
 
 def task_prompts(args):
