@@ -616,9 +616,7 @@ def choose_settings(args, output_dir, base, grid, swept, evaluate_on, base_keys)
     """Every swept run scored on the eval split -> ({row: kept setting}, {row: [[setting, stats, kept]]}):
     the setting with the best mean greedy task score over its seeds (the first of equals)."""
     print(f"[eval] sweep: {len(swept)} runs on the eval split ({args.eval_prompts})", flush=True)
-    res = evaluate_on(args.eval_prompts, [(k, x, base, None) for x, k in base_keys.items()]
-                      + [(s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), None) for s in swept],
-                      "eval")
+    res = evaluate_on("eval", swept)
     runs = lambda row, t: [s for s in swept if s["row"] == row and s["setting"] == t]
     sweep = {row: [[t, versus_base(res, runs(row, t), base_keys), False] for t in dict.fromkeys(map(tag, grid[row]))
                    if runs(row, t)] for row in grid}
@@ -635,16 +633,18 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
     base_name = "sft" if "sft" in ok else "base"
     done = [s for s in stages if s["row"] not in ("sft", "reward") and ok[s["name"]]]
     rm = lambda seed: os.path.join(output_dir, f"reward/seed{seed}/model") if ok.get(f"reward/seed{seed}") else None
-    evaluate_on = lambda prompts, jobs, split: evaluate_models(
-        args, prompts, base, jobs, lambda key, seed: os.path.join(output_dir, key, f"eval_{split}") if key in ok
-        else os.path.join(output_dir, base_name, f"eval_{split}", f"seed{seed}"))
     base_keys = {seed: f"{base_name} seed{seed}" for seed in seeds}
+    evaluate_on = lambda split, runs, rm=lambda seed: None: evaluate_models(  # the runs and the base, every seed
+        args, args.eval_prompts if split == "eval" else args.test_prompts, base,
+        [(k, x, base, rm(x)) for x, k in base_keys.items()]
+        + [(s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), rm(s["seed"])) for s in runs],
+        lambda key, seed: os.path.join(output_dir, key, f"eval_{split}") if key in ok
+        else os.path.join(output_dir, base_name, f"eval_{split}", f"seed{seed}"))
     swept = [s for s in done if s["row"] in grid]
     kept, sweep = choose_settings(args, output_dir, base, grid, swept, evaluate_on, base_keys) if swept else ({}, {})
     final = [s for s in done if s["setting"] == kept.get(s["row"], "" if s["row"] not in grid else None)]
     print(f"[eval] {len(final)} runs and {base_name} on the test split ({args.test_prompts})", flush=True)
-    res = evaluate_on(args.test_prompts, [(k, x, base, rm(x)) for x, k in base_keys.items()] + [
-        (s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), rm(s["seed"])) for s in final], "test")
+    res = evaluate_on("test", final, rm)
     stats = {base_name: row_stats(*stack(res, list(base_keys.values()), list(base_keys.values())))}
     costs = {base_name: stage_cost(output_dir, stages[0], walls) if base_name == "sft" else [np.nan] * 3 + [0.0]}
     curves, score_curves, rows = {}, {}, []
