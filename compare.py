@@ -127,8 +127,7 @@ COSINE_TO_10 = " --lr-scheduler-type cosine_with_min_lr --min-lr-rate 0.1"  # wa
 SAMPLER = "--num-generations 8 --max-prompt-length 64 --response-length 16"
 RECIPE = {
     "sft": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 20 --max-length 512" + COSINE_TO_10,
-    # the controls: SFT continued at the rate its schedule ended on (10% of 1e-3), 64 demonstrations a step
-    # (a preference step's 32 pairs are 64 prompt + answer sequences: the same tokens, tests/test_compare.py)
+    # the controls: SFT at the rate it ended on, 64 demonstrations a step (a preference step's 32 pairs' tokens)
     "sft+": "--batch-size 64 --learning-rate 1e-4 --warmup-steps 0 --max-length 512 --lr-scheduler-type constant",
     "dpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,
     "simpo": "--batch-size 32 --grad-accum-steps 1 --warmup-steps 5 --max-length 512 --beta 2.0 --gamma 0.5"
@@ -142,8 +141,7 @@ RECIPE = {
     # β 0.01 as docs/rloo.md measured (TRL's 0.05 drowns the toy reward in the sequence KL's noise)
     "rloo": f"--batch-size 64 {SAMPLER} --beta 0.01 --lr-scheduler-type constant_with_warmup",
 }
-# --task compare: a script's data, data/compare/{kind}_train.jsonl and, but for prompts, {kind}_eval.jsonl,
-# ahead of the recipe; --task toy: the scripts' defaults.
+# --task compare: data/compare/{kind}_train.jsonl (+ _eval but for prompts), ahead of the recipe; toy: defaults
 TASK_DATA = {"sft": "sft", "sft+": "sft", "sft+rl": "sft", "dpo": "prefs", "simpo": "prefs", "orpo": "prefs",
              "reward": "prefs", "kto": "kto", "ppo": "prompts", "grpo": "prompts", "rloo": "prompts"}
 
@@ -192,9 +190,8 @@ def plan(args, output_dir):
         raise plumbing.UsageError(f"--methods {args.methods!r}: choose from {','.join(METHODS)}; --seeds >= 1")
     base = os.path.join(output_dir, "sft", "model") if "sft" in methods else args.model
     sft = ["sft"] if "sft" in methods else []
-    lr = ["--learning-rate", str(args.learning_rate)]
+    lr, fn = ["--learning-rate", str(args.learning_rate)], ["--reward-fn", args.reward_fn]
     script = lambda name: os.path.join(common.HERE, f"{name}.py")
-    fn = ["--reward-fn", args.reward_fn]
     # rows after SFT: (row, script, recipe key, steps, its flags, pass-through flags, trains on the reward model)
     rows = [(m, script(m), m, args.steps, [], getattr(args, f"{m}_args"), False) for m in PREFERENCE if m in methods]
     for path in args.extra:
@@ -243,9 +240,8 @@ def plan(args, output_dir):
 def matched_steps(output_dir, stage):
     """sft+rl's updates: its seed's RL runs' mean logged FLOPs over those of one update of its seed's sft+ run
     (rounded, at least 1); RunsFailed when there is nothing to match."""
-    kind = lambda n: n.split("/")[0]
-    control = [os.path.join(output_dir, n) for n in stage["needs"] if kind(n) == "sft+"]
-    rl = [run_cost(os.path.join(output_dir, n))[2] for n in stage["needs"] if kind(n) in RL]
+    control = [os.path.join(output_dir, n) for n in stage["needs"] if n.split("/")[0] == "sft+"]
+    rl = [run_cost(os.path.join(output_dir, n))[2] for n in stage["needs"] if n.split("/")[0] in RL]
     if not control or not rl or not all(np.isfinite(rl)):
         raise RunsFailed(f"{stage['name']}: no sft+ run or logged RL FLOPs to match ({stage['needs']})")
     with open(os.path.join(control[0], "args.json")) as f:
@@ -612,7 +608,7 @@ def versus_base(res, runs, base_keys):
     return row_stats(*stack(res, [s["name"] for s in runs], [base_keys[s["seed"]] for s in runs]))
 
 
-def choose_settings(args, output_dir, base, grid, swept, evaluate_on, base_keys):
+def choose_settings(args, grid, swept, evaluate_on, base_keys):
     """Every swept run scored on the eval split -> ({row: kept setting}, {row: [[setting, stats, kept]]}):
     the setting with the best mean greedy task score over its seeds (the first of equals)."""
     print(f"[eval] sweep: {len(swept)} runs on the eval split ({args.eval_prompts})", flush=True)
@@ -620,12 +616,9 @@ def choose_settings(args, output_dir, base, grid, swept, evaluate_on, base_keys)
     runs = lambda row, t: [s for s in swept if s["row"] == row and s["setting"] == t]
     sweep = {row: [[t, versus_base(res, runs(row, t), base_keys), False] for t in dict.fromkeys(map(tag, grid[row]))
                    if runs(row, t)] for row in grid}
-    kept = {}
-    for row, settings in sweep.items():
-        if settings:
-            best = max(settings, key=lambda x: x[1]["score"][0])
-            best[2], kept[row] = True, best[0]
-    return kept, sweep
+    for best in [max(settings, key=lambda x: x[1]["score"][0]) for settings in sweep.values() if settings]:
+        best[2] = True
+    return {row: s[0] for row, settings in sweep.items() for s in settings if s[2]}, sweep
 
 
 def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, t_start):
@@ -641,7 +634,7 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
         lambda key, seed: os.path.join(output_dir, key, f"eval_{split}") if key in ok
         else os.path.join(output_dir, base_name, f"eval_{split}", f"seed{seed}"))
     swept = [s for s in done if s["row"] in grid]
-    kept, sweep = choose_settings(args, output_dir, base, grid, swept, evaluate_on, base_keys) if swept else ({}, {})
+    kept, sweep = choose_settings(args, grid, swept, evaluate_on, base_keys) if swept else ({}, {})
     final = [s for s in done if s["setting"] == kept.get(s["row"], "" if s["row"] not in grid else None)]
     print(f"[eval] {len(final)} runs and {base_name} on the test split ({args.test_prompts})", flush=True)
     res = evaluate_on("test", final, rm)
