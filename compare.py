@@ -1,5 +1,5 @@
 """Compare post-training recipes on one base: SFT, then DPO, SimPO, ORPO, KTO, reward model + PPO, GRPO, RLOO.
-Every script runs through its real CLI (a subprocess; a fork slots in by name, `--extra mydpo.py`); every model
+Every script runs through its real CLI (a subprocess; a fork slots in by name, `--extra mydpo.py`); each model
 is scored with evaluate.py's protocol against SFT and a compute-matched continued-SFT control (sft+, sft+rl),
 over --seeds seeds, paired 95% intervals; --sweep picks settings on the eval split, the table reports the test
 split. Writes comparison.md (table, sweep, costs), comparison.png (scores; task score against training FLOPs).
@@ -37,7 +37,7 @@ FLOPS_LABEL = 'training FLOPs (SFT included; docs/design.md, "FLOPs")'  # the sc
 
 
 class RunsFailed(plumbing.RunFailed):
-    """A script exited non-zero (or was skipped for one that did): exit code 1, after the report of the rest."""
+    """A script exited non-zero (or was skipped for one that did): exit 1, after the report of the rest."""
 
 
 @dataclass
@@ -49,14 +49,14 @@ class Args:
     """how chats are rendered; None: --model's family's (Gemma 1-3: gemma, Gemma 4: gemma4, or gemma4_large
     at 26B-A4B / 31B, Llama 3: llama3, Mistral: mistral, Qwen 2.5 / 3: chatml, Qwen 3.5: qwen3.5)"""
     task: Literal["compare", "toy"] = "compare"
-    """the data of every script on a `tiny`-based --model: `compare`, data/compare/ (docs/compare.md); `toy`, data/"""
+    """every script's data on a `tiny`-based --model: `compare`, data/compare/ (docs/compare.md); `toy`"""
     methods: str = "sft,sft+,dpo,simpo,orpo,kto,ppo,grpo,rloo,sft+rl"
     """comma-separated subset of METHODS (ppo: --ppo-reward; grpo, rloo: --reward-fn); sft+: SFT continued for
     --steps updates of twice the preference batch (a preference row's tokens), sft+rl: the RL rows' FLOPs"""
     extra: tuple[str, ...] = ()
     """forked scripts (e.g. mydpo.py), each run like dpo from the SFT model; the row is the file's name"""
     seeds: int = 3
-    """training seeds after SFT: --seed, --seed+1, …; SFT is trained once (--seed), the base every run shares"""
+    """training seeds after SFT: --seed, --seed+1, …; SFT is trained once (--seed): the shared base"""
     sweep: RepeatedStr = ()
     """`method.flag=v1,v2,…` (repeatable; two flags of a method: their grid), e.g. dpo.learning_rate=1e-5,5e-5
     (appended last): every setting × seed; the best mean greedy score on --eval-prompts is tested"""
@@ -76,16 +76,16 @@ class Args:
     learning_rate: float = 5e-5
     """peak learning rate after SFT, but the controls' (SFT's final one); the recipe's other flags: RECIPE"""
     ppo_reward: Literal["model", "fn", "both"] = "both"
-    """`model`: PPO optimises a reward model trained on the preference pairs; `fn`: --reward-fn; `both`: ppo, ppo_fn"""
+    """`model`: PPO optimises a reward model trained on the preference pairs; `fn`: --reward-fn; `both`"""
     # pass-through flags, appended last (they override compare's choices); write them with `=`
     sft_args: str = ""
     """extra flags for sft.py, e.g. --sft-args="--learning-rate 5e-4" (the base and both controls)"""
     dpo_args: str = ""
     """extra flags for dpo.py, e.g. --dpo-args="--beta 0.2 --precompute-ref" """
     simpo_args: str = "--sft-weight 1.0"
-    """extra flags for simpo.py; default: TRL's CPO-SimPO `cpo_alpha=1` (pure SimPO lowers the chosen too here)"""
+    """extra flags for simpo.py; default: CPO-SimPO's `cpo_alpha=1` (pure SimPO lowers the chosen too)"""
     orpo_args: str = "--no-prompt-nll"
-    """extra flags for orpo.py; default: the NLL on the chosen response only (an NLL on toy prompts swamps it)"""
+    """extra flags for orpo.py; default: the NLL on the chosen response only (on toy prompts it swamps it)"""
     kto_args: str = ""
     """extra flags for kto.py (its default data: the same pairs, unpaired)"""
     reward_args: str = ""
@@ -121,19 +121,20 @@ class Args:
 
 
 # === The plan: which script runs, from which model, with which flags, for which seed and setting ===
-# Each script's fixed flags, ahead of the budgets, --learning-rate and the pass-through flags: docs/comparison.md's
-# values, sized for `tiny` and the toy task (the scripts' defaults are TRL's, for real pretrained models).
+# Each script's fixed flags, ahead of the budgets, --learning-rate and the pass-through flags:
+# docs/comparison.md's values, sized for `tiny` and the toy task (the scripts' defaults are TRL's).
 COSINE_TO_10 = " --lr-scheduler-type cosine_with_min_lr --min-lr-rate 0.1"  # warmup, then to 10% of the peak
 SAMPLER = "--num-generations 8 --max-prompt-length 64 --response-length 16"
 RECIPE = {
     "sft": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 20 --max-length 512" + COSINE_TO_10,
-    # the controls: SFT at the rate it ended on, 64 demonstrations a step (a preference step's 32 pairs' tokens)
-    "sft+": "--batch-size 64 --learning-rate 1e-4 --warmup-steps 0 --max-length 512 --lr-scheduler-type constant",
+    # the controls: SFT at the rate it ended on, 64 demonstrations a step (a preference step's 32 pairs)
+    "sft+": "--batch-size 64 --learning-rate 1e-4 --warmup-steps 0 --max-length 512 "
+            "--lr-scheduler-type constant",
     "dpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,
     "simpo": "--batch-size 32 --grad-accum-steps 1 --warmup-steps 5 --max-length 512 --beta 2.0 --gamma 0.5"
              + COSINE_TO_10,
     "orpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,
-    "kto": "--batch-size 64 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,  # dpo's 32 pairs' 64
+    "kto": "--batch-size 64 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,  # dpo's 32 pairs
     "reward": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 10 --max-length 512" + COSINE_TO_10,
     "ppo": "--batch-size 32 --num-mini-batches 2 --max-prompt-length 64 --response-length 16 "
            "--missing-eos-penalty 1.0 --kl-coef 0.05 --lr-scheduler-type linear",  # to 0 over every update
@@ -141,7 +142,7 @@ RECIPE = {
     # β 0.01 as docs/rloo.md measured (TRL's 0.05 drowns the toy reward in the sequence KL's noise)
     "rloo": f"--batch-size 64 {SAMPLER} --beta 0.01 --lr-scheduler-type constant_with_warmup",
 }
-# --task compare: data/compare/{kind}_train.jsonl (+ _eval but for prompts), ahead of the recipe; toy: defaults
+# --task compare: data/compare/{kind}_train.jsonl (+ _eval but for prompts), before the recipe
 TASK_DATA = {"sft": "sft", "sft+": "sft", "sft+rl": "sft", "dpo": "prefs", "simpo": "prefs", "orpo": "prefs",
              "reward": "prefs", "kto": "kto", "ppo": "prompts", "grpo": "prompts", "rloo": "prompts"}
 
@@ -192,8 +193,9 @@ def plan(args, output_dir):
     sft = ["sft"] if "sft" in methods else []
     lr, fn = ["--learning-rate", str(args.learning_rate)], ["--reward-fn", args.reward_fn]
     script = lambda name: os.path.join(common.HERE, f"{name}.py")
-    # rows after SFT: (row, script, recipe key, steps, its flags, pass-through flags, trains on the reward model)
-    rows = [(m, script(m), m, args.steps, [], getattr(args, f"{m}_args"), False) for m in PREFERENCE if m in methods]
+    # rows after SFT: (row, script, recipe key, steps, its flags, pass-through flags, on the reward model)
+    rows = [(m, script(m), m, args.steps, [], getattr(args, f"{m}_args"), False)
+            for m in PREFERENCE if m in methods]
     for path in args.extra:
         name = os.path.splitext(os.path.basename(path))[0]
         if not path.endswith(".py") or not os.path.exists(path) or name in METHODS + ("reward",):
@@ -203,7 +205,8 @@ def plan(args, output_dir):
         rows.append(("sft+", script("sft"), "sft+", args.steps, [], args.sft_args, False))
     for row, on_rm in (("ppo", True), ("ppo_fn" if args.ppo_reward == "both" else "ppo", False)):
         if "ppo" in methods and args.ppo_reward in ("both", "model" if on_rm else "fn"):
-            rows.append((row, script("ppo"), "ppo", args.ppo_steps, [] if on_rm else fn, args.ppo_args, on_rm))
+            rows.append((row, script("ppo"), "ppo", args.ppo_steps, [] if on_rm else fn, args.ppo_args,
+                         on_rm))
     for m in ("grpo", "rloo"):  # a verifiable reward: the task score itself, like ppo_fn
         if m in methods:
             rows.append((m, script(m), m, getattr(args, f"{m}_steps"), fn, getattr(args, f"{m}_args"), False))
@@ -211,8 +214,7 @@ def plan(args, output_dir):
         rows.append(("sft+rl", script("sft"), "sft+", None, [], args.sft_args, False))
     grid = parse_sweep(args.sweep, [r[0] for r in rows])
     template = ["--chat-template", args.chat_template] if args.chat_template else []
-    def stage(name, row, script, recipe, model, flags, seed, extra, needs, setting=None):
-        setting = setting or {}
+    def stage(name, row, script, recipe, model, flags, seed, extra, needs, setting):
         swept = [x for k, v in setting.items() for x in ("--" + k.replace("_", "-"), v)]
         return {"name": name, "row": row, "setting": tag(setting), "seed": seed, "script": script, "needs": needs,
                 "flags": ["--model", model] + flags + task_flags(args.task, args.model, recipe)
@@ -220,16 +222,16 @@ def plan(args, output_dir):
                 + ["--output-dir", os.path.join(output_dir, name)] + shlex.split(extra) + swept}
     seeds = [args.seed + k for k in range(args.seeds)]
     stages = [stage("sft", "sft", script("sft"), "sft", args.model, ["--max-steps", str(args.sft_steps)],
-                    args.seed, args.sft_args, [])] if sft else []
+                    args.seed, args.sft_args, [], {})] if sft else []
     for seed in seeds:
         rm = f"reward/seed{seed}"
         if any(r[6] for r in rows):
-            stages.append(stage(rm, "reward", script("reward"), "reward", base,
-                                ["--max-steps", str(args.reward_steps), "--normalize"], seed, args.reward_args, sft))
+            stages.append(stage(rm, "reward", script("reward"), "reward", base, ["--max-steps",
+                                str(args.reward_steps), "--normalize"], seed, args.reward_args, sft, {}))
         for row, path, recipe, steps, row_flags, extra, on_rm in rows:
             ran = [s["name"] for s in stages if s["seed"] == seed and s["row"] in (RL + ("sft+",))]
-            flags = ((["--max-steps", str(steps)] if steps else []) + ([] if row in CONTROL else lr) + row_flags
-                     + (["--reward-model", os.path.join(output_dir, rm, "model")] if on_rm else []))
+            flags = (["--max-steps", str(steps)] if steps else []) + ([] if row in CONTROL else lr)
+            flags += row_flags + (["--reward-model", os.path.join(output_dir, rm, "model")] if on_rm else [])
             needs = sft + ([rm] if on_rm else []) + (ran if not steps else [])
             for setting in grid.get(row, [{}]):
                 name = "/".join(filter(None, [row, tag(setting), f"seed{seed}"]))
@@ -291,8 +293,8 @@ def flops_curve(rows):
 
 
 def run_cost(run_dir):
-    """-> [tokens trained, tokens generated, FLOPs]: the sums of the run's logged charts/tokens, /generated_tokens,
-    /flops (NaN if never logged; generated: else iterations × batch × response length, or 0 if it never samples)."""
+    """-> [tokens trained, tokens generated, FLOPs]: sums of logged charts/tokens, /generated_tokens, /flops
+    (NaN if never logged; generated: else iterations × batch × response length, 0 if it never samples)."""
     rows = read_metrics(run_dir)
     path = os.path.join(run_dir, "args.json")
     a = json.load(open(path)) if os.path.exists(path) else {}
@@ -328,7 +330,7 @@ def run_stage(i, n, stage, output_dir):
 # === Evaluation (evaluate.py's protocol, in this process: one compilation for every model) ===
 def evaluate_models(args, prompts_path, base, jobs, eval_dir):
     """jobs: [(key, seed, model dir, reward model dir or None)] -> {key: evaluate.per_prompt arrays}: each model
-    on `prompts_path` against `base`, both sampled with `seed` (paired); its outputs go to eval_dir(key, seed)."""
+    on `prompts_path` against `base`, both sampled with `seed` (paired); outputs in eval_dir(key, seed)."""
     import evaluate  # JAX starts only now, after the training processes ended (a TPU admits one)
     eargs = lambda seed, rm: evaluate.Args(
         model=base, baseline=base, prompts=prompts_path, num_prompts=args.num_prompts, reward_fn=(args.reward_fn,),
@@ -351,8 +353,8 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
             evaluate.check_same_tokens(model_dir, policy.model, data, ea, key)
             outs = evaluate.evaluate_policy(policy, data, scorers[rm], ea, mesh, baseline=base_policy)
         results[key], m = evaluate.per_prompt(outs, b), evaluate.summarize(outs, b)
-        meta = {"model": model_dir, "baseline": base, "prompts": prompts_path, "num_prompts": len(data["prompts"]),
-                "seed": seed, "temperature": args.temperature, **m}
+        meta = {"model": model_dir, "baseline": base, "prompts": prompts_path,
+                "num_prompts": len(data["prompts"]), "seed": seed, "temperature": args.temperature, **m}
         evaluate.write_outputs(eval_dir(key, seed), meta, evaluate.examples(outs, data, 8, b), results[key])
         print(f"      {key} (seed {seed}): task score {m['score']:.3f}, KL {m['kl']:.3f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
@@ -367,9 +369,9 @@ def t_quantile(p, df):
 
 
 def mean_interval(x, level=0.95):
-    """Mean of x [S seeds, P prompts] and the half-width of its `level` interval, seeds and prompts both random
-    (crossed two-way random effects, Cornfield–Tukey): Var(mean) = (MS_seed + MS_prompt − MS_resid) / (S·P), t
-    with Satterthwaite's df, each MS floored at MS_resid; S = 1: the t-interval over prompts (seed noise unseen)."""
+    """Mean of x [S seeds, P prompts] and the half-width of its `level` interval, seeds and prompts random
+    (crossed two-way random effects, Cornfield–Tukey): Var(mean) = (MS_seed + MS_prompt − MS_resid) / (S·P),
+    t with Satterthwaite's df, each MS floored at MS_resid; S = 1: the t-interval over prompts."""
     x = np.asarray(x, np.float64)
     s, p = x.shape
     m, rows, cols = x.mean(), x.mean(1), x.mean(0)
@@ -388,8 +390,7 @@ def mean_interval(x, level=0.95):
 
 
 def row_stats(arrays, base_arrays):
-    """{metric: [S, P]} of one row and of the base (same seeds, same prompts) -> {metric: (mean, ±)}, plus
-    `delta`: the task score paired per prompt and per seed against the base, mean(row − base) ± its interval."""
+    """{metric: [S, P]} of a row and of the base -> {metric: (mean, ±)}, `delta`: score row − base, paired."""
     return {**{k: mean_interval(v) for k, v in arrays.items()},
             "delta": mean_interval(arrays["score"] - base_arrays["score"])}
 
@@ -398,13 +399,12 @@ def row_stats(arrays, base_arrays):
 def verdict(delta, name):
     """(Δ, ±) against `name` -> 'beats name (Δ …)', 'within noise of name (… covers 0)' or 'below …'."""
     d, h = delta
-    word, covers = ("beats", "") if d - h > 0 else ("within noise of", " covers 0") if d + h >= 0 else ("below", "")
+    word, covers = ("beats", "") if d > h else ("within noise of", " covers 0") if d >= -h else ("below", "")
     return f"{word} {name} (Δ {d:+.3f} ± {h:.3f}{covers})"
 
 
 def note(name, st, base_name, base_st, run_metrics, on_reward_model):
-    """One honest line per row: its verdict against the base and its control, then (below the base) the likely
-    why, read from the numbers (the runs' held-out log-probs, the RM score, KL)."""
+    """One line a row: verdicts against the base and the control, then the likely why (log-probs, RM, KL)."""
     if name == base_name:
         return "the base every other method starts from (one model, shared by every seed)"
     head = verdict(st["delta"], base_name) + (f"; {verdict(st['delta_control'], st['control'])}"
@@ -421,8 +421,8 @@ def note(name, st, base_name, base_st, run_metrics, on_reward_model):
                        f"by pushing both answers down (likelihood displacement){longer}")
     if on_reward_model and "rm_score" in st and mean("rm_score") > mean("rm_score", base_st):
         return head + (f"reward hacking: reward-model score {mean('rm_score', base_st):.2f} → "
-                       f"{mean('rm_score'):.2f} while the task score fell; answers {mean('length', base_st):.1f} "
-                       f"→ {mean('length'):.1f} tokens")
+                       f"{mean('rm_score'):.2f} while the task score fell; answers "
+                       f"{mean('length', base_st):.1f} → {mean('length'):.1f} tokens")
     return head + (f"moved (KL {mean('kl'):.2f}) in a direction its training signal prefers but the task "
                    "score does not")
 
@@ -442,22 +442,23 @@ def table(rows, base_name, with_rm):
     """rows: [(name, stats or None, cost [tokens trained, generated, FLOPs, wall s], note)] -> markdown."""
     rm = ["rm_score"] if with_rm else []  # the RM score column: only where a row trained on a reward model
     cols = ["method", "task score", f"Δ vs {base_name} (paired)", "Δ vs control (paired)", "sampled score",
-            *["RM score"] * len(rm), f"win rate vs {base_name}", f"KL from {base_name}", "length", "tokens trained",
-            "tokens generated", "FLOPs", "wall time", "notes"]
+            *["RM score"] * len(rm), f"win rate vs {base_name}", f"KL from {base_name}", "length",
+            "tokens trained", "tokens generated", "FLOPs", "wall time", "notes"]
     keys = ["score", "delta", "score_sampled", *rm, "win", "kl", "length"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 2) + ["---"]) + "|"]
     tops = np.nanmax([[np.nan if c is None else c for c in cost[:3]] for _, _, cost, _ in rows] + [[0] * 3], 0)
     for name, st, cost, text in rows:
         cells = [fmt(st[k], 2 if k in ("rm_score", "kl", "length") else 3) if st and k in st else "–" for k in keys]
-        cells.insert(2, f"{fmt(st['delta_control'])} ({st['control']})" if st and "delta_control" in st else "–")
+        against = f"{fmt(st['delta_control'])} ({st['control']})" if st and "delta_control" in st else "–"
+        cells.insert(2, against)
         cells += [fmt(c, top=t) for c, t in zip(cost[:3], tops)] + [f"{cost[3]:.0f} s" if cost[3] else "–"]
         lines.append("| " + " | ".join([f"**{name}**"] + cells + [text]) + " |")
     return "\n".join(lines)
 
 
 def plot(curves, stats, costs, base_name, temperature, path):
-    """Each row's main training metric (left; every seed), the test scores ± intervals (middle), the task score
-    against training FLOPs, SFT included (right: greedy test scores; RL rows' sampled scores as they trained)."""
+    """Each row's main training metric (left; every seed), the test scores ± intervals (middle), the task
+    score against training FLOPs, SFT included (right: greedy test scores; RL rows' samples in training)."""
     curves, score_curves = curves
     import matplotlib
     matplotlib.use("Agg")
@@ -531,10 +532,10 @@ def write_report(args, output_dir, stages, rows, stats, costs, curves, sweep, ba
 {md}
 
 - Every cell: mean over {len(seeds)} training seed(s) × the test prompts ({short(args.test_prompts)}), \
-± the half-width of a 95% interval that treats seeds and prompts both as random draws (crossed two-way random \
-effects, Satterthwaite t; docs/compare.md). **Δ vs {base_name}**: the greedy task score minus {base_name}'s, \
-paired per prompt and per seed; "within noise" where its interval covers 0. {base_name} is one model, shared \
-by every seed.
+± the half-width of a 95% interval that treats seeds and prompts both as random draws (crossed two-way \
+random effects, Satterthwaite t; docs/compare.md). **Δ vs {base_name}**: the greedy task score minus \
+{base_name}'s, paired per prompt and per seed; "within noise" where its interval covers 0. {base_name} is \
+one model, shared by every seed.
 - **task score**: mean `{short(args.reward_fn)}`, greedy responses; **sampled score**: one sample per prompt \
 at T={args.temperature:g} (a seed-s model, and {base_name} against it, sampled with seed s).
 - **win rate vs {base_name}**: share of prompts whose greedy answer scores higher than {base_name}'s (ties \
@@ -542,10 +543,10 @@ count half).
 - **KL from {base_name}**: mean over prompts of Σ_t [log π(y_t) − log π_{base_name}(y_t)] on the model's own \
 sampled responses (nats per response, float32, prompt and padding masked).
 - **length**: greedy response tokens before EOS. Costs are means over seeds of each run's own logged numbers: \
-**tokens trained** (`charts/tokens`: real, non-padding batch tokens; PPO, GRPO, RLOO: prompt + response tokens \
-of each rollout batch, once), **tokens generated** (`charts/generated_tokens`: sampled, through each EOS), \
-**FLOPs** (`charts/flops`: 6N a trained token, 2N an extra forward — reference, value, reward model, sampling; \
-N = weights used in matmuls), **wall time** (the whole script: start-up, compilation, training, \
+**tokens trained** (`charts/tokens`: real, non-padding batch tokens; PPO, GRPO, RLOO: prompt + response \
+tokens of each rollout batch, once), **tokens generated** (`charts/generated_tokens`: sampled, through each \
+EOS), **FLOPs** (`charts/flops`: 6N a trained token, 2N an extra forward — reference, value, reward model, \
+sampling; N = weights used in matmuls), **wall time** (the whole script: start-up, compilation, training, \
 saving){ppo_note}; {base_name}'s costs are paid once for every row.
 {rm_line}{sweep_md}
 ![training curves, final scores, score against compute](comparison.png)
@@ -561,7 +562,7 @@ Commands run:
 
 
 def main(args):
-    args = dataclasses.replace(args, **dict(zip(("eval_prompts", "test_prompts"), task_prompts(args))))  # a copy
+    args = dataclasses.replace(args, **dict(zip(("eval_prompts", "test_prompts"), task_prompts(args))))
     output_dir = args.output_dir or plumbing.default_output_dir("compare", args.model, args.seed)
     stages, base, seeds, grid = plan(args, output_dir)
     common.load_reward_fn(args.reward_fn)
@@ -614,20 +615,20 @@ def choose_settings(args, grid, swept, evaluate_on, base_keys):
     print(f"[eval] sweep: {len(swept)} runs on the eval split ({args.eval_prompts})", flush=True)
     res = evaluate_on("eval", swept)
     runs = lambda row, t: [s for s in swept if s["row"] == row and s["setting"] == t]
-    sweep = {row: [[t, versus_base(res, runs(row, t), base_keys), False] for t in dict.fromkeys(map(tag, grid[row]))
-                   if runs(row, t)] for row in grid}
+    sweep = {row: [[t, versus_base(res, runs(row, t), base_keys), False]
+                   for t in dict.fromkeys(map(tag, grid[row])) if runs(row, t)] for row in grid}
     for best in [max(settings, key=lambda x: x[1]["score"][0]) for settings in sweep.values() if settings]:
         best[2] = True
     return {row: s[0] for row, settings in sweep.items() for s in settings if s[2]}, sweep
 
 
 def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, t_start):
-    """Pick swept settings on the eval split, score the kept runs and the base on the test split -> the table."""
+    """Pick swept settings on the eval split, score the kept runs and the base on the test split -> table."""
     base_name = "sft" if "sft" in ok else "base"
     done = [s for s in stages if s["row"] not in ("sft", "reward") and ok[s["name"]]]
     rm = lambda seed: os.path.join(output_dir, f"reward/seed{seed}/model") if ok.get(f"reward/seed{seed}") else None
     base_keys = {seed: f"{base_name} seed{seed}" for seed in seeds}
-    evaluate_on = lambda split, runs, rm=lambda seed: None: evaluate_models(  # the runs and the base, every seed
+    evaluate_on = lambda split, runs, rm=lambda seed: None: evaluate_models(  # the runs, the base each seed
         args, args.eval_prompts if split == "eval" else args.test_prompts, base,
         [(k, x, base, rm(x)) for x, k in base_keys.items()]
         + [(s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), rm(s["seed"])) for s in runs],
@@ -663,9 +664,10 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
              note(n, stats[n], base_name, stats[base_name], m, on_rm) if n in stats
              else f"failed or skipped: see {n}/*.log") for n, m, on_rm in rows]  # controls may come later
     accs = sum([[r["eval/accuracy"] for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
-                 if "eval/accuracy" in r][-1:] for x in seeds], [])  # each reward model's last held-out accuracy
-    return write_report(args, output_dir, stages, rows, stats, costs, (curves, score_curves), sweep, base_name,
-                        float(np.mean(accs)) if accs else None, seeds, time.perf_counter() - t_start)
+                 if "eval/accuracy" in r][-1:] for x in seeds], [])  # each reward model's last held-out one
+    reward_acc = float(np.mean(accs)) if accs else None
+    return write_report(args, output_dir, stages, rows, stats, costs, (curves, score_curves), sweep,
+                        base_name, reward_acc, seeds, time.perf_counter() - t_start)
 
 
 if __name__ == "__main__":
