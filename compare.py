@@ -482,8 +482,7 @@ def plot(curves, stats, costs, base_name, temperature, path):
     ax.set(ylim=(0, 1.05), ylabel="test task score (mean ± 95% interval)")
     ax.set_title("final scores (evaluate.py protocol, test split)", fontsize=10)
     ax = fig.add_subplot(grid[:, cols + 1])
-    sft_flops = costs.get(base_name, [0, 0, 0])[2] if base_name == "sft" else 0.0
-    sft_flops = sft_flops if np.isfinite(sft_flops) else 0.0  # not logged: the curves start at the base
+    sft_flops = np.nan_to_num(costs["sft"][2], posinf=0, neginf=0) if base_name == "sft" else 0.0  # unlogged
     for n in names:
         flops = costs[n][2] + (sft_flops if n != base_name else 0.0)
         if np.isfinite(flops) and flops > 0:
@@ -502,16 +501,6 @@ def plot(curves, stats, costs, base_name, temperature, path):
     fig.savefig(path, dpi=110), plt.close(fig)
 
 
-def sweep_table(sweep, base_name):
-    """sweep: {row: [(setting, stats on the eval split, chosen)]} -> markdown (every setting's eval score)."""
-    lines = [f"| method | setting | eval task score | Δ vs {base_name} (eval, paired) | kept |",
-             "|---|---|---:|---:|---|"]
-    for row, settings in sweep.items():
-        lines += [f"| {row} | `{s}` | {fmt(st['score'])} | {fmt(st['delta'])} | {'**kept**' if kept else ''} |"
-                  for s, st, kept in settings]
-    return "\n".join(lines)
-
-
 def write_report(args, output_dir, stages, rows, stats, costs, curves, sweep, base_name, reward_acc, seeds, total):
     """comparison.md (table, sweep, protocol, commands) and comparison.png into output_dir."""
     md = table(rows, base_name, any("rm_score" in st for st in stats.values()))
@@ -519,10 +508,15 @@ def write_report(args, output_dir, stages, rows, stats, costs, curves, sweep, ba
     runs = "\n".join(f"    python {short(s['script'])} {shlex.join(s['flags'])}" for s in stages)
     rm_line = (f"- reward model (PPO's reward, trained on the same preference pairs, one per seed): held-out pair "
                f"accuracy {reward_acc:.3f} (mean over seeds).\n" if reward_acc is not None else "")
+    # sweep: {row: [(setting, stats on the eval split, kept)]} -> every setting's eval score
     sweep_md = (f"\n## Sweep (chosen on the eval split, {short(args.eval_prompts)})\n\n"
-                f"{sweep_table(sweep, base_name)}\n"
-                "\nEach setting trained with every seed; the one with the best mean greedy task score on the eval "
-                "split is kept, and only it is scored on the test split (the table above).\n" if sweep else "")
+                f"| method | setting | eval task score | Δ vs {base_name} (eval, paired) | kept |\n"
+                "|---|---|---:|---:|---|\n"
+                + "".join(f"| {r} | `{t}` | {fmt(st['score'])} | {fmt(st['delta'])} | {'**kept**' * k} |\n"
+                          for r, settings in sweep.items() for t, st, k in settings)
+                + "\nEach setting trained with every seed; the one with the best mean greedy task score on "
+                "the eval split is kept, and only it is scored on the test split (the table above).\n"
+                if sweep else "")
     ppo_note = "; ppo includes its reward model" if any(s["row"] == "reward" for s in stages) else ""
     text = f"""# Post-training recipes compared on `{args.model}`
 
