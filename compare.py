@@ -121,8 +121,7 @@ class Args:
 
 
 # === The plan: which script runs, from which model, with which flags, for which seed and setting ===
-# Each script's fixed flags, ahead of the budgets, --learning-rate and the pass-through flags:
-# docs/comparison.md's values, sized for `tiny` and the toy task (the scripts' defaults are TRL's).
+# Each script's fixed flags (docs/comparison.md's, for `tiny`; the defaults are TRL's), then budgets, lr, args
 COSINE_TO_10 = " --lr-scheduler-type cosine_with_min_lr --min-lr-rate 0.1"  # warmup, then to 10% of the peak
 SAMPLER = "--num-generations 8 --max-prompt-length 64 --response-length 16"
 RECIPE = {
@@ -266,9 +265,7 @@ def prepare_output_dir(output_dir, stages, overwrite):
 def read_metrics(run_dir):
     """metrics.jsonl -> list of rows (empty when the run wrote none)."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
+    with open(path) if os.path.exists(path) else open(os.devnull) as f:  # no file: no rows
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -372,8 +369,7 @@ def mean_interval(x, level=0.95):
     """Mean of x [S seeds, P prompts] and the half-width of its `level` interval, seeds and prompts random
     (crossed two-way random effects, Cornfield–Tukey): Var(mean) = (MS_seed + MS_prompt − MS_resid) / (S·P),
     t with Satterthwaite's df, each MS floored at MS_resid; S = 1: the t-interval over prompts."""
-    x = np.asarray(x, np.float64)
-    s, p = x.shape
+    s, p = (x := np.asarray(x, np.float64)).shape
     m, rows, cols = x.mean(), x.mean(1), x.mean(0)
     ms_p = s * np.sum((cols - m) ** 2) / max(p - 1, 1)
     if s == 1:
@@ -604,8 +600,7 @@ def versus_base(res, runs, base_keys):
 
 
 def choose_settings(args, grid, swept, evaluate_on, base_keys):
-    """Every swept run scored on the eval split -> ({row: kept setting}, {row: [[setting, stats, kept]]}):
-    the setting with the best mean greedy task score over its seeds (the first of equals)."""
+    """Swept runs scored on the eval split -> ({row: kept}, {row: [[setting, stats, kept]]}): best mean."""
     print(f"[eval] sweep: {len(swept)} runs on the eval split ({args.eval_prompts})", flush=True)
     res = evaluate_on("eval", swept)
     runs = lambda row, t: [s for s in swept if s["row"] == row and s["setting"] == t]
