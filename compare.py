@@ -1,10 +1,8 @@
 """Compare post-training recipes on one base: SFT, then DPO, SimPO, ORPO, KTO, reward model + PPO, GRPO, RLOO.
-
-Every script runs through its real CLI (a subprocess), so a forked script slots in by name
-(`--extra mydpo.py`); every resulting model is scored with evaluate.py's protocol against
-the SFT model and against a compute-matched continued-SFT control (sft+, sft+rl), over --seeds seeds, with
-paired 95% intervals; --sweep picks settings on the eval split, the table reports the test split. Writes
-comparison.md (table, sweep, costs) and comparison.png (scores, and the task score against training FLOPs).
+Every script runs through its real CLI (a subprocess; a fork slots in by name, `--extra mydpo.py`); each model
+is scored with evaluate.py's protocol against SFT and a compute-matched continued-SFT control (sft+, sft+rl),
+over --seeds seeds, paired 95% intervals; --sweep picks settings on the eval split, the table reports the test
+split. Writes comparison.md (table, sweep, costs), comparison.png (scores; task score against training FLOPs).
     python compare.py --model gemma_2b --sft-args="--dataset sft.jsonl" --dpo-args="--dataset prefs.jsonl"
 Offline, the bundled comparison task (data/compare/, docs/compare.md) on the `tiny` model:
     python compare.py --model tiny --seeds 3 --sweep dpo.learning_rate=5e-5,1e-4
@@ -33,14 +31,13 @@ METHODS = ("sft", "sft+", "dpo", "simpo", "orpo", "kto", "ppo", "grpo", "rloo", 
 PREFERENCE = ("dpo", "simpo", "orpo", "kto")  # started from the SFT model on the same preference data
 RL = ("ppo", "ppo_fn", "grpo", "rloo")  # rows that sample; the rest read their controls' in CONTROL
 CONTROL = {**{r: "sft+rl" for r in RL}, "sft+": "sft", "sft+rl": "sft"}  # a row's control; others: sft+
-MAIN_METRIC = ("objective/scores", "reward", "train/loss")  # the curve plotted per run: the first one logged
 RepeatedStr = Annotated[tuple[str, ...], tyro.conf.UseAppendAction]  # `--flag a --flag b` -> ("a", "b")
+MAIN_METRIC = ("objective/scores", "reward", "train/loss")  # the curve plotted per run: the first one logged
 FLOPS_LABEL = 'training FLOPs (SFT included; docs/design.md, "FLOPs")'  # the score-against-compute x axis
 
 
 class RunsFailed(plumbing.RunFailed):
-    """A script exited non-zero (or was skipped for one that did): the message on stderr, exit code 1,
-    after the report of the runs that finished."""
+    """A script exited non-zero (or was skipped for one that did): exit 1, after the report of the rest."""
 
 
 @dataclass
@@ -49,60 +46,46 @@ class Args:
     model: str = "tiny"
     """the base: any --model form (alias, preset, handle, local dir, `tiny`)"""
     chat_template: Literal["gemma", "gemma4", "gemma4_large", "llama3", "mistral", "chatml", "qwen3.5"] | None = None
-    """how chats (message lists) are rendered; None: --model's family's (Gemma 1-3: gemma, Gemma 4: gemma4,
-    or gemma4_large at 26B-A4B / 31B, Llama 3: llama3, Mistral: mistral, Qwen 2.5 / 3: chatml, Qwen 3.5: qwen3.5)"""
+    """how chats are rendered; None: --model's family's (Gemma 1-3: gemma, Gemma 4: gemma4, or gemma4_large
+    at 26B-A4B / 31B, Llama 3: llama3, Mistral: mistral, Qwen 2.5 / 3: chatml, Qwen 3.5: qwen3.5)"""
     task: Literal["compare", "toy"] = "compare"
-    """the bundled data every script trains on (with a `tiny`-based --model; any other keeps each script's own
-    flags): `compare`, data/compare/ (imperfect demonstrations, checker-ranked pairs; docs/compare.md); `toy`,
-    the scripts' defaults, data/*.jsonl (all demonstrations correct)"""
+    """every script's data on a `tiny`-based --model: `compare`, data/compare/ (docs/compare.md); `toy`"""
     methods: str = "sft,sft+,dpo,simpo,orpo,kto,ppo,grpo,rloo,sft+rl"
-    """comma-separated subset of sft,sft+,dpo,simpo,orpo,kto,ppo,grpo,rloo,sft+rl (ppo trains a reward model
-    first, see --ppo-reward; grpo and rloo optimise the task score, --reward-fn); the controls: sft+ continues
-    SFT from the base for --steps updates of twice the preference batch (the same steps and about the same
-    tokens as a preference row), sft+rl the same but for as many updates as match the RL rows' logged FLOPs"""
+    """comma-separated subset of METHODS (ppo: --ppo-reward; grpo, rloo: --reward-fn); sft+: SFT continued for
+    --steps updates of twice the preference batch (a preference row's tokens), sft+rl: the RL rows' FLOPs"""
     extra: tuple[str, ...] = ()
     """forked scripts (e.g. mydpo.py), each run like dpo from the SFT model; the row is the file's name"""
     seeds: int = 3
-    """training seeds of every method after SFT: --seed, --seed+1, …; SFT is trained once (seed --seed): the
-    one shared base every method and seed starts from, so the paired differences measure the methods alone"""
+    """training seeds after SFT: --seed, --seed+1, …; SFT is trained once (--seed): the shared base"""
     sweep: RepeatedStr = ()
-    """`method.flag=v1,v2,…` (repeatable; two flags of one method: their grid), e.g. dpo.learning_rate=1e-5,5e-5:
-    every setting trained with every seed, the best mean greedy task score on --eval-prompts kept and reported
-    on --test-prompts; the flag is appended last (it overrides the recipe and --<method>-args)"""
+    """`method.flag=v1,v2,…` (repeatable; two flags of a method: their grid), e.g. dpo.learning_rate=1e-5,5e-5
+    (appended last): every setting × seed; the best mean greedy score on --eval-prompts is tested"""
     # budgets
     sft_steps: int = 300
     """SFT optimizer updates (the base every other method starts from; docs/comparison.md's toy run: 150)"""
     steps: int = 100
-    """optimizer updates of each preference method (dpo, simpo, orpo, kto, --extra) and of sft+: one shared
-    budget (docs/comparison.md's toy run: 40)"""
+    """updates of each preference method (dpo, simpo, orpo, kto, --extra) and sft+ (docs/comparison.md: 40)"""
     reward_steps: int = 40
     """reward model updates (before PPO)"""
     ppo_steps: int = 20
     """PPO iterations (one rollout batch + 4 epochs × 2 mini-batches of updates each)"""
     grpo_steps: int = 100
-    """GRPO iterations (one generation batch of 8 prompts × 8 completions + one update each: about
-    PPO's wall time at its 20 iterations of 8 updates)"""
+    """GRPO iterations (8 prompts × 8 completions + one update each: about PPO's wall time at 20)"""
     rloo_steps: int = 100
     """RLOO iterations (as GRPO's: 8 prompts × 8 completions + one update each)"""
     learning_rate: float = 5e-5
-    """peak learning rate of every method after SFT (dpo, simpo, orpo, kto, --extra, ppo, grpo, rloo; the
-    controls keep SFT's final one, RECIPE's sft+); the other fixed flags of the recipe are in RECIPE (the
-    scripts' defaults are TRL's, for real pretrained models)"""
+    """peak learning rate after SFT, but the controls' (SFT's final one); the recipe's other flags: RECIPE"""
     ppo_reward: Literal["model", "fn", "both"] = "both"
-    """`model`: PPO optimises a reward model trained on the same preference pairs (the same
-    information the preference methods get); `fn`: the task score itself (--reward-fn, a
-    verifiable reward); `both`: two PPO rows, `ppo` (reward model) and `ppo_fn`"""
+    """`model`: PPO optimises a reward model trained on the preference pairs; `fn`: --reward-fn; `both`"""
     # pass-through flags, appended last (they override compare's choices); write them with `=`
     sft_args: str = ""
     """extra flags for sft.py, e.g. --sft-args="--learning-rate 5e-4" (the base and both controls)"""
     dpo_args: str = ""
     """extra flags for dpo.py, e.g. --dpo-args="--beta 0.2 --precompute-ref" """
     simpo_args: str = "--sft-weight 1.0"
-    """extra flags for simpo.py; the default adds an NLL on the chosen response with weight 1
-    (TRL's CPO-SimPO default `cpo_alpha=1`; pure SimPO lowers the chosen likelihood too here)"""
+    """extra flags for simpo.py; default: CPO-SimPO's `cpo_alpha=1` (pure SimPO lowers the chosen too)"""
     orpo_args: str = "--no-prompt-nll"
-    """extra flags for orpo.py; the default puts the NLL on the chosen response only, like sft.py
-    (the toy prompts are random digits: an NLL on them teaches nothing and swamps the loss)"""
+    """extra flags for orpo.py; default: the NLL on the chosen response only (on toy prompts it swamps it)"""
     kto_args: str = ""
     """extra flags for kto.py (its default data: the same pairs, unpaired)"""
     reward_args: str = ""
@@ -117,11 +100,9 @@ class Args:
     """extra flags for every --extra script"""
     # evaluation (evaluate.py's protocol)
     eval_prompts: str | None = None
-    """held-out prompts that choose among --sweep settings (the eval split); None: --task's
-    prompts_eval.jsonl"""
+    """held-out prompts choosing among --sweep settings (the eval split); None: --task's prompts_eval.jsonl"""
     test_prompts: str | None = None
-    """held-out prompts of the reported numbers (the test split: never used to choose anything); None:
-    --task's prompts_test.jsonl"""
+    """held-out prompts of the reported numbers (the test split, never chooses); None: prompts_test.jsonl"""
     num_prompts: int = 0
     """the first N prompts of each split (0: all: 200 eval, 500 test)"""
     reward_fn: str = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
@@ -139,38 +120,28 @@ class Args:
     """replace the runs already in --output-dir (otherwise refused)"""
 
 
-# ---------------------------------------------------------------------------
-# The plan: which script runs, from which model, with which flags, for which seed and setting
-# ---------------------------------------------------------------------------
-# The recipe's fixed flags per script, ahead of the budgets, --learning-rate and the pass-through flags.
-# The scripts' defaults are TRL's for real pretrained models (README: "Defaults"); these are the values
-# the committed comparison (docs/comparison.md) was measured with, sized for `tiny` and the toy task,
-# its learning-rate schedules included (the scripts' defaults before --lr-scheduler-type existed).
+# === The plan: which script runs, from which model, with which flags, for which seed and setting ===
+# Each script's fixed flags (docs/comparison.md's, for `tiny`; the defaults are TRL's), then budgets, lr, args
 COSINE_TO_10 = " --lr-scheduler-type cosine_with_min_lr --min-lr-rate 0.1"  # warmup, then to 10% of the peak
+SAMPLER = "--num-generations 8 --max-prompt-length 64 --response-length 16"
 RECIPE = {
     "sft": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 20 --max-length 512" + COSINE_TO_10,
-    # the controls: SFT continued at the rate its schedule ended on (10% of 1e-3), 64 demonstrations a step
-    # (a preference step's 32 pairs are 64 prompt + answer sequences: the same tokens, tests/test_compare.py)
+    # the controls: SFT at the rate it ended on, 64 demonstrations a step (a preference step's 32 pairs)
     "sft+": "--batch-size 64 --learning-rate 1e-4 --warmup-steps 0 --max-length 512 "
             "--lr-scheduler-type constant",
     "dpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,
     "simpo": "--batch-size 32 --grad-accum-steps 1 --warmup-steps 5 --max-length 512 --beta 2.0 --gamma 0.5"
              + COSINE_TO_10,
     "orpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,
-    # kto: 64 examples, the completions of dpo's 32 pairs
-    "kto": "--batch-size 64 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,
+    "kto": "--batch-size 64 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,  # dpo's 32 pairs
     "reward": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 10 --max-length 512" + COSINE_TO_10,
     "ppo": "--batch-size 32 --num-mini-batches 2 --max-prompt-length 64 --response-length 16 "
            "--missing-eos-penalty 1.0 --kl-coef 0.05 --lr-scheduler-type linear",  # to 0 over every update
-    "grpo": "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 16 --beta 0.04 "
-            "--lr-scheduler-type constant_with_warmup",
+    "grpo": f"--batch-size 64 {SAMPLER} --beta 0.04 --lr-scheduler-type constant_with_warmup",
     # β 0.01 as docs/rloo.md measured (TRL's 0.05 drowns the toy reward in the sequence KL's noise)
-    "rloo": "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 16 --beta 0.01 "
-            "--lr-scheduler-type constant_with_warmup",
+    "rloo": f"--batch-size 64 {SAMPLER} --beta 0.01 --lr-scheduler-type constant_with_warmup",
 }
-# --task compare: each script's data (data/compare/), ahead of the recipe; --task toy: the scripts' defaults.
-TASK_FILES = {"sft": ("sft_train", "sft_eval"), "prefs": ("prefs_train", "prefs_eval"), "kto": ("kto_train",
-              "kto_eval"), "prompts": ("prompts_train", None)}
+# --task compare: data/compare/{kind}_train.jsonl (+ _eval but for prompts), before the recipe
 TASK_DATA = {"sft": "sft", "sft+": "sft", "sft+rl": "sft", "dpo": "prefs", "simpo": "prefs", "orpo": "prefs",
              "reward": "prefs", "kto": "kto", "ppo": "prompts", "grpo": "prompts", "rloo": "prompts"}
 
@@ -179,9 +150,9 @@ def task_flags(task, model, recipe):
     """The data flags of one script under --task (its recipe key names it; a fork reads dpo's)."""
     if task == "toy" or not plumbing.is_toy_model(model):
         return []
-    path = lambda name: os.path.join(common.HERE, "data", "compare", f"{name}.jsonl")
-    train, held = TASK_FILES[TASK_DATA[recipe]]
-    return ["--dataset", path(train)] + (["--eval-dataset", path(held)] if held else [])
+    kind = TASK_DATA[recipe]
+    path = lambda split: os.path.join(common.HERE, "data", "compare", f"{kind}_{split}.jsonl")
+    return ["--dataset", path("train")] + (["--eval-dataset", path("eval")] if kind != "prompts" else [])
 
 
 def task_prompts(args):
@@ -192,15 +163,16 @@ def task_prompts(args):
 
 
 def parse_sweep(specs, rows):
-    """['dpo.learning_rate=1e-6,5e-6', …] -> {row: [setting, …]}, a setting a dict {flag: value} (the grid of
-    a row's swept flags, in the order given); a row not in `rows` or a spec without values raises UsageError."""
+    """['dpo.learning_rate=1e-6,5e-6', …] -> {row: [setting {flag: value}, …]} (the grid of a row's swept
+    flags, in the order given); a row not in `rows` or a spec without values raises UsageError."""
     grid = {}
     for spec in specs:
         key, _, values = spec.partition("=")
         row, _, flag = key.partition(".")
         values = [v.strip() for v in values.split(",") if v.strip()]
         if row not in rows or not flag.isidentifier() or not values:
-            raise plumbing.UsageError(f"--sweep {spec!r}: expected row.flag=v1,v2,… with row one of {','.join(rows)}")
+            raise plumbing.UsageError(f"--sweep {spec!r}: expected row.flag=v1,v2,… with row one of "
+                                      f"{','.join(rows)}")
         grid[row] = [{**s, flag: v} for s in grid.get(row, [{}]) for v in values]
     return grid
 
@@ -214,74 +186,63 @@ def plan(args, output_dir):
     """-> (stages {name: run dir under output_dir, row, setting, seed, script, flags, needs} in run order,
     the base model, the seeds, the sweep grid); bad choices raise UsageError."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
-    if unknown or not (methods or args.extra) or args.seeds < 1:
+    if any(m not in METHODS for m in methods) or not (methods or args.extra) or args.seeds < 1:
         raise plumbing.UsageError(f"--methods {args.methods!r}: choose from {','.join(METHODS)}; --seeds >= 1")
     base = os.path.join(output_dir, "sft", "model") if "sft" in methods else args.model
     sft = ["sft"] if "sft" in methods else []
-    lr = ["--learning-rate", str(args.learning_rate)]
+    lr, fn = ["--learning-rate", str(args.learning_rate)], ["--reward-fn", args.reward_fn]
     script = lambda name: os.path.join(common.HERE, f"{name}.py")
-    rm_dir = lambda seed: os.path.join(output_dir, "reward", f"seed{seed}", "model")
-    # rows after SFT: (row, script, recipe key, steps, flags of a seed, pass-through flags, needs the reward model)
-    rows = [(m, script(m), m, args.steps, lambda s: [], getattr(args, f"{m}_args"), False)
+    # rows after SFT: (row, script, recipe key, steps, its flags, pass-through flags, on the reward model)
+    rows = [(m, script(m), m, args.steps, [], getattr(args, f"{m}_args"), False)
             for m in PREFERENCE if m in methods]
     for path in args.extra:
         name = os.path.splitext(os.path.basename(path))[0]
         if not path.endswith(".py") or not os.path.exists(path) or name in METHODS + ("reward",):
             raise plumbing.UsageError(f"--extra {path}: expected an existing script whose name is not a built-in")
-        rows.append((name, os.path.abspath(path), "dpo", args.steps, lambda s: [], args.extra_args, False))
+        rows.append((name, os.path.abspath(path), "dpo", args.steps, [], args.extra_args, False))
     if "sft+" in methods:  # the preference rows' control: their steps, their tokens (RECIPE's sft+)
-        rows.append(("sft+", script("sft"), "sft+", args.steps, lambda s: [], args.sft_args, False))
-    if "ppo" in methods and args.ppo_reward in ("model", "both"):
-        rows.append(("ppo", script("ppo"), "ppo", args.ppo_steps, lambda s: ["--reward-model", rm_dir(s)],
-                     args.ppo_args, True))
-    if "ppo" in methods and args.ppo_reward in ("fn", "both"):
-        rows.append(("ppo_fn" if args.ppo_reward == "both" else "ppo", script("ppo"), "ppo", args.ppo_steps,
-                     lambda s: ["--reward-fn", args.reward_fn], args.ppo_args, False))
-    if "grpo" in methods:  # a verifiable reward: the task score itself, like ppo_fn
-        rows.append(("grpo", script("grpo"), "grpo", args.grpo_steps, lambda s: ["--reward-fn", args.reward_fn],
-                     args.grpo_args, False))
-    if "rloo" in methods:
-        rows.append(("rloo", script("rloo"), "rloo", args.rloo_steps, lambda s: ["--reward-fn", args.reward_fn],
-                     args.rloo_args, False))
+        rows.append(("sft+", script("sft"), "sft+", args.steps, [], args.sft_args, False))
+    for row, on_rm in (("ppo", True), ("ppo_fn" if args.ppo_reward == "both" else "ppo", False)):
+        if "ppo" in methods and args.ppo_reward in ("both", "model" if on_rm else "fn"):
+            rows.append((row, script("ppo"), "ppo", args.ppo_steps, [] if on_rm else fn, args.ppo_args,
+                         on_rm))
+    for m in ("grpo", "rloo"):  # a verifiable reward: the task score itself, like ppo_fn
+        if m in methods:
+            rows.append((m, script(m), m, getattr(args, f"{m}_steps"), fn, getattr(args, f"{m}_args"), False))
     if "sft+rl" in methods and any(r[0] in RL for r in rows):  # steps: matched_steps, once the RL rows ran
-        rows.append(("sft+rl", script("sft"), "sft+", None, lambda s: [], args.sft_args, False))
+        rows.append(("sft+rl", script("sft"), "sft+", None, [], args.sft_args, False))
     grid = parse_sweep(args.sweep, [r[0] for r in rows])
     template = ["--chat-template", args.chat_template] if args.chat_template else []
-
-    def stage(name, row, script, recipe, model, flags, seed, extra, needs, setting=None):
-        setting = setting or {}
+    def stage(name, row, script, recipe, model, flags, seed, extra, needs, setting):
         swept = [x for k, v in setting.items() for x in ("--" + k.replace("_", "-"), v)]
         return {"name": name, "row": row, "setting": tag(setting), "seed": seed, "script": script, "needs": needs,
                 "flags": ["--model", model] + flags + task_flags(args.task, args.model, recipe)
                 + shlex.split(RECIPE[recipe]) + ["--seed", str(seed)] + template
                 + ["--output-dir", os.path.join(output_dir, name)] + shlex.split(extra) + swept}
-
     seeds = [args.seed + k for k in range(args.seeds)]
-    stages = [stage("sft", "sft", script("sft"), "sft", args.model, ["--max-steps", str(args.sft_steps)], args.seed,
-                    args.sft_args, [])] if sft else []
+    stages = [stage("sft", "sft", script("sft"), "sft", args.model, ["--max-steps", str(args.sft_steps)],
+                    args.seed, args.sft_args, [], {})] if sft else []
     for seed in seeds:
+        rm = f"reward/seed{seed}"
         if any(r[6] for r in rows):
-            stages.append(stage(f"reward/seed{seed}", "reward", script("reward"), "reward", base,
-                                ["--max-steps", str(args.reward_steps), "--normalize"], seed, args.reward_args, sft))
-        for row, path, recipe, steps, seed_flags, extra, on_rm in rows:
+            stages.append(stage(rm, "reward", script("reward"), "reward", base, ["--max-steps",
+                                str(args.reward_steps), "--normalize"], seed, args.reward_args, sft, {}))
+        for row, path, recipe, steps, row_flags, extra, on_rm in rows:
             ran = [s["name"] for s in stages if s["seed"] == seed and s["row"] in (RL + ("sft+",))]
+            flags = (["--max-steps", str(steps)] if steps else []) + ([] if row in CONTROL else lr)
+            flags += row_flags + (["--reward-model", os.path.join(output_dir, rm, "model")] if on_rm else [])
+            needs = sft + ([rm] if on_rm else []) + (ran if not steps else [])
             for setting in grid.get(row, [{}]):
                 name = "/".join(filter(None, [row, tag(setting), f"seed{seed}"]))
-                flags = (["--max-steps", str(steps)] if steps else []) + ([] if row in CONTROL else lr)
-                needs = sft + ([f"reward/seed{seed}"] if on_rm else []) + (ran if not steps else [])
-                stages.append(stage(name, row, path, recipe, base, flags + seed_flags(seed), seed, extra,
-                                    needs, setting))
+                stages.append(stage(name, row, path, recipe, base, flags, seed, extra, needs, setting))
     return stages, base, seeds, grid
 
 
 def matched_steps(output_dir, stage):
-    """sft+rl's updates: the mean logged FLOPs of the runs it needs that sample (its seed's RL rows) over the
-    logged FLOPs of one sft+ update (that seed's sft+ run), rounded, at least 1; raises RunsFailed when there
-    is nothing to match."""
-    runs = [os.path.join(output_dir, n) for n in stage["needs"]]
-    control = [r for r, n in zip(runs, stage["needs"]) if n.split("/")[0] == "sft+"]
-    rl = [run_cost(r)[2] for r, n in zip(runs, stage["needs"]) if n.split("/")[0] in RL]
+    """sft+rl's updates: its seed's RL runs' mean logged FLOPs over those of one update of its seed's sft+ run
+    (rounded, at least 1); RunsFailed when there is nothing to match."""
+    control = [os.path.join(output_dir, n) for n in stage["needs"] if n.split("/")[0] == "sft+"]
+    rl = [run_cost(os.path.join(output_dir, n))[2] for n in stage["needs"] if n.split("/")[0] in RL]
     if not control or not rl or not all(np.isfinite(rl)):
         raise RunsFailed(f"{stage['name']}: no sft+ run or logged RL FLOPs to match ({stage['needs']})")
     with open(os.path.join(control[0], "args.json")) as f:
@@ -300,15 +261,11 @@ def prepare_output_dir(output_dir, stages, overwrite):
     os.makedirs(output_dir, exist_ok=True)
 
 
-# ---------------------------------------------------------------------------
-# Running the scripts and reading their outputs
-# ---------------------------------------------------------------------------
+# === Running the scripts and reading their outputs ===
 def read_metrics(run_dir):
     """metrics.jsonl -> list of rows (empty when the run wrote none)."""
     path = os.path.join(run_dir, "metrics.jsonl")
-    if not os.path.exists(path):
-        return []
-    with open(path) as f:
+    with open(path) if os.path.exists(path) else open(os.devnull) as f:  # no file: no rows
         return [json.loads(line) for line in f if line.strip()]
 
 
@@ -333,11 +290,8 @@ def flops_curve(rows):
 
 
 def run_cost(run_dir):
-    """-> [tokens trained, tokens generated, FLOPs] of one run. Trained tokens and FLOPs are the sums of its
-    logged charts/tokens and charts/flops (the script's own count, docs/design.md "FLOPs": 6N a trained token,
-    2N an extra forward, sampling included; NaN when not logged); generated: the sum of its logged
-    charts/generated_tokens (through each EOS), or for a run from before that was logged, iterations × batch ×
-    response length (args.json: an upper bound); 0 for a script that does not sample."""
+    """-> [tokens trained, tokens generated, FLOPs]: sums of logged charts/tokens, /generated_tokens, /flops
+    (NaN if never logged; generated: else iterations × batch × response length, 0 if it never samples)."""
     rows = read_metrics(run_dir)
     path = os.path.join(run_dir, "args.json")
     a = json.load(open(path)) if os.path.exists(path) else {}
@@ -353,40 +307,36 @@ def run_stage(i, n, stage, output_dir):
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     cmd = [sys.executable, stage["script"]] + stage["flags"]
     print(f"[{i}/{n}] {stage['name']}: {shlex.join(cmd[1:])}", flush=True)
-    t0 = time.perf_counter()
     # A forked script (--extra) may live anywhere: it still finds `common` and the toy data.
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [common.HERE, os.environ.get("PYTHONPATH")]))}
     with open(log_path, "w") as log:
+        t0 = time.perf_counter()
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     wall = time.perf_counter() - t0
-    name, _, values = main_curve(read_metrics(os.path.join(output_dir, stage["name"])))
-    curve = f"; {name} {values[0]:.3f} -> {values[-1]:.3f}" if values else ""
     if rc != 0:
         with open(log_path) as f:
-            tail = "".join(f.readlines()[-10:])
-        print(f"      FAILED (exit {rc}) after {wall:.0f} s; last lines of {log_path}:\n{tail}", flush=True)
+            print(f"      FAILED (exit {rc}) after {wall:.0f} s; last lines of {log_path}:\n"
+                  + "".join(f.readlines()[-10:]), flush=True)
         return False, wall
-    print(f"      done in {wall:.0f} s{curve}", flush=True)
+    name, _, values = main_curve(read_metrics(os.path.join(output_dir, stage["name"])))
+    print(f"      done in {wall:.0f} s" + (f"; {name} {values[0]:.3f} -> {values[-1]:.3f}" if values else ""),
+          flush=True)
     return True, wall
 
 
-# ---------------------------------------------------------------------------
-# Evaluation (evaluate.py's protocol, in this process: one compilation for every model)
-# ---------------------------------------------------------------------------
+# === Evaluation (evaluate.py's protocol, in this process: one compilation for every model) ===
 def evaluate_models(args, prompts_path, base, jobs, eval_dir):
     """jobs: [(key, seed, model dir, reward model dir or None)] -> {key: evaluate.per_prompt arrays}: each model
-    scored on `prompts_path` against `base` with sampling seed `seed` (the base sampled with the same seed:
-    paired per prompt and per seed); eval.json, samples.jsonl and scores.npz go to eval_dir(key, seed)."""
+    on `prompts_path` against `base`, both sampled with `seed` (paired); outputs in eval_dir(key, seed)."""
     import evaluate  # JAX starts only now, after the training processes ended (a TPU admits one)
-
     eargs = lambda seed, rm: evaluate.Args(
         model=base, baseline=base, prompts=prompts_path, num_prompts=args.num_prompts, reward_fn=(args.reward_fn,),
         reward_model=rm, chat_template=args.chat_template, max_new_tokens=args.max_new_tokens,
         temperature=args.temperature, seed=seed)
-    mesh = common.make_mesh(None)
-    prompts, rows, reward_fn = evaluate.check_args(eargs(args.seed, None), mesh)
-    base_policy = evaluate.load_policy(base, mesh, eargs(args.seed, None))
-    data = evaluate.prepare(eargs(args.seed, None), mesh, prompts, rows, base_policy.model.preprocessor.tokenizer)
+    mesh, ea = common.make_mesh(None), eargs(args.seed, None)
+    prompts, rows, reward_fn = evaluate.check_args(ea, mesh)
+    base_policy = evaluate.load_policy(base, mesh, ea)
+    data = evaluate.prepare(ea, mesh, prompts, rows, base_policy.model.preprocessor.tokenizer)
     scorers, base_outs, results = {}, {}, {}
     for key, seed, model_dir, rm in jobs:
         t0, ea = time.perf_counter(), eargs(seed, rm)
@@ -394,52 +344,32 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
             scorers[rm] = evaluate.make_scorer(ea, mesh, data, reward_fn)
         if (seed, rm) not in base_outs:
             base_outs[seed, rm] = evaluate.evaluate_policy(base_policy, data, scorers[rm], ea, mesh, base_policy)
-        b = base_outs[seed, rm]
-        if model_dir == base:
-            outs = b
-        else:
+        b = outs = base_outs[seed, rm]
+        if model_dir != base:
             policy = evaluate.load_policy(model_dir, mesh, ea, like=base_policy)
             evaluate.check_same_tokens(model_dir, policy.model, data, ea, key)
             outs = evaluate.evaluate_policy(policy, data, scorers[rm], ea, mesh, baseline=base_policy)
-        results[key] = evaluate.per_prompt(outs, b)
-        m = evaluate.summarize(outs, b)
-        evaluate.write_outputs(eval_dir(key, seed), {"model": model_dir, "baseline": base, "prompts": prompts_path,
-                                                     "num_prompts": len(data["prompts"]), "seed": seed,
-                                                     "temperature": args.temperature, **m},
-                               evaluate.examples(outs, data, 8, b), results[key])
+        results[key], m = evaluate.per_prompt(outs, b), evaluate.summarize(outs, b)
+        meta = {"model": model_dir, "baseline": base, "prompts": prompts_path,
+                "num_prompts": len(data["prompts"]), "seed": seed, "temperature": args.temperature, **m}
+        evaluate.write_outputs(eval_dir(key, seed), meta, evaluate.examples(outs, data, 8, b), results[key])
         print(f"      {key} (seed {seed}): task score {m['score']:.3f}, KL {m['kl']:.3f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return results
 
 
-# ---------------------------------------------------------------------------
-# STATISTICS: pure functions of per-prompt score tables [seeds S, prompts P]
-# ---------------------------------------------------------------------------
+# === STATISTICS: pure functions of per-prompt score tables [seeds S, prompts P] ===
 def t_quantile(p, df):
-    """Student-t quantile t_p(df) for p > ½, numpy only: bisection on 0.5 + ∫_0^x density (Simpson, 2000 panels)."""
-    df = min(float(df), 1e7)  # beyond: the normal
-    logc = math.lgamma((df + 1) / 2) - math.lgamma(df / 2) - 0.5 * math.log(df * math.pi)
-
-    def cdf(x):
-        f = np.exp(logc - (df + 1) / 2 * np.log1p(np.linspace(0.0, x, 2001) ** 2 / df))
-        return 0.5 + x / 6000 * (f[0] + f[-1] + 4 * f[1:-1:2].sum() + 2 * f[2:-1:2].sum())
-
-    lo, hi = 0.0, 1.0
-    while cdf(hi) < p:
-        hi *= 2
-    for _ in range(50):
-        lo, hi = ((lo + hi) / 2, hi) if cdf((lo + hi) / 2) < p else (lo, (lo + hi) / 2)
-    return (lo + hi) / 2
+    """Student-t quantile t_p(df) (SciPy's, a dependency of JAX's)."""
+    import scipy.stats  # here: `import compare` stays light
+    return float(scipy.stats.t.ppf(p, df))
 
 
 def mean_interval(x, level=0.95):
-    """Mean of x [S seeds, P prompts] and the half-width of its `level` interval, seeds and prompts both
-    random draws (a crossed two-way random-effects design, Cornfield–Tukey):
-        Var(mean) = (MS_seed + MS_prompt − MS_resid) / (S·P),   t with Satterthwaite's df,
-    each mean square floored at MS_resid (variance components >= 0). S = 1: the t-interval over prompts
-    (the seed's own noise then goes unmeasured)."""
-    x = np.asarray(x, np.float64)
-    s, p = x.shape
+    """Mean of x [S seeds, P prompts] and the half-width of its `level` interval, seeds and prompts random
+    (crossed two-way random effects, Cornfield–Tukey): Var(mean) = (MS_seed + MS_prompt − MS_resid) / (S·P),
+    t with Satterthwaite's df, each MS floored at MS_resid; S = 1: the t-interval over prompts."""
+    s, p = (x := np.asarray(x, np.float64)).shape
     m, rows, cols = x.mean(), x.mean(1), x.mean(0)
     ms_p = s * np.sum((cols - m) ** 2) / max(p - 1, 1)
     if s == 1:
@@ -456,36 +386,28 @@ def mean_interval(x, level=0.95):
 
 
 def row_stats(arrays, base_arrays):
-    """{metric: [S, P]} of one row and of the base (same seeds, same prompts) -> {metric: (mean, ±)}, plus
-    `delta`: the task score paired per prompt and per seed against the base, mean(row − base) ± its interval."""
-    out = {k: mean_interval(v) for k, v in arrays.items()}
-    out["delta"] = mean_interval(arrays["score"] - base_arrays["score"])
-    return out
+    """{metric: [S, P]} of a row and of the base -> {metric: (mean, ±)}, `delta`: score row − base, paired."""
+    return {**{k: mean_interval(v) for k, v in arrays.items()},
+            "delta": mean_interval(arrays["score"] - base_arrays["score"])}
 
 
-# ---------------------------------------------------------------------------
-# Report: the table (markdown), the picture
-# ---------------------------------------------------------------------------
+# === Report: the table (markdown), the picture ===
 def verdict(delta, name):
     """(Δ, ±) against `name` -> 'beats name (Δ …)', 'within noise of name (… covers 0)' or 'below …'."""
     d, h = delta
-    if d - h > 0:
-        return f"beats {name} (Δ {d:+.3f} ± {h:.3f})"
-    if d + h >= 0:
-        return f"within noise of {name} (Δ {d:+.3f} ± {h:.3f} covers 0)"
-    return f"below {name} (Δ {d:+.3f} ± {h:.3f})"
+    word, covers = ("beats", "") if d > h else ("within noise of", " covers 0") if d >= -h else ("below", "")
+    return f"{word} {name} (Δ {d:+.3f} ± {h:.3f}{covers})"
 
 
 def note(name, st, base_name, base_st, run_metrics, on_reward_model):
-    """One honest line per row: beats the base, within noise of it (the paired interval covers 0), or below
-    it, and then the likely why, read from the numbers (the runs' held-out log-probs, the RM score, KL); then
-    the same verdict against the row's compute-matched control, where it ran."""
+    """One line a row: verdicts against the base and the control, then the likely why (log-probs, RM, KL)."""
     if name == base_name:
         return "the base every other method starts from (one model, shared by every seed)"
-    against = f"; {verdict(st['delta_control'], st['control'])}" if "delta_control" in st else ""
+    head = verdict(st["delta"], base_name) + (f"; {verdict(st['delta_control'], st['control'])}"
+                                              if "delta_control" in st else "")
     if st["delta"][0] + st["delta"][1] >= 0:
-        return verdict(st["delta"], base_name) + against
-    head, mean = f"{verdict(st['delta'], base_name)}{against}: ", lambda k, b=st: b[k][0]
+        return head
+    head, mean = head + ": ", lambda k, b=st: b[k][0]
     chosen = [[r["eval/logps/chosen"] for r in rows if "eval/logps/chosen" in r] for rows in run_metrics]
     chosen = [c for c in chosen if len(c) >= 2]
     first, last = (np.mean([c[0] for c in chosen]), np.mean([c[-1] for c in chosen])) if chosen else (0, 0)
@@ -494,10 +416,11 @@ def note(name, st, base_name, base_st, run_metrics, on_reward_model):
         return head + (f"held-out chosen log-prob fell too ({first:.2f} → {last:.2f}): the margin grew "
                        f"by pushing both answers down (likelihood displacement){longer}")
     if on_reward_model and "rm_score" in st and mean("rm_score") > mean("rm_score", base_st):
-        return head + (f"reward hacking: reward-model score {mean('rm_score', base_st):.2f} → {mean('rm_score'):.2f} "
-                       f"while the task score fell; answers {mean('length', base_st):.1f} → {mean('length'):.1f} "
-                       "tokens")
-    return head + f"moved (KL {mean('kl'):.2f}) in a direction its training signal prefers but the task score does not"
+        return head + (f"reward hacking: reward-model score {mean('rm_score', base_st):.2f} → "
+                       f"{mean('rm_score'):.2f} while the task score fell; answers "
+                       f"{mean('length', base_st):.1f} → {mean('length'):.1f} tokens")
+    return head + (f"moved (KL {mean('kl'):.2f}) in a direction its training signal prefers but the task "
+                   "score does not")
 
 
 def fmt(v, digits=3, top=None):
@@ -513,10 +436,11 @@ def fmt(v, digits=3, top=None):
 
 def table(rows, base_name, with_rm):
     """rows: [(name, stats or None, cost [tokens trained, generated, FLOPs, wall s], note)] -> markdown."""
-    cols = ["method", "task score", f"Δ vs {base_name} (paired)", "Δ vs control (paired)", "sampled score"]
-    cols += (["RM score"] if with_rm else []) + [f"win rate vs {base_name}", f"KL from {base_name}", "length"]
-    cols += ["tokens trained", "tokens generated", "FLOPs", "wall time", "notes"]
-    keys = ["score", "delta", "score_sampled"] + (["rm_score"] if with_rm else []) + ["win", "kl", "length"]
+    rm = ["rm_score"] if with_rm else []  # the RM score column: only where a row trained on a reward model
+    cols = ["method", "task score", f"Δ vs {base_name} (paired)", "Δ vs control (paired)", "sampled score",
+            *["RM score"] * len(rm), f"win rate vs {base_name}", f"KL from {base_name}", "length",
+            "tokens trained", "tokens generated", "FLOPs", "wall time", "notes"]
+    keys = ["score", "delta", "score_sampled", *rm, "win", "kl", "length"]
     lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 2) + ["---"]) + "|"]
     tops = np.nanmax([[np.nan if c is None else c for c in cost[:3]] for _, _, cost, _ in rows] + [[0] * 3], 0)
     for name, st, cost, text in rows:
@@ -529,39 +453,32 @@ def table(rows, base_name, with_rm):
 
 
 def plot(curves, stats, costs, base_name, temperature, path):
-    """Each row's main training metric (left grid; every seed), the test scores with their intervals
-    (middle) and the task score against total training FLOPs, SFT included (right): every row's greedy test
-    score, and the RL rows' checker score on their own samples as they trained (mean, band: seeds' range)."""
+    """Each row's main training metric (left; every seed), the test scores ± intervals (middle), the task
+    score against training FLOPs, SFT included (right: greedy test scores; RL rows' samples in training)."""
     curves, score_curves = curves
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    cols = max(1, -(-len(curves) // 2))
+    cols = max(1, -(-len(curves) // 2))  # the training curves: two rows of them
     fig = plt.figure(figsize=(3.0 * cols + 10.0, 6.0))
     grid = fig.add_gridspec(2, cols + 2, width_ratios=[1] * cols + [1.6, 1.6])
     for i, (name, runs) in enumerate(curves.items()):
         ax = fig.add_subplot(grid[i % 2, i // 2])
-        for k, (metric, steps, values) in enumerate(runs):
-            first = k == 0  # seed --seed bold, the others thin
-            ax.plot(steps, values, marker="." if first else None, lw=1.2 if first else 0.8, alpha=1 if first else 0.6)
+        for k, (metric, steps, values) in enumerate(runs):  # seed --seed bold, the others thin
+            ax.plot(steps, values, marker=None if k else ".", lw=0.8 if k else 1.2, alpha=0.6 if k else 1)
         ax.set_title(f"{name}: {runs[0][0]}", fontsize=9), ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
-    ax = fig.add_subplot(grid[:, cols])
-    names = list(stats)
-    x = np.arange(len(names))
+    ax, names, x = fig.add_subplot(grid[:, cols]), list(stats), np.arange(len(stats))
     for dx, key, label in ((-0.2, "score", "greedy"), (0.2, "score_sampled", f"sampled (T={temperature:g})")):
-        ax.bar(x + dx, [stats[n][key][0] for n in names], 0.4, yerr=[stats[n][key][1] for n in names], capsize=3,
-               label=label)
+        ax.bar(x + dx, [stats[n][key][0] for n in names], 0.4, yerr=[stats[n][key][1] for n in names],
+               capsize=3, label=label)
     if base_name in stats:
         ax.axhline(stats[base_name]["score"][0], ls="--", lw=1, color="gray", label=f"{base_name} greedy")
-    ax.set_xticks(x, names, rotation=30, fontsize=8)
+    ax.set_xticks(x, names, rotation=30, fontsize=8), ax.legend(fontsize=8, loc="upper right")
     ax.set(ylim=(0, 1.05), ylabel="test task score (mean ± 95% interval)")
     ax.set_title("final scores (evaluate.py protocol, test split)", fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
     ax = fig.add_subplot(grid[:, cols + 1])
-    sft_flops = costs.get(base_name, [0, 0, 0])[2] if base_name == "sft" else 0.0
-    sft_flops = sft_flops if np.isfinite(sft_flops) else 0.0  # not logged: the curves start at the base
+    sft_flops = np.nan_to_num(costs["sft"][2], posinf=0, neginf=0) if base_name == "sft" else 0.0  # unlogged
     for n in names:
         flops = costs[n][2] + (sft_flops if n != base_name else 0.0)
         if np.isfinite(flops) and flops > 0:
@@ -580,16 +497,6 @@ def plot(curves, stats, costs, base_name, temperature, path):
     fig.savefig(path, dpi=110), plt.close(fig)
 
 
-def sweep_table(sweep, base_name):
-    """sweep: {row: [(setting, stats on the eval split, chosen)]} -> markdown (every setting's eval score)."""
-    lines = [f"| method | setting | eval task score | Δ vs {base_name} (eval, paired) | kept |",
-             "|---|---|---:|---:|---|"]
-    for row, settings in sweep.items():
-        lines += [f"| {row} | `{s}` | {fmt(st['score'])} | {fmt(st['delta'])} | {'**kept**' if kept else ''} |"
-                  for s, st, kept in settings]
-    return "\n".join(lines)
-
-
 def write_report(args, output_dir, stages, rows, stats, costs, curves, sweep, base_name, reward_acc, seeds, total):
     """comparison.md (table, sweep, protocol, commands) and comparison.png into output_dir."""
     md = table(rows, base_name, any("rm_score" in st for st in stats.values()))
@@ -597,10 +504,15 @@ def write_report(args, output_dir, stages, rows, stats, costs, curves, sweep, ba
     runs = "\n".join(f"    python {short(s['script'])} {shlex.join(s['flags'])}" for s in stages)
     rm_line = (f"- reward model (PPO's reward, trained on the same preference pairs, one per seed): held-out pair "
                f"accuracy {reward_acc:.3f} (mean over seeds).\n" if reward_acc is not None else "")
+    # sweep: {row: [(setting, stats on the eval split, kept)]} -> every setting's eval score
     sweep_md = (f"\n## Sweep (chosen on the eval split, {short(args.eval_prompts)})\n\n"
-                f"{sweep_table(sweep, base_name)}\n"
-                "\nEach setting trained with every seed; the one with the best mean greedy task score on the eval "
-                "split is kept, and only it is scored on the test split (the table above).\n" if sweep else "")
+                f"| method | setting | eval task score | Δ vs {base_name} (eval, paired) | kept |\n"
+                "|---|---|---:|---:|---|\n"
+                + "".join(f"| {r} | `{t}` | {fmt(st['score'])} | {fmt(st['delta'])} | {'**kept**' * k} |\n"
+                          for r, settings in sweep.items() for t, st, k in settings)
+                + "\nEach setting trained with every seed; the one with the best mean greedy task score on "
+                "the eval split is kept, and only it is scored on the test split (the table above).\n"
+                if sweep else "")
     ppo_note = "; ppo includes its reward model" if any(s["row"] == "reward" for s in stages) else ""
     text = f"""# Post-training recipes compared on `{args.model}`
 
@@ -609,21 +521,23 @@ def write_report(args, output_dir, stages, rows, stats, costs, curves, sweep, ba
 
 {md}
 
-- Every cell: mean over {len(seeds)} training seed(s) × the test prompts ({short(args.test_prompts)}), ± the half-width \
-of a 95% interval that treats seeds and prompts both as random draws (crossed two-way random effects, \
-Satterthwaite t; docs/compare.md). **Δ vs {base_name}**: the greedy task score minus {base_name}'s, paired per prompt \
-and per seed; "within noise" where its interval covers 0. {base_name} is one model, shared by every seed.
-- **task score**: mean `{short(args.reward_fn)}`, greedy responses; **sampled score**: one sample per prompt at \
-T={args.temperature:g} (a seed-s model, and {base_name} against it, sampled with seed s).
-- **win rate vs {base_name}**: share of prompts whose greedy answer scores higher than {base_name}'s (ties count half).
-- **KL from {base_name}**: mean over prompts of Σ_t [log π(y_t) − log π_{base_name}(y_t)] on the model's own sampled \
-responses (nats per response, float32, prompt and padding masked).
+- Every cell: mean over {len(seeds)} training seed(s) × the test prompts ({short(args.test_prompts)}), \
+± the half-width of a 95% interval that treats seeds and prompts both as random draws (crossed two-way \
+random effects, Satterthwaite t; docs/compare.md). **Δ vs {base_name}**: the greedy task score minus \
+{base_name}'s, paired per prompt and per seed; "within noise" where its interval covers 0. {base_name} is \
+one model, shared by every seed.
+- **task score**: mean `{short(args.reward_fn)}`, greedy responses; **sampled score**: one sample per prompt \
+at T={args.temperature:g} (a seed-s model, and {base_name} against it, sampled with seed s).
+- **win rate vs {base_name}**: share of prompts whose greedy answer scores higher than {base_name}'s (ties \
+count half).
+- **KL from {base_name}**: mean over prompts of Σ_t [log π(y_t) − log π_{base_name}(y_t)] on the model's own \
+sampled responses (nats per response, float32, prompt and padding masked).
 - **length**: greedy response tokens before EOS. Costs are means over seeds of each run's own logged numbers: \
-**tokens trained** (`charts/tokens`: real, non-padding batch tokens; PPO, GRPO, RLOO: prompt + response tokens of each \
-rollout batch, once), **tokens generated** (`charts/generated_tokens`: sampled, through each EOS), **FLOPs** (`charts/flops`: \
-6N a trained token, 2N an extra forward — reference, value, reward model, sampling; N = weights used in \
-matmuls), **wall time** (the whole script: start-up, compilation, training, saving){ppo_note}; {base_name}'s \
-costs are paid once for every row.
+**tokens trained** (`charts/tokens`: real, non-padding batch tokens; PPO, GRPO, RLOO: prompt + response \
+tokens of each rollout batch, once), **tokens generated** (`charts/generated_tokens`: sampled, through each \
+EOS), **FLOPs** (`charts/flops`: 6N a trained token, 2N an extra forward — reference, value, reward model, \
+sampling; N = weights used in matmuls), **wall time** (the whole script: start-up, compilation, training, \
+saving){ppo_note}; {base_name}'s costs are paid once for every row.
 {rm_line}{sweep_md}
 ![training curves, final scores, score against compute](comparison.png)
 
@@ -638,8 +552,7 @@ Commands run:
 
 
 def main(args):
-    eval_prompts, test_prompts = task_prompts(args)
-    args = dataclasses.replace(args, eval_prompts=eval_prompts, test_prompts=test_prompts)  # resolved: a copy
+    args = dataclasses.replace(args, **dict(zip(("eval_prompts", "test_prompts"), task_prompts(args))))
     output_dir = args.output_dir or plumbing.default_output_dir("compare", args.model, args.seed)
     stages, base, seeds, grid = plan(args, output_dir)
     common.load_reward_fn(args.reward_fn)
@@ -681,43 +594,40 @@ def stage_cost(output_dir, stage, walls):
     return list(np.sum([run_cost(os.path.join(output_dir, n)) + [walls.get(n, 0.0)] for n in names], 0))
 
 
-def choose_settings(args, output_dir, base, grid, swept, evaluate_on, base_keys):
-    """Every swept run scored on the eval split -> ({row: kept setting}, {row: [[setting, stats, kept]]}):
-    the setting with the best mean greedy task score over its seeds (the first of equals)."""
+def versus_base(res, runs, base_keys):
+    """row_stats of `runs` (one row's stages) against the base sampled with each run's seed."""
+    return row_stats(*stack(res, [s["name"] for s in runs], [base_keys[s["seed"]] for s in runs]))
+
+
+def choose_settings(args, grid, swept, evaluate_on, base_keys):
+    """Swept runs scored on the eval split -> ({row: kept}, {row: [[setting, stats, kept]]}): best mean."""
     print(f"[eval] sweep: {len(swept)} runs on the eval split ({args.eval_prompts})", flush=True)
-    res = evaluate_on(args.eval_prompts, [(k, x, base, None) for x, k in base_keys.items()]
-                      + [(s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), None) for s in swept],
-                      "eval")
-    kept, sweep = {}, {}
-    for row in grid:
-        sweep[row] = []
-        for setting in dict.fromkeys(tag(g) for g in grid[row]):
-            runs = [s for s in swept if s["row"] == row and s["setting"] == setting]
-            if runs:
-                st = row_stats(*stack(res, [s["name"] for s in runs], [base_keys[s["seed"]] for s in runs]))
-                sweep[row].append([setting, st, False])
-        if sweep[row]:
-            best = max(sweep[row], key=lambda x: x[1]["score"][0])
-            best[2], kept[row] = True, best[0]
-    return kept, sweep
+    res = evaluate_on("eval", swept)
+    runs = lambda row, t: [s for s in swept if s["row"] == row and s["setting"] == t]
+    sweep = {row: [[t, versus_base(res, runs(row, t), base_keys), False]
+                   for t in dict.fromkeys(map(tag, grid[row])) if runs(row, t)] for row in grid}
+    for best in [max(settings, key=lambda x: x[1]["score"][0]) for settings in sweep.values() if settings]:
+        best[2] = True
+    return {row: s[0] for row, settings in sweep.items() for s in settings if s[2]}, sweep
 
 
 def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, t_start):
-    """Pick each swept row's setting on the eval split, score the kept runs and the base on the test split
-    (paired per prompt and seed), then write comparison.md / .png -> the table."""
+    """Pick swept settings on the eval split, score the kept runs and the base on the test split -> table."""
     base_name = "sft" if "sft" in ok else "base"
     done = [s for s in stages if s["row"] not in ("sft", "reward") and ok[s["name"]]]
     rm = lambda seed: os.path.join(output_dir, f"reward/seed{seed}/model") if ok.get(f"reward/seed{seed}") else None
-    evaluate_on = lambda prompts, jobs, split: evaluate_models(
-        args, prompts, base, jobs, lambda key, seed: os.path.join(output_dir, key, f"eval_{split}") if key in ok
-        else os.path.join(output_dir, base_name, f"eval_{split}", f"seed{seed}"))
     base_keys = {seed: f"{base_name} seed{seed}" for seed in seeds}
+    evaluate_on = lambda split, runs, rm=lambda seed: None: evaluate_models(  # the runs, the base each seed
+        args, args.eval_prompts if split == "eval" else args.test_prompts, base,
+        [(k, x, base, rm(x)) for x, k in base_keys.items()]
+        + [(s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), rm(s["seed"])) for s in runs],
+        lambda key, seed: os.path.join(output_dir, key, f"eval_{split}") if key in ok
+        else os.path.join(output_dir, base_name, f"eval_{split}", f"seed{seed}"))
     swept = [s for s in done if s["row"] in grid]
-    kept, sweep = choose_settings(args, output_dir, base, grid, swept, evaluate_on, base_keys) if swept else ({}, {})
+    kept, sweep = choose_settings(args, grid, swept, evaluate_on, base_keys) if swept else ({}, {})
     final = [s for s in done if s["setting"] == kept.get(s["row"], "" if s["row"] not in grid else None)]
     print(f"[eval] {len(final)} runs and {base_name} on the test split ({args.test_prompts})", flush=True)
-    res = evaluate_on(args.test_prompts, [(k, x, base, rm(x)) for x, k in base_keys.items()] + [
-        (s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), rm(s["seed"])) for s in final], "test")
+    res = evaluate_on("test", final, rm)
     stats = {base_name: row_stats(*stack(res, list(base_keys.values()), list(base_keys.values())))}
     costs = {base_name: stage_cost(output_dir, stages[0], walls) if base_name == "sft" else [np.nan] * 3 + [0.0]}
     curves, score_curves, rows = {}, {}, []
@@ -725,7 +635,7 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
         runs = [s for s in final if s["row"] == name] or [s for s in stages if s["name"] == name]
         metrics = [read_metrics(os.path.join(output_dir, s["name"])) for s in runs]
         if name != base_name and runs:
-            stats[name] = row_stats(*stack(res, [s["name"] for s in runs], [base_keys[s["seed"]] for s in runs]))
+            stats[name] = versus_base(res, runs, base_keys)
             costs[name] = list(np.mean([stage_cost(output_dir, s, walls) for s in runs], 0))
         if metrics and main_curve(metrics[0])[0]:
             curves[name] = [main_curve(m) for m in metrics]
@@ -742,9 +652,8 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
     rows = [(f"{n} (`{kept[n]}`)" if n in kept else n, stats.get(n), costs.get(n, [np.nan] * 3 + [0.0]),
              note(n, stats[n], base_name, stats[base_name], m, on_rm) if n in stats
              else f"failed or skipped: see {n}/*.log") for n, m, on_rm in rows]  # controls may come later
-    accs = [[r["eval/accuracy"] for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
-             if "eval/accuracy" in r][-1:] for x in seeds]
-    accs = sum(accs, [])  # each reward model's last held-out accuracy
+    accs = sum([[r["eval/accuracy"] for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
+                 if "eval/accuracy" in r][-1:] for x in seeds], [])  # each reward model's last held-out one
     reward_acc = float(np.mean(accs)) if accs else None
     return write_report(args, output_dir, stages, rows, stats, costs, (curves, score_curves), sweep,
                         base_name, reward_acc, seeds, time.perf_counter() - t_start)
