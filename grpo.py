@@ -340,8 +340,7 @@ def check_args(args, mesh):
         raise common.UsageError(f"--scale-rewards: group, batch or none; --loss-type: {', '.join(losses)}")
     if args.importance_sampling_level not in ("token",) + ("sequence",) * (args.loss_type != "vespo"):
         raise common.UsageError("--importance-sampling-level: token or sequence (vespo: token; w is its own)")
-    if not 0 <= args.top_entropy_quantile <= 1 or min(args.sapo_temperature_pos,
-                                                       args.sapo_temperature_neg) <= 0:
+    if not 0 <= args.top_entropy_quantile <= 1 or min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
         raise common.UsageError("--top-entropy-quantile must be in [0, 1], --sapo-temperature-pos/-neg > 0")
     if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
         raise common.UsageError(f"--reward-weights: {len(args.reward_weights)} weights for "
