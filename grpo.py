@@ -437,8 +437,7 @@ def main(args):
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
     order = np.concatenate([rng.permutation(len(prompts))
                             for _ in range(-(-max_steps * n_prompts // len(prompts)))])
-    # --resume: params, optimizer state, sampling key, shuffler (the prompt order: a function of the step);
-    # the key through the host: restored, it sits on one device, which jit refuses beside mesh-wide arguments
+    # --resume: params, optimizer state, sampling key (through the host: restored on one device), shuffler
     (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
                                                      {"rng": rng.bit_generator.state})
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
