@@ -61,17 +61,17 @@ class Args:
     """`method.flag=v1,v2,…` (repeatable; two flags of a method: their grid), e.g. dpo.learning_rate=1e-5,5e-5
     (appended last): every setting × seed; the best mean greedy score on --eval-prompts is tested"""
     # budgets
-    sft_steps: int = 300
-    """SFT optimizer updates (the base every other method starts from; docs/comparison.md's toy run: 150)"""
+    sft_steps: int = 1000
+    """SFT updates (the shared base): until more SFT stops paying (docs/comparison.md: 1000; the toy run: 150)"""
     steps: int = 100
     """updates of each preference method (dpo, simpo, orpo, kto, --extra) and sft+ (docs/comparison.md: 40)"""
     reward_steps: int = 40
     """reward model updates (before PPO)"""
     ppo_steps: int = 20
     """PPO iterations (one rollout batch + 4 epochs × 2 mini-batches of updates each)"""
-    grpo_steps: int = 100
-    """GRPO iterations (8 prompts × 8 completions + one update each: about PPO's wall time at 20)"""
-    rloo_steps: int = 100
+    grpo_steps: int = 200
+    """GRPO iterations (8 prompts × 8 completions + one update each)"""
+    rloo_steps: int = 200
     """RLOO iterations (as GRPO's: 8 prompts × 8 completions + one update each)"""
     learning_rate: float = 5e-5
     """peak learning rate after SFT, but the controls' (SFT's final one); the recipe's other flags: RECIPE"""
@@ -92,10 +92,10 @@ class Args:
     """extra flags for reward.py"""
     ppo_args: str = ""
     """extra flags for ppo.py"""
-    grpo_args: str = ""
-    """extra flags for grpo.py"""
-    rloo_args: str = ""
-    """extra flags for rloo.py"""
+    grpo_args: str = "--beta 0 --learning-rate 2e-4"
+    """extra flags for grpo.py; default: TRL's β = 0 at the rate docs/comparison.md's pilot chose (5e-4 diverged)"""
+    rloo_args: str = "--learning-rate 2e-4"
+    """extra flags for rloo.py; default: grpo's rate"""
     extra_args: str = ""
     """extra flags for every --extra script"""
     # evaluation (evaluate.py's protocol)
