@@ -162,6 +162,23 @@ def test_chunked_projection_equals_the_full_logits(pair):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7)
 
 
+def test_a_bfloat16_teacher_is_held_in_half_the_bytes_and_grades_alike(pair):
+    """--teacher-dtype bfloat16: every floating teacher array held in bfloat16 (half the bytes, layout kept),
+    and the divergence within bfloat16's rounding of the float32 teacher's (a relative step of 2^-8)."""
+    backbone, (params, frozen), teacher, weights, batch, q = pair
+    held = distill.hold(weights, "bfloat16")
+    assert distill.hold(weights, None) is weights
+    arrays, f32 = jax.tree.leaves(held), jax.tree.leaves(weights)
+    assert all(a.dtype == jnp.bfloat16 and a.sharding == b.sharding for a, b in zip(arrays, f32))
+    assert sum(a.nbytes for a in arrays) * 2 == sum(b.nbytes for b in f32)
+    ids, pad, mask = batch["query_responses"], batch["padding_mask"], batch["response_mask"]
+    grade = jax.jit(lambda w: distill.completion_divergence(backbone, params, frozen, teacher, w, ids, pad, mask,
+                                                            q, 1.0, 1.0, 4)[0])
+    want, got = np.asarray(grade(weights)), np.asarray(grade(held))
+    assert np.abs(want).max() > 0.1 and not np.array_equal(got, want)  # rounded, so not bit-equal
+    np.testing.assert_allclose(got, want, rtol=0.05, atol=0.02)
+
+
 def test_student_divergence_falls_on_a_fixed_batch_and_the_teacher_stays(pair):
     """Three updates on the same completions lower the divergence (reverse KL, TRL's default β = 1); the
     teacher's weights are an input only: unchanged."""
