@@ -27,7 +27,7 @@ import common  # noqa: E402  (data files, reward functions, mesh; JAX's devices 
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
 
-METHODS = ("sft", "sft+", "dpo", "simpo", "orpo", "kto", "ppo", "grpo", "rloo", "sft+rl")
+METHODS = ("sft", "sft+", "dpo", "simpo", "orpo", "kto", "ppo", "grpo", "rloo", "sft+rl", "distill")
 PREFERENCE = ("dpo", "simpo", "orpo", "kto")  # started from the SFT model on the same preference data
 RL = ("ppo", "ppo_fn", "grpo", "rloo")  # rows that sample; the rest read their controls' in CONTROL
 CONTROL = {**{r: "sft+rl" for r in RL}, "sft+": "sft", "sft+rl": "sft"}  # a row's control; others: sft+
@@ -52,7 +52,10 @@ class Args:
     """every script's data on a `tiny`-based --model: `compare`, data/compare/ (docs/compare.md); `toy`"""
     methods: str = "sft,sft+,dpo,simpo,orpo,kto,ppo,grpo,rloo,sft+rl"
     """comma-separated subset of METHODS (ppo: --ppo-reward; grpo, rloo: --reward-fn); sft+: SFT continued for
-    --steps updates of twice the preference batch (a preference row's tokens), sft+rl: the RL rows' FLOPs"""
+    --steps updates of twice the preference batch (a preference row's tokens), sft+rl: the RL rows' FLOPs;
+    distill (not by default): --steps of on-policy distillation from --teacher-model, read against sft+"""
+    teacher_model: str | None = None
+    """the distill row's frozen teacher (any --model form, the base's vocabulary), e.g. a larger sibling"""
     extra: tuple[str, ...] = ()
     """forked scripts (e.g. mydpo.py), each run like dpo from the SFT model; the row is the file's name"""
     seeds: int = 3
@@ -96,6 +99,8 @@ class Args:
     """extra flags for grpo.py; default: TRL's β = 0 at the rate docs/comparison.md's pilot chose (5e-4 diverged)"""
     rloo_args: str = "--learning-rate 2e-4"
     """extra flags for rloo.py; default: grpo's rate"""
+    distill_args: str = ""
+    """extra flags for distill.py"""
     extra_args: str = ""
     """extra flags for every --extra script"""
     # evaluation (evaluate.py's protocol)
@@ -140,10 +145,13 @@ RECIPE = {
     "grpo": f"--batch-size 64 {SAMPLER} --beta 0.04 --lr-scheduler-type constant_with_warmup",
     # β 0.01 as docs/rloo.md measured (TRL's 0.05 drowns the toy reward in the sequence KL's noise)
     "rloo": f"--batch-size 64 {SAMPLER} --beta 0.01 --lr-scheduler-type constant_with_warmup",
+    # one completion per prompt, 64 a step (grpo's 8 x 8), reverse KL (TRL's β = 1)
+    "distill": "--batch-size 64 --max-prompt-length 64 --response-length 16 --warmup-steps 5" + COSINE_TO_10,
 }
 # --task compare: data/compare/{kind}_train.jsonl (+ _eval but for prompts), before the recipe
 TASK_DATA = {"sft": "sft", "sft+": "sft", "sft+rl": "sft", "dpo": "prefs", "simpo": "prefs", "orpo": "prefs",
-             "reward": "prefs", "kto": "kto", "ppo": "prompts", "grpo": "prompts", "rloo": "prompts"}
+             "reward": "prefs", "kto": "kto", "ppo": "prompts", "grpo": "prompts", "rloo": "prompts",
+             "distill": "prompts"}
 
 
 def task_flags(task, model, recipe):
@@ -200,6 +208,11 @@ def plan(args, output_dir):
         if not path.endswith(".py") or not os.path.exists(path) or name in METHODS + ("reward",):
             raise plumbing.UsageError(f"--extra {path}: expected an existing script whose name is not a built-in")
         rows.append((name, os.path.abspath(path), "dpo", args.steps, [], args.extra_args, False))
+    if "distill" in methods:  # the preference rows' budget, graded token by token by the teacher
+        if not args.teacher_model:
+            raise plumbing.UsageError("--methods distill needs --teacher-model (a model with the base's vocabulary)")
+        rows.append(("distill", script("distill"), "distill", args.steps, ["--teacher-model", args.teacher_model],
+                     args.distill_args, False))
     if "sft+" in methods:  # the preference rows' control: their steps, their tokens (RECIPE's sft+)
         rows.append(("sft+", script("sft"), "sft+", args.steps, [], args.sft_args, False))
     for row, on_rm in (("ppo", True), ("ppo_fn" if args.ppo_reward == "both" else "ppo", False)):

@@ -12,6 +12,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from typing import Literal
 
 import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
 plumbing.answer_help(__name__, __file__)  # `python distill.py --help`: from Args' source, before the imports
@@ -31,6 +32,9 @@ class Args(plumbing.RolloutArgs):
     teacher_model: str | None = None
     """the frozen teacher: any --model form; its tokenizer's vocabulary must be the student's, its width and
     depth may differ (TRL's teacher_model_name_or_path)"""
+    teacher_dtype: Literal["bfloat16", "float32"] | None = None
+    """the teacher's compute dtype and the dtype its frozen weights are held in; bfloat16 halves its memory
+    (it has no optimizer, so no float32 master copy is needed). None: the student's --dtype"""
     # rollouts
     response_length: int = 512
     """new tokens the student samples per completion (TRL DistillationConfig's max_completion_length: 512)"""
@@ -273,6 +277,15 @@ def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
 
 
 # ---- train_step: one update of the student on a batch of its own completions
+def hold(weights, dtype):
+    """The frozen teacher's values in `dtype` (bfloat16: its floating arrays cast, their layout kept), else as
+    loaded. Keras widens each to its variable's float32 at use (lossless; the mixed policy's bfloat16 compute
+    narrows it again): between steps only the bfloat16 copy is resident."""
+    if dtype != "bfloat16":
+        return weights
+    return jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, weights)
+
+
 def train_step(backbone, optimizer, args, state, frozen, batch, context_length, teacher, teacher_weights):
     """state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask [B, R],
     sampler_logps [B, R] when rollout made it (the sampler's log q, against this first forward: mismatch/*).
@@ -348,7 +361,7 @@ def main(args):
     max_steps = run.resolve_max_steps(len(prompts), args.batch_size)  # --max-steps, or --num-epochs' worth
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)  # LoRA: the student's
     # the teacher: laid out on the mesh by the same rule (its family's layout map, or the generic one)
-    teacher_model = common.load_model(args.teacher_model, run.mesh, run.dtype, args.seed)
+    teacher_model = common.load_model(args.teacher_model, run.mesh, args.teacher_dtype or run.dtype, args.seed)
     backbone, teacher, tokenizer = model.backbone, teacher_model.backbone, model.preprocessor.tokenizer
     remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each student block
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
@@ -361,7 +374,7 @@ def main(args):
     params, frozen = common.split_variables(backbone)
     # committed to the mesh in their types, as the updated ones will be: the sampler compiles once (grpo.py)
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
-    teacher_weights = common.split_variables(teacher)  # frozen: never updated, donated or saved
+    teacher_weights = hold(common.split_variables(teacher), args.teacher_dtype)  # never updated, donated, saved
     optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     state_shardings = (common.shardings(params), opt_shardings)

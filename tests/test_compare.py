@@ -414,6 +414,24 @@ def test_compare_plan_reward_model_for_ppo(tmp_path):
     assert rloo["flags"][rloo["flags"].index("--reward-fn") + 1] == compare.Args().reward_fn
 
 
+def test_plan_distill_row_needs_a_teacher(tmp_path):
+    """distill: from the base, --steps updates on the task's prompts, graded by --teacher-model; read against
+    sft+ (same steps); without a teacher the plan refuses before anything runs."""
+    args = compare.Args(methods="sft,sft+,distill", steps=7, seeds=1, teacher_model="runs/teacher/model",
+                        distill_args="--beta 0.5")
+    stages = {s["name"]: s for s in compare.plan(args, str(tmp_path))[0]}
+    assert list(stages) == ["sft", "distill/seed0", "sft+/seed0"]
+    flags = stages["distill/seed0"]["flags"]
+    assert stages["distill/seed0"]["script"].endswith("distill.py") and stages["distill/seed0"]["needs"] == ["sft"]
+    assert last(flags, "--teacher-model") == "runs/teacher/model" and last(flags, "--max-steps") == "7"
+    assert last(flags, "--model") == str(tmp_path / "sft" / "model") and flags[-2:] == ["--beta", "0.5"]
+    assert last(flags, "--dataset") == os.path.join(ROOT, "data", "compare", "prompts_train.jsonl")
+    assert "--eval-dataset" not in flags and last(flags, "--learning-rate") == str(args.learning_rate)
+    assert compare.CONTROL.get("distill", "sft+") == "sft+" and "distill" not in compare.Args().methods
+    with pytest.raises(common.UsageError, match="--teacher-model"):
+        compare.plan(dataclasses.replace(args, teacher_model=None), str(tmp_path))
+
+
 def test_compare_failed_run_ends_in_runs_failed(tmp_path, monkeypatch, capsys):
     """A script that exits non-zero: its log tail is printed, the report still written over the rest,
     then RunsFailed (plumbing.launch: one line on stderr, exit code 1) naming the run."""
