@@ -65,7 +65,7 @@ class Args:
     (appended last): every setting × seed; the best mean greedy score on --eval-prompts is tested"""
     # budgets
     sft_steps: int = 1000
-    """SFT updates (the shared base): until more SFT stops paying (docs/comparison.md: 1000; the toy run: 150)"""
+    """SFT updates (the shared base): until more SFT stops paying (docs/comparison.md; the toy run: 150)"""
     steps: int = 100
     """updates of each preference method (dpo, simpo, orpo, kto, --extra) and sft+ (docs/comparison.md: 40)"""
     reward_steps: int = 40
@@ -96,7 +96,7 @@ class Args:
     ppo_args: str = ""
     """extra flags for ppo.py"""
     grpo_args: str = "--beta 0 --learning-rate 2e-4"
-    """extra flags for grpo.py; default: TRL's β = 0 at the rate docs/comparison.md's pilot chose (5e-4 diverged)"""
+    """extra flags for grpo.py; default: TRL's β = 0, at the rate docs/comparison.md's pilot chose"""
     rloo_args: str = "--learning-rate 2e-4"
     """extra flags for rloo.py; default: grpo's rate"""
     distill_args: str = ""
@@ -210,7 +210,7 @@ def plan(args, output_dir):
         rows.append((name, os.path.abspath(path), "dpo", args.steps, [], args.extra_args, False))
     if "distill" in methods:  # the preference rows' budget, graded token by token by the teacher
         if not args.teacher_model:
-            raise plumbing.UsageError("--methods distill needs --teacher-model (a model with the base's vocabulary)")
+            raise plumbing.UsageError("--methods distill needs --teacher-model (a model of the base's vocabulary)")
         rows.append(("distill", script("distill"), "distill", args.steps, ["--teacher-model", args.teacher_model],
                      args.distill_args, False))
     if "sft+" in methods:  # the preference rows' control: their steps, their tokens (RECIPE's sft+)

@@ -283,7 +283,8 @@ def hold(weights, dtype):
     narrows it again): between steps only the bfloat16 copy is resident."""
     if dtype != "bfloat16":
         return weights
-    return jax.tree.map(lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x, weights)
+    narrow = lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x
+    return jax.tree.map(narrow, weights)
 
 
 def train_step(backbone, optimizer, args, state, frozen, batch, context_length, teacher, teacher_weights):
