@@ -95,8 +95,8 @@ class Args:
     """extra flags for reward.py"""
     ppo_args: str = ""
     """extra flags for ppo.py"""
-    grpo_args: str = "--beta 0 --learning-rate 2e-4"
-    """extra flags for grpo.py; default: TRL's β = 0, at the rate docs/comparison.md's pilot chose"""
+    grpo_args: str = "--learning-rate 2e-4"
+    """extra flags for grpo.py; default: the rate docs/comparison.md's pilot chose (5e-4 diverged)"""
     rloo_args: str = "--learning-rate 2e-4"
     """extra flags for rloo.py; default: grpo's rate"""
     distill_args: str = ""
@@ -142,7 +142,7 @@ RECIPE = {
     "reward": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 10 --max-length 512" + COSINE_TO_10,
     "ppo": "--batch-size 32 --num-mini-batches 2 --max-prompt-length 64 --response-length 16 "
            "--missing-eos-penalty 1.0 --kl-coef 0.05 --lr-scheduler-type linear",  # to 0 over every update
-    "grpo": f"--batch-size 64 {SAMPLER} --beta 0.04 --lr-scheduler-type constant_with_warmup",
+    "grpo": f"--batch-size 64 {SAMPLER} --beta 0.0 --lr-scheduler-type constant_with_warmup",  # TRL's β
     # β 0.01 as docs/rloo.md measured (TRL's 0.05 drowns the toy reward in the sequence KL's noise)
     "rloo": f"--batch-size 64 {SAMPLER} --beta 0.01 --lr-scheduler-type constant_with_warmup",
     # one completion per prompt, 64 a step (grpo's 8 x 8), reverse KL (TRL's β = 1)
