@@ -21,10 +21,10 @@ if TESTS not in sys.path:
     sys.path.insert(0, TESTS)
 sys.path.insert(0, ROOT)
 
-from helpers import FAST_COMPILE, learning_env  # noqa: E402  (no JAX: XLA_FLAGS is set before it loads)
+from helpers import FAST_COMPILE, PATIENT_COLLECTIVES, learning_env  # noqa: E402  (no JAX: flags set before it)
 
 os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-                                    FAST_COMPILE]).strip()
+                                    FAST_COMPILE, PATIENT_COLLECTIVES]).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import plumbing  # noqa: E402  (light: no JAX until called)
 
