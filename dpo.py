@@ -52,6 +52,9 @@ class Args(plumbing.SharedArgs):
     """sigmoid: DPO (Eq. 1); ipo: squared loss on average log-probs (Eq. 3); hinge: SLiC (Eq. 4)"""
     label_smoothing: float = 0.0
     """ε of conservative DPO (cDPO): the probability that a pair's label is flipped (sigmoid only)"""
+    sft_weight: float = 0.0
+    """α: add α × the chosen responses' NLL (token mean over the update); TRL's loss_type=[sigmoid, sft] with
+    loss_weights=[1, α], RPO's (Pang et al. 2024: 1.0); it holds the chosen up against pairs with a shortcut"""
     precompute_ref: bool = False
     """compute reference log-probs in one pass before training, then run no reference forward
     (with --lora-rank the reference is the LoRA-off base; otherwise a frozen copy)"""
@@ -166,19 +169,21 @@ def concatenated_forward(backbone, params, frozen, batch, average=False):
     """Chosen and rejected through the model in ONE forward pass (stacked on the batch axis).
 
     batch: {chosen,rejected}_{ids,padding_mask,loss_mask}, each [B, T] -> (chosen, rejected) logps, [B] each,
-    and the forward's aux_loss (token_logps).
+    the chosen responses' summed NLL, [B] (--sft-weight's), and the forward's aux_loss (token_logps).
     """
     both = {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])  # [2B, T]
             for k in ("ids", "padding_mask", "loss_mask")}
     logps, aux_loss = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [2B, T-1]
     seq = sequence_logps(logps, both["loss_mask"], average)
     b = batch["chosen_ids"].shape[0]
-    return seq[:b], seq[b:], aux_loss
+    nll = -sequence_logps(logps[:b], batch["chosen_loss_mask"])  # summed, also under `average`
+    return seq[:b], seq[b:], nll, aux_loss
 
 
 def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=0.1,
-             loss_type="sigmoid", label_smoothing=0.0):
-    """DPO and its variants on per-sequence log-probs, each [B] -> (mean loss, metrics).
+             loss_type="sigmoid", label_smoothing=0.0, nll_loss=0.0, sft_weight=0.0):
+    """DPO and its variants on per-sequence log-probs, each [B] -> (mean loss, metrics); plus
+    `sft_weight`·`nll_loss` (the chosen responses' token-mean NLL; RPO, Eq. 6).
 
     h = (logπ(y+) − logπref(y+)) − (logπ(y−) − logπref(y−)), the log-ratio margin.
     Equation numbers: docs/dpo.md.
@@ -203,8 +208,9 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
                "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
                "rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
                "logps/chosen": jax.lax.stop_gradient(chosen_logps).mean(),
-               "logps/rejected": jax.lax.stop_gradient(rejected_logps).mean()}
-    return losses.mean(), metrics
+               "logps/rejected": jax.lax.stop_gradient(rejected_logps).mean(),
+               "nll_loss": jax.lax.stop_gradient(nll_loss)}
+    return losses.mean() + sft_weight * nll_loss, metrics
 
 
 def reference_logps(backbone, ref_params, frozen, batch, average=False):
@@ -235,12 +241,13 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
     params, opt_state = state
     accum = batch["chosen_ids"].shape[0]
     average = args.loss_type == "ipo"
+    num_chosen_tokens = jnp.maximum(batch["chosen_loss_mask"][:, :, 1:].sum(), 1)  # whole update
 
     def micro_loss(p, micro):
-        chosen, rejected, aux_loss = concatenated_forward(backbone, p, frozen, micro, average)
+        chosen, rejected, nll, aux_loss = concatenated_forward(backbone, p, frozen, micro, average)
         ref_chosen, ref_rejected = reference_logps(backbone, ref_params, frozen, micro, average)
         loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
-                                 args.label_smoothing)
+                                 args.label_smoothing, nll.sum() / num_chosen_tokens * accum, args.sft_weight)
         loss = loss + aux_loss  # + the policy's router load-balancing loss (a mixture of experts; 0.0 dense)
         return loss / accum, {"train/loss": loss, "aux_loss": aux_loss, **metrics}  # equal micro-batches
 
@@ -270,8 +277,8 @@ def main(args):
     run = plumbing.Run("dpo", args, log_every=args.log_every, eval_every=args.eval_every,
                        grad_accum_steps=args.grad_accum_steps,
                        export_hf=args.export_hf)  # shared flags and --output-dir checked; nothing written
-    if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5:
-        raise common.UsageError("need --beta > 0 and 0 <= --label-smoothing < 0.5")
+    if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5 or args.sft_weight < 0:
+        raise common.UsageError("need --beta > 0, 0 <= --label-smoothing < 0.5 and --sft-weight >= 0")
     template = common.chat_template(args.model, args.chat_template)
     eval_path, eval_split, eval_flag = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
                                              (Args.dataset, Args.eval_dataset))
@@ -319,13 +326,14 @@ def main(args):
     step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length, donate_argnums=0,
                         out_shardings=(state_shardings, common.replicated(run.mesh)))
     run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
-    eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), average)[:2],
+    eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), average)[:3],
                                           *reference_logps(backbone, r, f, first(b), average)))
 
     def evaluate(params):
-        logps = common.per_example(lambda b: eval_fn(params, ref_params, frozen, b), eval_data, args.batch_size,
-                                   run.mesh, eval_lengths, args.max_length)
-        loss, metrics = dpo_loss(*logps, args.beta, args.loss_type, args.label_smoothing)
+        chosen, rejected, nll, *ref = common.per_example(lambda b: eval_fn(params, ref_params, frozen, b), eval_data,
+                                                          args.batch_size, run.mesh, eval_lengths, args.max_length)
+        loss, metrics = dpo_loss(chosen, rejected, *ref, args.beta, args.loss_type, args.label_smoothing,
+                                 nll.sum() / eval_data["chosen_loss_mask"][:, 1:].sum(), args.sft_weight)
         metrics = {f"eval/{k}": v for k, v in metrics.items()}  # accuracy and margin first: Run prints those
         return {**metrics, "eval/loss": loss}
 

@@ -131,12 +131,18 @@ def test_dpo_variants_hand_worked():
     assert float(dpo_loss(*h20, beta=0.1, label_smoothing=0.5)[0]) == pytest.approx(expected, rel=1e-6)
     with pytest.raises(ValueError):
         dpo_loss(*same, loss_type="kto")
+    # --sft-weight (RPO): α·NLL added to any of them, logged whatever α: log 2 + 0.5·2, 25 + 0.5·2
+    loss, m = dpo_loss(*same, beta=0.1, nll_loss=2.0, sft_weight=0.5)
+    assert float(loss) == pytest.approx(LOG2 + 1.0, abs=1e-6) and float(m["nll_loss"]) == 2.0
+    assert float(dpo_loss(*same, 0.1, "ipo", nll_loss=2.0, sft_weight=0.5)[0]) == pytest.approx(26.0)
+    assert float(dpo_loss(*same, beta=0.1, nll_loss=2.0)[0]) == pytest.approx(LOG2, abs=1e-6)
 
 
-@pytest.mark.parametrize("loss_type, eps", [("sigmoid", 0.0), ("sigmoid", 0.2), ("ipo", 0.0), ("hinge", 0.0)])
-def test_dpo_float64_rederivation(loss_type, eps):
+@pytest.mark.parametrize("loss_type, eps, alpha", [("sigmoid", 0.0, 0.0), ("sigmoid", 0.2, 0.0), ("ipo", 0.0, 0.0),
+                                                  ("hinge", 0.0, 0.0), ("sigmoid", 0.0, 1.0), ("ipo", 0.0, 0.4)])
+def test_dpo_float64_rederivation(loss_type, eps, alpha):
     c, r, rc, rr = random_logps(1)
-    beta = 0.3
+    beta, nll = 0.3, 1.37
     h = (c - r) - (rc - rr)
     if loss_type == "sigmoid":
         want = np.mean(-(1 - eps) * log_sigmoid64(beta * h) - eps * log_sigmoid64(-beta * h))
@@ -144,8 +150,8 @@ def test_dpo_float64_rederivation(loss_type, eps):
         want = np.mean((h - 1 / (2 * beta)) ** 2)
     else:
         want = np.mean(np.maximum(0.0, 1 - beta * h))
-    loss, m = dpo_loss(*map(jnp.asarray, (c, r, rc, rr)), beta, loss_type, eps)
-    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    loss, m = dpo_loss(*map(jnp.asarray, (c, r, rc, rr)), beta, loss_type, eps, nll, alpha)
+    np.testing.assert_allclose(float(loss), want + alpha * nll, rtol=1e-5)
     np.testing.assert_allclose(float(m["rewards/margins"]), np.mean(beta * h), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(m["rewards/accuracies"]), np.mean(beta * (c - rc) > beta * (r - rr)))
 
@@ -878,6 +884,12 @@ def test_padding_invariance_of_sequence_logps_through_the_model(prefs):
     for a, b in zip(short, long):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
     assert np.all(np.asarray(short[0]) < 0) and not np.allclose(short[0], short[1])
+    # --sft-weight's NLL: the chosen sums negated, also when IPO averages the log-probs
+    mean = jax.jit(lambda b: dpo.concatenated_forward(model.backbone, params, frozen, b, average=True))
+    averaged = mean(dpo.pad_examples(pairs, 32))
+    np.testing.assert_allclose(np.asarray(short[2]), -np.asarray(short[0]), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(averaged[2]), np.asarray(short[2]), rtol=1e-5)
+    assert np.all(np.asarray(averaged[0]) > np.asarray(short[0]))  # means of negative sums: larger
 
 
 def test_kto_padding_invariance_through_the_model(prefs):

@@ -70,7 +70,7 @@ def test_dpo_step_precomputed_and_accumulated_equals_online(prefs):
     params = [p + 0.3 * rng.standard_normal(p.shape).astype(np.float32) if v.path.endswith("lora_kernel_b") else p
               for v, p in zip(backbone.trainable_variables, params)]
     ref = dpo.lora_off(backbone, params)
-    optimizer, args = optax.sgd(0.1), dpo.Args(beta=0.5)
+    optimizer, args = optax.sgd(0.1), dpo.Args(beta=0.5, sft_weight=0.7)  # with RPO's NLL term
     step = jax.jit(lambda s, f, b, r: dpo.train_step(backbone, optimizer, args, s, f, b, r))
     data = dpo.pad_examples(pairs, 32)
     (online, _), m1 = step((params, optimizer.init(params)), frozen, {k: v[None] for k, v in data.items()}, ref)
@@ -79,6 +79,12 @@ def test_dpo_step_precomputed_and_accumulated_equals_online(prefs):
     pre = {k: v.reshape(2, 4, *v.shape[1:]) for k, v in pre.items()}  # [A=2, 4, ...]
     (accumulated, _), m2 = step((params, optimizer.init(params)), frozen, pre, None)
     assert float(m1["rewards/margins"]) != 0 and float(m1["train/grad_norm"]) > 0
+    # the NLL is the token mean over the whole update (not a mean of micro-batch means), inside the loss
+    policy = jax.jit(lambda p, f, b: dpo.concatenated_forward(backbone, p, f, b)[:2])(params, frozen, data)
+    nll = -float(np.asarray(policy[0]).sum()) / data["chosen_loss_mask"][:, 1:].sum()
+    assert float(m1["nll_loss"]) == pytest.approx(nll, rel=1e-5)
+    dpo_part = dpo_loss(*policy, ref_chosen, ref_rejected, beta=0.5)[0]
+    assert float(m1["train/loss"]) == pytest.approx(float(dpo_part) + 0.7 * nll, rel=1e-5)
     for k in m1:
         assert float(m2[k]) == pytest.approx(float(m1[k]), rel=1e-4, abs=1e-6), k
     for a, b, p in zip(online, accumulated, params):
