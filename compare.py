@@ -83,8 +83,8 @@ class Args:
     # pass-through flags, appended last (they override compare's choices); write them with `=`
     sft_args: str = ""
     """extra flags for sft.py, e.g. --sft-args="--learning-rate 5e-4" (the base and both controls)"""
-    dpo_args: str = ""
-    """extra flags for dpo.py, e.g. --dpo-args="--beta 0.2 --precompute-ref" """
+    dpo_args: str = "--sft-weight 1.0"
+    """extra flags for dpo.py; default: RPO's NLL term on the chosen (α 1; pure DPO lowers the chosen too)"""
     simpo_args: str = "--sft-weight 1.0"
     """extra flags for simpo.py; default: CPO-SimPO's `cpo_alpha=1` (pure SimPO lowers the chosen too)"""
     orpo_args: str = "--no-prompt-nll"
