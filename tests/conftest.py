@@ -74,8 +74,8 @@ def prefs():
 # (--dist loadfile) to the workers in collection order, so the long ones start at once and the short
 # ones fill in at the end instead of one worker idling while the other runs a long file alone.
 HEAVY_FIRST = ("test_families.py", "test_rlhf.py", "test_grpo.py", "test_rloo.py", "test_compare.py",
-               "test_preference.py", "test_kto.py", "test_sft.py", "test_reliability.py", "test_lifecycle.py", "test_benchmarks.py",
-               "test_buckets.py")
+               "test_preference.py", "test_kto.py", "test_sft.py", "test_distill.py", "test_reliability.py",
+               "test_lifecycle.py", "test_benchmarks.py", "test_buckets.py")
 
 
 def pytest_xdist_auto_num_workers(config):
