@@ -167,9 +167,10 @@ def expected_metrics(module, model, pairs):
     """The loss and metrics of `pairs` under the initial model, computed here in-process."""
     params, frozen = common.split_variables(model.backbone)  # LoRA B = 0: the plain initial model
     forward = jax.jit(lambda b: module.concatenated_forward(model.backbone, params, frozen, b))
-    logps = forward(dpo.pad_examples(pairs, 32))
-    if module is dpo:
-        return dpo_loss(*logps[:2], *logps[:2])  # policy == reference
+    data = dpo.pad_examples(pairs, 32)
+    logps = forward(data)
+    if module is dpo:  # policy == reference; the NLL is logged at --sft-weight 0 too
+        return dpo_loss(*logps[:2], *logps[:2], nll_loss=logps[2].sum() / data["chosen_loss_mask"][:, 1:].sum())
     nll = logps[2].sum() / logps[3].sum()
     return simpo_loss(logps[0], logps[1], nll) if module is simpo else orpo_loss(logps[0], logps[1], nll)
 
