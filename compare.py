@@ -31,6 +31,7 @@ METHODS = ("sft", "sft+", "dpo", "simpo", "orpo", "kto", "ppo", "grpo", "rloo", 
 PREFERENCE = ("dpo", "simpo", "orpo", "kto")  # started from the SFT model on the same preference data
 RL = ("ppo", "ppo_fn", "grpo", "rloo")  # rows that sample; the rest read their controls' in CONTROL
 CONTROL = {**{r: "sft+rl" for r in RL}, "sft+": "sft", "sft+rl": "sft"}  # a row's control; others: sft+
+CONTROLS = ("sft+", "sft+rl")  # the control rows: SFT continued at SFT's final rate, not --learning-rate
 RepeatedStr = Annotated[tuple[str, ...], tyro.conf.UseAppendAction]  # `--flag a --flag b` -> ("a", "b")
 MAIN_METRIC = ("objective/scores", "reward", "train/loss")  # the curve plotted per run: the first one logged
 FLOPS_LABEL = 'training FLOPs (SFT included; docs/design.md, "FLOPs")'  # the score-against-compute x axis
@@ -242,7 +243,7 @@ def plan(args, output_dir):
                                 str(args.reward_steps), "--normalize"], seed, args.reward_args, sft, {}))
         for row, path, recipe, steps, row_flags, extra, on_rm in rows:
             ran = [s["name"] for s in stages if s["seed"] == seed and s["row"] in (RL + ("sft+",))]
-            flags = (["--max-steps", str(steps)] if steps else []) + ([] if row in CONTROL else lr)
+            flags = (["--max-steps", str(steps)] if steps else []) + ([] if row in CONTROLS else lr)
             flags += row_flags + (["--reward-model", os.path.join(output_dir, rm, "model")] if on_rm else [])
             needs = sft + ([rm] if on_rm else []) + (ran if not steps else [])
             for setting in grid.get(row, [{}]):

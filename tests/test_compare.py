@@ -397,6 +397,8 @@ def test_compare_plan_reward_model_for_ppo(tmp_path):
     assert dpo[dpo.index("--model") + 1] == base and dpo[dpo.index("--max-steps") + 1] == "7"
     assert dpo[-4:] == ["--beta", "0.2", "--learning-rate", "1e-5"]  # pass-through comes last: it overrides
     assert ppo[ppo.index("--reward-model") + 1] == str(tmp_path / "reward" / "seed0" / "model")
+    # compare's rate, not ppo.py's real-model default (3e-6): the RL rows are not controls
+    assert last(ppo, "--learning-rate") == last(ppo_fn, "--learning-rate") == str(args.learning_rate)
     assert stages[3]["needs"] == ["sft", "reward/seed0"] and stages[4]["needs"] == ["sft"]
     assert ppo_fn[ppo_fn.index("--reward-fn") + 1] == args.reward_fn and "--reward-model" not in ppo_fn
     only_fn = compare.plan(compare.Args(methods="ppo", ppo_reward="fn", seeds=1), str(tmp_path))[0]
