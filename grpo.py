@@ -170,8 +170,7 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
         tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
         logqs = jnp.zeros((b, response_length)).at[:, 0].set(logq)  # [B, R]
         tokens, logqs, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has not ended and t < R
-            lambda c: (c[3] < response_length) & ~c[5].all(), step,
-            (tokens, logqs, cache, jnp.int32(1), key, done))
+            lambda c: (c[3] < response_length) & ~c[5].all(), step, (tokens, logqs, cache, jnp.int32(1), key, done))
     return tokens, steps, logqs
 
 
@@ -354,9 +353,8 @@ def make_optimizer(args, max_steps):
     updates = max_steps * args.num_iterations * args.num_mini_batches
     schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, updates, args.warmup_steps,
                                           args.warmup_ratio, args.min_lr_rate)
-    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm), optax.adamw(
-        schedule, weight_decay=args.weight_decay, mask=lambda ps: jax.tree.map(lambda p: p.ndim >= 2, ps)))
-    return optimizer, schedule, warmup
+    adamw = optax.adamw(schedule, weight_decay=args.weight_decay, mask=lambda ps: [p.ndim >= 2 for p in ps])
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adamw), schedule, warmup
 
 
 def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_data):
@@ -435,8 +433,7 @@ def main(args):
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
-    order = np.concatenate([rng.permutation(len(prompts))
-                            for _ in range(-(-max_steps * n_prompts // len(prompts)))])
+    order = np.concatenate([rng.permutation(len(prompts)) for _ in range(-(-max_steps * n_prompts // len(prompts)))])
     # --resume: params, optimizer state, sampling key (through the host: restored on one device), shuffler
     (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
                                                      {"rng": rng.bit_generator.state})

@@ -4,8 +4,7 @@ Ethayarajh et al. 2024 (arXiv:2402.01306), as TRL's KTOTrainer; also `--loss-typ
 Data: `prompt` / `completion` / `label` (TRL's unpaired format), or preference pairs, unpaired as TRL does.
     python kto.py --model gemma_2b --dataset my_labelled.jsonl
 Offline, minutes on a laptop CPU (the defaults are for real models; `tiny` from scratch takes its own):
-    python kto.py --model tiny --max-steps 40 --batch-size 32 --learning-rate 6e-4 --warmup-steps 5 \
-        --max-length 512
+    python kto.py --model tiny --max-steps 40 --batch-size 32 --learning-rate 6e-4 --warmup-steps 5 --max-length 512
 """
 
 import os
@@ -222,8 +221,8 @@ def kto_loss(logps, ref_logps, kl_logps, ref_kl_logps, labels, beta=0.1, desirab
     return (weights * losses).mean(), {"rewards/margins": margins, "kl": kl, **metrics}
 
 
-# Metrics that are means over one kind of example, and the counts that weight each step's value when
-# plumbing.Run averages a --log-every interval (`counted`); margins: by the step's desirable × undesirable.
+# Means over one kind of example, and the counts that weight each step's value in a --log-every interval's
+# average (plumbing.Run's `counted`); margins: by the step's desirable × undesirable.
 COUNTED = {"rewards/chosen": ("count/chosen",), "logps/chosen": ("count/chosen",),
            "rewards/rejected": ("count/rejected",), "logps/rejected": ("count/rejected",),
            "rewards/margins": ("count/chosen", "count/rejected")}
@@ -280,8 +279,7 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     # The loss and metrics of the whole batch, [A, B/A] -> [B] (the loss: the sum of the micro-batches')
-    loss, metrics = loss_fn(logps.reshape(-1), ref_logps.reshape(-1), kl_logps, ref_kl_logps,
-                            batch["label"].reshape(-1))
+    loss, metrics = loss_fn(logps.ravel(), ref_logps.ravel(), kl_logps, ref_kl_logps, batch["label"].ravel())
     return (params, opt_state), {"train/loss": loss + aux_loss.mean(), "aux_loss": aux_loss.mean(), **metrics,
                                  "train/grad_norm": optax.global_norm(grads)}
 
@@ -296,16 +294,14 @@ def make_optimizer(args, max_steps):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
-    run = plumbing.Run("kto", args, log_every=args.log_every, eval_every=args.eval_every,
-                       grad_accum_steps=args.grad_accum_steps,
-                       export_hf=args.export_hf)  # shared flags and --output-dir checked; nothing written
+    run = plumbing.Run("kto", args, log_every=args.log_every, eval_every=args.eval_every,  # nothing written yet
+                       grad_accum_steps=args.grad_accum_steps, export_hf=args.export_hf)
     if args.beta <= 0 or min(args.desirable_weight, args.undesirable_weight) < 0:
         raise common.UsageError("need --beta > 0, --desirable-weight >= 0 and --undesirable-weight >= 0")
     template = common.chat_template(args.model, args.chat_template)
     eval_path, eval_split, eval_flag = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
                                              (Args.dataset, Args.eval_dataset))
-    eval_rows = read_examples(eval_path, template, eval_flag, args.dataset_config, eval_split) \
-        if eval_path else []
+    eval_rows = read_examples(eval_path, template, eval_flag, args.dataset_config, eval_split) if eval_path else []
     train_rows = read_examples(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of examples
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
@@ -317,9 +313,8 @@ def main(args):
                        mismatched=mismatched)
     train, counts = tokenize(train_rows, path=args.dataset)
     evals = tokenize(eval_rows, path=eval_path)[0] if eval_rows else []
-    print(f"data: {counts['examples']} examples ({counts['desirable']} desirable, {counts['undesirable']} "
-          f"undesirable; {counts['truncated']} prompt-truncated, {counts['dropped']} dropped as too long); "
-          f"{len(evals)} eval examples")
+    print("data: {examples} examples ({desirable} desirable, {undesirable} undesirable; {truncated} prompt-truncated, "
+          "{dropped} dropped as too long); ".format(**counts) + f"{len(evals)} eval examples")
     # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).
     length = common.bucket_length(max(len(s[0]) for x, _ in train + evals for s in x), args.max_length)
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
