@@ -221,8 +221,7 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
         tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
         logqs = jnp.zeros((b, response_length)).at[:, 0].set(logq)  # [B, R]
         tokens, logqs, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has not ended and t < R
-            lambda c: (c[3] < response_length) & ~c[5].all(), step,
-            (tokens, logqs, cache, jnp.int32(1), key, done))
+            lambda c: (c[3] < response_length) & ~c[5].all(), step, (tokens, logqs, cache, jnp.int32(1), key, done))
     return tokens, steps, logqs
 
 

@@ -353,7 +353,7 @@ def make_optimizer(args, max_steps):
     updates = max_steps * args.num_iterations * args.num_mini_batches
     schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, updates, args.warmup_steps,
                                           args.warmup_ratio, args.min_lr_rate)
-    adamw = optax.adamw(schedule, weight_decay=args.weight_decay, mask=lambda ps: [p.ndim >= 2 for p in ps])
+    adamw = optax.adamw(schedule, weight_decay=args.weight_decay, mask=lambda t: jax.tree.map(lambda p: p.ndim >= 2, t))
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adamw), schedule, warmup
 
 
