@@ -277,7 +277,9 @@ class SharedArgs:
     output_dir: str | None = None
     """None: runs/{script}__{model}__{seed}__{time}"""
     save_every: int = 500
-    """checkpoint every N steps and at a run's last (TRL's save_steps), the newest 3 kept; 0: on signals only"""
+    """checkpoint every N steps and at a run's last (TRL's save_steps); 0: on signals only"""
+    save_total_limit: int = 3
+    """checkpoints kept, the newest (TRL's save_total_limit); 0: every one (compare.py scores each)"""
     resume: bool = False
     """continue from the newest complete checkpoint in --output-dir"""
     resume_schedule: Literal["keep", "stretch"] = "keep"
@@ -325,8 +327,8 @@ RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model", "model_hf")
 # Flags a --resume may change: what the run does next, not what it computes (every other flag, and the script,
 # must match args.json; --max-steps and --num-epochs may extend the run)
 RESUMABLE = {"max_steps", "num_epochs", "output_dir", "resume", "overwrite", "track", "save_every", "eval_every",
-             "log_every", "sample_every", "num_samples", "mesh", "remat", "export_hf", "skip_nonfinite",
-             "resume_schedule", "coordinator_address", "num_processes", "process_id"}
+             "save_total_limit", "log_every", "sample_every", "num_samples", "mesh", "remat", "export_hf",
+             "skip_nonfinite", "resume_schedule", "coordinator_address", "num_processes", "process_id"}
 
 
 def default_output_dir(script, model, seed):
@@ -358,7 +360,7 @@ class Run:
         check_flags(learning_rate=(args.learning_rate, 0, True), batch_size=(args.batch_size, 1, False),
                     max_steps=(args.max_steps, 0, False), num_epochs=(args.num_epochs, 0, True),
                     weight_decay=(args.weight_decay, 0, False), save_every=(args.save_every, 0, False),
-                    log_every=(log_every, 1, False), eval_every=(eval_every, 0, False),
+                    save_total_limit=(args.save_total_limit, 0, False), log_every=(log_every, 1, False), eval_every=(eval_every, 0, False),
                     grad_accum_steps=(grad_accum_steps, 1, False), warmup_steps=(args.warmup_steps, 0, False))
         if not (0 <= args.warmup_ratio <= 1 and 0 <= args.min_lr_rate <= 1):
             raise UsageError(f"--warmup-ratio {args.warmup_ratio}, --min-lr-rate {args.min_lr_rate}: "
@@ -528,9 +530,10 @@ class Run:
                 self._wandb.log(row, step=step)
 
     def _checkpoints(self):
-        """(orbax, its manager): each process writes its shards, a step appears once complete, 3 kept."""
+        """(orbax, its manager): each process writes its shards, a step appears once complete, the newest kept."""
         import orbax.checkpoint as ocp
-        options = ocp.CheckpointManagerOptions(max_to_keep=3, enable_async_checkpointing=False)
+        options = ocp.CheckpointManagerOptions(max_to_keep=self.args.save_total_limit or None,
+                                               enable_async_checkpointing=False)
         path = os.path.abspath(os.path.join(self.dir, "checkpoints"))
         self._manager = self._manager or ocp.CheckpointManager(path, options=options)
         return ocp, self._manager

@@ -281,7 +281,9 @@ def test_resume_knows_what_it_resumes(tmp_path):
     assert "the script 'sft' -> 'dpo'" in line  # not "this run is complete"
     assert snapshot(out) == before
 
-    script.main(plumbing.cli(script.Args, [*flags, "--max-steps", "5", "--resume", "--log-every", "1"]))
+    script.main(plumbing.cli(script.Args, [*flags, "--max-steps", "5", "--resume", "--log-every", "1",
+                                            "--save-total-limit", "0"]))
+    assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["2", "3", "4", "5"]  # 0: every one kept
     from helpers import metrics
     assert [r["step"] for r in metrics(out)] == [2, 3, 4, 5]  # from step 3's state: log-every 2, then 1
     with open(os.path.join(out, "args.json")) as f:

@@ -42,6 +42,7 @@ def test_sigkill_then_resume_equals_uninterrupted(uninterrupted, tmp_path):
     assert f"resumed from step {steps_on_disk[-1]}" in done.stdout
     # Same data order, same losses, no duplicated or missing rows.
     assert_same_rows(metrics(uninterrupted), metrics(out))
+    assert sorted(os.listdir(os.path.join(uninterrupted, "checkpoints")), key=int) == ["10", "15", "20"]  # 3 kept
 
 
 def test_sigterm_checkpoints_and_exits_0(tmp_path):
