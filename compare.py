@@ -2,7 +2,7 @@
 Every script runs through its real CLI (a subprocess; a fork slots in by name, `--extra mydpo.py`); each model
 is scored with evaluate.py's protocol against SFT and a compute-matched continued-SFT control (sft+, sft+rl),
 over --seeds seeds, paired 95% intervals; --sweep picks settings on the eval split, the table reports the test
-split. Writes comparison.md (table, sweep, costs), comparison.png (scores; task score against training FLOPs).
+split. Writes comparison.md (table, sweep, costs), comparison.png and curves.json (greedy score against FLOPs).
     python compare.py --model gemma_2b --sft-args="--dataset sft.jsonl" --dpo-args="--dataset prefs.jsonl"
 Offline, the bundled comparison task (data/compare/, docs/compare.md) on the `tiny` model:
     python compare.py --model tiny --seeds 3 --sweep kto.learning_rate=1e-5,5e-5   # docs/comparison.md: no ppo
@@ -117,6 +117,9 @@ class Args:
     """tokens generated per prompt"""
     temperature: float = 1.0
     """temperature of the sampled responses (KL is measured on them)"""
+    curve_points: int = 3
+    """checkpoints a run keeps and is scored at (greedy, test split) besides its end: the score-against-FLOPs
+    curves; at real sizes each is weights + optimizer state on disk; 0: none"""
     seed: int = 0
     """SFT's seed and the first of --seeds; a model of seed s is evaluated with sampling seed s"""
     # outputs
@@ -200,6 +203,7 @@ def plan(args, output_dir):
     base = os.path.join(output_dir, "sft", "model") if "sft" in methods else args.model
     sft = ["sft"] if "sft" in methods else []
     lr, fn = ["--learning-rate", str(args.learning_rate)], ["--reward-fn", args.reward_fn]
+    budget = lambda steps: ["--max-steps", str(steps)] + curve_flags(steps, args.curve_points)
     script = lambda name: os.path.join(common.HERE, f"{name}.py")
     # rows after SFT: (row, script, recipe key, steps, its flags, pass-through flags, on the reward model)
     rows = [(m, script(m), m, args.steps, [], getattr(args, f"{m}_args"), False)
@@ -234,8 +238,8 @@ def plan(args, output_dir):
                 + shlex.split(RECIPE[recipe]) + ["--seed", str(seed)] + template
                 + ["--output-dir", os.path.join(output_dir, name)] + shlex.split(extra) + swept}
     seeds = [args.seed + k for k in range(args.seeds)]
-    stages = [stage("sft", "sft", script("sft"), "sft", args.model, ["--max-steps", str(args.sft_steps)],
-                    args.seed, args.sft_args, [], {})] if sft else []
+    stages = [stage("sft", "sft", script("sft"), "sft", args.model, budget(args.sft_steps), args.seed,
+                    args.sft_args, [], {})] if sft else []
     for seed in seeds:
         rm = f"reward/seed{seed}"
         if any(r[6] for r in rows):
@@ -243,13 +247,18 @@ def plan(args, output_dir):
                                 str(args.reward_steps), "--normalize"], seed, args.reward_args, sft, {}))
         for row, path, recipe, steps, row_flags, extra, on_rm in rows:
             ran = [s["name"] for s in stages if s["seed"] == seed and s["row"] in (RL + ("sft+",))]
-            flags = (["--max-steps", str(steps)] if steps else []) + ([] if row in CONTROLS else lr)
+            flags = (budget(steps) if steps else []) + ([] if row in CONTROLS else lr)
             flags += row_flags + (["--reward-model", os.path.join(output_dir, rm, "model")] if on_rm else [])
             needs = sft + ([rm] if on_rm else []) + (ran if not steps else [])
             for setting in grid.get(row, [{}]):
                 name = "/".join(filter(None, [row, tag(setting), f"seed{seed}"]))
                 stages.append(stage(name, row, path, recipe, base, flags, seed, extra, needs, setting))
     return stages, base, seeds, grid
+
+
+def curve_flags(steps, points):
+    """A run's checkpoints for the curves: every steps / (points + 1) updates, all kept (and its last)."""
+    return ["--save-every", str(max(1, steps // (points + 1))), "--save-total-limit", "0"] if points else []
 
 
 def matched_steps(output_dir, stage):
@@ -293,14 +302,9 @@ def main_curve(rows):
     return None, [], []
 
 
-def flops_curve(rows):
-    """(training FLOPs so far, main metric) at each logged point of one run: charts/flops summed up to it."""
-    name, total, points = main_curve(rows)[0], 0.0, []
-    for r in rows:
-        total += r.get("charts/flops", 0.0)
-        if name in r:
-            points.append((total, r[name]))
-    return np.array(points).reshape(-1, 2)
+def flops_at(rows, step):
+    """A run's training FLOPs up to and with `step` (its logged charts/flops, each an interval's sum)."""
+    return float(sum(r.get("charts/flops", 0.0) for r in rows if r["step"] <= step))
 
 
 def run_cost(run_dir):
@@ -370,6 +374,39 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
         print(f"      {key} (seed {seed}): task score {m['score']:.3f}, KL {m['kl']:.3f} "
               f"({time.perf_counter() - t0:.0f} s)", flush=True)
     return results
+
+
+def checkpoint_scores(args, base, run_dirs):
+    """Greedy task score on the test split at each run's checkpoints before its end (model/, the table's)
+    -> {run dir: [(step, score)]}; weights of other shapes than the base's (a LoRA run's) are not scored."""
+    import evaluate
+    import jax
+    import orbax.checkpoint as ocp
+    ea = evaluate.Args(model=base, prompts=args.test_prompts, num_prompts=args.num_prompts, seed=args.seed,
+                       reward_fn=(args.reward_fn,), chat_template=args.chat_template,
+                       max_new_tokens=args.max_new_tokens)
+    mesh = common.make_mesh(None)
+    prompts, rows, reward_fn = evaluate.check_args(ea, mesh)
+    policy = evaluate.load_policy(base, mesh, ea)
+    data = evaluate.prepare(ea, mesh, prompts, rows, policy.model.preprocessor.tokenizer)
+    scorer, bs, curves = evaluate.make_scorer(ea, mesh, data, reward_fn), data["batch_size"], {}
+    for run_dir in run_dirs:
+        folder, curves[run_dir] = os.path.abspath(os.path.join(run_dir, "checkpoints")), []
+        last = json.load(open(os.path.join(run_dir, "args.json")))["max_steps"]
+        steps = [s for s in sorted(map(int, filter(str.isdigit, os.listdir(folder)))) if s < last] \
+            if os.path.isdir(folder) else []
+        for step in steps:
+            with ocp.CheckpointManager(folder) as manager:
+                params = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state[0]
+            if [np.shape(w) for w in params] != [w.shape for w in policy.params]:
+                print(f"      {run_dir}: its checkpoints hold other weights than {base}'s: no curve")
+                break
+            at = policy._replace(params=[jax.device_put(w, p.sharding) for w, p in zip(params, policy.params)])
+            out = evaluate.respond(at, data, "greedy", jax.random.key(0), bs, mesh)  # greedy: the key unused
+            curves[run_dir].append((step, float(evaluate.score(scorer, data, out, bs, mesh)["score"].mean())))
+        print(f"      {os.path.relpath(run_dir)}: greedy score at steps {steps}: "
+              f"{[round(v, 3) for _, v in curves[run_dir]]}", flush=True)
+    return curves
 
 
 # === STATISTICS: pure functions of per-prompt score tables [seeds S, prompts P] ===
@@ -466,9 +503,9 @@ def table(rows, base_name, with_rm):
     return "\n".join(lines)
 
 
-def plot(curves, stats, costs, base_name, temperature, path):
-    """Each row's main training metric (left; every seed), the test scores ± intervals (middle), the task
-    score against training FLOPs, SFT included (right: greedy test scores; RL rows' samples in training)."""
+def plot(curves, stats, base_name, temperature, path):
+    """Each row's main training metric (left; every seed), the test scores ± intervals (middle), the greedy
+    test score against training FLOPs, SFT included (right: mean over seeds, band: their range)."""
     curves, score_curves = curves
     import matplotlib
     matplotlib.use("Agg")
@@ -491,23 +528,18 @@ def plot(curves, stats, costs, base_name, temperature, path):
     ax.set_xticks(x, names, rotation=30, fontsize=8), ax.legend(fontsize=8, loc="upper right")
     ax.set(ylim=(0, 1.05), ylabel="test task score (mean ± 95% interval)")
     ax.set_title("final scores (evaluate.py protocol, test split)", fontsize=10)
-    ax = fig.add_subplot(grid[:, cols + 1])
-    sft_flops = np.nan_to_num(costs["sft"][2], posinf=0, neginf=0) if base_name == "sft" else 0.0  # unlogged
-    for n in names:
-        flops = costs[n][2] + (sft_flops if n != base_name else 0.0)
-        if np.isfinite(flops) and flops > 0:
-            ax.errorbar(flops, stats[n]["score"][0], yerr=stats[n]["score"][1], fmt="o", capsize=3, label=n)
+    ax, span = fig.add_subplot(grid[:, cols + 1]), []
     for n, runs in score_curves.items():
         k = min(len(r) for r in runs)
-        if k:
-            xy = np.stack([r[:k] for r in runs])  # [seeds, points, (FLOPs, score)]
-            w = max(1, k // 10)  # a running mean over a tenth of the run: 8 prompts a batch are noisy
-            y = np.stack([np.convolve(v, np.ones(w) / w, "valid") for v in xy[..., 1]])
-            x = sft_flops + xy[..., 0].mean(0)[w - 1:]
-            ax.plot(x, y.mean(0), lw=1, label=f"{n}: sampled, training prompts (running mean)")
-            ax.fill_between(x, y.min(0), y.max(0), alpha=0.2)
-    ax.set(xscale="log", xlabel=FLOPS_LABEL, ylabel="task score (points: greedy, test split)")
-    ax.set_title("score against compute", fontsize=10), ax.legend(fontsize=8), fig.tight_layout()
+        xy = np.stack([r[:k] for r in runs])  # [seeds, points, (FLOPs, score)]
+        x, y = xy[..., 0].mean(0), xy[..., 1]
+        line = ax.plot(x, y.mean(0), marker="o", ms=3, lw=1.2, label=n)[0]
+        ax.fill_between(x, y.min(0), y.max(0), alpha=0.15, color=line.get_color())
+        span += [y.min(), y.max()] if n != base_name else []
+    if span:  # zoomed on the post-training range: the base's curve climbs into it from below
+        ax.set_ylim(min(span) - 0.03, max(span) + 0.03)
+    ax.set(xlabel=FLOPS_LABEL, ylabel="greedy task score, test split (band: the seeds' range)")
+    ax.set_title("score against compute (checkpoints)", fontsize=10), ax.legend(fontsize=8), fig.tight_layout()
     fig.savefig(path, dpi=110), plt.close(fig)
 
 
@@ -555,13 +587,15 @@ saving){ppo_note}; {base_name}'s costs are paid once for every row.
 {rm_line}{sweep_md}
 ![training curves, final scores, score against compute](comparison.png)
 
+Right: the greedy test score at each run's checkpoints (`--curve-points`) and end against its training FLOPs, {base_name} included (line: mean over seeds; band: their range; curves.json).
+
 Commands run:
 
 {runs}
 """
     with open(os.path.join(output_dir, "comparison.md"), "w") as f:
         f.write(text)
-    plot(curves, stats, costs, base_name, args.temperature, os.path.join(output_dir, "comparison.png"))
+    plot(curves, stats, base_name, args.temperature, os.path.join(output_dir, "comparison.png"))
     return md
 
 
@@ -582,7 +616,8 @@ def main(args):
             ok[stage["name"]], walls[stage["name"]] = False, 0.0
             continue
         if stage["row"] == "sft+rl":  # its budget is known only now: the RL rows' logged FLOPs
-            stage["flags"][2:2] = ["--max-steps", str(matched_steps(output_dir, stage))]
+            steps = matched_steps(output_dir, stage)
+            stage["flags"][2:2] = ["--max-steps", str(steps)] + curve_flags(steps, args.curve_points)
         ok[stage["name"]], walls[stage["name"]] = run_stage(i, len(stages), stage, output_dir)
     if "sft" in ok and not ok["sft"]:
         raise RunsFailed(f"sft failed: nothing to compare (see {output_dir}/sft.log)")
@@ -625,6 +660,16 @@ def choose_settings(args, grid, swept, evaluate_on, base_keys):
     return {row: s[0] for row, settings in sweep.items() for s in settings if s[2]}, sweep
 
 
+def score_curve(res, at, output_dir, stage, metrics, walls, base_keys, is_base, sft_flops):
+    """One run's [[training FLOPs, greedy test score]]: the base's point (after SFT), its checkpoints `at`
+    (the base's FLOPs, a reward model's, its own up to each), its end (the table's score)."""
+    seed, own = stage["seed"], run_cost(run_dir := os.path.join(output_dir, stage["name"]))[2]
+    offset = 0.0 if is_base else sft_flops + stage_cost(output_dir, stage, walls)[2] - own
+    start = [] if is_base or not sft_flops else [(sft_flops, res[base_keys[seed]]["score"].mean())]
+    end = [(offset + own, res[base_keys[seed] if is_base else stage["name"]]["score"].mean())]
+    return np.array(start + [(offset + flops_at(metrics, step), v) for step, v in at.get(run_dir, [])] + end)
+
+
 def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, t_start):
     """Pick swept settings on the eval split, score the kept runs and the base on the test split -> table."""
     base_name = "sft" if "sft" in ok else "base"
@@ -644,6 +689,9 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
     res = evaluate_on("test", final, rm)
     stats = {base_name: row_stats(*stack(res, list(base_keys.values()), list(base_keys.values())))}
     costs = {base_name: stage_cost(output_dir, stages[0], walls) if base_name == "sft" else [np.nan] * 3 + [0.0]}
+    scored = final + [s for s in stages[:1] if s["row"] == "sft"]  # the base's own curve too
+    at = checkpoint_scores(args, base, [os.path.join(output_dir, s["name"]) for s in scored]) if args.curve_points else {}
+    sft = costs[base_name][2] if np.isfinite(costs[base_name][2]) else 0.0  # a given base: its FLOPs unknown
     curves, score_curves, rows = {}, {}, []
     for name in [base_name] + list(dict.fromkeys(s["row"] for s in stages if s["row"] not in ("sft", "reward"))):
         runs = [s for s in final if s["row"] == name] or [s for s in stages if s["name"] == name]
@@ -654,8 +702,10 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
         if metrics and main_curve(metrics[0])[0]:
             curves[name] = [main_curve(m) for m in metrics]
         on_rm = any("--reward-model" in s["flags"] for s in runs)
-        if name in RL and not on_rm and metrics:  # the checker's score on its own samples, as it trained
-            score_curves[name] = [flops_curve(m) for m in metrics]
+        score = [score_curve(res, at, output_dir, s, m, walls, base_keys, name == base_name, sft)
+                 for s, m in zip(runs, metrics)] if name in stats else []
+        if score and np.isfinite(np.concatenate(score)).all():  # the base's point, the checkpoints, the end
+            score_curves[name] = score
         ctl = CONTROL.get(name, "sft+")
         control = {s["seed"]: s["name"] for s in final if s["row"] == ctl}
         paired = [s for s in runs if s["seed"] in control] if base_name not in (name, ctl) else []
@@ -669,6 +719,8 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
     accs = sum([[r["eval/accuracy"] for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
                  if "eval/accuracy" in r][-1:] for x in seeds], [])  # each reward model's last held-out one
     reward_acc = float(np.mean(accs)) if accs else None
+    with open(os.path.join(output_dir, "curves.json"), "w") as f:  # the right panel's points, to re-plot
+        json.dump({n: [c.tolist() for c in cs] for n, cs in score_curves.items()}, f)
     return write_report(args, output_dir, stages, rows, stats, costs, (curves, score_curves), sweep,
                         base_name, reward_acc, seeds, time.perf_counter() - t_start)
 

@@ -6,6 +6,7 @@ known difference), sweep, costs and plan, and compare.py end to end with a tiny 
 import dataclasses
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -264,6 +265,11 @@ def test_plan_controls_and_task_data(tmp_path):
     assert last(dpo, "--learning-rate") == str(args.learning_rate)
     rl = stages["sft+rl/seed0"]
     assert "--max-steps" not in rl["flags"] and rl["needs"] == ["sft", "sft+/seed0", "grpo/seed0"]
+    # the curves' checkpoints: every steps / (3 + 1) updates, all kept; none with --curve-points 0
+    assert [last(stages[n]["flags"], "--save-every") for n in ("sft", "dpo/seed0", "grpo/seed0")] == ["250", "1", "1"]
+    assert last(dpo, "--save-total-limit") == "0" and compare.curve_flags(341, 3)[1] == "85"
+    none = compare.plan(dataclasses.replace(args, curve_points=0), str(tmp_path))[0]
+    assert not any("--save-every" in s["flags"] for s in none)
     toy = compare.plan(dataclasses.replace(args, task="toy"), str(tmp_path))[0]
     assert not any("--dataset" in s["flags"] for s in toy)  # the scripts' defaults: data/*.jsonl
     other = compare.plan(dataclasses.replace(args, model="gemma_2b"), str(tmp_path))[0]
@@ -308,7 +314,8 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
     = 0.25 everywhere (± 0); dpo − sft+
     = [0, .5, 0, 1] on both seeds -> mean 0.375; identical seeds leave the prompts' spread: var = s²/P with
     s² = (.375² + .125² + .375² + .625²)/3, df 3 -> ± t_.975(3)·√(s²/4). grpo is read against sft+rl, sft+
-    against sft only; the RL curve goes into the picture."""
+    against sft only. The score-against-FLOPs curve of a grpo seed: sft's point (its logged 5e9 FLOPs, its
+    score 0.625), a checkpoint at step 1 (5e9 + grpo's 2e9 so far, the checkpoint's 0.9), the end (8e9, 1.0)."""
     args = compare.Args(methods="sft,sft+,dpo,grpo,sft+rl", seeds=2, output_dir=str(tmp_path))
     args = dataclasses.replace(args, **dict(zip(("eval_prompts", "test_prompts"), compare.task_prompts(args))))
     stages, base, seeds, grid = compare.plan(args, str(tmp_path))
@@ -317,6 +324,10 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
     arrays = lambda row: {k: np.array(scores[row]) for k in ("score", "score_sampled")} | {"kl": np.zeros(4)}
     monkeypatch.setattr(compare, "evaluate_models",
                         lambda a, prompts, b, jobs, d: {k: arrays(k.split("/")[0].split(" ")[0]) for k, *_ in jobs})
+    monkeypatch.setattr(compare, "checkpoint_scores",
+                        lambda a, b, dirs: {d: [(1, 0.9)] for d in dirs if "grpo" in d})
+    (tmp_path / "sft").mkdir()
+    (tmp_path / "sft/metrics.jsonl").write_text(json.dumps({"step": 5, "train/loss": 1.0, "charts/flops": 5e9}))
     for seed in seeds:
         (tmp_path / f"grpo/seed{seed}").mkdir(parents=True)
         (tmp_path / f"grpo/seed{seed}/metrics.jsonl").write_text("".join(
@@ -332,8 +343,10 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
     assert cells["grpo"][2] == "1.000 ± 0.000 (sft+rl)" and cells["sft+"][2] == "–" and cells["sft"][2] == "–"
     assert cells["dpo"][-1] == f"beats sft (Δ +0.250 ± 0.000); within noise of sft+ (Δ +0.375 ± {h:.3f} covers 0)"
     assert (tmp_path / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    np.testing.assert_allclose(compare.flops_curve(compare.read_metrics(str(tmp_path / "grpo/seed1"))),
-                               [[1e9, 0.51], [2e9, 0.61], [3e9, 0.71]])
+    curves = json.loads((tmp_path / "curves.json").read_text())
+    np.testing.assert_allclose(curves["grpo"], [[[5e9, 0.625], [7e9, 0.9], [8e9, 1.0]]] * 2)
+    np.testing.assert_allclose(curves["sft"], [[[5e9, 0.625]]])  # one model, no checkpoint: its end
+    assert "dpo" not in curves  # its FLOPs were never logged: no curve
 
 
 def test_test_split_is_disjoint():
@@ -500,6 +513,21 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     assert cost[0] > 0 and cost[1] == 0 and ("M" in cells["mydpo"][7]) == ("M" in cells["sft"][7])
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| **sft**" in proc.stdout  # the table is printed at the end
+    # the curves: sft's checkpoints 5, 10, 15 and its end; each kept run from sft's end, its checkpoints 1-3, its
+    # end (the table's score), FLOPs rising
+    curves = json.loads((out / "curves.json").read_text())
+    assert [len(c) for c in curves["sft"]] == [4] and [len(c) for c in curves["mydpo"]] == [5, 5]
+    for run, curve in zip(runs, curves["mydpo"]):
+        assert curve[0] == curves["sft"][0][-1] and np.all(np.diff([x for x, _ in curve]) > 0)
+        assert curve[-1][1] == pytest.approx(load(run / "eval_test").mean())
+    # a checkpoint's weights are what is scored: sft's, on another base (tiny's random init), score the same
+    copy = tmp_path / "sft_copy"
+    shutil.copytree(out / "sft", copy)
+    (copy / "args.json").write_text(json.dumps({"max_steps": 21}))  # its last checkpoint (20) is scored too
+    args = compare.Args(num_prompts=16, test_prompts=compare.task_prompts(compare.Args())[1])
+    got = compare.checkpoint_scores(args, "tiny", [str(copy)])[str(copy)]
+    assert [s for s, _ in got] == [5, 10, 15, 20]
+    np.testing.assert_allclose([v for _, v in got], [v for _, v in curves["sft"][0]], atol=1e-9)
 
 
 def test_evaluate_pads_each_batch_to_its_own_bucket(tmp_path):
