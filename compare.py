@@ -512,7 +512,7 @@ def plot(curves, stats, base_name, temperature, path):
     import matplotlib.pyplot as plt
     cols = max(1, -(-len(curves) // 2))  # the training curves: two rows of them
     fig = plt.figure(figsize=(3.0 * cols + 10.0, 6.0))
-    grid = fig.add_gridspec(2, cols + 2, width_ratios=[1] * cols + [1.6, 1.6])
+    grid = fig.add_gridspec(2, cols + 2, width_ratios=[1] * cols + [1.6, 2.2])
     for i, (name, runs) in enumerate(curves.items()):
         ax = fig.add_subplot(grid[i % 2, i // 2])
         for k, (metric, steps, values) in enumerate(runs):  # seed --seed bold, the others thin
@@ -529,15 +529,15 @@ def plot(curves, stats, base_name, temperature, path):
     ax.set(ylim=(0, 1.05), ylabel="test task score (mean ± 95% interval)")
     ax.set_title("final scores (evaluate.py protocol, test split)", fontsize=10)
     ax, span = fig.add_subplot(grid[:, cols + 1]), []
-    for n, runs in score_curves.items():
-        k = min(len(r) for r in runs)
-        xy = np.stack([r[:k] for r in runs])  # [seeds, points, (FLOPs, score)]
-        x, y = xy[..., 0].mean(0), xy[..., 1]
-        line = ax.plot(x, y.mean(0), marker="o", ms=3, lw=1.2, label=n)[0]
-        ax.fill_between(x, y.min(0), y.max(0), alpha=0.15, color=line.get_color())
-        span += [y.min(), y.max()] if n != base_name else []
-    if span:  # zoomed on the post-training range: the base's curve climbs into it from below
-        ax.set_ylim(min(span) - 0.03, max(span) + 0.03)
+    for i, (n, runs) in enumerate(score_curves.items()):
+        xy = np.stack([r[:min(map(len, runs))] for r in runs])  # [seeds, points, (FLOPs, score)]
+        x, y, color = xy[..., 0].mean(0), xy[..., 1], plt.cm.tab20(2 * i % 20 + i // 10)  # dark shades first
+        ax.plot(x, y.mean(0), marker="o", ms=3, lw=1.2, label=n, color=color)
+        ax.fill_between(x, y.min(0), y.max(0), alpha=0.15, color=color)
+        span += [(x[0], y.min(), y.max())] if n != base_name else []
+    if span:  # zoomed on the post-training range: the base's curve climbs into it from below, left
+        (x0, *_), (low, high) = min(span), np.array(span)[:, 1:].T
+        ax.set(xlim=(0.7 * x0, None), ylim=(low.min() - 0.03, high.max() + 0.03))
     ax.set(xlabel=FLOPS_LABEL, ylabel="greedy task score, test split (band: the seeds' range)")
     ax.set_title("score against compute (checkpoints)", fontsize=10), ax.legend(fontsize=8), fig.tight_layout()
     fig.savefig(path, dpi=110), plt.close(fig)
