@@ -396,8 +396,9 @@ def checkpoint_scores(args, base, run_dirs):
         steps = [s for s in sorted(map(int, filter(str.isdigit, os.listdir(folder)))) if s < last] \
             if os.path.isdir(folder) else []
         for step in steps:
-            with ocp.CheckpointManager(folder) as manager:
+            with ocp.CheckpointManager(folder) as manager:  # ppo's weights: PPOParams(policy, value, head)
                 params = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state[0]
+            params = params["policy"] if isinstance(params, dict) else params
             if [np.shape(w) for w in params] != [w.shape for w in policy.params]:
                 print(f"      {run_dir}: its checkpoints hold other weights than {base}'s: no curve")
                 break

@@ -464,7 +464,8 @@ def test_compare_failed_run_ends_in_runs_failed(tmp_path, monkeypatch, capsys):
 
 def test_compare_end_to_end_tiny_budget(tmp_path):
     """sft 20 steps, then a forked dpo (--extra) 4 steps with a 2-value --sweep and 2 seeds: rows with intervals
-    and costs, the setting picked on the eval split and only it scored on the test split, the image. The runs
+    and costs, the setting picked on the eval split and only it scored on the test split, the image, the curves
+    from one checkpoint a run (--curve-points 1: two saves a run, not four). The runs
     skip their own evaluations and the fork trains on batches of 8, by pass-through flags (they override the
     recipe): 83 -> 62 CPU-s, the comparison's steps unchanged."""
     fork = tmp_path / "mydpo.py"
@@ -473,7 +474,7 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "compare.py"), "--model", "tiny", "--methods", "sft",
                            "--extra", str(fork), "--sft-steps", "20", "--steps", "4", "--num-prompts", "16",
                            "--seeds", "2", "--sweep", "mydpo.learning_rate=1e-5,1e-3", "--output-dir", str(out),
-                           "--sft-args=--eval-dataset ''", "--extra-args=--eval-dataset '' --batch-size 8"],
+                           "--curve-points", "1", "--sft-args=--eval-dataset ''", "--extra-args=--eval-dataset '' --batch-size 8"],
                           cwd=ROOT, capture_output=True, text=True, timeout=1200,
                           env=learning_env())  # its evaluation samples 16 prompts × 2 seeds × 3 models
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
@@ -513,10 +514,10 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     assert cost[0] > 0 and cost[1] == 0 and ("M" in cells["mydpo"][7]) == ("M" in cells["sft"][7])
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| **sft**" in proc.stdout  # the table is printed at the end
-    # the curves: sft's checkpoints 5, 10, 15 and its end; each kept run from sft's end, its checkpoints 1-3, its
-    # end (the table's score), FLOPs rising
+    # the curves (one point: at half of each run): sft's checkpoint 10 and its end; each kept run from sft's end,
+    # its checkpoint 2, its end (the table's score), FLOPs rising
     curves = json.loads((out / "curves.json").read_text())
-    assert [len(c) for c in curves["sft"]] == [4] and [len(c) for c in curves["mydpo"]] == [5, 5]
+    assert [len(c) for c in curves["sft"]] == [2] and [len(c) for c in curves["mydpo"]] == [3, 3]
     for run, curve in zip(runs, curves["mydpo"]):
         assert curve[0] == curves["sft"][0][-1] and np.all(np.diff([x for x, _ in curve]) > 0)
         assert curve[-1][1] == pytest.approx(load(run / "eval_test").mean())
@@ -524,10 +525,20 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     copy = tmp_path / "sft_copy"
     shutil.copytree(out / "sft", copy)
     (copy / "args.json").write_text(json.dumps({"max_steps": 21}))  # its last checkpoint (20) is scored too
+    import orbax.checkpoint as ocp
+    from ppo import PPOParams
+    with ocp.CheckpointManager(str(copy / "checkpoints")) as manager:
+        weights = manager.restore(20, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state[0]
+    ppo_like = tmp_path / "ppo_like"  # a ppo run's checkpoint: policy, value model and head; the policy answers
+    with ocp.CheckpointManager(str(ppo_like / "checkpoints")) as manager:
+        manager.save(20, args=ocp.args.Composite(state=ocp.args.StandardSave(
+            (PPOParams(weights, weights, {"bias": np.zeros(())}), {}))))
+    (ppo_like / "args.json").write_text(json.dumps({"max_steps": 21}))
     args = compare.Args(num_prompts=16, test_prompts=compare.task_prompts(compare.Args())[1])
-    got = compare.checkpoint_scores(args, "tiny", [str(copy)])[str(copy)]
-    assert [s for s, _ in got] == [5, 10, 15, 20]
-    np.testing.assert_allclose([v for _, v in got], [v for _, v in curves["sft"][0]], atol=1e-9)
+    got = compare.checkpoint_scores(args, "tiny", [str(copy), str(ppo_like)])
+    assert [s for s, _ in got[str(copy)]] == [10, 20] and [s for s, _ in got[str(ppo_like)]] == [20]
+    np.testing.assert_allclose([v for _, v in got[str(copy)]], [v for _, v in curves["sft"][0]], atol=1e-9)
+    assert got[str(ppo_like)][0][1] == pytest.approx(curves["sft"][0][-1][1], abs=1e-9)
 
 
 def test_evaluate_pads_each_batch_to_its_own_bucket(tmp_path):
