@@ -504,6 +504,13 @@ def table(rows, base_name, with_rm):
     return "\n".join(lines)
 
 
+def seed_band(runs):
+    """Each seed's [[FLOPs, score]] -> x, mean, min, max over seeds at the first k - 1 points and the ends (k: the
+    fewest points; sft+rl's seeds may differ by a checkpoint)."""
+    xy = np.stack([np.concatenate([r[:min(map(len, runs)) - 1], r[-1:]]) for r in runs])  # [seeds, points, 2]
+    return xy[..., 0].mean(0), xy[..., 1].mean(0), xy[..., 1].min(0), xy[..., 1].max(0)
+
+
 def plot(curves, stats, base_name, temperature, path):
     """Each row's main training metric (left; every seed), the test scores ± intervals (middle), the greedy
     test score against training FLOPs, SFT included (right: mean over seeds, band: their range)."""
@@ -530,13 +537,14 @@ def plot(curves, stats, base_name, temperature, path):
     ax.set(ylim=(0, 1.05), ylabel="test task score (mean ± 95% interval)")
     ax.set_title("final scores (evaluate.py protocol, test split)", fontsize=10)
     ax, span = fig.add_subplot(grid[:, cols + 1]), []
+    top = score_curves[base_name][0][-1, 1] if base_name in score_curves else np.nan  # the base's end score
     for i, (n, runs) in enumerate(score_curves.items()):
-        xy = np.stack([r[:min(map(len, runs))] for r in runs])  # [seeds, points, (FLOPs, score)]
-        x, y, color = xy[..., 0].mean(0), xy[..., 1], plt.cm.tab20(2 * i % 20 + i // 10)  # dark shades first
-        ax.plot(x, y.mean(0), marker="o", ms=3, lw=1.2, label=n, color=color)
-        ax.fill_between(x, y.min(0), y.max(0), alpha=0.15, color=color)
-        span += [(x[0], y.min(), y.max())] if n != base_name else []
-    if span:  # zoomed on the post-training range: the base's curve climbs into it from below, left
+        x, mean, low, high = seed_band(runs)
+        color, out = plt.cm.tab20(2 * i % 20 + i // 10), n != base_name and bool(mean.min() < top - 0.06)
+        ax.plot(x, mean, marker="o", ms=3, lw=1.2, label=n + f" (to {mean[-1]:.2f}, below)" * out, color=color)
+        ax.fill_between(x, low, high, alpha=0.15, color=color)
+        span += [(x[0], low.min(), high.max())] if n != base_name and not out else []
+    if span:  # zoomed on the post-training range: the base climbs in from the left, rows far below leave (legend)
         (x0, *_), (low, high) = min(span), np.array(span)[:, 1:].T
         ax.set(xlim=(0.7 * x0, None), ylim=(low.min() - 0.03, high.max() + 0.03))
     ax.set(xlabel=FLOPS_LABEL, ylabel="greedy task score, test split (band: the seeds' range)")

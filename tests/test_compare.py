@@ -349,6 +349,14 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
     assert "dpo" not in curves  # its FLOPs were never logged: no curve
 
 
+def test_seed_band_aligns_the_ends():
+    """Seeds with 4 and 3 points (one checkpoint more): the first 2 points and each end, averaged."""
+    runs = [np.array([[0, .5], [1, .6], [2, .7], [3, .8]]), np.array([[0, .5], [1, .4], [2.5, .9]])]
+    x, mean, low, high = compare.seed_band(runs)
+    for got, expected in zip((x, mean, low, high), ([0, 1, 2.75], [.5, .5, .85], [.5, .4, .8], [.5, .6, .9])):
+        np.testing.assert_allclose(got, expected)
+
+
 def test_test_split_is_disjoint():
     read = lambda name: [json.loads(line)["prompt"] for line in open(os.path.join(ROOT, "data", name))]
     test, held, train = read("prompts_test.jsonl"), read("prompts_eval.jsonl"), read("prompts_train.jsonl")
