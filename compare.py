@@ -5,7 +5,8 @@ over --seeds seeds, paired 95% intervals; --sweep picks settings on the eval spl
 split. Writes comparison.md (table, sweep, costs), comparison.png and curves.json (greedy score against FLOPs).
     python compare.py --model gemma_2b --sft-args="--dataset sft.jsonl" --dpo-args="--dataset prefs.jsonl"
 Offline, the bundled comparison task (data/compare/, docs/compare.md) on the `tiny` model:
-    python compare.py --model tiny --seeds 3 --sweep kto.learning_rate=1e-5,5e-5   # docs/comparison.md: no ppo
+    python compare.py --model tiny --seeds 3 --sweep kto.learning_rate=1e-5,5e-5 \\
+        --sweep simpo.learning_rate=1e-5,5e-5   # docs/comparison.md
 """
 
 import dataclasses
