@@ -393,7 +393,8 @@ def checkpoint_scores(args, base, run_dirs):
     scorer, bs, curves = evaluate.make_scorer(ea, mesh, data, reward_fn), data["batch_size"], {}
     for run_dir in run_dirs:
         folder, curves[run_dir] = os.path.abspath(os.path.join(run_dir, "checkpoints")), []
-        last = json.load(open(os.path.join(run_dir, "args.json")))["max_steps"]
+        with open(os.path.join(run_dir, "args.json")) as f:
+            last = json.load(f)["max_steps"]  # its end: model/, scored in the table
         steps = [s for s in sorted(map(int, filter(str.isdigit, os.listdir(folder)))) if s < last] \
             if os.path.isdir(folder) else []
         for step in steps:
@@ -597,7 +598,8 @@ saving){ppo_note}; {base_name}'s costs are paid once for every row.
 {rm_line}{sweep_md}
 ![training curves, final scores, score against compute](comparison.png)
 
-Right: the greedy test score at each run's checkpoints (`--curve-points`) and end against its training FLOPs, {base_name} included (line: mean over seeds; band: their range; curves.json).
+Right: the greedy test score at each run's checkpoints (`--curve-points`) and end against its training FLOPs, \
+{base_name} included (line: mean over seeds; band: their range; curves.json).
 
 Commands run:
 
@@ -699,8 +701,8 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
     res = evaluate_on("test", final, rm)
     stats = {base_name: row_stats(*stack(res, list(base_keys.values()), list(base_keys.values())))}
     costs = {base_name: stage_cost(output_dir, stages[0], walls) if base_name == "sft" else [np.nan] * 3 + [0.0]}
-    scored = final + [s for s in stages[:1] if s["row"] == "sft"]  # the base's own curve too
-    at = checkpoint_scores(args, base, [os.path.join(output_dir, s["name"]) for s in scored]) if args.curve_points else {}
+    scored = [os.path.join(output_dir, s["name"]) for s in final + [s for s in stages[:1] if s["row"] == "sft"]]
+    at = checkpoint_scores(args, base, scored) if args.curve_points else {}  # the base's own curve too
     sft = costs[base_name][2] if np.isfinite(costs[base_name][2]) else 0.0  # a given base: its FLOPs unknown
     curves, score_curves, rows = {}, {}, []
     for name in [base_name] + list(dict.fromkeys(s["row"] for s in stages if s["row"] not in ("sft", "reward"))):

@@ -360,7 +360,8 @@ class Run:
         check_flags(learning_rate=(args.learning_rate, 0, True), batch_size=(args.batch_size, 1, False),
                     max_steps=(args.max_steps, 0, False), num_epochs=(args.num_epochs, 0, True),
                     weight_decay=(args.weight_decay, 0, False), save_every=(args.save_every, 0, False),
-                    save_total_limit=(args.save_total_limit, 0, False), log_every=(log_every, 1, False), eval_every=(eval_every, 0, False),
+                    save_total_limit=(args.save_total_limit, 0, False), log_every=(log_every, 1, False),
+                    eval_every=(eval_every, 0, False),
                     grad_accum_steps=(grad_accum_steps, 1, False), warmup_steps=(args.warmup_steps, 0, False))
         if not (0 <= args.warmup_ratio <= 1 and 0 <= args.min_lr_rate <= 1):
             raise UsageError(f"--warmup-ratio {args.warmup_ratio}, --min-lr-rate {args.min_lr_rate}: "

@@ -482,7 +482,8 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "compare.py"), "--model", "tiny", "--methods", "sft",
                            "--extra", str(fork), "--sft-steps", "20", "--steps", "4", "--num-prompts", "16",
                            "--seeds", "2", "--sweep", "mydpo.learning_rate=1e-5,1e-3", "--output-dir", str(out),
-                           "--curve-points", "1", "--sft-args=--eval-dataset ''", "--extra-args=--eval-dataset '' --batch-size 8"],
+                           "--curve-points", "1", "--sft-args=--eval-dataset ''",
+                           "--extra-args=--eval-dataset '' --batch-size 8"],
                           cwd=ROOT, capture_output=True, text=True, timeout=1200,
                           env=learning_env())  # its evaluation samples 16 prompts × 2 seeds × 3 models
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]

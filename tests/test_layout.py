@@ -16,7 +16,8 @@ ALGORITHMS = ("sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rl
 # Lines per file. The shared modules' are hard limits; a script's is "about" (SLACK over it at most).
 SHARED = {"common": 1000, "plumbing": 860, "interop": 450}
 ABOUT = {"dpo": 380, "simpo": 380, "orpo": 380, "kto": 380, "ppo": 500, "grpo": 500, "rloo": 500,
-         "distill": 450, "sft": 350, "reward": 350, "evaluate": 500, "compare": 725}  # compare: + distill, checkpoint curves
+         "distill": 450, "sft": 350, "reward": 350, "evaluate": 500,
+         "compare": 730}  # compare: + the distill row, the checkpoint curves
 SLACK = 0.02
 
 
