@@ -43,17 +43,25 @@ interop.fix_bpe_splits()  # keras-hub's byte-level BPE splits words as its model
 
 # Backbone class -> its chat template: the families cached_forward samples (Gemma 2 is a GemmaBackbone).
 # Another family trains (KerasHub's own output layer) but needs --chat-template and has no sampler.
-FAMILIES = {"GemmaBackbone": "gemma", "Gemma3Backbone": "gemma", "Llama3Backbone": "llama3",
-            "MistralBackbone": "mistral", "QwenBackbone": "chatml", "Qwen3Backbone": "chatml",
-            "Qwen3_5Backbone": "qwen3.5", "Gemma4Backbone": "gemma4",  # 26B-A4B and 31B: gemma4_large
-            "Qwen3MoeBackbone": "chatml"}  # Qwen3-MoE: Qwen 3's decoder call, a mixture of experts as its MLP
+FAMILIES = {
+    "GemmaBackbone": "gemma",
+    "Gemma3Backbone": "gemma",
+    "Llama3Backbone": "llama3",
+    "MistralBackbone": "mistral",
+    "QwenBackbone": "chatml",
+    "Qwen3Backbone": "chatml",
+    "Qwen3_5Backbone": "qwen3.5",
+    "Gemma4Backbone": "gemma4",  # 26B-A4B and 31B: gemma4_large
+    "Qwen3MoeBackbone": "chatml",
+}  # Qwen3-MoE: Qwen 3's decoder call, a mixture of experts as its MLP
 # Mixtures of experts whose layers add their router's load-balancing loss (add_loss) in training mode, already
 # × the model's coefficient (Qwen3-MoE: the checkpoint's router_aux_loss_coef). `forward` calls only these in
 # training mode (which also switches dropout on). Gemma 4 26B-A4B's add none (keras-hub 0.32): unbalanced here.
 ROUTER_AUX_LOSS = ("Qwen3MoeBackbone",)
 # The `tiny` model: a 4-layer Gemma (about 1.5M parameters) with the bundled tokenizer.
-TINY_CONFIG = dict(num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=192,
-                   intermediate_dim=1024, head_dim=48)
+TINY_CONFIG = dict(
+    num_layers=4, num_query_heads=4, num_key_value_heads=1, hidden_dim=192, intermediate_dim=1024, head_dim=48
+)
 
 
 def default_dtype():
@@ -130,7 +138,8 @@ def distribution_for(mesh, backbone_cls):
     generic rule compiles to about half the peak (v5e, DPO, 2 blocks: Gemma-2B 2.65 GiB a chip against 4.35,
     Llama 3 8B LoRA 1.85 against 3.68; benchmarks/RESULTS.md, "Layout maps on `data` alone")."""
     device_mesh = keras.distribution.DeviceMesh(
-        tuple(mesh.devices.shape), mesh.axis_names, devices=mesh.devices.flatten())
+        tuple(mesh.devices.shape), mesh.axis_names, devices=mesh.devices.flatten()
+    )
     source = getattr(keras_hub.models, LAYOUT_OF.get(backbone_cls.__name__, ""), backbone_cls)
     layout_map = keras.distribution.LayoutMap(device_mesh)  # empty: the generic rule for every weight
     if mesh.shape["model"] > 1:
@@ -164,6 +173,7 @@ def to_host(x):
     if jax.process_count() == 1:
         return np.asarray(jax.device_get(x))
     from jax.experimental import multihost_utils
+
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
 
 
@@ -176,8 +186,11 @@ def init_optimizer(optimizer, params, mesh):
     Pinned as the train step's out_shardings, the state's layout is fixed: the step compiles once."""
     structure = jax.tree.structure(params)
     like_params = lambda x: jax.tree.structure(x) == structure
-    out = jax.tree.map(lambda sub: shardings(params) if like_params(sub) else replicated(mesh),
-                       jax.eval_shape(optimizer.init, params), is_leaf=like_params)
+    out = jax.tree.map(
+        lambda sub: shardings(params) if like_params(sub) else replicated(mesh),
+        jax.eval_shape(optimizer.init, params),
+        is_leaf=like_params,
+    )
     return jax.jit(optimizer.init, out_shardings=out)(params), out
 
 
@@ -193,10 +206,15 @@ def lr_schedule(kind, peak, total_steps, warmup_steps=0, warmup_ratio=0.0, min_l
     def schedule(count):
         step = jnp.minimum(jnp.asarray(count, jnp.float32), max(0, total_steps - 1))
         cosine = 0.5 * (1.0 + jnp.cos(jnp.pi * (step - warmup) / decay_steps))  # num_cycles 0.5: a half wave
-        factor = {"linear": jnp.maximum(0.0, (total_steps - step) / decay_steps),
-                  "cosine": jnp.maximum(0.0, cosine), "constant_with_warmup": 1.0, "constant": 1.0,
-                  "cosine_with_min_lr": jnp.maximum(0.0, cosine * (1 - min_lr_rate) + min_lr_rate)}[kind]
+        factor = {
+            "linear": jnp.maximum(0.0, (total_steps - step) / decay_steps),
+            "cosine": jnp.maximum(0.0, cosine),
+            "constant_with_warmup": 1.0,
+            "constant": 1.0,
+            "cosine_with_min_lr": jnp.maximum(0.0, cosine * (1 - min_lr_rate) + min_lr_rate),
+        }[kind]
         return peak * jnp.where(step < warmup, step / max(1, warmup), factor)  # linear warmup from 0
+
     return schedule, warmup
 
 
@@ -209,16 +227,21 @@ def resolve_model(name):
         return name
     if os.path.isdir(name):
         if not any(os.path.exists(os.path.join(name, f)) for f in ("config.json", "metadata.json")):
-            raise UsageError(f"--model {name}: directory has neither config.json (KerasHub/HF) nor metadata.json")
+            raise UsageError(
+                f"--model {name}: directory has neither config.json (KerasHub/HF) nor metadata.json"
+            )
         return name
     if name in keras_hub.models.CausalLM.presets:
         return name
     if name.count("/") == 1 and not name.startswith(("/", ".", "~")):  # a Hub repo id, as TRL takes it
-        raise UsageError(f"--model {name}: no such directory; as a Hugging Face Hub repo id it is "
-                         f"--model hf://{name}")
+        raise UsageError(
+            f"--model {name}: no such directory; as a Hugging Face Hub repo id it is --model hf://{name}"
+        )
     aliases = ", ".join(["tiny"] + sorted(MODEL_ALIASES))
-    raise UsageError(f"unknown --model {name!r}. Aliases: {aliases}; or any KerasHub preset, "
-                     "a kaggle:// or hf:// handle, or a local preset / Hugging Face directory")
+    raise UsageError(
+        f"unknown --model {name!r}. Aliases: {aliases}; or any KerasHub preset, "
+        "a kaggle:// or hf:// handle, or a local preset / Hugging Face directory"
+    )
 
 
 def tiny_causal_lm(seed, dtype):
@@ -226,7 +249,8 @@ def tiny_causal_lm(seed, dtype):
     keras.utils.set_random_seed(seed)
     tokenizer = keras_hub.models.GemmaTokenizer(proto=TINY_TOKENIZER)
     backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=tokenizer.vocabulary_size(), dtype=dtype_policy(dtype), **TINY_CONFIG)
+        vocabulary_size=tokenizer.vocabulary_size(), dtype=dtype_policy(dtype), **TINY_CONFIG
+    )
     preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=128)
     return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=preprocessor)
 
@@ -237,6 +261,7 @@ def backbone_class(preset):
     if preset == "tiny":
         return keras_hub.models.GemmaBackbone
     from keras_hub.src.utils.preset_utils import get_preset_loader
+
     interop.model_config(preset)  # a hub failure stops here, in one line; it is not a fallback
     try:
         return get_preset_loader(preset).check_backbone_class()
@@ -248,9 +273,11 @@ def check_sampler(name, flag="--model"):
     """The KV-cached sampler (cached_forward) knows the FAMILIES' decoder layers: refuse others early."""
     cls = backbone_class(resolve_model(name))
     if cls.__name__ not in FAMILIES:
-        raise UsageError(f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Gemma 3, Gemma 4, "
-                         "Llama 3, Mistral, Qwen 2.5, Qwen 3, Qwen 3.5 and Qwen3-MoE backbones, not "
-                         f"{cls.__name__}")
+        raise UsageError(
+            f"{flag} {name}: the KV-cached sampler supports Gemma, Gemma 2, Gemma 3, Gemma 4, "
+            "Llama 3, Mistral, Qwen 2.5, Qwen 3, Qwen 3.5 and Qwen3-MoE backbones, not "
+            f"{cls.__name__}"
+        )
 
 
 def vocabulary(name):
@@ -267,7 +294,9 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0, lora_alpha=None, lor
     whatever the checkpoint holds (`dtype`: the compute dtype); lora_rank > 0: only LoRA weights train."""
     preset = resolve_model(name)
     with interop.hub_errors(preset), distribution_for(mesh, backbone_class(preset)).scope():
-        model = tiny_causal_lm(seed, dtype) if preset == "tiny" else text_causal_lm(preset, dtype_policy(dtype))
+        model = (
+            tiny_causal_lm(seed, dtype) if preset == "tiny" else text_causal_lm(preset, dtype_policy(dtype))
+        )
         if lora_rank:
             enable_lora(model.backbone, lora_rank, lora_alpha, lora_target_modules)
     ensure_start_token(getattr(model.preprocessor, "tokenizer", None), name)
@@ -280,15 +309,20 @@ def text_causal_lm(preset, dtype=None):
     alone (the encoders' weights stay in the file): the model/ saved from it is text-only. Gemma 3's and 4's
     preprocessors need TensorFlow (tf.data, text too): each becomes KerasHub's generic one, same ids."""
     from keras_hub.src.utils.preset_utils import find_subclass
+
     config, cls = interop.model_config(preset), backbone_class(preset)
-    encoders = {k: None for k in ("vision_encoder", "audio_encoder")
-                if config.get("config", {}).get(k) or k.replace("encoder", "config") in config}
+    encoders = {
+        k: None
+        for k in ("vision_encoder", "audio_encoder")
+        if config.get("config", {}).get(k) or k.replace("encoder", "config") in config
+    }
     needs_tf = cls.__name__ in ("Gemma3Backbone", "Gemma4Backbone")
     if not encoders and not needs_tf:
         return keras_hub.models.CausalLM.from_preset(preset, dtype=dtype)
     backbone = keras_hub.models.Backbone.from_preset(preset, dtype=dtype, **encoders)
     task = getattr(keras_hub.models, cls.__name__.replace("Backbone", "CausalLM"), None) or find_subclass(
-        preset, keras_hub.models.CausalLM, cls)  # Gemma 4's draft-model task, Gemma4AssistantCausalLM, has it too
+        preset, keras_hub.models.CausalLM, cls
+    )  # Gemma 4's draft-model task, Gemma4AssistantCausalLM, has it too
     preprocessor = keras_hub.models.CausalLMPreprocessor if needs_tf else task.preprocessor_cls
     return task(backbone=backbone, preprocessor=preprocessor(keras_hub.models.Tokenizer.from_preset(preset)))
 
@@ -298,14 +332,19 @@ def enable_lora(backbone, rank, alpha=None, target_modules=None):
     named in `target_modules` (maybe comma-separated; None: KerasHub's default, query and value, PEFT's for
     these families; `all-linear`: attention q/k/v/o and the MLP, as PEFT's: all but the output head, here the
     embedding). Only A and B train: biases stay frozen (PEFT's bias="none")."""
-    linear = [layer for layer in backbone._flatten_layers(include_self=False)  # as KerasHub's enable_lora
-              if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))]
+    linear = [
+        layer
+        for layer in backbone._flatten_layers(include_self=False)  # as KerasHub's enable_lora
+        if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
+    ]
     names = {n for m in target_modules or backbone.default_lora_layer_names() for n in m.split(",") if n}
     chosen = linear if "all-linear" in names else [layer for layer in linear if layer.name in names]
     unknown = names - {"all-linear"} - {layer.name for layer in linear} if target_modules else set()
     if unknown or not chosen:
-        raise UsageError(f"--lora-target-modules {' '.join(target_modules or [])}: not this model's; "
-                         f"all-linear or its layers {', '.join(sorted({layer.name for layer in linear}))}")
+        raise UsageError(
+            f"--lora-target-modules {' '.join(target_modules or [])}: not this model's; "
+            f"all-linear or its layers {', '.join(sorted({layer.name for layer in linear}))}"
+        )
     backbone.trainable = True
     for layer in backbone._flatten_layers(include_self=False):
         layer.trainable = False
@@ -339,8 +378,9 @@ def forward(backbone, params, frozen, token_ids, padding_mask):
     them: a mixture of experts' router loss per MoE layer, × its coefficient (ROUTER_AUX_LOSS); dense: 0.0)."""
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state, collect_losses=True) as scope:
-        hidden = backbone(inputs(backbone, token_ids, padding_mask),
-                          training=type(backbone).__name__ in ROUTER_AUX_LOSS)
+        hidden = backbone(
+            inputs(backbone, token_ids, padding_mask), training=type(backbone).__name__ in ROUTER_AUX_LOSS
+        )
     return hidden, sum((jnp.asarray(x, jnp.float32) for x in scope.losses), jnp.float32(0.0))  # f32 upcast
 
 
@@ -360,17 +400,30 @@ def empty_cache(backbone, batch, length):
     head_dim = getattr(b, "head_dim", None) or b.hidden_dim // b.num_query_heads
     shape = (batch, length, b.num_key_value_heads, head_dim)
     if isinstance(b, keras_hub.models.Gemma4Backbone):
-        return tuple(None if layer.is_kv_shared_layer else jnp.zeros(
-            (batch, 2, length, layer.attention.effective_num_kv_heads, layer.attention.head_dim), dtype)
-            for layer in b.transformer_layers)
+        return tuple(
+            None
+            if layer.is_kv_shared_layer
+            else jnp.zeros(
+                (batch, 2, length, layer.attention.effective_num_kv_heads, layer.attention.head_dim), dtype
+            )
+            for layer in b.transformer_layers
+        )
     if isinstance(b, keras_hub.models.Gemma3Backbone):
         return tuple((jnp.zeros(shape, dtype),) * 2 for _ in range(b.num_layers))
     if isinstance(b, keras_hub.models.Qwen3_5Backbone):
-        conv = (batch, b.linear_num_key_heads * b.linear_key_head_dim * 2
-                + b.linear_num_value_heads * b.linear_value_head_dim, b.linear_conv_kernel_dim - 1)
+        conv = (
+            batch,
+            b.linear_num_key_heads * b.linear_key_head_dim * 2
+            + b.linear_num_value_heads * b.linear_value_head_dim,
+            b.linear_conv_kernel_dim - 1,
+        )
         state = (batch, b.linear_num_value_heads, b.linear_key_head_dim, b.linear_value_head_dim)
-        return tuple((jnp.zeros(conv, dtype), jnp.zeros(state, jnp.float32)) if kind == "linear_attention"
-                     else jnp.zeros((batch, 2, *shape[1:]), dtype) for kind in b.layer_types)
+        return tuple(
+            (jnp.zeros(conv, dtype), jnp.zeros(state, jnp.float32))
+            if kind == "linear_attention"
+            else jnp.zeros((batch, 2, *shape[1:]), dtype)
+            for kind in b.layer_types
+        )
     return tuple(jnp.zeros((batch, 2, *shape[1:]), dtype) for _ in range(b.num_layers))
 
 
@@ -392,8 +445,14 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index):
         if gemma4:  # its layer as Gemma 3's, plus a per-layer input (E2B, E4B); a KV-shared layer (E2B, E4B)
             # attends over an earlier layer's keys and values and writes none: its entry stays None
             shared = caches[layer.kv_shared_layer_index] if layer.is_kv_shared_layer else None
-            x, new = layer(x, padding_mask=padding_mask, cache=c if shared is None else shared,
-                           cache_update_index=index, shared_kv=shared, per_layer_input=per_layer and per_layer[i])
+            x, new = layer(
+                x,
+                padding_mask=padding_mask,
+                cache=c if shared is None else shared,
+                cache_update_index=index,
+                shared_kv=shared,
+                per_layer_input=per_layer and per_layer[i],
+            )
             new = None if shared is not None else new
         elif gemma:  # Gemma 3's layer also applies its query-key norms and local / global RoPE and window
             x, new = layer(x, padding_mask=padding_mask, cache=c, cache_update_index=index)
@@ -401,13 +460,22 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index):
             # (its RMS norm keeps a zero row zero); given the mask instead, the layer would take its conv
             # state from the first real tokens' end, as if the padding were on the right
             here = jax.lax.dynamic_slice_in_dim(padding_mask, index, token_ids.shape[1], 1)  # [B, t]
-            x, *new = layer(jnp.where(here[..., None], x, 0), self_attention_cache=c,
-                            self_attention_cache_update_index=index)
+            x, *new = layer(
+                jnp.where(here[..., None], x, 0),
+                self_attention_cache=c,
+                self_attention_cache_update_index=index,
+            )
             new = tuple(new)  # (conv state, recurrent state): small, replaced whole
         else:  # Llama 3, Mistral, Qwen 2.5 / 3 decoders, Qwen 3.5's attention layers
-            x, new = layer(x, decoder_padding_mask=padding_mask, self_attention_cache=c,
-                           self_attention_cache_update_index=index)
-        if new is not None and not isinstance(new, tuple):  # not Gemma 3's (K, V), updated in place, Qwen 3.5's
+            x, new = layer(
+                x,
+                decoder_padding_mask=padding_mask,
+                self_attention_cache=c,
+                self_attention_cache_update_index=index,
+            )
+        if new is not None and not isinstance(
+            new, tuple
+        ):  # not Gemma 3's (K, V), updated in place, Qwen 3.5's
             # states, nor a KV-shared layer's None: only the t new positions [B, 2, t, K, H] go back into c,
             # which XLA updates in place (the layer's returned cache, a jnp.stack of K and V, rewrote it all)
             new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
@@ -422,16 +490,21 @@ def per_layer_inputs(backbone, token_ids, x):
     b, p = backbone, backbone.hidden_size_per_layer_input
     if not p:
         return None
-    emb = b.per_layer_token_embedding(token_ids).astype(x.dtype) * p ** 0.5  # [B, t, L·P]
-    proj = b.per_layer_model_projection(x) * b.hidden_dim ** -0.5
-    return [(b.per_layer_projection_norm(proj[..., i * p:(i + 1) * p]) + emb[..., i * p:(i + 1) * p]) * 2 ** -0.5
-            for i in range(b.num_layers)]
+    emb = b.per_layer_token_embedding(token_ids).astype(x.dtype) * p**0.5  # [B, t, L·P]
+    proj = b.per_layer_model_projection(x) * b.hidden_dim**-0.5
+    return [
+        (b.per_layer_projection_norm(proj[..., i * p : (i + 1) * p]) + emb[..., i * p : (i + 1) * p])
+        * 2**-0.5
+        for i in range(b.num_layers)
+    ]
 
 
 def split_variables(backbone):
     """(trainable values, frozen values) in the order `stateless_call` expects."""
-    return ([v.value for v in backbone.trainable_variables],
-            [v.value for v in backbone.non_trainable_variables])
+    return (
+        [v.value for v in backbone.trainable_variables],
+        [v.value for v in backbone.non_trainable_variables],
+    )
 
 
 def save_model(model, params, path):
@@ -471,7 +544,9 @@ def save_reward_model(model, params, head, info, path):
     """The backbone as a KerasHub preset (see save_model) + the scalar head {weight [D, 1], bias []}."""
     save_model(model, params, path)
     if jax.process_index() == 0:
-        np.savez(os.path.join(path, HEAD_FILE), weight=np.asarray(head["weight"]), bias=np.asarray(head["bias"]))
+        np.savez(
+            os.path.join(path, HEAD_FILE), weight=np.asarray(head["weight"]), bias=np.asarray(head["bias"])
+        )
         with open(os.path.join(path, HEAD_INFO), "w") as f:
             json.dump(info, f, indent=2)
 
@@ -489,6 +564,7 @@ def load_reward_model(path, mesh, dtype=None, lora_rank=0, flag="--reward-model"
 def load_reward_fn(spec, flag="--reward-fn"):
     """`path.py:function` -> the function: TRL's f(prompts, completions, **kwargs) or f(prompts, responses)."""
     import importlib.util
+
     path, _, name = spec.rpartition(":")
     if not path or not os.path.exists(path):
         raise UsageError(f"{flag} {spec!r}: expected an existing `path.py:function`")
@@ -514,6 +590,7 @@ def reward_fn_signature(fn):
     """-> (the parameters `fn` requires, all it names, whether it takes **kwargs), or None for the
     two-argument form f(prompts, responses) (two positional parameters, no **kwargs, not `completions`)."""
     import inspect
+
     params = inspect.signature(fn).parameters.values()
     var_kw = any(p.kind is p.VAR_KEYWORD for p in params)
     named = [p for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
@@ -532,17 +609,22 @@ def call_reward_fn(fn, n, *args, **kwargs):
     """fn(*args, **kwargs) -> ([n] float64 scores, NaN where it returned None or NaN; [n] bool: it returned
     NaN itself); a UsageError naming fn when it raises or returns anything else."""
     import traceback
+
     try:
         out = fn(*args, **kwargs)
     except Exception as e:
         where = traceback.extract_tb(e.__traceback__)[-1]  # the innermost frame: where in its code
-        raise UsageError(f"reward function {described(fn)} raised {type(e).__name__}: {e} "
-                         f"(at {where.filename}:{where.lineno})") from None
+        raise UsageError(
+            f"reward function {described(fn)} raised {type(e).__name__}: {e} "
+            f"(at {where.filename}:{where.lineno})"
+        ) from None
     try:
         scores = [None if v is None else float(v) for v in out]
     except (TypeError, ValueError):
-        raise UsageError(f"reward function {described(fn)} returned {str(out)[:80]!r}: expected one float "
-                         f"(or None) per completion") from None
+        raise UsageError(
+            f"reward function {described(fn)} returned {str(out)[:80]!r}: expected one float "
+            f"(or None) per completion"
+        ) from None
     if len(scores) != n:
         raise UsageError(f"reward function {described(fn)} returned {len(scores)} scores for {n} completions")
     values = np.array([np.nan if v is None else v for v in scores], np.float64)
@@ -552,8 +634,10 @@ def call_reward_fn(fn, n, *args, **kwargs):
 def reward_names(fns):
     """One metric name per function, by position: its __name__; where two share it, `module.name` (the file's
     stem: data/toy.py:accuracy -> toy.accuracy); where those clash too, `module.name_<position, from 1>`."""
-    names = [f"{f.__module__}.{f.__name__}" if [g.__name__ for g in fns].count(f.__name__) > 1 else f.__name__
-             for f in fns]
+    names = [
+        f"{f.__module__}.{f.__name__}" if [g.__name__ for g in fns].count(f.__name__) > 1 else f.__name__
+        for f in fns
+    ]
     return [f"{n}_{i + 1}" if names.count(n) > 1 else n for i, n in enumerate(names)]
 
 
@@ -566,10 +650,12 @@ def reward_inputs(prompts, texts, rows, completion_ids):
     "content": text}]), completion_ids, and every other column."""
     chat = [isinstance(r.get("prompt"), list) for r in rows]
     columns = {k for r in rows for k in r} - {"prompt", "completion", *TRL_INPUTS}
-    return {"prompts": [r["prompt"] if c else p for r, p, c in zip(rows, prompts, chat)],
-            "completions": [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)],
-            "completion_ids": [list(map(int, x)) for x in completion_ids],
-            **{k: [r.get(k) for r in rows] for k in sorted(columns)}}
+    return {
+        "prompts": [r["prompt"] if c else p for r, p, c in zip(rows, prompts, chat)],
+        "completions": [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)],
+        "completion_ids": [list(map(int, x)) for x in completion_ids],
+        **{k: [r.get(k) for r in rows] for k in sorted(columns)},
+    }
 
 
 class Scorer:
@@ -584,13 +670,19 @@ class Scorer:
 
     def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None):
         self.model, self.head, self.name, self.on_data = model, head, name, NamedSharding(mesh, P("data"))
-        self.fns = [(f, w, reward_fn_signature(f), n) for f, w, n in
-                    zip(fns, weights or [1.0] * len(fns), reward_names(fns), strict=True)]  # by position
+        self.fns = [
+            (f, w, reward_fn_signature(f), n)
+            for f, w, n in zip(fns, weights or [1.0] * len(fns), reward_names(fns), strict=True)
+        ]  # by position
         self.warned = set()  # the functions told once that their NaN counts as None
-        if model is not None:  # the weights are jit arguments: closed over, they would be baked in as constants
+        if (
+            model is not None
+        ):  # the weights are jit arguments: closed over, they would be baked in as constants
             forward = jax.jit(functools.partial(reward_model_scores, model.backbone))
             values = (*split_variables(model.backbone), head)
-            self.forward = lambda batch: to_host(forward(*values, batch["query_responses"], batch["padding_mask"]))
+            self.forward = lambda batch: to_host(
+                forward(*values, batch["query_responses"], batch["padding_mask"])
+            )
 
     def check_columns(self, rows, flag="--dataset"):
         """Before the model loads: each TRL-form function's required parameters are inputs or columns."""
@@ -598,8 +690,10 @@ class Scorer:
         for f, _, signature, _ in self.fns:
             missing = [k for k in (signature[0] if signature else []) if k not in have]
             if missing:
-                raise UsageError(f"reward function {described(f)} takes {missing[0]!r}, which is not a "
-                                 f"column of {flag} (its columns: {', '.join(sorted(have - set(TRL_INPUTS)))})")
+                raise UsageError(
+                    f"reward function {described(f)} takes {missing[0]!r}, which is not a "
+                    f"column of {flag} (its columns: {', '.join(sorted(have - set(TRL_INPUTS)))})"
+                )
 
     def __call__(self, prompts, texts, batch, rows, completion_ids, end=None):
         texts = [t.split(end)[0] for t in texts] if end else list(texts)
@@ -609,13 +703,18 @@ class Scorer:
             if signature is None:  # f(prompts, responses)
                 parts[name], nan[name] = call_reward_fn(f, len(texts), prompts, texts)
             else:  # TRL's keywords: those it names (signature[1]), or all where it takes **kwargs ([2])
-                parts[name], nan[name] = call_reward_fn(f, len(texts), **{
-                    k: v for k, v in inputs.items() if signature[2] or k in signature[1]})
+                parts[name], nan[name] = call_reward_fn(
+                    f, len(texts), **{k: v for k, v in inputs.items() if signature[2] or k in signature[1]}
+                )
             if nan[name].any() and name not in self.warned:  # TRL's nansum takes a NaN as a None
                 self.warned.add(name)
                 from tqdm import tqdm  # on a line of its own, above the progress bar
-                tqdm.write(f"warning: reward function {described(f)} returned NaN for {nan[name].sum()} of "
-                           f"{len(texts)} completions: taken as None (does not apply), as TRL does", sys.stderr)
+
+                tqdm.write(
+                    f"warning: reward function {described(f)} returned NaN for {nan[name].sum()} of "
+                    f"{len(texts)} completions: taken as None (does not apply), as TRL does",
+                    sys.stderr,
+                )
         weighted = [w * parts[name] for _, w, _, name in self.fns]  # w_k × s_k, by position
         if self.model is not None:
             parts["reward_model"] = np.asarray(self.forward(batch), np.float64)
@@ -624,10 +723,13 @@ class Scorer:
         none = np.isnan(weighted).all(0)
         if none.any():
             i = int(np.argmax(none))
-            said = ", ".join(f"{described(f)} returned {'NaN' if nan[n][i] else 'None'}"
-                             for f, _, _, n in self.fns)
-            raise UsageError(f"every reward function returned None or NaN for completion {i} of the batch "
-                             f"(prompt {prompts[i][:80]!r}): {said}; at least one must score each completion")
+            said = ", ".join(
+                f"{described(f)} returned {'NaN' if nan[n][i] else 'None'}" for f, _, _, n in self.fns
+            )
+            raise UsageError(
+                f"every reward function returned None or NaN for completion {i} of the batch "
+                f"(prompt {prompts[i][:80]!r}): {said}; at least one must score each completion"
+            )
         total = np.nansum(weighted, 0)
         return put_global(np.asarray(total, np.float32), self.on_data), parts
 
@@ -635,8 +737,10 @@ class Scorer:
         """The reward model scores the policy's token ids as they are: refuse another vocabulary."""
         ours = self.model.preprocessor.tokenizer if self.model is not None else None
         if ours is not None and ours.vocabulary_size() != tokenizer.vocabulary_size():
-            raise UsageError(f"--reward-model {self.name}: its tokenizer differs from the policy's "
-                             "(it scores the policy's token ids directly)")
+            raise UsageError(
+                f"--reward-model {self.name}: its tokenizer differs from the policy's "
+                "(it scores the policy's token ids directly)"
+            )
 
 
 def load_scorer(mesh, dtype=None, reward_model=None, reward_fns=(), weights=(), lora_rank=0, **lora):
@@ -663,8 +767,9 @@ def read_rows(path, flag="--dataset", config=None, split="train"):
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
             line = raw.count(b"\n", 0, e.start) + 1
-            raise UsageError(f"{path}:{line}: not UTF-8 text (byte offset {e.start}: "
-                             f"{raw[e.start:e.start + 4]!r})") from None
+            raise UsageError(
+                f"{path}:{line}: not UTF-8 text (byte offset {e.start}: {raw[e.start : e.start + 4]!r})"
+            ) from None
         rows = None
         if path.endswith(".json"):
             try:
@@ -695,8 +800,10 @@ def read_rows(path, flag="--dataset", config=None, split="train"):
         raise UsageError(f"{path}: no examples")
     for row, line in rows:  # TRL's vision-language rows: their images would be dropped silently
         if isinstance(row, dict) and {"image", "images"} & row.keys():
-            raise UsageError(f"{path}:{line}: field {sorted({'image', 'images'} & row.keys())[0]!r}: "
-                             "the scripts train and sample on text only")
+            raise UsageError(
+                f"{path}:{line}: field {sorted({'image', 'images'} & row.keys())[0]!r}: "
+                "the scripts train and sample on text only"
+            )
     return rows
 
 
@@ -710,30 +817,41 @@ CHAT_TEMPLATES = {
     "gemma": Template("<start_of_turn>user\n", "<start_of_turn>model\n", "<end_of_turn>\n", None, True),
     # Llama 3 Instruct: a header per role, system included (3.1+ also add a dated system turn; not here)
     # https://huggingface.co/meta-llama/Meta-Llama-3-8B-Instruct/blob/main/tokenizer_config.json
-    "llama3": Template("<|start_header_id|>user<|end_header_id|>\n\n",
-                       "<|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>",
-                       "<|start_header_id|>system<|end_header_id|>\n\n", True),
+    "llama3": Template(
+        "<|start_header_id|>user<|end_header_id|>\n\n",
+        "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        "<|eot_id|>",
+        "<|start_header_id|>system<|end_header_id|>\n\n",
+        True,
+    ),
     # Mistral Instruct v0.1/v0.2: "[INST] {system}\n\n{user} [/INST]{answer}</s>" (v0.3 moves the system
     # text to the last user turn); </s> is the EOS id (no text yields it): only the last answer gets the EOS
     # https://huggingface.co/mistralai/Mistral-7B-Instruct-v0.2/blob/main/tokenizer_config.json
     "mistral": Template("[INST] ", " [/INST]", "", None, False),
     # ChatML (Qwen 2.5, Qwen 3): with no system turn Qwen 2.5 adds a default one; this, as Qwen 3, does not
     # https://huggingface.co/Qwen/Qwen2.5-7B-Instruct/blob/main/tokenizer_config.json
-    "chatml": Template("<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n",
-                       "<|im_start|>system\n", False),
+    "chatml": Template(
+        "<|im_start|>user\n", "<|im_start|>assistant\n", "<|im_end|>\n", "<|im_start|>system\n", False
+    ),
     # Qwen 3.5: ChatML, each answer opened by an empty thinking block, as its template writes an answer without
     # reasoning_content and its non-thinking generation prompt (enable_thinking=false, 0.8B's default, per its
     # card); it leaves the block out of answers before the last user turn, this does not
     # https://huggingface.co/Qwen/Qwen3.5-0.8B (its chat_template, as quoted in public discussions)
-    "qwen3.5": Template("<|im_start|>user\n", "<|im_start|>assistant\n<think>\n\n</think>\n\n",
-                        "<|im_end|>\n", "<|im_start|>system\n", False),
+    "qwen3.5": Template(
+        "<|im_start|>user\n",
+        "<|im_start|>assistant\n<think>\n\n</think>\n\n",
+        "<|im_end|>\n",
+        "<|im_start|>system\n",
+        False,
+    ),
     # Gemma 4: <|turn>role ... <turn|>, with a system role; contents trimmed. Its non-thinking generation
     # prompt differs by size: E2B / E4B open the model's turn plainly, 26B-A4B and 31B with an empty thought
     # channel (gemma4_large), written here on every answer, as their template writes earlier answers
     # https://ai.google.dev/gemma/docs/core/prompt-formatting-gemma4, .../capabilities/thinking
     "gemma4": Template("<|turn>user\n", "<|turn>model\n", "<turn|>\n", "<|turn>system\n", True),
-    "gemma4_large": Template("<|turn>user\n", "<|turn>model\n<|channel>thought\n<channel|>", "<turn|>\n",
-                             "<|turn>system\n", True),
+    "gemma4_large": Template(
+        "<|turn>user\n", "<|turn>model\n<|channel>thought\n<channel|>", "<turn|>\n", "<|turn>system\n", True
+    ),
 }
 
 
@@ -773,8 +891,10 @@ def stop_token_ids(tokenizer, template, extra=()):
     ids = [tokenizer.end_token_id] + ([tokenizer.token_to_id(end)] if end in vocab else [])
     for token in extra:
         if token not in vocab and not (token.isdigit() and int(token) < size):
-            raise UsageError(f"--stop-token {token!r}: neither a token of this tokenizer's vocabulary nor an "
-                             f"id below its size {size}")
+            raise UsageError(
+                f"--stop-token {token!r}: neither a token of this tokenizer's vocabulary nor an "
+                f"id below its size {size}"
+            )
         ids.append(tokenizer.token_to_id(token) if token in vocab else int(token))
     return tuple(dict.fromkeys(int(i) for i in ids))  # each once, in order
 
@@ -782,8 +902,10 @@ def stop_token_ids(tokenizer, template, extra=()):
 def _fold(messages, template):
     """[(role, turn prefix, content)] as the template writes them (where it has no system role, folded in)"""
     prefix = {"system": template.system, "user": template.user, "assistant": template.model}
-    turns = [(m["role"], prefix[m["role"]], m["content"].strip() if template.trim else m["content"])
-             for m in messages]
+    turns = [
+        (m["role"], prefix[m["role"]], m["content"].strip() if template.trim else m["content"])
+        for m in messages
+    ]
     if template.system is None and turns and turns[0][0] == "system":  # Gemma, Mistral: "{system}\n\n{user}"
         role, start, content = turns[1]
         turns = [(role, start, messages[0]["content"] + "\n\n" + content)] + turns[2:]
@@ -797,17 +919,28 @@ def render(messages, template):
 
 def _messages(value, key, where, template):
     if template is None:
-        raise UsageError(f"{where}: field {key!r} is a chat, and --model's family has no known chat template: "
-                         f"pass --chat-template ({', '.join(CHAT_TEMPLATES)})")
-    if not isinstance(value, list) or not value or not all(
+        raise UsageError(
+            f"{where}: field {key!r} is a chat, and --model's family has no known chat template: "
+            f"pass --chat-template ({', '.join(CHAT_TEMPLATES)})"
+        )
+    if (
+        not isinstance(value, list)
+        or not value
+        or not all(
             isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            for m in value):
-        raise UsageError(f"{where}: field {key!r} must be a non-empty list of {{role, content}} objects, "
-                         "content a string (text only: no image parts)")
+            for m in value
+        )
+    ):
+        raise UsageError(
+            f"{where}: field {key!r} must be a non-empty list of {{role, content}} objects, "
+            "content a string (text only: no image parts)"
+        )
     for i, m in enumerate(value):
         if m["role"] not in ("system", "user", "assistant"):
-            raise UsageError(f"{where}: field {key!r}, turn {i + 1}: unknown role {m['role']!r} "
-                             "(expected 'system', 'user' or 'assistant')")
+            raise UsageError(
+                f"{where}: field {key!r}, turn {i + 1}: unknown role {m['role']!r} "
+                "(expected 'system', 'user' or 'assistant')"
+            )
         folded = m["role"] == "system" and template.system is None  # no system role: opens the next user turn
         if folded and (i or [t["role"] for t in value[:2]] != ["system", "user"]):
             raise UsageError(f"{where}: field {key!r}: a system turn must come first, then a user turn")
@@ -837,8 +970,11 @@ def sft_segments(row, where, template):
         end, segments = template.end, []
         for role, start, content, trained in turns:
             if role == "assistant":
-                segments += [(start, False), (content + end.rstrip("\n"), trained),
-                             (end[len(end.rstrip("\n")):], False)]  # the turn end's newline, if any
+                segments += [
+                    (start, False),
+                    (content + end.rstrip("\n"), trained),
+                    (end[len(end.rstrip("\n")) :], False),
+                ]  # the turn end's newline, if any
             else:
                 segments.append((start + content + end, False))
         return segments[:-1]  # the EOS follows the last assistant turn directly
@@ -857,22 +993,29 @@ def preference_triple(row, where, template, names=("chosen", "rejected")):
     if not isinstance(row, dict):
         raise UsageError(f"{where}: expected a JSON object")
     if missing := [key for key in names if key not in row]:
-        raise UsageError(f"{where}: missing field {missing[0]!r} (need 'chosen', 'rejected', optional 'prompt')")
+        raise UsageError(
+            f"{where}: missing field {missing[0]!r} (need 'chosen', 'rejected', optional 'prompt')"
+        )
     keys = [k for k in ("prompt", *names) if k in row]
     if isinstance(row[names[0]], list):  # conversational: message lists
-        prompt, chosen, rejected = (_messages(row[k], k, where, template) if k in row else []
-                                    for k in ("prompt", *names))
+        prompt, chosen, rejected = (
+            _messages(row[k], k, where, template) if k in row else [] for k in ("prompt", *names)
+        )
         if "prompt" not in row:
-            n = next((i for i, (c, r) in enumerate(zip(chosen, rejected)) if c != r),
-                     min(len(chosen), len(rejected)))  # the turns they share
+            n = next(
+                (i for i, (c, r) in enumerate(zip(chosen, rejected)) if c != r),
+                min(len(chosen), len(rejected)),
+            )  # the turns they share
             prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
         model, end = template[1], template[2]
         responses = []
         for name, msgs in zip(names, (chosen, rejected)):
             if not msgs or msgs[0]["role"] != "assistant" or not msgs[0]["content"].strip():
-                raise UsageError(f"{where}: {name!r} must continue the prompt with an assistant turn with text")
+                raise UsageError(
+                    f"{where}: {name!r} must continue the prompt with an assistant turn with text"
+                )
             text = render(msgs, template)
-            responses.append(text[len(model):len(text) - len(end)] + end.rstrip("\n"))  # EOS follows
+            responses.append(text[len(model) : len(text) - len(end)] + end.rstrip("\n"))  # EOS follows
         return (render(prompt, template) + model, *responses)
     for k in keys:
         _text(row, k, where)
@@ -882,8 +1025,10 @@ def preference_triple(row, where, template, names=("chosen", "rejected")):
     n = len(os.path.commonprefix([chosen, rejected]))
     n -= n > 0 and chosen[n - 1] == " "  # " 2 8 9" vs " 2 5 9": the responses keep their leading space
     if n == 0 or not chosen[n:].strip() or not rejected[n:].strip():
-        raise UsageError(f"{where}: without 'prompt', the prompt is the longest common prefix of "
-                         "'chosen' and 'rejected', which here leaves an empty prompt or response")
+        raise UsageError(
+            f"{where}: without 'prompt', the prompt is the longest common prefix of "
+            "'chosen' and 'rejected', which here leaves an empty prompt or response"
+        )
     return chosen[:n], chosen[n:], rejected[n:]
 
 
@@ -942,15 +1087,19 @@ GROUP_WINDOW = 50  # --group-by-length: batches per length-sorted window (HF's m
 
 def _stream(n, start, count, seed):
     """Positions [start, start + count) of an endless stream over n examples, reshuffled per epoch."""
-    idx = np.concatenate([np.random.default_rng([seed, e]).permutation(n)
-                          for e in range(start // n, (start + count - 1) // n + 1)])
-    return idx[start % n:][:count]
+    idx = np.concatenate(
+        [
+            np.random.default_rng([seed, e]).permutation(n)
+            for e in range(start // n, (start + count - 1) // n + 1)
+        ]
+    )
+    return idx[start % n :][:count]
 
 
 def _local(idx):
     """This process's part of a global batch (each process loads its own slice)."""
     per_proc = len(idx) // jax.process_count()
-    return idx[jax.process_index() * per_proc:][:per_proc]
+    return idx[jax.process_index() * per_proc :][:per_proc]
 
 
 def bucket_length(n, max_length):

@@ -22,7 +22,9 @@ from dataclasses import dataclass
 from typing import Annotated, Literal
 
 import plumbing  # the run shell: the exit boundary, --help from this file's source (instant to import)
-plumbing.answer_help(__name__, __file__)  # `python compare.py --help`: before the imports below
+
+# `python compare.py --help`: before the imports below
+plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (data files, reward functions, mesh; JAX's devices start only to evaluate)
 import numpy as np  # noqa: E402
@@ -47,7 +49,9 @@ class Args:
     # what to run
     model: str = "tiny"
     """the base: any --model form (alias, preset, handle, local dir, `tiny`)"""
-    chat_template: Literal["gemma", "gemma4", "gemma4_large", "llama3", "mistral", "chatml", "qwen3.5"] | None = None
+    chat_template: (
+        Literal["gemma", "gemma4", "gemma4_large", "llama3", "mistral", "chatml", "qwen3.5"] | None
+    ) = None
     """how chats are rendered; None: --model's family's (Gemma 1-3: gemma, Gemma 4: gemma4, or gemma4_large
     at 26B-A4B / 31B, Llama 3: llama3, Mistral: mistral, Qwen 2.5 / 3: chatml, Qwen 3.5: qwen3.5)"""
     task: Literal["compare", "toy"] = "compare"
@@ -138,15 +142,15 @@ RECIPE = {
     "sft": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 20 --max-length 512" + COSINE_TO_10,
     # the controls: SFT at the rate it ended on, 64 demonstrations a step (a preference step's 32 pairs)
     "sft+": "--batch-size 64 --learning-rate 1e-4 --warmup-steps 0 --max-length 512 "
-            "--lr-scheduler-type constant",
+    "--lr-scheduler-type constant",
     "dpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,
     "simpo": "--batch-size 32 --grad-accum-steps 1 --warmup-steps 5 --max-length 512 --beta 2.0 --gamma 0.5"
-             + COSINE_TO_10,
+    + COSINE_TO_10,
     "orpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,
     "kto": "--batch-size 64 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,  # dpo's 32 pairs
     "reward": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 10 --max-length 512" + COSINE_TO_10,
     "ppo": "--batch-size 32 --num-mini-batches 2 --max-prompt-length 64 --response-length 16 "
-           "--missing-eos-penalty 1.0 --kl-coef 0.05 --lr-scheduler-type linear",  # to 0 over every update
+    "--missing-eos-penalty 1.0 --kl-coef 0.05 --lr-scheduler-type linear",  # to 0 over every update
     "grpo": f"--batch-size 64 {SAMPLER} --beta 0.0 --lr-scheduler-type constant_with_warmup",  # TRL's β
     # β 0.01 as docs/rloo.md measured (TRL's 0.05 drowns the toy reward in the sequence KL's noise)
     "rloo": f"--batch-size 64 {SAMPLER} --beta 0.01 --lr-scheduler-type constant_with_warmup",
@@ -154,9 +158,20 @@ RECIPE = {
     "distill": "--batch-size 64 --max-prompt-length 64 --response-length 16 --warmup-steps 5" + COSINE_TO_10,
 }
 # --task compare: data/compare/{kind}_train.jsonl (+ _eval but for prompts), before the recipe
-TASK_DATA = {"sft": "sft", "sft+": "sft", "sft+rl": "sft", "dpo": "prefs", "simpo": "prefs", "orpo": "prefs",
-             "reward": "prefs", "kto": "kto", "ppo": "prompts", "grpo": "prompts", "rloo": "prompts",
-             "distill": "prompts"}
+TASK_DATA = {
+    "sft": "sft",
+    "sft+": "sft",
+    "sft+rl": "sft",
+    "dpo": "prefs",
+    "simpo": "prefs",
+    "orpo": "prefs",
+    "reward": "prefs",
+    "kto": "kto",
+    "ppo": "prompts",
+    "grpo": "prompts",
+    "rloo": "prompts",
+    "distill": "prompts",
+}
 
 
 def task_flags(task, model, recipe):
@@ -171,8 +186,10 @@ def task_flags(task, model, recipe):
 def task_prompts(args):
     """(eval prompts, test prompts): the flags', or --task's held-out splits."""
     folder = os.path.join(common.HERE, "data", "compare" if args.task == "compare" else "")
-    return (args.eval_prompts or os.path.join(folder, "prompts_eval.jsonl"),
-            args.test_prompts or os.path.join(folder, "prompts_test.jsonl"))
+    return (
+        args.eval_prompts or os.path.join(folder, "prompts_eval.jsonl"),
+        args.test_prompts or os.path.join(folder, "prompts_test.jsonl"),
+    )
 
 
 def parse_sweep(specs, rows):
@@ -184,8 +201,9 @@ def parse_sweep(specs, rows):
         row, _, flag = key.partition(".")
         values = [v.strip() for v in values.split(",") if v.strip()]
         if row not in rows or not flag.isidentifier() or not values:
-            raise plumbing.UsageError(f"--sweep {spec!r}: expected row.flag=v1,v2,… with row one of "
-                                      f"{','.join(rows)}")
+            raise plumbing.UsageError(
+                f"--sweep {spec!r}: expected row.flag=v1,v2,… with row one of {','.join(rows)}"
+            )
         grid[row] = [{**s, flag: v} for s in grid.get(row, [{}]) for v in values]
     return grid
 
@@ -200,31 +218,50 @@ def plan(args, output_dir):
     the base model, the seeds, the sweep grid); bad choices raise UsageError."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if any(m not in METHODS for m in methods) or not (methods or args.extra) or args.seeds < 1:
-        raise plumbing.UsageError(f"--methods {args.methods!r}: choose from {','.join(METHODS)}; --seeds >= 1")
+        raise plumbing.UsageError(
+            f"--methods {args.methods!r}: choose from {','.join(METHODS)}; --seeds >= 1"
+        )
     base = os.path.join(output_dir, "sft", "model") if "sft" in methods else args.model
     sft = ["sft"] if "sft" in methods else []
     lr, fn = ["--learning-rate", str(args.learning_rate)], ["--reward-fn", args.reward_fn]
     budget = lambda steps: ["--max-steps", str(steps)] + curve_flags(steps, args.curve_points)
     script = lambda name: os.path.join(common.HERE, f"{name}.py")
     # rows after SFT: (row, script, recipe key, steps, its flags, pass-through flags, on the reward model)
-    rows = [(m, script(m), m, args.steps, [], getattr(args, f"{m}_args"), False)
-            for m in PREFERENCE if m in methods]
+    rows = [
+        (m, script(m), m, args.steps, [], getattr(args, f"{m}_args"), False)
+        for m in PREFERENCE
+        if m in methods
+    ]
     for path in args.extra:
         name = os.path.splitext(os.path.basename(path))[0]
         if not path.endswith(".py") or not os.path.exists(path) or name in METHODS + ("reward",):
-            raise plumbing.UsageError(f"--extra {path}: expected an existing script whose name is not a built-in")
+            raise plumbing.UsageError(
+                f"--extra {path}: expected an existing script whose name is not a built-in"
+            )
         rows.append((name, os.path.abspath(path), "dpo", args.steps, [], args.extra_args, False))
     if "distill" in methods:  # the preference rows' budget, graded token by token by the teacher
         if not args.teacher_model:
-            raise plumbing.UsageError("--methods distill needs --teacher-model (a model of the base's vocabulary)")
-        rows.append(("distill", script("distill"), "distill", args.steps, ["--teacher-model", args.teacher_model],
-                     args.distill_args, False))
+            raise plumbing.UsageError(
+                "--methods distill needs --teacher-model (a model of the base's vocabulary)"
+            )
+        rows.append(
+            (
+                "distill",
+                script("distill"),
+                "distill",
+                args.steps,
+                ["--teacher-model", args.teacher_model],
+                args.distill_args,
+                False,
+            )
+        )
     if "sft+" in methods:  # the preference rows' control: their steps, their tokens (RECIPE's sft+)
         rows.append(("sft+", script("sft"), "sft+", args.steps, [], args.sft_args, False))
     for row, on_rm in (("ppo", True), ("ppo_fn" if args.ppo_reward == "both" else "ppo", False)):
         if "ppo" in methods and args.ppo_reward in ("both", "model" if on_rm else "fn"):
-            rows.append((row, script("ppo"), "ppo", args.ppo_steps, [] if on_rm else fn, args.ppo_args,
-                         on_rm))
+            rows.append(
+                (row, script("ppo"), "ppo", args.ppo_steps, [] if on_rm else fn, args.ppo_args, on_rm)
+            )
     for m in ("grpo", "rloo"):  # a verifiable reward: the task score itself, like ppo_fn
         if m in methods:
             rows.append((m, script(m), m, getattr(args, f"{m}_steps"), fn, getattr(args, f"{m}_args"), False))
@@ -232,20 +269,63 @@ def plan(args, output_dir):
         rows.append(("sft+rl", script("sft"), "sft+", None, [], args.sft_args, False))
     grid = parse_sweep(args.sweep, [r[0] for r in rows])
     template = ["--chat-template", args.chat_template] if args.chat_template else []
+
     def stage(name, row, script, recipe, model, flags, seed, extra, needs, setting):
         swept = [x for k, v in setting.items() for x in ("--" + k.replace("_", "-"), v)]
-        return {"name": name, "row": row, "setting": tag(setting), "seed": seed, "script": script, "needs": needs,
-                "flags": ["--model", model] + flags + task_flags(args.task, args.model, recipe)
-                + shlex.split(RECIPE[recipe]) + ["--seed", str(seed)] + template
-                + ["--output-dir", os.path.join(output_dir, name)] + shlex.split(extra) + swept}
+        return {
+            "name": name,
+            "row": row,
+            "setting": tag(setting),
+            "seed": seed,
+            "script": script,
+            "needs": needs,
+            "flags": ["--model", model]
+            + flags
+            + task_flags(args.task, args.model, recipe)
+            + shlex.split(RECIPE[recipe])
+            + ["--seed", str(seed)]
+            + template
+            + ["--output-dir", os.path.join(output_dir, name)]
+            + shlex.split(extra)
+            + swept,
+        }
+
     seeds = [args.seed + k for k in range(args.seeds)]
-    stages = [stage("sft", "sft", script("sft"), "sft", args.model, budget(args.sft_steps), args.seed,
-                    args.sft_args, [], {})] if sft else []
+    stages = (
+        [
+            stage(
+                "sft",
+                "sft",
+                script("sft"),
+                "sft",
+                args.model,
+                budget(args.sft_steps),
+                args.seed,
+                args.sft_args,
+                [],
+                {},
+            )
+        ]
+        if sft
+        else []
+    )
     for seed in seeds:
         rm = f"reward/seed{seed}"
         if any(r[6] for r in rows):
-            stages.append(stage(rm, "reward", script("reward"), "reward", base, ["--max-steps",
-                                str(args.reward_steps), "--normalize"], seed, args.reward_args, sft, {}))
+            stages.append(
+                stage(
+                    rm,
+                    "reward",
+                    script("reward"),
+                    "reward",
+                    base,
+                    ["--max-steps", str(args.reward_steps), "--normalize"],
+                    seed,
+                    args.reward_args,
+                    sft,
+                    {},
+                )
+            )
         for row, path, recipe, steps, row_flags, extra, on_rm in rows:
             ran = [s["name"] for s in stages if s["seed"] == seed and s["row"] in (RL + ("sft+",))]
             flags = (budget(steps) if steps else []) + ([] if row in CONTROLS else lr)
@@ -276,10 +356,14 @@ def matched_steps(output_dir, stage):
 
 def prepare_output_dir(output_dir, stages, overwrite):
     """Refuse to mix with an earlier comparison unless --overwrite (which removes its runs)."""
-    held = sorted({s["name"].split("/")[0] for s in stages if os.path.exists(os.path.join(output_dir, s["name"]))})
+    held = sorted(
+        {s["name"].split("/")[0] for s in stages if os.path.exists(os.path.join(output_dir, s["name"]))}
+    )
     if held and not overwrite:
-        raise plumbing.UsageError(f"--output-dir {output_dir} already holds runs ({', '.join(held)}); "
-                                  "pass --overwrite to replace them")
+        raise plumbing.UsageError(
+            f"--output-dir {output_dir} already holds runs ({', '.join(held)}); "
+            "pass --overwrite to replace them"
+        )
     for name in held:
         shutil.rmtree(os.path.join(output_dir, name))
     os.makedirs(output_dir, exist_ok=True)
@@ -315,8 +399,13 @@ def run_cost(run_dir):
     path = os.path.join(run_dir, "args.json")
     a = json.load(open(path)) if os.path.exists(path) else {}
     total = lambda k: float(sum(r[k] for r in rows if k in r)) if any(k in r for r in rows) else float("nan")
-    generated = (total("charts/generated_tokens") if any("charts/generated_tokens" in r for r in rows)
-                 else a["max_steps"] * a["batch_size"] * a["response_length"] if "response_length" in a else 0)
+    generated = (
+        total("charts/generated_tokens")
+        if any("charts/generated_tokens" in r for r in rows)
+        else a["max_steps"] * a["batch_size"] * a["response_length"]
+        if "response_length" in a
+        else 0
+    )
     return [total("charts/tokens"), float(generated), total("charts/flops")]
 
 
@@ -327,19 +416,27 @@ def run_stage(i, n, stage, output_dir):
     cmd = [sys.executable, stage["script"]] + stage["flags"]
     print(f"[{i}/{n}] {stage['name']}: {shlex.join(cmd[1:])}", flush=True)
     # A forked script (--extra) may live anywhere: it still finds `common` and the toy data.
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [common.HERE, os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [common.HERE, os.environ.get("PYTHONPATH")])),
+    }
     with open(log_path, "w") as log:
         t0 = time.perf_counter()
         rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
     wall = time.perf_counter() - t0
     if rc != 0:
         with open(log_path) as f:
-            print(f"      FAILED (exit {rc}) after {wall:.0f} s; last lines of {log_path}:\n"
-                  + "".join(f.readlines()[-10:]), flush=True)
+            print(
+                f"      FAILED (exit {rc}) after {wall:.0f} s; last lines of {log_path}:\n"
+                + "".join(f.readlines()[-10:]),
+                flush=True,
+            )
         return False, wall
     name, _, values = main_curve(read_metrics(os.path.join(output_dir, stage["name"])))
-    print(f"      done in {wall:.0f} s" + (f"; {name} {values[0]:.3f} -> {values[-1]:.3f}" if values else ""),
-          flush=True)
+    print(
+        f"      done in {wall:.0f} s" + (f"; {name} {values[0]:.3f} -> {values[-1]:.3f}" if values else ""),
+        flush=True,
+    )
     return True, wall
 
 
@@ -348,10 +445,19 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
     """jobs: [(key, seed, model dir, reward model dir or None)] -> {key: evaluate.per_prompt arrays}: each model
     on `prompts_path` against `base`, both sampled with `seed` (paired); outputs in eval_dir(key, seed)."""
     import evaluate  # JAX starts only now, after the training processes ended (a TPU admits one)
+
     eargs = lambda seed, rm: evaluate.Args(
-        model=base, baseline=base, prompts=prompts_path, num_prompts=args.num_prompts, reward_fn=(args.reward_fn,),
-        reward_model=rm, chat_template=args.chat_template, max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature, seed=seed)
+        model=base,
+        baseline=base,
+        prompts=prompts_path,
+        num_prompts=args.num_prompts,
+        reward_fn=(args.reward_fn,),
+        reward_model=rm,
+        chat_template=args.chat_template,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=seed,
+    )
     mesh, ea = common.make_mesh(None), eargs(args.seed, None)
     prompts, rows, reward_fn = evaluate.check_args(ea, mesh)
     base_policy = evaluate.load_policy(base, mesh, ea)
@@ -362,18 +468,30 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
         if rm not in scorers:
             scorers[rm] = evaluate.make_scorer(ea, mesh, data, reward_fn)
         if (seed, rm) not in base_outs:
-            base_outs[seed, rm] = evaluate.evaluate_policy(base_policy, data, scorers[rm], ea, mesh, base_policy)
+            base_outs[seed, rm] = evaluate.evaluate_policy(
+                base_policy, data, scorers[rm], ea, mesh, base_policy
+            )
         b = outs = base_outs[seed, rm]
         if model_dir != base:
             policy = evaluate.load_policy(model_dir, mesh, ea, like=base_policy)
             evaluate.check_same_tokens(model_dir, policy.model, data, ea, key)
             outs = evaluate.evaluate_policy(policy, data, scorers[rm], ea, mesh, baseline=base_policy)
         results[key], m = evaluate.per_prompt(outs, b), evaluate.summarize(outs, b)
-        meta = {"model": model_dir, "baseline": base, "prompts": prompts_path,
-                "num_prompts": len(data["prompts"]), "seed": seed, "temperature": args.temperature, **m}
+        meta = {
+            "model": model_dir,
+            "baseline": base,
+            "prompts": prompts_path,
+            "num_prompts": len(data["prompts"]),
+            "seed": seed,
+            "temperature": args.temperature,
+            **m,
+        }
         evaluate.write_outputs(eval_dir(key, seed), meta, evaluate.examples(outs, data, 8, b), results[key])
-        print(f"      {key} (seed {seed}): task score {m['score']:.3f}, KL {m['kl']:.3f} "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+        print(
+            f"      {key} (seed {seed}): task score {m['score']:.3f}, KL {m['kl']:.3f} "
+            f"({time.perf_counter() - t0:.0f} s)",
+            flush=True,
+        )
     return results
 
 
@@ -383,9 +501,16 @@ def checkpoint_scores(args, base, run_dirs):
     import evaluate
     import jax
     import orbax.checkpoint as ocp
-    ea = evaluate.Args(model=base, prompts=args.test_prompts, num_prompts=args.num_prompts, seed=args.seed,
-                       reward_fn=(args.reward_fn,), chat_template=args.chat_template,
-                       max_new_tokens=args.max_new_tokens)
+
+    ea = evaluate.Args(
+        model=base,
+        prompts=args.test_prompts,
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        reward_fn=(args.reward_fn,),
+        chat_template=args.chat_template,
+        max_new_tokens=args.max_new_tokens,
+    )
     mesh = common.make_mesh(None)
     prompts, rows, reward_fn = evaluate.check_args(ea, mesh)
     policy = evaluate.load_policy(base, mesh, ea)
@@ -395,20 +520,30 @@ def checkpoint_scores(args, base, run_dirs):
         folder, curves[run_dir] = os.path.abspath(os.path.join(run_dir, "checkpoints")), []
         with open(os.path.join(run_dir, "args.json")) as f:
             last = json.load(f)["max_steps"]  # its end: model/, scored in the table
-        steps = [s for s in sorted(map(int, filter(str.isdigit, os.listdir(folder)))) if s < last] \
-            if os.path.isdir(folder) else []
+        steps = (
+            [s for s in sorted(map(int, filter(str.isdigit, os.listdir(folder)))) if s < last]
+            if os.path.isdir(folder)
+            else []
+        )
         for step in steps:
             with ocp.CheckpointManager(folder) as manager:  # ppo's weights: PPOParams(policy, value, head)
-                params = manager.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state[0]
+                params = manager.restore(
+                    step, args=ocp.args.Composite(state=ocp.args.StandardRestore())
+                ).state[0]
             params = params["policy"] if isinstance(params, dict) else params
             if [np.shape(w) for w in params] != [w.shape for w in policy.params]:
                 print(f"      {run_dir}: its checkpoints hold other weights than {base}'s: no curve")
                 break
-            at = policy._replace(params=[jax.device_put(w, p.sharding) for w, p in zip(params, policy.params)])
+            at = policy._replace(
+                params=[jax.device_put(w, p.sharding) for w, p in zip(params, policy.params)]
+            )
             out = evaluate.respond(at, data, "greedy", jax.random.key(0), bs, mesh)  # greedy: the key unused
             curves[run_dir].append((step, float(evaluate.score(scorer, data, out, bs, mesh)["score"].mean())))
-        print(f"      {os.path.relpath(run_dir)}: greedy score at steps {steps}: "
-              f"{[round(v, 3) for _, v in curves[run_dir]]}", flush=True)
+        print(
+            f"      {os.path.relpath(run_dir)}: greedy score at steps {steps}: "
+            f"{[round(v, 3) for _, v in curves[run_dir]]}",
+            flush=True,
+        )
     return curves
 
 
@@ -416,6 +551,7 @@ def checkpoint_scores(args, base, run_dirs):
 def t_quantile(p, df):
     """Student-t quantile t_p(df) (SciPy's, a dependency of JAX's)."""
     import scipy.stats  # here: `import compare` stays light
+
     return float(scipy.stats.t.ppf(p, df))
 
 
@@ -441,8 +577,10 @@ def mean_interval(x, level=0.95):
 
 def row_stats(arrays, base_arrays):
     """{metric: [S, P]} of a row and of the base -> {metric: (mean, ±)}, `delta`: score row − base, paired."""
-    return {**{k: mean_interval(v) for k, v in arrays.items()},
-            "delta": mean_interval(arrays["score"] - base_arrays["score"])}
+    return {
+        **{k: mean_interval(v) for k, v in arrays.items()},
+        "delta": mean_interval(arrays["score"] - base_arrays["score"]),
+    }
 
 
 # === Report: the table (markdown), the picture ===
@@ -457,8 +595,9 @@ def note(name, st, base_name, base_st, run_metrics, on_reward_model):
     """One line a row: verdicts against the base and the control, then the likely why (log-probs, RM, KL)."""
     if name == base_name:
         return "the base every other method starts from (one model, shared by every seed)"
-    head = verdict(st["delta"], base_name) + (f"; {verdict(st['delta_control'], st['control'])}"
-                                              if "delta_control" in st else "")
+    head = verdict(st["delta"], base_name) + (
+        f"; {verdict(st['delta_control'], st['control'])}" if "delta_control" in st else ""
+    )
     if st["delta"][0] + st["delta"][1] >= 0:
         return head
     head, mean = head + ": ", lambda k, b=st: b[k][0]
@@ -467,14 +606,19 @@ def note(name, st, base_name, base_st, run_metrics, on_reward_model):
     first, last = (np.mean([c[0] for c in chosen]), np.mean([c[-1] for c in chosen])) if chosen else (0, 0)
     if chosen and last < first:
         longer = "; greedy answers got longer" if mean("length") > mean("length", base_st) + 0.5 else ""
-        return head + (f"held-out chosen log-prob fell too ({first:.2f} → {last:.2f}): the margin grew "
-                       f"by pushing both answers down (likelihood displacement){longer}")
+        return head + (
+            f"held-out chosen log-prob fell too ({first:.2f} → {last:.2f}): the margin grew "
+            f"by pushing both answers down (likelihood displacement){longer}"
+        )
     if on_reward_model and "rm_score" in st and mean("rm_score") > mean("rm_score", base_st):
-        return head + (f"reward hacking: reward-model score {mean('rm_score', base_st):.2f} → "
-                       f"{mean('rm_score'):.2f} while the task score fell; answers "
-                       f"{mean('length', base_st):.1f} → {mean('length'):.1f} tokens")
-    return head + (f"moved (KL {mean('kl'):.2f}) in a direction its training signal prefers but the task "
-                   "score does not")
+        return head + (
+            f"reward hacking: reward-model score {mean('rm_score', base_st):.2f} → "
+            f"{mean('rm_score'):.2f} while the task score fell; answers "
+            f"{mean('length', base_st):.1f} → {mean('length'):.1f} tokens"
+        )
+    return head + (
+        f"moved (KL {mean('kl'):.2f}) in a direction its training signal prefers but the task score does not"
+    )
 
 
 def fmt(v, digits=3, top=None):
@@ -491,14 +635,34 @@ def fmt(v, digits=3, top=None):
 def table(rows, base_name, with_rm):
     """rows: [(name, stats or None, cost [tokens trained, generated, FLOPs, wall s], note)] -> markdown."""
     rm = ["rm_score"] if with_rm else []  # the RM score column: only where a row trained on a reward model
-    cols = ["method", "task score", f"Δ vs {base_name} (paired)", "Δ vs control (paired)", "sampled score",
-            *["RM score"] * len(rm), f"win rate vs {base_name}", f"KL from {base_name}", "length",
-            "tokens trained", "tokens generated", "FLOPs", "wall time", "notes"]
+    cols = [
+        "method",
+        "task score",
+        f"Δ vs {base_name} (paired)",
+        "Δ vs control (paired)",
+        "sampled score",
+        *["RM score"] * len(rm),
+        f"win rate vs {base_name}",
+        f"KL from {base_name}",
+        "length",
+        "tokens trained",
+        "tokens generated",
+        "FLOPs",
+        "wall time",
+        "notes",
+    ]
     keys = ["score", "delta", "score_sampled", *rm, "win", "kl", "length"]
-    lines = ["| " + " | ".join(cols) + " |", "|" + "|".join(["---"] + ["---:"] * (len(cols) - 2) + ["---"]) + "|"]
-    tops = np.nanmax([[np.nan if c is None else c for c in cost[:3]] for _, _, cost, _ in rows] + [[0] * 3], 0)
+    lines = [
+        "| " + " | ".join(cols) + " |",
+        "|" + "|".join(["---"] + ["---:"] * (len(cols) - 2) + ["---"]) + "|",
+    ]
+    tops = np.nanmax(
+        [[np.nan if c is None else c for c in cost[:3]] for _, _, cost, _ in rows] + [[0] * 3], 0
+    )
     for name, st, cost, text in rows:
-        cells = [fmt(st[k], 2 if k in ("rm_score", "kl", "length") else 3) if st and k in st else "–" for k in keys]
+        cells = [
+            fmt(st[k], 2 if k in ("rm_score", "kl", "length") else 3) if st and k in st else "–" for k in keys
+        ]
         against = f"{fmt(st['delta_control'])} ({st['control']})" if st and "delta_control" in st else "–"
         cells.insert(2, against)
         cells += [fmt(c, top=t) for c, t in zip(cost[:3], tops)] + [f"{cost[3]:.0f} s" if cost[3] else "–"]
@@ -509,7 +673,9 @@ def table(rows, base_name, with_rm):
 def seed_band(runs):
     """Each seed's [[FLOPs, score]] -> x, mean, min, max over seeds at the first k - 1 points and the ends (k: the
     fewest points; sft+rl's seeds may differ by a checkpoint)."""
-    xy = np.stack([np.concatenate([r[:min(map(len, runs)) - 1], r[-1:]]) for r in runs])  # [seeds, points, 2]
+    xy = np.stack(
+        [np.concatenate([r[: min(map(len, runs)) - 1], r[-1:]]) for r in runs]
+    )  # [seeds, points, 2]
     return xy[..., 0].mean(0), xy[..., 1].mean(0), xy[..., 1].min(0), xy[..., 1].max(0)
 
 
@@ -518,8 +684,10 @@ def plot(curves, stats, base_name, temperature, path):
     test score against training FLOPs, SFT included (right: mean over seeds, band: their range)."""
     curves, score_curves = curves
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     cols = max(1, -(-len(curves) // 2))  # the training curves: two rows of them
     fig = plt.figure(figsize=(3.0 * cols + 10.0, 6.0))
     grid = fig.add_gridspec(2, cols + 2, width_ratios=[1] * cols + [1.6, 2.2])
@@ -531,8 +699,14 @@ def plot(curves, stats, base_name, temperature, path):
         ax.tick_params(labelsize=7)
     ax, names, x = fig.add_subplot(grid[:, cols]), list(stats), np.arange(len(stats))
     for dx, key, label in ((-0.2, "score", "greedy"), (0.2, "score_sampled", f"sampled (T={temperature:g})")):
-        ax.bar(x + dx, [stats[n][key][0] for n in names], 0.4, yerr=[stats[n][key][1] for n in names],
-               capsize=3, label=label)
+        ax.bar(
+            x + dx,
+            [stats[n][key][0] for n in names],
+            0.4,
+            yerr=[stats[n][key][1] for n in names],
+            capsize=3,
+            label=label,
+        )
     if base_name in stats:
         ax.axhline(stats[base_name]["score"][0], ls="--", lw=1, color="gray", label=f"{base_name} greedy")
     ax.set_xticks(x, names, rotation=30, fontsize=8), ax.legend(fontsize=8, loc="upper right")
@@ -543,38 +717,58 @@ def plot(curves, stats, base_name, temperature, path):
     for i, (n, runs) in enumerate(score_curves.items()):
         x, mean, low, high = seed_band(runs)
         color, out = plt.cm.tab20(2 * i % 20 + i // 10), n != base_name and bool(mean.min() < top - 0.06)
-        ax.plot(x, mean, marker="o", ms=3, lw=1.2, label=n + f" (to {mean[-1]:.2f}, below)" * out, color=color)
+        ax.plot(
+            x, mean, marker="o", ms=3, lw=1.2, label=n + f" (to {mean[-1]:.2f}, below)" * out, color=color
+        )
         ax.fill_between(x, low, high, alpha=0.15, color=color)
         span += [(x[0], low.min(), high.max())] if n != base_name and not out else []
-    if span:  # zoomed on the post-training range: the base climbs in from the left, rows far below leave (legend)
+    if (
+        span
+    ):  # zoomed on the post-training range: the base climbs in from the left, rows far below leave (legend)
         (x0, *_), (low, high) = min(span), np.array(span)[:, 1:].T
         ax.set(xlim=(0.7 * x0, None), ylim=(low.min() - 0.03, high.max() + 0.03))
     ax.set(xlabel=FLOPS_LABEL, ylabel="greedy task score, test split (band: the seeds' range)")
-    ax.set_title("score against compute (checkpoints)", fontsize=10), ax.legend(fontsize=8), fig.tight_layout()
+    (
+        ax.set_title("score against compute (checkpoints)", fontsize=10),
+        ax.legend(fontsize=8),
+        fig.tight_layout(),
+    )
     fig.savefig(path, dpi=110), plt.close(fig)
 
 
-def write_report(args, output_dir, stages, rows, stats, costs, curves, sweep, base_name, reward_acc, seeds, total):
+def write_report(
+    args, output_dir, stages, rows, stats, costs, curves, sweep, base_name, reward_acc, seeds, total
+):
     """comparison.md (table, sweep, protocol, commands) and comparison.png into output_dir."""
     md = table(rows, base_name, any("rm_score" in st for st in stats.values()))
     short = lambda p: p if os.path.relpath(p).startswith("..") else os.path.relpath(p)
     runs = "\n".join(f"    python {short(s['script'])} {shlex.join(s['flags'])}" for s in stages)
-    rm_line = (f"- reward model (PPO's reward, trained on the same preference pairs, one per seed): held-out pair "
-               f"accuracy {reward_acc:.3f} (mean over seeds).\n" if reward_acc is not None else "")
+    rm_line = (
+        f"- reward model (PPO's reward, trained on the same preference pairs, one per seed): held-out pair "
+        f"accuracy {reward_acc:.3f} (mean over seeds).\n"
+        if reward_acc is not None
+        else ""
+    )
     # sweep: {row: [(setting, stats on the eval split, kept)]} -> every setting's eval score
-    sweep_md = (f"\n## Sweep (chosen on the eval split, {short(args.eval_prompts)})\n\n"
-                f"| method | setting | eval task score | Δ vs {base_name} (eval, paired) | kept |\n"
-                "|---|---|---:|---:|---|\n"
-                + "".join(f"| {r} | `{t}` | {fmt(st['score'])} | {fmt(st['delta'])} | {'**kept**' * k} |\n"
-                          for r, settings in sweep.items() for t, st, k in settings)
-                + "\nEach setting trained with every seed; the one with the best mean greedy task score on "
-                "the eval split is kept, and only it is scored on the test split (the table above).\n"
-                if sweep else "")
+    sweep_md = (
+        f"\n## Sweep (chosen on the eval split, {short(args.eval_prompts)})\n\n"
+        f"| method | setting | eval task score | Δ vs {base_name} (eval, paired) | kept |\n"
+        "|---|---|---:|---:|---|\n"
+        + "".join(
+            f"| {r} | `{t}` | {fmt(st['score'])} | {fmt(st['delta'])} | {'**kept**' * k} |\n"
+            for r, settings in sweep.items()
+            for t, st, k in settings
+        )
+        + "\nEach setting trained with every seed; the one with the best mean greedy task score on "
+        "the eval split is kept, and only it is scored on the test split (the table above).\n"
+        if sweep
+        else ""
+    )
     ppo_note = "; ppo includes its reward model" if any(s["row"] == "reward" for s in stages) else ""
     text = f"""# Post-training recipes compared on `{args.model}`
 
-`python compare.py {shlex.join(sys.argv[1:])}` — {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, \
-{total / 60:.1f} min in all on {os.cpu_count()} CPU cores; seeds {', '.join(map(str, seeds))}.
+`python compare.py {shlex.join(sys.argv[1:])}` — {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, \
+{total / 60:.1f} min in all on {os.cpu_count()} CPU cores; seeds {", ".join(map(str, seeds))}.
 
 {md}
 
@@ -634,19 +828,25 @@ def main(args):
     if "sft" in ok and not ok["sft"]:
         raise RunsFailed(f"sft failed: nothing to compare (see {output_dir}/sft.log)")
     md = evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, t_start)
-    print(f"\n{md}\n\ndone in {(time.perf_counter() - t_start) / 60:.1f} min: "
-          f"{output_dir}/comparison.md, comparison.png")
+    print(
+        f"\n{md}\n\ndone in {(time.perf_counter() - t_start) / 60:.1f} min: "
+        f"{output_dir}/comparison.md, comparison.png"
+    )
     failed = [name for name, done in ok.items() if not done]
     if failed:
-        raise RunsFailed(f"{len(failed)} of {len(ok)} runs failed or were skipped ({', '.join(failed)}); "
-                         f"the report covers the rest (logs in {output_dir})")
+        raise RunsFailed(
+            f"{len(failed)} of {len(ok)} runs failed or were skipped ({', '.join(failed)}); "
+            f"the report covers the rest (logs in {output_dir})"
+        )
 
 
 def stack(results, keys, base_keys):
     """Per-prompt arrays of one row's seeds and of the base's -> ({metric: [S, P]}, {metric: [S, P]})."""
     names = set.intersection(*(set(results[k]) for k in keys + base_keys))
-    return ({n: np.stack([results[k][n] for k in keys]) for n in names},
-            {n: np.stack([results[k][n] for k in base_keys]) for n in names})
+    return (
+        {n: np.stack([results[k][n] for k in keys]) for n in names},
+        {n: np.stack([results[k][n] for k in base_keys]) for n in names},
+    )
 
 
 def stage_cost(output_dir, stage, walls):
@@ -665,8 +865,14 @@ def choose_settings(args, grid, swept, evaluate_on, base_keys):
     print(f"[eval] sweep: {len(swept)} runs on the eval split ({args.eval_prompts})", flush=True)
     res = evaluate_on("eval", swept)
     runs = lambda row, t: [s for s in swept if s["row"] == row and s["setting"] == t]
-    sweep = {row: [[t, versus_base(res, runs(row, t), base_keys), False]
-                   for t in dict.fromkeys(map(tag, grid[row])) if runs(row, t)] for row in grid}
+    sweep = {
+        row: [
+            [t, versus_base(res, runs(row, t), base_keys), False]
+            for t in dict.fromkeys(map(tag, grid[row]))
+            if runs(row, t)
+        ]
+        for row in grid
+    }
     for best in [max(settings, key=lambda x: x[1]["score"][0]) for settings in sweep.values() if settings]:
         best[2] = True
     return {row: s[0] for row, settings in sweep.items() for s in settings if s[2]}, sweep
@@ -686,26 +892,40 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
     """Pick swept settings on the eval split, score the kept runs and the base on the test split -> table."""
     base_name = "sft" if "sft" in ok else "base"
     done = [s for s in stages if s["row"] not in ("sft", "reward") and ok[s["name"]]]
-    rm = lambda seed: os.path.join(output_dir, f"reward/seed{seed}/model") if ok.get(f"reward/seed{seed}") else None
+    rm = lambda seed: (
+        os.path.join(output_dir, f"reward/seed{seed}/model") if ok.get(f"reward/seed{seed}") else None
+    )
     base_keys = {seed: f"{base_name} seed{seed}" for seed in seeds}
     evaluate_on = lambda split, runs, rm=lambda seed: None: evaluate_models(  # the runs, the base each seed
-        args, args.eval_prompts if split == "eval" else args.test_prompts, base,
+        args,
+        args.eval_prompts if split == "eval" else args.test_prompts,
+        base,
         [(k, x, base, rm(x)) for x, k in base_keys.items()]
         + [(s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), rm(s["seed"])) for s in runs],
-        lambda key, seed: os.path.join(output_dir, key, f"eval_{split}") if key in ok
-        else os.path.join(output_dir, base_name, f"eval_{split}", f"seed{seed}"))
+        lambda key, seed: (
+            os.path.join(output_dir, key, f"eval_{split}")
+            if key in ok
+            else os.path.join(output_dir, base_name, f"eval_{split}", f"seed{seed}")
+        ),
+    )
     swept = [s for s in done if s["row"] in grid]
     kept, sweep = choose_settings(args, grid, swept, evaluate_on, base_keys) if swept else ({}, {})
     final = [s for s in done if s["setting"] == kept.get(s["row"], "" if s["row"] not in grid else None)]
     print(f"[eval] {len(final)} runs and {base_name} on the test split ({args.test_prompts})", flush=True)
     res = evaluate_on("test", final, rm)
     stats = {base_name: row_stats(*stack(res, list(base_keys.values()), list(base_keys.values())))}
-    costs = {base_name: stage_cost(output_dir, stages[0], walls) if base_name == "sft" else [np.nan] * 3 + [0.0]}
-    scored = [os.path.join(output_dir, s["name"]) for s in final + [s for s in stages[:1] if s["row"] == "sft"]]
+    costs = {
+        base_name: stage_cost(output_dir, stages[0], walls) if base_name == "sft" else [np.nan] * 3 + [0.0]
+    }
+    scored = [
+        os.path.join(output_dir, s["name"]) for s in final + [s for s in stages[:1] if s["row"] == "sft"]
+    ]
     at = checkpoint_scores(args, base, scored) if args.curve_points else {}  # the base's own curve too
     sft = costs[base_name][2] if np.isfinite(costs[base_name][2]) else 0.0  # a given base: its FLOPs unknown
     curves, score_curves, rows = {}, {}, []
-    for name in [base_name] + list(dict.fromkeys(s["row"] for s in stages if s["row"] not in ("sft", "reward"))):
+    for name in [base_name] + list(
+        dict.fromkeys(s["row"] for s in stages if s["row"] not in ("sft", "reward"))
+    ):
         runs = [s for s in final if s["row"] == name] or [s for s in stages if s["name"] == name]
         metrics = [read_metrics(os.path.join(output_dir, s["name"])) for s in runs]
         if name != base_name and runs:
@@ -714,8 +934,14 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
         if metrics and main_curve(metrics[0])[0]:
             curves[name] = [main_curve(m) for m in metrics]
         on_rm = any("--reward-model" in s["flags"] for s in runs)
-        score = [score_curve(res, at, output_dir, s, m, walls, base_keys, name == base_name, sft)
-                 for s, m in zip(runs, metrics)] if name in stats else []
+        score = (
+            [
+                score_curve(res, at, output_dir, s, m, walls, base_keys, name == base_name, sft)
+                for s, m in zip(runs, metrics)
+            ]
+            if name in stats
+            else []
+        )
         if score and np.isfinite(np.concatenate(score)).all():  # the base's point, the checkpoints, the end
             score_curves[name] = score
         ctl = CONTROL.get(name, "sft+")
@@ -725,16 +951,45 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
             a, c = stack(res, [s["name"] for s in paired], [control[s["seed"]] for s in paired])
             stats[name].update(delta_control=mean_interval(a["score"] - c["score"]), control=ctl)
         rows.append((name, metrics, on_rm))
-    rows = [(f"{n} (`{kept[n]}`)" if n in kept else n, stats.get(n), costs.get(n, [np.nan] * 3 + [0.0]),
-             note(n, stats[n], base_name, stats[base_name], m, on_rm) if n in stats
-             else f"failed or skipped: see {n}/*.log") for n, m, on_rm in rows]  # controls may come later
-    accs = sum([[r["eval/accuracy"] for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
-                 if "eval/accuracy" in r][-1:] for x in seeds], [])  # each reward model's last held-out one
+    rows = [
+        (
+            f"{n} (`{kept[n]}`)" if n in kept else n,
+            stats.get(n),
+            costs.get(n, [np.nan] * 3 + [0.0]),
+            note(n, stats[n], base_name, stats[base_name], m, on_rm)
+            if n in stats
+            else f"failed or skipped: see {n}/*.log",
+        )
+        for n, m, on_rm in rows
+    ]  # controls may come later
+    accs = sum(
+        [
+            [
+                r["eval/accuracy"]
+                for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
+                if "eval/accuracy" in r
+            ][-1:]
+            for x in seeds
+        ],
+        [],
+    )  # each reward model's last held-out one
     reward_acc = float(np.mean(accs)) if accs else None
     with open(os.path.join(output_dir, "curves.json"), "w") as f:  # the right panel's points, to re-plot
         json.dump({n: [c.tolist() for c in cs] for n, cs in score_curves.items()}, f)
-    return write_report(args, output_dir, stages, rows, stats, costs, (curves, score_curves), sweep,
-                        base_name, reward_acc, seeds, time.perf_counter() - t_start)
+    return write_report(
+        args,
+        output_dir,
+        stages,
+        rows,
+        stats,
+        costs,
+        (curves, score_curves),
+        sweep,
+        base_name,
+        reward_acc,
+        seeds,
+        time.perf_counter() - t_start,
+    )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
-plumbing.answer_help(__name__, __file__)  # `python distill.py --help`: from Args' source, before the imports
+
+# `python distill.py --help`: from Args' source, before the imports
+plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files)
 import jax  # noqa: E402
@@ -28,6 +30,7 @@ import optax  # noqa: E402
 @dataclass
 class Args(plumbing.RolloutArgs):
     """The shared flags (plumbing.RolloutArgs: model, dtype, mesh, prompts, lengths, outputs…), distill's."""
+
     # model
     teacher_model: str | None = None
     """the frozen teacher: any --model form; its tokenizer's vocabulary must be the student's, its width and
@@ -89,9 +92,23 @@ def distill_loss(divergence, mask):
     return loss, {"train/loss": loss}
 
 
-def completion_divergence(backbone, params, frozen, teacher, teacher_weights, token_ids, padding_mask,
-                          response_mask, context_length, beta, temperature, chunk=64, top_k=0, top_p=1.0,
-                          min_p=None):
+def completion_divergence(
+    backbone,
+    params,
+    frozen,
+    teacher,
+    teacher_weights,
+    token_ids,
+    padding_mask,
+    response_mask,
+    context_length,
+    beta,
+    temperature,
+    chunk=64,
+    top_k=0,
+    top_p=1.0,
+    min_p=None,
+):
     """generalized_jsd at every completion position: [B, R] float32 (full distributions at τ); the student's
     log q of its sampled tokens and q's entropy [B, R] (filtered_logps: the distribution it sampled from, for
     mismatch/*); and the student forward's aux_loss (a mixture of experts' router loss; 0.0 dense).
@@ -105,16 +122,22 @@ def completion_divergence(backbone, params, frozen, teacher, teacher_weights, to
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D]
     # the frozen teacher: no gradient into it (and its router's aux_loss is not trained), as TRL's no_grad
     teacher_hidden = jax.lax.stop_gradient(
-        common.forward(teacher, teacher_params, teacher_frozen, token_ids, padding_mask)[0])  # [B, T, D_T]
+        common.forward(teacher, teacher_params, teacher_frozen, token_ids, padding_mask)[0]
+    )  # [B, T, D_T]
     b, r = response_mask.shape
     n = -(-r // chunk)
-    cut = lambda h: jnp.pad(h[:, context_length - 1:-1], ((0, 0), (0, n * chunk - r), (0, 0))).reshape(
-        b, n, chunk, h.shape[-1]).swapaxes(0, 1)  # [B, T, D] -> [n, B, C, D]: response positions, padded
+    cut = lambda h: (
+        jnp.pad(h[:, context_length - 1 : -1], ((0, 0), (0, n * chunk - r), (0, 0)))
+        .reshape(b, n, chunk, h.shape[-1])
+        .swapaxes(0, 1)
+    )  # [B, T, D] -> [n, B, C, D]: response positions, padded
     mask = jnp.pad(response_mask, ((0, 0), (0, n * chunk - r))).reshape(b, n, chunk).swapaxes(0, 1)  # [n,B,C]
-    student_state = list(zip(backbone.trainable_variables + backbone.non_trainable_variables,
-                             params + frozen))
-    teacher_state = list(zip(teacher.trainable_variables + teacher.non_trainable_variables,
-                             teacher_params + teacher_frozen))
+    student_state = list(
+        zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
+    )
+    teacher_state = list(
+        zip(teacher.trainable_variables + teacher.non_trainable_variables, teacher_params + teacher_frozen)
+    )
     # One tokenizer, embedding matrices of other widths (Gemma 3 1B: 262,144 rows, 4B: 262,208, the rows past
     # the tokenizer's padding): the divergence is over the ids both have (vocabularies: checked at start-up)
     v = min(backbone.vocabulary_size, teacher.vocabulary_size)
@@ -132,8 +155,9 @@ def completion_divergence(backbone, params, frozen, teacher, teacher_weights, to
 
     labels = token_ids[:, context_length:]  # [B, R]: position Q+i-1's hidden state predicts token i
     labels = jnp.pad(labels, ((0, 0), (0, n * chunk - r))).reshape(b, n, chunk).swapaxes(0, 1)  # [n, B, C]
-    divergence, logq, entropy = jax.lax.map(lambda x: chunk_divergence(*x),
-                                            (cut(hidden), cut(teacher_hidden), mask, labels))
+    divergence, logq, entropy = jax.lax.map(
+        lambda x: chunk_divergence(*x), (cut(hidden), cut(teacher_hidden), mask, labels)
+    )
     unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :r]  # [n, B, C] -> [B, R]
     return unchunk(divergence), unchunk(logq), unchunk(entropy), aux_loss
 
@@ -143,11 +167,11 @@ def completion_divergence(backbone, params, frozen, teacher, teacher_weights, to
 def tokenize_prompts(prompts, tokenizer, max_prompt_length):
     """-> (queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
     ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
-    ids = [x[:1] + x[1:][-(max_prompt_length - 1):] for x in ids]  # cut from the left, BOS kept
+    ids = [x[:1] + x[1:][-(max_prompt_length - 1) :] for x in ids]  # cut from the left, BOS kept
     q = min(max_prompt_length, 8 * math.ceil(max(len(x) for x in ids) / 8))
     queries, mask = np.zeros((len(ids), q), np.int32), np.zeros((len(ids), q), bool)
     for i, x in enumerate(ids):  # left padding: every prompt ends at column Q-1, responses start at Q
-        queries[i, q - len(x):], mask[i, q - len(x):] = x, True
+        queries[i, q - len(x) :], mask[i, q - len(x) :] = x, True
     return queries, mask
 
 
@@ -181,8 +205,21 @@ def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
     return jnp.take_along_axis(kept, tokens[:, None], -1)[:, 0] - logz, logz - plogp.sum(-1)
 
 
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, stop_ids,
-             pad_id, top_k=0, top_p=1.0, min_p=None):
+def generate(
+    backbone,
+    params,
+    frozen,
+    queries,
+    query_mask,
+    key,
+    response_length,
+    temperature,
+    stop_ids,
+    pad_id,
+    top_k=0,
+    top_p=1.0,
+    min_p=None,
+):
     """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
     [B, R]: filtered_logps, 0 if greedy or after the end). A prefill, then a `lax.while_loop` of one token a
     step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes (one compilation per bucket),
@@ -201,7 +238,8 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
             else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
                 # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
                 z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
-                    logits / temperature, top_k, top_p, min_p)  # [B, V]
+                    logits / temperature, top_k, top_p, min_p
+                )  # [B, V]
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
                 # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
@@ -221,7 +259,10 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
         tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
         logqs = jnp.zeros((b, response_length)).at[:, 0].set(logq)  # [B, R]
         tokens, logqs, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has not ended and t < R
-            lambda c: (c[3] < response_length) & ~c[5].all(), step, (tokens, logqs, cache, jnp.int32(1), key, done))
+            lambda c: (c[3] < response_length) & ~c[5].all(),
+            step,
+            (tokens, logqs, cache, jnp.int32(1), key, done),
+        )
     return tokens, steps, logqs
 
 
@@ -241,9 +282,12 @@ def mismatch(logps, sampler_logps, mask):
     """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the
     weights that sampled against the sampler's own log q: 1 to float rounding (unfiltered: the kept mass)."""
     ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
-    return {"mismatch/ratio_mean": masked_mean(ratio, mask), "mismatch/ratio_max": real(ratio).max(),
-            "mismatch/ratio_min": real(ratio).min(),
-            "mismatch/frac_outside_10pct": masked_mean(abs(ratio - 1.0) > 0.1, mask)}  # outside [0.9, 1.1]
+    return {
+        "mismatch/ratio_mean": masked_mean(ratio, mask),
+        "mismatch/ratio_max": real(ratio).max(),
+        "mismatch/ratio_min": real(ratio).min(),
+        "mismatch/frac_outside_10pct": masked_mean(abs(ratio - 1.0) > 0.1, mask),
+    }  # outside [0.9, 1.1]
 
 
 def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_data):
@@ -255,9 +299,12 @@ def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_
     responses, _, sampler_logps = gen_fn(params, frozen, qs, qm, key)
     responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
     response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: stop included
-    return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
-            "padding_mask": jnp.concatenate([qm, response_mask], 1),
-            "sampler_logps": sampler_logps}, sequence_lengths
+    return {
+        "query_responses": jnp.concatenate([qs, responses], 1),
+        "response_mask": response_mask,
+        "padding_mask": jnp.concatenate([qm, response_mask], 1),
+        "sampler_logps": sampler_logps,
+    }, sequence_lengths
 
 
 def query_length(batch):
@@ -297,15 +344,32 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length, 
 
     def loss_fn(p):
         divergence, logq, entropy, aux_loss = completion_divergence(
-            backbone, p, frozen, teacher, teacher_weights, batch["query_responses"], batch["padding_mask"],
-            mask, context_length, args.beta, args.temperature, args.logits_chunk, args.top_k, args.top_p,
-            args.min_p)
+            backbone,
+            p,
+            frozen,
+            teacher,
+            teacher_weights,
+            batch["query_responses"],
+            batch["padding_mask"],
+            mask,
+            context_length,
+            args.beta,
+            args.temperature,
+            args.logits_chunk,
+            args.top_k,
+            args.top_p,
+            args.min_p,
+        )
         loss, metrics = distill_loss(divergence, mask)
         loss = loss + aux_loss  # + the student's router load-balancing loss (a mixture of experts; 0.0 dense)
         if "sampler_logps" in batch:  # mismatch/*: rollout's batches carry it (these weights sampled them)
             metrics.update(mismatch(logq, batch["sampler_logps"], mask))
-        return loss, {**metrics, "train/loss": loss, "entropy": masked_mean(entropy, mask),
-                      "aux_loss": aux_loss}
+        return loss, {
+            **metrics,
+            "train/loss": loss,
+            "entropy": masked_mean(entropy, mask),
+            "aux_loss": aux_loss,
+        }
 
     (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -317,37 +381,53 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length, 
 def check_args(args):
     """Flags out of range, a teacher that cannot grade the student's tokens: stop before the models load."""
     if not 0 <= args.beta <= 1 or args.temperature <= 0:
-        raise common.UsageError(f"--beta {args.beta} must be in [0, 1] (0: forward KL, 1: reverse KL) and "
-                                f"--temperature {args.temperature} > 0")
+        raise common.UsageError(
+            f"--beta {args.beta} must be in [0, 1] (0: forward KL, 1: reverse KL) and "
+            f"--temperature {args.temperature} > 0"
+        )
     if not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= (args.min_p or 0) <= 1:
         raise common.UsageError("--top-p must be in (0, 1], --top-k ≥ 0 (0: off), --min-p in [0, 1]")
     if args.logits_chunk < 1 or args.response_length < 1:
         raise common.UsageError("--logits-chunk and --response-length must be ≥ 1")
     if not args.teacher_model:
-        raise common.UsageError("--teacher-model is required: the model whose next-token distributions the "
-                                "student learns")
+        raise common.UsageError(
+            "--teacher-model is required: the model whose next-token distributions the student learns"
+        )
     if os.path.exists(os.path.join(args.teacher_model, common.HEAD_FILE)):
-        raise common.UsageError(f"--teacher-model {args.teacher_model}: a reward model (reward.py's); the "
-                                "teacher is a causal LM whose next-token distributions the student learns")
+        raise common.UsageError(
+            f"--teacher-model {args.teacher_model}: a reward model (reward.py's); the "
+            "teacher is a causal LM whose next-token distributions the student learns"
+        )
     common.check_sampler(args.model)  # the student samples: a family whose decoder layers the sampler knows
     student, teacher = common.vocabulary(args.model), common.vocabulary(args.teacher_model)
     if student != teacher:
-        first = next((i for i, (a, b) in enumerate(zip(student, teacher)) if a != b),
-                     min(len(student), len(teacher)))  # the first id the two tokenizers disagree on
-        raise common.UsageError(f"--teacher-model {args.teacher_model}: its tokenizer's vocabulary "
-                                f"({len(teacher)} tokens) is not --model {args.model}'s ({len(student)}; they"
-                                f" differ from id {first}): the divergence compares the two models' "
-                                "probabilities token by token")
+        first = next(
+            (i for i, (a, b) in enumerate(zip(student, teacher)) if a != b), min(len(student), len(teacher))
+        )  # the first id the two tokenizers disagree on
+        raise common.UsageError(
+            f"--teacher-model {args.teacher_model}: its tokenizer's vocabulary "
+            f"({len(teacher)} tokens) is not --model {args.model}'s ({len(student)}; they"
+            f" differ from id {first}): the divergence compares the two models' "
+            "probabilities token by token"
+        )
 
 
 def make_optimizer(args, max_steps):
     """Clip, AdamW with --weight-decay on matrices only (not norms or biases), --lr-scheduler-type over the
     updates (one a step) -> (optimizer, schedule, warmup)"""
-    schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, max_steps,
-                                          args.warmup_steps, args.warmup_ratio, args.min_lr_rate)
+    schedule, warmup = common.lr_schedule(
+        args.lr_scheduler_type,
+        args.learning_rate,
+        max_steps,
+        args.warmup_steps,
+        args.warmup_ratio,
+        args.min_lr_rate,
+    )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                            optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask))
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(args.max_grad_norm),
+        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask),
+    )
     return optimizer, schedule, warmup
 
 
@@ -356,42 +436,55 @@ def main(args):
     run = plumbing.Run("distill", args, export_hf=args.export_hf)  # flags, --output-dir checked; none written
     check_args(args)
     template = common.chat_template(args.model, args.chat_template)
-    prompts, _ = common.read_prompts(args.dataset, template, "--dataset", args.dataset_config,
-                                     args.dataset_split)
+    prompts, _ = common.read_prompts(
+        args.dataset, template, "--dataset", args.dataset_config, args.dataset_split
+    )
     max_steps = run.resolve_max_steps(len(prompts), args.batch_size)  # --max-steps, or --num-epochs' worth
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)  # LoRA: the student's
     # the teacher: laid out on the mesh by the same rule (its family's layout map, or the generic one)
-    teacher_model = common.load_model(args.teacher_model, run.mesh, args.teacher_dtype or run.dtype, args.seed)
+    teacher_model = common.load_model(
+        args.teacher_model, run.mesh, args.teacher_dtype or run.dtype, args.seed
+    )
     backbone, teacher, tokenizer = model.backbone, teacher_model.backbone, model.preprocessor.tokenizer
     remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each student block
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
     q, r, pad = queries.shape[1], args.response_length, tokenizer.pad_token_id
     stops = common.stop_token_ids(tokenizer, template, args.stop_token)  # EOS, the turn end, --stop-token
-    print(f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
-          f"{args.batch_size} completions of ≤ {r} tokens a step, ended by ids {stops}; teacher "
-          f"{args.teacher_model}")
+    print(
+        f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
+        f"{args.batch_size} completions of ≤ {r} tokens a step, ended by ids {stops}; teacher "
+        f"{args.teacher_model}"
+    )
 
     params, frozen = common.split_variables(backbone)
     # committed to the mesh in their types, as the updated ones will be: the sampler compiles once (grpo.py)
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
-    teacher_weights = hold(common.split_variables(teacher), args.teacher_dtype)  # never updated, donated, saved
+    teacher_weights = hold(
+        common.split_variables(teacher), args.teacher_dtype
+    )  # never updated, donated, saved
     optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
-    order = np.concatenate([rng.permutation(len(prompts))
-                            for _ in range(-(-max_steps * args.batch_size // len(prompts)))])
+    order = np.concatenate(
+        [rng.permutation(len(prompts)) for _ in range(-(-max_steps * args.batch_size // len(prompts)))]
+    )
     # --resume: params, optimizer state, sampling key (the prompt order: a function of the seed and the step)
     (params, opt_state, key_data), _ = run.resume((params, opt_state, jax.random.key_data(key)))
     key = jax.random.wrap_key_data(np.asarray(key_data))  # through the host: not committed to one device
     state = jax.device_put((params, opt_state), state_shardings)
 
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, stops,
-                                                      pad, args.top_k, args.top_p, args.min_p))
+    gen_fn = jax.jit(
+        lambda p, f, qs, qm, k: generate(
+            backbone, p, f, qs, qm, k, r, args.temperature, stops, pad, args.top_k, args.top_p, args.min_p
+        )
+    )
     # the state donated (updated in place); the teacher's weights (tw) an input only
-    step_fn = remat.jit(lambda s, f, b, tw: train_step(backbone, optimizer, args, s, f, b, query_length(b),
-                                                       teacher, tw),
-                        donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
+    step_fn = remat.jit(
+        lambda s, f, b, tw: train_step(backbone, optimizer, args, s, f, b, query_length(b), teacher, tw),
+        donate_argnums=0,
+        out_shardings=(state_shardings, common.replicated(run.mesh)),
+    )
     run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, warmup steps
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
     # FLOPs (docs/design.md): 2N per token sampling, 6N the student's forward + backward, 2N_T the teacher's
@@ -399,21 +492,32 @@ def main(args):
 
     # ---- the loop: rollout (the student samples) -> the teacher grades every token -> update ----
     for step in run.steps(learning_rate=schedule, show=("entropy",), summed=("charts/generated_tokens",)):
-        ticks, idx = [time.perf_counter()], order[step * args.batch_size:(step + 1) * args.batch_size]  # [B]
+        ticks, idx = (
+            [time.perf_counter()],
+            order[step * args.batch_size : (step + 1) * args.batch_size],
+        )  # [B]
         key, gen_key = jax.random.split(key)
-        batch, sequence_lengths = rollout(gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key,
-                                          stops, pad, on_data)
+        batch, sequence_lengths = rollout(
+            gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key, stops, pad, on_data
+        )
         ticks += [plumbing.synced(batch)] * 2  # generated; "scored" too: the teacher runs inside the update
         state, metrics = step_fn(state, frozen, batch, teacher_weights)
         lengths = common.to_host(sequence_lengths) + 1  # completion tokens through each stop (R without one)
         qb, real = query_length(batch), int(query_mask[idx].sum() + lengths.sum())
         logged = plumbing.phase_metrics([metrics], ticks, int(lengths.sum()))
         del logged["charts/score_time"]  # no phase of its own: the teacher's forward is inside the update's
-        run.log({**logged, "completions/mean_length": float(lengths.mean()),  # TRL's completion metrics
-                 "completions/max_length": float(lengths.max()),
-                 "completions/min_length": float(lengths.min()),
-                 "completions/truncated_fraction": float(np.mean(lengths >= r))},
-                tokens=real, padded=len(idx) * (qb + r), flops=real * flops_per_token)
+        run.log(
+            {
+                **logged,
+                "completions/mean_length": float(lengths.mean()),  # TRL's completion metrics
+                "completions/max_length": float(lengths.max()),
+                "completions/min_length": float(lengths.min()),
+                "completions/truncated_fraction": float(np.mean(lengths >= r)),
+            },
+            tokens=real,
+            padded=len(idx) * (qb + r),
+            flops=real * flops_per_token,
+        )
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
             texts = decode(tokenizer, batch, sequence_lengths, qb, stops)[0]  # each cut before its stop token
             for i in range(2):

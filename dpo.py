@@ -14,7 +14,9 @@ from functools import partial
 from typing import Literal
 
 import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
-plumbing.answer_help(__name__, __file__)  # `python dpo.py --help`: from Args' source, before the imports below
+
+# `python dpo.py --help`: from Args' source, before the imports below
+plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, batches)
 import jax  # noqa: E402
@@ -27,6 +29,7 @@ import optax  # noqa: E402
 @dataclass
 class Args(plumbing.SharedArgs):
     """The shared flags (plumbing.SharedArgs: model, dtype, mesh, outputs, …) and DPO's own."""
+
     # data
     dataset: str = os.path.join(common.HERE, "data", "prefs_train.jsonl")
     """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
@@ -87,10 +90,17 @@ def tokenize_dataset(triples, tokenizer, max_length, path):
             continue
         if cut > 0:
             prompt, truncated = prompt[cut:], truncated + 1
-        examples.append(tuple(
-            (np.array([tokenizer.start_token_id] + prompt + response + [tokenizer.end_token_id], np.int32),
-             np.array([False] * (1 + len(prompt)) + [True] * (len(response) + 1), bool))
-            for response in (chosen, rejected)))
+        examples.append(
+            tuple(
+                (
+                    np.array(
+                        [tokenizer.start_token_id] + prompt + response + [tokenizer.end_token_id], np.int32
+                    ),
+                    np.array([False] * (1 + len(prompt)) + [True] * (len(response) + 1), bool),
+                )
+                for response in (chosen, rejected)
+            )
+        )
     if not examples:
         raise common.UsageError(f"{path}: every pair is longer than --max-length {max_length}")
     return examples, {"examples": len(examples), "truncated": truncated, "dropped": dropped}
@@ -101,10 +111,14 @@ def pad_examples(examples, length):
     n = len(examples)
     data = {}
     for j, name in enumerate(("chosen", "rejected")):
-        ids, pad, mask = np.zeros((n, length), np.int32), np.zeros((n, length), bool), np.zeros((n, length), bool)
+        ids, pad, mask = (
+            np.zeros((n, length), np.int32),
+            np.zeros((n, length), bool),
+            np.zeros((n, length), bool),
+        )
         for i, pair in enumerate(examples):
             x, m = pair[j]
-            ids[i, :len(x)], pad[i, :len(x)], mask[i, :len(x)] = x, True, m
+            ids[i, : len(x)], pad[i, : len(x)], mask[i, : len(x)] = x, True, m
         data.update({f"{name}_ids": ids, f"{name}_padding_mask": pad, f"{name}_loss_mask": mask})
     return data
 
@@ -117,8 +131,9 @@ def pair_lengths(data):
 def get_batch(data, lengths, step, args):
     """Batch for `step` (a pure function of it, so --resume is exact), cut to the length bucket of
     its longest sequence: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes."""
-    idx, length, real = common.length_batch(lengths, step, args.batch_size, args.seed, args.max_length,
-                                            args.group_by_length)
+    idx, length, real = common.length_batch(
+        lengths, step, args.batch_size, args.seed, args.max_length, args.group_by_length
+    )
     cut = {k: v[idx, :length] if v.ndim > 1 else v[idx] for k, v in data.items()}
     batch = {k: v.reshape(args.grad_accum_steps, -1, *v.shape[1:]) for k, v in cut.items()}
     return batch, (real, 2 * args.batch_size * length)
@@ -171,8 +186,10 @@ def concatenated_forward(backbone, params, frozen, batch, average=False):
     batch: {chosen,rejected}_{ids,padding_mask,loss_mask}, each [B, T] -> (chosen, rejected) logps, [B] each,
     the chosen responses' summed NLL, [B] (--sft-weight's), and the forward's aux_loss (token_logps).
     """
-    both = {k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])  # [2B, T]
-            for k in ("ids", "padding_mask", "loss_mask")}
+    both = {
+        k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])  # [2B, T]
+        for k in ("ids", "padding_mask", "loss_mask")
+    }
     logps, aux_loss = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [2B, T-1]
     seq = sequence_logps(logps, both["loss_mask"], average)
     b = batch["chosen_ids"].shape[0]
@@ -180,8 +197,17 @@ def concatenated_forward(backbone, params, frozen, batch, average=False):
     return seq[:b], seq[b:], nll, aux_loss
 
 
-def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=0.1,
-             loss_type="sigmoid", label_smoothing=0.0, nll_loss=0.0, sft_weight=0.0):
+def dpo_loss(
+    chosen_logps,
+    rejected_logps,
+    ref_chosen_logps,
+    ref_rejected_logps,
+    beta=0.1,
+    loss_type="sigmoid",
+    label_smoothing=0.0,
+    nll_loss=0.0,
+    sft_weight=0.0,
+):
     """DPO and its variants on per-sequence log-probs, each [B] -> (mean loss, metrics); plus
     `sft_weight`·`nll_loss` (the chosen responses' token-mean NLL; RPO, Eq. 6).
 
@@ -195,8 +221,9 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     rejected_rewards = beta * (rejected_logps - ref_rejected_logps)
     h = (chosen_logps - rejected_logps) - (ref_chosen_logps - ref_rejected_logps)  # [B]
     if loss_type == "sigmoid":
-        losses = (-(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h)
-                  - label_smoothing * jax.nn.log_sigmoid(-beta * h))
+        losses = -(1 - label_smoothing) * jax.nn.log_sigmoid(beta * h) - label_smoothing * jax.nn.log_sigmoid(
+            -beta * h
+        )
     elif loss_type == "ipo":
         losses = (h - 1 / (2 * beta)) ** 2
     elif loss_type == "hinge":
@@ -204,12 +231,15 @@ def dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps,
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
     chosen_rewards, rejected_rewards = jax.lax.stop_gradient((chosen_rewards, rejected_rewards))
-    metrics = {"rewards/accuracies": (chosen_rewards > rejected_rewards).mean(),
-               "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-               "rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
-               "logps/chosen": jax.lax.stop_gradient(chosen_logps).mean(),
-               "logps/rejected": jax.lax.stop_gradient(rejected_logps).mean(),
-               "nll_loss": jax.lax.stop_gradient(nll_loss)}
+    metrics = {
+        "rewards/accuracies": (chosen_rewards > rejected_rewards).mean(),
+        "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+        "rewards/chosen": chosen_rewards.mean(),
+        "rewards/rejected": rejected_rewards.mean(),
+        "logps/chosen": jax.lax.stop_gradient(chosen_logps).mean(),
+        "logps/rejected": jax.lax.stop_gradient(rejected_logps).mean(),
+        "nll_loss": jax.lax.stop_gradient(nll_loss),
+    }
     return losses.mean() + sft_weight * nll_loss, metrics
 
 
@@ -225,8 +255,10 @@ def reference_logps(backbone, ref_params, frozen, batch, average=False):
 def lora_off(backbone, params):
     """The LoRA-disabled reference: LoRA factors zeroed (ΔW = A·B = 0); the base weights stay
     in `frozen`, shared with the policy, so no second copy of the model exists."""
-    return [jnp.zeros_like(p) if "lora_kernel" in v.path else jnp.copy(p)
-            for v, p in zip(backbone.trainable_variables, params)]
+    return [
+        jnp.zeros_like(p) if "lora_kernel" in v.path else jnp.copy(p)
+        for v, p in zip(backbone.trainable_variables, params)
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -246,8 +278,17 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
     def micro_loss(p, micro):
         chosen, rejected, nll, aux_loss = concatenated_forward(backbone, p, frozen, micro, average)
         ref_chosen, ref_rejected = reference_logps(backbone, ref_params, frozen, micro, average)
-        loss, metrics = dpo_loss(chosen, rejected, ref_chosen, ref_rejected, args.beta, args.loss_type,
-                                 args.label_smoothing, nll.sum() / num_chosen_tokens * accum, args.sft_weight)
+        loss, metrics = dpo_loss(
+            chosen,
+            rejected,
+            ref_chosen,
+            ref_rejected,
+            args.beta,
+            args.loss_type,
+            args.label_smoothing,
+            nll.sum() / num_chosen_tokens * accum,
+            args.sft_weight,
+        )
         loss = loss + aux_loss  # + the policy's router load-balancing loss (a mixture of experts; 0.0 dense)
         return loss / accum, {"train/loss": loss, "aux_loss": aux_loss, **metrics}  # equal micro-batches
 
@@ -264,36 +305,56 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
 
 
 def make_optimizer(args, max_steps):
-    schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, max_steps,
-                                          args.warmup_steps, args.warmup_ratio, args.min_lr_rate)
+    schedule, warmup = common.lr_schedule(
+        args.lr_scheduler_type,
+        args.learning_rate,
+        max_steps,
+        args.warmup_steps,
+        args.warmup_ratio,
+        args.min_lr_rate,
+    )
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
-    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                            optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask))
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(args.max_grad_norm),
+        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask),
+    )
     return optimizer, schedule, warmup
 
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
-    run = plumbing.Run("dpo", args, log_every=args.log_every, eval_every=args.eval_every,
-                       grad_accum_steps=args.grad_accum_steps,
-                       export_hf=args.export_hf)  # shared flags and --output-dir checked; nothing written
+    run = plumbing.Run(
+        "dpo",
+        args,
+        log_every=args.log_every,
+        eval_every=args.eval_every,
+        grad_accum_steps=args.grad_accum_steps,
+        export_hf=args.export_hf,
+    )  # shared flags and --output-dir checked; nothing written
     if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5 or args.sft_weight < 0:
         raise common.UsageError("need --beta > 0, 0 <= --label-smoothing < 0.5 and --sft-weight >= 0")
     template = common.chat_template(args.model, args.chat_template)
-    eval_path, eval_split, eval_flag = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
-                                             (Args.dataset, Args.eval_dataset))
-    eval_rows = common.read_dataset(eval_path, "preference", template, eval_flag, args.dataset_config,
-                                    eval_split) if eval_path else []
-    train_rows = common.read_dataset(args.dataset, "preference", template, "--dataset", args.dataset_config,
-                                     args.dataset_split)
+    eval_path, eval_split, eval_flag = common.eval_source(
+        args.dataset, args.eval_dataset, args.eval_split, (Args.dataset, Args.eval_dataset)
+    )
+    eval_rows = (
+        common.read_dataset(eval_path, "preference", template, eval_flag, args.dataset_config, eval_split)
+        if eval_path
+        else []
+    )
+    train_rows = common.read_dataset(
+        args.dataset, "preference", template, "--dataset", args.dataset_config, args.dataset_split
+    )
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of pairs
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.dataset)
     evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, eval_path)[0] if eval_rows else []
-    print(f"data: {counts['examples']} pairs ({counts['truncated']} prompt-truncated, "
-          f"{counts['dropped']} dropped as too long); {len(evals)} eval pairs")
+    print(
+        f"data: {counts['examples']} pairs ({counts['truncated']} prompt-truncated, "
+        f"{counts['dropped']} dropped as too long); {len(evals)} eval pairs"
+    )
     # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).
     length = common.bucket_length(max(len(s[0]) for x in train + evals for s in x), args.max_length)
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
@@ -315,25 +376,52 @@ def main(args):
     first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
     ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), average)[:2])
     if args.precompute_ref:
-        for data, n in ((train_data, lengths), (eval_data, eval_lengths)) if eval_data else ((train_data, lengths),):
+        for data, n in (
+            ((train_data, lengths), (eval_data, eval_lengths)) if eval_data else ((train_data, lengths),)
+        ):
             data["ref_chosen_logps"], data["ref_rejected_logps"] = common.per_example(
-                lambda b: ref_fn(ref_params, frozen, b), data, args.batch_size, run.mesh, n, args.max_length)
+                lambda b: ref_fn(ref_params, frozen, b), data, args.batch_size, run.mesh, n, args.max_length
+            )
         ref_params = None  # no reference forward (and no reference weights) from here on
     (params, opt_state), _ = run.resume((params, opt_state))
     state_shardings = (common.shardings(params), opt_shardings)
     state = jax.device_put((params, opt_state), state_shardings)
     # Layouts pinned in and out (donated, updated in place): one compilation per length bucket.
-    step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length, donate_argnums=0,
-                        out_shardings=(state_shardings, common.replicated(run.mesh)))
-    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
-    eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), average)[:3],
-                                          *reference_logps(backbone, r, f, first(b), average)))
+    step_fn = remat.jit(
+        partial(train_step, backbone, optimizer, args),
+        length,
+        donate_argnums=0,
+        out_shardings=(state_shardings, common.replicated(run.mesh)),
+    )
+    run.record(
+        remat=remat, num_warmup_steps=warmup
+    )  # args.json: the mode --remat auto chose, the warmup steps
+    eval_fn = jax.jit(
+        lambda p, r, f, b: (
+            *concatenated_forward(backbone, p, f, first(b), average)[:3],
+            *reference_logps(backbone, r, f, first(b), average),
+        )
+    )
 
     def evaluate(params):
-        chosen, rejected, nll, *ref = common.per_example(lambda b: eval_fn(params, ref_params, frozen, b), eval_data,
-                                                          args.batch_size, run.mesh, eval_lengths, args.max_length)
-        loss, metrics = dpo_loss(chosen, rejected, *ref, args.beta, args.loss_type, args.label_smoothing,
-                                 nll.sum() / eval_data["chosen_loss_mask"][:, 1:].sum(), args.sft_weight)
+        chosen, rejected, nll, *ref = common.per_example(
+            lambda b: eval_fn(params, ref_params, frozen, b),
+            eval_data,
+            args.batch_size,
+            run.mesh,
+            eval_lengths,
+            args.max_length,
+        )
+        loss, metrics = dpo_loss(
+            chosen,
+            rejected,
+            *ref,
+            args.beta,
+            args.loss_type,
+            args.label_smoothing,
+            nll.sum() / eval_data["chosen_loss_mask"][:, 1:].sum(),
+            args.sft_weight,
+        )
         metrics = {f"eval/{k}": v for k, v in metrics.items()}  # accuracy and margin first: Run prints those
         return {**metrics, "eval/loss": loss}
 

@@ -16,7 +16,9 @@ from functools import partial
 from typing import Literal, NamedTuple
 
 import plumbing  # the exit boundary and fast --help (instant to import)
-plumbing.answer_help(__name__, __file__)  # `python evaluate.py --help`: from Args' source, before the imports below
+
+# `python evaluate.py --help`: from Args' source, before the imports below
+plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, the scorer)
 from grpo import generate, response_logps, tokenize_prompts, truncate_response  # noqa: E402  (the RL scripts')
@@ -32,7 +34,9 @@ class Args:  # not plumbing.SharedArgs: an evaluation has no training flags
     # models
     model: str = "tiny"
     """the model to evaluate: any --model form (alias, preset, handle, local dir, a run's model/ dir, `tiny`)"""
-    chat_template: Literal["gemma", "gemma4", "gemma4_large", "llama3", "mistral", "chatml", "qwen3.5"] | None = None
+    chat_template: (
+        Literal["gemma", "gemma4", "gemma4_large", "llama3", "mistral", "chatml", "qwen3.5"] | None
+    ) = None
     """how chats (message lists) are rendered; None: --model's family's (Gemma 1-3: gemma, Gemma 4: gemma4,
     or gemma4_large at 26B-A4B / 31B, Llama 3: llama3, Mistral: mistral, Qwen 2.5 / 3: chatml, Qwen 3.5: qwen3.5)"""
     baseline: str | None = None
@@ -127,9 +131,9 @@ def response_lengths(responses, sequence_lengths, stop_ids):
 class Policy(NamedTuple):
     name: str
     model: object  # the KerasHub CausalLM
-    params: list   # trainable weight values (stateless_call order)
-    frozen: list   # non-trainable weight values
-    fns: dict      # jitted generate / log-prob functions, shared by policies of one architecture
+    params: list  # trainable weight values (stateless_call order)
+    frozen: list  # non-trainable weight values
+    fns: dict  # jitted generate / log-prob functions, shared by policies of one architecture
 
 
 def make_fns(backbone, args, stops, pad):
@@ -137,13 +141,24 @@ def make_fns(backbone, args, stops, pad):
     baseline's of logits / T alone (as grpo.py's reference: a filtered one's support is not the policy's)."""
     r, t = args.max_new_tokens, args.temperature
     filters = {"top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
-    logps = lambda **f: jax.jit(lambda params, frozen, ids, mask, q: response_logps(  # -> [B, R]
-        backbone, params, frozen, ids, mask, q, t, **f)[0], static_argnums=4)
-    return {"greedy": jax.jit(partial(generate, backbone, response_length=r, temperature=0.0, stop_ids=stops,
-                                      pad_id=pad)),
-            "sampled": jax.jit(partial(generate, backbone, response_length=r, temperature=t, stop_ids=stops,
-                                       pad_id=pad, **filters)),
-            "logps": logps(**filters), "ref_logps": logps()}
+    logps = lambda **f: jax.jit(
+        lambda params, frozen, ids, mask, q: response_logps(  # -> [B, R]
+            backbone, params, frozen, ids, mask, q, t, **f
+        )[0],
+        static_argnums=4,
+    )
+    return {
+        "greedy": jax.jit(
+            partial(generate, backbone, response_length=r, temperature=0.0, stop_ids=stops, pad_id=pad)
+        ),
+        "sampled": jax.jit(
+            partial(
+                generate, backbone, response_length=r, temperature=t, stop_ids=stops, pad_id=pad, **filters
+            )
+        ),
+        "logps": logps(**filters),
+        "ref_logps": logps(),
+    }
 
 
 def load_policy(name, mesh, args, like=None, flag="--model"):
@@ -154,8 +169,13 @@ def load_policy(name, mesh, args, like=None, flag="--model"):
     same = like is not None and like.model.backbone.get_config() == model.backbone.get_config()
     tokenizer = model.preprocessor.tokenizer
     stops = common.stop_token_ids(tokenizer, common.chat_template(name, args.chat_template), args.stop_token)
-    return Policy(name, model, params, frozen, like.fns if same else make_fns(
-        model.backbone, args, stops, tokenizer.pad_token_id))
+    return Policy(
+        name,
+        model,
+        params,
+        frozen,
+        like.fns if same else make_fns(model.backbone, args, stops, tokenizer.pad_token_id),
+    )
 
 
 def batched(fn, arrays, batch_size, query_mask):
@@ -173,24 +193,44 @@ def batched(fn, arrays, batch_size, query_mask):
 
 def respond(policy, data, kind, key, batch_size, mesh):
     """Greedy or sampled responses to every prompt -> dict of host arrays and decoded texts."""
-    stops, pad, put = data["stops"], data["pad"], partial(jax.device_put, device=NamedSharding(mesh, P("data")))
-    gen = lambda i, rows, drop, qs, qm: truncate_response(policy.fns[kind](  # the batch's bucket of columns
-        policy.params, policy.frozen, put(qs[:, drop:]), put(qm[:, drop:]), jax.random.fold_in(key, i))[0], stops, pad)
+    stops, pad, put = (
+        data["stops"],
+        data["pad"],
+        partial(jax.device_put, device=NamedSharding(mesh, P("data"))),
+    )
+    gen = (
+        lambda i, rows, drop, qs, qm: truncate_response(
+            policy.fns[kind](  # the batch's bucket of columns
+                policy.params, policy.frozen, put(qs[:, drop:]), put(qm[:, drop:]), jax.random.fold_in(key, i)
+            )[0],
+            stops,
+            pad,
+        )
+    )
     responses, seq_lens = batched(gen, (data["queries"], data["query_mask"]), batch_size, data["query_mask"])
     lengths, has_eos = response_lengths(responses, seq_lens, stops)
     ids = [list(x[:n]) for x, n in zip(responses, lengths)]
     texts = data["tokenizer"].detokenize(ids) if len(lengths) else []
     texts = [t.decode() if isinstance(t, bytes) else str(t) for t in texts]
-    return {"responses": responses, "sequence_lengths": seq_lens, "lengths": lengths, "has_eos": has_eos,
-            "texts": texts, "ids": ids}
+    return {
+        "responses": responses,
+        "sequence_lengths": seq_lens,
+        "lengths": lengths,
+        "has_eos": has_eos,
+        "texts": texts,
+        "ids": ids,
+    }
 
 
 def full_sequences(data, out):
     """queries ++ responses [N, Q+R] and their padding mask (response tokens up to and with the EOS)."""
     r = out["responses"].shape[1]
     response_mask = np.arange(r)[None] <= out["sequence_lengths"][:, None]
-    return (np.concatenate([data["queries"], out["responses"]], 1),
-            np.concatenate([data["query_mask"], response_mask], 1), response_mask)
+    return (
+        np.concatenate([data["queries"], out["responses"]], 1),
+        np.concatenate([data["query_mask"], response_mask], 1),
+        response_mask,
+    )
 
 
 def score(scorers, data, out, batch_size, mesh):
@@ -201,9 +241,13 @@ def score(scorers, data, out, batch_size, mesh):
     for name, scorer in scorers.items():
         if scorer is not None:
             scores = lambda i, rows, drop, ids, m: scorer(
-                [data["prompts"][j] for j in rows], [out["texts"][j] for j in rows],
+                [data["prompts"][j] for j in rows],
+                [out["texts"][j] for j in rows],
                 {"query_responses": put(ids[:, drop:]), "padding_mask": put(m[:, drop:])},
-                [data["rows"][j] for j in rows], [out["ids"][j] for j in rows], common.turn_end(data["template"]))[0]
+                [data["rows"][j] for j in rows],
+                [out["ids"][j] for j in rows],
+                common.turn_end(data["template"]),
+            )[0]
             out[name] = batched(scores, (ids, mask), batch_size, data["query_mask"]).astype(np.float64)
     return out
 
@@ -213,14 +257,23 @@ def evaluate_policy(policy, data, scorer, args, mesh, baseline=None):
     baseline) per-prompt KL(policy || baseline) on the policy's own sampled responses."""
     key, q, bs = jax.random.key(args.seed), data["queries"].shape[1], data["batch_size"]
     put = partial(jax.device_put, device=NamedSharding(mesh, P("data")))
-    outs = {kind: score(scorer, data, respond(policy, data, kind, key, bs, mesh), bs, mesh)
-            for kind in ("greedy", "sampled")}
+    outs = {
+        kind: score(scorer, data, respond(policy, data, kind, key, bs, mesh), bs, mesh)
+        for kind in ("greedy", "sampled")
+    }
     if baseline is not None:
         ids, mask, response_mask = full_sequences(data, outs["sampled"])
-        kl_of = lambda i, rows, drop, ids, m, rm: sequence_kl(  # the prompt columns cut to the batch's bucket
-            policy.fns["logps"](policy.params, policy.frozen, put(ids[:, drop:]), put(m[:, drop:]), q - drop),
-            baseline.fns["ref_logps"](baseline.params, baseline.frozen, put(ids[:, drop:]), put(m[:, drop:]), q - drop),
-            put(rm))
+        kl_of = (
+            lambda i, rows, drop, ids, m, rm: sequence_kl(  # the prompt columns cut to the batch's bucket
+                policy.fns["logps"](
+                    policy.params, policy.frozen, put(ids[:, drop:]), put(m[:, drop:]), q - drop
+                ),
+                baseline.fns["ref_logps"](
+                    baseline.params, baseline.frozen, put(ids[:, drop:]), put(m[:, drop:]), q - drop
+                ),
+                put(rm),
+            )
+        )
         outs["kl"] = batched(kl_of, (ids, mask, response_mask), bs, data["query_mask"])
     return outs
 
@@ -228,8 +281,11 @@ def evaluate_policy(policy, data, scorer, args, mesh, baseline=None):
 def summarize(outs, baseline_outs=None):
     """Per-prompt arrays -> the numbers of eval.json (means over prompts)."""
     g, s = outs["greedy"], outs["sampled"]
-    m = {"length": float(g["lengths"].mean()), "length_sampled": float(s["lengths"].mean()),
-         "eos_rate": float(g["has_eos"].mean())}
+    m = {
+        "length": float(g["lengths"].mean()),
+        "length_sampled": float(s["lengths"].mean()),
+        "eos_rate": float(g["has_eos"].mean()),
+    }
     for name in ("score", "rm_score"):
         if name in g:
             m[name], m[name + "_sampled"] = float(np.mean(g[name])), float(np.mean(s[name]))
@@ -266,7 +322,9 @@ def examples(outs, data, n, baseline_outs=None):
         row = {"prompt": data["prompts"][i]}
         for kind in ("greedy", "sampled"):
             row[kind] = outs[kind]["texts"][i]
-            row.update({f"{kind}_{k}": float(outs[kind][k][i]) for k in ("score", "rm_score") if k in outs[kind]})
+            row.update(
+                {f"{kind}_{k}": float(outs[kind][k][i]) for k in ("score", "rm_score") if k in outs[kind]}
+            )
         if baseline_outs is not None:
             row["baseline_greedy"] = baseline_outs["greedy"]["texts"][i]
         rows.append(row)
@@ -277,26 +335,36 @@ def check_args(args, mesh):
     """Every flag and file, before any model loads -> (prompt texts: the first --num-prompts,
     the Scorer of --reward-fn or None)."""
     if args.max_new_tokens < 1 or args.temperature <= 0 or args.num_prompts < 0 or args.batch_size < 1:
-        raise common.UsageError("--max-new-tokens and --batch-size must be >= 1, --temperature > 0, "
-                                "--num-prompts >= 0")
+        raise common.UsageError(
+            "--max-new-tokens and --batch-size must be >= 1, --temperature > 0, --num-prompts >= 0"
+        )
     if not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= (args.min_p or 0) <= 1:
         raise common.UsageError("--top-p must be in (0, 1], --top-k >= 0 (0: off), --min-p in [0, 1]")
     if args.batch_size % mesh.shape["data"]:
-        raise common.UsageError(f"--batch-size {args.batch_size} must divide by the data axis ({mesh.shape['data']})")
+        raise common.UsageError(
+            f"--batch-size {args.batch_size} must divide by the data axis ({mesh.shape['data']})"
+        )
     if not args.reward_fn and not args.reward_model:
         raise common.UsageError("give --reward-fn and/or --reward-model: nothing to score with")
     if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
-        raise common.UsageError(f"--reward-weights has {len(args.reward_weights)} values for "
-                                f"{len(args.reward_fn)} --reward-fn functions")
+        raise common.UsageError(
+            f"--reward-weights has {len(args.reward_weights)} values for "
+            f"{len(args.reward_fn)} --reward-fn functions"
+        )
     common.check_sampler(args.model, "--model")
     if args.baseline:
         common.check_sampler(args.baseline, "--baseline")
-    reward_fn = common.load_scorer(mesh, reward_fns=args.reward_fn, weights=args.reward_weights) \
-        if args.reward_fn else None
+    reward_fn = (
+        common.load_scorer(mesh, reward_fns=args.reward_fn, weights=args.reward_weights)
+        if args.reward_fn
+        else None
+    )
     if args.reward_model:
         common.check_reward_model(args.reward_model)
     template = common.chat_template(args.model, args.chat_template)
-    prompts, rows = common.read_prompts(args.prompts, template, "--prompts", args.prompts_config, args.prompts_split)
+    prompts, rows = common.read_prompts(
+        args.prompts, template, "--prompts", args.prompts_config, args.prompts_split
+    )
     if reward_fn is not None:
         reward_fn.check_columns(rows, "--prompts")  # before any model loads
     n = args.num_prompts or len(prompts)
@@ -308,22 +376,36 @@ def prepare(args, mesh, prompts, rows, tokenizer):
     (what reward functions read)."""
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
     d, template = mesh.shape["data"], common.chat_template(args.model, args.chat_template)
-    return {"prompts": prompts, "rows": rows, "queries": queries, "query_mask": query_mask, "tokenizer": tokenizer,
-            "stops": common.stop_token_ids(tokenizer, template, args.stop_token), "pad": tokenizer.pad_token_id,
-            "template": template,
-            "batch_size": min(args.batch_size, d * math.ceil(len(prompts) / d))}
+    return {
+        "prompts": prompts,
+        "rows": rows,
+        "queries": queries,
+        "query_mask": query_mask,
+        "tokenizer": tokenizer,
+        "stops": common.stop_token_ids(tokenizer, template, args.stop_token),
+        "pad": tokenizer.pad_token_id,
+        "template": template,
+        "batch_size": min(args.batch_size, d * math.ceil(len(prompts) / d)),
+    }
 
 
 def check_same_tokens(name, model, data, args, what):
     """Win rate, KL and reward-model scores compare token ids: the prompts, rendered with the
     chat template of `name`'s family and tokenized by `model`, must be --model's."""
     template = common.chat_template(name, args.chat_template)
-    prompts = data["prompts"] if template == data["template"] else common.read_dataset(
-        args.prompts, "prompt", template, "--prompts", args.prompts_config, args.prompts_split)
-    prompts = prompts[:len(data["prompts"])]
+    prompts = (
+        data["prompts"]
+        if template == data["template"]
+        else common.read_dataset(
+            args.prompts, "prompt", template, "--prompts", args.prompts_config, args.prompts_split
+        )
+    )
+    prompts = prompts[: len(data["prompts"])]
     queries, _ = tokenize_prompts(prompts, model.preprocessor.tokenizer, args.max_prompt_length)
     if queries.shape != data["queries"].shape or (queries != data["queries"]).any():
-        raise common.UsageError(f"{what} {name}: its tokenizer differs from --model's; KL and scores need the same one")
+        raise common.UsageError(
+            f"{what} {name}: its tokenizer differs from --model's; KL and scores need the same one"
+        )
 
 
 def make_scorer(args, mesh, data, reward_fn):
@@ -358,8 +440,10 @@ def main(args):
     mesh = common.make_mesh(args.mesh)
     output_dir = args.output_dir or default_eval_dir(args)
     if os.path.exists(os.path.join(output_dir, "eval.json")) and not args.overwrite:
-        raise common.UsageError(f"--output-dir {output_dir} already holds an evaluation (eval.json); pass "
-                                "--overwrite to replace it, or choose another --output-dir")
+        raise common.UsageError(
+            f"--output-dir {output_dir} already holds an evaluation (eval.json); pass "
+            "--overwrite to replace it, or choose another --output-dir"
+        )
     prompts, rows, reward_fn = check_args(args, mesh)
     policy = load_policy(args.model, mesh, args)
     data = prepare(args, mesh, prompts, rows, policy.model.preprocessor.tokenizer)
@@ -368,18 +452,33 @@ def main(args):
     if args.baseline:
         baseline = load_policy(args.baseline, mesh, args, like=policy, flag="--baseline")
         check_same_tokens(args.baseline, baseline.model, data, args, "--baseline")
-    print(f"eval: {len(data['prompts'])} prompts, {args.max_new_tokens} new tokens, greedy and "
-          f"sampled (T={args.temperature}, seed {args.seed}); baseline: {args.baseline}")
+    print(
+        f"eval: {len(data['prompts'])} prompts, {args.max_new_tokens} new tokens, greedy and "
+        f"sampled (T={args.temperature}, seed {args.seed}); baseline: {args.baseline}"
+    )
     outs = evaluate_policy(policy, data, scorer, args, mesh, baseline)
     base_outs = evaluate_policy(baseline, data, scorer, args, mesh) if baseline is not None else None
-    metrics = {"model": args.model, "baseline": args.baseline, "prompts": args.prompts,
-               "prompts_config": args.prompts_config, "prompts_split": args.prompts_split,
-               "num_prompts": len(data["prompts"]), "seed": args.seed, "temperature": args.temperature,
-               "top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p,
-               "max_new_tokens": args.max_new_tokens, "reward_fn": list(args.reward_fn),
-               "reward_model": args.reward_model, **summarize(outs, base_outs),
-               "eval_seconds": time.perf_counter() - t0}
-    write_outputs(output_dir, metrics, examples(outs, data, args.num_examples, base_outs), per_prompt(outs, base_outs))
+    metrics = {
+        "model": args.model,
+        "baseline": args.baseline,
+        "prompts": args.prompts,
+        "prompts_config": args.prompts_config,
+        "prompts_split": args.prompts_split,
+        "num_prompts": len(data["prompts"]),
+        "seed": args.seed,
+        "temperature": args.temperature,
+        "top_k": args.top_k,
+        "top_p": args.top_p,
+        "min_p": args.min_p,
+        "max_new_tokens": args.max_new_tokens,
+        "reward_fn": list(args.reward_fn),
+        "reward_model": args.reward_model,
+        **summarize(outs, base_outs),
+        "eval_seconds": time.perf_counter() - t0,
+    }
+    write_outputs(
+        output_dir, metrics, examples(outs, data, args.num_examples, base_outs), per_prompt(outs, base_outs)
+    )
     for k, v in metrics.items():
         if isinstance(v, float):
             print(f"{k:>20}: {v:.4f}")

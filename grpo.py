@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Literal, get_args
 
 import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
-plumbing.answer_help(__name__, __file__)  # `python grpo.py --help`: from Args' source, before the imports below
+
+# `python grpo.py --help`: from Args' source, before the imports below
+plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, the scorer)
 import jax  # noqa: E402
@@ -27,6 +29,7 @@ import optax  # noqa: E402
 @dataclass
 class Args(plumbing.RolloutArgs):
     """The shared flags (plumbing.RolloutArgs: model, dtype, mesh, prompts, lengths, outputs, …) plus GRPO's."""
+
     # rewards
     reward_fn: tuple[str, ...] = (os.path.join(common.HERE, "data", "toy.py") + ":batch_score",)
     """one or more `path.py:function`: TRL's f(prompts, completions, **columns) or f(prompts, responses)"""
@@ -91,11 +94,11 @@ class Args(plumbing.RolloutArgs):
 def tokenize_prompts(prompts, tokenizer, max_prompt_length):
     """-> (queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
     ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
-    ids = [x[:1] + x[1:][-(max_prompt_length - 1):] for x in ids]  # cut from the left, BOS kept
+    ids = [x[:1] + x[1:][-(max_prompt_length - 1) :] for x in ids]  # cut from the left, BOS kept
     q = min(max_prompt_length, 8 * math.ceil(max(len(x) for x in ids) / 8))
     queries, mask = np.zeros((len(ids), q), np.int32), np.zeros((len(ids), q), bool)
     for i, x in enumerate(ids):  # left padding: every prompt ends at column Q-1, responses start at Q
-        queries[i, q - len(x):], mask[i, q - len(x):] = x, True
+        queries[i, q - len(x) :], mask[i, q - len(x) :] = x, True
     return queries, mask
 
 
@@ -130,8 +133,21 @@ def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
     return jnp.take_along_axis(kept, tokens[:, None], -1)[:, 0] - logz, logz - plogp.sum(-1)
 
 
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, stop_ids,
-             pad_id, top_k=0, top_p=1.0, min_p=None):
+def generate(
+    backbone,
+    params,
+    frozen,
+    queries,
+    query_mask,
+    key,
+    response_length,
+    temperature,
+    stop_ids,
+    pad_id,
+    top_k=0,
+    top_p=1.0,
+    min_p=None,
+):
     """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
     [B, R]: filtered_logps, 0 if greedy or after the end). A prefill, then a `lax.while_loop` of one token a
     step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes (one compilation per bucket),
@@ -150,7 +166,8 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
             else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
                 # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
                 z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
-                    logits / temperature, top_k, top_p, min_p)  # [B, V]
+                    logits / temperature, top_k, top_p, min_p
+                )  # [B, V]
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
                 # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
@@ -170,7 +187,10 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
         tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
         logqs = jnp.zeros((b, response_length)).at[:, 0].set(logq)  # [B, R]
         tokens, logqs, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has not ended and t < R
-            lambda c: (c[3] < response_length) & ~c[5].all(), step, (tokens, logqs, cache, jnp.int32(1), key, done))
+            lambda c: (c[3] < response_length) & ~c[5].all(),
+            step,
+            (tokens, logqs, cache, jnp.int32(1), key, done),
+        )
     return tokens, steps, logqs
 
 
@@ -182,17 +202,28 @@ def truncate_response(responses, stop_ids, pad_id):
     return jnp.where(jnp.arange(r)[None] > first[:, None], pad_id, responses), first
 
 
-def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature,
-                   top_k=0, top_p=1.0, min_p=None):
+def response_logps(
+    backbone,
+    params,
+    frozen,
+    token_ids,
+    padding_mask,
+    context_length,
+    temperature,
+    top_k=0,
+    top_p=1.0,
+    min_p=None,
+):
     """log q(response token) and q's entropy (filtered_logps), [B, R] each, float32, and the forward's
     aux_loss (a mixture of experts' router loss, common.forward; 0.0 dense). Position t predicts t+1:
     response token Q+i is scored by hidden[Q+i-1]; the [B, R, V] logits come one position at a time."""
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
-    hidden, labels = hidden[:, context_length - 1:-1], token_ids[:, context_length:]  # [B, R, D], [B, R]
+    hidden, labels = hidden[:, context_length - 1 : -1], token_ids[:, context_length:]  # [B, R, D], [B, R]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
-        position = jax.checkpoint(lambda h, y: filtered_logps(common.logits(backbone, h), y, temperature,
-                                                              top_k, top_p, min_p))  # [B, D], [B] -> [B], [B]
+        position = jax.checkpoint(
+            lambda h, y: filtered_logps(common.logits(backbone, h), y, temperature, top_k, top_p, min_p)
+        )  # [B, D], [B] -> [B], [B]
         logps, entropy = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
     return logps.T, entropy.T, aux_loss
 
@@ -205,9 +236,12 @@ def mismatch(logps, sampler_logps, mask):
     """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the
     weights that sampled against the sampler's own log q: 1 to float rounding (unfiltered: the kept mass)."""
     ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
-    return {"mismatch/ratio_mean": masked_mean(ratio, mask), "mismatch/ratio_max": real(ratio).max(),
-            "mismatch/ratio_min": real(ratio).min(),
-            "mismatch/frac_outside_10pct": masked_mean(abs(ratio - 1.0) > 0.1, mask)}  # outside [0.9, 1.1]
+    return {
+        "mismatch/ratio_mean": masked_mean(ratio, mask),
+        "mismatch/ratio_max": real(ratio).max(),
+        "mismatch/ratio_min": real(ratio).min(),
+        "mismatch/frac_outside_10pct": masked_mean(abs(ratio - 1.0) > 0.1, mask),
+    }  # outside [0.9, 1.1]
 
 
 def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
@@ -235,9 +269,23 @@ def aggregate(per_token, mask, loss_type):
     return x.sum() / {"dr_grpo": x.size, "luspo": x.shape[0]}.get(loss_type, jnp.maximum(mask.sum(), 1))
 
 
-def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_high, beta, loss_type,
-              importance_sampling_level, entropy=None, top_entropy_quantile=1.0, entropy_coef=0.0,
-              sapo_temperatures=(1.0, 1.05), vespo_params=(2.0, 3.0, 3.0, 2.0)):
+def grpo_loss(
+    logps,
+    old_logps,
+    ref_logps,
+    advantages,
+    mask,
+    epsilon,
+    epsilon_high,
+    beta,
+    loss_type,
+    importance_sampling_level,
+    entropy=None,
+    top_entropy_quantile=1.0,
+    entropy_coef=0.0,
+    sapo_temperatures=(1.0, 1.05),
+    vespo_params=(2.0, 3.0, 3.0, 2.0),
+):
     """The policy term of `loss_type` (eq. 3, GSPO's 6, CISPO 7, SAPO 8, VESPO 10) on the tokens ρ keeps (11),
     + β·k3 KL (4), aggregated (5, 9), − entropy_coef × entropy (12). logps, old_logps, ref_logps (None: β 0),
     entropy, mask [B, R], advantages [B]; sapo_temperatures and vespo_params: Args' fields in their order."""
@@ -266,8 +314,13 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
         per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * a)
         low = (ratio < 1.0 - epsilon) & (a < 0)  # clipped from below: pushing further down is blocked
         high = (ratio > 1.0 + epsilon_high) & (a > 0)  # clipped from above
-        metrics.update({"clip_ratio/low_mean": share(low), "clip_ratio/high_mean": share(high),
-                        "clip_ratio": share(low | high)})
+        metrics.update(
+            {
+                "clip_ratio/low_mean": share(low),
+                "clip_ratio/high_mean": share(high),
+                "clip_ratio": share(low | high),
+            }
+        )
     kept = mask  # the tokens that carry the policy term
     if top_entropy_quantile < 1.0:  # eq. 11: entropy ≥ its (1 − ρ)-quantile over the batch's real tokens
         real = jnp.where(mask, jax.lax.stop_gradient(entropy), jnp.nan)  # [B, R]; padding left out
@@ -286,10 +339,13 @@ def grpo_loss(logps, old_logps, ref_logps, advantages, mask, epsilon, epsilon_hi
 def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, sampling):
     """π_old's log-probs of a finished generation batch, of the distribution sampled from (sampling: T, top-k,
     top-p, min-p), and π_ref's of logits / T only; an entry is left out where its params are None."""
-    logps = lambda p, s: response_logps(backbone, p, frozen, batch["query_responses"], batch["padding_mask"],
-                                        context_length, *s)[0]
-    return {**({"old_logps": logps(params, sampling)} if params is not None else {}),
-            **({"ref_logps": logps(ref_params, sampling[:1])} if ref_params is not None else {})}
+    logps = lambda p, s: response_logps(
+        backbone, p, frozen, batch["query_responses"], batch["padding_mask"], context_length, *s
+    )[0]
+    return {
+        **({"old_logps": logps(params, sampling)} if params is not None else {}),
+        **({"ref_logps": logps(ref_params, sampling[:1])} if ref_params is not None else {}),
+    }
 
 
 # ---- train_step: one update of the policy on a (mini-)batch of completions
@@ -300,19 +356,44 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
     ids, mask = batch["query_responses"], batch["padding_mask"]
 
     def loss_fn(p):
-        logps, entropy, aux_loss = response_logps(backbone, p, frozen, ids, mask, context_length,
-                                                  args.temperature, args.top_k, args.top_p, args.min_p)
+        logps, entropy, aux_loss = response_logps(
+            backbone,
+            p,
+            frozen,
+            ids,
+            mask,
+            context_length,
+            args.temperature,
+            args.top_k,
+            args.top_p,
+            args.min_p,
+        )
         old = batch.get("old_logps", jax.lax.stop_gradient(logps))  # μ = 1: π_old = sg(π_θ), ratio 1
-        loss, metrics = grpo_loss(logps, old, batch.get("ref_logps"), batch["advantages"], batch["response_mask"],
-                                  args.epsilon, args.epsilon if args.epsilon_high is None else args.epsilon_high,
-                                  args.beta, args.loss_type, args.importance_sampling_level, entropy,
-                                  args.top_entropy_quantile, args.entropy_coef, (args.sapo_temperature_pos,
-                                  args.sapo_temperature_neg), (args.vespo_k_pos, args.vespo_lambda_pos,
-                                  args.vespo_k_neg, args.vespo_lambda_neg))
+        loss, metrics = grpo_loss(
+            logps,
+            old,
+            batch.get("ref_logps"),
+            batch["advantages"],
+            batch["response_mask"],
+            args.epsilon,
+            args.epsilon if args.epsilon_high is None else args.epsilon_high,
+            args.beta,
+            args.loss_type,
+            args.importance_sampling_level,
+            entropy,
+            args.top_entropy_quantile,
+            args.entropy_coef,
+            (args.sapo_temperature_pos, args.sapo_temperature_neg),
+            (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
+        )
         loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
         if "sampler_logps" in batch:  # mismatch/*, over every sampled token (padding_mask's response part)
             metrics.update(mismatch(logps, batch["sampler_logps"], mask[:, context_length:]))
-        return loss, {**metrics, "entropy": masked_mean(entropy, batch["response_mask"]), "aux_loss": aux_loss}
+        return loss, {
+            **metrics,
+            "entropy": masked_mean(entropy, batch["response_mask"]),
+            "aux_loss": aux_loss,
+        }
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -329,21 +410,30 @@ def check_args(args, mesh):
     if not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= (args.min_p or 0) <= 1:
         raise common.UsageError("--top-p must be in (0, 1], --top-k ≥ 0 (0: off), --min-p in [0, 1]")
     if g < 2 or b % g:
-        raise common.UsageError(f"--batch-size {b} must be a multiple of --num-generations {g} (≥ 2: a group "
-                                "of one has no relative advantage)")
+        raise common.UsageError(
+            f"--batch-size {b} must be a multiple of --num-generations {g} (≥ 2: a group "
+            "of one has no relative advantage)"
+        )
     if b % args.num_mini_batches or b // args.num_mini_batches % mesh.shape["data"]:
-        raise common.UsageError(f"--batch-size {b} must split into --num-mini-batches {args.num_mini_batches} "
-                                f"each divisible by the data axis ({mesh.shape['data']})")
+        raise common.UsageError(
+            f"--batch-size {b} must split into --num-mini-batches {args.num_mini_batches} "
+            f"each divisible by the data axis ({mesh.shape['data']})"
+        )
     losses = get_args(Args.__annotations__["loss_type"])
     if args.scale_rewards not in ("group", "batch", "none") or args.loss_type not in losses:
         raise common.UsageError(f"--scale-rewards: group, batch or none; --loss-type: {', '.join(losses)}")
     if args.importance_sampling_level not in ("token",) + ("sequence",) * (args.loss_type != "vespo"):
         raise common.UsageError("--importance-sampling-level: token or sequence (vespo: token; w is its own)")
-    if not 0 <= args.top_entropy_quantile <= 1 or min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0:
+    if (
+        not 0 <= args.top_entropy_quantile <= 1
+        or min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0
+    ):
         raise common.UsageError("--top-entropy-quantile must be in [0, 1], --sapo-temperature-pos/-neg > 0")
     if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
-        raise common.UsageError(f"--reward-weights: {len(args.reward_weights)} weights for "
-                                f"{len(args.reward_fn)} --reward-fn functions")
+        raise common.UsageError(
+            f"--reward-weights: {len(args.reward_weights)} weights for "
+            f"{len(args.reward_fn)} --reward-fn functions"
+        )
     common.check_sampler(args.model)  # a family whose decoder layers the sampler knows
 
 
@@ -351,9 +441,17 @@ def make_optimizer(args, max_steps):
     """Clip, AdamW (--weight-decay on matrices only), --lr-scheduler-type over all μ × mini-batches updates
     (TRL counts optimizer steps) -> (optimizer, schedule, warmup)"""
     updates = max_steps * args.num_iterations * args.num_mini_batches
-    schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, updates, args.warmup_steps,
-                                          args.warmup_ratio, args.min_lr_rate)
-    adamw = optax.adamw(schedule, weight_decay=args.weight_decay, mask=lambda t: jax.tree.map(lambda p: p.ndim >= 2, t))
+    schedule, warmup = common.lr_schedule(
+        args.lr_scheduler_type,
+        args.learning_rate,
+        updates,
+        args.warmup_steps,
+        args.warmup_ratio,
+        args.min_lr_rate,
+    )
+    adamw = optax.adamw(
+        schedule, weight_decay=args.weight_decay, mask=lambda t: jax.tree.map(lambda p: p.ndim >= 2, t)
+    )
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adamw), schedule, warmup
 
 
@@ -366,9 +464,12 @@ def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_
     responses, _, sampler_logps = gen_fn(params, frozen, qs, qm, key)
     responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
     response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: stop included
-    return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
-            "padding_mask": jnp.concatenate([qm, response_mask], 1),
-            "sampler_logps": sampler_logps}, sequence_lengths
+    return {
+        "query_responses": jnp.concatenate([qs, responses], 1),
+        "response_mask": response_mask,
+        "padding_mask": jnp.concatenate([qm, response_mask], 1),
+        "sampler_logps": sampler_logps,
+    }, sequence_lengths
 
 
 def query_length(batch):
@@ -389,10 +490,18 @@ def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
 def reward_metrics(rewards, parts, lengths, has_eos):
     """The summed reward, each reward function's (or the reward model's) mean and std (a function's None,
     NaN here, left out of them as TRL does), completion lengths."""
-    return {"reward": float(rewards.mean()), **{f"rewards/{k}/{s}": float(f(v)) for k, v in parts.items()
-                                                for s, f in (("mean", np.nanmean), ("std", np.nanstd))},
-            "completions/mean_length": float(lengths.mean()), "completions/min_length": float(lengths.min()),
-            "completions/max_length": float(lengths.max()), "completions/clipped_ratio": float(1.0 - has_eos.mean())}
+    return {
+        "reward": float(rewards.mean()),
+        **{
+            f"rewards/{k}/{s}": float(f(v))
+            for k, v in parts.items()
+            for s, f in (("mean", np.nanmean), ("std", np.nanstd))
+        },
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(1.0 - has_eos.mean()),
+    }
 
 
 def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
@@ -404,25 +513,40 @@ def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
-    run = plumbing.Run("grpo", args, export_hf=args.export_hf)  # flags and --output-dir checked; nothing written
+    run = plumbing.Run(
+        "grpo", args, export_hf=args.export_hf
+    )  # flags and --output-dir checked; nothing written
     check_args(args, run.mesh)
     template = common.chat_template(args.model, args.chat_template)
-    prompts, rows = common.read_prompts(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
+    prompts, rows = common.read_prompts(
+        args.dataset, template, "--dataset", args.dataset_config, args.dataset_split
+    )
     g, n_prompts = args.num_generations, args.batch_size // args.num_generations
-    max_steps = run.resolve_max_steps(len(prompts), n_prompts)  # --max-steps, or --num-epochs' worth of B/G prompts
-    scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=args.reward_fn,
-                                weights=args.reward_weights)  # r(x, y): the reward model, or the weighted functions
+    max_steps = run.resolve_max_steps(
+        len(prompts), n_prompts
+    )  # --max-steps, or --num-epochs' worth of B/G prompts
+    scorer = common.load_scorer(
+        run.mesh,
+        run.dtype,
+        reward_model=args.reward_model,
+        reward_fns=args.reward_fn,
+        weights=args.reward_weights,
+    )  # r(x, y): the reward model, or the weighted functions
     scorer.check_columns(rows)  # before the model loads: every column a reward function names exists
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     scorer.check_tokenizer(tokenizer)
-    remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each block (not the sampler's calls)
+    remat = plumbing.Remat(
+        args.remat, backbone
+    )  # --remat: a checkpoint switch on each block (not the sampler's calls)
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
     q, r, pad = queries.shape[1], args.response_length, tokenizer.pad_token_id
     stops = common.stop_token_ids(tokenizer, template, args.stop_token)  # EOS, the turn end, --stop-token
-    print(f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
-          f"{n_prompts} prompts × G={g} completions of ≤ {r} tokens per step, ended by ids {stops}; "
-          f"reward: {args.reward_model or ', '.join(args.reward_fn)}")
+    print(
+        f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
+        f"{n_prompts} prompts × G={g} completions of ≤ {r} tokens per step, ended by ids {stops}; "
+        f"reward: {args.reward_model or ', '.join(args.reward_fn)}"
+    )
 
     params, frozen = common.split_variables(backbone)
     # one jit with out_shardings commits the values to the mesh as updates will: the sampler sees one type
@@ -433,37 +557,54 @@ def main(args):
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
-    order = np.concatenate([rng.permutation(len(prompts)) for _ in range(-(-max_steps * n_prompts // len(prompts)))])
+    order = np.concatenate(
+        [rng.permutation(len(prompts)) for _ in range(-(-max_steps * n_prompts // len(prompts)))]
+    )
     # --resume: params, optimizer state, sampling key (through the host: restored on one device), shuffler
-    (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
-                                                     {"rng": rng.bit_generator.state})
+    (params, opt_state, key_data), meta = run.resume(
+        (params, opt_state, jax.random.key_data(key)), {"rng": rng.bit_generator.state}
+    )
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
     sampling = (args.temperature, args.top_k, args.top_p, args.min_p)  # q: what is sampled and scored
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, sampling[0], stops, pad,
-                                                      *sampling[1:]))
+    gen_fn = jax.jit(
+        lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, sampling[0], stops, pad, *sampling[1:])
+    )
     logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, query_length(b), sampling))
-    step_fn = remat.jit(lambda s, f, b: train_step(backbone, optimizer, args, s, f, b, query_length(b)),
-                        donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
-    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
+    step_fn = remat.jit(
+        lambda s, f, b: train_step(backbone, optimizer, args, s, f, b, query_length(b)),
+        donate_argnums=0,
+        out_shardings=(state_shardings, common.replicated(run.mesh)),
+    )
+    run.record(
+        remat=remat, num_warmup_steps=warmup
+    )  # args.json: the mode --remat auto chose, the warmup steps
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))  # rollouts [B, …]
     # FLOPs (docs/design.md): 2N a token per forward (sampler, π_old, π_ref, reward model), 6N per update pass
     n, n_rm = (plumbing.count_params(m.backbone) if m is not None else 0 for m in (model, scorer.model))
     flops_per_token = 2 * n * (1 + off_policy + (args.beta > 0)) + 2 * n_rm + args.num_iterations * 6 * n
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
-    for step in run.steps(learning_rate=lambda s: schedule(s * args.num_iterations * args.num_mini_batches),
-                          summed=("charts/generated_tokens",), show=("reward", "frac_reward_zero_std")):
-        ticks, idx = [time.perf_counter()], np.repeat(order[step * n_prompts:(step + 1) * n_prompts], g)  # [B]
+    for step in run.steps(
+        learning_rate=lambda s: schedule(s * args.num_iterations * args.num_mini_batches),
+        summed=("charts/generated_tokens",),
+        show=("reward", "frac_reward_zero_std"),
+    ):
+        ticks, idx = (
+            [time.perf_counter()],
+            np.repeat(order[step * n_prompts : (step + 1) * n_prompts], g),
+        )  # [B]
         key, gen_key = jax.random.split(key)  # rollout: G completions of B/G prompts, a group per G rows
-        batch, sequence_lengths = rollout(gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key,
-                                          stops, pad, on_data)
+        batch, sequence_lengths = rollout(
+            gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key, stops, pad, on_data
+        )
         qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
         texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb, stops)  # rewards: (1)
-        scores, parts = scorer([prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids,
-                               common.turn_end(template))
+        scores, parts = scorer(
+            [prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids, common.turn_end(template)
+        )
         rewards = common.to_host(scores)
         advantages, group_std = jax.device_get(group_advantages(jnp.asarray(rewards), g, args.scale_rewards))
         if args.mask_truncated_completions:  # DAPO: a cut-off completion is not judged at all
@@ -471,8 +612,11 @@ def main(args):
         batch["advantages"] = common.put_global(advantages, on_data)  # relative to the prompt's group (2)
         if off_policy or ref_params is not None:  # else neither π_old nor π_ref needs a forward
             batch.update(logps_fn(state[0] if off_policy else None, ref_params, frozen, batch))
-        meter = (mismatch(batch["old_logps"], batch.pop("sampler_logps"), batch["padding_mask"][:, qb:])
-                 if "old_logps" in batch else {})  # mismatch/*: here, or in train_step
+        meter = (
+            mismatch(batch["old_logps"], batch.pop("sampler_logps"), batch["padding_mask"][:, qb:])
+            if "old_logps" in batch
+            else {}
+        )  # mismatch/*: here, or in train_step
         ticks.append(plumbing.synced(batch))
         updates = []  # update: num_iterations passes, each over num_mini_batches shuffled mini-batches
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data):
@@ -480,16 +624,26 @@ def main(args):
             updates.append(metrics)
         # tokens sampled: through each stop (R without one); tokens/s, MFU: those + prompts' (of B·(Qb+R))
         real = int(query_mask[idx].sum() + (lengths + has_eos).sum())
-        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())), **meter,
-                 **reward_metrics(rewards, parts, lengths, has_eos), "reward_std": float(np.mean(group_std)),
-                 "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
-                 "charts/generate_compilations": float(gen_fn._cache_size()),
-                 "charts/query_padding_fraction": float(1 - query_mask[idx].sum() / (len(idx) * qb))},
-                tokens=real, padded=len(idx) * (qb + r), flops=real * flops_per_token)
+        run.log(
+            {
+                **plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())),
+                **meter,
+                **reward_metrics(rewards, parts, lengths, has_eos),
+                "reward_std": float(np.mean(group_std)),
+                "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
+                "charts/generate_compilations": float(gen_fn._cache_size()),
+                "charts/query_padding_fraction": float(1 - query_mask[idx].sum() / (len(idx) * qb)),
+            },
+            tokens=real,
+            padded=len(idx) * (qb + r),
+            flops=real * flops_per_token,
+        )
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
             for i in range(min(4, g)):  # the first group: one prompt, its completions, their advantages
-                print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} reward {rewards[i]:.3f} "
-                      f"advantage {float(advantages[i]):+.2f}")
+                print(
+                    f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} reward {rewards[i]:.3f} "
+                    f"advantage {float(advantages[i]):+.2f}"
+                )
         run.checkpoint((state[0], state[1], jax.random.key_data(key)), {"rng": rng.bit_generator.state})
 
     # ---- outputs: the policy (LoRA merged) as a KerasHub preset ----

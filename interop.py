@@ -41,8 +41,12 @@ def before_keras():
     without it they fall back to the `sentencepiece` and `tokenizers` packages, which give the same ids. Kept
     out, it costs nothing: start-up (every run, every test subprocess) takes 2.8 s instead of 5.1 s here."""
     os.environ.setdefault("KERAS_BACKEND", "jax")
-    if not (os.environ.get("JAX_PLATFORMS") or glob.glob("/dev/accel*") or glob.glob("/dev/vfio/[0-9]*")
-            or os.path.exists("/dev/nvidia0")):
+    if not (
+        os.environ.get("JAX_PLATFORMS")
+        or glob.glob("/dev/accel*")
+        or glob.glob("/dev/vfio/[0-9]*")
+        or os.path.exists("/dev/nvidia0")
+    ):
         os.environ["JAX_PLATFORMS"] = "cpu"
     for name in ("tensorflow", "tensorflow_text"):
         sys.modules.setdefault(name, None)  # `import tensorflow` now raises ImportError
@@ -54,11 +58,15 @@ def before_keras():
 _QWEN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
 BPE_SPLITS = {
     "Llama3Tokenizer": r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
-                       r"\s*[\r\n]+|\s+(?!\S)|\s+",
+    r"\s*[\r\n]+|\s+(?!\S)|\s+",
     **dict.fromkeys(["QwenTokenizer", "Qwen3Tokenizer", "QwenMoeTokenizer", "Qwen3MoeTokenizer"], _QWEN),
-    **dict.fromkeys(["Qwen3_5Tokenizer", "Qwen3_5MoeTokenizer"], r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?"
-                    r"[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"),
-    "GPT2Tokenizer": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"}
+    **dict.fromkeys(
+        ["Qwen3_5Tokenizer", "Qwen3_5MoeTokenizer"],
+        r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?"
+        r"[\p{L}\p{M}]+|\p{N}| ?[^\s\p{L}\p{M}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+",
+    ),
+    "GPT2Tokenizer": r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+",
+}
 
 
 def _split_words(set_vocabulary):
@@ -71,15 +79,20 @@ def _split_words(set_vocabulary):
     def set_vocabulary_and_merges(self, vocabulary, merges):
         set_vocabulary(self, vocabulary, merges)
         pattern = tokenizers.Regex(BPE_SPLITS.get(type(self).__name__, bpe.SPLIT_PATTERN_TOKENIZERS))
-        self._tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Sequence([
-            tokenizers.pre_tokenizers.Split(pattern, "isolated"),
-            tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=self.add_prefix_space, use_regex=False)])
+        self._tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.Sequence(
+            [
+                tokenizers.pre_tokenizers.Split(pattern, "isolated"),
+                tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=self.add_prefix_space, use_regex=False),
+            ]
+        )
+
     return set_vocabulary_and_merges
 
 
 def fix_bpe_splits():
     """Install _split_words in keras-hub's BytePairTokenizer (common.py does, once, as it imports keras-hub)."""
     from keras_hub.src.tokenizers import byte_pair_tokenizer as bpe
+
     cls = bpe.BytePairTokenizer
     cls._set_vocabulary_and_merges_tokenizers = _split_words(cls._set_vocabulary_and_merges_tokenizers)
 
@@ -88,29 +101,56 @@ def fix_bpe_splits():
 # --model's short names -> KerasHub presets (all: keras_hub.models.CausalLM.presets; common.resolve_model
 # reads them); tests/test_families.py checks each.
 MODEL_ALIASES = {
-    "gemma_2b": "gemma_2b_en", "gemma_7b": "gemma_7b_en",
-    "gemma_2b_it": "gemma_instruct_2b_en", "gemma_7b_it": "gemma_instruct_7b_en",
-    "gemma2_2b": "gemma2_2b_en", "gemma2_9b": "gemma2_9b_en", "gemma2_27b": "gemma2_27b_en",
-    "gemma2_2b_it": "gemma2_instruct_2b_en", "gemma2_9b_it": "gemma2_instruct_9b_en",
-    "llama3_8b": "llama3_8b_en", "llama3_8b_it": "llama3_instruct_8b_en",
-    "mistral_7b": "mistral_7b_en", "mistral_7b_it": "mistral_instruct_7b_en",
-    "qwen2.5_0.5b": "qwen2.5_0.5b_en", "qwen2.5_0.5b_it": "qwen2.5_instruct_0.5b_en", "qwen2.5_7b": "qwen2.5_7b_en",
-    "qwen3_0.6b": "qwen3_0.6b_en", "qwen3_8b": "qwen3_8b_en",
-    "qwen3_moe_30b_a3b": "qwen3_moe_30b_a3b_en", "qwen3_moe_235b_a22b": "qwen3_moe_235b_a22b_en",  # mixtures
+    "gemma_2b": "gemma_2b_en",
+    "gemma_7b": "gemma_7b_en",
+    "gemma_2b_it": "gemma_instruct_2b_en",
+    "gemma_7b_it": "gemma_instruct_7b_en",
+    "gemma2_2b": "gemma2_2b_en",
+    "gemma2_9b": "gemma2_9b_en",
+    "gemma2_27b": "gemma2_27b_en",
+    "gemma2_2b_it": "gemma2_instruct_2b_en",
+    "gemma2_9b_it": "gemma2_instruct_9b_en",
+    "llama3_8b": "llama3_8b_en",
+    "llama3_8b_it": "llama3_instruct_8b_en",
+    "mistral_7b": "mistral_7b_en",
+    "mistral_7b_it": "mistral_instruct_7b_en",
+    "qwen2.5_0.5b": "qwen2.5_0.5b_en",
+    "qwen2.5_0.5b_it": "qwen2.5_instruct_0.5b_en",
+    "qwen2.5_7b": "qwen2.5_7b_en",
+    "qwen3_0.6b": "qwen3_0.6b_en",
+    "qwen3_8b": "qwen3_8b_en",
+    "qwen3_moe_30b_a3b": "qwen3_moe_30b_a3b_en",
+    "qwen3_moe_235b_a22b": "qwen3_moe_235b_a22b_en",  # mixtures
     # Gemma 3: the text-only presets (4B and up also come as vision+text, which load_model reads text-only)
-    "gemma3_270m": "gemma3_270m", "gemma3_1b": "gemma3_1b", "gemma3_4b": "gemma3_4b_text",
-    "gemma3_12b": "gemma3_12b_text", "gemma3_27b": "gemma3_27b_text",
-    "gemma3_270m_it": "gemma3_instruct_270m", "gemma3_1b_it": "gemma3_instruct_1b",
-    "gemma3_4b_it": "gemma3_instruct_4b_text", "gemma3_12b_it": "gemma3_instruct_12b_text",
+    "gemma3_270m": "gemma3_270m",
+    "gemma3_1b": "gemma3_1b",
+    "gemma3_4b": "gemma3_4b_text",
+    "gemma3_12b": "gemma3_12b_text",
+    "gemma3_27b": "gemma3_27b_text",
+    "gemma3_270m_it": "gemma3_instruct_270m",
+    "gemma3_1b_it": "gemma3_instruct_1b",
+    "gemma3_4b_it": "gemma3_instruct_4b_text",
+    "gemma3_12b_it": "gemma3_instruct_12b_text",
     "gemma3_27b_it": "gemma3_instruct_27b_text",
     # Qwen 3.5 (every preset is vision-and-text, loaded text-only): `_base` presets plain, post-trained `_it`
-    "qwen3.5_0.8b": "qwen3_5_0.8b_base", "qwen3.5_2b": "qwen3_5_2b_base", "qwen3.5_4b": "qwen3_5_4b_base",
-    "qwen3.5_9b": "qwen3_5_9b_base", "qwen3.5_0.8b_it": "qwen3_5_0.8b", "qwen3.5_2b_it": "qwen3_5_2b",
-    "qwen3.5_4b_it": "qwen3_5_4b", "qwen3.5_9b_it": "qwen3_5_9b", "qwen3.5_27b_it": "qwen3_5_27b",
+    "qwen3.5_0.8b": "qwen3_5_0.8b_base",
+    "qwen3.5_2b": "qwen3_5_2b_base",
+    "qwen3.5_4b": "qwen3_5_4b_base",
+    "qwen3.5_9b": "qwen3_5_9b_base",
+    "qwen3.5_0.8b_it": "qwen3_5_0.8b",
+    "qwen3.5_2b_it": "qwen3_5_2b",
+    "qwen3.5_4b_it": "qwen3_5_4b",
+    "qwen3.5_9b_it": "qwen3_5_9b",
+    "qwen3.5_27b_it": "qwen3_5_27b",
     # Gemma 4 (every preset is vision(-and-audio)-and-text, loaded text-only): E2B, E4B, 26B-A4B (MoE), 31B
-    "gemma4_2b": "gemma4_2b", "gemma4_4b": "gemma4_4b", "gemma4_26b_a4b": "gemma4_26b_a4b",
-    "gemma4_31b": "gemma4_31b", "gemma4_2b_it": "gemma4_instruct_2b", "gemma4_4b_it": "gemma4_instruct_4b",
-    "gemma4_26b_a4b_it": "gemma4_instruct_26b_a4b", "gemma4_31b_it": "gemma4_instruct_31b",
+    "gemma4_2b": "gemma4_2b",
+    "gemma4_4b": "gemma4_4b",
+    "gemma4_26b_a4b": "gemma4_26b_a4b",
+    "gemma4_31b": "gemma4_31b",
+    "gemma4_2b_it": "gemma4_instruct_2b",
+    "gemma4_4b_it": "gemma4_instruct_4b",
+    "gemma4_26b_a4b_it": "gemma4_instruct_26b_a4b",
+    "gemma4_31b_it": "gemma4_instruct_31b",
 }
 
 
@@ -119,6 +159,7 @@ def model_config(preset):
     """The preset's config.json (a KerasHub preset's, or a Hugging Face checkpoint's), once per process; a hub
     failure stops here, in one line (hub_errors)."""
     from keras_hub.src.utils.preset_utils import load_json
+
     with hub_errors(preset):
         _fetch_config(preset)
         return load_json(preset, "config.json")
@@ -128,9 +169,11 @@ def _fetch_config(preset):
     """Fetch the preset's config.json, raising the hub's own error (KerasHub's loader turns a missing,
     gated or unreachable model into one generic 'has no config.json')."""
     from keras_hub.src.utils.preset_utils import get_file
+
     if preset.startswith("hf://"):
         import huggingface_hub as hf
         from huggingface_hub import constants
+
         repo = preset.removeprefix("hf://")
         if hf.try_to_load_from_cache(repo, "config.json") is None and not constants.HF_HUB_OFFLINE:
             # one HEAD request, no retries: when nothing is cached, hf_hub_download retries network
@@ -151,8 +194,15 @@ def hub_errors(preset):
         raise UsageError(message) from None
 
 
-NETWORK_ERRORS = {"ConnectionError", "ConnectError", "NetworkError", "TimeoutException", "Timeout", "gaierror",
-                  "LocalEntryNotFoundError"}  # no network, or HF_HUB_OFFLINE and not in the cache
+NETWORK_ERRORS = {
+    "ConnectionError",
+    "ConnectError",
+    "NetworkError",
+    "TimeoutException",
+    "Timeout",
+    "gaierror",
+    "LocalEntryNotFoundError",
+}  # no network, or HF_HUB_OFFLINE and not in the cache
 
 
 def hub_error(preset, error):
@@ -172,8 +222,10 @@ def hub_error(preset, error):
     offline = bool(kinds & NETWORK_ERRORS)
     explain = _hf_error if preset.startswith("hf://") else _kaggle_error
     message = explain(preset, kinds, text, status, offline)
-    return message and (f"--model {preset}: {message}; or pass a local directory (a KerasHub preset or a "
-                        "Hugging Face checkpoint), or --model tiny")
+    return message and (
+        f"--model {preset}: {message}; or pass a local directory (a KerasHub preset or a "
+        "Hugging Face checkpoint), or --model tiny"
+    )
 
 
 def _hf_error(preset, kinds, text, status, offline):
@@ -189,6 +241,7 @@ def _hf_error(preset, kinds, text, status, offline):
         return f"the repo has no config.json at {page}: not a checkpoint KerasHub loads"
     if offline:
         from huggingface_hub import constants
+
         return f"{hub_unreachable(constants.HF_HUB_OFFLINE, 'the model')}, then {token} if the repo is gated"
     return status and f"the Hugging Face Hub answered HTTP {status} for {page}"
 
@@ -196,30 +249,42 @@ def _hf_error(preset, kinds, text, status, offline):
 def _kaggle_error(preset, kinds, text, status, offline):
     """A KerasHub preset name's files live on Kaggle too."""
     from keras_hub.src.utils.preset_utils import BUILTIN_PRESETS
+
     handle = BUILTIN_PRESETS.get(preset, {}).get("kaggle_handle", preset).removeprefix("kaggle://")
     page = "https://www.kaggle.com/models/" + "/".join(handle.split("/")[:2])
     try:
         import kagglehub.config
+
         user = kagglehub.config.get_kaggle_credentials()
     except ValueError as e:  # a malformed ~/.kaggle/kaggle.json
         return f"{e}: fix it, or set KAGGLE_USERNAME and KAGGLE_KEY"
-    creds = (f"set Kaggle credentials (KAGGLE_USERNAME and KAGGLE_KEY, or ~/.kaggle/kaggle.json) for an account "
-             f"that has accepted the model's licence at {page}")
-    if status in (401, 403) or "is not accessible in preset directory" in text or kinds & {
-            "CredentialError", "UnauthenticatedError"}:
+    creds = (
+        f"set Kaggle credentials (KAGGLE_USERNAME and KAGGLE_KEY, or ~/.kaggle/kaggle.json) for an account "
+        f"that has accepted the model's licence at {page}"
+    )
+    if (
+        status in (401, 403)
+        or "is not accessible in preset directory" in text
+        or kinds & {"CredentialError", "UnauthenticatedError"}
+    ):
         if user is None:
             return f"Kaggle refused kaggle://{handle} without credentials: {creds}"
         who = f"the Kaggle account {user.username!r}" if user.username else "your Kaggle account"
-        return (f"Kaggle refused kaggle://{handle} to {who}: accept the model's licence at {page} with that "
-                "account, and check that its KAGGLE_KEY is current")
+        return (
+            f"Kaggle refused kaggle://{handle} to {who}: accept the model's licence at {page} with that "
+            "account, and check that its KAGGLE_KEY is current"
+        )
     if status == 404 or "doesn't exist in preset directory" in text:
-        return (f"Kaggle has no model kaggle://{handle}: check the handle "
-                f"(kaggle://{{org}}/{{model}}/keras/{{variant}}[/{{version}}], see {page})")
+        return (
+            f"Kaggle has no model kaggle://{handle}: check the handle "
+            f"(kaggle://{{org}}/{{model}}/keras/{{variant}}[/{{version}}], see {page})"
+        )
     if "Unexpected Kaggle preset" in text:
         return "not a Kaggle model handle; expected kaggle://{org}/{model}/keras/{variant}[/{version}]"
     if offline:
         return f"cannot reach Kaggle (no network?) to download kaggle://{handle}: connect" + (
-            f" and {creds}" if user is None else "")
+            f" and {creds}" if user is None else ""
+        )
     return status and f"Kaggle answered HTTP {status} for kaggle://{handle}"
 
 
@@ -237,18 +302,25 @@ def load_splits(path, config, flag):
     network, load_dataset retries for 23 s, so one request without retries goes first."""
     import datasets
     import huggingface_hub as hf
+
     hub, offline = not os.path.exists(path), datasets.config.HF_HUB_OFFLINE
     saved = any(os.path.exists(os.path.join(path, f)) for f in ("dataset_dict.json", "state.json"))
     try:
         if hub and not offline:
             with contextlib.suppress(hf.errors.HfHubHTTPError):  # a refusal: load_dataset's to explain
                 hf.HfApi().dataset_info(path, timeout=10)
-        ds = (datasets.load_from_disk(path) if saved else datasets.load_dataset("parquet", data_files=path)
-              if path.endswith(".parquet") else datasets.load_dataset(path, config, cache_dir=local_cache(hub)))
+        ds = (
+            datasets.load_from_disk(path)
+            if saved
+            else datasets.load_dataset("parquet", data_files=path)
+            if path.endswith(".parquet")
+            else datasets.load_dataset(path, config, cache_dir=local_cache(hub))
+        )
     except Exception as e:
         if hub and {c.__name__ for c in type(e).__mro__} & NETWORK_ERRORS:
-            why = hub_unreachable(offline, "it") + ("" if offline else
-                                                    ", or set HF_HUB_OFFLINE=1 to use a cached copy")
+            why = hub_unreachable(offline, "it") + (
+                "" if offline else ", or set HF_HUB_OFFLINE=1 to use a cached copy"
+            )
             raise UsageError(f"{flag} {path}: no such local file or folder, and {why}") from None
         if not isinstance(e, (ValueError, FileNotFoundError)):  # else datasets' words: config, data, dataset
             raise
@@ -267,6 +339,7 @@ def local_cache(hub):
         return None
     import atexit
     import tempfile
+
     cache = tempfile.mkdtemp(prefix="datasets_")
     atexit.register(shutil.rmtree, cache, True)
     return cache
@@ -274,18 +347,24 @@ def local_cache(hub):
 
 # The flags that name a data flag's configuration and split, for datasets' messages (compare.py's prompt
 # flags have none: its prompts are files or folders)
-DATA_FLAGS = {"--dataset": ("--dataset-config", "--dataset-split"),
-              "--eval-dataset": ("--dataset-config", "--eval-split"),
-              "--eval-split of --dataset": ("--dataset-config", "--eval-split"),
-              "--prompts": ("--prompts-config", "--prompts-split")}
+DATA_FLAGS = {
+    "--dataset": ("--dataset-config", "--dataset-split"),
+    "--eval-dataset": ("--dataset-config", "--eval-split"),
+    "--eval-split of --dataset": ("--dataset-config", "--eval-split"),
+    "--prompts": ("--prompts-config", "--prompts-split"),
+}
 
 
 # --- 5. --export-hf: a saved preset as a Hugging Face checkpoint ---
 
 # `architectures` where keras-hub 0.32's exporter leaves it out of config.json (transformers and KerasHub read
 # it) or names a class without the output layer (Gemma 4: Gemma4TextModel)
-HF_ARCHITECTURES = {"GemmaBackbone": "GemmaForCausalLM", "QwenBackbone": "Qwen2ForCausalLM",
-                    "GPT2Backbone": "GPT2LMHeadModel", "Gemma4Backbone": "Gemma4ForCausalLM"}
+HF_ARCHITECTURES = {
+    "GemmaBackbone": "GemmaForCausalLM",
+    "QwenBackbone": "Qwen2ForCausalLM",
+    "GPT2Backbone": "GPT2LMHeadModel",
+    "Gemma4Backbone": "Gemma4ForCausalLM",
+}
 
 
 def check_export_hf(name, preset, family):
@@ -293,16 +372,28 @@ def check_export_hf(name, preset, family):
     --model, `preset`: what it resolves to, `family`: its backbone class's name)."""
     import keras_hub
     from keras_hub.src.utils.transformers.export.hf_exporter import MODEL_EXPORTERS
+
     if family == "GemmaBackbone" and preset != "tiny":  # Gemma 2 is a GemmaBackbone too, which the
         config = model_config(preset)  # Gemma exporter would write as Gemma 1 (no post-norms)
-        if config.get("model_type") == "gemma2" or any(config.get("config", {}).get(k) for k in (
-                "use_post_ffw_norm", "use_post_attention_norm", "final_logit_soft_cap", "attention_logit_soft_cap")):
+        if config.get("model_type") == "gemma2" or any(
+            config.get("config", {}).get(k)
+            for k in (
+                "use_post_ffw_norm",
+                "use_post_attention_norm",
+                "final_logit_soft_cap",
+                "attention_logit_soft_cap",
+            )
+        ):
             family = "Gemma 2 (GemmaBackbone with post-norms and soft-caps)"
-        elif config.get("config", config).get("num_key_value_heads", 1) > 1:  # it writes key/value head 0 only
+        elif (
+            config.get("config", config).get("num_key_value_heads", 1) > 1
+        ):  # it writes key/value head 0 only
             family = "a Gemma with several key/value heads (Gemma 7B)"
     if family not in MODEL_EXPORTERS:
-        raise UsageError(f"--export-hf: keras-hub {keras_hub.__version__} cannot write {family} as a Hugging Face "
-                         f"checkpoint (--model {name}); it can write {', '.join(sorted(MODEL_EXPORTERS))}")
+        raise UsageError(
+            f"--export-hf: keras-hub {keras_hub.__version__} cannot write {family} as a Hugging Face "
+            f"checkpoint (--model {name}); it can write {', '.join(sorted(MODEL_EXPORTERS))}"
+        )
 
 
 def hf_tokenizer(tokenizer):
@@ -314,20 +405,36 @@ def hf_tokenizer(tokenizer):
     from sentencepiece import sentencepiece_model_pb2
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models
     from tokenizers import normalizers as norm, pre_tokenizers as pre
-    if getattr(tokenizer, "_tokenizer", None) is not None:  # keras-hub 0.32's BytePairTokenizer, no TensorFlow
+
+    if (
+        getattr(tokenizer, "_tokenizer", None) is not None
+    ):  # keras-hub 0.32's BytePairTokenizer, no TensorFlow
         return Tokenizer.from_str(tokenizer._tokenizer.to_str())
     proto = sentencepiece_model_pb2.ModelProto.FromString(tokenizer.proto)
     spec, trainer, pieces = proto.normalizer_spec, proto.trainer_spec, list(proto.pieces)
     if trainer.model_type != trainer.BPE:
-        raise ValueError(f"{type(tokenizer).__name__}: SentencePiece model type {trainer.model_type}, not BPE")
+        raise ValueError(
+            f"{type(tokenizer).__name__}: SentencePiece model type {trainer.model_type}, not BPE"
+        )
     # SentencePiece's BPE merges the adjacent pair making the highest-scoring piece: one merge per split of a
     # piece, ranked by its score, then id. Types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte.
     normal = {p.piece: (-p.score, i) for i, p in enumerate(pieces) if p.type == 1}
-    merges = sorted((normal[p], p[:k], p[k:]) for p in normal for k in range(1, len(p))
-                    if p[:k] in normal and p[k:] in normal)
-    hf = Tokenizer(models.BPE({p.piece: i for i, p in enumerate(pieces)}, [m[1:] for m in merges],
-                              unk_token=trainer.unk_piece, fuse_unk=True, byte_fallback=trainer.byte_fallback,
-                              ignore_merges=True))  # a user-defined piece, which no merge makes, taken whole
+    merges = sorted(
+        (normal[p], p[:k], p[k:])
+        for p in normal
+        for k in range(1, len(p))
+        if p[:k] in normal and p[k:] in normal
+    )
+    hf = Tokenizer(
+        models.BPE(
+            {p.piece: i for i, p in enumerate(pieces)},
+            [m[1:] for m in merges],
+            unk_token=trainer.unk_piece,
+            fuse_unk=True,
+            byte_fallback=trainer.byte_fallback,
+            ignore_merges=True,
+        )
+    )  # a user-defined piece, which no merge makes, taken whole
     steps = [norm.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []  # e.g. NFKC
     if spec.remove_extra_whitespaces:  # spaces only (after the charsmap, which makes "\n" one in nmt_nfkc)
         steps += [norm.Replace(Regex(r"\A +| +\z"), ""), norm.Replace(Regex(" {2,}"), " ")]
@@ -341,10 +448,12 @@ def hf_tokenizer(tokenizer):
     prefix = [pre.Metaspace("▁", "always", split=False)] if spec.add_dummy_prefix else []
     hf.pre_tokenizer = pre.Sequence(prefix + split)
     strip = [decoders.Strip(" ", 1, 0)] if spec.add_dummy_prefix else []
-    hf.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                    *strip])
-    hf.add_special_tokens([AddedToken(p.piece, normalized=False, special=True)
-                           for p in pieces if p.type in (2, 3)])  # so a template's "<bos>" is the BOS id
+    hf.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
+    )
+    hf.add_special_tokens(
+        [AddedToken(p.piece, normalized=False, special=True) for p in pieces if p.type in (2, 3)]
+    )  # so a template's "<bos>" is the BOS id
     return hf
 
 
@@ -365,6 +474,7 @@ def export_hf(model, path, chat_template=None):
     renamed from path.tmp once complete. On the host CPU: the exporter needs whole weights."""
     import jax
     from tokenizers import processors
+
     tmp = path + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     with jax.default_device(jax.local_devices(backend="cpu")[0]):
@@ -372,16 +482,22 @@ def export_hf(model, path, chat_template=None):
     tokenizer, family = model.preprocessor.tokenizer, type(model.backbone).__name__
     bos = tokenizer.id_to_token(tokenizer.start_token_id)
     hf = hf_tokenizer(tokenizer)
-    hf.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1",
-                                                      special_tokens=[(bos, tokenizer.start_token_id)])
+    hf.post_processor = processors.TemplateProcessing(
+        single=f"{bos} $A", pair=f"{bos} $A {bos}:1 $B:1", special_tokens=[(bos, tokenizer.start_token_id)]
+    )
     hf.save(os.path.join(tmp, "tokenizer.json"))
     if family in HF_ARCHITECTURES:
         _edit_json(os.path.join(tmp, "config.json"), architectures=[HF_ARCHITECTURES[family]])
     # tokenizer.json as it is: a model's own class would rebuild it, and keras-hub's added_tokens_decoder
     # lists Gemma's turn markers, which as added tokens would cut the text before its dummy prefix
-    _edit_json(os.path.join(tmp, "tokenizer_config.json"), tokenizer_class="PreTrainedTokenizerFast",
-               bos_token=bos, added_tokens_decoder=None, clean_up_tokenization_spaces=False,
-               chat_template=HF_CHAT_TEMPLATES.get(chat_template))
+    _edit_json(
+        os.path.join(tmp, "tokenizer_config.json"),
+        tokenizer_class="PreTrainedTokenizerFast",
+        bos_token=bos,
+        added_tokens_decoder=None,
+        clean_up_tokenization_spaces=False,
+        chat_template=HF_CHAT_TEMPLATES.get(chat_template),
+    )
     umask = os.umask(0o22)
     os.umask(umask)
     for name in os.listdir(tmp):  # safetensors writes 0600
@@ -395,47 +511,60 @@ def export_hf(model, path, chat_template=None):
 # EOS id to the scripts, after the last answer only.
 HF_CHAT_TEMPLATES = {
     "gemma": "{{ bos_token }}{% for m in messages if m['role'] != 'system' %}{{ '<start_of_turn>' + "
-             "('model' if m['role'] == 'assistant' else 'user') + '\\n' + (messages[0]['content'] + '\\n\\n' "
-             "if loop.first and messages[0]['role'] == 'system' else '') + (m['content'] | trim) + "
-             "'<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
-             "{% endif %}",
+    "('model' if m['role'] == 'assistant' else 'user') + '\\n' + (messages[0]['content'] + '\\n\\n' "
+    "if loop.first and messages[0]['role'] == 'system' else '') + (m['content'] | trim) + "
+    "'<end_of_turn>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}"
+    "{% endif %}",
     "llama3": "{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + "
-              "'<|end_header_id|>\\n\\n' + (m['content'] | trim) + '<|eot_id|>' }}{% endfor %}"
-              "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
-              "{% endif %}",
+    "'<|end_header_id|>\\n\\n' + (m['content'] | trim) + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+    "{% endif %}",
     "mistral": "{{ bos_token }}{% for m in messages if m['role'] != 'system' %}"
-               "{% if m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% else %}{{ '[INST] ' + "
-               "(messages[0]['content'] + '\\n\\n' if loop.first and messages[0]['role'] == 'system' else '') "
-               "+ m['content'] + ' [/INST]' }}{% endif %}{% endfor %}",
+    "{% if m['role'] == 'assistant' %}{{ m['content'] + eos_token }}{% else %}{{ '[INST] ' + "
+    "(messages[0]['content'] + '\\n\\n' if loop.first and messages[0]['role'] == 'system' else '') "
+    "+ m['content'] + ' [/INST]' }}{% endif %}{% endfor %}",
     "chatml": "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + "
-              "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
-              "{% endif %}",
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+    "{% endif %}",
     "qwen3.5": "{{ bos_token }}{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\\n' + "
-               "('<think>\\n\\n</think>\\n\\n' if m['role'] == 'assistant' else '') + m['content'] + "
-               "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
-               "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{% endif %}",
+    "('<think>\\n\\n</think>\\n\\n' if m['role'] == 'assistant' else '') + m['content'] + "
+    "'<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' }}{% endif %}",
     "gemma4": "{{ bos_token }}{% for m in messages %}{{ '<|turn>' + ('model' if m['role'] == 'assistant' else "
-              "m['role']) + '\\n' + (m['content'] | trim) + '<turn|>\\n' }}{% endfor %}"
-              "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}{% endif %}",
+    "m['role']) + '\\n' + (m['content'] | trim) + '<turn|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|turn>model\\n' }}{% endif %}",
     "gemma4_large": "{{ bos_token }}{% for m in messages %}{{ '<|turn>' + ('model' if m['role'] == 'assistant' "
-                    "else m['role']) + '\\n' + ('<|channel>thought\\n<channel|>' if m['role'] == 'assistant' else "
-                    "'') + (m['content'] | trim) + '<turn|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
-                    "{{ '<|turn>model\\n<|channel>thought\\n<channel|>' }}{% endif %}",
+    "else m['role']) + '\\n' + ('<|channel>thought\\n<channel|>' if m['role'] == 'assistant' else "
+    "'') + (m['content'] | trim) + '<turn|>\\n' }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|turn>model\\n<|channel>thought\\n<channel|>' }}{% endif %}",
 }
 
 
 # --- 6. TRL's flags: the names a TRL user types, answered by plumbing.check_options ---
 # TRL's (transformers') flag names that are spelled otherwise here -> this project's: the first flag of the
 # " | " alternatives the script takes (a hint without a flag fits every script; none: no counterpart there)
-TRL_FLAGS = {"num-train-epochs": "--num-epochs", "per-device-train-batch-size": "--batch-size (global: all devices)",
-             "gradient-accumulation-steps": "--grad-accum-steps", "max-completion-length": "--response-length | "
-             "--max-new-tokens", "max-new-tokens": "--response-length", "lora-r": "--lora-rank",
-             "use-peft": "--lora-rank N", "model-name-or-path": "--model", "dataset-name": "--dataset | --prompts",
-             "save-steps": "--save-every", "eval-steps": "--eval-every", "logging-steps": "--log-every",
-             "gradient-checkpointing": "--remat on", "bf16": "--dtype bfloat16", "resume-from-checkpoint":
-             "--resume", "report-to": "--track (W&B; TensorBoard files are always written)",
-             "per-device-eval-batch-size": "--batch-size", "eval-strategy": "--eval-every N (0: none)",
-             "dataset-train-split": "--dataset-split | --prompts-split", "dataset-test-split": "--eval-split",
-             "lr-scheduler-kwargs": "--min-lr-rate (cosine_with_min_lr's min_lr_rate, the one kwarg taken)",
-             "lora-dropout": "absent (Keras' LoRA layers have no dropout)",
-             "teacher-model-name-or-path": "--teacher-model"}
+TRL_FLAGS = {
+    "num-train-epochs": "--num-epochs",
+    "per-device-train-batch-size": "--batch-size (global: all devices)",
+    "gradient-accumulation-steps": "--grad-accum-steps",
+    "max-completion-length": "--response-length | --max-new-tokens",
+    "max-new-tokens": "--response-length",
+    "lora-r": "--lora-rank",
+    "use-peft": "--lora-rank N",
+    "model-name-or-path": "--model",
+    "dataset-name": "--dataset | --prompts",
+    "save-steps": "--save-every",
+    "eval-steps": "--eval-every",
+    "logging-steps": "--log-every",
+    "gradient-checkpointing": "--remat on",
+    "bf16": "--dtype bfloat16",
+    "resume-from-checkpoint": "--resume",
+    "report-to": "--track (W&B; TensorBoard files are always written)",
+    "per-device-eval-batch-size": "--batch-size",
+    "eval-strategy": "--eval-every N (0: none)",
+    "dataset-train-split": "--dataset-split | --prompts-split",
+    "dataset-test-split": "--eval-split",
+    "lr-scheduler-kwargs": "--min-lr-rate (cosine_with_min_lr's min_lr_rate, the one kwarg taken)",
+    "lora-dropout": "absent (Keras' LoRA layers have no dropout)",
+    "teacher-model-name-or-path": "--teacher-model",
+}

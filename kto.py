@@ -13,7 +13,9 @@ from functools import partial
 from typing import Literal
 
 import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
-plumbing.answer_help(__name__, __file__)  # `python kto.py --help`: from Args' source, before the imports below
+
+# `python kto.py --help`: from Args' source, before the imports below
+plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, batches)
 import jax  # noqa: E402
@@ -26,6 +28,7 @@ import optax  # noqa: E402
 @dataclass
 class Args(plumbing.SharedArgs):
     """The shared flags (plumbing.SharedArgs: model, dtype, mesh, outputs, …) and KTO's own."""
+
     # data
     dataset: str = os.path.join(common.HERE, "data", "kto_train.jsonl")
     """`prompt`/`completion`/`label` rows or preference pairs: .jsonl/.json/.parquet, a HF dataset id / dir"""
@@ -97,15 +100,31 @@ def tokenize_dataset(examples, tokenizer, max_length, path, seed, mismatched=Tru
             continue
         if cut > 0:
             prompt, truncated = prompt[cut:], truncated + 1
-        out.append((tuple(
-            (np.array([tokenizer.start_token_id] + prompt + response + [tokenizer.end_token_id], np.int32),
-             np.array([False] * (1 + len(prompt)) + [True] * (len(response) + 1), bool))
-            for response in responses), label))
+        out.append(
+            (
+                tuple(
+                    (
+                        np.array(
+                            [tokenizer.start_token_id] + prompt + response + [tokenizer.end_token_id],
+                            np.int32,
+                        ),
+                        np.array([False] * (1 + len(prompt)) + [True] * (len(response) + 1), bool),
+                    )
+                    for response in responses
+                ),
+                label,
+            )
+        )
     if not out:
         raise common.UsageError(f"{path}: every example is longer than --max-length {max_length}")
     desirable = sum(label for _, label in out)
-    return out, {"examples": len(out), "desirable": desirable, "undesirable": len(out) - desirable,
-                 "truncated": truncated, "dropped": dropped}
+    return out, {
+        "examples": len(out),
+        "desirable": desirable,
+        "undesirable": len(out) - desirable,
+        "truncated": truncated,
+        "dropped": dropped,
+    }
 
 
 def pad_examples(examples, length):
@@ -113,26 +132,37 @@ def pad_examples(examples, length):
     mismatched pairs), and label [N] (True: desirable)."""
     n = len(examples)
     data = {"label": np.array([label for _, label in examples], bool)}
-    for j, name in enumerate(("completion", "KL")[:len(examples[0][0])]):
-        ids, pad, mask = np.zeros((n, length), np.int32), np.zeros((n, length), bool), np.zeros((n, length), bool)
+    for j, name in enumerate(("completion", "KL")[: len(examples[0][0])]):
+        ids, pad, mask = (
+            np.zeros((n, length), np.int32),
+            np.zeros((n, length), bool),
+            np.zeros((n, length), bool),
+        )
         for i, (sequences, _) in enumerate(examples):
             x, m = sequences[j]
-            ids[i, :len(x)], pad[i, :len(x)], mask[i, :len(x)] = x, True, m
+            ids[i, : len(x)], pad[i, : len(x)], mask[i, : len(x)] = x, True, m
         data.update({f"{name}_ids": ids, f"{name}_padding_mask": pad, f"{name}_loss_mask": mask})
     return data
 
 
 def example_lengths(data):
     """[N, k]: the real tokens of each example's k sequences (itself and its mismatched pair, if any)."""
-    return np.stack([data[f"{name}_padding_mask"].sum(-1) for name in ("completion", "KL")
-                     if f"{name}_padding_mask" in data], -1)
+    return np.stack(
+        [
+            data[f"{name}_padding_mask"].sum(-1)
+            for name in ("completion", "KL")
+            if f"{name}_padding_mask" in data
+        ],
+        -1,
+    )
 
 
 def get_batch(data, lengths, step, args):
     """Batch for `step` (a pure function of it, so --resume is exact), cut to the length bucket of
     its longest sequence: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes."""
-    idx, length, real = common.length_batch(lengths, step, args.batch_size, args.seed, args.max_length,
-                                            args.group_by_length)
+    idx, length, real = common.length_batch(
+        lengths, step, args.batch_size, args.seed, args.max_length, args.group_by_length
+    )
     cut = {k: v[idx, :length] if v.ndim > 1 else v[idx] for k, v in data.items()}
     batch = {k: v.reshape(args.grad_accum_steps, -1, *v.shape[1:]) for k, v in cut.items()}
     return batch, (real, lengths.shape[1] * args.batch_size * length)
@@ -182,14 +212,25 @@ def concatenated_forward(backbone, params, frozen, batch, names=("completion", "
     """The `names` sequences of each example through the model in ONE forward (stacked on the batch axis):
     batch {name}_{ids,padding_mask,loss_mask}, each [B, T] -> per-sequence log-probs, [B] for each name,
     then the forward's aux_loss (token_logps)."""
-    both = {k: jnp.concatenate([batch[f"{name}_{k}"] for name in names])  # [len(names)·B, T]
-            for k in ("ids", "padding_mask", "loss_mask")}
+    both = {
+        k: jnp.concatenate([batch[f"{name}_{k}"] for name in names])  # [len(names)·B, T]
+        for k in ("ids", "padding_mask", "loss_mask")
+    }
     logps, aux_loss = token_logps(backbone, params, frozen, both["ids"], both["padding_mask"])  # [nB, T-1]
     return (*jnp.split(sequence_logps(logps, both["loss_mask"]), len(names)), aux_loss)
 
 
-def kto_loss(logps, ref_logps, kl_logps, ref_kl_logps, labels, beta=0.1, desirable_weight=1.0,
-             undesirable_weight=1.0, loss_type="kto"):
+def kto_loss(
+    logps,
+    ref_logps,
+    kl_logps,
+    ref_kl_logps,
+    labels,
+    beta=0.1,
+    desirable_weight=1.0,
+    undesirable_weight=1.0,
+    loss_type="kto",
+):
     """KTO on per-sequence log-probs -> (mean loss, metrics). logps, ref_logps, labels (True: desirable): [B];
     kl_logps, ref_kl_logps: [M], of mismatched pairs (z₀'s sample; unread for apo_zero_unpaired).
     r = logπ(y|x) − logπref(y|x) (Eq. 1); z₀ = max(0, the mean r of the mismatched pairs), detached (Eq. 2);
@@ -206,8 +247,11 @@ def kto_loss(logps, ref_logps, kl_logps, ref_kl_logps, labels, beta=0.1, desirab
         kl = jnp.zeros((), logratios.dtype)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
-    losses = jnp.where(labels, 1 - jax.nn.sigmoid(beta * (logratios - kl)),  # [B]: gains above z₀ ...
-                       1 - jax.nn.sigmoid(beta * (kl - logratios)))  # ... losses below it
+    losses = jnp.where(
+        labels,
+        1 - jax.nn.sigmoid(beta * (logratios - kl)),  # [B]: gains above z₀ ...
+        1 - jax.nn.sigmoid(beta * (kl - logratios)),
+    )  # ... losses below it
     weights = jnp.where(labels, desirable_weight, undesirable_weight)  # λ_y
     rewards, logps = jax.lax.stop_gradient((beta * logratios, logps))  # implicit reward β·r (TRL's)
     metrics = {}
@@ -223,9 +267,13 @@ def kto_loss(logps, ref_logps, kl_logps, ref_kl_logps, labels, beta=0.1, desirab
 
 # Means over one kind of example, and the counts that weight each step's value in a --log-every interval's
 # average (plumbing.Run's `counted`); margins: by the step's desirable × undesirable.
-COUNTED = {"rewards/chosen": ("count/chosen",), "logps/chosen": ("count/chosen",),
-           "rewards/rejected": ("count/rejected",), "logps/rejected": ("count/rejected",),
-           "rewards/margins": ("count/chosen", "count/rejected")}
+COUNTED = {
+    "rewards/chosen": ("count/chosen",),
+    "logps/chosen": ("count/chosen",),
+    "rewards/rejected": ("count/rejected",),
+    "logps/rejected": ("count/rejected",),
+    "rewards/margins": ("count/chosen", "count/rejected"),
+}
 
 
 def reference_logps(backbone, ref_params, frozen, batch, names=("completion", "KL")):
@@ -239,8 +287,10 @@ def reference_logps(backbone, ref_params, frozen, batch, names=("completion", "K
 def lora_off(backbone, params):
     """The LoRA-disabled reference: LoRA factors zeroed (ΔW = A·B = 0); the base weights stay
     in `frozen`, shared with the policy, so no second copy of the model exists."""
-    return [jnp.zeros_like(p) if "lora_kernel" in v.path else jnp.copy(p)
-            for v, p in zip(backbone.trainable_variables, params)]
+    return [
+        jnp.zeros_like(p) if "lora_kernel" in v.path else jnp.copy(p)
+        for v, p in zip(backbone.trainable_variables, params)
+    ]
 
 
 # ---------------------------------------------------------------------------
@@ -253,15 +303,25 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
     any micro-batch's gradient (A changes nothing)."""
     params, opt_state = state
     accum = batch["completion_ids"].shape[0]
-    loss_fn = partial(kto_loss, beta=args.beta, desirable_weight=args.desirable_weight,
-                      undesirable_weight=args.undesirable_weight, loss_type=args.loss_type)
+    loss_fn = partial(
+        kto_loss,
+        beta=args.beta,
+        desirable_weight=args.desirable_weight,
+        undesirable_weight=args.undesirable_weight,
+        loss_type=args.loss_type,
+    )
 
     def mismatched_logps(micro):  # π and πref log-probs of the mismatched pairs, [B/A] each: no gradients
-        return (jax.lax.stop_gradient(concatenated_forward(backbone, params, frozen, micro, ("KL",))[0]),
-                reference_logps(backbone, ref_params, frozen, micro, ("KL",))[0])
+        return (
+            jax.lax.stop_gradient(concatenated_forward(backbone, params, frozen, micro, ("KL",))[0]),
+            reference_logps(backbone, ref_params, frozen, micro, ("KL",))[0],
+        )
 
-    kl_logps, ref_kl_logps = jax.lax.map(mismatched_logps, batch) if args.loss_type == "kto" else \
-        (jnp.zeros((accum, 1)), jnp.zeros((accum, 1)))  # [A, B/A] each (apo_zero_unpaired reads none)
+    kl_logps, ref_kl_logps = (
+        jax.lax.map(mismatched_logps, batch)
+        if args.loss_type == "kto"
+        else (jnp.zeros((accum, 1)), jnp.zeros((accum, 1)))
+    )  # [A, B/A] each (apo_zero_unpaired reads none)
     kl_logps, ref_kl_logps = kl_logps.reshape(-1), ref_kl_logps.reshape(-1)  # the whole batch, [B]
 
     def micro_loss(p, micro):
@@ -275,18 +335,30 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
         (_, logps), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
         return jax.tree.map(jnp.add, grads, g), logps
 
-    grads, (logps, ref_logps, aux_loss) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
+    grads, (logps, ref_logps, aux_loss) = jax.lax.scan(
+        accumulate, jax.tree.map(jnp.zeros_like, params), batch
+    )
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     # The loss and metrics of the whole batch, [A, B/A] -> [B] (the loss: the sum of the micro-batches')
     loss, metrics = loss_fn(logps.ravel(), ref_logps.ravel(), kl_logps, ref_kl_logps, batch["label"].ravel())
-    return (params, opt_state), {"train/loss": loss + aux_loss.mean(), "aux_loss": aux_loss.mean(), **metrics,
-                                 "train/grad_norm": optax.global_norm(grads)}
+    return (params, opt_state), {
+        "train/loss": loss + aux_loss.mean(),
+        "aux_loss": aux_loss.mean(),
+        **metrics,
+        "train/grad_norm": optax.global_norm(grads),
+    }
 
 
 def make_optimizer(args, max_steps):
-    schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, max_steps,
-                                          args.warmup_steps, args.warmup_ratio, args.min_lr_rate)
+    schedule, warmup = common.lr_schedule(
+        args.lr_scheduler_type,
+        args.learning_rate,
+        max_steps,
+        args.warmup_steps,
+        args.warmup_ratio,
+        args.min_lr_rate,
+    )
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
     adamw = optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask)
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adamw), schedule, warmup
@@ -294,14 +366,23 @@ def make_optimizer(args, max_steps):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
-    run = plumbing.Run("kto", args, log_every=args.log_every, eval_every=args.eval_every,  # nothing written yet
-                       grad_accum_steps=args.grad_accum_steps, export_hf=args.export_hf)
+    run = plumbing.Run(
+        "kto",
+        args,
+        log_every=args.log_every,
+        eval_every=args.eval_every,  # nothing written yet
+        grad_accum_steps=args.grad_accum_steps,
+        export_hf=args.export_hf,
+    )
     if args.beta <= 0 or min(args.desirable_weight, args.undesirable_weight) < 0:
         raise common.UsageError("need --beta > 0, --desirable-weight >= 0 and --undesirable-weight >= 0")
     template = common.chat_template(args.model, args.chat_template)
-    eval_path, eval_split, eval_flag = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
-                                             (Args.dataset, Args.eval_dataset))
-    eval_rows = read_examples(eval_path, template, eval_flag, args.dataset_config, eval_split) if eval_path else []
+    eval_path, eval_split, eval_flag = common.eval_source(
+        args.dataset, args.eval_dataset, args.eval_split, (Args.dataset, Args.eval_dataset)
+    )
+    eval_rows = (
+        read_examples(eval_path, template, eval_flag, args.dataset_config, eval_split) if eval_path else []
+    )
     train_rows = read_examples(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of examples
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
@@ -309,12 +390,20 @@ def main(args):
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     mismatched = args.loss_type == "kto"  # z₀'s mismatched pairs (apo_zero_unpaired: z₀ = 0, none)
     names = ("completion", "KL") if mismatched else ("completion",)
-    tokenize = partial(tokenize_dataset, tokenizer=tokenizer, max_length=args.max_length, seed=args.seed,
-                       mismatched=mismatched)
+    tokenize = partial(
+        tokenize_dataset,
+        tokenizer=tokenizer,
+        max_length=args.max_length,
+        seed=args.seed,
+        mismatched=mismatched,
+    )
     train, counts = tokenize(train_rows, path=args.dataset)
     evals = tokenize(eval_rows, path=eval_path)[0] if eval_rows else []
-    print("data: {examples} examples ({desirable} desirable, {undesirable} undesirable; {truncated} prompt-truncated, "
-          "{dropped} dropped as too long); ".format(**counts) + f"{len(evals)} eval examples")
+    print(
+        "data: {examples} examples ({desirable} desirable, {undesirable} undesirable; {truncated} prompt-truncated, "
+        "{dropped} dropped as too long); ".format(**counts)
+        + f"{len(evals)} eval examples"
+    )
     # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).
     length = common.bucket_length(max(len(s[0]) for x, _ in train + evals for s in x), args.max_length)
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
@@ -335,27 +424,55 @@ def main(args):
     first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
     ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), names)[:-1])
     if args.precompute_ref:
-        for data, n in ((train_data, lengths), (eval_data, eval_lengths)) if eval_data else ((train_data, lengths),):
-            logps = common.per_example(lambda b: ref_fn(ref_params, frozen, b), data, args.batch_size,
-                                       run.mesh, n, args.max_length)
+        for data, n in (
+            ((train_data, lengths), (eval_data, eval_lengths)) if eval_data else ((train_data, lengths),)
+        ):
+            logps = common.per_example(
+                lambda b: ref_fn(ref_params, frozen, b), data, args.batch_size, run.mesh, n, args.max_length
+            )
             data.update({f"ref_{name}_logps": x for name, x in zip(names, logps)})
         ref_params = None  # no reference forward (and no reference weights) from here on
     (params, opt_state), _ = run.resume((params, opt_state))
     state_shardings = (common.shardings(params), opt_shardings)
     state = jax.device_put((params, opt_state), state_shardings)
     # Layouts pinned in and out (donated, updated in place): one compilation per length bucket.
-    step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length, donate_argnums=0,
-                        out_shardings=(state_shardings, common.replicated(run.mesh)))
-    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
-    eval_fn = jax.jit(lambda p, r, f, b: (*concatenated_forward(backbone, p, f, first(b), names)[:-1],
-                                          *reference_logps(backbone, r, f, first(b), names)))
+    step_fn = remat.jit(
+        partial(train_step, backbone, optimizer, args),
+        length,
+        donate_argnums=0,
+        out_shardings=(state_shardings, common.replicated(run.mesh)),
+    )
+    run.record(
+        remat=remat, num_warmup_steps=warmup
+    )  # args.json: the mode --remat auto chose, the warmup steps
+    eval_fn = jax.jit(
+        lambda p, r, f, b: (
+            *concatenated_forward(backbone, p, f, first(b), names)[:-1],
+            *reference_logps(backbone, r, f, first(b), names),
+        )
+    )
 
     def evaluate(params):  # z₀ from every eval example's mismatched pair; [-1]: the KL sequences, if any
-        logps = common.per_example(lambda b: eval_fn(params, ref_params, frozen, b), eval_data, args.batch_size,
-                                   run.mesh, eval_lengths, args.max_length)
-        policy, ref = logps[:len(names)], logps[len(names):]
-        loss, metrics = kto_loss(policy[0], ref[0], policy[-1], ref[-1], eval_data["label"], args.beta,
-                                 args.desirable_weight, args.undesirable_weight, args.loss_type)
+        logps = common.per_example(
+            lambda b: eval_fn(params, ref_params, frozen, b),
+            eval_data,
+            args.batch_size,
+            run.mesh,
+            eval_lengths,
+            args.max_length,
+        )
+        policy, ref = logps[: len(names)], logps[len(names) :]
+        loss, metrics = kto_loss(
+            policy[0],
+            ref[0],
+            policy[-1],
+            ref[-1],
+            eval_data["label"],
+            args.beta,
+            args.desirable_weight,
+            args.undesirable_weight,
+            args.loss_type,
+        )
         return {"eval/loss": loss, **{f"eval/{k}": v for k, v in metrics.items()}}  # Run prints the first 3
 
     # ---- the loop: batch -> step -> log -> eval -> checkpoint ----

@@ -87,18 +87,25 @@ def check_options(argv, ours, script):
     """A UsageError naming the options of argv that `script` lacks (`ours`: its flags; --x_y passes as --x-y),
     with hints: a TRL flag's name there (interop.TRL_FLAGS' first alternative taken, or none), else the closest."""
     import difflib
-    unknown = [a.split("=")[0] for a in argv[:argv.index("--") if "--" in argv else None]  # " ": a value
-               if a[:2] == "--" and " " not in a and a.split("=")[0].replace("_", "-") not in ours | {"--help"}]
+
+    unknown = [
+        a.split("=")[0]
+        for a in argv[: argv.index("--") if "--" in argv else None]  # " ": a value
+        if a[:2] == "--" and " " not in a and a.split("=")[0].replace("_", "-") not in ours | {"--help"}
+    ]
     hints = []
     for name in unknown:
         if (trl := name[2:].replace("_", "-")) in TRL_FLAGS:
             here = [h for h in TRL_FLAGS[trl].split(" | ") if h[:2] != "--" or h.split()[0] in ours]
-            hints.append(f"{name} is {here[0]} here" if here else f"{name} has no counterpart in {script} "
-                         "(see --help)")
+            hints.append(
+                f"{name} is {here[0]} here" if here else f"{name} has no counterpart in {script} (see --help)"
+            )
     if unknown:
         close = difflib.get_close_matches(unknown[0].replace("_", "-"), ours, 1)
-        raise UsageError(f"Unrecognized options: {', '.join(unknown)}"
-                         + "".join(f"; {h}" for h in hints or [f"perhaps you meant {c}" for c in close]))
+        raise UsageError(
+            f"Unrecognized options: {', '.join(unknown)}"
+            + "".join(f"; {h}" for h in hints or [f"perhaps you meant {c}" for c in close])
+        )
 
 
 def cli(args_class, argv=None):
@@ -106,9 +113,12 @@ def cli(args_class, argv=None):
     option: check_options' line, hint included). Then check_defaults."""
     import io
     import tyro
+
     err, argv = io.StringIO(), sys.argv[1:] if argv is None else list(argv)
     ours = {f"--{no}{f.name.replace('_', '-')}" for f in dataclasses.fields(args_class) for no in ("", "no-")}
-    check_options(argv, ours, os.path.basename(getattr(sys.modules.get(args_class.__module__), "__file__", "")))
+    check_options(
+        argv, ours, os.path.basename(getattr(sys.modules.get(args_class.__module__), "__file__", ""))
+    )
     try:
         with contextlib.redirect_stderr(err):
             args = tyro.cli(args_class, args=argv)
@@ -116,7 +126,7 @@ def cli(args_class, argv=None):
         if not e.code:
             raise
         lines = [line.strip("│╭╮╰╯ \n") for line in err.getvalue().splitlines()[1:]]  # [0]: the box's title
-        text = " ".join(lines[:next((i for i, x in enumerate(lines) if set(x) <= {"─"}), len(lines))])
+        text = " ".join(lines[: next((i for i, x in enumerate(lines) if set(x) <= {"─"}), len(lines))])
         raise UsageError(text or err.getvalue().strip()) from None
     check_defaults(args, argv)
     return args
@@ -126,15 +136,24 @@ def check_defaults(args, argv):
     """A model other than the `tiny` demo (or a model trained from it) never silently trains or scores with
     the bundled toy task: each data or reward flag left at its data/ default must be given."""
     given = {a.split("=")[0] for a in argv}
-    given |= {"--eval-dataset"} | ({"--reward-fn"} if "--reward-model" in given else set())  # no eval: no toy eval
-    toy = [flag for f in dataclasses.fields(args) if os.path.join(HERE, "data") in str(f.default)
-           and (flag := "--" + f.name.replace("_", "-")) not in given]
+    given |= {"--eval-dataset"} | (
+        {"--reward-fn"} if "--reward-model" in given else set()
+    )  # no eval: no toy eval
+    toy = [
+        flag
+        for f in dataclasses.fields(args)
+        if os.path.join(HERE, "data") in str(f.default)
+        and (flag := "--" + f.name.replace("_", "-")) not in given
+    ]
     if toy and not is_toy_model(args.model):
         import common
+
         common.resolve_model(args.model)  # an unknown --model is reported as that
-        raise UsageError(f"--model {args.model} would use the bundled toy task (data/): pass " + ", ".join(
-                         {"--reward-fn": "--reward-fn path.py:function"}.get(f, f + " DATA") for f in toy)
-                         + "; DATA: a .jsonl/.json/.parquet file, a saved dataset dir or a Hub dataset id")
+        raise UsageError(
+            f"--model {args.model} would use the bundled toy task (data/): pass "
+            + ", ".join({"--reward-fn": "--reward-fn path.py:function"}.get(f, f + " DATA") for f in toy)
+            + "; DATA: a .jsonl/.json/.parquet file, a saved dataset dir or a Hub dataset id"
+        )
 
 
 def is_toy_model(model):
@@ -152,13 +171,17 @@ def answer_help(module_name, path):
     """`python <script> --help`: the help read from its `Args` source, exit 0; an option it lacks: cli's line
     (check_options), exit 2; both before its heavy imports (seconds). Does nothing on `import <script>`."""
     import re
+
     if module_name != "__main__" or not (fields := _fields(path, "Args")):
         return
     if {"-h", "--help"} & set(argv := sys.argv[1:]):
         _end(0, help_from_source(path))
     try:  # what tyro would refuse, after the imports
-        check_options(argv, set(re.findall(r"--[\w-]+", " ".join(f[1] for f in fields.values()))),
-                      os.path.basename(path))
+        check_options(
+            argv,
+            set(re.findall(r"--[\w-]+", " ".join(f[1] for f in fields.values()))),
+            os.path.basename(path),
+        )
     except UsageError as e:
         _end(2, f"error: {e}", sys.stderr)
 
@@ -175,13 +198,23 @@ def _fields(path, name):
     for base in (ast.unparse(b).removeprefix("plumbing.") for b in cls.bases):
         if base in ("SharedArgs", "RolloutArgs"):
             fields.update(_fields(__file__, base))
-    names = {"os": os, "HERE": HERE, "common": types.SimpleNamespace(HERE=HERE),
-             "plumbing": sys.modules[__name__]}
+    names = {
+        "os": os,
+        "HERE": HERE,
+        "common": types.SimpleNamespace(HERE=HERE),
+        "plumbing": sys.modules[__name__],
+    }
     for i, node in enumerate(cls.body):
         if not isinstance(node, ast.AnnAssign):
             continue
-        section = next((x.strip("# ").rstrip() for x in lines[previous:node.lineno - 1][::-1]
-                        if x.strip().startswith("#")), section)
+        section = next(
+            (
+                x.strip("# ").rstrip()
+                for x in lines[previous : node.lineno - 1][::-1]
+                if x.strip().startswith("#")
+            ),
+            section,
+        )
         previous, nxt = node.end_lineno, cls.body[i + 1] if i + 1 < len(cls.body) else None
         doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else ""
         flag, kind = "--" + node.target.id.replace("_", "-"), ast.unparse(node.annotation)
@@ -189,7 +222,11 @@ def _fields(path, name):
             flag = f"{flag}, --no-{flag[2:]}"
         elif "Literal[" in kind:  # Literal[...] or Literal[...] | None: list the choices
             literal = next(n for n in ast.walk(node.annotation) if isinstance(n, ast.Subscript))
-            flag += " {" + ",".join(str(c.value) for c in ast.walk(literal.slice) if isinstance(c, ast.Constant)) + "}"
+            flag += (
+                " {"
+                + ",".join(str(c.value) for c in ast.walk(literal.slice) if isinstance(c, ast.Constant))
+                + "}"
+            )
         else:
             flag += " " + kind.replace(" | None", "").upper()
         try:
@@ -214,7 +251,9 @@ def help_from_source(path, width=100):
         out += ["", f"{section}:"]
         for flag, doc, default in sections[section]:
             text = " ".join(doc.split()) + f" (default: {default if default != '' else repr(default)})"
-            out += [f"  {flag}"] + textwrap.wrap(text, width, initial_indent=" " * 6, subsequent_indent=" " * 6)
+            out += [f"  {flag}"] + textwrap.wrap(
+                text, width, initial_indent=" " * 6, subsequent_indent=" " * 6
+            )
     return "\n".join(out)
 
 
@@ -224,7 +263,9 @@ class SharedArgs:
     # model
     model: str = "tiny"
     """alias (gemma_2b, …), KerasHub preset, kaggle:// or hf:// handle, local preset / HF dir, or `tiny`"""
-    chat_template: Literal["gemma", "gemma4", "gemma4_large", "llama3", "mistral", "chatml", "qwen3.5"] | None = None
+    chat_template: (
+        Literal["gemma", "gemma4", "gemma4_large", "llama3", "mistral", "chatml", "qwen3.5"] | None
+    ) = None
     """how chats (message lists) are rendered; None: --model's family's (Gemma 1-3: gemma, Gemma 4: gemma4,
     or gemma4_large at 26B-A4B / 31B, Llama 3: llama3, Mistral: mistral, Qwen 2.5 / 3: chatml, Qwen 3.5: qwen3.5)"""
     dtype: Literal["bfloat16", "float32"] | None = None
@@ -257,8 +298,9 @@ class SharedArgs:
     """examples per update, global over devices (and accumulation) (TRL: 8 per device)"""
     learning_rate: float = 1e-6
     """peak AdamW learning rate"""
-    lr_scheduler_type: Literal["linear", "cosine", "cosine_with_min_lr", "constant",
-                               "constant_with_warmup"] = "linear"
+    lr_scheduler_type: Literal[
+        "linear", "cosine", "cosine_with_min_lr", "constant", "constant_with_warmup"
+    ] = "linear"
     """the rate after the warmup, as transformers' (TRL's default: linear to 0): linear or cosine to 0,
     cosine_with_min_lr to --min-lr-rate × the peak, constant_with_warmup; constant (no warmup either)"""
     warmup_steps: int = 0
@@ -300,13 +342,17 @@ class SharedArgs:
     @property
     def lora(self):
         """common.load_model's LoRA keywords from --lora-rank, --lora-alpha and --lora-target-modules."""
-        return {"lora_rank": self.lora_rank, "lora_alpha": self.lora_alpha,
-                "lora_target_modules": self.lora_target_modules}
+        return {
+            "lora_rank": self.lora_rank,
+            "lora_alpha": self.lora_alpha,
+            "lora_target_modules": self.lora_target_modules,
+        }
 
 
 @dataclasses.dataclass
 class RolloutArgs(SharedArgs):
     """SharedArgs plus what every RL script (ppo, grpo, rloo) samples with: prompts, lengths, temperature."""
+
     # data
     dataset: str = os.path.join(HERE, "data", "prompts_train.jsonl")
     """prompts (`prompt`: string or message list): .jsonl/.json/.parquet, a saved folder or a Hub dataset id"""
@@ -326,9 +372,28 @@ class RolloutArgs(SharedArgs):
 RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model", "model_hf")
 # Flags a --resume may change: what the run does next, not what it computes (every other flag, and the script,
 # must match args.json; --max-steps and --num-epochs may extend the run)
-RESUMABLE = {"max_steps", "num_epochs", "output_dir", "resume", "overwrite", "track", "save_every", "eval_every",
-             "save_total_limit", "log_every", "sample_every", "num_samples", "mesh", "remat", "export_hf",
-             "skip_nonfinite", "resume_schedule", "coordinator_address", "num_processes", "process_id"}
+RESUMABLE = {
+    "max_steps",
+    "num_epochs",
+    "output_dir",
+    "resume",
+    "overwrite",
+    "track",
+    "save_every",
+    "eval_every",
+    "save_total_limit",
+    "log_every",
+    "sample_every",
+    "num_samples",
+    "mesh",
+    "remat",
+    "export_hf",
+    "skip_nonfinite",
+    "resume_schedule",
+    "coordinator_address",
+    "num_processes",
+    "process_id",
+}
 
 
 def default_output_dir(script, model, seed):
@@ -353,19 +418,38 @@ class Run:
     `record`) is an attribute and goes into args.json. Outputs are created after the first step (its run.log);
     from then on a first SIGINT/SIGTERM checkpoints at the next step and raises Preempted, a second ends it."""
 
-    def __init__(self, script, args, *, log_every=1, eval_every=0, grad_accum_steps=1, export_hf=False,
-                 skip_nonfinite=None):
+    def __init__(
+        self,
+        script,
+        args,
+        *,
+        log_every=1,
+        eval_every=0,
+        grad_accum_steps=1,
+        export_hf=False,
+        skip_nonfinite=None,
+    ):
         import common
+
         common.init_distributed(args.coordinator_address, args.num_processes, args.process_id)
-        check_flags(learning_rate=(args.learning_rate, 0, True), batch_size=(args.batch_size, 1, False),
-                    max_steps=(args.max_steps, 0, False), num_epochs=(args.num_epochs, 0, True),
-                    weight_decay=(args.weight_decay, 0, False), save_every=(args.save_every, 0, False),
-                    save_total_limit=(args.save_total_limit, 0, False), log_every=(log_every, 1, False),
-                    eval_every=(eval_every, 0, False),
-                    grad_accum_steps=(grad_accum_steps, 1, False), warmup_steps=(args.warmup_steps, 0, False))
+        check_flags(
+            learning_rate=(args.learning_rate, 0, True),
+            batch_size=(args.batch_size, 1, False),
+            max_steps=(args.max_steps, 0, False),
+            num_epochs=(args.num_epochs, 0, True),
+            weight_decay=(args.weight_decay, 0, False),
+            save_every=(args.save_every, 0, False),
+            save_total_limit=(args.save_total_limit, 0, False),
+            log_every=(log_every, 1, False),
+            eval_every=(eval_every, 0, False),
+            grad_accum_steps=(grad_accum_steps, 1, False),
+            warmup_steps=(args.warmup_steps, 0, False),
+        )
         if not (0 <= args.warmup_ratio <= 1 and 0 <= args.min_lr_rate <= 1):
-            raise UsageError(f"--warmup-ratio {args.warmup_ratio}, --min-lr-rate {args.min_lr_rate}: "
-                             "each must be in [0, 1]")
+            raise UsageError(
+                f"--warmup-ratio {args.warmup_ratio}, --min-lr-rate {args.min_lr_rate}: "
+                "each must be in [0, 1]"
+            )
         if export_hf:
             preset = common.resolve_model(args.model)
             interop.check_export_hf(args.model, preset, common.backbone_class(preset).__name__)
@@ -380,7 +464,9 @@ class Run:
         self.main = common.jax.process_index() == 0  # process 0 writes the outputs
         if args.batch_size % (self.mesh.shape["data"] * grad_accum_steps):
             accum = f" × --grad-accum-steps ({grad_accum_steps})" if grad_accum_steps > 1 else ""
-            raise UsageError(f"--batch-size {args.batch_size} must divide by data axis ({self.mesh.shape['data']}){accum}")
+            raise UsageError(
+                f"--batch-size {args.batch_size} must divide by data axis ({self.mesh.shape['data']}){accum}"
+            )
         self.start = self.step = self._check_output_dir()
         self.stop_signal, self.last_train, self.last_eval, self._handlers = None, {}, {}, {}
         self._pending, self._tokens, self._padded, self._flops, self._shapes = [], 0, 0, 0.0, set()
@@ -408,21 +494,33 @@ class Run:
                 self._done = max(last or 0, recorded.get("max_steps") or 0) if finished else None
             if last is None:
                 self._no_checkpoint = f"--resume: {d} holds no checkpoint to continue from" + (
-                    "" if held else " (no run there)")
+                    "" if held else " (no run there)"
+                )
             elif (self._done or 0) > last:  # a finished run extends from its final state, or not at all
-                self._no_checkpoint = (f"--resume: the newest checkpoint in {d} (step {last}) is older than its "
-                                       f"finished model/ (step {self._done}), which continuing from it would replace")
+                self._no_checkpoint = (
+                    f"--resume: the newest checkpoint in {d} (step {last}) is older than its "
+                    f"finished model/ (step {self._done}), which continuing from it would replace"
+                )
             if self._no_checkpoint:
                 self._no_checkpoint += "; checkpoints are written by --save-every N and on SIGTERM/SIGINT" + (
-                    f"; to train on, start a new run from --model {self.model_dir}" if finished else "")
+                    f"; to train on, start a new run from --model {self.model_dir}" if finished else ""
+                )
             self._check_resumable()  # with --max-steps None: in resolve_max_steps, once it is derived
             return last or 0
         if held and not self.args.overwrite:
             unfinished = last is not None and not finished
-            what = "a finished run (model/)" if finished else f"an unfinished run (checkpoint at step {last})" \
-                if unfinished else "a run without checkpoints"
-            hint = "--resume to continue it or --overwrite to replace it" if unfinished else \
-                "--overwrite to replace it, or choose another --output-dir"
+            what = (
+                "a finished run (model/)"
+                if finished
+                else f"an unfinished run (checkpoint at step {last})"
+                if unfinished
+                else "a run without checkpoints"
+            )
+            hint = (
+                "--resume to continue it or --overwrite to replace it"
+                if unfinished
+                else "--overwrite to replace it, or choose another --output-dir"
+            )
             raise UsageError(f"--output-dir {d} already holds {what}; pass {hint}")
         return 0
 
@@ -433,23 +531,36 @@ class Run:
         for resumed in recorded.get("resumes", []):
             recorded.update(resumed)
         now = json.loads(json.dumps(self._record(), default=str))
-        diff = [f"{'--' + k.replace('_', '-') if k != 'script' else 'the script'} {recorded[k]!r} -> {v!r}"
-                for k, v in now.items() if k not in RESUMABLE and k in recorded and recorded[k] != v]
+        diff = [
+            f"{'--' + k.replace('_', '-') if k != 'script' else 'the script'} {recorded[k]!r} -> {v!r}"
+            for k, v in now.items()
+            if k not in RESUMABLE and k in recorded and recorded[k] != v
+        ]
         if diff:
-            raise UsageError(f"--resume: {self.dir} is another run: " + "; ".join(diff)
-                             + " (only --max-steps/--num-epochs and output flags may change; or pass --overwrite)")
+            raise UsageError(
+                f"--resume: {self.dir} is another run: "
+                + "; ".join(diff)
+                + " (only --max-steps/--num-epochs and output flags may change; or pass --overwrite)"
+            )
         return recorded
 
     def _record(self):
         """What args.json records of this run: the flags, the script and the values resolved so far."""
-        return {"script": self.script, **vars(self.args), "output_dir": self.dir, "dtype": self.dtype,
-                "max_steps": self.max_steps, **self.resolved}
+        return {
+            "script": self.script,
+            **vars(self.args),
+            "output_dir": self.dir,
+            "dtype": self.dtype,
+            "max_steps": self.max_steps,
+            **self.resolved,
+        }
 
     def _check_resumable(self):
         """--resume on a complete run: RunComplete; with no checkpoint to continue from: UsageError."""
         if self.max_steps is not None and self._done is not None and self.max_steps <= self._done:
-            raise RunComplete(f"{self.dir}: this run is complete ({self._done} steps, model/ saved); "
-                              "nothing to resume")
+            raise RunComplete(
+                f"{self.dir}: this run is complete ({self._done} steps, model/ saved); nothing to resume"
+            )
         if self.max_steps is not None and self._no_checkpoint:
             raise UsageError(self._no_checkpoint)
 
@@ -460,14 +571,18 @@ class Run:
             per_step = rows_per_step or self.args.batch_size
             self.max_steps = max(1, math.ceil(self.args.num_epochs * num_rows / per_step))
             if self.main:
-                print(f"--max-steps {self.max_steps}: {self.args.num_epochs:g} epochs of {num_rows} rows, "
-                      f"{per_step} a step")
+                print(
+                    f"--max-steps {self.max_steps}: {self.args.num_epochs:g} epochs of {num_rows} rows, "
+                    f"{per_step} a step"
+                )
         self._check_resumable()
         keep = self._scheduled if self.args.resume_schedule == "keep" and self._scheduled else self.max_steps
         self.schedule_steps = self.resolved["schedule_steps"] = keep
         if keep != self.max_steps and self.main and self.args.lr_scheduler_type != "constant":
-            print(f"--resume: the learning-rate schedule stays the run's, over {keep} steps, then its last rate "
-                  "(--resume-schedule stretch: over all steps, as transformers does; the rate can rise)")
+            print(
+                f"--resume: the learning-rate schedule stays the run's, over {keep} steps, then its last rate "
+                "(--resume-schedule stretch: over all steps, as transformers does; the rate can rise)"
+            )
         return self.max_steps
 
     def record(self, **values):
@@ -478,8 +593,11 @@ class Run:
         self.stop_signal = signal.Signals(signum).name
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)  # a second signal ends the process at once
-        os.write(1, f"\n{self.stop_signal}: checkpoint at the end of this step, then exit "
-                    "(again to quit at once)\n".encode())  # os.write: safe inside a handler
+        os.write(
+            1,
+            f"\n{self.stop_signal}: checkpoint at the end of this step, then exit "
+            "(again to quit at once)\n".encode(),
+        )  # os.write: safe inside a handler
 
     def _open(self):
         """After the first step: signals now checkpoint; the outputs are created (process 0)."""
@@ -496,11 +614,14 @@ class Run:
                     shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         os.makedirs(self.dir, exist_ok=True)
         record = self._record()
-        if args.resume and os.path.exists(os.path.join(self.dir, "args.json")):  # the first part's record stays;
+        if args.resume and os.path.exists(
+            os.path.join(self.dir, "args.json")
+        ):  # the first part's record stays;
             with open(os.path.join(self.dir, "args.json")) as f:  # each resume appends its own
                 first = json.load(f)
-            first.setdefault("resumes", []).append({"resumed_at_step": self.start, "time": time.strftime(
-                "%Y-%m-%dT%H:%M:%S"), **record})
+            first.setdefault("resumes", []).append(
+                {"resumed_at_step": self.start, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **record}
+            )
             record = first
         with open(os.path.join(self.dir, "args.json.tmp"), "w") as f:
             json.dump(record, f, indent=2, default=str)
@@ -512,9 +633,11 @@ class Run:
             with open(path, "w") as f:
                 f.writelines(kept)
         from tensorboardX import SummaryWriter
+
         self._metrics, self._tb, self._wandb = open(path, "a"), SummaryWriter(self.dir), None
         if args.track:
             import wandb
+
             self._wandb = wandb.init(config=self._record(), name=os.path.basename(self.dir))
         for step, row in self._buffered:
             self._write(step, row)
@@ -533,8 +656,10 @@ class Run:
     def _checkpoints(self):
         """(orbax, its manager): each process writes its shards, a step appears once complete, the newest kept."""
         import orbax.checkpoint as ocp
-        options = ocp.CheckpointManagerOptions(max_to_keep=self.args.save_total_limit or None,
-                                               enable_async_checkpointing=False)
+
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=self.args.save_total_limit or None, enable_async_checkpointing=False
+        )
         path = os.path.abspath(os.path.join(self.dir, "checkpoints"))
         self._manager = self._manager or ocp.CheckpointManager(path, options=options)
         return ocp, self._manager
@@ -544,9 +669,15 @@ class Run:
         if not self.start:
             return state, meta
         import jax
+
         ocp, manager = self._checkpoints()
-        restored = manager.restore(self.start, args=ocp.args.Composite(meta=ocp.args.JsonRestore(),
-            state=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state))))
+        restored = manager.restore(
+            self.start,
+            args=ocp.args.Composite(
+                meta=ocp.args.JsonRestore(),
+                state=ocp.args.StandardRestore(jax.tree.map(ocp.utils.to_shape_dtype_struct, state)),
+            ),
+        )
         print(f"resumed from step {self.start}")
         return restored.state, restored.meta
 
@@ -556,12 +687,23 @@ class Run:
         {metric: count metrics} for a step's mean over some of its examples (those the count metrics count;
         pairs of two kinds: their product): the interval's mean over all such examples, 0 where it has none."""
         from tqdm import tqdm
+
         assert self.max_steps is not None, "call run.resolve_max_steps before the loop"
-        self._flops_per_token, self._lr, self._show, self._summed = flops_per_token, learning_rate, show, summed
+        self._flops_per_token, self._lr, self._show, self._summed = (
+            flops_per_token,
+            learning_rate,
+            show,
+            summed,
+        )
         self._counted = counted or {}
         self._peak, self._t0, self._paused = peak_flops(), time.perf_counter(), 0.0
-        self._bar = tqdm(total=self.max_steps, initial=self.start, desc=self.script, dynamic_ncols=True,
-                         disable=not self.main)
+        self._bar = tqdm(
+            total=self.max_steps,
+            initial=self.start,
+            desc=self.script,
+            dynamic_ncols=True,
+            disable=not self.main,
+        )
         for step in range(self.start, self.max_steps):
             self.step = step + 1  # updates done once this step's body has run
             yield step  # the body's run.log opens the outputs after the first step
@@ -584,6 +726,7 @@ class Run:
     def _flush(self):
         import jax
         import numpy as np
+
         if not self._pending:
             return
         fetched = jax.device_get(self._pending)
@@ -592,17 +735,27 @@ class Run:
         bad = [first + i for i, m in enumerate(fetched) if not np.isfinite(m.get("train/loss", 0.0))]
         if bad and not self.skip_nonfinite:
             self.close()
-            raise NonFiniteLoss(f"non-finite train/loss at step {bad[0]}; the newest checkpoint is the last good "
-                                "state (rerun with --resume and a lower --learning-rate"
-                                + (", or --skip-nonfinite)" if self.skip_nonfinite is not None else ")"))
-        row = {k: float((np.sum if k in self._summed else np.mean)([m[k] for m in fetched])) for k in fetched[0]}
+            raise NonFiniteLoss(
+                f"non-finite train/loss at step {bad[0]}; the newest checkpoint is the last good "
+                "state (rerun with --resume and a lower --learning-rate"
+                + (", or --skip-nonfinite)" if self.skip_nonfinite is not None else ")")
+            )
+        row = {
+            k: float((np.sum if k in self._summed else np.mean)([m[k] for m in fetched])) for k in fetched[0]
+        }
         for k, counts in self._counted.items():  # each step weighted by how many examples its mean covers
             w = np.array([np.prod([float(m[c]) for c in counts]) for m in fetched])
             row[k] = float(np.dot([float(m[k]) for m in fetched], w) / w.sum()) if w.sum() else 0.0
         if self._lr is not None:
             row["charts/learning_rate"] = float(self._lr(self.step - 1))
-        row["charts/tokens_per_sec"], row["charts/mfu"] = self._tokens / elapsed, self._flops / elapsed / self._peak
-        row["charts/tokens"], row["charts/flops"] = float(self._tokens), float(self._flops)  # the interval's (sums)
+        row["charts/tokens_per_sec"], row["charts/mfu"] = (
+            self._tokens / elapsed,
+            self._flops / elapsed / self._peak,
+        )
+        row["charts/tokens"], row["charts/flops"] = (
+            float(self._tokens),
+            float(self._flops),
+        )  # the interval's (sums)
         if self._padded:
             row["charts/padding_fraction"] = 1.0 - self._tokens / self._padded
             row["charts/compilations"] = float(len(self._shapes))
@@ -624,7 +777,10 @@ class Run:
         self.last_eval = row = {k: float(v) for k, v in row.items()}
         self._write(self.step, row)
         from tqdm import tqdm
-        tqdm.write(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3]))  # above a bar
+
+        tqdm.write(
+            f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3])
+        )  # above a bar
         if self._eval_started is not None:
             self._paused += time.perf_counter() - self._eval_started
             self._eval_started = None
@@ -640,8 +796,14 @@ class Run:
         self._flush()
         t = time.perf_counter()
         ocp, manager = self._checkpoints()
-        manager.save(self.step, force=True, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave({"step": self.step, **(meta or {})})))
+        manager.save(
+            self.step,
+            force=True,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                meta=ocp.args.JsonSave({"step": self.step, **(meta or {})}),
+            ),
+        )
         manager.wait_until_finished()
         self._paused += time.perf_counter() - t
         if stopping:
@@ -651,6 +813,7 @@ class Run:
     def finish(self, save):
         """save(path) writes model.tmp/, renamed model/ once whole (+ model_hf/: export_hf); then a summary."""
         import common
+
         self._open()
         self._flush()
         tmp = self.model_dir + ".tmp"
@@ -661,16 +824,22 @@ class Run:
             shutil.rmtree(self.model_dir, ignore_errors=True)
             os.replace(tmp, self.model_dir)
             if self.export_hf:
-                interop.export_hf(common.host_model(self.model_dir), os.path.join(self.dir, "model_hf"),
-                                  self.args.chat_template or common.family_template(self.model_dir))
+                interop.export_hf(
+                    common.host_model(self.model_dir),
+                    os.path.join(self.dir, "model_hf"),
+                    self.args.chat_template or common.family_template(self.model_dir),
+                )
         self.close()
         shown = {k: self.last_train[k] for k in ("train/loss", *self._show) if k in self.last_train}
         shown.update(list(self.last_eval.items())[:2])
         took = time.perf_counter() - self._started
-        print(f"done: {self.max_steps} steps in {took // 60:.0f}m{took % 60:02.0f}s; "
-              + ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
-              + f"; outputs in {self.dir} (model/{', model_hf/' if self.export_hf else ''}"
-              + ", metrics.jsonl, args.json)", flush=True)
+        print(
+            f"done: {self.max_steps} steps in {took // 60:.0f}m{took % 60:02.0f}s; "
+            + ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
+            + f"; outputs in {self.dir} (model/{', model_hf/' if self.export_hf else ''}"
+            + ", metrics.jsonl, args.json)",
+            flush=True,
+        )
 
     def close(self):
         """Close the logs; SIGINT/SIGTERM get back their handlers from before the loop."""
@@ -691,11 +860,14 @@ def enable_remat(backbone, on=True):
     switches it (Remat's auto). A block's added losses (MoE router loss) leave the checkpoint as outputs."""
     import jax
     from keras.src.backend.common.stateless_scope import get_stateless_scope
+
     backbone.remat_on = on
     for layer in [] if hasattr(backbone, "_remat_layers") else getattr(backbone, "transformer_layers", []):
+
         def call(*args, _call=layer.call, **kwargs):
-            if not backbone.remat_on or any(v is not None for k, v in kwargs.items()
-                                            if "cache" in k and "index" not in k):
+            if not backbone.remat_on or any(
+                v is not None for k, v in kwargs.items() if "cache" in k and "index" not in k
+            ):
                 return _call(*args, **kwargs)
             arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
             rest = {k: v for k, v in kwargs.items() if k not in arrays}
@@ -711,6 +883,7 @@ def enable_remat(backbone, on=True):
             out, added = jax.checkpoint(block)(args, arrays)
             losses.extend(added)
             return out
+
         layer.call = call
     backbone._remat_layers = True
     return backbone
@@ -719,6 +892,7 @@ def enable_remat(backbone, on=True):
 def device_memory_limit():
     """Bytes one device may allocate; None where the backend sets no limit (CPU)."""
     import jax
+
     return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
@@ -743,11 +917,13 @@ class Remat:
 
     def _resolve(self, mode, why, fn, jit_kwargs):
         import jax
+
         self.mode = mode
         for backbone in self.backbones:
             backbone.remat_on = mode == "on"
         if why and jax.process_index() == 0:
             from tqdm import tqdm
+
             tqdm.write(f"remat: auto -> {mode} ({why})")  # above the progress bar the first step runs under
         return jax.jit(fn, **jit_kwargs)  # a new callable: traced afresh, with the switch as now set
 
@@ -759,6 +935,7 @@ class Remat:
         analysis leaves out: fragmentation, runtime buffers, the next batch). Costs one compile (RESULTS.md)."""
         import functools
         import jax
+
         fn, limit, resolved = functools.partial(fn), device_memory_limit(), []
         if self.requested != "auto" or limit is None:
             why = self.requested == "auto" and f"{jax.devices()[0].platform}: no device memory limit"
@@ -767,21 +944,41 @@ class Remat:
         def step(*a):
             if not resolved:
                 spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), a)
-                at = lambda s: s.update(shape=s.shape[:2] + (length,) + s.shape[3:]) if length and s.ndim >= 3 else s
+                at = lambda s: (
+                    s.update(shape=s.shape[:2] + (length,) + s.shape[3:]) if length and s.ndim >= 3 else s
+                )
                 t, spec = time.perf_counter(), (*spec[:2], jax.tree.map(at, spec[2]), *spec[3:])
                 m = self._resolve("off", None, fn, jit_kwargs).lower(*spec).compile().memory_analysis()
-                peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-                why = (f"compiled peak {peak / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB per device; "
-                       f"checked in {time.perf_counter() - t:.1f} s")
+                peak = (
+                    m.argument_size_in_bytes
+                    + m.output_size_in_bytes
+                    + m.temp_size_in_bytes
+                    - m.alias_size_in_bytes
+                )
+                why = (
+                    f"compiled peak {peak / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB per device; "
+                    f"checked in {time.perf_counter() - t:.1f} s"
+                )
                 resolved.append(self._resolve("on" if peak > 0.9 * limit else "off", why, fn, jit_kwargs))
             return resolved[0](*a)
+
         return step
 
 
 # --- 5. Accounting: FLOPs, peak, phase times; the compilation cache ---
 # Dense bf16 peak FLOP/s per chip, from the vendors' datasheets.
-PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
-              "TPU v6 lite": 918e12, "TPU v6e": 918e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
+PEAK_FLOPS = {
+    "TPU v4": 275e12,
+    "TPU v5 lite": 197e12,
+    "TPU v5e": 197e12,
+    "TPU v5p": 459e12,
+    "TPU v5": 459e12,
+    "TPU v6 lite": 918e12,
+    "TPU v6e": 918e12,
+    "H100": 989e12,
+    "H200": 989e12,
+    "A100": 312e12,
+}
 _measured_peak = {}
 
 
@@ -789,17 +986,24 @@ def count_params(backbone):
     """N for FLOP accounting (docs/design.md, "FLOPs"): the weights used in matmuls, a tied embedding (Gemma,
     Qwen) as the output's; an untied one (Llama 3, Mistral) or Gemma 4 E2B / E4B's per-layer one is a lookup."""
     import numpy as np
+
     embedding = backbone.token_embedding
     lookups = [] if embedding.tie_weights else [embedding.embeddings]
     lookups += [layer.embeddings for layer in [getattr(backbone, "per_layer_token_embedding", None)] if layer]
-    return int(sum(np.prod(v.shape) for v in backbone.weights
-                   if "lora" not in v.path and not any(v is x for x in lookups)))
+    return int(
+        sum(
+            np.prod(v.shape)
+            for v in backbone.weights
+            if "lora" not in v.path and not any(v is x for x in lookups)
+        )
+    )
 
 
 def peak_flops():
     """Peak FLOP/s of all devices together: the table above per chip, or on CPU (and unknown kinds) a
     measured float32 matmul, once per process: simulated CPU devices share the host's cores."""
     import jax
+
     kind = jax.devices()[0].device_kind
     for name, flops in PEAK_FLOPS.items():
         if name.lower() in kind.lower():
@@ -813,6 +1017,7 @@ def matmul_flops_per_sec(n=1024, repeats=5):
     import jax
     import numpy as np
     import timeit
+
     x = jax.device_put(np.ones((n, n), np.float32), jax.local_devices()[0])
     f = jax.jit(lambda a: a @ a)
     f(x).block_until_ready()  # compiled before the timing
@@ -822,6 +1027,7 @@ def matmul_flops_per_sec(n=1024, repeats=5):
 def synced(tree):
     """The time once every array of `tree` is computed (dispatch is asynchronous): a phase's end."""
     import jax
+
     jax.block_until_ready(tree)
     return time.perf_counter()
 
@@ -831,11 +1037,17 @@ def phase_metrics(updates, ticks, new_tokens):
     each phase from ticks [start, generated, scored] to now, and the tokens sampled (through each EOS)."""
     import jax
     import numpy as np
+
     fetched = jax.device_get(updates)
     generate, score, update = np.diff(ticks + [time.perf_counter()])
-    return {**{k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]},
-            "charts/generate_tokens_per_sec": new_tokens / generate, "charts/generate_time": generate,
-            "charts/score_time": score, "charts/update_time": update, "charts/generated_tokens": float(new_tokens)}
+    return {
+        **{k: float(np.mean([m[k] for m in fetched])) for k in fetched[0]},
+        "charts/generate_tokens_per_sec": new_tokens / generate,
+        "charts/generate_time": generate,
+        "charts/score_time": score,
+        "charts/update_time": update,
+        "charts/generated_tokens": float(new_tokens),
+    }
 
 
 def compilation_cache():
@@ -843,8 +1055,10 @@ def compilation_cache():
     earlier one's programs) in $JAX_COMPILATION_CACHE_DIR (`off`: none), else ~/.cache/posttrain-jax; programs
     compiled in under $JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS (0.5 s) are not stored. -> dir or None."""
     import jax
+
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "posttrain-jax")
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "posttrain-jax"
+    )
     if path == "off":
         jax.config.update("jax_compilation_cache_dir", None)
         return None

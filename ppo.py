@@ -14,7 +14,9 @@ from dataclasses import dataclass
 from typing import Literal, NamedTuple
 
 import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
-plumbing.answer_help(__name__, __file__)  # `python ppo.py --help`: from Args' source, before the imports below
+
+# `python ppo.py --help`: from Args' source, before the imports below
+plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, the scorer)
 import jax  # noqa: E402
@@ -27,6 +29,7 @@ import optax  # noqa: E402
 @dataclass
 class Args(plumbing.RolloutArgs):
     """The shared flags (plumbing.RolloutArgs: model, dtype, mesh, prompts, lengths, outputs, …) plus PPO's."""
+
     # rewards
     reward_model: str | None = None
     """reward.py's `model/` dir: scores responses and initialises the value model (--lora-rank: LoRA on both)"""
@@ -72,6 +75,7 @@ class Args(plumbing.RolloutArgs):
 
 class PPOParams(NamedTuple):
     """What PPO trains (one optimizer): the policy's weights, the value model's, and its scalar head."""
+
     policy: list  # trainable values, in stateless_call order
     value: list
     head: dict  # {weight [D, 1], bias []}, float32
@@ -79,6 +83,7 @@ class PPOParams(NamedTuple):
 
 class Pair(NamedTuple):
     """One per model, policy and value: their backbones, or their frozen (non-trainable) values."""
+
     policy: object
     value: object
 
@@ -87,11 +92,11 @@ class Pair(NamedTuple):
 def tokenize_prompts(prompts, tokenizer, max_prompt_length):
     """-> (queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
     ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
-    ids = [x[:1] + x[1:][-(max_prompt_length - 1):] for x in ids]  # cut from the left, BOS kept
+    ids = [x[:1] + x[1:][-(max_prompt_length - 1) :] for x in ids]  # cut from the left, BOS kept
     q = min(max_prompt_length, 8 * math.ceil(max(len(x) for x in ids) / 8))
     queries, mask = np.zeros((len(ids), q), np.int32), np.zeros((len(ids), q), bool)
     for i, x in enumerate(ids):  # left padding: every prompt ends at column Q-1, responses start at Q
-        queries[i, q - len(x):], mask[i, q - len(x):] = x, True
+        queries[i, q - len(x) :], mask[i, q - len(x) :] = x, True
     return queries, mask
 
 
@@ -127,8 +132,21 @@ def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
     return jnp.take_along_axis(kept, tokens[:, None], -1)[:, 0] - logz, logz - plogp.sum(-1)
 
 
-def generate(backbone, params, frozen, queries, query_mask, key, response_length, temperature, stop_ids,
-             pad_id, top_k=0, top_p=1.0, min_p=None):
+def generate(
+    backbone,
+    params,
+    frozen,
+    queries,
+    query_mask,
+    key,
+    response_length,
+    temperature,
+    stop_ids,
+    pad_id,
+    top_k=0,
+    top_p=1.0,
+    min_p=None,
+):
     """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
     [B, R]: filtered_logps, 0 if greedy or after the end). A prefill, then a `lax.while_loop` of one token a
     step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes (one compilation per bucket),
@@ -147,7 +165,8 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
             else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
                 # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
                 z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
-                    logits / temperature, top_k, top_p, min_p)  # [B, V]
+                    logits / temperature, top_k, top_p, min_p
+                )  # [B, V]
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
                 # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
@@ -167,7 +186,10 @@ def generate(backbone, params, frozen, queries, query_mask, key, response_length
         tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
         logqs = jnp.zeros((b, response_length)).at[:, 0].set(logq)  # [B, R]
         tokens, logqs, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has not ended and t < R
-            lambda c: (c[3] < response_length) & ~c[5].all(), step, (tokens, logqs, cache, jnp.int32(1), key, done))
+            lambda c: (c[3] < response_length) & ~c[5].all(),
+            step,
+            (tokens, logqs, cache, jnp.int32(1), key, done),
+        )
     return tokens, steps, logqs
 
 
@@ -179,17 +201,28 @@ def truncate_response(responses, stop_ids, pad_id):
     return jnp.where(jnp.arange(r)[None] > first[:, None], pad_id, responses), first
 
 
-def response_logps(backbone, params, frozen, token_ids, padding_mask, context_length, temperature,
-                   top_k=0, top_p=1.0, min_p=None):
+def response_logps(
+    backbone,
+    params,
+    frozen,
+    token_ids,
+    padding_mask,
+    context_length,
+    temperature,
+    top_k=0,
+    top_p=1.0,
+    min_p=None,
+):
     """log q(response token) and q's entropy (filtered_logps), [B, R] each, float32, and the forward's
     aux_loss (a mixture of experts' router loss, common.forward; 0.0 dense). Position t predicts t+1:
     response token Q+i is scored by hidden[Q+i-1]; the [B, R, V] logits come one position at a time."""
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
-    hidden, labels = hidden[:, context_length - 1:-1], token_ids[:, context_length:]  # [B, R, D], [B, R]
+    hidden, labels = hidden[:, context_length - 1 : -1], token_ids[:, context_length:]  # [B, R, D], [B, R]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
-        position = jax.checkpoint(lambda h, y: filtered_logps(common.logits(backbone, h), y, temperature,
-                                                              top_k, top_p, min_p))  # [B, D], [B] -> [B], [B]
+        position = jax.checkpoint(
+            lambda h, y: filtered_logps(common.logits(backbone, h), y, temperature, top_k, top_p, min_p)
+        )  # [B, D], [B] -> [B], [B]
         logps, entropy = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
     return logps.T, entropy.T, aux_loss
 
@@ -197,7 +230,7 @@ def response_logps(backbone, params, frozen, token_ids, padding_mask, context_le
 def response_values(backbone, params, frozen, head, token_ids, padding_mask, context_length):
     """V(state before each response token) = w·h + b: [B, R], float32; and the forward's aux_loss."""
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
-    hidden = hidden[:, context_length - 1:-1]
+    hidden = hidden[:, context_length - 1 : -1]
     return (hidden.astype(jnp.float32) @ head["weight"])[..., 0] + head["bias"], aux_loss
 
 
@@ -209,9 +242,12 @@ def mismatch(logps, sampler_logps, mask):
     """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the
     weights that sampled against the sampler's own log q: 1 to float rounding (unfiltered: the kept mass)."""
     ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
-    return {"mismatch/ratio_mean": masked_mean(ratio, mask), "mismatch/ratio_max": real(ratio).max(),
-            "mismatch/ratio_min": real(ratio).min(),
-            "mismatch/frac_outside_10pct": masked_mean(abs(ratio - 1.0) > 0.1, mask)}  # outside [0.9, 1.1]
+    return {
+        "mismatch/ratio_mean": masked_mean(ratio, mask),
+        "mismatch/ratio_max": real(ratio).max(),
+        "mismatch/ratio_min": real(ratio).min(),
+        "mismatch/frac_outside_10pct": masked_mean(abs(ratio - 1.0) > 0.1, mask),
+    }  # outside [0.9, 1.1]
 
 
 def whiten(x, mask, shift_mean=True):
@@ -252,8 +288,9 @@ def compute_gae(rewards, values, mask, gamma, lam):
     return advantages, advantages + values
 
 
-def ppo_loss(new_logprobs, new_values, logprobs, values, advantages, returns, mask,
-             cliprange, cliprange_value, vf_coef):
+def ppo_loss(
+    new_logprobs, new_values, logprobs, values, advantages, returns, mask, cliprange, cliprange_value, vf_coef
+):
     """Clipped surrogate (eq. 4) + vf_coef · clipped value loss (eq. 5), token means over `mask`."""
     log_ratio = new_logprobs - logprobs
     ratio = jnp.exp(log_ratio)
@@ -263,11 +300,14 @@ def ppo_loss(new_logprobs, new_values, logprobs, values, advantages, returns, ma
     values_clipped = values + jnp.clip(new_values - values, -cliprange_value, cliprange_value)
     vf_losses, vf_losses2 = (new_values - returns) ** 2, (values_clipped - returns) ** 2
     vf_loss = 0.5 * masked_mean(jnp.maximum(vf_losses, vf_losses2), mask)
-    metrics = {"loss/policy_avg": pg_loss, "loss/value_avg": vf_loss,
-               "policy/clipfrac_avg": masked_mean(pg_losses2 > pg_losses, mask),
-               "val/clipfrac_avg": masked_mean(vf_losses2 > vf_losses, mask),
-               "policy/approxkl_avg": 0.5 * masked_mean(log_ratio ** 2, mask),
-               "val/ratio": masked_mean(ratio, mask)}
+    metrics = {
+        "loss/policy_avg": pg_loss,
+        "loss/value_avg": vf_loss,
+        "policy/clipfrac_avg": masked_mean(pg_losses2 > pg_losses, mask),
+        "val/clipfrac_avg": masked_mean(vf_losses2 > vf_losses, mask),
+        "policy/approxkl_avg": 0.5 * masked_mean(log_ratio**2, mask),
+        "val/ratio": masked_mean(ratio, mask),
+    }
     return pg_loss + vf_coef * vf_loss, metrics
 
 
@@ -275,26 +315,35 @@ def rollout_stats(models, params, ref_params, frozen, batch, context_length, tem
     """Log-probs of policy and reference, and values, for a finished rollout batch.
     models, frozen: Pairs (backbones, frozen values); params: PPOParams; ref_params: policy values."""
     ids, mask = batch["query_responses"], batch["padding_mask"]
-    logprobs, _, _ = response_logps(models.policy, params.policy, frozen.policy, ids, mask, context_length,
-                                    temperature)
-    ref_logprobs, _, _ = response_logps(models.policy, ref_params, frozen.policy, ids, mask, context_length,
-                                        temperature)
-    values, _ = response_values(models.value, params.value, frozen.value, params.head, ids, mask, context_length)
+    logprobs, _, _ = response_logps(
+        models.policy, params.policy, frozen.policy, ids, mask, context_length, temperature
+    )
+    ref_logprobs, _, _ = response_logps(
+        models.policy, ref_params, frozen.policy, ids, mask, context_length, temperature
+    )
+    values, _ = response_values(
+        models.value, params.value, frozen.value, params.head, ids, mask, context_length
+    )
     return logprobs, ref_logprobs, values
 
 
 def advantages_of(scores, logprobs, ref_logprobs, values, sequence_lengths, args):
     """Rewards -> GAE advantages (whitened) and returns, plus the objective/* metrics."""
-    rewards, kl, non_score_reward = compute_rewards(scores, logprobs, ref_logprobs, sequence_lengths,
-                                                    args.kl_coef, args.kl_estimator)
+    rewards, kl, non_score_reward = compute_rewards(
+        scores, logprobs, ref_logprobs, sequence_lengths, args.kl_coef, args.kl_estimator
+    )
     mask = jnp.arange(logprobs.shape[1])[None] <= sequence_lengths[:, None]
     if args.whiten_rewards:
         rewards = whiten(rewards, mask, shift_mean=False)
     advantages, returns = compute_gae(rewards, values, mask, args.gamma, args.lam)
     advantages = whiten(advantages, mask)
-    metrics = {"objective/kl": kl.sum(1).mean(), "objective/entropy": -jnp.where(mask, logprobs, 0).sum(1).mean(),
-               "objective/non_score_reward": non_score_reward.sum(1).mean(), "objective/scores": scores.mean(),
-               "objective/rlhf_reward": non_score_reward.sum(1).mean() + scores.mean()}
+    metrics = {
+        "objective/kl": kl.sum(1).mean(),
+        "objective/entropy": -jnp.where(mask, logprobs, 0).sum(1).mean(),
+        "objective/non_score_reward": non_score_reward.sum(1).mean(),
+        "objective/scores": scores.mean(),
+        "objective/rlhf_reward": non_score_reward.sum(1).mean() + scores.mean(),
+    }
     return advantages, returns, metrics
 
 
@@ -306,18 +355,33 @@ def train_step(models, optimizer, args, state, frozen, batch, context_length):
     ids, mask = batch["query_responses"], batch["padding_mask"]
 
     def loss_fn(p):
-        new_logprobs, entropy, aux_loss = response_logps(models.policy, p.policy, frozen.policy, ids, mask,
-                                                         context_length, args.temperature)
-        new_values, value_aux_loss = response_values(models.value, p.value, frozen.value, p.head, ids, mask,
-                                                     context_length)
-        loss, metrics = ppo_loss(new_logprobs, new_values, batch["logprobs"], batch["values"],
-                                 batch["advantages"], batch["returns"], batch["response_mask"],
-                                 args.cliprange, args.cliprange_value, args.vf_coef)
+        new_logprobs, entropy, aux_loss = response_logps(
+            models.policy, p.policy, frozen.policy, ids, mask, context_length, args.temperature
+        )
+        new_values, value_aux_loss = response_values(
+            models.value, p.value, frozen.value, p.head, ids, mask, context_length
+        )
+        loss, metrics = ppo_loss(
+            new_logprobs,
+            new_values,
+            batch["logprobs"],
+            batch["values"],
+            batch["advantages"],
+            batch["returns"],
+            batch["response_mask"],
+            args.cliprange,
+            args.cliprange_value,
+            args.vf_coef,
+        )
         # + each model's router load-balancing loss (a mixture of experts; 0.0 dense), weighted as its own
         # loss: the value model's by vf_coef, as its value loss, so its balance against that loss is kept
         loss = loss + aux_loss + args.vf_coef * value_aux_loss
-        return loss, {**metrics, "policy/entropy_avg": masked_mean(entropy, batch["response_mask"]),
-                      "aux_loss": aux_loss, "val/aux_loss": value_aux_loss}
+        return loss, {
+            **metrics,
+            "policy/entropy_avg": masked_mean(entropy, batch["response_mask"]),
+            "aux_loss": aux_loss,
+            "val/aux_loss": value_aux_loss,
+        }
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
     updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -330,11 +394,19 @@ def make_optimizer(args, max_steps):
     """Clip (policy and value together), AdamW with ε = 1e-5 and --weight-decay on matrices only (not norms,
     biases or the value head's bias), --lr-scheduler-type over all updates -> (optimizer, schedule, warmup)"""
     total_updates = max_steps * args.num_ppo_epochs * args.num_mini_batches
-    schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, total_updates,
-                                          args.warmup_steps, args.warmup_ratio, args.min_lr_rate)
+    schedule, warmup = common.lr_schedule(
+        args.lr_scheduler_type,
+        args.learning_rate,
+        total_updates,
+        args.warmup_steps,
+        args.warmup_ratio,
+        args.min_lr_rate,
+    )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                            optax.adamw(schedule, eps=1e-5, weight_decay=args.weight_decay, mask=decay_mask))
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(args.max_grad_norm),
+        optax.adamw(schedule, eps=1e-5, weight_decay=args.weight_decay, mask=decay_mask),
+    )
     return optimizer, schedule, warmup
 
 
@@ -347,9 +419,12 @@ def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_
     responses, _, sampler_logps = gen_fn(params, frozen, qs, qm, key)
     responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
     response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: stop included
-    return {"query_responses": jnp.concatenate([qs, responses], 1), "response_mask": response_mask,
-            "padding_mask": jnp.concatenate([qm, response_mask], 1),
-            "sampler_logps": sampler_logps}, sequence_lengths
+    return {
+        "query_responses": jnp.concatenate([qs, responses], 1),
+        "response_mask": response_mask,
+        "padding_mask": jnp.concatenate([qm, response_mask], 1),
+        "sampler_logps": sampler_logps,
+    }, sequence_lengths
 
 
 def query_length(batch):
@@ -376,39 +451,60 @@ def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
-    run = plumbing.Run("ppo", args, export_hf=args.export_hf)  # flags and --output-dir checked; nothing written
+    run = plumbing.Run(
+        "ppo", args, export_hf=args.export_hf
+    )  # flags and --output-dir checked; nothing written
     if args.num_mini_batches < 1 or args.num_ppo_epochs < 1 or args.temperature <= 0:
         raise common.UsageError("--num-mini-batches and --num-ppo-epochs must be ≥ 1, --temperature > 0")
-    if args.batch_size % args.num_mini_batches or args.batch_size // args.num_mini_batches % run.mesh.shape["data"]:
-        raise common.UsageError(f"--batch-size {args.batch_size} must split into --num-mini-batches "
-                                f"{args.num_mini_batches} each divisible by the data axis ({run.mesh.shape['data']})")
+    if (
+        args.batch_size % args.num_mini_batches
+        or args.batch_size // args.num_mini_batches % run.mesh.shape["data"]
+    ):
+        raise common.UsageError(
+            f"--batch-size {args.batch_size} must split into --num-mini-batches "
+            f"{args.num_mini_batches} each divisible by the data axis ({run.mesh.shape['data']})"
+        )
     common.check_sampler(args.model)  # a family whose decoder layers the sampler knows
     template = common.chat_template(args.model, args.chat_template)
     # rows: the columns reward functions may read
-    prompts, rows = common.read_prompts(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
+    prompts, rows = common.read_prompts(
+        args.dataset, template, "--dataset", args.dataset_config, args.dataset_split
+    )
     max_steps = run.resolve_max_steps(len(prompts))  # --max-steps, or --num-epochs' worth of rollouts
-    scorer = common.load_scorer(run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=[args.reward_fn],
-                                **args.lora)  # s(x, y): the reward model, or the reward function
+    scorer = common.load_scorer(
+        run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=[args.reward_fn], **args.lora
+    )  # s(x, y): the reward model, or the reward function
     scorer.check_columns(rows)  # before the model loads: every column a reward function names exists
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     scorer.check_tokenizer(tokenizer)
     value_bb = scorer.model.backbone if scorer.model is not None else backbone
-    remat = plumbing.Remat(args.remat, backbone, value_bb)  # --remat on policy and value (not the KV-cached sampler)
+    remat = plumbing.Remat(
+        args.remat, backbone, value_bb
+    )  # --remat on policy and value (not the KV-cached sampler)
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
     q, r, pad = queries.shape[1], args.response_length, tokenizer.pad_token_id
     stops = common.stop_token_ids(tokenizer, template, args.stop_token)  # EOS, the turn end, --stop-token
-    print(f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
-          f"responses ≤ {r} tokens, ended by ids {stops}; reward: {args.reward_model or args.reward_fn}")
+    print(
+        f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
+        f"responses ≤ {r} tokens, ended by ids {stops}; reward: {args.reward_model or args.reward_fn}"
+    )
 
     # Policy trainable; reference = frozen copy of its initial values (with LoRA: the LoRA-off base);
     # value = a copy of the reward model (Huang et al.), else of the policy + a zero head.
     policy_params, policy_frozen = common.split_variables(backbone)
     ref_params = jax.tree.map(jnp.copy, policy_params)
-    value_params, value_frozen = common.split_variables(value_bb)  # the scorer keeps the reward model's as loaded
-    head = scorer.head if scorer.model is not None else jax.tree.map(
-        lambda x: common.put_global(x, common.replicated(run.mesh)),
-        {"weight": np.zeros((backbone.hidden_dim, 1), np.float32), "bias": np.zeros((), np.float32)})
+    value_params, value_frozen = common.split_variables(
+        value_bb
+    )  # the scorer keeps the reward model's as loaded
+    head = (
+        scorer.head
+        if scorer.model is not None
+        else jax.tree.map(
+            lambda x: common.put_global(x, common.replicated(run.mesh)),
+            {"weight": np.zeros((backbone.hidden_dim, 1), np.float32), "bias": np.zeros((), np.float32)},
+        )
+    )
     models, frozen = Pair(backbone, value_bb), Pair(policy_frozen, value_frozen)
     params = PPOParams(policy_params, value_params, head)
     # Through one jit with explicit out_shardings, so the trainable values carry the mesh in their types and are
@@ -418,45 +514,71 @@ def main(args):
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
-    order = np.concatenate([rng.permutation(len(prompts))
-                            for _ in range(-(-max_steps * args.batch_size // len(prompts)))])
+    order = np.concatenate(
+        [rng.permutation(len(prompts)) for _ in range(-(-max_steps * args.batch_size // len(prompts)))]
+    )
     # --resume: params, optimizer state, sampling key, mini-batch shuffler (the prompt order is a function of the step)
-    (params, opt_state, key_data), meta = run.resume((params, opt_state, jax.random.key_data(key)),
-                                                     {"rng": rng.bit_generator.state})
+    (params, opt_state, key_data), meta = run.resume(
+        (params, opt_state, jax.random.key_data(key)), {"rng": rng.bit_generator.state}
+    )
     # the key through the host: restored, it sits on one device, which jit refuses beside mesh-wide inputs
     key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, stops,
-                                                      pad))
-    stats_fn = jax.jit(lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, query_length(b),
-                                                           args.temperature))
+    gen_fn = jax.jit(
+        lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, stops, pad)
+    )
+    stats_fn = jax.jit(
+        lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, query_length(b), args.temperature)
+    )
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: advantages_of(s, lp, rlp, v, sl, args))
-    step_fn = remat.jit(lambda s, f, b: train_step(models, optimizer, args, s, f, b, query_length(b)),
-                        donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
-    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
+    step_fn = remat.jit(
+        lambda s, f, b: train_step(models, optimizer, args, s, f, b, query_length(b)),
+        donate_argnums=0,
+        out_shardings=(state_shardings, common.replicated(run.mesh)),
+    )
+    run.record(
+        remat=remat, num_warmup_steps=warmup
+    )  # args.json: the mode --remat auto chose, the warmup steps
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
     # FLOPs (docs/design.md): 2N per token per forward (sampling, policy + reference + value, reward model),
     # 6N per token per trained forward+backward (policy and value, every epoch).
     n_pol, n_val = plumbing.count_params(backbone), plumbing.count_params(value_bb)
-    flops_per_token = (2 * n_pol + 2 * (2 * n_pol + n_val) + 2 * n_val * (scorer.model is not None)
-                       + args.num_ppo_epochs * 6 * (n_pol + n_val))
+    flops_per_token = (
+        2 * n_pol
+        + 2 * (2 * n_pol + n_val)
+        + 2 * n_val * (scorer.model is not None)
+        + args.num_ppo_epochs * 6 * (n_pol + n_val)
+    )
 
     # ---- the loop: rollout -> rewards -> advantages -> update ----
-    for step in run.steps(learning_rate=lambda s: schedule(s * args.num_ppo_epochs * args.num_mini_batches),
-                          summed=("charts/generated_tokens",), show=("objective/scores", "objective/kl")):
-        ticks, idx = [time.perf_counter()], order[step * args.batch_size:(step + 1) * args.batch_size]
+    for step in run.steps(
+        learning_rate=lambda s: schedule(s * args.num_ppo_epochs * args.num_mini_batches),
+        summed=("charts/generated_tokens",),
+        show=("objective/scores", "objective/kl"),
+    ):
+        ticks, idx = [time.perf_counter()], order[step * args.batch_size : (step + 1) * args.batch_size]
         # rollout: sample responses to a batch of prompts, cut them after the first stop token
         key, gen_key = jax.random.split(key)
-        batch, sequence_lengths = rollout(gen_fn, state[0].policy, frozen.policy, queries[idx], query_mask[idx],
-                                          gen_key, stops, pad, on_data)
+        batch, sequence_lengths = rollout(
+            gen_fn,
+            state[0].policy,
+            frozen.policy,
+            queries[idx],
+            query_mask[idx],
+            gen_key,
+            stops,
+            pad,
+            on_data,
+        )
         qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
         # rewards: a score per response (1), minus the missing-EOS penalty; log-probs of policy and reference; values
         texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb, stops)
-        scores, _ = scorer([prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids,
-                           common.turn_end(template))
+        scores, _ = scorer(
+            [prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids, common.turn_end(template)
+        )
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * common.put_global(np.float32(~has_eos), on_data)
         logprobs, ref_logprobs, values = stats_fn(state[0], ref_params, frozen, batch)
@@ -474,11 +596,19 @@ def main(args):
         # generate tokens/s: the tokens sampled, through each stop token (all R without one); tokens/s and
         # MFU count real tokens: those and each prompt's, of B·(Qb+R) padded (charts/padding_fraction)
         real = int(query_mask[idx].sum() + (lengths + has_eos).sum())
-        run.log({**plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())), **objective,
-                 **meter, "val/num_eos_tokens": float(has_eos.sum()),
-                 "charts/generate_compilations": float(gen_fn._cache_size()),
-                 "charts/query_padding_fraction": float(1 - query_mask[idx].sum() / (len(idx) * qb))},
-                tokens=real, padded=len(idx) * (qb + r), flops=real * flops_per_token)
+        run.log(
+            {
+                **plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())),
+                **objective,
+                **meter,
+                "val/num_eos_tokens": float(has_eos.sum()),
+                "charts/generate_compilations": float(gen_fn._cache_size()),
+                "charts/query_padding_fraction": float(1 - query_mask[idx].sum() / (len(idx) * qb)),
+            },
+            tokens=real,
+            padded=len(idx) * (qb + r),
+            flops=real * flops_per_token,
+        )
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
             for i, s in enumerate(common.to_host(scores)[:3]):
                 print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} score {s:.3f}")

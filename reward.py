@@ -13,7 +13,9 @@ from dataclasses import dataclass
 from functools import partial
 
 import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
-plumbing.answer_help(__name__, __file__)  # `python reward.py --help`: from Args' source, before the imports below
+
+# `python reward.py --help`: from Args' source, before the imports below
+plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, batches)
 import jax  # noqa: E402
@@ -25,6 +27,7 @@ import optax  # noqa: E402
 @dataclass
 class Args(plumbing.SharedArgs):
     """The shared flags (plumbing.SharedArgs: model, dtype, mesh, outputs, …) and the reward model's own."""
+
     # data
     dataset: str = os.path.join(common.HERE, "data", "prefs_train.jsonl")
     """preference pairs: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
@@ -75,7 +78,7 @@ def tokenize_pairs(triples, tokenizer, max_length, path):
             dropped += 1
             continue
         truncated += cut > 0
-        prompt = prompt[max(cut, 0):]
+        prompt = prompt[max(cut, 0) :]
         pairs.append(tuple(np.array([bos] + prompt + r + [eos], np.int32) for r in (chosen, rejected)))
     if not pairs:
         raise common.UsageError(f"{path}: every pair is longer than --max-length {max_length}")
@@ -88,7 +91,7 @@ def pad_pairs(pairs, length):
     for j, side in enumerate(("chosen", "rejected")):
         ids, mask = np.zeros((len(pairs), length), np.int32), np.zeros((len(pairs), length), bool)
         for i, pair in enumerate(pairs):
-            ids[i, :len(pair[j])], mask[i, :len(pair[j])] = pair[j], True
+            ids[i, : len(pair[j])], mask[i, : len(pair[j])] = pair[j], True
         out[f"{side}_token_ids"], out[f"{side}_padding_mask"] = ids, mask
     return out
 
@@ -101,8 +104,9 @@ def pair_lengths(data):
 def get_batch(data, lengths, step, args):
     """Batch for `step` (a pure function of it, so --resume is exact), cut to the length bucket of
     its longest sequence: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes."""
-    idx, length, real = common.length_batch(lengths, step, args.batch_size, args.seed, args.max_length,
-                                            args.group_by_length)
+    idx, length, real = common.length_batch(
+        lengths, step, args.batch_size, args.seed, args.max_length, args.group_by_length
+    )
     batch = {k: v[idx, :length].reshape(args.grad_accum_steps, -1, length) for k, v in data.items()}
     return batch, (real, 2 * args.batch_size * length)
 
@@ -123,7 +127,9 @@ def last_token_hidden(backbone, params, frozen, token_ids, padding_mask):
     aux_loss (a mixture of experts' router load-balancing loss, common.forward; 0.0 for a dense model)."""
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
     last = jnp.sum(padding_mask, -1).astype(jnp.int32) - 1  # right padding: index of the final real token
-    return jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0].astype(jnp.float32), aux_loss  # f32 upcast
+    return jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0].astype(
+        jnp.float32
+    ), aux_loss  # f32 upcast
 
 
 def sequence_scores(backbone, params, frozen, head, token_ids, padding_mask):
@@ -139,8 +145,12 @@ def reward_loss(chosen_scores, rejected_scores):
     """
     margins = chosen_scores - rejected_scores
     loss = jnp.mean(jax.nn.softplus(-margins))
-    metrics = {"rewards/chosen": chosen_scores.mean(), "rewards/rejected": rejected_scores.mean(),
-               "rewards/margins": margins.mean(), "rewards/accuracies": (margins > 0).mean()}
+    metrics = {
+        "rewards/chosen": chosen_scores.mean(),
+        "rewards/rejected": rejected_scores.mean(),
+        "rewards/margins": margins.mean(),
+        "rewards/accuracies": (margins > 0).mean(),
+    }
     return loss, metrics
 
 
@@ -183,35 +193,57 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
 
 
 def make_optimizer(args, max_steps):
-    schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, max_steps,
-                                          args.warmup_steps, args.warmup_ratio, args.min_lr_rate)
+    schedule, warmup = common.lr_schedule(
+        args.lr_scheduler_type,
+        args.learning_rate,
+        max_steps,
+        args.warmup_steps,
+        args.warmup_ratio,
+        args.min_lr_rate,
+    )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norms / biases
-    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                            optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask))
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(args.max_grad_norm),
+        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask),
+    )
     return optimizer, schedule, warmup
 
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
-    run = plumbing.Run("reward", args, log_every=args.log_every, eval_every=args.eval_every,
-                       grad_accum_steps=args.grad_accum_steps)  # nothing written yet
+    run = plumbing.Run(
+        "reward",
+        args,
+        log_every=args.log_every,
+        eval_every=args.eval_every,
+        grad_accum_steps=args.grad_accum_steps,
+    )  # nothing written yet
     if args.normalize and args.normalize_samples < 1:
-        raise common.UsageError(f"--normalize-samples {args.normalize_samples}: must be >= 1 with --normalize")
+        raise common.UsageError(
+            f"--normalize-samples {args.normalize_samples}: must be >= 1 with --normalize"
+        )
     template = common.chat_template(args.model, args.chat_template)
-    eval_path, eval_split, eval_flag = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
-                                             (Args.dataset, Args.eval_dataset))
-    eval_rows = common.read_dataset(eval_path, "preference", template, eval_flag, args.dataset_config,
-                                    eval_split) if eval_path else []
-    train_rows = common.read_dataset(args.dataset, "preference", template, "--dataset", args.dataset_config,
-                                     args.dataset_split)
+    eval_path, eval_split, eval_flag = common.eval_source(
+        args.dataset, args.eval_dataset, args.eval_split, (Args.dataset, Args.eval_dataset)
+    )
+    eval_rows = (
+        common.read_dataset(eval_path, "preference", template, eval_flag, args.dataset_config, eval_split)
+        if eval_path
+        else []
+    )
+    train_rows = common.read_dataset(
+        args.dataset, "preference", template, "--dataset", args.dataset_config, args.dataset_split
+    )
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of pairs
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     train, counts = tokenize_pairs(train_rows, tokenizer, args.max_length, args.dataset)
     evals = tokenize_pairs(eval_rows, tokenizer, args.max_length, eval_path)[0] if eval_rows else []
-    print(f"data: {counts['examples']} pairs ({counts['truncated']} prompt-truncated, "
-          f"{counts['dropped']} dropped as too long); {len(evals)} eval pairs")
+    print(
+        f"data: {counts['examples']} pairs ({counts['truncated']} prompt-truncated, "
+        f"{counts['dropped']} dropped as too long); {len(evals)} eval pairs"
+    )
     # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).
     length = common.bucket_length(max(len(s) for p in train + evals for s in p), args.max_length)
     train_data, eval_data = pad_pairs(train, length), pad_pairs(evals, length) if evals else None
@@ -219,22 +251,38 @@ def main(args):
 
     optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
     params, frozen = common.split_variables(backbone)
-    head = jax.tree.map(lambda x: common.put_global(x, common.replicated(run.mesh)), init_head(backbone, args.seed))
+    head = jax.tree.map(
+        lambda x: common.put_global(x, common.replicated(run.mesh)), init_head(backbone, args.seed)
+    )
     opt_state, opt_shardings = common.init_optimizer(optimizer, (params, head), run.mesh)
     state, _ = run.resume(((params, head), opt_state))  # params incl. the head, optimizer state
     # Layouts pinned in and out (donated, updated in place): one compilation per length bucket.
     state_shardings = (common.shardings(state[0]), opt_shardings)
     state = jax.device_put(state, state_shardings)
-    step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length,
-                        donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
-    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
-    score_fn = jax.jit(lambda p, f, b: sequence_scores(backbone, p[0], f, p[1], b["ids"][0], b["mask"][0])[:1])
+    step_fn = remat.jit(
+        partial(train_step, backbone, optimizer, args),
+        length,
+        donate_argnums=0,
+        out_shardings=(state_shardings, common.replicated(run.mesh)),
+    )
+    run.record(
+        remat=remat, num_warmup_steps=warmup
+    )  # args.json: the mode --remat auto chose, the warmup steps
+    score_fn = jax.jit(
+        lambda p, f, b: sequence_scores(backbone, p[0], f, p[1], b["ids"][0], b["mask"][0])[:1]
+    )
 
     def scores_of(params, data, side):
         """r(x, y) of every `side` sequence of padded pairs, in length-bucketed batches: [N]."""
         seqs = {"ids": data[f"{side}_token_ids"], "mask": data[f"{side}_padding_mask"]}
-        return common.per_example(partial(score_fn, params, frozen), seqs, args.batch_size, run.mesh,
-                                  seqs["mask"].sum(-1), args.max_length)[0]
+        return common.per_example(
+            partial(score_fn, params, frozen),
+            seqs,
+            args.batch_size,
+            run.mesh,
+            seqs["mask"].sum(-1),
+            args.max_length,
+        )[0]
 
     def evaluate(params):
         chosen, rejected = scores_of(params, eval_data, "chosen"), scores_of(params, eval_data, "rejected")
@@ -253,11 +301,16 @@ def main(args):
     # ---- outputs: normalised head (eq. 2, optional), backbone preset + head ----
     (params, head), info = state[0], {"normalized": args.normalize}
     if args.normalize:  # reference set: chosen responses of the first N training pairs
-        first = {k: v[:args.normalize_samples] for k, v in train_data.items()}
+        first = {k: v[: args.normalize_samples] for k, v in train_data.items()}
         ref = scores_of(state[0], first, "chosen")
         head = {"weight": head["weight"], "bias": head["bias"] - float(ref.mean())}
-        info.update({"reference_set": f"chosen responses of the first {len(ref)} pairs of {args.dataset}",
-                     "mean_before": float(ref.mean()), "std": float(ref.std())})
+        info.update(
+            {
+                "reference_set": f"chosen responses of the first {len(ref)} pairs of {args.dataset}",
+                "mean_before": float(ref.mean()),
+                "std": float(ref.std()),
+            }
+        )
     run.finish(lambda path: common.save_reward_model(model, params, head, info, path))
 
 

@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from functools import partial
 
 import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
-plumbing.answer_help(__name__, __file__)  # `python sft.py --help`: from Args' source, before the imports below
+
+# `python sft.py --help`: from Args' source, before the imports below
+plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, batches)
 import jax  # noqa: E402
@@ -25,6 +27,7 @@ import optax  # noqa: E402
 @dataclass
 class Args(plumbing.SharedArgs):
     """The shared flags (plumbing.SharedArgs: model, dtype, mesh, outputs, …) and SFT's own."""
+
     # data
     dataset: str = os.path.join(common.HERE, "data", "sft_train.jsonl")
     """training data: .jsonl/.json/.parquet, or a Hugging Face dataset id / saved dir"""
@@ -87,7 +90,7 @@ def tokenize_dataset(segs, tokenizer, max_length, completion_only_loss, path):
             if cut > first - 1:
                 dropped += 1
                 continue
-            ids, mask = ids[:1] + ids[1 + cut:], mask[:1] + mask[1 + cut:]
+            ids, mask = ids[:1] + ids[1 + cut :], mask[:1] + mask[1 + cut :]
             truncated += 1
         examples.append((np.array(ids, np.int32), np.array(mask, bool)))
     if not examples:
@@ -98,11 +101,17 @@ def tokenize_dataset(segs, tokenizer, max_length, completion_only_loss, path):
 def print_examples(rows, tokenizer, args):
     """--print-example N: each row's segments rendered (trained text in [[ ]]) and tokenised as training is."""
     for i, segs in enumerate(rows):
-        ((ids, mask),), _ = tokenize_dataset([segs], tokenizer, args.max_length, args.completion_only_loss,
-                                             f"{args.dataset} row {i + 1}")
-        pieces = " ".join(f"{t}{'*' if m else ''}:{tokenizer.id_to_token(int(t))!r}" for t, m in zip(ids, mask))
-        print(f"--- row {i + 1}: {len(ids)} tokens, {mask.sum()} trained (* below)\n"
-              + "".join(f"[[{t}]]" if trained else t for t, trained in segs) + f"\n{pieces}")
+        ((ids, mask),), _ = tokenize_dataset(
+            [segs], tokenizer, args.max_length, args.completion_only_loss, f"{args.dataset} row {i + 1}"
+        )
+        pieces = " ".join(
+            f"{t}{'*' if m else ''}:{tokenizer.id_to_token(int(t))!r}" for t, m in zip(ids, mask)
+        )
+        print(
+            f"--- row {i + 1}: {len(ids)} tokens, {mask.sum()} trained (* below)\n"
+            + "".join(f"[[{t}]]" if trained else t for t, trained in segs)
+            + f"\n{pieces}"
+        )
 
 
 def pad_examples(examples, length):
@@ -112,15 +121,16 @@ def pad_examples(examples, length):
     loss_mask = np.zeros((n, length), bool)
     padding_mask = np.zeros((n, length), bool)
     for i, (ids, mask) in enumerate(examples):
-        token_ids[i, :len(ids)], loss_mask[i, :len(ids)], padding_mask[i, :len(ids)] = ids, mask, True
+        token_ids[i, : len(ids)], loss_mask[i, : len(ids)], padding_mask[i, : len(ids)] = ids, mask, True
     return {"token_ids": token_ids, "padding_mask": padding_mask, "loss_mask": loss_mask}
 
 
 def get_batch(data, lengths, step, args):
     """Batch for `step` (a pure function of it, so --resume is exact), cut to the length bucket of
     its longest example: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes."""
-    idx, length, real = common.length_batch(lengths, step, args.batch_size, args.seed, args.max_length,
-                                            args.group_by_length)
+    idx, length, real = common.length_batch(
+        lengths, step, args.batch_size, args.seed, args.max_length, args.group_by_length
+    )
     batch = {k: v[idx, :length].reshape(args.grad_accum_steps, -1, length) for k, v in data.items()}
     return batch, (real, args.batch_size * length)
 
@@ -197,8 +207,13 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     if args.skip_nonfinite:  # keep the old weights and optimizer state for a non-finite batch
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
         new_params, new_opt_state = keep(new_params, params), keep(new_opt_state, opt_state)
-    metrics = {"train/loss": loss, "train/grad_norm": grad_norm, "train/num_loss_tokens": num_loss_tokens,
-               "train/skipped_nonfinite": 1.0 - finite, "aux_loss": aux_losses.mean()}
+    metrics = {
+        "train/loss": loss,
+        "train/grad_norm": grad_norm,
+        "train/num_loss_tokens": num_loss_tokens,
+        "train/skipped_nonfinite": 1.0 - finite,
+        "aux_loss": aux_losses.mean(),
+    }
     return (new_params, new_opt_state), metrics
 
 
@@ -217,38 +232,64 @@ def sample_prompt(segments):
 
 
 def make_optimizer(args, max_steps):
-    schedule, warmup = common.lr_schedule(args.lr_scheduler_type, args.learning_rate, max_steps,
-                                          args.warmup_steps, args.warmup_ratio, args.min_lr_rate)
+    schedule, warmup = common.lr_schedule(
+        args.lr_scheduler_type,
+        args.learning_rate,
+        max_steps,
+        args.warmup_steps,
+        args.warmup_ratio,
+        args.min_lr_rate,
+    )
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
-    optimizer = optax.chain(optax.clip_by_global_norm(args.max_grad_norm),
-                            optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask))
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(args.max_grad_norm),
+        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask),
+    )
     return optimizer, schedule, warmup
 
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
-    run = plumbing.Run("sft", args, log_every=args.log_every, eval_every=args.eval_every,
-                       grad_accum_steps=args.grad_accum_steps,
-                       export_hf=args.export_hf, skip_nonfinite=args.skip_nonfinite)  # nothing written yet
+    run = plumbing.Run(
+        "sft",
+        args,
+        log_every=args.log_every,
+        eval_every=args.eval_every,
+        grad_accum_steps=args.grad_accum_steps,
+        export_hf=args.export_hf,
+        skip_nonfinite=args.skip_nonfinite,
+    )  # nothing written yet
     template = common.chat_template(args.model, args.chat_template)
-    eval_path, eval_split, eval_flag = common.eval_source(args.dataset, args.eval_dataset, args.eval_split,
-                                             (Args.dataset, Args.eval_dataset))
-    eval_rows = common.read_dataset(eval_path, "sft", template, eval_flag, args.dataset_config,
-                                    eval_split) if eval_path else []
-    train_rows = common.read_dataset(args.dataset, "sft", template, "--dataset", args.dataset_config,
-                                     args.dataset_split)
+    eval_path, eval_split, eval_flag = common.eval_source(
+        args.dataset, args.eval_dataset, args.eval_split, (Args.dataset, Args.eval_dataset)
+    )
+    eval_rows = (
+        common.read_dataset(eval_path, "sft", template, eval_flag, args.dataset_config, eval_split)
+        if eval_path
+        else []
+    )
+    train_rows = common.read_dataset(
+        args.dataset, "sft", template, "--dataset", args.dataset_config, args.dataset_split
+    )
     if args.print_example:  # the rows as the model sees them, and no run
         model = common.load_model(args.model, run.mesh, run.dtype, args.seed)
-        return print_examples(train_rows[:args.print_example], model.preprocessor.tokenizer, args)
+        return print_examples(train_rows[: args.print_example], model.preprocessor.tokenizer, args)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of rows
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
-    train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.completion_only_loss, args.dataset)
-    evals = tokenize_dataset(eval_rows, tokenizer, args.max_length, args.completion_only_loss,
-                             eval_path)[0] if eval_rows else []
-    print(f"data: {counts['examples']} examples ({counts['truncated']} prompt-truncated, "
-          f"{counts['dropped']} dropped as too long); {len(evals)} eval examples")
+    train, counts = tokenize_dataset(
+        train_rows, tokenizer, args.max_length, args.completion_only_loss, args.dataset
+    )
+    evals = (
+        tokenize_dataset(eval_rows, tokenizer, args.max_length, args.completion_only_loss, eval_path)[0]
+        if eval_rows
+        else []
+    )
+    print(
+        f"data: {counts['examples']} examples ({counts['truncated']} prompt-truncated, "
+        f"{counts['dropped']} dropped as too long); {len(evals)} eval examples"
+    )
     # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).
     length = common.bucket_length(max(len(x[0]) for x in train + evals), args.max_length)
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
@@ -261,14 +302,26 @@ def main(args):
     state_shardings = (common.shardings(params), opt_shardings)
     state = jax.device_put((params, opt_state), state_shardings)
     # Layouts pinned in and out (donated, updated in place): one compilation per length bucket.
-    step_fn = remat.jit(partial(train_step, backbone, optimizer, args), length,
-                        donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh)))
-    run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, the warmup steps
+    step_fn = remat.jit(
+        partial(train_step, backbone, optimizer, args),
+        length,
+        donate_argnums=0,
+        out_shardings=(state_shardings, common.replicated(run.mesh)),
+    )
+    run.record(
+        remat=remat, num_warmup_steps=warmup
+    )  # args.json: the mode --remat auto chose, the warmup steps
     eval_fn = jax.jit(partial(eval_nll, backbone))
 
     def evaluate(params):  # every eval example once (the last batch wraps around, then is trimmed)
-        nll, n = common.per_example(lambda b: eval_fn(params, frozen, b), eval_data, args.batch_size, run.mesh,
-                                    eval_data["padding_mask"].sum(-1), args.max_length)
+        nll, n = common.per_example(
+            lambda b: eval_fn(params, frozen, b),
+            eval_data,
+            args.batch_size,
+            run.mesh,
+            eval_data["padding_mask"].sum(-1),
+            args.max_length,
+        )
         return {"eval/loss": float(nll.sum() / max(n.sum(), 1))}
 
     # ---- the loop: batch -> step -> log -> eval -> checkpoint ----
@@ -286,8 +339,10 @@ def main(args):
     # ---- outputs: final model (LoRA merged) and a few greedy samples from it ----
     def save_and_sample(path):
         common.save_model(model, state[0], path)  # also writes the trained values into `model`
-        prompts = [sample_prompt(segs) for segs in eval_rows[:args.num_samples]]
-        for p, out in zip(prompts, model.generate(prompts, max_length=length, strip_prompt=True) if prompts else []):
+        prompts = [sample_prompt(segs) for segs in eval_rows[: args.num_samples]]
+        for p, out in zip(
+            prompts, model.generate(prompts, max_length=length, strip_prompt=True) if prompts else []
+        ):
             print(f"sample: {p!r} -> {out!r}")
 
     run.finish(save_and_sample)

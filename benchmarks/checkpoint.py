@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import plumbing  # noqa: E402  (instant: `--help` below answers before the heavy imports)
+
 plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402
@@ -44,8 +45,9 @@ def main(args):
     rng = np.random.default_rng(0)  # random bits: orbax compresses, and constant arrays would cost nothing
     state = [jax.device_put(rng.random(chunk, np.float32)) for _ in range(n)]
     shutil.rmtree(args.output_dir, ignore_errors=True)
-    run = plumbing.Run("checkpoint", plumbing.SharedArgs(output_dir=args.output_dir, save_every=1,
-                                                         max_steps=args.repeats))
+    run = plumbing.Run(
+        "checkpoint", plumbing.SharedArgs(output_dir=args.output_dir, save_every=1, max_steps=args.repeats)
+    )
     times = []
     for _ in run.steps():
         t = time.perf_counter()
@@ -53,8 +55,13 @@ def main(args):
         times.append(time.perf_counter() - t)
     run.close()
     seconds, size = statistics.median(times), n * chunk * 4
-    row = {"gib": size / 2**30, "seconds": seconds, "gb_per_s": size / seconds / 1e9, "times": times,
-           "device": jax.devices()[0].device_kind}
+    row = {
+        "gib": size / 2**30,
+        "seconds": seconds,
+        "gb_per_s": size / seconds / 1e9,
+        "times": times,
+        "device": jax.devices()[0].device_kind,
+    }
     for name, params in PARAMS.items():
         save = 12 * params / (size / seconds)
         row[f"{name}_save_seconds"] = save

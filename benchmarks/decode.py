@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import plumbing  # noqa: E402  (instant: `--help` below answers before the heavy imports)
+
 plumbing.answer_help(__name__, __file__)
 
 import harness  # noqa: E402  (build_backbone; imports common)
@@ -54,8 +55,13 @@ def modules_at(revision, names):
     saved, out = {n: sys.modules.get(n) for n in names}, {}
     try:
         for name in names:  # in order: common first, so the script's `import common` finds the old one
-            source = subprocess.run(["git", "show", f"{revision}:{name}.py"], cwd=harness.ROOT, check=True,
-                                    capture_output=True, text=True).stdout
+            source = subprocess.run(
+                ["git", "show", f"{revision}:{name}.py"],
+                cwd=harness.ROOT,
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
             out[name] = sys.modules[name] = types.ModuleType(name)
             out[name].__file__ = os.path.join(harness.ROOT, f"{name}.py")
             exec(compile(source, f"{revision}:{name}.py", "exec"), out[name].__dict__)
@@ -87,21 +93,28 @@ def main(args):
     rng = np.random.default_rng(args.seed)
     queries = rng.integers(3, backbone.vocabulary_size, (b, q), dtype=np.int32)
     query_mask = np.ones((b, q), bool)
-    scripts = {"before": modules_at(args.before, ["common", args.script])[args.script],
-               "after": __import__(args.script)}
-    gens = {side: jax.jit(lambda p, f, qs, qm, k, m=m: m.generate(backbone, p, f, qs, qm, k, r, t,
-                                                                  harness.EOS, 0)) for side, m in scripts.items()}
+    scripts = {
+        "before": modules_at(args.before, ["common", args.script])[args.script],
+        "after": __import__(args.script),
+    }
+    gens = {
+        side: jax.jit(
+            lambda p, f, qs, qm, k, m=m: m.generate(backbone, p, f, qs, qm, k, r, t, harness.EOS, 0)
+        )
+        for side, m in scripts.items()
+    }
 
     def prefill(p, f, qs, qm):  # the working tree's prefill alone: what generate spends before step 1
         state = zip(backbone.trainable_variables + backbone.non_trainable_variables, p + f)
         with common.keras.StatelessScope(state_mapping=state):
             mask = jnp.concatenate([qm, jnp.ones((b, r), bool)], 1)
             return common.cached_forward(backbone, qs, mask, common.empty_cache(backbone, b, q + r), 0)[0]
+
     prefill = jax.jit(prefill)
     times = {"before": [], "after": [], "prefill": [], "bandwidth": [], "matmul": []}
     for round_ in range(args.rounds + 1):  # round 0 compiles
         key, out = jax.random.key(args.seed + round_), {}
-        for side in (["before", "after"] if round_ % 2 else ["after", "before"]):
+        for side in ["before", "after"] if round_ % 2 else ["after", "before"]:
             start = time.perf_counter()
             out[side] = jax.device_get(gens[side](params, frozen, queries, query_mask, key))
             times[side].append(time.perf_counter() - start)
@@ -110,8 +123,12 @@ def main(args):
         times["prefill"].append(_timed(prefill, params, frozen, queries, query_mask))
         times["bandwidth"].append(bandwidth())
         times["matmul"].append(plumbing.matmul_flops_per_sec(repeats=3))
-        print(f"round {round_}: before {times['before'][-1]:.3f} s, after {times['after'][-1]:.3f} s, "
-              f"{int(out['after'][1])} steps", file=sys.stderr, flush=True)
+        print(
+            f"round {round_}: before {times['before'][-1]:.3f} s, after {times['after'][-1]:.3f} s, "
+            f"{int(out['after'][1])} steps",
+            file=sys.stderr,
+            flush=True,
+        )
     return report(args, times, int(out["after"][1]), params + frozen)
 
 
@@ -123,12 +140,23 @@ def report(args, times, steps, weights):
     weight_bytes = sum(w.size * w.dtype.itemsize for w in weights)
     matmul_params = sum(w.size for w in weights if w.ndim >= 2)  # N: every weight used in a matmul
     roofline_s = max(weight_bytes / med["bandwidth"], 2 * matmul_params * b / med["matmul"])
-    out = {"script": args.script, "before": args.before, "arch": args.arch, "batch_size": b,
-           "prompt_length": args.prompt_length, "response_length": args.response_length,
-           "temperature": args.temperature, "decode_steps": steps, "rounds": args.rounds,
-           "weight_mb": weight_bytes / 1e6, "bandwidth_gb_s": med["bandwidth"] / 1e9,
-           "matmul_gflop_s": med["matmul"] / 1e9, "prefill_s": med["prefill"],
-           "roofline_ms_per_step": 1e3 * roofline_s, "roofline_tokens_per_sec": b / roofline_s}
+    out = {
+        "script": args.script,
+        "before": args.before,
+        "arch": args.arch,
+        "batch_size": b,
+        "prompt_length": args.prompt_length,
+        "response_length": args.response_length,
+        "temperature": args.temperature,
+        "decode_steps": steps,
+        "rounds": args.rounds,
+        "weight_mb": weight_bytes / 1e6,
+        "bandwidth_gb_s": med["bandwidth"] / 1e9,
+        "matmul_gflop_s": med["matmul"] / 1e9,
+        "prefill_s": med["prefill"],
+        "roofline_ms_per_step": 1e3 * roofline_s,
+        "roofline_tokens_per_sec": b / roofline_s,
+    }
     for side in ("before", "after"):
         out[f"{side}_generate_s"] = med[side]
         out[f"{side}_tokens_per_sec"] = b * steps / med[side]

@@ -37,48 +37,132 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 # out take transformers' Gemma3TextConfig defaults: 8 query / 4 key-value heads, head_dim 256, vocabulary
 # 262208), as convert_gemma3.py maps them. 27B: query_pre_attn_scalar 168 ≠ head_dim 128, so queries
 # scale by 168^-0.5 (query_head_dim_normalize=False).
-GEMMA3 = dict(image_size=None, vision_encoder=None, use_post_ffw_norm=True, use_post_attention_norm=True,
-              use_sliding_window_attention=True, sliding_window_size=1024, global_rope_scaling_factor=8.0)
+GEMMA3 = dict(
+    image_size=None,
+    vision_encoder=None,
+    use_post_ffw_norm=True,
+    use_post_attention_norm=True,
+    use_sliding_window_attention=True,
+    sliding_window_size=1024,
+    global_rope_scaling_factor=8.0,
+)
 # Gemma 4: the text_config of google/gemma-4-31B's and google/gemma-4-26B-A4B's config.json, through
 # convert_gemma4.py: every 6th layer global (head_dim 512, num_global_key_value_heads key/value heads,
 # values = keys), the rest sliding-window (1024) with head_dim 256; final logits soft-capped at 30.
-GEMMA4 = dict(image_size=None, vision_encoder=None, vocabulary_size=262144, head_dim=256, global_head_dim=512,
-              use_sliding_window_attention=True, sliding_window_size=1024, sliding_window_pattern=6,
-              final_logit_soft_cap=30.0, global_rope_partial_rotary_factor=0.25, global_rope_wavelength=1e6,
-              local_rope_wavelength=1e4)
+GEMMA4 = dict(
+    image_size=None,
+    vision_encoder=None,
+    vocabulary_size=262144,
+    head_dim=256,
+    global_head_dim=512,
+    use_sliding_window_attention=True,
+    sliding_window_size=1024,
+    sliding_window_pattern=6,
+    final_logit_soft_cap=30.0,
+    global_rope_partial_rotary_factor=0.25,
+    global_rope_wavelength=1e6,
+    local_rope_wavelength=1e4,
+)
 ARCHS = {
     "tiny": dict(vocabulary_size=320, **common.TINY_CONFIG),
-    "gemma_2b": dict(vocabulary_size=256000, num_layers=18, num_query_heads=8, num_key_value_heads=1,
-                     hidden_dim=2048, intermediate_dim=32768, head_dim=256),
-    "gemma_7b": dict(vocabulary_size=256000, num_layers=28, num_query_heads=16, num_key_value_heads=16,
-                     hidden_dim=3072, intermediate_dim=49152, head_dim=256),
+    "gemma_2b": dict(
+        vocabulary_size=256000,
+        num_layers=18,
+        num_query_heads=8,
+        num_key_value_heads=1,
+        hidden_dim=2048,
+        intermediate_dim=32768,
+        head_dim=256,
+    ),
+    "gemma_7b": dict(
+        vocabulary_size=256000,
+        num_layers=28,
+        num_query_heads=16,
+        num_key_value_heads=16,
+        hidden_dim=3072,
+        intermediate_dim=49152,
+        head_dim=256,
+    ),
     # google/gemma-3-4b-it config.json: 3.880B weights (published 4.3B with its 0.42B SigLIP vision tower)
-    "gemma3_4b": dict(vocabulary_size=262208, num_layers=34, num_query_heads=8, num_key_value_heads=4,
-                      hidden_dim=2560, intermediate_dim=10240, head_dim=256, **GEMMA3),
+    "gemma3_4b": dict(
+        vocabulary_size=262208,
+        num_layers=34,
+        num_query_heads=8,
+        num_key_value_heads=4,
+        hidden_dim=2560,
+        intermediate_dim=10240,
+        head_dim=256,
+        **GEMMA3,
+    ),
     # google/gemma-3-1b-it config.json: 0.999B weights; a 262144-token embedding (the 4B's has 262208 rows, the
     # same tokenizer), sliding windows of 512, no global RoPE scaling
-    "gemma3_1b": dict(vocabulary_size=262144, num_layers=26, num_query_heads=4, num_key_value_heads=1,
-                      hidden_dim=1152, intermediate_dim=6912, head_dim=256,
-                      **{**GEMMA3, "sliding_window_size": 512, "global_rope_scaling_factor": 1.0}),
+    "gemma3_1b": dict(
+        vocabulary_size=262144,
+        num_layers=26,
+        num_query_heads=4,
+        num_key_value_heads=1,
+        hidden_dim=1152,
+        intermediate_dim=6912,
+        head_dim=256,
+        **{**GEMMA3, "sliding_window_size": 512, "global_rope_scaling_factor": 1.0},
+    ),
     # google/gemma-3-12b-it config.json: 11.766B weights (published 12.2B with the vision tower)
-    "gemma3_12b": dict(vocabulary_size=262208, num_layers=48, num_query_heads=16, num_key_value_heads=8,
-                       hidden_dim=3840, intermediate_dim=15360, head_dim=256, **GEMMA3),
+    "gemma3_12b": dict(
+        vocabulary_size=262208,
+        num_layers=48,
+        num_query_heads=16,
+        num_key_value_heads=8,
+        hidden_dim=3840,
+        intermediate_dim=15360,
+        head_dim=256,
+        **GEMMA3,
+    ),
     # google/gemma-3-27b-it config.json: 27.009B weights (published 27.4B with the vision tower)
-    "gemma3_27b": dict(vocabulary_size=262208, num_layers=62, num_query_heads=32, num_key_value_heads=16,
-                       hidden_dim=5376, intermediate_dim=21504, head_dim=128, query_head_dim_normalize=False,
-                       **GEMMA3),
+    "gemma3_27b": dict(
+        vocabulary_size=262208,
+        num_layers=62,
+        num_query_heads=32,
+        num_key_value_heads=16,
+        hidden_dim=5376,
+        intermediate_dim=21504,
+        head_dim=128,
+        query_head_dim_normalize=False,
+        **GEMMA3,
+    ),
     # google/gemma-4-31B config.json (text_config): 30.697B weights (published 30.7B)
-    "gemma4_31b": dict(num_layers=60, num_query_heads=32, num_key_value_heads=16,
-                       num_global_key_value_heads=4, hidden_dim=5376, intermediate_dim=21504, **GEMMA4),
+    "gemma4_31b": dict(
+        num_layers=60,
+        num_query_heads=32,
+        num_key_value_heads=16,
+        num_global_key_value_heads=4,
+        hidden_dim=5376,
+        intermediate_dim=21504,
+        **GEMMA4,
+    ),
     # google/gemma-4-26B-A4B config.json (text_config): a dense MLP (2112) and a mixture of 128 experts (704
     # each, 8 per token) in every layer; 25.233B weights, 3.823B active per token (published 25.2B / 3.8B)
-    "gemma4_26b_a4b": dict(num_layers=30, num_query_heads=16, num_key_value_heads=8,
-                           num_global_key_value_heads=2, hidden_dim=2816, intermediate_dim=2112,
-                           enable_moe_block=True, num_experts=128, expert_intermediate_dim=704,
-                           num_experts_per_token=8, **GEMMA4),
+    "gemma4_26b_a4b": dict(
+        num_layers=30,
+        num_query_heads=16,
+        num_key_value_heads=8,
+        num_global_key_value_heads=2,
+        hidden_dim=2816,
+        intermediate_dim=2112,
+        enable_moe_block=True,
+        num_experts=128,
+        expert_intermediate_dim=704,
+        num_experts_per_token=8,
+        **GEMMA4,
+    ),
 }
-BACKBONES = {"gemma3_1b": "Gemma3Backbone", "gemma3_4b": "Gemma3Backbone", "gemma3_12b": "Gemma3Backbone", "gemma3_27b": "Gemma3Backbone",
-             "gemma4_31b": "Gemma4Backbone", "gemma4_26b_a4b": "Gemma4Backbone"}  # the others: GemmaBackbone
+BACKBONES = {
+    "gemma3_1b": "Gemma3Backbone",
+    "gemma3_4b": "Gemma3Backbone",
+    "gemma3_12b": "Gemma3Backbone",
+    "gemma3_27b": "Gemma3Backbone",
+    "gemma4_31b": "Gemma4Backbone",
+    "gemma4_26b_a4b": "Gemma4Backbone",
+}  # the others: GemmaBackbone
 BOS, EOS = 2, 1
 MAX_STEPS = 1000  # the scripts' --max-steps here: only the length of their learning-rate schedules
 
@@ -86,6 +170,7 @@ MAX_STEPS = 1000  # the scripts' --max-steps here: only the length of their lear
 @dataclass
 class Config:
     """What `setup` and `script_args` read of a benchmark's flags (`Config.of(args)`)."""
+
     algo: str
     batch_size: int = 8
     max_length: int = 128
@@ -101,8 +186,11 @@ class Config:
     @classmethod
     def of(cls, args):
         """The fields of this class that the benchmark's Args `args` has (a Config passes as it is)."""
-        return args if isinstance(args, cls) else cls(**{f.name: getattr(args, f.name) for f in fields(cls)
-                                                         if hasattr(args, f.name)})
+        return (
+            args
+            if isinstance(args, cls)
+            else cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+        )
 
 
 def import_algo(name):
@@ -112,14 +200,16 @@ def import_algo(name):
     if not os.path.exists(os.path.join(ROOT, f"{name}.py")):
         raise plumbing.UsageError(f"--algo {name}: {name}.py is not in {ROOT}")
     import importlib
+
     return importlib.import_module(name)
 
 
 # ---------------------------------------------------------------------------
 # Models: random init at published shapes, or abstract (shapes + shardings only)
 # ---------------------------------------------------------------------------
-def build_backbone(name, mesh, dtype, lora_rank=0, seed=0, abstract=False, overrides=None,
-                   lora_target_modules=None):
+def build_backbone(
+    name, mesh, dtype, lora_rank=0, seed=0, abstract=False, overrides=None, lora_target_modules=None
+):
     """The backbone (BACKBONES, else GemmaBackbone) at `ARCHS[name]` shapes, created inside the distribution
     scope: float32 weights computing in `dtype`, as common.load_model builds them.
 
@@ -139,6 +229,7 @@ def build_backbone(name, mesh, dtype, lora_rank=0, seed=0, abstract=False, overr
             common.enable_lora(backbone, lora_rank, target_modules=lora_target_modules)  # as the scripts
     if abstract:
         from keras.src.backend.common import global_state
+
         global_state.set_global_attribute("uninitialized_variables", [])  # never initialise them later
         backbone._bench_distribution = distribution
     return backbone
@@ -160,7 +251,10 @@ def abstract_variables(backbone):
         sharding = distribution.get_variable_layout(v).backend_layout
         return jax.ShapeDtypeStruct(tuple(v.shape), jnp.dtype(v.dtype), sharding=sharding)
 
-    return ([spec(v) for v in backbone.trainable_variables], [spec(v) for v in backbone.non_trainable_variables])
+    return (
+        [spec(v) for v in backbone.trainable_variables],
+        [spec(v) for v in backbone.non_trainable_variables],
+    )
 
 
 def load_backbone(args, mesh, abstract=False):
@@ -170,11 +264,20 @@ def load_backbone(args, mesh, abstract=False):
         for item in filter(None, getattr(args, "arch", "").split(",")):  # --arch hidden_dim=512,...
             key, _, value = item.partition("=")
             if key not in ARCHS["tiny"] or not value.isdigit():
-                raise plumbing.UsageError(f"--arch {item!r}: expected NAME=INT, NAME one of {', '.join(ARCHS['tiny'])}")
+                raise plumbing.UsageError(
+                    f"--arch {item!r}: expected NAME=INT, NAME one of {', '.join(ARCHS['tiny'])}"
+                )
             overrides[key] = int(value)
-        return build_backbone(args.model, mesh, args.dtype or common.default_dtype(), args.lora_rank,
-                              getattr(args, "seed", 0), abstract, overrides,
-                              getattr(args, "lora_target_modules", None))
+        return build_backbone(
+            args.model,
+            mesh,
+            args.dtype or common.default_dtype(),
+            args.lora_rank,
+            getattr(args, "seed", 0),
+            abstract,
+            overrides,
+            getattr(args, "lora_target_modules", None),
+        )
     return common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank).backbone
 
 
@@ -183,17 +286,28 @@ def load_backbone(args, mesh, abstract=False):
 # ---------------------------------------------------------------------------
 def shape_of(tree):
     """Concrete arrays -> ShapeDtypeStructs with their shardings (leaves already abstract pass)."""
-    return jax.tree.map(lambda x: x if isinstance(x, jax.ShapeDtypeStruct) else
-                        jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)), tree)
+    return jax.tree.map(
+        lambda x: (
+            x
+            if isinstance(x, jax.ShapeDtypeStruct)
+            else jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None))
+        ),
+        tree,
+    )
 
 
 def run(fn, *args, abstract=False, like=None):
     """fn(*args) under jit; abstract: compile only and return the outputs' shapes and shardings. like: a
     tree whose layout the outputs take (DPO's LoRA-off reference: the scripts' eager lora_off keeps each
     array's layout, where under jit its zeros, made from no input, would come back whole on every device)."""
-    if abstract and like is not None:  # the layout is given: nothing to compile (a whole-model copy may not fit)
-        return jax.tree.map(lambda o, x: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=x.sharding),
-                            jax.eval_shape(fn, *args), like)
+    if (
+        abstract and like is not None
+    ):  # the layout is given: nothing to compile (a whole-model copy may not fit)
+        return jax.tree.map(
+            lambda o, x: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=x.sharding),
+            jax.eval_shape(fn, *args),
+            like,
+        )
     layout = {} if like is None else {"out_shardings": jax.tree.map(lambda x: x.sharding, like)}
     jitted = jax.jit(fn, **layout)
     if not abstract:
@@ -203,8 +317,9 @@ def run(fn, *args, abstract=False, like=None):
     mesh = next(x.sharding.mesh for x in jax.tree.leaves(args) if isinstance(x.sharding, NamedSharding))
     # Outputs made from no input (optax's step count) come back on one device: replicate them.
     fix = lambda s: s if isinstance(s, NamedSharding) else NamedSharding(mesh, P())
-    return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=fix(s)),
-                        out, compiled.output_shardings)
+    return jax.tree.map(
+        lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=fix(s)), out, compiled.output_shardings
+    )
 
 
 def init_opt_state(optimizer, params, mesh, abstract=False):
@@ -214,8 +329,13 @@ def init_opt_state(optimizer, params, mesh, abstract=False):
     structure = jax.tree.structure(params)
     like_params = lambda x: jax.tree.structure(x) == structure  # mu, nu, ...: one leaf per param
     shapes = jax.eval_shape(optimizer.init, params)
-    shardings = jax.tree.map(lambda sub: jax.tree.map(lambda p: p.sharding, params) if like_params(sub)
-                             else NamedSharding(mesh, P()), shapes, is_leaf=like_params)
+    shardings = jax.tree.map(
+        lambda sub: (
+            jax.tree.map(lambda p: p.sharding, params) if like_params(sub) else NamedSharding(mesh, P())
+        ),
+        shapes,
+        is_leaf=like_params,
+    )
     if not abstract:
         return jax.jit(optimizer.init, out_shardings=shardings)(params)
     return jax.tree.map(lambda o, s: jax.ShapeDtypeStruct(o.shape, o.dtype, sharding=s), shapes, shardings)
@@ -238,7 +358,7 @@ def sequences(rng, accum, batch, length, vocab):
     ids[..., 0] = BOS
     padding_mask = np.ones((accum, batch, length), bool)
     loss_mask = np.zeros((accum, batch, length), bool)
-    loss_mask[..., length // 2:] = True
+    loss_mask[..., length // 2 :] = True
     return ids, padding_mask, loss_mask
 
 
@@ -262,12 +382,15 @@ class Bench:
     tokens_per_step: int
     flops_factor: int  # FLOPs per token = flops_factor × N
     note: str = ""
-    rollout: object = None  # ppo, grpo: (state, extra, step_fn, key) -> (state, (generate_s, score_s, update_s))
+    rollout: object = (
+        None  # ppo, grpo: (state, extra, step_fn, key) -> (state, (generate_s, score_s, update_s))
+    )
 
 
 @dataclass(frozen=True)
 class Algo:
     """What the harness needs of one --algo (the table ALGOS, at the end of this file)."""
+
     setup: Callable  # (module, args, backbone, optimizer, params, frozen, rng, (A, B, T, V), mesh, abstract) -> Bench
     args: Callable  # (module, Config) -> the script's Args at the benchmark's sizes
     trained_models: float = 1  # LoRA: -2N per trained model (kto: 0.5, a backward on half its tokens)
@@ -283,8 +406,13 @@ def plain_args(module, cfg):
     """sft, dpo, simpo, orpo, kto, reward: --batch-size, --max-length, --lora-rank, --grad-accum-steps and
     --precompute-ref as asked; a size the script has no flag for (e.g. sft --precompute-ref) is refused."""
     known = module.Args.__dataclass_fields__
-    wanted = dict(batch_size=cfg.batch_size, max_length=cfg.max_length, lora_rank=cfg.lora_rank,
-                  grad_accum_steps=cfg.grad_accum_steps, precompute_ref=cfg.precompute_ref)
+    wanted = dict(
+        batch_size=cfg.batch_size,
+        max_length=cfg.max_length,
+        lora_rank=cfg.lora_rank,
+        grad_accum_steps=cfg.grad_accum_steps,
+        precompute_ref=cfg.precompute_ref,
+    )
     unknown = [k for k, v in wanted.items() if k not in known and v != getattr(Config(cfg.algo), k)]
     if unknown:
         raise plumbing.UsageError(f"{module.__name__}.py has no --{unknown[0].replace('_', '-')} option")
@@ -294,11 +422,17 @@ def plain_args(module, cfg):
 def ppo_args(module, cfg):
     """ppo.py's Args: --max-length T = prompt T/2 + response T/2; --batch-size = rollout batch."""
     if cfg.grad_accum_steps != 1 or cfg.max_length < 4:
-        raise plumbing.UsageError("ppo: --grad-accum-steps must be 1 (it splits into mini-batches) "
-                                  "and --max-length >= 4")
-    return module.Args(batch_size=cfg.batch_size, lora_rank=cfg.lora_rank, max_steps=MAX_STEPS,
-                       max_prompt_length=cfg.max_length // 2, response_length=cfg.max_length - cfg.max_length // 2,
-                       num_mini_batches=2)  # as measured in RESULTS.md (ppo.py's default is now TRL's 1)
+        raise plumbing.UsageError(
+            "ppo: --grad-accum-steps must be 1 (it splits into mini-batches) and --max-length >= 4"
+        )
+    return module.Args(
+        batch_size=cfg.batch_size,
+        lora_rank=cfg.lora_rank,
+        max_steps=MAX_STEPS,
+        max_prompt_length=cfg.max_length // 2,
+        response_length=cfg.max_length - cfg.max_length // 2,
+        num_mini_batches=2,
+    )  # as measured in RESULTS.md (ppo.py's default is now TRL's 1)
 
 
 def grpo_args(module, cfg):
@@ -308,19 +442,31 @@ def grpo_args(module, cfg):
     if cfg.grad_accum_steps != 1 or cfg.max_length < 4:
         raise plumbing.UsageError("grpo: --grad-accum-steps must be 1 and --max-length >= 4")
     g = 8 if cfg.batch_size % 8 == 0 else cfg.batch_size
-    return module.Args(batch_size=cfg.batch_size, lora_rank=cfg.lora_rank, max_steps=MAX_STEPS,
-                       max_prompt_length=cfg.max_length // 2, response_length=cfg.max_length - cfg.max_length // 2,
-                       num_generations=g)
+    return module.Args(
+        batch_size=cfg.batch_size,
+        lora_rank=cfg.lora_rank,
+        max_steps=MAX_STEPS,
+        max_prompt_length=cfg.max_length // 2,
+        response_length=cfg.max_length - cfg.max_length // 2,
+        num_generations=g,
+    )
 
 
 def distill_args(module, cfg):
     """distill.py's Args at its defaults (TRL's: β = 1, reverse KL) with --max-length T = prompt T/2 +
     response T/2 and the teacher --teacher-model."""
     if cfg.grad_accum_steps != 1 or cfg.max_length < 4 or not cfg.teacher_model:
-        raise plumbing.UsageError("distill: needs --teacher-model, --grad-accum-steps 1 and --max-length >= 4")
-    return module.Args(batch_size=cfg.batch_size, lora_rank=cfg.lora_rank, max_steps=MAX_STEPS,
-                       teacher_model=cfg.teacher_model, max_prompt_length=cfg.max_length // 2,
-                       response_length=cfg.max_length - cfg.max_length // 2)
+        raise plumbing.UsageError(
+            "distill: needs --teacher-model, --grad-accum-steps 1 and --max-length >= 4"
+        )
+    return module.Args(
+        batch_size=cfg.batch_size,
+        lora_rank=cfg.lora_rank,
+        max_steps=MAX_STEPS,
+        teacher_model=cfg.teacher_model,
+        max_prompt_length=cfg.max_length // 2,
+        response_length=cfg.max_length - cfg.max_length // 2,
+    )
 
 
 def setup(cfg, backbone, mesh, abstract=False):
@@ -337,12 +483,24 @@ def setup(cfg, backbone, mesh, abstract=False):
         # Through one jit, so the values carry the mesh in their types as the updated ones
         # will: the second step then finds the first step's compilation (ppo.py does the same).
         on_mesh = lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else NamedSharding(mesh, P())
-        params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=jax.tree.map(on_mesh, params))(params)
+        params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=jax.tree.map(on_mesh, params))(
+            params
+        )
     optimizer = module.make_optimizer(args, args.max_steps)[0]
     a, b, t = cfg.grad_accum_steps, cfg.batch_size // cfg.grad_accum_steps, cfg.max_length
     rng = np.random.default_rng(cfg.seed)
-    bench = algo.setup(module, args, backbone, optimizer, params, frozen, rng, (a, b, t, backbone.vocabulary_size),
-                       mesh, abstract)
+    bench = algo.setup(
+        module,
+        args,
+        backbone,
+        optimizer,
+        params,
+        frozen,
+        rng,
+        (a, b, t, backbone.vocabulary_size),
+        mesh,
+        abstract,
+    )
     if cfg.lora_rank:  # the frozen base needs no weight gradients: 4N, not 6N, per trained model
         bench.flops_factor -= 2 * algo.trained_models
         bench.note = (bench.note + "; " if bench.note else "") + "LoRA: -2N per trained model"
@@ -352,16 +510,21 @@ def setup(cfg, backbone, mesh, abstract=False):
 def script_step(module, **fixed):
     """The script's train_step as step(state, batch, extra): `fixed` (its model, optimizer, args, …)
     bound, `extra` (the inputs not donated: frozen weights, a reference) passed, both by parameter name."""
+
     def step(state, batch, extra):
         return module.train_step(**fixed, state=state, batch=batch, **extra)
+
     return step
 
 
 def rollout_batch(host, mesh, abstract):
     """ppo.py's / grpo.py's rollout arrays [B, ...], batch over `data` (abstract: shapes only)."""
     sharding = NamedSharding(mesh, P("data"))
-    return ({k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in host.items()} if abstract
-            else {k: jax.device_put(v, sharding) for k, v in host.items()})
+    return (
+        {k: jax.ShapeDtypeStruct(v.shape, v.dtype, sharding=sharding) for k, v in host.items()}
+        if abstract
+        else {k: jax.device_put(v, sharding) for k, v in host.items()}
+    )
 
 
 def _sft(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
@@ -369,11 +532,20 @@ def _sft(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, ab
     ids, pad, mask = sequences(rng, a, b, t, vocab)
     state = (params, init_opt_state(optimizer, params, mesh, abstract))
     batch = put_batch(mesh, {"token_ids": ids, "padding_mask": pad, "loss_mask": mask}, abstract)
-    return Bench(args, script_step(module, backbone=backbone, optimizer=optimizer, args=args), state,
-                 {"frozen": frozen}, batch, a * b * t, 6)
+    return Bench(
+        args,
+        script_step(module, backbone=backbone, optimizer=optimizer, args=args),
+        state,
+        {"frozen": frozen},
+        batch,
+        a * b * t,
+        6,
+    )
 
 
-def _preference(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract, reference=False):
+def _preference(
+    module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract, reference=False
+):
     """dpo.py (reference=True: its train_step takes ref_params), simpo.py, orpo.py: chosen/rejected batches."""
     a, b, t, vocab = shape
     host = pair_batch(rng, a, b, t, vocab, "ids")
@@ -383,13 +555,24 @@ def _preference(module, args, backbone, optimizer, params, frozen, rng, shape, m
         host["ref_rejected_logps"] = rng.normal(-50, 5, (a, b)).astype(np.float32)
         extra["ref_params"], note = None, "precomputed reference log-probs (no reference forward)"
     elif reference:
-        copy = ((lambda p: module.lora_off(backbone, p)) if args.lora_rank
-                else (lambda p: jax.tree.map(jnp.copy, p)))
+        copy = (
+            (lambda p: module.lora_off(backbone, p))
+            if args.lora_rank
+            else (lambda p: jax.tree.map(jnp.copy, p))
+        )
         extra["ref_params"] = run(copy, params, abstract=abstract, like=params)
         factor, note = 8, "online reference forward (+2N)"
     state = (params, init_opt_state(optimizer, params, mesh, abstract))
-    return Bench(args, script_step(module, backbone=backbone, optimizer=optimizer, args=args), state, extra,
-                 put_batch(mesh, host, abstract), 2 * a * b * t, factor, note)
+    return Bench(
+        args,
+        script_step(module, backbone=backbone, optimizer=optimizer, args=args),
+        state,
+        extra,
+        put_batch(mesh, host, abstract),
+        2 * a * b * t,
+        factor,
+        note,
+    )
 
 
 def _kto(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
@@ -407,12 +590,23 @@ def _kto(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, ab
             host[f"ref_{name}_logps"] = rng.normal(-50, 5, (a, b)).astype(np.float32)
         extra["ref_params"], factor, note = None, 4, "precomputed reference; mismatched pairs: one forward"
     else:
-        copy = ((lambda p: module.lora_off(backbone, p)) if args.lora_rank
-                else (lambda p: jax.tree.map(jnp.copy, p)))
+        copy = (
+            (lambda p: module.lora_off(backbone, p))
+            if args.lora_rank
+            else (lambda p: jax.tree.map(jnp.copy, p))
+        )
         extra["ref_params"] = run(copy, params, abstract=abstract, like=params)
     state = (params, init_opt_state(optimizer, params, mesh, abstract))
-    return Bench(args, script_step(module, backbone=backbone, optimizer=optimizer, args=args), state, extra,
-                 put_batch(mesh, host, abstract), 2 * a * b * t, factor, note)
+    return Bench(
+        args,
+        script_step(module, backbone=backbone, optimizer=optimizer, args=args),
+        state,
+        extra,
+        put_batch(mesh, host, abstract),
+        2 * a * b * t,
+        factor,
+        note,
+    )
 
 
 def _reward(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
@@ -421,9 +615,16 @@ def _reward(module, args, backbone, optimizer, params, frozen, rng, shape, mesh,
     params = (params, shape_of(head) if abstract else head)
     state = (params, init_opt_state(optimizer, params, mesh, abstract))
     host = pair_batch(rng, a, b, t, vocab, "token_ids", with_loss_mask=False)
-    return Bench(args, script_step(module, backbone=backbone, optimizer=optimizer, args=args), state,
-                 {"frozen": frozen}, put_batch(mesh, host, abstract), 2 * a * b * t, 6,
-                 "6N per token, N incl. the (unused) unembedding")
+    return Bench(
+        args,
+        script_step(module, backbone=backbone, optimizer=optimizer, args=args),
+        state,
+        {"frozen": frozen},
+        put_batch(mesh, host, abstract),
+        2 * a * b * t,
+        6,
+        "6N per token, N incl. the (unused) unembedding",
+    )
 
 
 def _ppo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, abstract):
@@ -433,13 +634,17 @@ def _ppo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, ab
     q, r = args.max_prompt_length, args.response_length
     mini = b // args.num_mini_batches
     if b % args.num_mini_batches or mini % mesh.shape["data"]:
-        raise plumbing.UsageError(f"ppo: --batch-size {b} must split into {args.num_mini_batches} mini-batches "
-                                  f"each divisible by the data axis ({mesh.shape['data']})")
+        raise plumbing.UsageError(
+            f"ppo: --batch-size {b} must split into {args.num_mini_batches} mini-batches "
+            f"each divisible by the data axis ({mesh.shape['data']})"
+        )
     head = {"weight": np.zeros((backbone.hidden_dim, 1), np.float32), "bias": np.zeros((), np.float32)}
     head = jax.device_put(head, NamedSharding(mesh, P()))
     head = shape_of(head) if abstract else head
     copy = lambda p: jax.tree.map(jnp.copy, p)
-    trainable = module.PPOParams(run(copy, params, abstract=abstract), run(copy, params, abstract=abstract), head)
+    trainable = module.PPOParams(
+        run(copy, params, abstract=abstract), run(copy, params, abstract=abstract), head
+    )
     models = module.Pair(backbone, backbone)
     state = (trainable, init_opt_state(optimizer, trainable, mesh, abstract))
     step = script_step(module, models=models, optimizer=optimizer, args=args, context_length=q)
@@ -447,8 +652,16 @@ def _ppo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, ab
     host = {"query_responses": ids[0], "padding_mask": pad[0], "response_mask": mask[0, :, q:]}
     for k in ("logprobs", "values", "advantages", "returns"):
         host[k] = rng.normal(-1.0 if k == "logprobs" else 0.0, 0.5, (mini, r)).astype(np.float32)
-    bench = Bench(args, step, state, {"frozen": module.Pair(frozen, frozen)}, rollout_batch(host, mesh, abstract),
-                  mini * (q + r), 12, "update step: policy + value forward+backward, 6N each")
+    bench = Bench(
+        args,
+        step,
+        state,
+        {"frozen": module.Pair(frozen, frozen)},
+        rollout_batch(host, mesh, abstract),
+        mini * (q + r),
+        12,
+        "update step: policy + value forward+backward, 6N each",
+    )
     if not abstract:
         bench.rollout = ppo_rollout(module, args, models, mesh, rng, vocab, run(copy, params))
     return bench
@@ -464,16 +677,18 @@ def ppo_rollout(module, args, models, mesh, rng, vocab, ref_params):
     queries[:, 0] = BOS
     query_mask = np.ones((b, q), bool)
     scores = common.put_global(rng.normal(0, 1, b).astype(np.float32), on_data)
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(models.policy, p, f, qs, qm, k, r, args.temperature,
-                                                             EOS, 0))
+    gen_fn = jax.jit(
+        lambda p, f, qs, qm, k: module.generate(models.policy, p, f, qs, qm, k, r, args.temperature, EOS, 0)
+    )
     stats_fn = jax.jit(lambda p, rp, f, bt: module.rollout_stats(models, p, rp, f, bt, q, args.temperature))
     adv_fn = jax.jit(lambda s, lp, rlp, v, sl: module.advantages_of(s, lp, rlp, v, sl, args))
     order = np.random.default_rng(0)
 
     def iteration(state, extra, step_fn, key):
         t0, frozen = time.perf_counter(), extra["frozen"]
-        batch, lengths = module.rollout(gen_fn, state[0].policy, frozen.policy, queries, query_mask, key, EOS, 0,
-                                        on_data)
+        batch, lengths = module.rollout(
+            gen_fn, state[0].policy, frozen.policy, queries, query_mask, key, EOS, 0, on_data
+        )
         t1 = plumbing.synced(batch)
         logprobs, ref_logprobs, values = stats_fn(state[0], ref_params, frozen, batch)
         advantages, returns, _ = adv_fn(scores, logprobs, ref_logprobs, values, lengths)
@@ -492,15 +707,29 @@ def _grpo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, a
     b, vocab = shape[1], shape[3]
     q, r = args.max_prompt_length, args.response_length
     if b % args.num_generations or b % mesh.shape["data"]:
-        raise plumbing.UsageError(f"grpo: --batch-size {b} must divide by G ({args.num_generations}) and by the "
-                                  f"data axis ({mesh.shape['data']})")
+        raise plumbing.UsageError(
+            f"grpo: --batch-size {b} must divide by G ({args.num_generations}) and by the "
+            f"data axis ({mesh.shape['data']})"
+        )
     state = (params, init_opt_state(optimizer, params, mesh, abstract))
     step = script_step(module, backbone=backbone, optimizer=optimizer, args=args, context_length=q)
     ids, pad, mask = sequences(rng, 1, b, q + r, vocab)
-    host = {"query_responses": ids[0], "padding_mask": pad[0], "response_mask": mask[0, :, q:],
-            "advantages": rng.normal(0, 1, b).astype(np.float32)}
-    bench = Bench(args, step, state, {"frozen": frozen}, rollout_batch(host, mesh, abstract), b * (q + r), 6,
-                  "update step: one forward + backward (beta 0: no reference forward)")
+    host = {
+        "query_responses": ids[0],
+        "padding_mask": pad[0],
+        "response_mask": mask[0, :, q:],
+        "advantages": rng.normal(0, 1, b).astype(np.float32),
+    }
+    bench = Bench(
+        args,
+        step,
+        state,
+        {"frozen": frozen},
+        rollout_batch(host, mesh, abstract),
+        b * (q + r),
+        6,
+        "update step: one forward + backward (beta 0: no reference forward)",
+    )
     if not abstract:
         bench.rollout = grpo_rollout(module, args, backbone, mesh, rng, vocab, advantages)
     return bench
@@ -518,14 +747,23 @@ def _distill(module, args, backbone, optimizer, params, frozen, rng, shape, mesh
         teacher = common.load_model(args.teacher_model, mesh, dtype, 1).backbone
     weights = abstract_variables(teacher) if abstract else common.split_variables(teacher)
     state = (params, init_opt_state(optimizer, params, mesh, abstract))
-    step = script_step(module, backbone=backbone, optimizer=optimizer, args=args, context_length=q, teacher=teacher)
+    step = script_step(
+        module, backbone=backbone, optimizer=optimizer, args=args, context_length=q, teacher=teacher
+    )
     ids, pad, mask = sequences(rng, 1, b, q + r, min(vocab, teacher.vocabulary_size))
     host = {"query_responses": ids[0], "padding_mask": pad[0], "response_mask": mask[0, :, q:]}
     ratio = plumbing.count_params(teacher) / plumbing.count_params(backbone)
-    return Bench(args, step, state, {"frozen": frozen, "teacher_weights": weights},
-                 rollout_batch(host, mesh, abstract), b * (q + r), round(6 + 2 * ratio, 3),
-                 f"update step: the student's forward + backward (6N) and the teacher's forward (2N_T = "
-                 f"{2 * ratio:.3f}N)")
+    return Bench(
+        args,
+        step,
+        state,
+        {"frozen": frozen, "teacher_weights": weights},
+        rollout_batch(host, mesh, abstract),
+        b * (q + r),
+        round(6 + 2 * ratio, 3),
+        f"update step: the student's forward + backward (6N) and the teacher's forward (2N_T = "
+        f"{2 * ratio:.3f}N)",
+    )
 
 
 def group_advantages(module, rewards, args):
@@ -536,8 +774,9 @@ def group_advantages(module, rewards, args):
 def leave_one_out(module, rewards, args):
     """rloo.py's leave-one-out advantages of rewards [B], with no KL term (the benchmark's β = 0: one update
     per rollout and no reference forward, like grpo's TRL defaults)."""
-    return module.rloo_advantages(rewards, jnp.zeros_like(rewards), args.num_generations, 0.0,
-                                  args.normalize_advantages)[0]
+    return module.rloo_advantages(
+        rewards, jnp.zeros_like(rewards), args.num_generations, 0.0, args.normalize_advantages
+    )[0]
 
 
 GRPO_REWARD_FN = os.path.join(ROOT, "data", "toy.py") + ":batch_score"  # grpo.py's default --reward-fn
@@ -545,6 +784,7 @@ GRPO_REWARD_FN = os.path.join(ROOT, "data", "toy.py") + ":batch_score"  # grpo.p
 
 class IdsText:
     """Stand-in tokenizer for shapes with no tokenizer (random-init Gemma-2B): ids as space-separated text."""
+
     end_token_id = EOS
 
     def detokenize(self, ids):
@@ -564,18 +804,22 @@ def grpo_rollout(module, args, backbone, mesh, rng, vocab, advantages=group_adva
     tiny = common.keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER)
     tokenizer = tiny if tiny.vocabulary_size() == vocab else IdsText()
     scorer = common.load_scorer(mesh, reward_fns=[GRPO_REWARD_FN])
-    gen_fn = jax.jit(lambda p, f, qs, qm, k: module.generate(backbone, p, f, qs, qm, k, r, args.temperature,
-                                                             EOS, 0))
+    gen_fn = jax.jit(
+        lambda p, f, qs, qm, k: module.generate(backbone, p, f, qs, qm, k, r, args.temperature, EOS, 0)
+    )
     order = np.random.default_rng(0)
 
     def iteration(state, extra, step_fn, key):
         t0 = time.perf_counter()
-        batch, lengths = module.rollout(gen_fn, state[0], extra["frozen"], queries, query_mask, key, EOS, 0, on_data)
+        batch, lengths = module.rollout(
+            gen_fn, state[0], extra["frozen"], queries, query_mask, key, EOS, 0, on_data
+        )
         t1 = plumbing.synced(batch)
         texts, ids = module.decode(tokenizer, batch, lengths, q, (EOS,))[:2]
         rewards = common.to_host(scorer(prompts, texts, batch, [{"prompt": p} for p in prompts], ids)[0])
-        batch["advantages"] = common.put_global(jax.device_get(advantages(module, jnp.asarray(rewards), args)),
-                                                on_data)
+        batch["advantages"] = common.put_global(
+            jax.device_get(advantages(module, jnp.asarray(rewards), args)), on_data
+        )
         t2 = plumbing.synced(batch)
         for idx in module.mini_batches(order, b, args.num_mini_batches, args.num_iterations, on_data):
             state, metrics = step_fn(state, jax.tree.map(lambda x: x[idx], batch), extra)

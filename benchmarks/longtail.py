@@ -26,6 +26,7 @@ from typing import Literal
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import plumbing  # noqa: E402  (instant: `--help` below answers before the heavy imports)
+
 plumbing.answer_help(__name__, __file__)
 
 import harness  # noqa: E402  (the set-up per --algo; imports common)
@@ -105,7 +106,10 @@ def synthetic_examples(algo, rng, lengths, vocab):
     examples = []
     for n, m in zip(lengths, rng.permutation(lengths)):
         prompt = min(n, m) // 2
-        chosen, rejected = synthetic_sequence(rng, n, vocab, prompt), synthetic_sequence(rng, m, vocab, prompt)
+        chosen, rejected = (
+            synthetic_sequence(rng, n, vocab, prompt),
+            synthetic_sequence(rng, m, vocab, prompt),
+        )
         rejected[0][:prompt] = chosen[0][:prompt]  # one prompt, two responses
         examples.append((chosen, rejected))
     return examples
@@ -115,8 +119,9 @@ def dataset_examples(module, algo, path, tokenizer, model, max_length):
     """A dataset file through the script's own tokenize_dataset (its truncation and drops included)."""
     if tokenizer is None:
         raise plumbing.UsageError("--lengths FILE needs a tokenizer: leave out --random-init")
-    rows = common.read_dataset(path, "sft" if algo == "sft" else "preference", common.chat_template(model, None),
-                               "--lengths")
+    rows = common.read_dataset(
+        path, "sft" if algo == "sft" else "preference", common.chat_template(model, None), "--lengths"
+    )
     if algo == "sft":
         return module.tokenize_dataset(rows, tokenizer, max_length, True, path)[0]
     return module.tokenize_dataset(rows, tokenizer, max_length, path)[0]
@@ -138,16 +143,22 @@ def make_data(args, module, vocab, tokenizer):
     data = module.pad_examples(examples, common.bucket_length(longest, args.max_length))
     lengths = data["padding_mask"].sum(-1) if args.algo == "sft" else module.pair_lengths(data)
     seq_lengths = np.array([len(ids) for ids, _ in seqs])
-    described = {"examples": len(examples), "median_length": float(np.median(seq_lengths)),
-                 "p99_length": float(np.percentile(seq_lengths, 99)), "longest": int(longest),
-                 "mean_length": float(seq_lengths.mean())}
+    described = {
+        "examples": len(examples),
+        "median_length": float(np.median(seq_lengths)),
+        "p99_length": float(np.percentile(seq_lengths, 99)),
+        "longest": int(longest),
+        "mean_length": float(seq_lengths.mean()),
+    }
     return data, lengths, described
 
 
 def pad_to(batch, length):
     """Run-wide padding: the [A, B, T] arrays of a batch padded on the right to `length` (masks False)."""
-    return {k: np.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, length - v.shape[-1])]) if v.ndim == 3 else v
-            for k, v in batch.items()}
+    return {
+        k: np.pad(v, [(0, 0)] * (v.ndim - 1) + [(0, length - v.shape[-1])]) if v.ndim == 3 else v
+        for k, v in batch.items()
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -167,19 +178,31 @@ def summarise(mode, rows, again, compilations, flops_per_token, peak):
     """One mode's numbers from its steps [(shape, seconds, real, padded, first)] and a second run of
     each shape (again: shape -> seconds). A shape's steady time is the median of that second run and
     its later steps; steady state replaces each first step by it, compile time is the first step's excess."""
-    of = {s: statistics.median([t for s2, t, *_, first in rows if s2 == s and not first] + [again[s]])
-          for s in again}
+    of = {
+        s: statistics.median([t for s2, t, *_, first in rows if s2 == s and not first] + [again[s]])
+        for s in again
+    }
     steady = [of[s] if first else t for s, t, _, _, first in rows]
     compile_s = sum(t - of[s] for s, t, _, _, first in rows if first)
     real, padded = sum(r[2] for r in rows), sum(r[3] for r in rows)
     steady_s, end_to_end_s = sum(steady), sum(r[1] for r in rows)
-    return {"mode": mode, "steps": len(rows), "real_tokens": real, "padded_tokens": padded,
-            "padding_fraction": 1 - real / padded, "compilations": compilations,
-            "shapes": sorted({r[0] for r in rows}), "compile_s": compile_s, "steady_s": steady_s,
-            "step_time_median_s": statistics.median(steady), "end_to_end_s": end_to_end_s,
-            "real_tokens_per_sec": real / steady_s, "padded_tokens_per_sec": padded / steady_s,
-            "real_tokens_per_sec_end_to_end": real / end_to_end_s,
-            "mfu": real / steady_s * flops_per_token / peak}
+    return {
+        "mode": mode,
+        "steps": len(rows),
+        "real_tokens": real,
+        "padded_tokens": padded,
+        "padding_fraction": 1 - real / padded,
+        "compilations": compilations,
+        "shapes": sorted({r[0] for r in rows}),
+        "compile_s": compile_s,
+        "steady_s": steady_s,
+        "step_time_median_s": statistics.median(steady),
+        "end_to_end_s": end_to_end_s,
+        "real_tokens_per_sec": real / steady_s,
+        "padded_tokens_per_sec": padded / steady_s,
+        "real_tokens_per_sec_end_to_end": real / end_to_end_s,
+        "mfu": real / steady_s * flops_per_token / peak,
+    }
 
 
 def main(args):
@@ -190,7 +213,9 @@ def main(args):
         raise plumbing.UsageError(f"--modes: some of {', '.join(MODES)}; --steps >= 1")
     mesh = common.make_mesh(args.mesh)
     if args.batch_size % mesh.shape["data"]:
-        raise plumbing.UsageError(f"--batch-size {args.batch_size} must divide by the data axis ({mesh.shape['data']})")
+        raise plumbing.UsageError(
+            f"--batch-size {args.batch_size} must divide by the data axis ({mesh.shape['data']})"
+        )
     module = harness.import_algo(args.algo)
     tokenizer = None
     if args.random_init:
@@ -202,7 +227,9 @@ def main(args):
     data, lengths, described = make_data(args, module, backbone.vocabulary_size, tokenizer)
     run_length = data["padding_mask" if args.algo == "sft" else "chosen_padding_mask"].shape[1]
 
-    bench = harness.setup(args, backbone, mesh)  # its synthetic batch is not used: the batches here are the script's
+    bench = harness.setup(
+        args, backbone, mesh
+    )  # its synthetic batch is not used: the batches here are the script's
     script_args = bench.args
     flops_per_token = bench.flops_factor * plumbing.count_params(backbone)
     peak = plumbing.peak_flops()
@@ -226,26 +253,48 @@ def main(args):
             first = shape not in batches[mode]
             batches[mode].setdefault(shape, batch)
             rows[mode].append((shape, timed(mode, batch), real, padded, first))
-        print(f"step {step + 1}/{args.steps}: " + ", ".join(f"{m} {rows[m][-1][0]} tokens {rows[m][-1][1]:.2f}s"
-                                                           for m in args.modes), file=sys.stderr, flush=True)
+        print(
+            f"step {step + 1}/{args.steps}: "
+            + ", ".join(f"{m} {rows[m][-1][0]} tokens {rows[m][-1][1]:.2f}s" for m in args.modes),
+            file=sys.stderr,
+            flush=True,
+        )
     again = {m: {s: timed(m, b) for s, b in batches[m].items()} for m in args.modes}  # compiled: steady
 
-    results = [summarise(m, rows[m], again[m], steps[m]._cache_size(), flops_per_token, peak) for m in args.modes]
+    results = [
+        summarise(m, rows[m], again[m], steps[m]._cache_size(), flops_per_token, peak) for m in args.modes
+    ]
     base = next((r for r in results if r["mode"] == "run_wide"), None)
     for r in results:
         if base is not None:
             r["speedup_vs_run_wide"] = r["real_tokens_per_sec"] / base["real_tokens_per_sec"]
-            r["speedup_vs_run_wide_end_to_end"] = (r["real_tokens_per_sec_end_to_end"]
-                                                   / base["real_tokens_per_sec_end_to_end"])
-        print(json.dumps({
-            **r, "algo": args.algo, "model": args.model, "random_init": args.random_init,
-            "num_layers": args.num_layers or None, "dtype": args.dtype or common.default_dtype(),
-            "remat": str(remat), "batch_size": args.batch_size, "max_length": args.max_length,
-            "lengths": args.lengths, "run_wide_length": run_length, **described,
-            "flops_per_token": flops_per_token,
-            "flops_convention": f"{bench.flops_factor}N on real tokens, N={flops_per_token // bench.flops_factor} "
-                                f"({bench.note or 'forward + backward'})",
-            "peak_flops": peak, "device": jax.devices()[0].device_kind, "num_devices": jax.device_count()}))
+            r["speedup_vs_run_wide_end_to_end"] = (
+                r["real_tokens_per_sec_end_to_end"] / base["real_tokens_per_sec_end_to_end"]
+            )
+        print(
+            json.dumps(
+                {
+                    **r,
+                    "algo": args.algo,
+                    "model": args.model,
+                    "random_init": args.random_init,
+                    "num_layers": args.num_layers or None,
+                    "dtype": args.dtype or common.default_dtype(),
+                    "remat": str(remat),
+                    "batch_size": args.batch_size,
+                    "max_length": args.max_length,
+                    "lengths": args.lengths,
+                    "run_wide_length": run_length,
+                    **described,
+                    "flops_per_token": flops_per_token,
+                    "flops_convention": f"{bench.flops_factor}N on real tokens, N={flops_per_token // bench.flops_factor} "
+                    f"({bench.note or 'forward + backward'})",
+                    "peak_flops": peak,
+                    "device": jax.devices()[0].device_kind,
+                    "num_devices": jax.device_count(),
+                }
+            )
+        )
     return results
 
 

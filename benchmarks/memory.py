@@ -18,6 +18,7 @@ from typing import Literal
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import plumbing  # noqa: E402  (instant: `--help` below answers before the heavy imports)
+
 plumbing.answer_help(__name__, __file__)
 
 import harness  # noqa: E402  (the set-up per --algo; imports common)
@@ -80,8 +81,11 @@ V5P_TOPOLOGIES = {1: "1x1x1", 4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 
 V6E_TOPOLOGIES = {n: t for n, t in TPU_TOPOLOGIES.items() if n >= 4}  # libtpu: no v6e 1x1 (2x2 chips a host)
 
 
-TARGETS = {"tpu_v5e": ("v5e", TPU_TOPOLOGIES), "tpu_v6e": ("v6e", V6E_TOPOLOGIES),
-           "tpu_v5p": ("v5p", V5P_TOPOLOGIES)}
+TARGETS = {
+    "tpu_v5e": ("v5e", TPU_TOPOLOGIES),
+    "tpu_v6e": ("v6e", V6E_TOPOLOGIES),
+    "tpu_v5p": ("v5p", V5P_TOPOLOGIES),
+}
 CHIP_GIB = {"tpu_v5e": 16.0, "tpu_v6e": 32.0, "tpu_v5p": 95.0, "cpu": 16.0}
 
 
@@ -93,10 +97,13 @@ def tpu_mesh(kind, shape):
     if chips not in topologies_by_chips:
         raise plumbing.UsageError(f"{chips} chips is no {kind} slice here ({sorted(topologies_by_chips)})")
     from jax.experimental import topologies
+
     try:
         devices = topologies.get_topology_desc(f"{name}:{topologies_by_chips[chips]}", "tpu").devices
     except Exception as e:  # any failure to load libtpu: say so and name the way out
-        raise plumbing.UsageError(f"--target {kind} needs libtpu (pip install libtpu), or use --target cpu: {e}")
+        raise plumbing.UsageError(
+            f"--target {kind} needs libtpu (pip install libtpu), or use --target cpu: {e}"
+        )
     return jax.sharding.Mesh(np.asarray(devices).reshape(shape), ("data", "model"))
 
 
@@ -139,32 +146,52 @@ def compile_step(args, mesh):
 def state_of(bench):
     """Bytes per device of the step's state: what it holds before any activation (distill: the teacher too)."""
     (params, opt_state), frozen = bench.state, bench.extra["frozen"]
-    out = {"trainable_bytes": weight_bytes(params), "optimizer_bytes": weight_bytes(opt_state),
-           "frozen_bytes": weight_bytes(frozen),
-           "reference_bytes": weight_bytes(bench.extra.get("ref_params")),
-           "teacher_bytes": weight_bytes(bench.extra.get("teacher_weights"))}  # distill's frozen teacher
+    out = {
+        "trainable_bytes": weight_bytes(params),
+        "optimizer_bytes": weight_bytes(opt_state),
+        "frozen_bytes": weight_bytes(frozen),
+        "reference_bytes": weight_bytes(bench.extra.get("ref_params")),
+        "teacher_bytes": weight_bytes(bench.extra.get("teacher_weights")),
+    }  # distill's frozen teacher
     state = sum(out.values())
     # float32 gradients of the trainable weights, whole before global-norm clipping
-    return {**out, "state_gib_per_device": state / GIB,
-            "state_and_gradients_gib_per_device": (state + out["trainable_bytes"]) / GIB}
+    return {
+        **out,
+        "state_gib_per_device": state / GIB,
+        "state_and_gradients_gib_per_device": (state + out["trainable_bytes"]) / GIB,
+    }
 
 
 def main(args):
     mesh = make_target_mesh(args.mesh, args.target)
     if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
-        raise plumbing.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
-                                  f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
+        raise plumbing.UsageError(
+            f"--batch-size {args.batch_size} must divide by data axis "
+            f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})"
+        )
     harness.script_args(harness.import_algo(args.algo), args)  # unknown algorithms and options fail here
-    run = {"algo": args.algo, "model": args.model, "dtype": args.dtype, "mesh": dict(mesh.shape),
-           "batch_size": args.batch_size, "max_length": args.max_length,
-           "grad_accum_steps": args.grad_accum_steps,
-           "lora_rank": args.lora_rank, "lora_target_modules": args.lora_target_modules,
-           "precompute_ref": args.precompute_ref, "teacher_model": args.teacher_model, "remat": args.remat}
+    run = {
+        "algo": args.algo,
+        "model": args.model,
+        "dtype": args.dtype,
+        "mesh": dict(mesh.shape),
+        "batch_size": args.batch_size,
+        "max_length": args.max_length,
+        "grad_accum_steps": args.grad_accum_steps,
+        "lora_rank": args.lora_rank,
+        "lora_target_modules": args.lora_target_modules,
+        "precompute_ref": args.precompute_ref,
+        "teacher_model": args.teacher_model,
+        "remat": args.remat,
+    }
     if args.state_only:
         backbone = harness.load_backbone(args, mesh, abstract=True)
         bench = harness.setup(args, backbone, mesh, abstract=True)
-        print(json.dumps({**run, "reference": bench.note, "params": plumbing.count_params(backbone),
-                          **state_of(bench)}))
+        print(
+            json.dumps(
+                {**run, "reference": bench.note, "params": plumbing.count_params(backbone), **state_of(bench)}
+            )
+        )
         return
     over = None
     try:
@@ -182,16 +209,25 @@ def main(args):
     chip_gib = args.device_memory_gib or CHIP_GIB[args.target]
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
     result = {
-        **run, "reference": bench.note, "params": plumbing.count_params(backbone),
-        "peak_bytes_per_device": int(peak), "peak_gib_per_device": peak / GIB,
+        **run,
+        "reference": bench.note,
+        "params": plumbing.count_params(backbone),
+        "peak_bytes_per_device": int(peak),
+        "peak_gib_per_device": peak / GIB,
         "formula": "argument + output + temp - alias",
-        "argument_bytes": m.argument_size_in_bytes, "output_bytes": m.output_size_in_bytes,
-        "temp_bytes": m.temp_size_in_bytes, "alias_bytes": m.alias_size_in_bytes,
+        "argument_bytes": m.argument_size_in_bytes,
+        "output_bytes": m.output_size_in_bytes,
+        "temp_bytes": m.temp_size_in_bytes,
+        "alias_bytes": m.alias_size_in_bytes,
         "generated_code_bytes": m.generated_code_size_in_bytes,
-        **state_of(bench), "batch_bytes": weight_bytes(bench.batch),
-        "fits": over is None and peak <= chip_gib * GIB, "target": args.target, "target_error": over,
+        **state_of(bench),
+        "batch_bytes": weight_bytes(bench.batch),
+        "fits": over is None and peak <= chip_gib * GIB,
+        "target": args.target,
+        "target_error": over,
         "device_memory_gib": chip_gib,
-        "compile_s": compile_s, "compiled_for": str(mesh.devices.flat[0].device_kind),
+        "compile_s": compile_s,
+        "compiled_for": str(mesh.devices.flat[0].device_kind),
     }
     print(json.dumps(result))
 

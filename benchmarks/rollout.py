@@ -24,6 +24,7 @@ from dataclasses import dataclass
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 import plumbing  # noqa: E402  (instant: `--help` below answers before the heavy imports)
+
 plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402
@@ -60,8 +61,9 @@ class Args:
 
 def module_at(revision, name):
     """`name`.py as it was at a git revision, imported as the module `<name>_at_<revision>`."""
-    source = subprocess.run(["git", "show", f"{revision}:{name}.py"], cwd=ROOT, capture_output=True,
-                            text=True)
+    source = subprocess.run(
+        ["git", "show", f"{revision}:{name}.py"], cwd=ROOT, capture_output=True, text=True
+    )
     if source.returncode:
         raise plumbing.UsageError(f"--before {revision}: {source.stderr.strip()}")
     path = os.path.join(tempfile.mkdtemp(), f"{name}_at_{revision}.py")
@@ -85,13 +87,15 @@ def main(args):
     params, frozen = common.split_variables(backbone)
     # through one jit, as grpo.py's main: the values carry the mesh in their types
     params = jax.jit(lambda p: jax.tree.map(lambda x: x.copy(), p), out_shardings=common.shardings(params))(
-        params)
+        params
+    )
     b, g, r, t = args.batch_size, args.num_generations, args.response_length, args.temperature
     eos, pad = tokenizer.end_token_id, tokenizer.pad_token_id
     samplers = {  # each -> (responses [B, R], decode steps)
         "fixed_length": jax.jit(lambda p, f, qs, qm, k: (old.generate(backbone, p, f, qs, qm, k, r, t), r)),
-        "early_stop": jax.jit(lambda p, f, qs, qm, k: grpo.generate(backbone, p, f, qs, qm, k, r, t, eos,
-                                                                    pad)),
+        "early_stop": jax.jit(
+            lambda p, f, qs, qm, k: grpo.generate(backbone, p, f, qs, qm, k, r, t, eos, pad)
+        ),
     }
     on_data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
     rng, key = np.random.default_rng(args.seed), jax.random.key(args.seed)
@@ -103,16 +107,22 @@ def main(args):
         out = {}
         for name in names:
             t0 = time.perf_counter()
-            batch, lengths = grpo.rollout(samplers[name], params, frozen, queries[idx], query_mask[idx], k,
-                                          eos, pad, on_data)
+            batch, lengths = grpo.rollout(
+                samplers[name], params, frozen, queries[idx], query_mask[idx], k, eos, pad, on_data
+            )
             seconds = plumbing.synced(batch) - t0
             out[name] = common.to_host(batch["query_responses"])
             real = common.to_host(lengths) + 1  # sampled tokens up to and with the EOS (R without one)
             rows[name].append({"seconds": seconds, "tokens": int(real.sum()), "steps": int(real.max())})
         if not (out["fixed_length"] == out["early_stop"]).all():
             raise RuntimeError(f"round {round_}: the two samplers returned different responses")
-        print(f"round {round_}: " + ", ".join(f"{n} {rows[n][-1]['seconds']:.3f} s" for n in names)
-              + f"; longest completion {rows['early_stop'][-1]['steps']} tokens", file=sys.stderr, flush=True)
+        print(
+            f"round {round_}: "
+            + ", ".join(f"{n} {rows[n][-1]['seconds']:.3f} s" for n in names)
+            + f"; longest completion {rows['early_stop'][-1]['steps']} tokens",
+            file=sys.stderr,
+            flush=True,
+        )
     return report(args, rows, queries.shape[1])
 
 
@@ -123,18 +133,29 @@ def report(args, rows, q):
     results = []
     for name, runs in rows.items():
         timed, steps = runs[1:], [r if name == "fixed_length" else x["steps"] for x in runs[1:]]
-        results.append({
-            "sampler": name, "generate_s_median": statistics.median(x["seconds"] for x in timed),
-            "generate_s": [round(x["seconds"], 4) for x in timed], "first_rollout_s": runs[0]["seconds"],
-            "completion_tokens_per_sec": statistics.median(x["tokens"] / x["seconds"] for x in timed),
-            "decode_slots_per_sec": statistics.median(b * s / x["seconds"] for x, s in zip(timed, steps)),
-            "decode_steps_median": statistics.median(steps),
-            "completion_length_mean": statistics.mean(x["tokens"] for x in timed) / b,
-            "fixed_over_early_time_ratio_median": statistics.median(ratios),
-            "model": args.model, "batch_size": b, "num_generations": args.num_generations, "prompt_length": q,
-            "response_length": r, "temperature": args.temperature, "rounds": args.rounds,
-            "before": args.before,
-            "device": jax.devices()[0].device_kind, "num_devices": jax.device_count()})
+        results.append(
+            {
+                "sampler": name,
+                "generate_s_median": statistics.median(x["seconds"] for x in timed),
+                "generate_s": [round(x["seconds"], 4) for x in timed],
+                "first_rollout_s": runs[0]["seconds"],
+                "completion_tokens_per_sec": statistics.median(x["tokens"] / x["seconds"] for x in timed),
+                "decode_slots_per_sec": statistics.median(b * s / x["seconds"] for x, s in zip(timed, steps)),
+                "decode_steps_median": statistics.median(steps),
+                "completion_length_mean": statistics.mean(x["tokens"] for x in timed) / b,
+                "fixed_over_early_time_ratio_median": statistics.median(ratios),
+                "model": args.model,
+                "batch_size": b,
+                "num_generations": args.num_generations,
+                "prompt_length": q,
+                "response_length": r,
+                "temperature": args.temperature,
+                "rounds": args.rounds,
+                "before": args.before,
+                "device": jax.devices()[0].device_kind,
+                "num_devices": jax.device_count(),
+            }
+        )
         print(json.dumps(results[-1]))
     return results
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import plumbing  # noqa: E402  (instant: `--help` below answers before the heavy imports)
+
 plumbing.answer_help(__name__, __file__)
 
 import harness  # noqa: E402  (the set-up per --algo; imports common)
@@ -37,10 +38,13 @@ class Args(throughput.Args):
 
 def script_at(name, revision):
     """<name>.py as of `revision`, imported as a module of its own (common stays the current one)."""
-    source = subprocess.run(["git", "show", f"{revision}:{name}.py"], cwd=harness.ROOT, check=True,
-                            capture_output=True, text=True).stdout
+    source = subprocess.run(
+        ["git", "show", f"{revision}:{name}.py"], cwd=harness.ROOT, check=True, capture_output=True, text=True
+    ).stdout
     module = types.ModuleType(name)
-    module.__file__ = os.path.join(harness.ROOT, f"{name}.py")  # what `plumbing.answer_help(__name__, __file__)` reads
+    module.__file__ = os.path.join(
+        harness.ROOT, f"{name}.py"
+    )  # what `plumbing.answer_help(__name__, __file__)` reads
     exec(compile(source, f"{revision}:{name}.py", "exec"), module.__dict__)
     return module
 
@@ -54,8 +58,11 @@ def main(args):
         backbone = harness.load_backbone(args, mesh)
         remat = plumbing.Remat(args.remat, backbone)
         bench = harness.setup(args, backbone, mesh)
-        step = remat.jit(bench.step, donate_argnums=0,
-                         out_shardings=(jax.tree.map(lambda x: x.sharding, bench.state), None))
+        step = remat.jit(
+            bench.step,
+            donate_argnums=0,
+            out_shardings=(jax.tree.map(lambda x: x.sharding, bench.state), None),
+        )
         state = bench.state
         for _ in range(args.warmup):  # the first compiles
             state, metrics = jax.block_until_ready(step(state, bench.batch, bench.extra))
@@ -66,15 +73,30 @@ def main(args):
         for s in sides.values():
             peak = plumbing.matmul_flops_per_sec(repeats=3)  # timed just before this step: the load now
             t = time.perf_counter()
-            s["state"], metrics = jax.block_until_ready(s["step"](s["state"], s["bench"].batch, s["bench"].extra))
+            s["state"], metrics = jax.block_until_ready(
+                s["step"](s["state"], s["bench"].batch, s["bench"].extra)
+            )
             s["times"].append(time.perf_counter() - t)
             s["mfu"].append(flops / s["times"][-1] / peak)
             s["loss"].append(float(metrics["train/loss"]))
-    out = {"algo": args.algo, "arch": args.arch, "batch_size": args.batch_size, "max_length": args.max_length,
-           "remat": sides["after"]["remat"], "before": args.before, "flops_per_step": flops}
+    out = {
+        "algo": args.algo,
+        "arch": args.arch,
+        "batch_size": args.batch_size,
+        "max_length": args.max_length,
+        "remat": sides["after"]["remat"],
+        "before": args.before,
+        "flops_per_step": flops,
+    }
     for name, s in sides.items():
-        out.update({f"{name}_step_s": statistics.median(s["times"]), f"{name}_mfu": statistics.median(s["mfu"]),
-                    f"{name}_times": s["times"], f"{name}_losses": s["loss"]})
+        out.update(
+            {
+                f"{name}_step_s": statistics.median(s["times"]),
+                f"{name}_mfu": statistics.median(s["mfu"]),
+                f"{name}_times": s["times"],
+                f"{name}_losses": s["loss"],
+            }
+        )
     out["speedup"] = out["before_step_s"] / out["after_step_s"]
     print(json.dumps(out))
 

@@ -20,6 +20,7 @@ from typing import Literal
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import plumbing  # noqa: E402  (instant: `--help` below answers before the heavy imports)
+
 plumbing.answer_help(__name__, __file__)
 
 import harness  # noqa: E402  (the set-up per --algo; imports common)
@@ -86,17 +87,23 @@ def ppo_split(bench, state, step, args):
         if i:
             parts.append(times)
     generate, score, update = (statistics.median(p) for p in zip(*parts))
-    return {"generate_tokens_per_sec": args.batch_size * bench.args.response_length / generate,
-            "generate_s": generate, "score_s": score, "update_s": update,
-            "iteration_s": generate + score + update,
-            "iteration_tokens_per_sec": args.batch_size * args.max_length / (generate + score + update)}
+    return {
+        "generate_tokens_per_sec": args.batch_size * bench.args.response_length / generate,
+        "generate_s": generate,
+        "score_s": score,
+        "update_s": update,
+        "iteration_s": generate + score + update,
+        "iteration_tokens_per_sec": args.batch_size * args.max_length / (generate + score + update),
+    }
 
 
 def main(args):
     mesh = common.make_mesh(args.mesh)
     if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
-        raise plumbing.UsageError(f"--batch-size {args.batch_size} must divide by data axis "
-                                  f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})")
+        raise plumbing.UsageError(
+            f"--batch-size {args.batch_size} must divide by data axis "
+            f"({mesh.shape['data']}) × --grad-accum-steps ({args.grad_accum_steps})"
+        )
     if args.steps < 1 or args.warmup < 1:
         raise plumbing.UsageError("need --steps >= 1 and --warmup >= 1 (the first step compiles)")
     harness.import_algo(args.algo)
@@ -112,7 +119,9 @@ def main(args):
         return bench.step(*a)
 
     # The state keeps its layout from step to step (as in the scripts): one compilation.
-    step = remat.jit(traced_step, donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), None))
+    step = remat.jit(
+        traced_step, donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), None)
+    )
 
     t = time.perf_counter()
     for _ in range(args.warmup):
@@ -133,19 +142,39 @@ def main(args):
     tokens_per_sec = bench.tokens_per_step / step_time
     flops_per_token = bench.flops_factor * n_params
     peak = plumbing.peak_flops()
-    print(json.dumps({
-        "algo": args.algo, "model": args.model, "random_init": args.random_init, "arch": args.arch,
-        "dtype": args.dtype or common.default_dtype(), "mesh": dict(mesh.shape),
-        "batch_size": args.batch_size, "max_length": args.max_length, "lora_rank": args.lora_rank,
-        "remat": str(remat), "tokens_per_step": bench.tokens_per_step, "steps": args.steps,
-        "tokens_per_sec": tokens_per_sec, "step_time_s": step_time,
-        "step_time_min_s": min(times), "step_time_max_s": max(times), "warmup_s": warmup_s,
-        "timed_retraces": retraces,
-        "mfu": tokens_per_sec * flops_per_token / peak, "flops_per_token": flops_per_token,
-        "flops_convention": f"{bench.flops_factor}N, N={n_params} ({bench.note or 'forward + backward'})",
-        "peak_flops": peak, "device": jax.devices()[0].device_kind, "num_devices": jax.device_count(),
-        "peak_bytes": peak_bytes(), "final_loss": loss, **rollout,
-    }))
+    print(
+        json.dumps(
+            {
+                "algo": args.algo,
+                "model": args.model,
+                "random_init": args.random_init,
+                "arch": args.arch,
+                "dtype": args.dtype or common.default_dtype(),
+                "mesh": dict(mesh.shape),
+                "batch_size": args.batch_size,
+                "max_length": args.max_length,
+                "lora_rank": args.lora_rank,
+                "remat": str(remat),
+                "tokens_per_step": bench.tokens_per_step,
+                "steps": args.steps,
+                "tokens_per_sec": tokens_per_sec,
+                "step_time_s": step_time,
+                "step_time_min_s": min(times),
+                "step_time_max_s": max(times),
+                "warmup_s": warmup_s,
+                "timed_retraces": retraces,
+                "mfu": tokens_per_sec * flops_per_token / peak,
+                "flops_per_token": flops_per_token,
+                "flops_convention": f"{bench.flops_factor}N, N={n_params} ({bench.note or 'forward + backward'})",
+                "peak_flops": peak,
+                "device": jax.devices()[0].device_kind,
+                "num_devices": jax.device_count(),
+                "peak_bytes": peak_bytes(),
+                "final_loss": loss,
+                **rollout,
+            }
+        )
+    )
 
 
 if __name__ == "__main__":

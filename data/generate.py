@@ -118,16 +118,26 @@ def compare_task():
         ps = prompts[split]
         answers = [sorted(int(d) for d in p.split()[1:]) for p in ps]
         habit = HABIT if split == "train" else 0.0
-        write(f"compare/sft_{split}.jsonl", [{"prompt": p, "completion": fmt(annotate(rng, a, habit, 0.0))}
-                                             for p, a in zip(ps, answers)])
+        write(
+            f"compare/sft_{split}.jsonl",
+            [{"prompt": p, "completion": fmt(annotate(rng, a, habit, 0.0))} for p, a in zip(ps, answers)],
+        )
         pairs = [ranked_pair(rng, p, a) for p, a in zip(ps, answers)]
         prefs = [{"prompt": p, "chosen": fmt(c), "rejected": fmt(r)} for p, (c, r) in zip(ps, pairs)]
         write(f"compare/prefs_{split}.jsonl", prefs)
-        write(f"compare/kto_{split}.jsonl", [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
-                                             for k in ("chosen", "rejected") for r in prefs])
+        write(
+            f"compare/kto_{split}.jsonl",
+            [
+                {"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
+                for k in ("chosen", "rejected")
+                for r in prefs
+            ],
+        )
     for split, ps in prompts.items():
-        write(f"compare/prompts_{split}.jsonl",
-              [{"prompt": p, "answer": fmt(sorted(int(d) for d in p.split()[1:]))} for p in ps])
+        write(
+            f"compare/prompts_{split}.jsonl",
+            [{"prompt": p, "answer": fmt(sorted(int(d) for d in p.split()[1:]))} for p in ps],
+        )
 
 
 def main():
@@ -149,21 +159,40 @@ def main():
     for split, ps in prompts.items():
         answers = [sorted(int(d) for d in p.split()[1:]) for p in ps]
         write(f"sft_{split}.jsonl", [{"prompt": p, "completion": fmt(a)} for p, a in zip(ps, answers)])
-        write(f"sft_messages_{split}.jsonl", [
-            {"messages": [{"role": "user", "content": p}, {"role": "assistant", "content": fmt(a).strip()}]}
-            for p, a in zip(ps, answers)])
-        prefs = [{"prompt": p, "chosen": fmt(a), "rejected": fmt(corrupt(rng, a))} for p, a in zip(ps, answers)]
+        write(
+            f"sft_messages_{split}.jsonl",
+            [
+                {
+                    "messages": [
+                        {"role": "user", "content": p},
+                        {"role": "assistant", "content": fmt(a).strip()},
+                    ]
+                }
+                for p, a in zip(ps, answers)
+            ],
+        )
+        prefs = [
+            {"prompt": p, "chosen": fmt(a), "rejected": fmt(corrupt(rng, a))} for p, a in zip(ps, answers)
+        ]
         write(f"prefs_{split}.jsonl", prefs)
-        write(f"kto_{split}.jsonl", [{"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
-                                     for k in ("chosen", "rejected") for r in prefs])
+        write(
+            f"kto_{split}.jsonl",
+            [
+                {"prompt": r["prompt"], "completion": r[k], "label": k == "chosen"}
+                for k in ("chosen", "rejected")
+                for r in prefs
+            ],
+        )
         write(f"prompts_{split}.jsonl", [{"prompt": p, "answer": fmt(a)} for p, a in zip(ps, answers)])
     test_rng, seen, test = random.Random(1), set(prompts["eval"]) | set(prompts["train"]), set()
     while len(test) < SIZES["test"]:
         p = make_prompt(test_rng)
         if p not in seen:
             test.add(p)
-    write("prompts_test.jsonl", [{"prompt": p, "answer": fmt(sorted(int(d) for d in p.split()[1:]))}
-                                 for p in sorted(test)])
+    write(
+        "prompts_test.jsonl",
+        [{"prompt": p, "answer": fmt(sorted(int(d) for d in p.split()[1:]))} for p in sorted(test)],
+    )
 
     # Tokenizer: Gemma's special-token layout (pad=0, eos=1, bos=2, unk=3) plus its
     # chat-turn markers, digits split into single tokens, byte fallback for anything else.
@@ -173,11 +202,24 @@ def main():
             f.write(p + "\n" + fmt(sorted(int(d) for d in p.split()[1:])) + "\n")
         f.write("user model system assistant The quick brown fox jumps over the lazy dog.\n" * 50)
     spm.SentencePieceTrainer.train(
-        input=corpus, model_prefix=os.path.join(HERE, "tiny_tokenizer"), vocab_size=320,
-        model_type="bpe", pad_id=0, eos_id=1, bos_id=2, unk_id=3,
-        pad_piece="<pad>", eos_piece="<eos>", bos_piece="<bos>", unk_piece="<unk>",
+        input=corpus,
+        model_prefix=os.path.join(HERE, "tiny_tokenizer"),
+        vocab_size=320,
+        model_type="bpe",
+        pad_id=0,
+        eos_id=1,
+        bos_id=2,
+        unk_id=3,
+        pad_piece="<pad>",
+        eos_piece="<eos>",
+        bos_piece="<bos>",
+        unk_piece="<unk>",
         user_defined_symbols=["<start_of_turn>", "<end_of_turn>"],
-        split_digits=True, byte_fallback=True, hard_vocab_limit=False, minloglevel=2)
+        split_digits=True,
+        byte_fallback=True,
+        hard_vocab_limit=False,
+        minloglevel=2,
+    )
     os.remove(corpus)
     os.remove(os.path.join(HERE, "tiny_tokenizer.vocab"))
 

@@ -23,8 +23,14 @@ sys.path.insert(0, ROOT)
 
 from helpers import FAST_COMPILE, PATIENT_COLLECTIVES, learning_env  # noqa: E402  (no JAX: flags set before it)
 
-os.environ["XLA_FLAGS"] = " ".join([os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-                                    FAST_COMPILE, PATIENT_COLLECTIVES]).strip()
+os.environ["XLA_FLAGS"] = " ".join(
+    [
+        os.environ.get("XLA_FLAGS", ""),
+        "--xla_force_host_platform_device_count=8",
+        FAST_COMPILE,
+        PATIENT_COLLECTIVES,
+    ]
+).strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import plumbing  # noqa: E402  (light: no JAX until called)
 
@@ -38,8 +44,12 @@ def reward_run(tmp_path_factory):
     80-step command reaches 0.92). Trained once per test run: the pytest-xdist workers share the base
     temp dir, and a file lock."""
     from filelock import FileLock
-    shared = tmp_path_factory.getbasetemp().parent if os.environ.get("PYTEST_XDIST_WORKER") else \
-        tmp_path_factory.getbasetemp()  # under xdist: this run's dir above every worker's own
+
+    shared = (
+        tmp_path_factory.getbasetemp().parent
+        if os.environ.get("PYTEST_XDIST_WORKER")
+        else tmp_path_factory.getbasetemp()
+    )  # under xdist: this run's dir above every worker's own
     out = shared / "reward_model_run"
     with FileLock(str(out) + ".lock"):
         if not (out / "model").is_dir():
@@ -48,11 +58,38 @@ def reward_run(tmp_path_factory):
 
 
 def train_reward_model(out):
-    tiny = ["--batch-size", "32", "--learning-rate", "1e-3", "--warmup-steps", "10",  # the defaults are TRL's
-            "--lr-scheduler-type", "cosine_with_min_lr"]  # the schedule the accuracies above were measured with
-    res = subprocess.run([sys.executable, os.path.join(ROOT, "reward.py"), "--model", "tiny", "--max-steps", "50",
-                          *tiny, "--eval-every", "50", "--normalize", "--output-dir", str(out), "--overwrite"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=900, env=learning_env())
+    tiny = [
+        "--batch-size",
+        "32",
+        "--learning-rate",
+        "1e-3",
+        "--warmup-steps",
+        "10",  # the defaults are TRL's
+        "--lr-scheduler-type",
+        "cosine_with_min_lr",
+    ]  # the schedule the accuracies above were measured with
+    res = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "reward.py"),
+            "--model",
+            "tiny",
+            "--max-steps",
+            "50",
+            *tiny,
+            "--eval-every",
+            "50",
+            "--normalize",
+            "--output-dir",
+            str(out),
+            "--overwrite",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=learning_env(),
+    )
     assert res.returncode == 0, res.stderr[-2000:]
 
 
@@ -62,6 +99,7 @@ def prefs():
     (test_preference.py and test_losses.py)."""
     import common  # here, not at the top: JAX is imported after XLA_FLAGS is set
     import dpo
+
     mesh = common.make_mesh()
     model = common.load_model("tiny", mesh, "float32", seed=0, lora_rank=4)
     path = os.path.join(ROOT, "data", "prefs_eval.jsonl")
@@ -73,9 +111,21 @@ def prefs():
 # The heaviest test files first (their durations through .ci/run): pytest-xdist hands whole files
 # (--dist loadfile) to the workers in collection order, so the long ones start at once and the short
 # ones fill in at the end instead of one worker idling while the other runs a long file alone.
-HEAVY_FIRST = ("test_families.py", "test_rlhf.py", "test_grpo.py", "test_rloo.py", "test_compare.py",
-               "test_preference.py", "test_kto.py", "test_sft.py", "test_distill.py", "test_reliability.py",
-               "test_lifecycle.py", "test_benchmarks.py", "test_buckets.py")
+HEAVY_FIRST = (
+    "test_families.py",
+    "test_rlhf.py",
+    "test_grpo.py",
+    "test_rloo.py",
+    "test_compare.py",
+    "test_preference.py",
+    "test_kto.py",
+    "test_sft.py",
+    "test_distill.py",
+    "test_reliability.py",
+    "test_lifecycle.py",
+    "test_benchmarks.py",
+    "test_buckets.py",
+)
 
 
 def pytest_xdist_auto_num_workers(config):
@@ -88,4 +138,6 @@ def pytest_xdist_auto_num_workers(config):
 
 def pytest_collection_modifyitems(items):
     rank = {name: i for i, name in enumerate(HEAVY_FIRST)}
-    items.sort(key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank)))  # stable: file order kept
+    items.sort(
+        key=lambda item: rank.get(os.path.basename(str(item.fspath)), len(rank))
+    )  # stable: file order kept

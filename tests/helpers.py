@@ -19,8 +19,15 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # Measurements of the process, not of the run: they differ between two runs of the same steps (wall
 # clock; compilations: a resumed process compiles afresh), so row comparisons drop them.
-TIMING = ("charts/tokens_per_sec", "charts/mfu", "charts/generate_tokens_per_sec", "charts/generate_time",
-          "charts/score_time", "charts/update_time", "charts/compilations")
+TIMING = (
+    "charts/tokens_per_sec",
+    "charts/mfu",
+    "charts/generate_tokens_per_sec",
+    "charts/generate_time",
+    "charts/score_time",
+    "charts/update_time",
+    "charts/compilations",
+)
 
 
 # XLA:CPU flags that trade run speed for compile speed, which conftest.py sets for the test process and
@@ -57,8 +64,14 @@ def learning_env():
 
 def run_script(script, *flags, env=None, timeout=900):
     """`python <script> <flags>` from the repository root; -> the CompletedProcess (text output)."""
-    return subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, script), *flags],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
 
 
 def usage_error(module, *flags):
@@ -66,6 +79,7 @@ def usage_error(module, *flags):
     of the UsageError it must raise before any compute. Through the CLI, plumbing.launch prints it
     as `error: <message>` and exits 2 (each failure class keeps one subprocess test of that)."""
     import plumbing
+
     with pytest.raises(plumbing.UsageError) as e:
         module.main(plumbing.cli(module.Args, list(flags)))
     return str(e.value)
@@ -107,16 +121,34 @@ def run_two_processes(argv, output_dir, env, timeout=300):
     runs alone or beside the other two-process test). Wrong rows, an error or a second timeout still fail."""
     for attempt in (1, 2):
         address = coordinator_address()
-        procs = [subprocess.Popen(argv + ["--output-dir", output_dir, "--coordinator-address", address,
-                                          "--num-processes", "2", "--process-id", str(i)],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
-                 for i in range(2)]
+        procs = [
+            subprocess.Popen(
+                argv
+                + [
+                    "--output-dir",
+                    output_dir,
+                    "--coordinator-address",
+                    address,
+                    "--num-processes",
+                    "2",
+                    "--process-id",
+                    str(i),
+                ],
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
+            for i in range(2)
+        ]
         try:
             errs = [p.communicate(timeout=timeout)[1] for p in procs]
         except subprocess.TimeoutExpired:
             for p in procs:
                 p.kill()
-            tails = " | ".join(f"process {i}: {(p.communicate()[1] or '')[-1500:]}" for i, p in enumerate(procs))
+            tails = " | ".join(
+                f"process {i}: {(p.communicate()[1] or '')[-1500:]}" for i, p in enumerate(procs)
+            )
             if attempt == 2:
                 pytest.fail(f"two processes timed out twice after {timeout} s; {tails}")
             warnings.warn(f"two processes timed out after {timeout} s; running them once more. {tails}")
@@ -144,8 +176,12 @@ def preempt_then_resume(script, flags, first_checkpoint, tmp_path, env=None):
     clean, cut = str(tmp_path / "clean"), str(tmp_path / "cut")
     argv = lambda out: [sys.executable, os.path.join(ROOT, script), *flags, "--output-dir", out]
     env = env or one_device_env()
-    runs = [subprocess.Popen(argv(out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                             env=env) for out in (clean, cut)]
+    runs = [
+        subprocess.Popen(
+            argv(out), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env
+        )
+        for out in (clean, cut)
+    ]
     start = time.time()
     while not os.path.exists(os.path.join(cut, "checkpoints", str(first_checkpoint))):
         assert runs[1].poll() is None, "run ended before it could be interrupted"
@@ -166,12 +202,22 @@ def preempt_then_resume(script, flags, first_checkpoint, tmp_path, env=None):
 
 # Texts an exported tokenizer.json must encode to the project's ids: ASCII, digits, runs of spaces, accents,
 # CJK, an emoji, forms NFKC folds (ﬁ, full-width, circled), newlines, tabs, CRLF, each template's markers.
-TOKENIZER_TEXTS = ["Sort: 3 1 2", "Sort", " 0 1 2 6 6 9", "digits 0123456789 and 3.14159, 42!",
-                   "  two  spaces, leading and trailing  ", "naïve café, Ünïcödé — 日本語 🙂", "ﬁne Ｆｕｌｌ ①",
-                   "line one\nline two\n\n\ttab\r\nend\n", "<start_of_turn>user\nSort: 2 1<end_of_turn>\n",
-                   "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
-                   "<|im_start|>user\nhi<|im_end|>\n", "[INST] hi [/INST]ok",
-                   "<|turn>model\n<|channel>thought\n<channel|>ok<turn|>\n", ""]
+TOKENIZER_TEXTS = [
+    "Sort: 3 1 2",
+    "Sort",
+    " 0 1 2 6 6 9",
+    "digits 0123456789 and 3.14159, 42!",
+    "  two  spaces, leading and trailing  ",
+    "naïve café, Ünïcödé — 日本語 🙂",
+    "ﬁne Ｆｕｌｌ ①",
+    "line one\nline two\n\n\ttab\r\nend\n",
+    "<start_of_turn>user\nSort: 2 1<end_of_turn>\n",
+    "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|>",
+    "<|im_start|>user\nhi<|im_end|>\n",
+    "[INST] hi [/INST]ok",
+    "<|turn>model\n<|channel>thought\n<channel|>ok<turn|>\n",
+    "",
+]
 
 
 def check_exported_tokenizer(hf_dir, tokenizer, template):
@@ -181,6 +227,7 @@ def check_exported_tokenizer(hf_dir, tokenizer, template):
     common.CHAT_TEMPLATES name); every file has the ordinary mode (0644 under umask 022)."""
     import interop
     from tokenizers import Tokenizer
+
     exported = Tokenizer.from_file(os.path.join(hf_dir, "tokenizer.json"))
     for text in TOKENIZER_TEXTS:
         ids = [int(i) for i in tokenizer.tokenize(text)]
@@ -207,6 +254,7 @@ def short_delta_rule_chunks(size=8):
     rounding), and prompts of 9+ tokens then span several chunks, the state carried between them included.
     Call it after `common` is imported (keras_hub before common pulls TensorFlow in)."""
     from keras_hub.src.models.qwen3_5 import qwen3_5_gated_delta_net as net
+
     rule = getattr(net._chunk_gated_delta_rule, "func", net._chunk_gated_delta_rule)  # idempotent
     net._chunk_gated_delta_rule = functools.partial(rule, chunk_size=size)
 
@@ -225,9 +273,14 @@ def byte_bpe(specials):
     """(vocabulary, merges) of a byte-level BPE (as Llama 3's and Qwen's tokenizer.json) whose
     special tokens are `specials`, each one id."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.train_from_iterator(corpus(), trainers.BpeTrainer(
-        vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(
+        corpus(),
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     merges = json.loads(tok.to_str())["model"]["merges"]
     return tok.get_vocab(), [m if isinstance(m, str) else " ".join(m) for m in merges]

@@ -27,7 +27,9 @@ def sft_row():
     """One sft throughput run on tiny, shared by two tests (capsys is per test: capture by hand)."""
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        throughput.main(throughput.Args(algo="sft", model="tiny", batch_size=8, max_length=32, steps=2, warmup=1))
+        throughput.main(
+            throughput.Args(algo="sft", model="tiny", batch_size=8, max_length=32, steps=2, warmup=1)
+        )
     return json.loads(buf.getvalue().strip().splitlines()[-1])
 
 
@@ -60,17 +62,28 @@ def test_throughput_bad_algo_exits_2():
     from the source (plumbing.answer_help), before the heavy imports."""
     import subprocess
     import plumbing
+
     script = os.path.join(ROOT, "benchmarks", "throughput.py")
-    out = subprocess.run([sys.executable, script, "--algo", "nope"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+    out = subprocess.run(
+        [sys.executable, script, "--algo", "nope"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 2 and out.stderr.startswith("error: invalid choice 'nope'"), out.stderr[-500:]
     assert len(out.stderr.strip().splitlines()) == 1
     with pytest.raises(plumbing.UsageError, match="^--algo 'nope'"):
         throughput.main(throughput.Args(algo="nope"))
-    out = subprocess.run([sys.executable, "-X", "importtime", script, "--help"], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
-    assert out.returncode == 0 and "--algo {sft,dpo,simpo,orpo,kto,reward,ppo,grpo,rloo,distill}" in out.stdout, out.stderr[-500:]
-    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")}
+    out = subprocess.run(
+        [sys.executable, "-X", "importtime", script, "--help"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (
+        out.returncode == 0 and "--algo {sft,dpo,simpo,orpo,kto,reward,ppo,grpo,rloo,distill}" in out.stdout
+    ), out.stderr[-500:]
+    imported = {
+        line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines() if line.startswith("import time")
+    }
     assert "plumbing" in imported and not {"jax", "keras", "common", "harness"} & imported
 
 
@@ -80,6 +93,7 @@ def test_harness_table_and_script_args():
     import typing
     import harness
     import plumbing
+
     assert list(harness.ALGOS) == list(typing.get_args(throughput.Args.__dataclass_fields__["algo"].type))
     sft, ppo = harness.import_algo("sft"), harness.import_algo("ppo")
     args = harness.script_args(sft, harness.Config("sft", batch_size=4, max_length=64, lora_rank=2))
@@ -96,8 +110,22 @@ def memory_row(**kw):
     float32 copies of the weights (benchmarks/RESULTS.md), which would swamp `tiny`'s activations."""
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        memory.main(memory.Args(**{**dict(algo="sft", model="tiny", target="cpu", mesh="data=4,model=2",
-                                          batch_size=8, max_length=128, dtype="float32"), **kw}))
+        memory.main(
+            memory.Args(
+                **{
+                    **dict(
+                        algo="sft",
+                        model="tiny",
+                        target="cpu",
+                        mesh="data=4,model=2",
+                        batch_size=8,
+                        max_length=128,
+                        dtype="float32",
+                    ),
+                    **kw,
+                }
+            )
+        )
     return json.loads(buf.getvalue().strip().splitlines()[-1])
 
 
@@ -109,7 +137,11 @@ def full_row():
 def test_memory_full_vs_lora_and_sharding(full_row):
     full, lora = full_row, memory_row(lora_rank=4, remat="off")
     # the step's arguments hold the weights and Adam's state; the peak holds the arguments and more
-    assert full["peak_bytes_per_device"] > full["argument_bytes"] >= full["trainable_bytes"] + full["optimizer_bytes"]
+    assert (
+        full["peak_bytes_per_device"]
+        > full["argument_bytes"]
+        >= full["trainable_bytes"] + full["optimizer_bytes"]
+    )
     assert lora["peak_bytes_per_device"] < full["peak_bytes_per_device"]
     # float32 weights (whatever the compute dtype) of 1,611,456 params over 8 devices: about 1/8
     # each (norm scales are replicated).
@@ -128,8 +160,11 @@ def test_remat_decoder_blocks_keeps_the_step_and_cuts_memory(full_row):
     import jax
     import numpy as np
     import plumbing
+
     mesh = harness.common.make_mesh("data=8")
-    cfg = throughput.Args(algo="sft", model="tiny", random_init=True, batch_size=8, max_length=32, remat="off")
+    cfg = throughput.Args(
+        algo="sft", model="tiny", random_init=True, batch_size=8, max_length=32, remat="off"
+    )
     out = []
     for remat in (False, True):
         backbone = harness.load_backbone(cfg, mesh)
@@ -143,15 +178,26 @@ def test_remat_decoder_blocks_keeps_the_step_and_cuts_memory(full_row):
     assert memory_row(remat="on")["temp_bytes"] < full_row["temp_bytes"]
 
 
-@pytest.mark.parametrize("algo, batch, tokens, factor",
-                         [("grpo", 8, 8 * 16, 6), ("rloo", 8, 8 * 16, 6),
-                          ("ppo", 16, 8 * 16, 12)])  # ppo: one mini-batch of 8 a step
+@pytest.mark.parametrize(
+    "algo, batch, tokens, factor", [("grpo", 8, 8 * 16, 6), ("rloo", 8, 8 * 16, 6), ("ppo", 16, 8 * 16, 12)]
+)  # ppo: one mini-batch of 8 a step
 def test_throughput_rl_splits_an_iteration(capsys, algo, batch, tokens, factor):
     """--algo grpo / rloo: the script's train_step (6N, β = 0); --algo ppo: ppo.py's on one of 2 mini-batches
     (policy + value: 12N; 8 devices: 2 mini-batches of 8). Then whole iterations through the script's own sampler, scoring and
     advantages, timed per phase; generation speed counts the new tokens only."""
-    throughput.main(throughput.Args(algo=algo, model="tiny", random_init=True, num_layers=1, batch_size=batch,
-                                    max_length=16, steps=1, warmup=1, remat="off"))
+    throughput.main(
+        throughput.Args(
+            algo=algo,
+            model="tiny",
+            random_init=True,
+            num_layers=1,
+            batch_size=batch,
+            max_length=16,
+            steps=1,
+            warmup=1,
+            remat="off",
+        )
+    )
     r = last_json(capsys)
     assert r["tokens_per_step"] == tokens and r["flops_per_token"] % factor == 0
     assert r["flops_convention"].startswith(f"{factor}N, N={r['flops_per_token'] // factor} ")
@@ -164,13 +210,26 @@ def test_throughput_rl_splits_an_iteration(capsys, algo, batch, tokens, factor):
 def test_throughput_distill_times_the_student_update_with_the_teacher_forward(capsys):
     """--algo distill: distill.py's train_step, the 1-layer student's 6N and a 4-layer teacher's forward
     (2 N_T, counted in the student's N: between 4N and 8N, the embedding shared by neither)."""
-    throughput.main(throughput.Args(algo="distill", model="tiny", teacher_model="tiny", random_init=True,
-                                    num_layers=1, batch_size=8, max_length=16, steps=1, warmup=1, remat="off"))
+    throughput.main(
+        throughput.Args(
+            algo="distill",
+            model="tiny",
+            teacher_model="tiny",
+            random_init=True,
+            num_layers=1,
+            batch_size=8,
+            max_length=16,
+            steps=1,
+            warmup=1,
+            remat="off",
+        )
+    )
     r = last_json(capsys)
     assert r["tokens_per_step"] == 8 * 16 and r["final_loss"] > 0 and 0 < r["mfu"] <= 1
     factor = float(r["flops_convention"].split("N,")[0])
     assert 6 + 2 * 2 < factor < 6 + 2 * 4  # the 4-layer teacher over the 1-layer student (embedding shared)
     import plumbing
+
     with pytest.raises(plumbing.UsageError, match="needs --teacher-model"):
         throughput.main(throughput.Args(algo="distill", model="tiny", random_init=True, num_layers=1))
 
@@ -179,13 +238,28 @@ def test_longtail_modes(capsys):
     """longtail.py on tiny: the three modes see the same stream (run_wide and buckets the same examples),
     run-wide pads every batch to the dataset's longest bucket and compiles once, buckets pad less."""
     import longtail
-    rows = longtail.main(longtail.Args(algo="sft", model="tiny", random_init=True, num_layers=1,
-                                       lengths="lognormal:8,48", num_examples=64, min_length=4,
-                                       batch_size=8, max_length=48, steps=2, remat="off"))
+
+    rows = longtail.main(
+        longtail.Args(
+            algo="sft",
+            model="tiny",
+            random_init=True,
+            num_layers=1,
+            lengths="lognormal:8,48",
+            num_examples=64,
+            min_length=4,
+            batch_size=8,
+            max_length=48,
+            steps=2,
+            remat="off",
+        )
+    )
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()[-3:]]
     wide, buckets, grouped = rows
     assert [x["mode"] for x in lines] == ["run_wide", "buckets", "grouped"]
-    assert 32 < lines[0]["longest"] <= 48 and lines[0]["run_wide_length"] == 48  # the longest example's bucket
+    assert (
+        32 < lines[0]["longest"] <= 48 and lines[0]["run_wide_length"] == 48
+    )  # the longest example's bucket
     assert wide["shapes"] == [48] and wide["compilations"] == 1
     assert wide["padded_tokens"] == 2 * 8 * 48  # 2 steps of 8 examples
     assert buckets["real_tokens"] == wide["real_tokens"] and buckets["padded_tokens"] < wide["padded_tokens"]
@@ -206,6 +280,7 @@ def test_longtail_lognormal_lengths():
     """median and p99 as asked (σ = log 8 / z_0.99 for p99 = 8 × median), clipped to [low, high]."""
     import longtail
     import numpy as np
+
     x = longtail.lognormal_lengths(np.random.default_rng(0), 200000, 128, 1024, 8, 4096)
     assert np.median(x) == pytest.approx(128, rel=0.02)
     assert np.percentile(x, 99) == pytest.approx(1024, rel=0.05)
@@ -222,10 +297,13 @@ def test_remat_auto_resolves_by_compiled_memory(monkeypatch, capsys):
     import jax
     import numpy as np
     import plumbing
+
     mesh, out = harness.common.make_mesh("data=8"), {}
     for mode, limit in (("auto", None), ("auto", 2**20), ("on", None)):
         monkeypatch.setattr(plumbing, "device_memory_limit", lambda: limit)
-        cfg = throughput.Args(algo="sft", model="tiny", random_init=True, batch_size=8, max_length=32, remat=mode)
+        cfg = throughput.Args(
+            algo="sft", model="tiny", random_init=True, batch_size=8, max_length=32, remat=mode
+        )
         backbone = harness.load_backbone(cfg, mesh)
         remat = plumbing.Remat(cfg.remat, backbone)
         bench = harness.setup(cfg, backbone, mesh)
@@ -237,10 +315,18 @@ def test_remat_auto_resolves_by_compiled_memory(monkeypatch, capsys):
         remats = str(jax.make_jaxpr(functools.partial(bench.step))(*shapes)).count("remat")
         out[mode, limit] = str(remat), remats, jax.device_get(metrics), capsys.readouterr().out
         assert cfg.remat == mode  # the flag itself is never rewritten
-    assert out["auto", None][0] == "off" and "remat: auto -> off (cpu: no device memory limit)" in out["auto", None][3]
+    assert (
+        out["auto", None][0] == "off"
+        and "remat: auto -> off (cpu: no device memory limit)" in out["auto", None][3]
+    )
     assert out["auto", 2**20][0] == "on"
-    assert out["auto", 2**20][1] == out["on", None][1] == out["auto", None][1] + 4  # + one per decoder block (tiny: 4)
-    assert "remat: auto -> on (compiled peak" in out["auto", 2**20][3] and "of 0.00 GiB per" in out["auto", 2**20][3]
+    assert (
+        out["auto", 2**20][1] == out["on", None][1] == out["auto", None][1] + 4
+    )  # + one per decoder block (tiny: 4)
+    assert (
+        "remat: auto -> on (compiled peak" in out["auto", 2**20][3]
+        and "of 0.00 GiB per" in out["auto", 2**20][3]
+    )
     assert out["on", None][0] == "on"
     for k in ("train/loss", "train/grad_norm"):
         # the same program compiled twice: equal to float32 rounding (1 ulp apart under helpers.FAST_COMPILE)
@@ -252,6 +338,7 @@ def test_checkpoint_cost_is_measured_through_the_run(tmp_path, capsys):
     """benchmarks/checkpoint.py times plumbing.Run.checkpoint itself: one save per step, each a complete
     orbax step dir, and the rate applied to 12 bytes a parameter at real sizes."""
     import checkpoint
+
     checkpoint.main(checkpoint.Args(gib=0.125, repeats=4, output_dir=str(tmp_path / "ck")))
     row = last_json(capsys)
     assert row["gib"] == 0.125 and len(row["times"]) == 4 and row["seconds"] > 0

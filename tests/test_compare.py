@@ -64,14 +64,23 @@ def test_evaluate_worked_example(tmp_path):
     """tiny (seed 0) against itself, scored by a reward fn that counts the digit 4 in a response (in
     TRL's form, with the prompts' `answer` column: it checks each is its prompt's)."""
     scorer = tmp_path / "count4.py"
-    scorer.write_text("def count4(prompts, completions, answer, **kwargs):\n"
-                      "    assert all(a.split() == sorted(p.split()[1:]) for p, a in zip(prompts, answer))\n"
-                      "    return [float(r.count('4')) for r in completions]\n"
-                      "def one(prompts, responses):\n"
-                      "    return [1.0] * len(responses)\n")
+    scorer.write_text(
+        "def count4(prompts, completions, answer, **kwargs):\n"
+        "    assert all(a.split() == sorted(p.split()[1:]) for p, a in zip(prompts, answer))\n"
+        "    return [float(r.count('4')) for r in completions]\n"
+        "def one(prompts, responses):\n"
+        "    return [1.0] * len(responses)\n"
+    )
     out = tmp_path / "eval"
-    flags = dict(model="tiny", baseline="tiny", num_prompts=12, num_examples=12, max_new_tokens=8, batch_size=8,
-                 output_dir=str(out))
+    flags = dict(
+        model="tiny",
+        baseline="tiny",
+        num_prompts=12,
+        num_examples=12,
+        max_new_tokens=8,
+        batch_size=8,
+        output_dir=str(out),
+    )
     evaluate.main(evaluate.Args(reward_fn=(f"{scorer}:count4",), **flags))
     result = json.loads((out / "eval.json").read_text())
     samples = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
@@ -95,8 +104,14 @@ def test_evaluate_worked_example(tmp_path):
     with pytest.raises(common.UsageError, match="already holds an evaluation.*--overwrite"):
         evaluate.main(evaluate.Args(reward_fn=(f"{scorer}:count4",), **flags))
     assert (out / "eval.json").read_text() == before
-    evaluate.main(evaluate.Args(reward_fn=(f"{scorer}:count4", f"{scorer}:one"), reward_weights=(2.0, 0.5),
-                                overwrite=True, **flags))
+    evaluate.main(
+        evaluate.Args(
+            reward_fn=(f"{scorer}:count4", f"{scorer}:one"),
+            reward_weights=(2.0, 0.5),
+            overwrite=True,
+            **flags,
+        )
+    )
     weighted = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
     assert [s["greedy"] for s in weighted] == [s["greedy"] for s in samples]
     assert [s["greedy_score"] for s in weighted] == [2.0 * s["greedy"].count("4") + 0.5 for s in samples]
@@ -122,22 +137,35 @@ def test_evaluate_worked_example(tmp_path):
 def test_evaluate_bad_flags_exit_2(tmp_path, monkeypatch):
     """Bad input: one line on stderr, exit 2, before any model loads (through the CLI once; in
     process, the UsageError that the CLI turns into that line, naming the flag)."""
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "evaluate.py"), "--reward-fn", "nope.py:f"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "evaluate.py"), "--reward-fn", "nope.py:f"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 2 and out.stderr.startswith("error: --reward-fn"), out.stderr[-500:]
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr[-500:]
     loads = []
-    monkeypatch.setattr(common, "load_model", lambda *a, **k: loads.append(a) or pytest.fail("a model loaded"))
-    cases = [({"model": "no_such_model"}, "--model"), ({"prompts": str(tmp_path / "missing.jsonl")}, "--prompts"),
-             ({"batch_size": 3}, "--batch-size"), ({"reward_model": str(tmp_path)}, "--reward-model"),
-             ({"reward_fn": ()}, "--reward-fn"),
-             ({"reward_weights": (1.0, 2.0)}, "--reward-weights"), ({"temperature": 0.0}, "--temperature")]
+    monkeypatch.setattr(
+        common, "load_model", lambda *a, **k: loads.append(a) or pytest.fail("a model loaded")
+    )
+    cases = [
+        ({"model": "no_such_model"}, "--model"),
+        ({"prompts": str(tmp_path / "missing.jsonl")}, "--prompts"),
+        ({"batch_size": 3}, "--batch-size"),
+        ({"reward_model": str(tmp_path)}, "--reward-model"),
+        ({"reward_fn": ()}, "--reward-fn"),
+        ({"reward_weights": (1.0, 2.0)}, "--reward-weights"),
+        ({"temperature": 0.0}, "--temperature"),
+    ]
     for flags, named in cases:
         with pytest.raises(common.UsageError) as e:
             evaluate.main(evaluate.Args(output_dir=str(tmp_path / "e"), **flags))
         assert named in str(e.value) and len(str(e.value).splitlines()) == 1, (flags, str(e.value))
     assert not loads and not (tmp_path / "e").exists()
     import grpo  # GRPO's completion length by default (TRL's max_completion_length)
+
     assert evaluate.Args().max_new_tokens == grpo.Args().response_length == 256
 
 
@@ -145,8 +173,13 @@ def test_evaluate_bad_flags_exit_2(tmp_path, monkeypatch):
 # compare.py: statistics, sweep, costs (pure functions, synthetic inputs)
 # ---------------------------------------------------------------------------
 def test_t_quantile_against_tables():
-    for p, df, table in [(0.975, 1, 12.7062), (0.975, 2, 4.302653), (0.975, 10, 2.228139), (0.95, 5, 2.015048),
-                         (0.975, 1e9, 1.959964)]:
+    for p, df, table in [
+        (0.975, 1, 12.7062),
+        (0.975, 2, 4.302653),
+        (0.975, 10, 2.228139),
+        (0.95, 5, 2.015048),
+        (0.975, 1e9, 1.959964),
+    ]:
         assert abs(compare.t_quantile(p, df) - table) < 1e-4 * table, (p, df)
 
 
@@ -196,23 +229,45 @@ def test_paired_interval_covers_the_truth_and_within_noise_note():
 
 
 def test_sweep_parsing_and_plan(tmp_path):
-    grid = compare.parse_sweep(["dpo.learning_rate=1e-6,5e-6", "dpo.beta=0.1,0.2", "grpo.beta=0"], ["dpo", "grpo"])
-    assert grid["dpo"] == [{"learning_rate": "1e-6", "beta": "0.1"}, {"learning_rate": "1e-6", "beta": "0.2"},
-                           {"learning_rate": "5e-6", "beta": "0.1"}, {"learning_rate": "5e-6", "beta": "0.2"}]
+    grid = compare.parse_sweep(
+        ["dpo.learning_rate=1e-6,5e-6", "dpo.beta=0.1,0.2", "grpo.beta=0"], ["dpo", "grpo"]
+    )
+    assert grid["dpo"] == [
+        {"learning_rate": "1e-6", "beta": "0.1"},
+        {"learning_rate": "1e-6", "beta": "0.2"},
+        {"learning_rate": "5e-6", "beta": "0.1"},
+        {"learning_rate": "5e-6", "beta": "0.2"},
+    ]
     assert grid["grpo"] == [{"beta": "0"}] and compare.tag(grid["dpo"][1]) == "learning_rate_1e-6__beta_0.2"
     for bad in ("sft.learning_rate=1e-3", "dpo.learning_rate=", "dpo=1", "orpo.beta=0.1", "dpo.bad-flag=1"):
         with pytest.raises(common.UsageError, match="--sweep"):
             compare.parse_sweep([bad], ["dpo", "grpo"])
-    args = compare.Args(methods="sft,dpo,simpo", seeds=2, seed=5, sweep=("dpo.learning_rate=1e-6,5e-6",),
-                        dpo_args="--learning-rate 1e-5")
+    args = compare.Args(
+        methods="sft,dpo,simpo",
+        seeds=2,
+        seed=5,
+        sweep=("dpo.learning_rate=1e-6,5e-6",),
+        dpo_args="--learning-rate 1e-5",
+    )
     stages, base, seeds, _ = compare.plan(args, str(tmp_path))
     assert seeds == [5, 6] and [s["name"] for s in stages] == [
-        "sft", "dpo/learning_rate_1e-6/seed5", "dpo/learning_rate_5e-6/seed5", "simpo/seed5",
-        "dpo/learning_rate_1e-6/seed6", "dpo/learning_rate_5e-6/seed6", "simpo/seed6"]
+        "sft",
+        "dpo/learning_rate_1e-6/seed5",
+        "dpo/learning_rate_5e-6/seed5",
+        "simpo/seed5",
+        "dpo/learning_rate_1e-6/seed6",
+        "dpo/learning_rate_5e-6/seed6",
+        "simpo/seed6",
+    ]
     dpo = stages[4]["flags"]
-    assert dpo[-2:] == ["--learning-rate", "1e-6"]  # the swept value comes last: it overrides the pass-through
+    assert dpo[-2:] == [
+        "--learning-rate",
+        "1e-6",
+    ]  # the swept value comes last: it overrides the pass-through
     assert dpo[dpo.index("--seed") + 1] == "6" and dpo[dpo.index("--model") + 1] == base
-    assert stages[0]["flags"][stages[0]["flags"].index("--seed") + 1] == "5"  # one shared SFT base, seed --seed
+    assert (
+        stages[0]["flags"][stages[0]["flags"].index("--seed") + 1] == "5"
+    )  # one shared SFT base, seed --seed
     assert dpo[dpo.index("--output-dir") + 1] == str(tmp_path / "dpo" / "learning_rate_1e-6" / "seed6")
 
 
@@ -220,25 +275,40 @@ def test_run_cost_from_logged_numbers(tmp_path):
     rl, plain, old = tmp_path / "ppo", tmp_path / "dpo", tmp_path / "fork"
     for d in (rl, plain, old):
         d.mkdir()
-    rows = [{"step": 1, "charts/tokens": 2560.0, "charts/flops": 1e9}, {"step": 1, "eval/accuracy": 0.5},
-            {"step": 2, "charts/tokens": 2560.0, "charts/flops": 1.5e9}]
+    rows = [
+        {"step": 1, "charts/tokens": 2560.0, "charts/flops": 1e9},
+        {"step": 1, "eval/accuracy": 0.5},
+        {"step": 2, "charts/tokens": 2560.0, "charts/flops": 1.5e9},
+    ]
     for d in (rl, plain):
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (rl / "args.json").write_text(json.dumps({"max_steps": 20, "batch_size": 32, "response_length": 16}))
     (plain / "args.json").write_text(json.dumps({"max_steps": 40, "batch_size": 32}))
     (old / "metrics.jsonl").write_text(json.dumps({"step": 1, "train/loss": 1.0}) + "\n")
-    assert compare.run_cost(str(rl)) == [5120.0, 20 * 32 * 16, 2.5e9]  # logged before generated_tokens: R each
+    assert compare.run_cost(str(rl)) == [
+        5120.0,
+        20 * 32 * 16,
+        2.5e9,
+    ]  # logged before generated_tokens: R each
     sampled = [dict(r, **{"charts/generated_tokens": n}) for r, n in zip(rows[::2], (300.0, 212.0))]
     (rl / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in sampled))
     assert compare.run_cost(str(rl)) == [5120.0, 512.0, 2.5e9]  # the tokens sampled, through each EOS
     assert compare.run_cost(str(plain)) == [5120.0, 0.0, 2.5e9]  # no sampling: nothing generated
     tokens, generated, flops = compare.run_cost(str(old))  # a script that logs no counts: unknown, not 0
     assert np.isnan(tokens) and np.isnan(flops) and generated == 0
-    assert [compare.fmt(v) for v in (5120.0, 1.234e6, 2.5e12, float("nan"))] == ["5120", "1.23M", "2.50e12", "–"]
-    table = compare.table([("a", None, [55648.0, 0.0, 5e9, 1.0], ""), ("b", None, [1.1e5, 0.0, 2.5e12, 1.0], "")],
-                          "a", False)
+    assert [compare.fmt(v) for v in (5120.0, 1.234e6, 2.5e12, float("nan"))] == [
+        "5120",
+        "1.23M",
+        "2.50e12",
+        "–",
+    ]
+    table = compare.table(
+        [("a", None, [55648.0, 0.0, 5e9, 1.0], ""), ("b", None, [1.1e5, 0.0, 2.5e12, 1.0], "")], "a", False
+    )
     assert [line.split(" | ")[8:11] for line in table.splitlines()[2:]] == [
-        ["0.06M", "0", "5.00e09"], ["0.11M", "0", "2.50e12"]]  # one unit a column: its largest value's
+        ["0.06M", "0", "5.00e09"],
+        ["0.11M", "0", "2.50e12"],
+    ]  # one unit a column: its largest value's
     assert compare.fmt((0.5581, 0.0312)) == "0.558 ± 0.031"
 
 
@@ -254,19 +324,31 @@ def test_plan_controls_and_task_data(tmp_path):
     stages = {s["name"]: s for s in compare.plan(args, str(tmp_path))[0]}
     assert list(stages) == ["sft", "dpo/seed0", "kto/seed0", "sft+/seed0", "grpo/seed0", "sft+rl/seed0"]
     data = os.path.join(ROOT, "data", "compare")
-    expect = {"sft": "sft_train", "dpo/seed0": "prefs_train", "kto/seed0": "kto_train", "sft+/seed0": "sft_train",
-              "grpo/seed0": "prompts_train", "sft+rl/seed0": "sft_train"}
+    expect = {
+        "sft": "sft_train",
+        "dpo/seed0": "prefs_train",
+        "kto/seed0": "kto_train",
+        "sft+/seed0": "sft_train",
+        "grpo/seed0": "prompts_train",
+        "sft+rl/seed0": "sft_train",
+    }
     for name, file in expect.items():
         assert last(stages[name]["flags"], "--dataset") == os.path.join(data, file + ".jsonl"), name
     plus, dpo = stages["sft+/seed0"]["flags"], stages["dpo/seed0"]["flags"]
     assert last(plus, "--max-steps") == last(dpo, "--max-steps") == "7"
     assert int(last(plus, "--batch-size")) == 2 * int(last(dpo, "--batch-size"))  # 64 sequences each
-    assert last(plus, "--model") == str(tmp_path / "sft" / "model") and last(plus, "--learning-rate") == "1e-4"
+    assert (
+        last(plus, "--model") == str(tmp_path / "sft" / "model") and last(plus, "--learning-rate") == "1e-4"
+    )
     assert last(dpo, "--learning-rate") == str(args.learning_rate)
     rl = stages["sft+rl/seed0"]
     assert "--max-steps" not in rl["flags"] and rl["needs"] == ["sft", "sft+/seed0", "grpo/seed0"]
     # the curves' checkpoints: every steps / (3 + 1) updates, all kept; none with --curve-points 0
-    assert [last(stages[n]["flags"], "--save-every") for n in ("sft", "dpo/seed0", "grpo/seed0")] == ["250", "1", "1"]
+    assert [last(stages[n]["flags"], "--save-every") for n in ("sft", "dpo/seed0", "grpo/seed0")] == [
+        "250",
+        "1",
+        "1",
+    ]
     assert last(dpo, "--save-total-limit") == "0" and compare.curve_flags(341, 3)[1] == "85"
     none = compare.plan(dataclasses.replace(args, curve_points=0), str(tmp_path))[0]
     assert not any("--save-every" in s["flags"] for s in none)
@@ -276,30 +358,37 @@ def test_plan_controls_and_task_data(tmp_path):
     assert not any("--dataset" in s["flags"] for s in other)  # never the bundled data for a real model
     assert compare.task_prompts(args)[1] == os.path.join(data, "prompts_test.jsonl")
     assert compare.task_prompts(dataclasses.replace(args, task="toy"))[1] == os.path.join(
-        ROOT, "data", "prompts_test.jsonl")
+        ROOT, "data", "prompts_test.jsonl"
+    )
 
 
 def test_sft_plus_matches_preference_tokens():
     """A step of sft+ (64 demonstrations) and of dpo (32 pairs: prompt twice, chosen, rejected) train about the
     same number of tokens on data/compare/ (tiny tokenizer, BOS + EOS each sequence)."""
     import sentencepiece as spm
+
     sp = spm.SentencePieceProcessor(model_file=common.TINY_TOKENIZER)
     n = lambda text: len(sp.encode(text))
     read = lambda name: [json.loads(line) for line in open(os.path.join(ROOT, "data", "compare", name))]
     demo = np.mean([n(r["prompt"]) + n(r["completion"]) + 2 for r in read("sft_train.jsonl")])
-    pair = np.mean([2 * n(r["prompt"]) + n(r["chosen"]) + n(r["rejected"]) + 4 for r in read("prefs_train.jsonl")])
+    pair = np.mean(
+        [2 * n(r["prompt"]) + n(r["chosen"]) + n(r["rejected"]) + 4 for r in read("prefs_train.jsonl")]
+    )
     assert abs(64 * demo / (32 * pair) - 1) < 0.05, (demo, pair)
 
 
 def test_matched_steps_from_logged_flops(tmp_path):
     """sft+rl's updates = mean RL FLOPs of its seed / FLOPs of one sft+ update: (2.5e9 + 3.5e9) / 2 / 1e8 = 30."""
+
     def run(name, flops, steps=None):
         d = tmp_path / name
         d.mkdir(parents=True)
-        (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i, "charts/flops": f}) + "\n"
-                                                 for i, f in enumerate(flops)))
+        (d / "metrics.jsonl").write_text(
+            "".join(json.dumps({"step": i, "charts/flops": f}) + "\n" for i, f in enumerate(flops))
+        )
         if steps:
             (d / "args.json").write_text(json.dumps({"max_steps": steps}))
+
     run("sft+/seed0", [4e8, 6e8], steps=10)
     run("grpo/seed0", [1e9, 1.5e9])
     run("rloo/seed0", [3.5e9])
@@ -317,31 +406,56 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
     against sft only. The score-against-FLOPs curve of a grpo seed: sft's point (its logged 5e9 FLOPs, its
     score 0.625), a checkpoint at step 1 (5e9 + grpo's 2e9 so far, the checkpoint's 0.9), the end (8e9, 1.0)."""
     args = compare.Args(methods="sft,sft+,dpo,grpo,sft+rl", seeds=2, output_dir=str(tmp_path))
-    args = dataclasses.replace(args, **dict(zip(("eval_prompts", "test_prompts"), compare.task_prompts(args))))
+    args = dataclasses.replace(
+        args, **dict(zip(("eval_prompts", "test_prompts"), compare.task_prompts(args)))
+    )
     stages, base, seeds, grid = compare.plan(args, str(tmp_path))
-    scores = {"sft": [0.75, 0.75, 0.25, 0.75], "sft+": [1.0, 0.5, 0.5, 0.0], "dpo": [1.0, 1.0, 0.5, 1.0],
-              "sft+rl": [0.0, 0.0, 0.0, 0.0], "grpo": [1.0, 1.0, 1.0, 1.0]}
+    scores = {
+        "sft": [0.75, 0.75, 0.25, 0.75],
+        "sft+": [1.0, 0.5, 0.5, 0.0],
+        "dpo": [1.0, 1.0, 0.5, 1.0],
+        "sft+rl": [0.0, 0.0, 0.0, 0.0],
+        "grpo": [1.0, 1.0, 1.0, 1.0],
+    }
     arrays = lambda row: {k: np.array(scores[row]) for k in ("score", "score_sampled")} | {"kl": np.zeros(4)}
-    monkeypatch.setattr(compare, "evaluate_models",
-                        lambda a, prompts, b, jobs, d: {k: arrays(k.split("/")[0].split(" ")[0]) for k, *_ in jobs})
-    monkeypatch.setattr(compare, "checkpoint_scores",
-                        lambda a, b, dirs: {d: [(1, 0.9)] for d in dirs if "grpo" in d})
+    monkeypatch.setattr(
+        compare,
+        "evaluate_models",
+        lambda a, prompts, b, jobs, d: {k: arrays(k.split("/")[0].split(" ")[0]) for k, *_ in jobs},
+    )
+    monkeypatch.setattr(
+        compare, "checkpoint_scores", lambda a, b, dirs: {d: [(1, 0.9)] for d in dirs if "grpo" in d}
+    )
     (tmp_path / "sft").mkdir()
-    (tmp_path / "sft/metrics.jsonl").write_text(json.dumps({"step": 5, "train/loss": 1.0, "charts/flops": 5e9}))
+    (tmp_path / "sft/metrics.jsonl").write_text(
+        json.dumps({"step": 5, "train/loss": 1.0, "charts/flops": 5e9})
+    )
     for seed in seeds:
         (tmp_path / f"grpo/seed{seed}").mkdir(parents=True)
-        (tmp_path / f"grpo/seed{seed}/metrics.jsonl").write_text("".join(
-            json.dumps({"step": i, "reward": 0.5 + 0.1 * i + 0.01 * seed, "charts/flops": 1e9}) + "\n"
-            for i in range(3)))
+        (tmp_path / f"grpo/seed{seed}/metrics.jsonl").write_text(
+            "".join(
+                json.dumps({"step": i, "reward": 0.5 + 0.1 * i + 0.01 * seed, "charts/flops": 1e9}) + "\n"
+                for i in range(3)
+            )
+        )
     ok = {s["name"]: True for s in stages}
     md = compare.evaluate_and_report(args, str(tmp_path), stages, base, seeds, grid, ok, {}, 0.0)
-    cells = {r.split("**")[1]: [c.strip() for c in r.split("|")[2:-1]] for r in md.splitlines() if r.startswith("| **")}
-    s2 = (0.375 ** 2 + 0.125 ** 2 + 0.375 ** 2 + 0.625 ** 2) / 3
+    cells = {
+        r.split("**")[1]: [c.strip() for c in r.split("|")[2:-1]]
+        for r in md.splitlines()
+        if r.startswith("| **")
+    }
+    s2 = (0.375**2 + 0.125**2 + 0.375**2 + 0.625**2) / 3
     h = compare.t_quantile(0.975, 3) * np.sqrt(s2 / 4)
     assert abs(h - 3.182446 * np.sqrt(s2 / 4)) < 1e-5
-    assert cells["dpo"][2] == f"0.375 ± {h:.3f} (sft+)" and cells["dpo"][1] == "0.250 ± 0.000"  # dpo − sft: .25
+    assert (
+        cells["dpo"][2] == f"0.375 ± {h:.3f} (sft+)" and cells["dpo"][1] == "0.250 ± 0.000"
+    )  # dpo − sft: .25
     assert cells["grpo"][2] == "1.000 ± 0.000 (sft+rl)" and cells["sft+"][2] == "–" and cells["sft"][2] == "–"
-    assert cells["dpo"][-1] == f"beats sft (Δ +0.250 ± 0.000); within noise of sft+ (Δ +0.375 ± {h:.3f} covers 0)"
+    assert (
+        cells["dpo"][-1]
+        == f"beats sft (Δ +0.250 ± 0.000); within noise of sft+ (Δ +0.375 ± {h:.3f} covers 0)"
+    )
     assert (tmp_path / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     curves = json.loads((tmp_path / "curves.json").read_text())
     np.testing.assert_allclose(curves["grpo"], [[[5e9, 0.625], [7e9, 0.9], [8e9, 1.0]]] * 2)
@@ -351,9 +465,11 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
 
 def test_seed_band_aligns_the_ends():
     """Seeds with 4 and 3 points (one checkpoint more): the first 2 points and each end, averaged."""
-    runs = [np.array([[0, .5], [1, .6], [2, .7], [3, .8]]), np.array([[0, .5], [1, .4], [2.5, .9]])]
+    runs = [np.array([[0, 0.5], [1, 0.6], [2, 0.7], [3, 0.8]]), np.array([[0, 0.5], [1, 0.4], [2.5, 0.9]])]
     x, mean, low, high = compare.seed_band(runs)
-    for got, expected in zip((x, mean, low, high), ([0, 1, 2.75], [.5, .5, .85], [.5, .4, .8], [.5, .6, .9])):
+    for got, expected in zip(
+        (x, mean, low, high), ([0, 1, 2.75], [0.5, 0.5, 0.85], [0.5, 0.4, 0.8], [0.5, 0.6, 0.9])
+    ):
         np.testing.assert_allclose(got, expected)
 
 
@@ -371,6 +487,7 @@ def test_compare_task_data(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(os.path.join(ROOT, "data"))
     import generate
     import toy
+
     read = lambda name: [json.loads(line) for line in open(os.path.join(ROOT, "data", "compare", name))]
     demos = read("sft_train.jsonl")
     right = [toy.answer(d["prompt"]).split() for d in demos]
@@ -378,10 +495,13 @@ def test_compare_task_data(tmp_path, monkeypatch):
     wrong = [(r, w) for r, w in repeated if w != r]
     n, habit = len(repeated), generate.HABIT
     assert len(demos) == 4000 and abs(len(wrong) / n - habit) < 3 * np.sqrt(habit * (1 - habit) / n)  # 3σ
-    assert all(toy.answer(d["prompt"]).split() == d["completion"].split() for d in demos
-               if len(set(toy.parse_digits(d["prompt"]))) == len(toy.parse_digits(d["prompt"])))
+    assert all(
+        toy.answer(d["prompt"]).split() == d["completion"].split()
+        for d in demos
+        if len(set(toy.parse_digits(d["prompt"]))) == len(toy.parse_digits(d["prompt"]))
+    )
     # each wrong one: a repeated digit written once, i.e. the sorted list with one copy of it removed
-    drop = lambda r, w: any(r[:i] + r[i + 1:] == w for i in range(len(r)) if r[i] in r[:i] + r[i + 1:])
+    drop = lambda r, w: any(r[:i] + r[i + 1 :] == w for i in range(len(r)) if r[i] in r[:i] + r[i + 1 :])
     assert all(drop(r, w) for r, w in wrong) and not drop(["1", "2", "3"], ["1", "3"])
     assert 0.25 < len(wrong) / len(demos) < 0.35  # the share docs/compare.md states: about 30%
     assert all(toy.score(d["prompt"], d["completion"]) == 1.0 for d in read("sft_eval.jsonl"))
@@ -400,16 +520,22 @@ def test_compare_task_data(tmp_path, monkeypatch):
     monkeypatch.setattr(generate, "HERE", str(tmp_path))
     generate.compare_task()
     for name in os.listdir(os.path.join(ROOT, "data", "compare")):
-        assert (tmp_path / "compare" / name).read_bytes() == open(os.path.join(ROOT, "data", "compare", name),
-                                                                   "rb").read(), name
+        assert (tmp_path / "compare" / name).read_bytes() == open(
+            os.path.join(ROOT, "data", "compare", name), "rb"
+        ).read(), name
 
 
 # ---------------------------------------------------------------------------
 # compare.py: plan and end to end
 # ---------------------------------------------------------------------------
 def test_compare_plan_reward_model_for_ppo(tmp_path):
-    args = compare.Args(methods="sft,dpo,ppo", dpo_args="--beta 0.2 --learning-rate 1e-5", steps=7, seeds=1,
-                        output_dir=str(tmp_path))
+    args = compare.Args(
+        methods="sft,dpo,ppo",
+        dpo_args="--beta 0.2 --learning-rate 1e-5",
+        steps=7,
+        seeds=1,
+        output_dir=str(tmp_path),
+    )
     stages, base, _, _ = compare.plan(args, str(tmp_path))
     names = [s["name"] for s in stages]
     assert names == ["sft", "reward/seed0", "dpo/seed0", "ppo/seed0", "ppo_fn/seed0"]
@@ -425,27 +551,42 @@ def test_compare_plan_reward_model_for_ppo(tmp_path):
     only_fn = compare.plan(compare.Args(methods="ppo", ppo_reward="fn", seeds=1), str(tmp_path))[0]
     assert [s["name"] for s in only_fn] == ["ppo/seed0"] and "--model" in only_fn[0]["flags"]
     assert only_fn[0]["flags"][only_fn[0]["flags"].index("--model") + 1] == "tiny"  # no sft: from --model
-    grpo = compare.plan(compare.Args(methods="sft,grpo", grpo_steps=5, grpo_args="--beta 0", seeds=1),
-                        str(tmp_path))[0][1]
+    grpo = compare.plan(
+        compare.Args(methods="sft,grpo", grpo_steps=5, grpo_args="--beta 0", seeds=1), str(tmp_path)
+    )[0][1]
     assert grpo["name"] == "grpo/seed0" and grpo["needs"] == ["sft"]
-    assert grpo["flags"][grpo["flags"].index("--max-steps") + 1] == "5" and grpo["flags"][-2:] == ["--beta", "0"]
+    assert grpo["flags"][grpo["flags"].index("--max-steps") + 1] == "5" and grpo["flags"][-2:] == [
+        "--beta",
+        "0",
+    ]
     assert grpo["flags"][grpo["flags"].index("--reward-fn") + 1] == compare.Args().reward_fn
-    rloo = compare.plan(compare.Args(methods="sft,rloo", rloo_steps=6, rloo_args="--beta 0", seeds=1),
-                        str(tmp_path))[0][1]
+    rloo = compare.plan(
+        compare.Args(methods="sft,rloo", rloo_steps=6, rloo_args="--beta 0", seeds=1), str(tmp_path)
+    )[0][1]
     assert rloo["name"] == "rloo/seed0" and rloo["needs"] == ["sft"] and rloo["script"].endswith("rloo.py")
-    assert rloo["flags"][rloo["flags"].index("--max-steps") + 1] == "6" and rloo["flags"][-2:] == ["--beta", "0"]
+    assert rloo["flags"][rloo["flags"].index("--max-steps") + 1] == "6" and rloo["flags"][-2:] == [
+        "--beta",
+        "0",
+    ]
     assert rloo["flags"][rloo["flags"].index("--reward-fn") + 1] == compare.Args().reward_fn
 
 
 def test_plan_distill_row_needs_a_teacher(tmp_path):
     """distill: from the base, --steps updates on the task's prompts, graded by --teacher-model; read against
     sft+ (same steps); without a teacher the plan refuses before anything runs."""
-    args = compare.Args(methods="sft,sft+,distill", steps=7, seeds=1, teacher_model="runs/teacher/model",
-                        distill_args="--beta 0.5")
+    args = compare.Args(
+        methods="sft,sft+,distill",
+        steps=7,
+        seeds=1,
+        teacher_model="runs/teacher/model",
+        distill_args="--beta 0.5",
+    )
     stages = {s["name"]: s for s in compare.plan(args, str(tmp_path))[0]}
     assert list(stages) == ["sft", "distill/seed0", "sft+/seed0"]
     flags = stages["distill/seed0"]["flags"]
-    assert stages["distill/seed0"]["script"].endswith("distill.py") and stages["distill/seed0"]["needs"] == ["sft"]
+    assert stages["distill/seed0"]["script"].endswith("distill.py") and stages["distill/seed0"]["needs"] == [
+        "sft"
+    ]
     assert last(flags, "--teacher-model") == "runs/teacher/model" and last(flags, "--max-steps") == "7"
     assert last(flags, "--model") == str(tmp_path / "sft" / "model") and flags[-2:] == ["--beta", "0.5"]
     assert last(flags, "--dataset") == os.path.join(ROOT, "data", "compare", "prompts_train.jsonl")
@@ -479,13 +620,39 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     fork = tmp_path / "mydpo.py"
     fork.write_text(open(os.path.join(ROOT, "dpo.py")).read())
     out = tmp_path / "cmp"
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "compare.py"), "--model", "tiny", "--methods", "sft",
-                           "--extra", str(fork), "--sft-steps", "20", "--steps", "4", "--num-prompts", "16",
-                           "--seeds", "2", "--sweep", "mydpo.learning_rate=1e-5,1e-3", "--output-dir", str(out),
-                           "--curve-points", "1", "--sft-args=--eval-dataset ''",
-                           "--extra-args=--eval-dataset '' --batch-size 8"],
-                          cwd=ROOT, capture_output=True, text=True, timeout=1200,
-                          env=learning_env())  # its evaluation samples 16 prompts × 2 seeds × 3 models
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "compare.py"),
+            "--model",
+            "tiny",
+            "--methods",
+            "sft",
+            "--extra",
+            str(fork),
+            "--sft-steps",
+            "20",
+            "--steps",
+            "4",
+            "--num-prompts",
+            "16",
+            "--seeds",
+            "2",
+            "--sweep",
+            "mydpo.learning_rate=1e-5,1e-3",
+            "--output-dir",
+            str(out),
+            "--curve-points",
+            "1",
+            "--sft-args=--eval-dataset ''",
+            "--extra-args=--eval-dataset '' --batch-size 8",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=learning_env(),
+    )  # its evaluation samples 16 prompts × 2 seeds × 3 models
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
     md = (out / "comparison.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| **")]
@@ -496,8 +663,10 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     assert cells["mydpo"][2] == cells["sft"][2] == "–"  # no sft+ ran: no control to read against
     # the sweep: every setting's eval-split score in the report, the best mean kept, the test split reported
     load = lambda d: np.load(d / "scores.npz")["score"]
-    evals = {v: np.mean([load(out / "mydpo" / f"learning_rate_{v}" / f"seed{s}" / "eval_eval") for s in (0, 1)])
-             for v in ("1e-5", "1e-3")}
+    evals = {
+        v: np.mean([load(out / "mydpo" / f"learning_rate_{v}" / f"seed{s}" / "eval_eval") for s in (0, 1)])
+        for v in ("1e-5", "1e-3")
+    }
     kept = max(evals, key=evals.get)
     assert f"| mydpo | `learning_rate_{kept}` | {evals[kept]:.3f} ± " in md and md.count("**kept**") == 1
     assert rows[1].startswith(f"| **mydpo (`learning_rate_{kept}`)**")
@@ -511,10 +680,14 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
         assert result["seed"] == s and np.isclose(load(run / "eval_test").mean(), result["score"])
     assert not json.loads((out / "sft" / "args.json").read_text())["eval_dataset"]  # --sft-args reached sft
     other = "1e-5" if kept == "1e-3" else "1e-3"
-    assert not (out / "mydpo" / f"learning_rate_{other}" / "seed0" / "eval_test").exists()  # only the kept one
+    assert not (
+        out / "mydpo" / f"learning_rate_{other}" / "seed0" / "eval_test"
+    ).exists()  # only the kept one
     # the paired difference: mean over seeds and prompts of (mydpo − sft) on the test split
     runs = [out / "mydpo" / f"learning_rate_{kept}" / f"seed{s}" for s in (0, 1)]
-    diff = np.mean([load(r / "eval_test") - load(out / "sft" / "eval_test" / f"seed{s}") for s, r in enumerate(runs)])
+    diff = np.mean(
+        [load(r / "eval_test") - load(out / "sft" / "eval_test" / f"seed{s}") for s, r in enumerate(runs)]
+    )
     assert cells["mydpo"][1].startswith(f"{diff:+.3f} ± ".lstrip("+"))
     # costs: the runs' own logged counts, mean over seeds
     cost = np.mean([compare.run_cost(str(r)) for r in runs], 0)
@@ -536,12 +709,19 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     (copy / "args.json").write_text(json.dumps({"max_steps": 21}))  # its last checkpoint (20) is scored too
     import orbax.checkpoint as ocp
     from ppo import PPOParams
+
     with ocp.CheckpointManager(str(copy / "checkpoints")) as manager:
         weights = manager.restore(20, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state[0]
-    ppo_like = tmp_path / "ppo_like"  # a ppo run's checkpoint: policy, value model and head; the policy answers
+    ppo_like = (
+        tmp_path / "ppo_like"
+    )  # a ppo run's checkpoint: policy, value model and head; the policy answers
     with ocp.CheckpointManager(str(ppo_like / "checkpoints")) as manager:
-        manager.save(20, args=ocp.args.Composite(state=ocp.args.StandardSave(
-            (PPOParams(weights, weights, {"bias": np.zeros(())}), {}))))
+        manager.save(
+            20,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave((PPOParams(weights, weights, {"bias": np.zeros(())}), {}))
+            ),
+        )
     (ppo_like / "args.json").write_text(json.dumps({"max_steps": 21}))
     args = compare.Args(num_prompts=16, test_prompts=compare.task_prompts(compare.Args())[1])
     got = compare.checkpoint_scores(args, "tiny", [str(copy), str(ppo_like)])
@@ -569,7 +749,12 @@ def test_evaluate_pads_each_batch_to_its_own_bucket(tmp_path):
     on_data = NamedSharding(mesh, P("data"))
     for i in range(2):  # the run-wide width, as before buckets
         rows_i = slice(8 * i, 8 * i + 8)
-        wide = policy.fns["sampled"](policy.params, policy.frozen, jax.device_put(data["queries"][rows_i], on_data),
-                                     jax.device_put(data["query_mask"][rows_i], on_data), jax.random.fold_in(key, i))[0]
+        wide = policy.fns["sampled"](
+            policy.params,
+            policy.frozen,
+            jax.device_put(data["queries"][rows_i], on_data),
+            jax.device_put(data["query_mask"][rows_i], on_data),
+            jax.random.fold_in(key, i),
+        )[0]
         wide, _ = evaluate.truncate_response(wide, data["stops"], data["pad"])
         np.testing.assert_array_equal(out["responses"][rows_i], np.asarray(wide))

@@ -14,8 +14,10 @@ import pytest
 import common
 from helpers import ROOT, one_device_env, run_script, usage_error
 
-PAIRS = [{"prompt": "Sort: 2 1", "chosen": " 1 2", "rejected": " 2 1"},
-         {"prompt": "Sort: 3 1", "chosen": " 1 3", "rejected": " 3 1"}]
+PAIRS = [
+    {"prompt": "Sort: 2 1", "chosen": " 1 2", "rejected": " 2 1"},
+    {"prompt": "Sort: 3 1", "chosen": " 1 3", "rejected": " 3 1"},
+]
 HELD_OUT = [{"prompt": "Sort: 5 4", "chosen": " 4 5", "rejected": " 5 4"}]
 SCRIPTS = ("sft", "dpo", "simpo", "orpo", "kto", "reward")  # the ones with an eval set
 
@@ -29,15 +31,19 @@ def prefs(tmp_path_factory):
     """`load_dataset(...).save_to_disk(dir)` as for HuggingFaceH4/ultrafeedback_binarized: a DatasetDict
     folder with TRL's split names; its test split's one row fits no script's format."""
     import datasets
+
     path = str(tmp_path_factory.mktemp("data") / "prefs")
-    datasets.DatasetDict(train_prefs=datasets.Dataset.from_list(PAIRS),
-                         test_prefs=datasets.Dataset.from_list(HELD_OUT),
-                         broken=datasets.Dataset.from_list([{"question": "?"}])).save_to_disk(path)
+    datasets.DatasetDict(
+        train_prefs=datasets.Dataset.from_list(PAIRS),
+        test_prefs=datasets.Dataset.from_list(HELD_OUT),
+        broken=datasets.Dataset.from_list([{"question": "?"}]),
+    ).save_to_disk(path)
     return path
 
 
 def test_a_saved_dataset_folder_is_one_split(tmp_path):
     import datasets
+
     datasets.Dataset.from_list(PAIRS).save_to_disk(str(tmp_path / "saved"))
     assert common.read_rows(str(tmp_path / "saved")) == rows_of(PAIRS)
     with pytest.raises(common.UsageError, match=r"saved: no split 'test'; its splits: train$"):
@@ -47,7 +53,9 @@ def test_a_saved_dataset_folder_is_one_split(tmp_path):
 def test_a_dataset_dict_folder_reads_the_split_asked_for(prefs):
     assert common.read_rows(prefs, "--dataset", None, "train_prefs") == rows_of(PAIRS)
     assert common.read_rows(prefs, "--eval-dataset", None, "test_prefs") == rows_of(HELD_OUT)
-    triples = common.read_dataset(prefs, "preference", common.chat_template("tiny"), "--dataset", None, "train_prefs")
+    triples = common.read_dataset(
+        prefs, "preference", common.chat_template("tiny"), "--dataset", None, "train_prefs"
+    )
     assert triples == [(r["prompt"], r["chosen"], r["rejected"]) for r in PAIRS]
 
 
@@ -56,7 +64,9 @@ def test_a_missing_split_is_refused_listing_the_splits(prefs):
     with pytest.raises(common.UsageError) as e:
         common.read_rows(prefs)
     assert str(e.value) == f"--dataset {prefs}: no split 'train'; its splits: train_prefs, test_prefs, broken"
-    with pytest.raises(common.UsageError, match="--eval-dataset .*: name a split \\(--eval-split\\); its splits"):
+    with pytest.raises(
+        common.UsageError, match="--eval-dataset .*: name a split \\(--eval-split\\); its splits"
+    ):
         common.read_rows(prefs, "--eval-dataset", None, None)  # --eval-dataset a DatasetDict, no --eval-split
 
 
@@ -70,14 +80,22 @@ def test_eval_split_takes_the_eval_set_from_the_same_dataset(prefs, tmp_path):
     assert common.eval_source(prefs, defaults[1], "test_prefs", defaults) == (prefs, "test_prefs", of)
     assert common.eval_source(prefs, "other", "test", defaults) == ("other", "test", "--eval-dataset")
     assert common.eval_source(prefs, "other", None, defaults) == ("other", None, "--eval-dataset")
-    assert common.eval_source(prefs, defaults[1], None, defaults) == (None, None, None)  # own data: no toy eval
-    assert common.eval_source(defaults[0], defaults[1], None, defaults)[:2] == (defaults[1], None)  # the toy task
+    assert common.eval_source(prefs, defaults[1], None, defaults) == (
+        None,
+        None,
+        None,
+    )  # own data: no toy eval
+    assert common.eval_source(defaults[0], defaults[1], None, defaults)[:2] == (
+        defaults[1],
+        None,
+    )  # the toy task
     assert common.eval_source(prefs, "", None, defaults)[:2] == (None, None)
     with pytest.raises(common.UsageError, match='--eval-split test: --eval-dataset "" turns evaluation off'):
         common.eval_source(prefs, "", "test", defaults)
     # A real model's run never gets the bundled eval file: its own split, its own file, or none.
     import dpo
     import plumbing
+
     assert plumbing.cli(dpo.Args, ["--model", "gemma_2b", "--dataset", prefs, "--eval-split=test_prefs"])
     assert plumbing.cli(dpo.Args, ["--model", "gemma_2b", "--dataset", prefs])
     # Each script's main: the eval set is read from --dataset's split (its bad row is named), and before
@@ -86,8 +104,10 @@ def test_eval_split_takes_the_eval_set_from_the_same_dataset(prefs, tmp_path):
         script = __import__(name)
         flags = ["--model", "tiny", "--dataset", prefs, "--output-dir", str(tmp_path / name)]
         assert usage_error(script, *flags, "--eval-split", "broken").startswith(f"{prefs}:1: "), name
-        assert usage_error(script, *flags, "--eval-split", "test") == \
-            f"{of} {prefs}: no split 'test'; its splits: train_prefs, test_prefs, broken", name  # not --eval-dataset
+        assert (
+            usage_error(script, *flags, "--eval-split", "test")
+            == f"{of} {prefs}: no split 'test'; its splits: train_prefs, test_prefs, broken"
+        ), name  # not --eval-dataset
         assert not os.path.exists(tmp_path / name)
 
 
@@ -98,10 +118,17 @@ def hub_copy(repo, field):
         (repo / config).mkdir(parents=True)
         for split in ("train", "test"):
             (repo / config / f"{split}-00000-of-00001.jsonl").write_text(
-                f'{{"{field}": "{config} {split}", "answer": "4"}}\n')
-    (repo / "README.md").write_text("---\nconfigs:\n" + "".join(
-        f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train-*\n"
-        f"  - split: test\n    path: {c}/test-*\n" for c in ("main", "socratic")) + "---\n")
+                f'{{"{field}": "{config} {split}", "answer": "4"}}\n'
+            )
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n"
+        + "".join(
+            f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train-*\n"
+            f"  - split: test\n    path: {c}/test-*\n"
+            for c in ("main", "socratic")
+        )
+        + "---\n"
+    )
     return repo
 
 
@@ -110,22 +137,30 @@ def test_a_local_copy_of_a_hub_repo_takes_dataset_config(tmp_path):
     does another folder of the same name (its cache, keyed by name and configs, served stale rows for both);
     without a configuration, its message names the flag."""
     repo = hub_copy(tmp_path / "gsm8k", "question")
-    assert common.read_rows(str(repo), "--dataset", "socratic", "test") == [({"question": "socratic test",
-                                                                              "answer": "4"}, 1)]
+    assert common.read_rows(str(repo), "--dataset", "socratic", "test") == [
+        ({"question": "socratic test", "answer": "4"}, 1)
+    ]
     (repo / "socratic" / "test-00000-of-00001.jsonl").write_text('{"question": "edited", "answer": "5"}\n')
-    assert common.read_rows(str(repo), "--dataset", "socratic", "test") == [({"question": "edited", "answer": "5"}, 1)]
+    assert common.read_rows(str(repo), "--dataset", "socratic", "test") == [
+        ({"question": "edited", "answer": "5"}, 1)
+    ]
     other = hub_copy(tmp_path / "other" / "gsm8k", "prompt")
-    assert common.read_rows(str(other), "--dataset", "main", "train") == [({"prompt": "main train", "answer": "4"}, 1)]
+    assert common.read_rows(str(other), "--dataset", "main", "train") == [
+        ({"prompt": "main train", "answer": "4"}, 1)
+    ]
     with pytest.raises(common.UsageError) as e:
         common.read_rows(str(repo))
-    assert str(e.value) == (f"--dataset {repo}: Config name is missing. Please pick one among the available "
-                            "configs: ['main', 'socratic'] (--dataset-config)")
+    assert str(e.value) == (
+        f"--dataset {repo}: Config name is missing. Please pick one among the available "
+        "configs: ['main', 'socratic'] (--dataset-config)"
+    )
 
 
 def test_evaluate_takes_a_hub_datasets_config_and_split(tmp_path):
     """evaluate.py's --prompts reads a Hub dataset as --dataset does, with its own --prompts-config and
     --prompts-split; datasets' messages name those flags."""
     import evaluate
+
     repo = str(hub_copy(tmp_path / "gsm8k", "prompt"))
     mesh = common.make_mesh(None)
     args = evaluate.Args(prompts=repo, prompts_config="socratic", prompts_split="test")
@@ -133,9 +168,13 @@ def test_evaluate_takes_a_hub_datasets_config_and_split(tmp_path):
     assert rows == [{"prompt": "socratic test", "answer": "4"}] and prompts == ["socratic test"]
     with pytest.raises(common.UsageError, match=r"configs: \['main', 'socratic'\] \(--prompts-config\)$"):
         evaluate.check_args(evaluate.Args(prompts=repo), mesh)
-    with pytest.raises(common.UsageError, match=r"name a split \(--prompts-split\); its splits: train, test$"):
+    with pytest.raises(
+        common.UsageError, match=r"name a split \(--prompts-split\); its splits: train, test$"
+    ):
         evaluate.check_args(evaluate.Args(prompts=repo, prompts_config="main"), mesh)
-    with pytest.raises(common.UsageError, match=r"configs: \['main', 'socratic'\]$"):  # compare.py: no such flag
+    with pytest.raises(
+        common.UsageError, match=r"configs: \['main', 'socratic'\]$"
+    ):  # compare.py: no such flag
         common.read_rows(repo, "--eval-prompts")
 
 
@@ -143,6 +182,7 @@ def test_parquet_reads_through_the_lock(tmp_path):
     """`datasets` and `pyarrow` are in requirements.txt, so a .parquet file needs no extra install."""
     import pyarrow as pa
     import pyarrow.parquet as pq
+
     with open(os.path.join(ROOT, "requirements.txt")) as f:
         pinned = set(re.findall(r"^([A-Za-z0-9_.-]+)==", f.read(), re.M))
     assert {"datasets", "pyarrow"} <= pinned
@@ -158,20 +198,26 @@ def test_a_hub_id_offline_or_unreachable_is_one_fast_line(monkeypatch):
     under the 23 s that load_dataset's retries take."""
     import datasets
     import huggingface_hub
+
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)  # what HF_HUB_OFFLINE=1 sets at import
     with pytest.raises(common.UsageError) as e:
         common.read_rows("trl-lib/Capybara")
-    assert str(e.value) == ("--dataset trl-lib/Capybara: no such local file or folder, and HF_HUB_OFFLINE is set "
-                            "and it is not in the local cache: unset it")
+    assert str(e.value) == (
+        "--dataset trl-lib/Capybara: no such local file or folder, and HF_HUB_OFFLINE is set "
+        "and it is not in the local cache: unset it"
+    )
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", False)
     with socket.socket() as s:  # a free port, closed again: connections to it are refused
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{port}")
     start = time.perf_counter()
-    with pytest.raises(common.UsageError, match=r"^--dataset gsm8k: no such local file or folder, and the Hugging "
-                                                r"Face Hub cannot be reached \(no network\?\): connect, or set "
-                                                r"HF_HUB_OFFLINE=1 to use a cached copy$"):
+    with pytest.raises(
+        common.UsageError,
+        match=r"^--dataset gsm8k: no such local file or folder, and the Hugging "
+        r"Face Hub cannot be reached \(no network\?\): connect, or set "
+        r"HF_HUB_OFFLINE=1 to use a cached copy$",
+    ):
         common.read_rows("gsm8k", "--dataset", "main")
     assert time.perf_counter() - start < 5
 
@@ -180,9 +226,13 @@ def test_a_hub_id_offline_exits_2_in_one_line(tmp_path):
     """Through the CLI: HF_HUB_OFFLINE=1, nothing cached -> one line on stderr, exit 2, nothing written."""
     env = one_device_env() | {"HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf")}
     out = tmp_path / "out"
-    res = run_script("grpo.py", "--dataset", "trl-lib/DeepMath-103K", "--output-dir", str(out), env=env, timeout=120)
+    res = run_script(
+        "grpo.py", "--dataset", "trl-lib/DeepMath-103K", "--output-dir", str(out), env=env, timeout=120
+    )
     assert res.returncode == 2, res.stderr[-3000:]
-    assert res.stderr.strip().splitlines() == ["error: --dataset trl-lib/DeepMath-103K: no such local file or "
-                                               "folder, and HF_HUB_OFFLINE is set and it is not in the local cache: "
-                                               "unset it"]
+    assert res.stderr.strip().splitlines() == [
+        "error: --dataset trl-lib/DeepMath-103K: no such local file or "
+        "folder, and HF_HUB_OFFLINE is set and it is not in the local cache: "
+        "unset it"
+    ]
     assert not out.exists()

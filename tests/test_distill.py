@@ -30,22 +30,38 @@ STUDENT_LOGITS = [2 * log(2), 0.0, 0.0]  # τ = 2: p_S = (1/2, 1/4, 1/4);  τ = 
 TEACHER_LOGITS = [0.0, 2 * log(3), 2 * log(4)]  # τ = 2: p_T = (1/8, 3/8, 1/2);  τ = 1: (1/26, 9/26, 16/26)
 BY_HAND = {
     # τ = 2.  β = 0: KL(p_T ‖ p_S) = Σ p_T log(p_T / p_S)
-    (2.0, 0.0): 1 / 8 * log((1 / 8) / (1 / 2)) + 3 / 8 * log((3 / 8) / (1 / 4)) + 1 / 2 * log((1 / 2) / (1 / 4)),
+    (2.0, 0.0): 1 / 8 * log((1 / 8) / (1 / 2))
+    + 3 / 8 * log((3 / 8) / (1 / 4))
+    + 1 / 2 * log((1 / 2) / (1 / 4)),
     # β = 1: KL(p_S ‖ p_T) = Σ p_S log(p_S / p_T)
-    (2.0, 1.0): 1 / 2 * log((1 / 2) / (1 / 8)) + 1 / 4 * log((1 / 4) / (3 / 8)) + 1 / 4 * log((1 / 4) / (1 / 2)),
+    (2.0, 1.0): 1 / 2 * log((1 / 2) / (1 / 8))
+    + 1 / 4 * log((1 / 4) / (3 / 8))
+    + 1 / 4 * log((1 / 4) / (1 / 2)),
     # β = 0.5: m = (p_S + p_T) / 2 = (5/16, 5/16, 6/16); ½·KL(p_T ‖ m) + ½·KL(p_S ‖ m)
-    (2.0, 0.5): 0.5 * (1 / 8 * log((1 / 8) / (5 / 16)) + 3 / 8 * log((3 / 8) / (5 / 16))
-                       + 1 / 2 * log((1 / 2) / (6 / 16)))
-                + 0.5 * (1 / 2 * log((1 / 2) / (5 / 16)) + 1 / 4 * log((1 / 4) / (5 / 16))
-                         + 1 / 4 * log((1 / 4) / (6 / 16))),
+    (2.0, 0.5): 0.5
+    * (1 / 8 * log((1 / 8) / (5 / 16)) + 3 / 8 * log((3 / 8) / (5 / 16)) + 1 / 2 * log((1 / 2) / (6 / 16)))
+    + 0.5
+    * (1 / 2 * log((1 / 2) / (5 / 16)) + 1 / 4 * log((1 / 4) / (5 / 16)) + 1 / 4 * log((1 / 4) / (6 / 16))),
     # τ = 1: p_S = (4/6, 1/6, 1/6), p_T = (1/26, 9/26, 16/26)
-    (1.0, 0.0): 1 / 26 * log((1 / 26) / (4 / 6)) + 9 / 26 * log((9 / 26) / (1 / 6)) + 16 / 26 * log((16 / 26) / (1 / 6)),
-    (1.0, 1.0): 4 / 6 * log((4 / 6) / (1 / 26)) + 1 / 6 * log((1 / 6) / (9 / 26)) + 1 / 6 * log((1 / 6) / (16 / 26)),
+    (1.0, 0.0): 1 / 26 * log((1 / 26) / (4 / 6))
+    + 9 / 26 * log((9 / 26) / (1 / 6))
+    + 16 / 26 * log((16 / 26) / (1 / 6)),
+    (1.0, 1.0): 4 / 6 * log((4 / 6) / (1 / 26))
+    + 1 / 6 * log((1 / 6) / (9 / 26))
+    + 1 / 6 * log((1 / 6) / (16 / 26)),
     # m = (4/6 + 1/26, 1/6 + 9/26, 1/6 + 16/26) / 2
-    (1.0, 0.5): 0.5 * (1 / 26 * log((1 / 26) / ((4 / 6 + 1 / 26) / 2)) + 9 / 26 * log((9 / 26) / ((1 / 6 + 9 / 26) / 2))
-                       + 16 / 26 * log((16 / 26) / ((1 / 6 + 16 / 26) / 2)))
-                + 0.5 * (4 / 6 * log((4 / 6) / ((4 / 6 + 1 / 26) / 2)) + 1 / 6 * log((1 / 6) / ((1 / 6 + 9 / 26) / 2))
-                         + 1 / 6 * log((1 / 6) / ((1 / 6 + 16 / 26) / 2))),
+    (1.0, 0.5): 0.5
+    * (
+        1 / 26 * log((1 / 26) / ((4 / 6 + 1 / 26) / 2))
+        + 9 / 26 * log((9 / 26) / ((1 / 6 + 9 / 26) / 2))
+        + 16 / 26 * log((16 / 26) / ((1 / 6 + 16 / 26) / 2))
+    )
+    + 0.5
+    * (
+        4 / 6 * log((4 / 6) / ((4 / 6 + 1 / 26) / 2))
+        + 1 / 6 * log((1 / 6) / ((1 / 6 + 9 / 26) / 2))
+        + 1 / 6 * log((1 / 6) / ((1 / 6 + 16 / 26) / 2))
+    ),
 }
 
 
@@ -59,16 +75,21 @@ def test_generalized_jsd_by_hand_on_three_tokens(temperature, beta):
 
 def test_the_two_kls_differ_and_jsd_is_bounded_by_log_2():
     """The numbers above are not one number thrice: forward ≠ reverse here, and the JSD (β = ½) ≤ log 2."""
-    assert abs(BY_HAND[2.0, 0.0] - BY_HAND[2.0, 1.0]) > 0.09 and abs(BY_HAND[1.0, 0.0] - BY_HAND[1.0, 1.0]) > 0.09
+    assert (
+        abs(BY_HAND[2.0, 0.0] - BY_HAND[2.0, 1.0]) > 0.09
+        and abs(BY_HAND[1.0, 0.0] - BY_HAND[1.0, 1.0]) > 0.09
+    )
     assert 0 < BY_HAND[2.0, 0.5] < log(2) and 0 < BY_HAND[1.0, 0.5] < log(2)
 
 
 def jsd64(student_logits, teacher_logits, mask, beta, temperature):
     """Float64 NumPy from the definitions: probabilities, the mixture m as probabilities, the loss as TRL
     reduces it (Σ over completion tokens ÷ their count)."""
+
     def probs(x):
         z = np.exp(x / temperature - (x / temperature).max(-1, keepdims=True))
         return z / z.sum(-1, keepdims=True)
+
     ps, pt = probs(np.float64(student_logits)), probs(np.float64(teacher_logits))
     kl = lambda p, q: (p * (np.log(p) - np.log(q))).sum(-1)
     if beta == 0:
@@ -123,15 +144,24 @@ def pair():
     student = common.load_model("tiny", mesh, "float32", seed=0)
     teacher = common.load_model("tiny", mesh, "float32", seed=1)
     tokenizer = student.preprocessor.tokenizer
-    queries, query_mask = distill.tokenize_prompts(["Sort: 3 1 2", "Sort: 9 8", "Sort: 5 5 0 1", "Sort: 7"],
-                                                   tokenizer, 64)
+    queries, query_mask = distill.tokenize_prompts(
+        ["Sort: 3 1 2", "Sort: 9 8", "Sort: 5 5 0 1", "Sort: 7"], tokenizer, 64
+    )
     responses = np.random.default_rng(0).integers(3, tokenizer.vocabulary_size(), (4, 8)).astype(np.int32)
     response_mask = np.arange(8)[None] < np.array([8, 8, 5, 2])[:, None]
-    batch = {"query_responses": jnp.asarray(np.concatenate([queries, responses], 1)),
-             "padding_mask": jnp.asarray(np.concatenate([query_mask, response_mask], 1)),
-             "response_mask": jnp.asarray(response_mask)}
-    return (student.backbone, common.split_variables(student.backbone), teacher.backbone,
-            common.split_variables(teacher.backbone), batch, queries.shape[1])
+    batch = {
+        "query_responses": jnp.asarray(np.concatenate([queries, responses], 1)),
+        "padding_mask": jnp.asarray(np.concatenate([query_mask, response_mask], 1)),
+        "response_mask": jnp.asarray(response_mask),
+    }
+    return (
+        student.backbone,
+        common.split_variables(student.backbone),
+        teacher.backbone,
+        common.split_variables(teacher.backbone),
+        batch,
+        queries.shape[1],
+    )
 
 
 def test_chunked_projection_equals_the_full_logits(pair):
@@ -143,15 +173,17 @@ def test_chunked_projection_equals_the_full_logits(pair):
     def full(p):  # every logit materialised: the reference
         out = []
         for bb, (pp, ff) in ((backbone, (p, frozen)), (teacher, weights)):
-            hidden = common.forward(bb, pp, ff, ids, pad)[0][:, q - 1:-1]  # position Q+i-1 predicts token i
-            with keras.StatelessScope(state_mapping=list(zip(bb.trainable_variables + bb.non_trainable_variables,
-                                                             pp + ff))):
+            hidden = common.forward(bb, pp, ff, ids, pad)[0][:, q - 1 : -1]  # position Q+i-1 predicts token i
+            with keras.StatelessScope(
+                state_mapping=list(zip(bb.trainable_variables + bb.non_trainable_variables, pp + ff))
+            ):
                 out.append(common.logits(bb, hidden))
         return generalized_jsd(out[0], out[1], mask, 0.5, 1.3)
 
     def chunked(p, chunk):
-        return distill.completion_divergence(backbone, p, frozen, teacher, weights, ids, pad, mask, q, 0.5, 1.3,
-                                             chunk)[0]
+        return distill.completion_divergence(
+            backbone, p, frozen, teacher, weights, ids, pad, mask, q, 0.5, 1.3, chunk
+        )[0]
 
     want = jax.jit(full)(params)
     assert float(jnp.abs(want).max()) > 0.1  # two different models: a divergence to compare
@@ -174,8 +206,11 @@ def test_a_bfloat16_teacher_is_held_in_half_the_bytes_and_grades_alike(pair):
     assert all(a.dtype == jnp.bfloat16 and a.sharding == b.sharding for a, b in zip(arrays, f32))
     assert sum(a.nbytes for a in arrays) * 2 == sum(b.nbytes for b in f32)
     ids, pad, mask = batch["query_responses"], batch["padding_mask"], batch["response_mask"]
-    grade = jax.jit(lambda w: distill.completion_divergence(backbone, params, frozen, teacher, w, ids, pad, mask,
-                                                            q, 1.0, 1.0, 4)[0])
+    grade = jax.jit(
+        lambda w: distill.completion_divergence(
+            backbone, params, frozen, teacher, w, ids, pad, mask, q, 1.0, 1.0, 4
+        )[0]
+    )
     want, got = np.asarray(grade(weights)), np.asarray(grade(held))
     assert np.abs(want).max() > 0.1 and not np.array_equal(got, want)  # rounded, so not bit-equal
     np.testing.assert_allclose(got, want, rtol=0.05, atol=0.02)
@@ -208,10 +243,17 @@ def other_vocabulary(tmp_path_factory):
     no weights at all: a script that loaded any before checking would fail otherwise."""
     import keras_hub
     from helpers import byte_bpe
+
     out = tmp_path_factory.mktemp("bpe_teacher")
     vocabulary, merges = byte_bpe(["<|endoftext|>", "<|im_start|>", "<|im_end|>"])
-    keras_hub.models.QwenBackbone(vocabulary_size=len(vocabulary), num_layers=1, num_query_heads=2,
-                                  num_key_value_heads=1, hidden_dim=16, intermediate_dim=32).save_to_preset(str(out))
+    keras_hub.models.QwenBackbone(
+        vocabulary_size=len(vocabulary),
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=16,
+        intermediate_dim=32,
+    ).save_to_preset(str(out))
     keras_hub.models.QwenTokenizer(vocabulary=vocabulary, merges=merges).save_to_preset(str(out))
     os.remove(out / "model.weights.h5")
     return str(out), len(vocabulary)
@@ -222,8 +264,9 @@ def test_a_teacher_with_another_vocabulary_exits_2_before_any_weights_load(other
     out = run_script("distill.py", "--teacher-model", teacher, "--output-dir", str(tmp_path / "o"))
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
-    assert lines[0].startswith(f"error: --teacher-model {teacher}: its tokenizer's vocabulary ({size} tokens) "
-                               "is not --model tiny's"), lines
+    assert lines[0].startswith(
+        f"error: --teacher-model {teacher}: its tokenizer's vocabulary ({size} tokens) is not --model tiny's"
+    ), lines
     assert not (tmp_path / "o").exists()
 
 
@@ -236,13 +279,16 @@ def test_vocabularies_are_compared_by_their_tokens_not_their_sizes(monkeypatch, 
     assert f"({len(tiny)} tokens) is not --model tiny's ({len(tiny)}; they differ from id 5)" in message
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--beta", "1.5"], "--beta 1.5 must be in [0, 1]"),
-    (["--beta", "-0.1"], "--beta -0.1 must be in [0, 1]"),
-    (["--temperature", "0"], "--temperature 0.0 > 0"),
-    (["--top-p", "0"], "--top-p must be in (0, 1]"),
-    ([], "--teacher-model is required"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--beta", "1.5"], "--beta 1.5 must be in [0, 1]"),
+        (["--beta", "-0.1"], "--beta -0.1 must be in [0, 1]"),
+        (["--temperature", "0"], "--temperature 0.0 > 0"),
+        (["--top-p", "0"], "--top-p must be in (0, 1]"),
+        ([], "--teacher-model is required"),
+    ],
+)
 def test_flags_out_of_range_are_refused(flags, message, tmp_path):
     teacher = [] if not flags else ["--teacher-model", "tiny"]
     assert message in usage_error(distill, *teacher, *flags, "--output-dir", str(tmp_path / "o"))
@@ -252,8 +298,10 @@ def test_flags_out_of_range_are_refused(flags, message, tmp_path):
 def test_a_reward_model_teacher_is_refused(tmp_path):
     (tmp_path / "reward_head.npz").write_bytes(b"")  # reward.py's head beside the backbone: a reward model
     message = usage_error(distill, "--teacher-model", str(tmp_path), "--output-dir", str(tmp_path / "o"))
-    assert message.endswith("a reward model (reward.py's); the teacher is a causal LM whose next-token "
-                            "distributions the student learns")
+    assert message.endswith(
+        "a reward model (reward.py's); the teacher is a causal LM whose next-token "
+        "distributions the student learns"
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -266,9 +314,32 @@ def resumed(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("distill")
     teacher = common.load_model("tiny", common.make_mesh(), "float32", seed=1)
     common.save_model(teacher, common.split_variables(teacher.backbone)[0], str(tmp_path / "teacher"))
-    flags = ["--model", "tiny", "--teacher-model", str(tmp_path / "teacher"), "--max-steps", "4", "--save-every",
-             "2", "--batch-size", "8", "--response-length", "8", "--max-prompt-length", "64", "--learning-rate",
-             "1e-3", "--lora-rank", "4", "--beta", "0.5", "--logits-chunk", "3", "--sample-every", "2"]
+    flags = [
+        "--model",
+        "tiny",
+        "--teacher-model",
+        str(tmp_path / "teacher"),
+        "--max-steps",
+        "4",
+        "--save-every",
+        "2",
+        "--batch-size",
+        "8",
+        "--response-length",
+        "8",
+        "--max-prompt-length",
+        "64",
+        "--learning-rate",
+        "1e-3",
+        "--lora-rank",
+        "4",
+        "--beta",
+        "0.5",
+        "--logits-chunk",
+        "3",
+        "--sample-every",
+        "2",
+    ]
     return tmp_path / "clean", preempt_then_resume("distill.py", flags, 2, tmp_path)
 
 
@@ -277,9 +348,18 @@ def test_sigterm_then_resume_equals_uninterrupted(resumed):
     assert 2 <= stopped < 4
     assert [r["step"] for r in clean] == [1, 2, 3, 4]
     assert_same_rows(clean, cut)
-    for k in ("train/loss", "entropy", "train/grad_norm", "completions/mean_length",
-              "completions/truncated_fraction", "charts/generated_tokens", "charts/padding_fraction",
-              "charts/learning_rate", "mismatch/ratio_mean", "mismatch/frac_outside_10pct"):
+    for k in (
+        "train/loss",
+        "entropy",
+        "train/grad_norm",
+        "completions/mean_length",
+        "completions/truncated_fraction",
+        "charts/generated_tokens",
+        "charts/padding_fraction",
+        "charts/learning_rate",
+        "mismatch/ratio_mean",
+        "mismatch/frac_outside_10pct",
+    ):
         assert k in clean[-1], k  # (tokens/s and MFU too: helpers drop timing metrics before comparing)
     assert all(r["train/loss"] > 0 for r in clean)
     assert all(abs(r["mismatch/ratio_mean"] - 1) < 1e-2 for r in clean)  # the update scores what was sampled
@@ -298,51 +378,70 @@ def test_distillation_moves_a_weak_student_toward_its_teacher_on_the_toy_task():
     0.34 -> 0.13 (the first three steps' mean, then the last three's). A zero gradient leaves the student
     where it was: the test fails."""
     import sft
+
     batch_score = common.load_reward_fn(os.path.join(ROOT, "data", "toy.py") + ":batch_score")
     mesh = jax.sharding.Mesh(np.asarray(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     model = common.load_model("tiny", mesh, "float32", seed=0)
     backbone, tokenizer, template = model.backbone, model.preprocessor.tokenizer, common.chat_template("tiny")
     rows = common.read_dataset(os.path.join(ROOT, "data", "sft_train.jsonl"), "sft", template)
     data = sft.pad_examples(sft.tokenize_dataset(rows, tokenizer, 32, True, "sft_train.jsonl")[0], 32)
-    sft_args = sft.Args(batch_size=32, learning_rate=5e-3, warmup_steps=5, lr_scheduler_type="cosine_with_min_lr")
+    sft_args = sft.Args(
+        batch_size=32, learning_rate=5e-3, warmup_steps=5, lr_scheduler_type="cosine_with_min_lr"
+    )
     optimizer = sft.make_optimizer(sft_args, 30)[0]
     params, frozen = common.split_variables(backbone)
-    state, sft_step = (params, optimizer.init(params)), jax.jit(partial(sft.train_step, backbone, optimizer,
-                                                                           sft_args))
+    state, sft_step = (
+        (params, optimizer.init(params)),
+        jax.jit(partial(sft.train_step, backbone, optimizer, sft_args)),
+    )
     for step in range(30):
-        state = sft_step(state, frozen, sft.get_batch(data, data["padding_mask"].sum(-1), step, sft_args)[0])[0]
+        state = sft_step(state, frozen, sft.get_batch(data, data["padding_mask"].sum(-1), step, sft_args)[0])[
+            0
+        ]
         if step == 9:
             student = jax.tree.map(jnp.copy, state[0])
     teacher = (state[0], frozen)
 
-    stops, pad, on_data = common.stop_token_ids(tokenizer, template, ()), tokenizer.pad_token_id, \
-        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
-    sampler = lambda temperature: jax.jit(lambda p, f, qs, qm, k: distill.generate(
-        backbone, p, f, qs, qm, k, 12, temperature, stops, pad))
+    stops, pad, on_data = (
+        common.stop_token_ids(tokenizer, template, ()),
+        tokenizer.pad_token_id,
+        jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
+    )
+    sampler = lambda temperature: jax.jit(
+        lambda p, f, qs, qm, k: distill.generate(backbone, p, f, qs, qm, k, 12, temperature, stops, pad)
+    )
     greedy, sample = sampler(0.0), sampler(1.0)
     test_prompts = common.read_prompts(os.path.join(ROOT, "data", "prompts_test.jsonl"), template)[0][:64]
     queries, query_mask = distill.tokenize_prompts(test_prompts, tokenizer, 64)
 
     def score(p):  # the mean greedy task score on the test prompts (data/toy.py:score, partial credit)
-        batch, lengths = distill.rollout(greedy, p, frozen, queries, query_mask, jax.random.key(0), stops, pad,
-                                         on_data)
+        batch, lengths = distill.rollout(
+            greedy, p, frozen, queries, query_mask, jax.random.key(0), stops, pad, on_data
+        )
         texts = distill.decode(tokenizer, batch, lengths, distill.query_length(batch), stops)[0]
         return float(np.mean(batch_score(test_prompts, texts)))
 
-    args = distill.Args(teacher_model="tiny", learning_rate=2e-3, warmup_steps=0, response_length=12,
-                        logits_chunk=16)
+    args = distill.Args(
+        teacher_model="tiny", learning_rate=2e-3, warmup_steps=0, response_length=12, logits_chunk=16
+    )
     optimizer = distill.make_optimizer(args, 12)[0]
     # the teacher is a `tiny` too: one backbone serves both models, the teacher's weights an input (tw)
-    step_fn = jax.jit(lambda s, f, b, tw: distill.train_step(backbone, optimizer, args, s, f, b,
-                                                             distill.query_length(b), backbone, tw))
-    train_prompts = common.read_prompts(os.path.join(ROOT, "data", "prompts_train.jsonl"), template)[0][:12 * 32]
+    step_fn = jax.jit(
+        lambda s, f, b, tw: distill.train_step(
+            backbone, optimizer, args, s, f, b, distill.query_length(b), backbone, tw
+        )
+    )
+    train_prompts = common.read_prompts(os.path.join(ROOT, "data", "prompts_train.jsonl"), template)[0][
+        : 12 * 32
+    ]
     train_queries, train_mask = distill.tokenize_prompts(train_prompts, tokenizer, 64)
     state, key, losses = (student, optimizer.init(student)), jax.random.key(1), []
     for step in range(12):
         key, gen_key = jax.random.split(key)
         idx = slice(32 * step, 32 * (step + 1))
-        batch, _ = distill.rollout(sample, state[0], frozen, train_queries[idx], train_mask[idx], gen_key, stops,
-                                   pad, on_data)
+        batch, _ = distill.rollout(
+            sample, state[0], frozen, train_queries[idx], train_mask[idx], gen_key, stops, pad, on_data
+        )
         state, metrics = step_fn(state, frozen, batch, teacher)
         losses.append(float(metrics["train/loss"]))
     before, after, target = score(student), score(state[0]), score(teacher[0])

@@ -9,8 +9,17 @@ import re
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP_DIRS = {"runs", "__pycache__", "node_modules"}  # plus every dot-directory (.git, .venv, …)
-SECTIONS = ("Files", "Flags", "Outputs", "Lifecycle", "Mesh", "FLOPs", "Metrics", "Sampling",
-            "Compilation cache")
+SECTIONS = (
+    "Files",
+    "Flags",
+    "Outputs",
+    "Lifecycle",
+    "Mesh",
+    "FLOPs",
+    "Metrics",
+    "Sampling",
+    "Compilation cache",
+)
 
 
 def read(*path):
@@ -28,8 +37,9 @@ def repo_files(exts=(".py", ".md", ".sh")):
 
 
 def doc_files():
-    return ["README.md"] + sorted(os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs"))
-                                  if f.endswith(".md"))
+    return ["README.md"] + sorted(
+        os.path.join("docs", f) for f in os.listdir(os.path.join(ROOT, "docs")) if f.endswith(".md")
+    )
 
 
 def module_names(path):
@@ -62,8 +72,14 @@ def module_names(path):
 
 def class_names(cls):
     """Methods, class attributes and `self.x = …` attributes of a class."""
-    out = {n.attr for n in ast.walk(cls) if isinstance(n, ast.Attribute) and isinstance(n.ctx, ast.Store)
-           and isinstance(n.value, ast.Name) and n.value.id == "self"}
+    out = {
+        n.attr
+        for n in ast.walk(cls)
+        if isinstance(n, ast.Attribute)
+        and isinstance(n.ctx, ast.Store)
+        and isinstance(n.value, ast.Name)
+        and n.value.id == "self"
+    }
     for node in cls.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
             out.add(node.name)
@@ -76,8 +92,11 @@ def class_names(cls):
 
 def test_readme_loop_is_dpo_main():
     """The README's loop snippet is dpo.py's main, line for line (a subset, in order)."""
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", read("README.md"), re.S)
-              if "for step in run.steps(" in b]
+    blocks = [
+        b
+        for b in re.findall(r"```python\n(.*?)```", read("README.md"), re.S)
+        if "for step in run.steps(" in b
+    ]
     assert len(blocks) == 1, f"README.md: {len(blocks)} python blocks hold `for step in run.steps(`"
     source = [line.strip() for line in read("dpo.py").splitlines()]
     at = -1
@@ -91,8 +110,12 @@ def test_readme_loop_is_dpo_main():
 
 def test_no_external_design_citations():
     marker = "DESIGN" + " §"  # spelled apart, so this file does not match itself
-    hits = [f"{path}:{i}" for path in repo_files() for i, line in enumerate(read(path).splitlines(), 1)
-            if marker in line]
+    hits = [
+        f"{path}:{i}"
+        for path in repo_files()
+        for i, line in enumerate(read(path).splitlines(), 1)
+        if marker in line
+    ]
     assert not hits, f"{marker} (a document outside the repository) cited at: {', '.join(hits)}"
 
 
@@ -119,8 +142,13 @@ def test_design_sections_and_pointers():
     headings = re.findall(r"^## (.+?)\s*$", read("docs", "design.md"), re.M)
     assert list(headings) == list(SECTIONS), headings
     pointer = re.compile(r'design\.md\)?(?:,\s*|\s\()"?([A-Z][\w ]*?)"?\s*[)\];:.,\n]')
-    bad = [f"{path}: {part!r}" for path in repo_files() for found in pointer.findall(read(path))
-           for part in found.split(" and ") if part not in SECTIONS]
+    bad = [
+        f"{path}: {part!r}"
+        for path in repo_files()
+        for found in pointer.findall(read(path))
+        for part in found.split(" and ")
+        if part not in SECTIONS
+    ]
     assert not bad, "pointers into docs/design.md that name no section of it:\n" + "\n".join(bad)
 
 
@@ -129,9 +157,13 @@ def test_coming_from_trl_names_flags_that_exist():
     Args (read from source, as --help reads it), and each TRL name beside it is either that same flag here
     (TRL's underscores for our dashes) or one plumbing.TRL_FLAGS answers with a hint."""
     import plumbing  # instant: no JAX
+
     scripts = ("sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rloo", "distill", "evaluate")
-    ours = {"--" + name.replace("_", "-") for s in scripts
-            for name in plumbing._fields(os.path.join(ROOT, s + ".py"), "Args")}
+    ours = {
+        "--" + name.replace("_", "-")
+        for s in scripts
+        for name in plumbing._fields(os.path.join(ROOT, s + ".py"), "Args")
+    }
     section = read("README.md").split("## Coming from TRL")[1].split("\n## ")[0]
     rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| `--")]
     assert len(rows) >= 15

@@ -19,11 +19,39 @@ SAPO = (1.0, 1.05)  # TRL's τ_pos, τ_neg
 VESPO = (2.0, 3.0, 3.0, 2.0)  # TRL's k_pos, λ_pos, k_neg, λ_neg
 
 
-def _loss(lp, old, adv, mask, loss_type, ref=None, beta=0.0, eps=0.2, eps_high=0.2, level="token",
-          entropy=None, rho=1.0, coef=0.0):
+def _loss(
+    lp,
+    old,
+    adv,
+    mask,
+    loss_type,
+    ref=None,
+    beta=0.0,
+    eps=0.2,
+    eps_high=0.2,
+    level="token",
+    entropy=None,
+    rho=1.0,
+    coef=0.0,
+):
     arr = lambda x: None if x is None else jnp.array(x, jnp.float32)
-    return grpo_loss(arr(lp), arr(old), arr(ref), arr(adv), jnp.array(mask, bool), eps, eps_high, beta, loss_type,
-                     level, arr(entropy), rho, coef, SAPO, VESPO)
+    return grpo_loss(
+        arr(lp),
+        arr(old),
+        arr(ref),
+        arr(adv),
+        jnp.array(mask, bool),
+        eps,
+        eps_high,
+        beta,
+        loss_type,
+        level,
+        arr(entropy),
+        rho,
+        coef,
+        SAPO,
+        VESPO,
+    )
 
 
 def sigmoid(x):
@@ -70,8 +98,9 @@ def test_sapo_by_hand():
     # at ratio 1 the gate's slope is 4σ'(0) = 1: the plain policy gradient −Â/(|o_i| B); at ratio 2 it is
     # 4σ(1)(1 − σ(1)) · ratio (∂ρ/∂log π = ρ), still negative for Â > 0
     g = jax.grad(lambda x: _loss(x, old, [1.0, -1.0], mask, "sapo")[0])(jnp.array(lp))
-    np.testing.assert_allclose(g, [[-1 / 2 / 2, -4 * sigmoid(1) * (1 - sigmoid(1)) * 2 / 2 / 2], [1 / 1 / 2, 0.0]],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        g, [[-1 / 2 / 2, -4 * sigmoid(1) * (1 - sigmoid(1)) * 2 / 2 / 2], [1 / 1 / 2, 0.0]], rtol=1e-5
+    )
 
 
 def test_luspo_by_hand():
@@ -81,7 +110,9 @@ def test_luspo_by_hand():
     mask = [[True, True, False, False], [True, True, True, False], [True, False, False, False]]
     loss, m = _loss(lp, np.zeros((3, 4)), [1.0, -0.5, 2.0], mask, "luspo", level="sequence")
     np.testing.assert_allclose(loss, (2 * -1.2 + 3 * 0.4 + 1 * -2 * math.exp(0.1)) / 3, rtol=1e-6)
-    np.testing.assert_allclose([m["clip_ratio/high_mean"], m["clip_ratio/low_mean"]], [1 / 3, 1 / 3], rtol=1e-6)
+    np.testing.assert_allclose(
+        [m["clip_ratio/high_mean"], m["clip_ratio/low_mean"]], [1 / 3, 1 / 3], rtol=1e-6
+    )
 
 
 def test_vespo_by_hand():
@@ -119,7 +150,8 @@ def test_top_entropy_quantile_by_hand():
     np.testing.assert_allclose(loss, (-2 + 5 * 0.1 * (math.log(2) - 0.5)) / 5, rtol=1e-5)
     # a dropped token gets no gradient; a kept positive-advantage one the policy gradient −Â / 5
     g = jax.grad(lambda x: _loss(x, jax.lax.stop_gradient(x), [1.0], mask, "dapo", entropy=ent, rho=0.4)[0])(
-        jnp.zeros((1, 6)))
+        jnp.zeros((1, 6))
+    )
     np.testing.assert_allclose(g, [[0.0, -1 / 5, 0.0, -1 / 5, 0.0, 0.0]], atol=1e-7)
 
 
@@ -132,8 +164,9 @@ def test_entropy_coef_by_hand():
     np.testing.assert_allclose(loss, -0.01 * 2.0, rtol=1e-6)
     assert m["policy_loss"] == 0.0 and m["entropy_coef"] == np.float32(0.01)
     # with ρ = 1/3: the 2/3-quantile of 1, 2, 3 is 2 + (4/3 − 1) · 1 = 7/3: only entropy 3 is kept, bonus 3
-    np.testing.assert_allclose(_loss(lp, lp, [0.0], mask, "grpo", entropy=ent, coef=0.01, rho=1 / 3)[0],
-                               -0.01 * 3.0, rtol=1e-6)
+    np.testing.assert_allclose(
+        _loss(lp, lp, [0.0], mask, "grpo", entropy=ent, coef=0.01, rho=1 / 3)[0], -0.01 * 3.0, rtol=1e-6
+    )
     # direction: more entropy on a real token lowers the loss by coef / 3 per nat; padding moves nothing
     g = jax.grad(lambda e: _loss(lp, lp, [0.0], mask, "grpo", entropy=e, coef=0.01)[0])(jnp.array(ent))
     np.testing.assert_allclose(g, [[-0.01 / 3] * 3 + [0.0]], rtol=1e-6)
@@ -173,7 +206,7 @@ def numpy_loss(loss_type, lp, old, ref, adv, lengths, ent, r, eps, eps_high, bet
         elif loss_type == "vespo":
             k, lam = (VESPO[0], VESPO[1]) if a >= 0 else (VESPO[2], VESPO[3])
             w = np.prod(np.exp(x)) / np.prod(np.exp(x_old))  # the whole sequence's ratio
-            phis.append(w ** k * np.exp(lam * (1 - w)))
+            phis.append(w**k * np.exp(lam * (1 - w)))
             t = -phis[-1] * a * x
         else:
             t = -np.minimum(ratio * a, np.clip(ratio, 1 - eps, 1 + eps_high) * a)
@@ -189,12 +222,24 @@ def numpy_loss(loss_type, lp, old, ref, adv, lengths, ent, r, eps, eps_high, bet
         loss = sum(t.sum() for t in terms) / (len(lengths) * r)
     else:
         loss = sum(t.sum() for t in terms) / lengths.sum()
-    m = {"cispo_clip_ratio": np.mean(capped) if capped else None, "vespo/phi_seq_mean": np.mean(phis) if phis else None}
+    m = {
+        "cispo_clip_ratio": np.mean(capped) if capped else None,
+        "vespo/phi_seq_mean": np.mean(phis) if phis else None,
+    }
     return loss - coef * np.mean(kept_ent), m
 
 
-@pytest.mark.parametrize("loss_type, level", [("bnpo", "token"), ("cispo", "token"), ("sapo", "token"),
-                                              ("sapo", "sequence"), ("luspo", "sequence"), ("vespo", "token")])
+@pytest.mark.parametrize(
+    "loss_type, level",
+    [
+        ("bnpo", "token"),
+        ("cispo", "token"),
+        ("sapo", "token"),
+        ("sapo", "sequence"),
+        ("luspo", "sequence"),
+        ("vespo", "token"),
+    ],
+)
 @pytest.mark.parametrize("rho, coef", [(1.0, 0.0), (0.3, 0.02)])
 def test_loss_types_numpy_float64(loss_type, level, rho, coef):
     rng = np.random.default_rng(5)
@@ -208,9 +253,24 @@ def test_loss_types_numpy_float64(loss_type, level, rho, coef):
     ent = rng.uniform(0, 3, (b, r))
     adv = rng.normal(size=b)
     garbage = rng.normal(0, 20, (b, r))  # padding of the log-probs and entropies must not count
-    want, want_m = numpy_loss(loss_type, lp, old, ref, adv, lengths, ent, r, eps, eps_high, beta, rho, coef, level)
-    loss, m = _loss(np.where(mask, lp, garbage), old, adv, mask, loss_type, ref=ref, beta=beta, eps=eps,
-                    eps_high=eps_high, level=level, entropy=np.where(mask, ent, np.abs(garbage)), rho=rho, coef=coef)
+    want, want_m = numpy_loss(
+        loss_type, lp, old, ref, adv, lengths, ent, r, eps, eps_high, beta, rho, coef, level
+    )
+    loss, m = _loss(
+        np.where(mask, lp, garbage),
+        old,
+        adv,
+        mask,
+        loss_type,
+        ref=ref,
+        beta=beta,
+        eps=eps,
+        eps_high=eps_high,
+        level=level,
+        entropy=np.where(mask, ent, np.abs(garbage)),
+        rho=rho,
+        coef=coef,
+    )
     np.testing.assert_allclose(loss, want, rtol=1e-5)
     for k, v in want_m.items():
         if v is not None:
@@ -221,8 +281,10 @@ def test_loss_types_numpy_float64(loss_type, level, rho, coef):
 # ---------------------------------------------------------------------------
 # direction: ∂L/∂log π < 0 on every positive-advantage token whose weight is not clipped (or gated) to 0
 # ---------------------------------------------------------------------------
-@pytest.mark.parametrize("loss_type, level", [("bnpo", "token"), ("cispo", "token"), ("sapo", "token"),
-                                              ("luspo", "sequence"), ("vespo", "token")])
+@pytest.mark.parametrize(
+    "loss_type, level",
+    [("bnpo", "token"), ("cispo", "token"), ("sapo", "token"), ("luspo", "sequence"), ("vespo", "token")],
+)
 def test_loss_types_direction(loss_type, level):
     rng = np.random.default_rng(6)
     b, r = 8, 6
@@ -231,12 +293,17 @@ def test_loss_types_direction(loss_type, level):
     old = lp + rng.normal(0, 0.3, (b, r))
     old[0] = lp[0] - 0.5  # completion 0 (Â > 0): every ratio, and its sequence's, e^0.5 > 1 + ε_high
     adv = np.array([1.0, -1.0] * (b // 2)) * rng.uniform(0.5, 1.5, b)
-    g = np.asarray(jax.grad(lambda x: _loss(x, old, adv, mask, loss_type, eps_high=0.28, level=level)[0])(
-        jnp.array(lp, jnp.float32)))
+    g = np.asarray(
+        jax.grad(lambda x: _loss(x, old, adv, mask, loss_type, eps_high=0.28, level=level)[0])(
+            jnp.array(lp, jnp.float32)
+        )
+    )
     assert (g[~mask] == 0).all()
     ratio = np.exp(lp - old)
     if level == "sequence":
-        ratio = np.exp(np.where(mask, lp - old, 0).sum(1, keepdims=True) / mask.sum(1, keepdims=True)) + 0 * lp
+        ratio = (
+            np.exp(np.where(mask, lp - old, 0).sum(1, keepdims=True) / mask.sum(1, keepdims=True)) + 0 * lp
+        )
     clipped = (ratio > 1.28) & (adv[:, None] > 0) if loss_type in ("bnpo", "luspo") else np.zeros_like(mask)
     pos = mask & (adv[:, None] > 0)
     assert (g[pos & ~clipped] < 0).all() and (g[pos & clipped] == 0).all()
@@ -254,8 +321,11 @@ def test_sharded_over_8_devices_equals_one_device():
     adv, mask = rng.normal(size=8), rng.random((8, 5)) > 0.3
     on_data = jax.sharding.NamedSharding(common.make_mesh(None), jax.sharding.PartitionSpec("data"))
     for loss_type in ("vespo", "sapo"):
-        f = jax.jit(lambda lp, old, adv, mask, ent: grpo_loss(lp, old, None, adv, mask, 0.2, 0.28, 0.0, loss_type,
-                                                              "token", ent, 0.3, 0.02, SAPO, VESPO))
+        f = jax.jit(
+            lambda lp, old, adv, mask, ent: grpo_loss(
+                lp, old, None, adv, mask, 0.2, 0.28, 0.0, loss_type, "token", ent, 0.3, 0.02, SAPO, VESPO
+            )
+        )
         inputs = [jnp.array(x) for x in (lp, old, adv, mask, ent)]
         one = f(*inputs)
         placed = [jax.device_put(x, on_data) for x in inputs]
@@ -270,11 +340,36 @@ def test_sharded_over_8_devices_equals_one_device():
 # the flags reach the loss: a 2-step run's metrics
 # ---------------------------------------------------------------------------
 def test_cli_loss_flags_reach_the_loss(tmp_path):
-    out = run_script("grpo.py", "--model", "tiny", "--max-steps", "2", "--batch-size", "8", "--num-generations", "4",
-                     "--response-length", "8", "--max-prompt-length", "64", "--loss-type", "cispo",
-                     "--epsilon-high", "5.0", "--top-entropy-quantile", "0.2", "--entropy-coef", "0.01",
-                     "--num-iterations", "2", "--sample-every", "0", "--output-dir", str(tmp_path),
-                     env=one_device_env())
+    out = run_script(
+        "grpo.py",
+        "--model",
+        "tiny",
+        "--max-steps",
+        "2",
+        "--batch-size",
+        "8",
+        "--num-generations",
+        "4",
+        "--response-length",
+        "8",
+        "--max-prompt-length",
+        "64",
+        "--loss-type",
+        "cispo",
+        "--epsilon-high",
+        "5.0",
+        "--top-entropy-quantile",
+        "0.2",
+        "--entropy-coef",
+        "0.01",
+        "--num-iterations",
+        "2",
+        "--sample-every",
+        "0",
+        "--output-dir",
+        str(tmp_path),
+        env=one_device_env(),
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     rows = metrics(tmp_path)
     assert all(r["entropy_coef"] == pytest.approx(0.01) and "policy_loss" in r for r in rows), rows

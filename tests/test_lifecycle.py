@@ -18,9 +18,32 @@ import pytest
 
 from helpers import ROOT, learning_env, one_device_env, run_script, usage_error
 
-FAST = ["--model", "tiny", "--batch-size", "8", "--log-every", "2", "--eval-dataset", "", "--num-samples", "0"]
-SCRIPTS = ("sft.py", "dpo.py", "simpo.py", "orpo.py", "kto.py", "reward.py", "ppo.py", "grpo.py", "rloo.py",
-           "distill.py", "evaluate.py", "compare.py")
+FAST = [
+    "--model",
+    "tiny",
+    "--batch-size",
+    "8",
+    "--log-every",
+    "2",
+    "--eval-dataset",
+    "",
+    "--num-samples",
+    "0",
+]
+SCRIPTS = (
+    "sft.py",
+    "dpo.py",
+    "simpo.py",
+    "orpo.py",
+    "kto.py",
+    "reward.py",
+    "ppo.py",
+    "grpo.py",
+    "rloo.py",
+    "distill.py",
+    "evaluate.py",
+    "compare.py",
+)
 
 
 def sft(*flags):
@@ -30,6 +53,7 @@ def sft(*flags):
 def sft_refusal(*flags):
     """The UsageError sft.main raises, in this process, for these flags (on top of FAST)."""
     import sft as script  # here: JAX is imported after conftest set XLA_FLAGS
+
     return usage_error(script, *FAST, *flags)
 
 
@@ -83,6 +107,7 @@ def test_resume_without_checkpoint_is_refused_and_touches_nothing(finished, tmp_
 def test_resume_of_a_complete_run_says_so_and_touches_nothing(finished):
     import plumbing
     import sft as script
+
     out, _ = finished
     before = snapshot(out)
     with pytest.raises(plumbing.RunComplete, match="complete"):  # through the CLI: exit 0 (below)
@@ -102,13 +127,20 @@ def test_flags_and_files_are_checked_before_the_model_loads(tmp_path):
     broken.mkdir()
     (broken / "config.json").write_text("{}")
     out = str(tmp_path / "out")
-    cases = [(["--dataset", "/nonexistent.jsonl"], "--dataset /nonexistent.jsonl: no such file"),
-             (["--eval-dataset", "/nope/eval.jsonl"], "--eval-dataset /nope/eval.jsonl: no such file"),
-             (["--learning-rate", "-1"], "--learning-rate -1.0: must be > 0"),
-             (["--learning-rate", "0"], "--learning-rate 0.0: must be > 0"),
-             (["--weight-decay", "-0.1"], "--weight-decay -0.1: must be >= 0"),
-             (["--dtype", "fp16"], "--dtype")]
-    data = ["--dataset", "data/sft_train.jsonl", "--eval-dataset", "data/sft_eval.jsonl"]  # given: not defaults
+    cases = [
+        (["--dataset", "/nonexistent.jsonl"], "--dataset /nonexistent.jsonl: no such file"),
+        (["--eval-dataset", "/nope/eval.jsonl"], "--eval-dataset /nope/eval.jsonl: no such file"),
+        (["--learning-rate", "-1"], "--learning-rate -1.0: must be > 0"),
+        (["--learning-rate", "0"], "--learning-rate 0.0: must be > 0"),
+        (["--weight-decay", "-0.1"], "--weight-decay -0.1: must be >= 0"),
+        (["--dtype", "fp16"], "--dtype"),
+    ]
+    data = [
+        "--dataset",
+        "data/sft_train.jsonl",
+        "--eval-dataset",
+        "data/sft_eval.jsonl",
+    ]  # given: not defaults
     for flags, message in cases:
         assert message in sft_refusal("--model", str(broken), *data, *flags, "--output-dir", out), flags
         assert not os.path.exists(out)
@@ -119,6 +151,7 @@ def test_files_as_trl_users_write_them_and_the_places_that_cannot_be_read_or_wri
     UTF-8 and an --output-dir that is a file (or under one) stop with one line naming the place, before
     the model loads (Hub ids and saved folders: tests/test_datasets.py)."""
     import common
+
     rows = [{"text": "a"}, {"text": "b \u2028 c"}]
     (tmp_path / "lines.json").write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     (tmp_path / "array.json").write_text(json.dumps(rows))
@@ -136,6 +169,7 @@ def test_files_as_trl_users_write_them_and_the_places_that_cannot_be_read_or_wri
 
 def test_track_without_wandb_is_refused_writing_nothing(tmp_path):
     import importlib.util
+
     if importlib.util.find_spec("wandb") is not None:
         pytest.skip("wandb is installed here")
     out = str(tmp_path / "out")
@@ -146,20 +180,29 @@ def test_track_without_wandb_is_refused_writing_nothing(tmp_path):
 def test_import_has_no_side_effects():
     """`import dpo` (a notebook, a test) with --help in sys.argv prints nothing, exits nothing and
     leaves sys.excepthook and the signal handlers alone."""
-    code = ("import signal, sys; sys.argv = ['notebook', '--help']; hook = sys.excepthook; "
-            "handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]; "
-            "import dpo, sft, simpo, orpo, kto, reward, ppo, grpo, rloo, distill, evaluate, compare; "
-            "assert sys.excepthook is hook; "
-            "assert handlers == [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]")
-    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
-                          env=one_device_env())
+    code = (
+        "import signal, sys; sys.argv = ['notebook', '--help']; hook = sys.excepthook; "
+        "handlers = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]; "
+        "import dpo, sft, simpo, orpo, kto, reward, ppo, grpo, rloo, distill, evaluate, compare; "
+        "assert sys.excepthook is hook; "
+        "assert handlers == [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, env=one_device_env()
+    )
     assert proc.returncode == 0 and proc.stdout == "" and proc.stderr == "", proc.stderr[-2000:]
 
 
 def start(out, *flags):
     env = {**learning_env(), "PYTHONUNBUFFERED": "1"}  # its evals must run fast
-    return subprocess.Popen([sys.executable, os.path.join(ROOT, "sft.py"), *FAST, "--output-dir", out, *flags],
-                            cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env)
+    return subprocess.Popen(
+        [sys.executable, os.path.join(ROOT, "sft.py"), *FAST, "--output-dir", out, *flags],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env,
+    )
 
 
 def read_until(proc, prefix, timeout=300):
@@ -187,8 +230,15 @@ def test_second_ctrl_c_exits_at_once(tmp_path):
     # A long eval after every step: the first Ctrl-C arrives while there is still work to do
     # before the step boundary where it would checkpoint; the second must not wait for it.
     out = str(tmp_path / "twice")
-    proc = start(out, "--max-steps", "50", "--eval-every", "1",
-                 "--eval-dataset", os.path.join(ROOT, "data", "sft_train.jsonl"))
+    proc = start(
+        out,
+        "--max-steps",
+        "50",
+        "--eval-every",
+        "1",
+        "--eval-dataset",
+        os.path.join(ROOT, "data", "sft_train.jsonl"),
+    )
     read_until(proc, "step 1:")  # the eval after step 1: signals now checkpoint
     proc.send_signal(signal.SIGINT)
     assert "again to quit at once" in read_until(proc, "SIGINT:")
@@ -202,8 +252,13 @@ def test_second_ctrl_c_exits_at_once(tmp_path):
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_is_fast_grouped_and_lists_choices(script):
     t = time.time()
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), "--help"], capture_output=True,
-                          text=True, cwd=ROOT, env=one_device_env())
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, script), "--help"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=one_device_env(),
+    )
     took = time.time() - t
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert took < 3, took
@@ -214,16 +269,29 @@ def test_help_is_fast_grouped_and_lists_choices(script):
     assert len(groups) >= 2, text  # the sections named by the comments in Args
     if "--dtype" in text:
         assert "--dtype {bfloat16,float32}" in text
-    choices = {"ppo.py": ["--kl-estimator {k1,k3}"], "grpo.py": ["--loss-type {", "--scale-rewards {"],
-               "dpo.py": ["--loss-type {sigmoid,ipo,hinge}"], "kto.py": ["--loss-type {kto,apo_zero_unpaired}"]}
+    choices = {
+        "ppo.py": ["--kl-estimator {k1,k3}"],
+        "grpo.py": ["--loss-type {", "--scale-rewards {"],
+        "dpo.py": ["--loss-type {sigmoid,ipo,hinge}"],
+        "kto.py": ["--loss-type {kto,apo_zero_unpaired}"],
+    }
     for flag in choices.get(script, []):
         assert flag in text, flag
     for line in text.splitlines():
         assert line.count("(default:") <= 1 and "(default: None) (default" not in line
     # the defaults are for real pretrained models: TRL's learning rate (SimPO: its paper's recipe)
-    trl_rate = {"sft.py": "2e-05", "dpo.py": "1e-06", "simpo.py": "6e-07", "orpo.py": "1e-06", "kto.py": "1e-06",
-                "reward.py": "0.0001", "ppo.py": "3e-06", "grpo.py": "1e-06", "rloo.py": "1e-06",
-                "distill.py": "1e-06"}
+    trl_rate = {
+        "sft.py": "2e-05",
+        "dpo.py": "1e-06",
+        "simpo.py": "6e-07",
+        "orpo.py": "1e-06",
+        "kto.py": "1e-06",
+        "reward.py": "0.0001",
+        "ppo.py": "3e-06",
+        "grpo.py": "1e-06",
+        "rloo.py": "1e-06",
+        "distill.py": "1e-06",
+    }
     if script in trl_rate:
         rate = text.split("  --learning-rate FLOAT\n")[1].split("  --")[0]
         assert f"(default: {trl_rate[script]})" in rate, rate
@@ -249,8 +317,14 @@ def test_max_steps_none_derives_from_epochs_and_is_recorded(tmp_path):
     # GRPO: a step takes batch_size / num_generations prompts: ceil(1.5 × 5 / (16 / 4)) = 2
     import grpo  # here: JAX is imported after conftest set XLA_FLAGS
     import plumbing
-    args = grpo.Args(dataset=str(tmp_path / "five.jsonl"), batch_size=16, num_generations=4, num_epochs=1.5,
-                     output_dir=str(tmp_path / "g"))
+
+    args = grpo.Args(
+        dataset=str(tmp_path / "five.jsonl"),
+        batch_size=16,
+        num_generations=4,
+        num_epochs=1.5,
+        output_dir=str(tmp_path / "g"),
+    )
     run = plumbing.Run("grpo", args)  # flags and output dir only: no model, no compute
     assert run.resolve_max_steps(5, args.batch_size // args.num_generations) == 2
     assert args.max_steps is None  # resolved values are the Run's; args are never changed
@@ -264,6 +338,7 @@ def test_resume_knows_what_it_resumes(tmp_path):
     import dpo
     import plumbing
     import sft as script
+
     assert plumbing.SharedArgs().save_every == 500  # TRL's save_steps: a crash keeps work by default
     out = str(tmp_path / "run")
     flags = [*FAST, "--save-every", "2", "--warmup-ratio", "0.5", "--output-dir", out]
@@ -272,28 +347,45 @@ def test_resume_knows_what_it_resumes(tmp_path):
     with open(os.path.join(out, "args.json")) as f:
         first = json.load(f)
     assert first["script"] == "sft" and first["max_steps"] == 3
-    assert first["num_warmup_steps"] == 2 and first["warmup_steps"] == 0  # ceil(0.5 × 3) resolved; the flag as given
+    assert (
+        first["num_warmup_steps"] == 2 and first["warmup_steps"] == 0
+    )  # ceil(0.5 × 3) resolved; the flag as given
     before = snapshot(out)
-    line = usage_error(script, *flags, "--max-steps", "5", "--learning-rate", "1e-3", "--batch-size", "16", "--resume")
-    assert "is another run" in line and "--learning-rate 2e-05 -> 0.001" in line and "--batch-size 8 -> 16" in line
+    line = usage_error(
+        script, *flags, "--max-steps", "5", "--learning-rate", "1e-3", "--batch-size", "16", "--resume"
+    )
+    assert (
+        "is another run" in line
+        and "--learning-rate 2e-05 -> 0.001" in line
+        and "--batch-size 8 -> 16" in line
+    )
     assert "--max-steps" not in line.split("(")[0]  # it may change
     line = usage_error(dpo, "--model", "tiny", "--max-steps", "5", "--output-dir", out, "--resume")
     assert "the script 'sft' -> 'dpo'" in line  # not "this run is complete"
     assert snapshot(out) == before
 
-    script.main(plumbing.cli(script.Args, [*flags, "--max-steps", "5", "--resume", "--log-every", "1",
-                                            "--save-total-limit", "0"]))
+    script.main(
+        plumbing.cli(
+            script.Args,
+            [*flags, "--max-steps", "5", "--resume", "--log-every", "1", "--save-total-limit", "0"],
+        )
+    )
     assert sorted(os.listdir(os.path.join(out, "checkpoints"))) == ["2", "3", "4", "5"]  # 0: every one kept
     from helpers import metrics
+
     assert [r["step"] for r in metrics(out)] == [2, 3, 4, 5]  # from step 3's state: log-every 2, then 1
     with open(os.path.join(out, "args.json")) as f:
         record = json.load(f)
     assert {k: v for k, v in record.items() if k != "resumes"} == first
     (resumed,) = record["resumes"]
     assert resumed["resumed_at_step"] == 3 and resumed["max_steps"] == 5 and resumed["log_every"] == 1
-    assert first["schedule_steps"] == resumed["schedule_steps"] == 3  # the schedule the run was built on, kept
+    assert (
+        first["schedule_steps"] == resumed["schedule_steps"] == 3
+    )  # the schedule the run was built on, kept
     rate = {r["step"]: r["charts/learning_rate"] for r in metrics(out)}
-    assert rate[3] == rate[4] == rate[5] == pytest.approx(2e-5)  # the last update's, held (spread over 5: 1e-5)
+    assert (
+        rate[3] == rate[4] == rate[5] == pytest.approx(2e-5)
+    )  # the last update's, held (spread over 5: 1e-5)
 
     shutil.rmtree(os.path.join(out, "checkpoints", "5"))  # as a run saved before its last step
     before = snapshot(out)
@@ -308,6 +400,7 @@ def test_an_extended_run_keeps_its_schedule_unless_asked(tmp_path, capsys):
     the schedule still spans 60 steps, and says so; --resume-schedule stretch spreads it over 80."""
     import plumbing
     import sft
+
     out = tmp_path / "run"
     run = plumbing.Run("sft", plumbing.cli(sft.Args, [*FAST, "--max-steps", "60", "--output-dir", str(out)]))
     assert run.resolve_max_steps(100) == 60 and run.schedule_steps == 60
@@ -318,8 +411,13 @@ def test_an_extended_run_keeps_its_schedule_unless_asked(tmp_path, capsys):
         flags = [*FAST, "--max-steps", "80", "--output-dir", str(out), "--resume", "--resume-schedule", how]
         run = plumbing.Run("sft", plumbing.cli(sft.Args, flags))
         assert run.resolve_max_steps(100) == 80 and run.schedule_steps == spans
-    assert capsys.readouterr().out.count("the learning-rate schedule stays the run's, over 60 steps, then its "
-                                         "last rate (--resume-schedule stretch: over all steps") == 1
+    assert (
+        capsys.readouterr().out.count(
+            "the learning-rate schedule stays the run's, over 60 steps, then its "
+            "last rate (--resume-schedule stretch: over all steps"
+        )
+        == 1
+    )
 
 
 @pytest.mark.parametrize("script", [s.removesuffix(".py") for s in SCRIPTS])
@@ -329,6 +427,7 @@ def test_every_trl_flag_hint_names_a_flag_the_script_takes(script):
     parsed; check_options, what cli calls, for every name)."""
     import importlib
     import plumbing
+
     args_class = importlib.import_module(script).Args
     ours = {"--" + f.name.replace("_", "-") for f in dataclasses.fields(args_class)}
     for trl in plumbing.TRL_FLAGS:
@@ -339,8 +438,11 @@ def test_every_trl_flag_hint_names_a_flag_the_script_takes(script):
             plumbing.check_options([typed, "1"], ours, f"{script}.py")
         hint = str(e.value).removeprefix(f"Unrecognized options: {typed}; ")
         named = re.match(rf"{typed} is (--[a-z-]+)", hint)
-        assert (named and named[1] in ours) or hint == f"{typed} has no counterpart in {script}.py (see --help)" \
-            or hint.startswith(f"{typed} is absent"), (script, hint)
+        assert (
+            (named and named[1] in ours)
+            or hint == f"{typed} has no counterpart in {script}.py (see --help)"
+            or hint.startswith(f"{typed} is absent")
+        ), (script, hint)
     with pytest.raises(plumbing.UsageError) as e:
         plumbing.cli(args_class, ["--logging_steps", "5"])
     assert str(e.value).startswith("Unrecognized options: --logging_steps; --logging_steps ")
@@ -351,8 +453,10 @@ def test_every_trl_flag_hint_names_a_flag_the_script_takes(script):
 def test_the_last_line_is_not_glued_to_the_progress_bar():
     """An error (or the preemption line) ending a run mid-loop starts a line of its own: the bar, drawn with
     no newline, is closed first; eval lines go above the bar (tqdm.write, as Run.log_eval writes them)."""
-    code = ("import sys, tqdm, plumbing; bar = tqdm.tqdm(total=3, desc='sft'); bar.update(1); "
-            "tqdm.tqdm.write('step 1: eval/loss 1.0', sys.stderr); plumbing._end(2, 'error: bad', sys.stderr)")
+    code = (
+        "import sys, tqdm, plumbing; bar = tqdm.tqdm(total=3, desc='sft'); bar.update(1); "
+        "tqdm.tqdm.write('step 1: eval/loss 1.0', sys.stderr); plumbing._end(2, 'error: bad', sys.stderr)"
+    )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     lines = proc.stderr.replace("\r", "\n").splitlines()
     assert proc.returncode == 2 and lines[-1] == "error: bad" and "step 1: eval/loss 1.0" in lines
@@ -367,14 +471,30 @@ def test_an_unknown_option_is_answered_before_the_heavy_imports(tmp_path):
     (tmp_path / "jax" / "__init__.py").write_text("raise ImportError('jax imported')\n")
     env = dict(os.environ, PYTHONPATH=str(tmp_path))
     for script, flags, line in (
-            ("grpo.py", ["--logging_steps", "5"], "error: Unrecognized options: --logging_steps; --logging_steps "
-                                                  "has no counterpart in grpo.py (see --help)"),
-            ("sft.py", ["--logging_steps=5", "--max-steps", "3"], "error: Unrecognized options: --logging_steps; "
-                                                                  "--logging_steps is --log-every here"),
-            ("dpo.py", ["--learning-rat", "1e-5"], "error: Unrecognized options: --learning-rat; perhaps you meant "
-                                                    "--learning-rate")):
-        proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *flags], capture_output=True, text=True,
-                              env=env, timeout=60)
+        (
+            "grpo.py",
+            ["--logging_steps", "5"],
+            "error: Unrecognized options: --logging_steps; --logging_steps "
+            "has no counterpart in grpo.py (see --help)",
+        ),
+        (
+            "sft.py",
+            ["--logging_steps=5", "--max-steps", "3"],
+            "error: Unrecognized options: --logging_steps; --logging_steps is --log-every here",
+        ),
+        (
+            "dpo.py",
+            ["--learning-rat", "1e-5"],
+            "error: Unrecognized options: --learning-rat; perhaps you meant --learning-rate",
+        ),
+    ):
+        proc = subprocess.run(
+            [sys.executable, os.path.join(ROOT, script), *flags],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=60,
+        )
         assert (proc.returncode, proc.stderr.strip(), proc.stdout) == (2, line, ""), script
 
 
@@ -385,17 +505,24 @@ def test_flags_as_trl_names_them_and_the_toy_task_are_answered(tmp_path):
     import evaluate
     import grpo
     import plumbing
+
     with pytest.raises(plumbing.UsageError, match="--num-train-epochs is --num-epochs here"):
         plumbing.cli(dpo.Args, ["--num-train-epochs", "1"])
     with pytest.raises(plumbing.UsageError, match="--per-device-train-batch-size is --batch-size"):
         plumbing.cli(grpo.Args, ["--per-device-train-batch-size=4"])
     with pytest.raises(plumbing.UsageError, match="--max_completion_length is --response-length here"):
         plumbing.cli(grpo.Args, ["--max_completion_length", "64"])  # TRL's own spelling, with _
-    assert plumbing.cli(dpo.Args, ["--learning_rate", "1e-5", "--lr_scheduler_type", "cosine"]).learning_rate == 1e-5
+    assert (
+        plumbing.cli(dpo.Args, ["--learning_rate", "1e-5", "--lr_scheduler_type", "cosine"]).learning_rate
+        == 1e-5
+    )
     with pytest.raises(plumbing.UsageError, match="perhaps you meant --learning-rate"):
         plumbing.cli(dpo.Args, ["--learning-rat", "1e-5"])
-    with pytest.raises(plumbing.UsageError, match=r"gemma_2b would use the bundled toy task \(data/\): pass "
-                                                  r"--dataset DATA; DATA: a .jsonl"):
+    with pytest.raises(
+        plumbing.UsageError,
+        match=r"gemma_2b would use the bundled toy task \(data/\): pass "
+        r"--dataset DATA; DATA: a .jsonl",
+    ):
         plumbing.cli(dpo.Args, ["--model", "gemma_2b"])
     with pytest.raises(plumbing.UsageError, match="toy task .*: pass --reward-fn path.py:function;"):
         plumbing.cli(grpo.Args, ["--model", "gemma2_2b_it", "--dataset", "my_gsm8k.jsonl"])
@@ -403,13 +530,22 @@ def test_flags_as_trl_names_them_and_the_toy_task_are_answered(tmp_path):
         plumbing.cli(evaluate.Args, ["--model", "qwen3_8b"])
     with pytest.raises(plumbing.UsageError, match="unknown --model 'gemma_3b_typo'"):
         plumbing.cli(dpo.Args, ["--model", "gemma_3b_typo"])
-    with pytest.raises(plumbing.UsageError, match="^--model google/gemma-3-1b-it: no such directory; as a Hugging "
-                                                  "Face Hub repo id it is --model hf://google/gemma-3-1b-it$"):
+    with pytest.raises(
+        plumbing.UsageError,
+        match="^--model google/gemma-3-1b-it: no such directory; as a Hugging "
+        "Face Hub repo id it is --model hf://google/gemma-3-1b-it$",
+    ):
         plumbing.cli(grpo.Args, ["--model", "google/gemma-3-1b-it"])  # TRL's form: the hub id, bare
     assert plumbing.cli(grpo.Args, ["--model", "gemma_2b", "--dataset", "x.jsonl", "--reward-model", "rm"])
-    assert plumbing.cli(dpo.Args, ["--model", "gemma_2b", "--dataset", "data/prefs_train.jsonl",
-                                   "--eval-dataset", ""]).eval_dataset == ""
-    trained = tmp_path / "model" / "assets" / "tokenizer"  # a model/ trained from tiny: the toy task is its own
+    assert (
+        plumbing.cli(
+            dpo.Args, ["--model", "gemma_2b", "--dataset", "data/prefs_train.jsonl", "--eval-dataset", ""]
+        ).eval_dataset
+        == ""
+    )
+    trained = (
+        tmp_path / "model" / "assets" / "tokenizer"
+    )  # a model/ trained from tiny: the toy task is its own
     trained.mkdir(parents=True)
     (tmp_path / "model" / "config.json").write_text("{}")
     shutil.copy(os.path.join(ROOT, "data", "tiny_tokenizer.model"), trained / "vocabulary.spm")

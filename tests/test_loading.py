@@ -26,7 +26,7 @@ def test_aliases_and_unknown_name():
     assert common.resolve_model("gemma_2b") == "gemma_2b_en"
     assert common.resolve_model("gemma_2b_en") == "gemma_2b_en"  # any KerasHub preset
     assert common.resolve_model("hf://google/gemma-2b") == "hf://google/gemma-2b"
-    assert common.resolve_model("kaggle://keras/gemma/keras/gemma_2b_en") .startswith("kaggle://")
+    assert common.resolve_model("kaggle://keras/gemma/keras/gemma_2b_en").startswith("kaggle://")
     with pytest.raises(common.UsageError, match="gemma_2b.*llama3_8b"):
         common.resolve_model("gemma_3b_typo")
 
@@ -51,8 +51,12 @@ def test_hugging_face_directory(tiny):
     config["architectures"] = ["GemmaForCausalLM"]
     with open(os.path.join(hf, "config.json"), "w") as f:
         json.dump(config, f)
-    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.model",
-                                      "tokenizer_config.json"]
+    assert sorted(os.listdir(hf)) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.model",
+        "tokenizer_config.json",
+    ]
     loaded = common.load_model(hf, mesh, "float32")
     assert type(loaded.backbone).__name__ == "GemmaBackbone"
     np.testing.assert_allclose(np.asarray(loaded(inputs)), logits, rtol=1e-5, atol=1e-5)
@@ -64,7 +68,10 @@ def test_lora_is_merged_on_save(tiny):
     mesh, _, inputs, _, tmp = tiny
     model = common.load_model("tiny", mesh, "float32", seed=1, lora_rank=2)
     params, frozen = common.split_variables(model.backbone)
-    assert {v.path.rsplit("/", 1)[-1] for v in model.backbone.trainable_variables} == {"lora_kernel_a", "lora_kernel_b"}
+    assert {v.path.rsplit("/", 1)[-1] for v in model.backbone.trainable_variables} == {
+        "lora_kernel_a",
+        "lora_kernel_b",
+    }
     rng = np.random.default_rng(0)
     params = [p + rng.normal(0, 0.5, p.shape).astype(np.float32) for p in params]  # lora_b starts at 0
     common.save_model(model, params, str(tmp / "lora"))

@@ -106,14 +106,21 @@ def test_sft_loss_direction():
 # DPO
 # ---------------------------------------------------------------------------
 def test_dpo_hand_worked():
-    loss, m = dpo_loss(jnp.array([-5.0, -9.0]), jnp.array([-7.0, -2.0]), jnp.array([-5.0, -9.0]),
-                       jnp.array([-7.0, -2.0]), beta=0.1)
+    loss, m = dpo_loss(
+        jnp.array([-5.0, -9.0]),
+        jnp.array([-7.0, -2.0]),
+        jnp.array([-5.0, -9.0]),
+        jnp.array([-7.0, -2.0]),
+        beta=0.1,
+    )
     assert float(loss) == pytest.approx(LOG2, abs=1e-6)  # policy == reference: equal margins
     assert float(m["rewards/margins"]) == 0 and float(m["rewards/accuracies"]) == 0
     # h = (−1 − (−3)) − (−2 − (−2)) = 2, β = 0.5: loss = −log σ(1) = log(1 + e^−1)
     loss, m = dpo_loss(jnp.array([-1.0]), jnp.array([-3.0]), jnp.array([-2.0]), jnp.array([-2.0]), beta=0.5)
     assert float(loss) == pytest.approx(math.log(1 + math.exp(-1)), abs=1e-6)
-    assert float(m["rewards/chosen"]) == pytest.approx(0.5) and float(m["rewards/rejected"]) == pytest.approx(-0.5)
+    assert float(m["rewards/chosen"]) == pytest.approx(0.5) and float(m["rewards/rejected"]) == pytest.approx(
+        -0.5
+    )
     assert float(m["rewards/margins"]) == pytest.approx(1.0) and float(m["rewards/accuracies"]) == 1.0
     assert float(m["logps/chosen"]) == -1.0 and float(m["logps/rejected"]) == -3.0
 
@@ -138,8 +145,17 @@ def test_dpo_variants_hand_worked():
     assert float(dpo_loss(*same, beta=0.1, nll_loss=2.0)[0]) == pytest.approx(LOG2, abs=1e-6)
 
 
-@pytest.mark.parametrize("loss_type, eps, alpha", [("sigmoid", 0.0, 0.0), ("sigmoid", 0.2, 0.0), ("ipo", 0.0, 0.0),
-                                                  ("hinge", 0.0, 0.0), ("sigmoid", 0.0, 1.0), ("ipo", 0.0, 0.4)])
+@pytest.mark.parametrize(
+    "loss_type, eps, alpha",
+    [
+        ("sigmoid", 0.0, 0.0),
+        ("sigmoid", 0.2, 0.0),
+        ("ipo", 0.0, 0.0),
+        ("hinge", 0.0, 0.0),
+        ("sigmoid", 0.0, 1.0),
+        ("ipo", 0.0, 0.4),
+    ],
+)
 def test_dpo_float64_rederivation(loss_type, eps, alpha):
     c, r, rc, rr = random_logps(1)
     beta, nll = 0.3, 1.37
@@ -158,8 +174,15 @@ def test_dpo_float64_rederivation(loss_type, eps, alpha):
 
 @pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "hinge"])
 def test_dpo_direction(loss_type):
-    args = [jnp.array([-10.0, -12.0]), jnp.array([-11.0, -9.0]), jnp.array([-10.5, -11.0]), jnp.array([-10.0, -10.0])]
-    g = jax.grad(lambda c, r: dpo_loss(c, r, *args[2:], beta=0.1, loss_type=loss_type)[0], argnums=(0, 1))(*args[:2])
+    args = [
+        jnp.array([-10.0, -12.0]),
+        jnp.array([-11.0, -9.0]),
+        jnp.array([-10.5, -11.0]),
+        jnp.array([-10.0, -10.0]),
+    ]
+    g = jax.grad(lambda c, r: dpo_loss(c, r, *args[2:], beta=0.1, loss_type=loss_type)[0], argnums=(0, 1))(
+        *args[:2]
+    )
     assert (g[0] < 0).all() and (g[1] > 0).all()  # raising chosen / lowering rejected lowers the loss
 
 
@@ -186,7 +209,9 @@ def test_simpo_float64_rederivation_and_direction():
     loss, m = simpo_loss(jnp.asarray(c), jnp.asarray(r), nll, beta, gamma, w)
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
     np.testing.assert_allclose(float(m["rewards/accuracies"]), np.mean(c > r))
-    g = jax.grad(lambda c, r: simpo_loss(c, r, 0.0, beta, gamma)[0], argnums=(0, 1))(jnp.asarray(c), jnp.asarray(r))
+    g = jax.grad(lambda c, r: simpo_loss(c, r, 0.0, beta, gamma)[0], argnums=(0, 1))(
+        jnp.asarray(c), jnp.asarray(r)
+    )
     assert (g[0] < 0).all() and (g[1] > 0).all()
 
 
@@ -221,7 +246,9 @@ def test_orpo_float64_rederivation_and_direction():
 
 def test_orpo_numerically_safe_at_extremes():
     x = np.array([0.0, -1e-9, -1e-6, -1e-3, -0.69, -0.7, -5.0, -50.0, -1e4])
-    np.testing.assert_allclose(np.asarray(orpo.log1mexp(jnp.asarray(x[2:]))), np.log1p(-np.exp(x[2:])), rtol=1e-5)
+    np.testing.assert_allclose(
+        np.asarray(orpo.log1mexp(jnp.asarray(x[2:]))), np.log1p(-np.exp(x[2:])), rtol=1e-5
+    )
     assert np.isfinite(np.asarray(orpo.log1mexp(jnp.asarray(x[:2])))).all()  # P = 1 is capped, not −inf
     c, r = jnp.asarray(x), jnp.asarray(x[::-1].copy())
     loss, m = orpo_loss(c, r, 1.0, 0.1)
@@ -253,7 +280,9 @@ def test_kto_hand_worked():
     loss, m = _kto(*args, beta=0.5)
     assert float(loss) == pytest.approx(((1 - sigmoid(0.75)) + (1 - sigmoid(1.25))) / 2, rel=1e-6)
     assert float(m["kl"]) == pytest.approx(0.5)
-    assert float(m["rewards/chosen"]) == pytest.approx(1.0) and float(m["rewards/rejected"]) == pytest.approx(-1.0)
+    assert float(m["rewards/chosen"]) == pytest.approx(1.0) and float(m["rewards/rejected"]) == pytest.approx(
+        -1.0
+    )
     assert float(m["rewards/margins"]) == pytest.approx(2.0)
     assert float(m["logps/chosen"]) == -1.0 and float(m["logps/rejected"]) == -6.0
     assert int(m["count/chosen"]) == 1 and int(m["count/rejected"]) == 1
@@ -279,8 +308,14 @@ def test_kto_batches_of_one_kind_give_finite_metrics():
     """No undesirable example: their means are 0 (not 0/0 = NaN), their count 0, and so is the margin."""
     loss, m = _kto([-1.0, -2.0], [-2.0, -2.5], [-3.0, -3.0], [-3.5, -2.5], [True, True], beta=0.5)
     assert all(np.isfinite(float(v)) for v in (loss, *m.values()))
-    assert int(m["count/rejected"]) == 0 and float(m["rewards/rejected"]) == 0.0 and float(m["logps/rejected"]) == 0.0
-    assert float(m["rewards/margins"]) == 0.0 and float(m["rewards/chosen"]) == pytest.approx(0.5 * (1.0 + 0.5) / 2)
+    assert (
+        int(m["count/rejected"]) == 0
+        and float(m["rewards/rejected"]) == 0.0
+        and float(m["logps/rejected"]) == 0.0
+    )
+    assert float(m["rewards/margins"]) == 0.0 and float(m["rewards/chosen"]) == pytest.approx(
+        0.5 * (1.0 + 0.5) / 2
+    )
 
 
 @pytest.mark.parametrize("loss_type", ["kto", "apo_zero_unpaired"])
@@ -302,15 +337,22 @@ def test_kto_float64_rederivation(loss_type):
     else:
         z0 = 0.0
         want = np.mean(np.where(desirable, w_d * (1 - sig(beta * r)), w_u * sig(beta * r)))
-    loss, m = kto_loss(*map(jnp.asarray, (logps, ref_logps, kl_logps, ref_kl_logps, desirable)), beta, w_d, w_u,
-                       loss_type)
+    loss, m = kto_loss(
+        *map(jnp.asarray, (logps, ref_logps, kl_logps, ref_kl_logps, desirable)), beta, w_d, w_u, loss_type
+    )
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
     np.testing.assert_allclose(float(m["kl"]), z0, rtol=1e-5)
     chosen, rejected = beta * r[desirable].mean(), beta * r[~desirable].mean()
-    np.testing.assert_allclose([m["rewards/chosen"], m["rewards/rejected"], m["rewards/margins"]],
-                               [chosen, rejected, chosen - rejected], rtol=1e-5)
-    np.testing.assert_allclose([m["logps/chosen"], m["logps/rejected"]],
-                               [logps[desirable].mean(), logps[~desirable].mean()], rtol=1e-5)
+    np.testing.assert_allclose(
+        [m["rewards/chosen"], m["rewards/rejected"], m["rewards/margins"]],
+        [chosen, rejected, chosen - rejected],
+        rtol=1e-5,
+    )
+    np.testing.assert_allclose(
+        [m["logps/chosen"], m["logps/rejected"]],
+        [logps[desirable].mean(), logps[~desirable].mean()],
+        rtol=1e-5,
+    )
     assert int(m["count/chosen"]) == desirable.sum() and int(m["count/rejected"]) == (~desirable).sum()
 
 
@@ -321,7 +363,8 @@ def test_kto_direction_and_detached_reference_point():
     kl_logps, ref_kl_logps = jnp.array([-9.0, -8.0, -7.0]), jnp.array([-10.0, -9.0, -7.5])  # z₀ = 5/6
     labels = jnp.array([True, False, True])
     g, g_kl = jax.grad(lambda x, k: kto_loss(x, ref_logps, k, ref_kl_logps, labels)[0], argnums=(0, 1))(
-        logps, kl_logps)
+        logps, kl_logps
+    )
     assert g[0] < 0 and g[2] < 0 and g[1] > 0
     assert (np.asarray(g_kl) == 0).all()
     loss = lambda x: float(kto_loss(x, ref_logps, kl_logps, ref_kl_logps, labels)[0])
@@ -348,7 +391,9 @@ def test_reward_loss_equal_scores_extremes_and_gradients_float64():
     # equal scores: every margin 0, −log σ(0) = log 2 whatever the scores; a tie is not a correct ranking
     loss, m = reward_loss(jnp.array([3.0, -7.0]), jnp.array([3.0, -7.0]))
     assert float(loss) == pytest.approx(LOG2, abs=1e-6)
-    assert float(m["rewards/chosen"]) == pytest.approx((3 - 7) / 2) and float(m["rewards/rejected"]) == pytest.approx(-2.0)
+    assert float(m["rewards/chosen"]) == pytest.approx((3 - 7) / 2) and float(
+        m["rewards/rejected"]
+    ) == pytest.approx(-2.0)
     assert float(m["rewards/accuracies"]) == 0.0 and float(m["rewards/margins"]) == 0.0
     # margins +100 and −100: softplus(−100) ≈ 0 and softplus(100) ≈ 100, no overflow: mean 50
     loss, m = reward_loss(jnp.array([100.0, 0.0]), jnp.array([0.0, 100.0]))
@@ -360,10 +405,15 @@ def test_reward_loss_equal_scores_extremes_and_gradients_float64():
     margin = c - r
     loss, m = reward_loss(jnp.array(c, jnp.float32), jnp.array(r, jnp.float32))
     np.testing.assert_allclose(float(loss), np.mean(np.logaddexp(0.0, -margin)), rtol=1e-5)
-    np.testing.assert_allclose([m["rewards/margins"], m["rewards/accuracies"]], [margin.mean(), np.mean(margin > 0)],
-                               rtol=1e-5, atol=1e-6)
-    gc, gr = jax.grad(lambda a, b: reward_loss(a, b)[0], argnums=(0, 1))(jnp.array(c, jnp.float32),
-                                                                          jnp.array(r, jnp.float32))
+    np.testing.assert_allclose(
+        [m["rewards/margins"], m["rewards/accuracies"]],
+        [margin.mean(), np.mean(margin > 0)],
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    gc, gr = jax.grad(lambda a, b: reward_loss(a, b)[0], argnums=(0, 1))(
+        jnp.array(c, jnp.float32), jnp.array(r, jnp.float32)
+    )
     sig = 1 / (1 + np.exp(margin))  # σ(−margin)
     np.testing.assert_allclose(gc, -sig / 32, rtol=1e-4, atol=1e-9)
     np.testing.assert_allclose(gr, sig / 32, rtol=1e-4, atol=1e-9)
@@ -416,9 +466,13 @@ def test_ppo_gae_matches_python_loop_and_ignores_padding():
             expected[i, j] = last
     adv, ret = compute_gae(jnp.array(rewards), jnp.array(values), jnp.array(mask), gamma, lam)
     np.testing.assert_allclose(np.where(mask, adv, 0), expected, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(np.where(mask, ret, 0), np.where(mask, expected + values, 0), rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        np.where(mask, ret, 0), np.where(mask, expected + values, 0), rtol=1e-4, atol=1e-5
+    )
     garbage = np.where(mask, values, 1e3)  # padded values must not leak in
-    adv2, _ = compute_gae(jnp.array(np.where(mask, rewards, 1e3)), jnp.array(garbage), jnp.array(mask), gamma, lam)
+    adv2, _ = compute_gae(
+        jnp.array(np.where(mask, rewards, 1e3)), jnp.array(garbage), jnp.array(mask), gamma, lam
+    )
     np.testing.assert_allclose(np.where(mask, adv2, 0), expected, rtol=1e-4, atol=1e-5)
 
 
@@ -451,8 +505,9 @@ def test_ppo_policy_loss_hand_cases():
     assert m["policy/clipfrac_avg"] == 0.0
     # ratio e^0.1 inside the range, advantage 2: plain -2·e^0.1; approxkl = ½·0.1²
     _, m = _ppo_loss([0.1], [0.0], [0.0], [0.0], [2.0], [0.0])
-    np.testing.assert_allclose([m["loss/policy_avg"], m["policy/approxkl_avg"]], [-2 * np.exp(0.1), 0.005],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        [m["loss/policy_avg"], m["policy/approxkl_avg"]], [-2 * np.exp(0.1), 0.005], rtol=1e-5
+    )
 
 
 def test_ppo_value_loss_hand_cases():
@@ -467,7 +522,9 @@ def test_ppo_value_loss_hand_cases():
     np.testing.assert_allclose(m["loss/value_avg"], 0.5 * 0.81, rtol=1e-6)
     assert m["val/clipfrac_avg"] == 0.0
     # a padded token counts nowhere
-    _, m = _ppo_loss([0.0, 3.0], [0.1, 9.0], [0.0, 0.0], [0.0, 0.0], [0.0, 5.0], [1.0, -9.0], mask=[True, False])
+    _, m = _ppo_loss(
+        [0.0, 3.0], [0.1, 9.0], [0.0, 0.0], [0.0, 0.0], [0.0, 5.0], [1.0, -9.0], mask=[True, False]
+    )
     np.testing.assert_allclose([m["loss/value_avg"], m["loss/policy_avg"]], [0.5 * 0.81, 0.0], atol=1e-6)
 
 
@@ -483,19 +540,33 @@ def test_ppo_loss_numpy_and_direction():
     vf = 0.5 * np.maximum((new_v - ret) ** 2, (vc - ret) ** 2)[mask].mean()
     args = [jnp.array(x, jnp.float32) for x in (new_lp, new_v, lp, v, adv, ret)]
     loss, m = ppo_loss(*args, jnp.array(mask), 0.2, 0.2, 0.1)
-    np.testing.assert_allclose([m["loss/policy_avg"], m["loss/value_avg"], loss], [pg, vf, pg + 0.1 * vf], rtol=1e-5)
+    np.testing.assert_allclose(
+        [m["loss/policy_avg"], m["loss/value_avg"], loss], [pg, vf, pg + 0.1 * vf], rtol=1e-5
+    )
     # direction: with a positive advantage, raising the token's log-prob lowers the loss
-    grad = jax.grad(lambda x: ppo_loss(x, *[jnp.zeros((1, 1))] * 3, jnp.ones((1, 1)), jnp.zeros((1, 1)),
-                                       jnp.ones((1, 1), bool), 0.2, 0.2, 0.1)[0])(jnp.zeros((1, 1)))
+    grad = jax.grad(
+        lambda x: ppo_loss(
+            x,
+            *[jnp.zeros((1, 1))] * 3,
+            jnp.ones((1, 1)),
+            jnp.zeros((1, 1)),
+            jnp.ones((1, 1), bool),
+            0.2,
+            0.2,
+            0.1,
+        )[0]
+    )(jnp.zeros((1, 1)))
     assert grad[0, 0] < 0
 
 
 def test_ppo_value_loss_direction_and_clipped_values_have_no_gradient():
     def grad(new_v, ret):  # d loss / d V_new on one token: old value 0, advantage 0, vf_coef 0.1
         zero = jnp.zeros((1, 1))
-        f = lambda x: ppo_loss(zero, x, zero, zero, zero, jnp.full((1, 1), ret), jnp.ones((1, 1), bool),
-                               0.2, 0.2, 0.1)[0]
+        f = lambda x: ppo_loss(
+            zero, x, zero, zero, zero, jnp.full((1, 1), ret), jnp.ones((1, 1), bool), 0.2, 0.2, 0.1
+        )[0]
         return float(jax.grad(f)(jnp.full((1, 1), new_v))[0, 0])
+
     # inside the clip range: d/dV ½·0.1·(V − R)² = 0.1·(V − R), so V moves toward the return
     assert grad(0.1, 1.0) == pytest.approx(0.1 * (0.1 - 1.0), rel=1e-6) and grad(0.1, 1.0) < 0
     assert grad(-0.1, -1.0) == pytest.approx(0.1 * (-0.1 + 1.0), rel=1e-6) and grad(-0.1, -1.0) > 0
@@ -512,16 +583,19 @@ def test_grpo_group_advantages_worked_example():
     # two groups of G=4: rewards 1, 0, 0, 1 (mean ½) and 0.5 × 4 (all equal: no signal)
     rewards = jnp.array([1.0, 0.0, 0.0, 1.0, 0.5, 0.5, 0.5, 0.5])
     adv, std = group_advantages(rewards, 4)
-    s = np.sqrt(4 * 0.5 ** 2 / 3)  # sample std (÷ G-1) of 1, 0, 0, 1
+    s = np.sqrt(4 * 0.5**2 / 3)  # sample std (÷ G-1) of 1, 0, 0, 1
     a = 0.5 / (s + EPS)
     np.testing.assert_allclose(adv, [a, -a, -a, a, 0, 0, 0, 0], rtol=1e-6)
     np.testing.assert_allclose(std, [s, 0.0], rtol=1e-6)
     # Dr. GRPO: no division, the raw centred rewards
     np.testing.assert_allclose(group_advantages(rewards, 4, "none")[0], [0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0])
     # batch: ÷ the std of all eight rewards (mean 0.5; four deviations of ±0.5, four of 0)
-    sb = np.sqrt(4 * 0.5 ** 2 / 7)
-    np.testing.assert_allclose(group_advantages(rewards, 4, "batch")[0],
-                               np.array([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]) / (sb + EPS), rtol=1e-6)
+    sb = np.sqrt(4 * 0.5**2 / 7)
+    np.testing.assert_allclose(
+        group_advantages(rewards, 4, "batch")[0],
+        np.array([0.5, -0.5, -0.5, 0.5, 0, 0, 0, 0]) / (sb + EPS),
+        rtol=1e-6,
+    )
 
 
 def test_grpo_group_advantages_numpy_float64():
@@ -529,8 +603,11 @@ def test_grpo_group_advantages_numpy_float64():
     rewards = rng.normal(size=48)
     grouped = rewards.reshape(6, 8)
     centred = grouped - grouped.mean(1, keepdims=True)
-    expected = {"group": centred / (grouped.std(1, ddof=1, keepdims=True) + EPS),
-                "batch": centred / (rewards.std(ddof=1) + EPS), "none": centred}
+    expected = {
+        "group": centred / (grouped.std(1, ddof=1, keepdims=True) + EPS),
+        "batch": centred / (rewards.std(ddof=1) + EPS),
+        "none": centred,
+    }
     for scale, want in expected.items():
         got, std = group_advantages(jnp.array(rewards, jnp.float32), 8, scale)
         np.testing.assert_allclose(got, want.reshape(-1), rtol=1e-4, atol=1e-5, err_msg=scale)
@@ -553,11 +630,22 @@ def test_grpo_k3_by_hand_and_unbiased_on_samples_from_pi():
     np.testing.assert_allclose(k3.mean(), exact, rtol=0.03)
 
 
-def _grpo_loss(logps, old, advantages, mask, ref=None, beta=0.0, loss_type="dapo", eps=0.2, eps_high=0.2,
-               level="token"):
+def _grpo_loss(
+    logps, old, advantages, mask, ref=None, beta=0.0, loss_type="dapo", eps=0.2, eps_high=0.2, level="token"
+):
     arr = lambda x: None if x is None else jnp.array(x, jnp.float32)
-    return grpo_loss(arr(logps), arr(old), arr(ref), arr(advantages), jnp.array(mask, bool), eps, eps_high,
-                     beta, loss_type, level)
+    return grpo_loss(
+        arr(logps),
+        arr(old),
+        arr(ref),
+        arr(advantages),
+        jnp.array(mask, bool),
+        eps,
+        eps_high,
+        beta,
+        loss_type,
+        level,
+    )
 
 
 def test_grpo_aggregation_modes_by_hand():
@@ -565,9 +653,11 @@ def test_grpo_aggregation_modes_by_hand():
     # token, the rest padding that holds garbage and must not count)
     lp = [[-1.0, -2.0, -9.0], [-1.0, -9.0, -9.0]]
     mask = [[True, True, False], [True, False, False]]
-    by_mode = {"dapo": (-1 - 1 - 2) / 3,  # token mean over the batch's 3 real tokens
-               "grpo": (-(1 + 1) / 2 - 2 / 1) / 2,  # each completion's mean, then the mean of those
-               "dr_grpo": (-1 - 1 - 2) / (2 * 3)}  # ÷ (B × R), fixed
+    by_mode = {
+        "dapo": (-1 - 1 - 2) / 3,  # token mean over the batch's 3 real tokens
+        "grpo": (-(1 + 1) / 2 - 2 / 1) / 2,  # each completion's mean, then the mean of those
+        "dr_grpo": (-1 - 1 - 2) / (2 * 3),
+    }  # ÷ (B × R), fixed
     for mode, want in by_mode.items():
         loss, m = _grpo_loss(lp, lp, [1.0, 2.0], mask, loss_type=mode)
         np.testing.assert_allclose(loss, want, rtol=1e-6, err_msg=mode)
@@ -579,7 +669,9 @@ def test_grpo_clipping_by_hand():
     loss, m = _grpo_loss([[0.5]], [[0.0]], [1.0], [[True]])
     np.testing.assert_allclose(loss, -1.2, rtol=1e-6)
     assert m["clip_ratio/high_mean"] == 1.0 and m["clip_ratio"] == 1.0
-    np.testing.assert_allclose(_grpo_loss([[0.5]], [[0.0]], [1.0], [[True]], eps_high=0.28)[0], -1.28, rtol=1e-6)
+    np.testing.assert_allclose(
+        _grpo_loss([[0.5]], [[0.0]], [1.0], [[True]], eps_high=0.28)[0], -1.28, rtol=1e-6
+    )
     # ratio e^-0.5 ≈ 0.61, advantage −1: min(−0.61, −0.8) = −0.8 → loss +0.8, clipped from below
     loss, m = _grpo_loss([[-0.5]], [[0.0]], [-1.0], [[True]])
     np.testing.assert_allclose(loss, 0.8, rtol=1e-6)
@@ -608,20 +700,30 @@ def test_grpo_loss_numpy_float64_every_mode():
     per_token = -np.minimum(ratio * adv[:, None], np.clip(ratio, 1 - eps, 1 + eps_high) * adv[:, None])
     per_token += beta * (np.exp(ref - lp) - (ref - lp) - 1)
     x = np.where(mask, per_token, 0.0)
-    want = {"dapo": x.sum() / mask.sum(), "grpo": np.mean(x.sum(1) / mask.sum(1)), "dr_grpo": x.sum() / (b * r)}
+    want = {
+        "dapo": x.sum() / mask.sum(),
+        "grpo": np.mean(x.sum(1) / mask.sum(1)),
+        "dr_grpo": x.sum() / (b * r),
+    }
     for mode, w in want.items():
-        loss, _ = _grpo_loss(lp, old, adv, mask, ref=ref, beta=beta, loss_type=mode, eps=eps, eps_high=eps_high)
+        loss, _ = _grpo_loss(
+            lp, old, adv, mask, ref=ref, beta=beta, loss_type=mode, eps=eps, eps_high=eps_high
+        )
         np.testing.assert_allclose(loss, w, rtol=1e-5, err_msg=mode)
 
 
 def test_grpo_loss_direction_and_clipped_tokens_have_no_gradient():
     """A positive advantage raises the token's log-prob; a clipped token gets no gradient; with
     old = stop_gradient(new) (one update per batch) the gradient is the plain policy gradient −A."""
+
     def grad(lp, old, adv):
         return jax.grad(lambda x: _grpo_loss(x, old, adv, [[True, True]])[0])(jnp.array(lp))
+
     g = np.asarray(grad([[0.0, 0.5]], [[0.0, 0.0]], [1.0]))
     assert g[0, 0] < 0 and g[0, 1] == 0.0  # token 2 sits above 1+ε with A > 0: clipped, no gradient
-    on_policy = jax.grad(lambda x: _grpo_loss(x, jax.lax.stop_gradient(x), [2.0], [[True, True]])[0])(jnp.zeros((1, 2)))
+    on_policy = jax.grad(lambda x: _grpo_loss(x, jax.lax.stop_gradient(x), [2.0], [[True, True]])[0])(
+        jnp.zeros((1, 2))
+    )
     np.testing.assert_allclose(on_policy, [[-2.0 / 2, -2.0 / 2]], rtol=1e-6)  # −A / (number of tokens)
 
 
@@ -644,15 +746,21 @@ def test_gspo_sequence_ratio_by_hand():
     mask = [[True, True, False, False], [True, True, True, False], [True, False, False, False]]
     adv = [1.0, -0.5, 2.0]
     t1, t2, t3 = -1.2, 0.4, -2 * np.exp(0.1)
-    by_mode = {"grpo": (t1 + t2 + t3) / 3,  # the paper: one term per completion, averaged
-               "dapo": (2 * t1 + 3 * t2 + 1 * t3) / 6,  # each term on each of its real tokens, ÷ 6 tokens
-               "dr_grpo": (2 * t1 + 3 * t2 + 1 * t3) / (3 * 4)}  # ÷ (B × R)
+    by_mode = {
+        "grpo": (t1 + t2 + t3) / 3,  # the paper: one term per completion, averaged
+        "dapo": (2 * t1 + 3 * t2 + 1 * t3) / 6,  # each term on each of its real tokens, ÷ 6 tokens
+        "dr_grpo": (2 * t1 + 3 * t2 + 1 * t3) / (3 * 4),
+    }  # ÷ (B × R)
     for mode, want in by_mode.items():
         loss, m = _grpo_loss(lp, old, adv, mask, loss_type=mode, level="sequence")
         np.testing.assert_allclose(loss, want, rtol=1e-6, err_msg=mode)
         # clip shares over the 3 completions: one clipped from above, one from below
-        np.testing.assert_allclose([m["clip_ratio/high_mean"], m["clip_ratio/low_mean"], m["clip_ratio"]],
-                                   [1 / 3, 1 / 3, 2 / 3], rtol=1e-6, err_msg=mode)
+        np.testing.assert_allclose(
+            [m["clip_ratio/high_mean"], m["clip_ratio/low_mean"], m["clip_ratio"]],
+            [1 / 3, 1 / 3, 2 / 3],
+            rtol=1e-6,
+            err_msg=mode,
+        )
     # per token instead: tokens 0.3 (above), −0.5 and −0.3 (below) are clipped, 3 of the 6 real tokens
     assert _grpo_loss(lp, old, adv, mask)[1]["clip_ratio"] == 0.5
 
@@ -678,15 +786,28 @@ def test_gspo_loss_numpy_float64():
         low.append(s < 1 - eps and adv[i] < 0)
     objective, kl_sums = np.array(objective), np.array(kl_sums)
     assert 0 < np.mean(high) + np.mean(low) < 1  # the inputs exercise both the clip and the unclipped branch
-    want = {"grpo": np.mean(-objective + beta * kl_sums / lengths),
-            "dapo": np.sum(-lengths * objective + beta * kl_sums) / lengths.sum(),
-            "dr_grpo": np.sum(-lengths * objective + beta * kl_sums) / (b * r)}
+    want = {
+        "grpo": np.mean(-objective + beta * kl_sums / lengths),
+        "dapo": np.sum(-lengths * objective + beta * kl_sums) / lengths.sum(),
+        "dr_grpo": np.sum(-lengths * objective + beta * kl_sums) / (b * r),
+    }
     for mode, w in want.items():
-        loss, m = _grpo_loss(lp_padded, old, adv, mask, ref=ref, beta=beta, loss_type=mode, eps=eps,
-                             eps_high=eps_high, level="sequence")
+        loss, m = _grpo_loss(
+            lp_padded,
+            old,
+            adv,
+            mask,
+            ref=ref,
+            beta=beta,
+            loss_type=mode,
+            eps=eps,
+            eps_high=eps_high,
+            level="sequence",
+        )
         np.testing.assert_allclose(loss, w, rtol=1e-5, err_msg=mode)
-        np.testing.assert_allclose([m["clip_ratio/high_mean"], m["clip_ratio/low_mean"]],
-                                   [np.mean(high), np.mean(low)], err_msg=mode)
+        np.testing.assert_allclose(
+            [m["clip_ratio/high_mean"], m["clip_ratio/low_mean"]], [np.mean(high), np.mean(low)], err_msg=mode
+        )
 
 
 def test_gspo_equals_token_level_for_one_token_and_its_gradient_is_per_sequence():
@@ -705,17 +826,28 @@ def test_gspo_equals_token_level_for_one_token_and_its_gradient_is_per_sequence(
     # of an unclipped completion, 0 for each token of a clipped one, 0 on padding. Completion 1: log-ratios
     # 0.05, −0.15 → s = e^−0.05, Â = 1, unclipped. Completion 2: 0.3 alone, s = e^0.3 > 1.2, Â = 1: clipped.
     old = np.zeros((2, 3))
-    grad = jax.grad(lambda x: _grpo_loss(x, old, [1.0, 1.0], [[True, True, False], [True, False, False]],
-                                         loss_type="grpo", level="sequence")[0])
+    grad = jax.grad(
+        lambda x: _grpo_loss(
+            x,
+            old,
+            [1.0, 1.0],
+            [[True, True, False], [True, False, False]],
+            loss_type="grpo",
+            level="sequence",
+        )[0]
+    )
     g = grad(jnp.array([[0.05, -0.15, 7.0], [0.3, 7.0, 7.0]]))
     s = np.exp(-0.05)
     np.testing.assert_allclose(g, [[-s / 2 / 2, -s / 2 / 2, 0.0], [0.0, 0.0, 0.0]], rtol=1e-6)
     # on-policy (π_old = sg(π_θ), s = 1) it is the token level's policy gradient in every aggregation
     mask = jnp.array(rng.random((6, 4)) > 0.4).at[:, 0].set(True)
     for mode in ("dapo", "grpo", "dr_grpo"):
-        grads = [jax.grad(lambda x: _grpo_loss(x, jax.lax.stop_gradient(x), adv, mask, loss_type=mode,
-                                               level=level)[0])(jnp.array(lp, jnp.float32))
-                 for level in ("token", "sequence")]
+        grads = [
+            jax.grad(
+                lambda x: _grpo_loss(x, jax.lax.stop_gradient(x), adv, mask, loss_type=mode, level=level)[0]
+            )(jnp.array(lp, jnp.float32))
+            for level in ("token", "sequence")
+        ]
         np.testing.assert_allclose(grads[1], grads[0], rtol=1e-5, atol=1e-8, err_msg=mode)
 
 
@@ -749,7 +881,7 @@ def test_rloo_leave_one_out_baseline_by_hand():
     adv, std = rloo_advantages(rewards, jnp.zeros(8), 4, beta=0.05)
     np.testing.assert_allclose(adv, [1, -1 / 3, -1 / 3, -1 / 3, 0, 0, 0, 0], rtol=1e-6, atol=1e-7)
     np.testing.assert_allclose(adv[:4], 4 / 3 * (np.array([1, 0, 0, 0]) - 0.25), rtol=1e-6)
-    np.testing.assert_allclose(std, [np.sqrt(0.75 ** 2 + 3 * 0.25 ** 2) / np.sqrt(3), 0.0], rtol=1e-6)
+    np.testing.assert_allclose(std, [np.sqrt(0.75**2 + 3 * 0.25**2) / np.sqrt(3), 0.0], rtol=1e-6)
     # k = 2 (TRL's default): each completion against the other, A = r_1 − r_2 and r_2 − r_1
     pair, _ = rloo_advantages(jnp.array([3.0, 0.5]), jnp.zeros(2), 2, beta=0.0)
     np.testing.assert_allclose(pair, [2.5, -2.5])
@@ -770,8 +902,9 @@ def test_rloo_kl_folds_into_the_reward_then_the_loss_by_hand():
     np.testing.assert_allclose(adv, [0.25, -0.25], rtol=1e-6)
     # --reward-clip-range (−1, 1) clips the rewards 5, −5 before the penalty, never the KL: shaped 1 − 0.5 · 2
     # = 0 and −1 − 0 = −1 → A = ±1 (clipping after the penalty would give 1 and −1 → A = ±2)
-    clipped, _ = rloo_advantages(jnp.array([5.0, -5.0]), jnp.array([2.0, 0.0]), 2, beta=0.5,
-                                 reward_clip_range=(-1, 1))
+    clipped, _ = rloo_advantages(
+        jnp.array([5.0, -5.0]), jnp.array([2.0, 0.0]), 2, beta=0.5, reward_clip_range=(-1, 1)
+    )
     np.testing.assert_allclose(clipped, [1.0, -1.0], rtol=1e-6)
     # Off-policy update: completion 1's log-ratio sums to 0.05 + 0.05 = 0.1 → ratio e^0.1 inside [0.8, 1.2]:
     # term −0.25 e^0.1. Completion 2: −0.3 on its real token (its padding, 9 against 40, must not count)
@@ -808,8 +941,9 @@ def test_rloo_numpy_float64_from_the_definitions():
     adv, _ = rloo_advantages(jnp.array(rewards, jnp.float32), kl, k, beta)
     np.testing.assert_allclose(adv, want_adv, rtol=1e-4, atol=1e-5)
     normalised = rloo_advantages(jnp.array(rewards, jnp.float32), kl, k, beta, normalize_advantages=True)[0]
-    np.testing.assert_allclose(normalised, (want_adv - want_adv.mean()) / (np.std(want_adv, ddof=1) + 1e-4),
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        normalised, (want_adv - want_adv.mean()) / (np.std(want_adv, ddof=1) + 1e-4), rtol=1e-4, atol=1e-5
+    )
     terms, low, high = [], [], []
     for i, n in enumerate(lengths):
         ratio = np.exp(logps[i, :n].sum() - old[i, :n].sum())
@@ -871,7 +1005,9 @@ def test_sequence_logps_shift_and_padding(module):
     mask = jnp.array([[False, False, True, True, True, False, False]])  # BOS, prompt, 3 response, 2 pad
     assert float(module.sequence_logps(logps, mask)[0]) == -2.0 - 3.0 - 4.0
     assert float(module.sequence_logps(logps, mask, average=True)[0]) == pytest.approx(-3.0)
-    padded = module.sequence_logps(jnp.pad(logps, ((0, 0), (0, 5)), constant_values=7.0), jnp.pad(mask, ((0, 0), (0, 5))))
+    padded = module.sequence_logps(
+        jnp.pad(logps, ((0, 0), (0, 5)), constant_values=7.0), jnp.pad(mask, ((0, 0), (0, 5)))
+    )
     assert float(padded[0]) == -9.0
 
 
@@ -897,7 +1033,9 @@ def test_kto_padding_invariance_through_the_model(prefs):
     _, model, _ = prefs
     path = os.path.join(ROOT, "data", "kto_eval.jsonl")
     examples = kto.read_examples(path, common.chat_template("tiny"))
-    rows, _ = kto.tokenize_dataset(examples[:4] + examples[-4:], model.preprocessor.tokenizer, 512, path, seed=0)
+    rows, _ = kto.tokenize_dataset(
+        examples[:4] + examples[-4:], model.preprocessor.tokenizer, 512, path, seed=0
+    )
     params, frozen = common.split_variables(model.backbone)
     fwd = jax.jit(lambda b: kto.concatenated_forward(model.backbone, params, frozen, b))
     short, long = fwd(kto.pad_examples(rows, 32)), fwd(kto.pad_examples(rows, 48))
@@ -920,12 +1058,17 @@ def test_token_logps_match_full_logits_and_padding(tiny):
     ids = rng.integers(3, 300, (2, 11)).astype(np.int32)
     mask = np.ones_like(ids, bool)
     mask[1, 7:] = False  # row 1 is right-padded
-    chunked = jax.jit(lambda p, i, m: token_logps(model.backbone, p, frozen, i, m, chunk=4)[0])  # chunks: 4+4+2
+    chunked = jax.jit(
+        lambda p, i, m: token_logps(model.backbone, p, frozen, i, m, chunk=4)[0]
+    )  # chunks: 4+4+2
     logps = chunked(params, ids, mask)
     # Reference: full [B, T, V] logits from the KerasHub model itself, float64 log-softmax.
     logits = np.asarray(model({"token_ids": ids, "padding_mask": mask}), np.float64)
-    ref = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
+    ref = (
+        logits
+        - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
         - logits.max(-1, keepdims=True)
+    )
     ref = np.take_along_axis(ref[:, :-1], ids[:, 1:, None], -1)[..., 0]
     np.testing.assert_allclose(np.asarray(logps)[0], ref[0], rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(np.asarray(logps)[1, :6], ref[1, :6], rtol=1e-4, atol=1e-4)

@@ -18,8 +18,17 @@ import pytest
 from helpers import ROOT, byte_bpe, metrics, one_device_env
 
 COEFFICIENT = 0.01  # the tiny model's router_aux_loss_coefficient (Qwen3-30B-A3B's: 0.001)
-SIZE = dict(num_layers=2, hidden_dim=64, intermediate_dim=128, moe_intermediate_dim=32, num_experts=4, top_k=2,
-            num_query_heads=4, num_key_value_heads=2, head_dim=16)
+SIZE = dict(
+    num_layers=2,
+    hidden_dim=64,
+    intermediate_dim=128,
+    moe_intermediate_dim=32,
+    num_experts=4,
+    top_k=2,
+    num_query_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+)
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +37,7 @@ def preset(tmp_path_factory):
     import common  # noqa: F401  (first: it keeps TensorFlow out of the process)
     import keras
     import keras_hub.models as m
+
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
     vocab, merges = byte_bpe(specials)
     keras.utils.set_random_seed(0)
@@ -44,6 +54,7 @@ def moe(preset):
     calls on weights spread over 8 simulated devices are several times slower, and nothing is sharded here."""
     import common
     import jax
+
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
     model = common.load_model(preset, mesh, "float32")
     params, frozen = common.split_variables(model.backbone)
@@ -80,14 +91,17 @@ def test_collected_aux_loss_is_keras_hubs(moe, monkeypatch):
     float64 from the router logits that call produced; and its hidden states are the plain call's."""
     import common
     import jax
+
     model, params, frozen, batch = moe
     backbone = model.backbone
     captured = []  # (router logits [B·T, E], self-attention mask [B, T, T]) per MoE layer
     for layer in backbone.transformer_layers:
+
         def spy(x, attention_mask=None, training=None, _call=layer.mlp.call):
             out, router_logits = _call(x, attention_mask=attention_mask, training=training)
             captured.append((np.asarray(router_logits, np.float64), np.asarray(attention_mask)))
             return out, router_logits
+
         monkeypatch.setattr(layer.mlp, "call", spy)
     hidden = backbone(batch, training=True)  # eager, stateful: the layers' add_loss lands in backbone.losses
     theirs = [float(x) for x in backbone.losses]
@@ -107,6 +121,7 @@ def sft_step(backbone, batch):
     import jax
     import optax
     import sft
+
     params, frozen = common.split_variables(backbone)
     optimizer = optax.sgd(1.0)  # new = old - gradient
     step = jax.jit(partial(sft.train_step, backbone, optimizer, sft.Args()))  # traced afresh: the coefficient
@@ -123,10 +138,13 @@ def test_train_step_adds_aux_loss_and_moves_the_router(moe, monkeypatch):
     import common
     import jax
     import plumbing
+
     model, params, frozen, batch = moe
     backbone = model.backbone
     inputs, batch = batch, {**batch, "loss_mask": batch["padding_mask"]}  # sft's batch: a loss on every token
-    router = [i for i, v in enumerate(backbone.trainable_variables) if "sparse_feedforward_gate_dense" in v.path]
+    router = [
+        i for i, v in enumerate(backbone.trainable_variables) if "sparse_feedforward_gate_dense" in v.path
+    ]
     assert len(router) == 2
     c = 0.5  # large, so the aux term stands well above float32 noise in the loss
     set_coefficient(backbone, c, monkeypatch)
@@ -135,11 +153,14 @@ def test_train_step_adds_aux_loss_and_moves_the_router(moe, monkeypatch):
     with_aux, grads = sft_step(backbone, batch)
     set_coefficient(backbone, 0.0, monkeypatch)
     without, grads0 = sft_step(backbone, batch)
-    assert aux > 0 and float(with_aux["train/loss"]) - float(without["train/loss"]) == pytest.approx(aux, rel=1e-4)
+    assert aux > 0 and float(with_aux["train/loss"]) - float(without["train/loss"]) == pytest.approx(
+        aux, rel=1e-4
+    )
     assert float(with_aux["aux_loss"]) == pytest.approx(aux, rel=1e-5) and float(without["aux_loss"]) == 0.0
     set_coefficient(backbone, c, monkeypatch)
-    aux_grads = jax.jit(jax.grad(lambda p: common.forward(backbone, p, frozen, batch["token_ids"],
-                                                          batch["padding_mask"])[1]))(params)
+    aux_grads = jax.jit(
+        jax.grad(lambda p: common.forward(backbone, p, frozen, batch["token_ids"], batch["padding_mask"])[1])
+    )(params)
     for i in router:
         assert np.abs(grads0[i]).max() > 1e-4  # non-zero without the aux term
         moved = grads[i] - grads0[i]
@@ -163,6 +184,7 @@ def test_sampler_forward_matches_keras_hub(moe):
     import common
     import jax
     import jax.numpy as jnp
+
     model = moe[0]
     backbone = model.backbone
     assert common.FAMILIES[type(backbone).__name__] == "chatml"
@@ -188,9 +210,15 @@ def run_scripts(preset, out):
     through its main(), in this process; outputs under `out`."""
     import dpo
     import sft
+
     run = dict(model=preset, max_steps=1, batch_size=4, seed=0, remat="off", max_length=32, eval_dataset=None)
-    sft.main(sft.Args(**run, dataset=os.path.join(ROOT, "data", "sft_messages_train.jsonl"),
-                      output_dir=os.path.join(out, "sft")))
+    sft.main(
+        sft.Args(
+            **run,
+            dataset=os.path.join(ROOT, "data", "sft_messages_train.jsonl"),
+            output_dir=os.path.join(out, "sft"),
+        )
+    )
     dpo.main(dpo.Args(**run, output_dir=os.path.join(out, "dpo")))
 
 
@@ -200,10 +228,20 @@ def test_one_step_of_sft_and_dpo(preset, tmp_path):
     policy's weights: every margin is 0, the DPO loss −log σ(0) = log 2, so train/loss = log 2 + aux_loss:
     the policy's forward (chosen + rejected in one) adds its aux loss once, the reference's none."""
     import common
-    res = subprocess.run([sys.executable, "-c", f"import sys; sys.path.insert(0, {ROOT!r}); "
-                          f"from test_moe import run_scripts; run_scripts({preset!r}, {str(tmp_path)!r})"],
-                         cwd=os.path.dirname(os.path.abspath(__file__)), capture_output=True, text=True,
-                         timeout=900, env=one_device_env())
+
+    res = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            f"import sys; sys.path.insert(0, {ROOT!r}); "
+            f"from test_moe import run_scripts; run_scripts({preset!r}, {str(tmp_path)!r})",
+        ],
+        cwd=os.path.dirname(os.path.abspath(__file__)),
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=one_device_env(),
+    )
     assert res.returncode == 0, res.stderr[-3000:]
     for name in ("sft", "dpo"):
         row = metrics(tmp_path / name)[-1]
@@ -211,4 +249,6 @@ def test_one_step_of_sft_and_dpo(preset, tmp_path):
         assert 0 < row["aux_loss"] < row["train/loss"], name
         assert common.backbone_class(str(tmp_path / name / "model")).__name__ == "Qwen3MoeBackbone"
     row = metrics(tmp_path / "dpo")[-1]
-    assert row["rewards/margins"] == 0 and row["train/loss"] == pytest.approx(math.log(2) + row["aux_loss"], rel=1e-6)
+    assert row["rewards/margins"] == 0 and row["train/loss"] == pytest.approx(
+        math.log(2) + row["aux_loss"], rel=1e-6
+    )

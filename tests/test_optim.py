@@ -47,13 +47,27 @@ def test_past_the_last_update_the_rate_is_held_never_raised():
 def test_cosine_to_zero():
     r, _ = rates("cosine")
     half_cos = lambda progress: 0.5 * (1 + math.cos(math.pi * progress))  # progress = (t - 2) / 8
-    expected = {0: 0.0, 1: 1 / 2, 2: 1.0, 4: 0.5 + math.sqrt(2) / 4, 6: 0.5, 9: half_cos(7 / 8), 10: half_cos(7 / 8)}
+    expected = {
+        0: 0.0,
+        1: 1 / 2,
+        2: 1.0,
+        4: 0.5 + math.sqrt(2) / 4,
+        6: 0.5,
+        9: half_cos(7 / 8),
+        10: half_cos(7 / 8),
+    }
     assert {t: r[t] for t in expected} == pytest.approx(expected, abs=1e-7)
 
 
 def test_cosine_with_min_lr_floors_at_the_rate_and_is_the_former_schedule():
     r, _ = rates("cosine_with_min_lr", min_lr_rate=0.1)
-    expected = {0: 0.0, 1: 1 / 2, 2: 1.0, 6: 0.5 * 0.9 + 0.1, 9: 0.5 * (1 + math.cos(math.pi * 7 / 8)) * 0.9 + 0.1}
+    expected = {
+        0: 0.0,
+        1: 1 / 2,
+        2: 1.0,
+        6: 0.5 * 0.9 + 0.1,
+        9: 0.5 * (1 + math.cos(math.pi * 7 / 8)) * 0.9 + 0.1,
+    }
     assert {t: r[t] for t in expected} == pytest.approx(expected, abs=1e-7)
     # min_lr_rate 0.1 is the warmup + cosine-to-10% every offline script ran before the flag existed
     for total, warmup in ((40, 5), (150, 20), (10, 0), (3, 5)):
@@ -78,6 +92,7 @@ def test_warmup_ratio_rounds_up_and_warmup_steps_win():
 
 def test_schedule_flags_are_checked_and_trls_extra_names_answered(tmp_path):
     import plumbing
+
     with pytest.raises(plumbing.UsageError, match="polynomial"):  # not offered: tyro lists the choices
         plumbing.cli(dpo.Args, ["--lr-scheduler-type", "polynomial"])
     with pytest.raises(plumbing.UsageError, match="--lr-scheduler-kwargs is --min-lr-rate"):
@@ -122,15 +137,27 @@ def test_dpo_trajectory_follows_clipped_adamw_at_trls_schedule():
     keras.utils.set_random_seed(0)
     tokenizer = keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER)
     backbone = keras_hub.models.GemmaBackbone(  # a one-block Gemma: ~15k weights, seconds to compile
-        vocabulary_size=tokenizer.vocabulary_size(), num_layers=1, num_query_heads=2, num_key_value_heads=1,
-        hidden_dim=32, intermediate_dim=64, head_dim=16, dtype="float32")
+        vocabulary_size=tokenizer.vocabulary_size(),
+        num_layers=1,
+        num_query_heads=2,
+        num_key_value_heads=1,
+        hidden_dim=32,
+        intermediate_dim=64,
+        head_dim=16,
+        dtype="float32",
+    )
     path = os.path.join(common.HERE, "data", "prefs_train.jsonl")
-    pairs, _ = dpo.tokenize_dataset(common.read_dataset(path, "preference", common.chat_template("tiny"))[:64],
-                                    tokenizer, 512, path)
+    pairs, _ = dpo.tokenize_dataset(
+        common.read_dataset(path, "preference", common.chat_template("tiny"))[:64], tokenizer, 512, path
+    )
     data = dpo.pad_examples(pairs, common.bucket_length(max(len(s[0]) for x in pairs for s in x), 512))
     # β 1: gradient norms 1.7-4.5, so the clip at 1.0 acts at every step (at β 0.1 they stay below 0.5)
-    args = dpo.Args(learning_rate=LR, batch_size=8, max_steps=STEPS, warmup_ratio=0.1, weight_decay=WD, beta=1.0)
-    batches = [dpo.get_batch(data, dpo.pair_lengths(data), t, args)[0] for t in range(STEPS)]  # [1, 8, T] each
+    args = dpo.Args(
+        learning_rate=LR, batch_size=8, max_steps=STEPS, warmup_ratio=0.1, weight_decay=WD, beta=1.0
+    )
+    batches = [
+        dpo.get_batch(data, dpo.pair_lengths(data), t, args)[0] for t in range(STEPS)
+    ]  # [1, 8, T] each
 
     optimizer, schedule, warmup = dpo.make_optimizer(args, STEPS)
     assert warmup == 2  # ceil(0.1 × 20)
@@ -144,12 +171,16 @@ def test_dpo_trajectory_follows_clipped_adamw_at_trls_schedule():
 
     def loss(p, batch):  # DPO (Eq. 1) of the batch's pairs against the initial weights, β = 1 (a dense model:
         b = jax.tree.map(lambda x: x[0], batch)  # no router loss)
-        logps = (*dpo.concatenated_forward(backbone, p, frozen, b)[:2],
-                 *dpo.concatenated_forward(backbone, ref_params, frozen, b)[:2])
+        logps = (
+            *dpo.concatenated_forward(backbone, p, frozen, b)[:2],
+            *dpo.concatenated_forward(backbone, ref_params, frozen, b)[:2],
+        )
         return dpo.dpo_loss(*logps, beta=1.0)[0]
 
     grad_fn = jax.jit(jax.value_and_grad(loss))
-    linear = lambda t: LR * t / 2 if t < 2 else LR * (STEPS - t) / (STEPS - 2)  # TRL's default, 2 warmup steps
+    linear = lambda t: (
+        LR * t / 2 if t < 2 else LR * (STEPS - t) / (STEPS - 2)
+    )  # TRL's default, 2 warmup steps
     losses, weights = numpy_trajectory(grad_fn, params0, batches, linear)
     # float32 (the script) against float64 (here): 3e-6 in the loss, 3e-7 in a weight, measured
     np.testing.assert_allclose(script_losses, losses, rtol=0, atol=2e-5)
@@ -157,7 +188,9 @@ def test_dpo_trajectory_follows_clipped_adamw_at_trls_schedule():
         np.testing.assert_allclose(np.asarray(got), want, rtol=0, atol=3e-6)
     assert losses[-1] < losses[0] - 0.2  # it trained: 0.69 -> 0.32 measured
 
-    cosine_to_10 = lambda t: linear(t) if t < 2 else LR * (0.1 + 0.45 * (1 + math.cos(math.pi * (t - 2) / 18)))
+    cosine_to_10 = lambda t: (
+        linear(t) if t < 2 else LR * (0.1 + 0.45 * (1 + math.cos(math.pi * (t - 2) / 18)))
+    )
     for rate, clip in ((cosine_to_10, True), (linear, False)):
         other, _ = numpy_trajectory(grad_fn, params0, batches, rate, clip)
         assert np.max(np.abs(np.array(script_losses) - other)) > 1e-3  # 0.021 and 0.046 measured
@@ -171,8 +204,11 @@ SMALL = dict(num_layers=1, num_query_heads=4, num_key_value_heads=2, hidden_dim=
 
 def linear_layers(backbone):
     """The Dense / EinsumDense layers, in the backbone's own order (the same in a reloaded copy)."""
-    return [layer for layer in backbone._flatten_layers(include_self=False)
-            if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))]
+    return [
+        layer
+        for layer in backbone._flatten_layers(include_self=False)
+        if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
+    ]
 
 
 @pytest.mark.parametrize("family", ["gemma", "llama3"])  # MLP of EinsumDense (Gemma) or Dense (Llama 3, …)
@@ -182,19 +218,22 @@ def test_all_linear_adapts_attention_and_mlp_at_alpha_over_rank(family, tmp_path
     keras.utils.set_random_seed(0)
     tokenizer = keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER)
     if family == "gemma":
-        backbone = keras_hub.models.GemmaBackbone(vocabulary_size=tokenizer.vocabulary_size(), head_dim=8,
-                                                  dtype="float32", **SMALL)
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=tokenizer.vocabulary_size(), head_dim=8, dtype="float32", **SMALL
+        )
         mlp = ["ffw_gating", "ffw_gating_2", "ffw_linear"]
     else:
-        backbone = keras_hub.models.Llama3Backbone(vocabulary_size=tokenizer.vocabulary_size(), dtype="float32",
-                                                   **SMALL)
+        backbone = keras_hub.models.Llama3Backbone(
+            vocabulary_size=tokenizer.vocabulary_size(), dtype="float32", **SMALL
+        )
         mlp = ["feedforward_gate_dense", "feedforward_intermediate_dense", "feedforward_output_dense"]
     layers = linear_layers(backbone)
     base = [np.asarray(layer.kernel) for layer in layers]
     rank, alpha = 4, 32
     common.enable_lora(backbone, rank, alpha, ("all-linear",))
     assert sorted(layer.name for layer in layers if layer.lora_enabled) == sorted(
-        ["query", "key", "value", "attention_output"] + mlp)
+        ["query", "key", "value", "attention_output"] + mlp
+    )
     trained = [v.path.rsplit("/", 1)[-1] for v in backbone.trainable_variables]
     assert trained == ["lora_kernel_a", "lora_kernel_b"] * 7  # 7 layers a block, nothing else
 
@@ -210,12 +249,16 @@ def test_all_linear_adapts_attention_and_mlp_at_alpha_over_rank(family, tmp_path
         layer.save_own_variables(store)  # what a saved preset holds: "0" is the kernel
         np.testing.assert_allclose(np.asarray(store["0"]), expected, rtol=1e-5, atol=1e-6)
     if family == "gemma":  # and through common.save_model, read back as a plain preset
-        model = keras_hub.models.GemmaCausalLM(backbone, keras_hub.models.GemmaCausalLMPreprocessor(tokenizer))
+        model = keras_hub.models.GemmaCausalLM(
+            backbone, keras_hub.models.GemmaCausalLMPreprocessor(tokenizer)
+        )
         common.save_model(model, common.split_variables(backbone)[0], str(tmp_path / "merged"))
         loaded = keras_hub.models.CausalLM.from_preset(str(tmp_path / "merged"))
         assert not any("lora" in v.path for v in loaded.backbone.weights)
         for layer, reloaded in zip(layers, linear_layers(loaded.backbone)):
-            np.testing.assert_allclose(np.asarray(reloaded.kernel), np.asarray(layer.kernel), rtol=1e-6, atol=1e-7)
+            np.testing.assert_allclose(
+                np.asarray(reloaded.kernel), np.asarray(layer.kernel), rtol=1e-6, atol=1e-7
+            )
 
 
 def test_default_targets_are_query_and_value_with_biases_frozen():
@@ -224,9 +267,12 @@ def test_default_targets_are_query_and_value_with_biases_frozen():
     backbone = keras_hub.models.QwenBackbone(vocabulary_size=64, dtype="float32", **SMALL)
     common.enable_lora(backbone, 2)
     assert sorted(v.path for v in backbone.trainable_variables) == sorted(
-        f"transformer_layer_0/self_attention/{n}/lora_kernel_{x}" for n in ("query", "value") for x in "ab")
-    with pytest.raises(common.UsageError, match="q_proj: not this model's; all-linear or its layers "
-                                                "attention_output, feedforward_gate_dense"):
+        f"transformer_layer_0/self_attention/{n}/lora_kernel_{x}" for n in ("query", "value") for x in "ab"
+    )
+    with pytest.raises(
+        common.UsageError,
+        match="q_proj: not this model's; all-linear or its layers attention_output, feedforward_gate_dense",
+    ):
         common.enable_lora(keras_hub.models.QwenBackbone(vocabulary_size=64, **SMALL), 2, 16, ("q_proj",))
 
 
@@ -236,22 +282,28 @@ def test_first_update_doubles_with_alpha():
     One dpo.py train_step each on a one-block Gemma, the same A (same seed), α 16 and 32 at rank 4."""
     tokenizer = keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER)
     path = os.path.join(common.HERE, "data", "prefs_eval.jsonl")
-    pairs, _ = dpo.tokenize_dataset(common.read_dataset(path, "preference", common.chat_template("tiny"))[:8],
-                                    tokenizer, 512, path)
+    pairs, _ = dpo.tokenize_dataset(
+        common.read_dataset(path, "preference", common.chat_template("tiny"))[:8], tokenizer, 512, path
+    )
     data = dpo.pad_examples(pairs, common.bucket_length(max(len(s[0]) for x in pairs for s in x), 512))
     args = dpo.Args(learning_rate=1e-3, batch_size=8, max_steps=10, beta=1.0)  # β 1: gradients ≫ Adam's ε
-    batch, optimizer = dpo.get_batch(data, dpo.pair_lengths(data), 0, args)[0], dpo.make_optimizer(args, 10)[0]
+    batch, optimizer = (
+        dpo.get_batch(data, dpo.pair_lengths(data), 0, args)[0],
+        dpo.make_optimizer(args, 10)[0],
+    )
     deltas = []
     for alpha in (16, 32):
         keras.utils.set_random_seed(0)
-        backbone = keras_hub.models.GemmaBackbone(vocabulary_size=tokenizer.vocabulary_size(), head_dim=8,
-                                                  dtype="float32", **SMALL)
+        backbone = keras_hub.models.GemmaBackbone(
+            vocabulary_size=tokenizer.vocabulary_size(), head_dim=8, dtype="float32", **SMALL
+        )
         common.enable_lora(backbone, 4, alpha, ("all-linear",))
         layers = linear_layers(backbone)
         before = [np.asarray(layer.kernel) for layer in layers]
         params, frozen = common.split_variables(backbone)
         (params, _), _ = jax.jit(partial(dpo.train_step, backbone, optimizer, args))(
-            (params, optimizer.init(params)), frozen, batch, dpo.lora_off(backbone, params))
+            (params, optimizer.init(params)), frozen, batch, dpo.lora_off(backbone, params)
+        )
         for var, value in zip(backbone.trainable_variables, params):
             var.assign(value)
         deltas.append([np.asarray(layer.kernel) - w for layer, w in zip(layers, before)])
@@ -265,9 +317,11 @@ def test_lora_flags_reach_the_model():
     """--lora-rank, --lora-alpha, --lora-target-modules (comma-separated KerasHub names) through the CLI's
     Args to common.load_model: the named layers of every block, at α/r; TRL's defaults otherwise."""
     import plumbing
+
     assert (dpo.Args().lora_alpha, dpo.Args().lora_target_modules) == (32, None)  # TRL ModelConfig's
-    args = plumbing.cli(dpo.Args, ["--lora-rank", "4", "--lora-alpha", "8",
-                                   "--lora-target-modules", "query,ffw_linear"])
+    args = plumbing.cli(
+        dpo.Args, ["--lora-rank", "4", "--lora-alpha", "8", "--lora-target-modules", "query,ffw_linear"]
+    )
     model = common.load_model("tiny", common.make_mesh(), "float32", **args.lora)
     adapted = [layer for layer in linear_layers(model.backbone) if layer.lora_enabled]
     assert sorted(layer.name for layer in adapted) == ["ffw_linear"] * 4 + ["query"] * 4  # 4 blocks
@@ -277,9 +331,23 @@ def test_lora_flags_reach_the_model():
 def test_all_linear_on_qwen3_moe_leaves_the_stacked_experts():
     """Qwen3-MoE's experts are one layer of stacked weights, not Dense layers: all-linear adapts attention
     and the router only (README, Defaults: what PEFT would adapt there that Keras' LoRA cannot)."""
-    backbone = keras_hub.models.Qwen3MoeBackbone(vocabulary_size=64, num_layers=1, num_query_heads=4,
-                                                 num_key_value_heads=2, hidden_dim=32, intermediate_dim=64,
-                                                 head_dim=8, moe_intermediate_dim=16, num_experts=4, top_k=2)
+    backbone = keras_hub.models.Qwen3MoeBackbone(
+        vocabulary_size=64,
+        num_layers=1,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        hidden_dim=32,
+        intermediate_dim=64,
+        head_dim=8,
+        moe_intermediate_dim=16,
+        num_experts=4,
+        top_k=2,
+    )
     common.enable_lora(backbone, 2, 4, ("all-linear",))
     assert {v.path.split("/")[-2] for v in backbone.trainable_variables} == {
-        "query", "key", "value", "attention_output", "sparse_feedforward_gate_dense"}
+        "query",
+        "key",
+        "value",
+        "attention_output",
+        "sparse_feedforward_gate_dense",
+    }

@@ -43,13 +43,19 @@ def test_reference_logps_agree_three_ways(prefs):
     copy = jax.jit(lambda p, d: dpo.reference_logps(plain.backbone, p, full_frozen, d))(ref_copy, data)
     # A "trained" LoRA policy (B factors non-zero) differs from the base; its LoRA-off reference does not.
     rng = np.random.default_rng(0)
-    trained = [p + 0.5 * rng.standard_normal(p.shape).astype(np.float32) if v.path.endswith("lora_kernel_b") else p
-               for v, p in zip(model.backbone.trainable_variables, lora_params)]
+    trained = [
+        p + 0.5 * rng.standard_normal(p.shape).astype(np.float32) if v.path.endswith("lora_kernel_b") else p
+        for v, p in zip(model.backbone.trainable_variables, lora_params)
+    ]
     policy = jax.jit(lambda p, d: dpo.concatenated_forward(model.backbone, p, frozen, d))(trained, data)
     bb = model.backbone
     lora_ref = jax.jit(lambda p, d: dpo.reference_logps(bb, dpo.lora_off(bb, p), frozen, d))
     lora = lora_ref(trained, data)
-    fwd = jax.jit(lambda p, b: dpo.concatenated_forward(plain.backbone, p, full_frozen, jax.tree.map(lambda x: x[0], b))[:2])
+    fwd = jax.jit(
+        lambda p, b: dpo.concatenated_forward(
+            plain.backbone, p, full_frozen, jax.tree.map(lambda x: x[0], b)
+        )[:2]
+    )
     pre = common.per_example(lambda b: fwd(full_params, b), data, 8, mesh)
     batch = {**data, "ref_chosen_logps": pre[0], "ref_rejected_logps": pre[1]}
     precomputed = dpo.reference_logps(None, None, None, batch)
@@ -63,18 +69,25 @@ def test_dpo_step_precomputed_and_accumulated_equals_online(prefs):
     """One update with the online LoRA-off reference on 8 pairs == one with precomputed reference
     log-probs over 2 accumulated micro-batches of 4: same metrics, same new weights."""
     import optax
+
     mesh, model, pairs = prefs
     backbone = model.backbone
     params, frozen = common.split_variables(backbone)
     rng = np.random.default_rng(1)  # a policy away from its reference
-    params = [p + 0.3 * rng.standard_normal(p.shape).astype(np.float32) if v.path.endswith("lora_kernel_b") else p
-              for v, p in zip(backbone.trainable_variables, params)]
+    params = [
+        p + 0.3 * rng.standard_normal(p.shape).astype(np.float32) if v.path.endswith("lora_kernel_b") else p
+        for v, p in zip(backbone.trainable_variables, params)
+    ]
     ref = dpo.lora_off(backbone, params)
     optimizer, args = optax.sgd(0.1), dpo.Args(beta=0.5, sft_weight=0.7)  # with RPO's NLL term
     step = jax.jit(lambda s, f, b, r: dpo.train_step(backbone, optimizer, args, s, f, b, r))
     data = dpo.pad_examples(pairs, 32)
-    (online, _), m1 = step((params, optimizer.init(params)), frozen, {k: v[None] for k, v in data.items()}, ref)
-    ref_chosen, ref_rejected = jax.jit(lambda p, f, b: dpo.concatenated_forward(backbone, p, f, b)[:2])(ref, frozen, data)
+    (online, _), m1 = step(
+        (params, optimizer.init(params)), frozen, {k: v[None] for k, v in data.items()}, ref
+    )
+    ref_chosen, ref_rejected = jax.jit(lambda p, f, b: dpo.concatenated_forward(backbone, p, f, b)[:2])(
+        ref, frozen, data
+    )
     pre = {**data, "ref_chosen_logps": np.asarray(ref_chosen), "ref_rejected_logps": np.asarray(ref_rejected)}
     pre = {k: v.reshape(2, 4, *v.shape[1:]) for k, v in pre.items()}  # [A=2, 4, ...]
     (accumulated, _), m2 = step((params, optimizer.init(params)), frozen, pre, None)
@@ -97,31 +110,58 @@ def test_prompt_forms_and_bad_rows(tmp_path, prefs):
     script's tokenize_dataset, which refuses a dataset where no pair fits --max-length."""
     triple = common.preference_triple
     gemma = common.CHAT_TEMPLATES["gemma"]
-    assert triple({"prompt": "Sort: 2 1", "chosen": " 1 2", "rejected": " 2 1"}, "f:1", gemma) == \
-        ("Sort: 2 1", " 1 2", " 2 1")
+    assert triple({"prompt": "Sort: 2 1", "chosen": " 1 2", "rejected": " 2 1"}, "f:1", gemma) == (
+        "Sort: 2 1",
+        " 1 2",
+        " 2 1",
+    )
     # implicit prompt: longest common prefix; the split space goes with the responses
-    assert triple({"chosen": "Sort: 2 1 1 2", "rejected": "Sort: 2 1 2 1"}, "f:1", gemma) == \
-        ("Sort: 2 1", " 1 2", " 2 1")
+    assert triple({"chosen": "Sort: 2 1 1 2", "rejected": "Sort: 2 1 2 1"}, "f:1", gemma) == (
+        "Sort: 2 1",
+        " 1 2",
+        " 2 1",
+    )
     user = {"role": "user", "content": "Sort: 2 1"}
-    chat = {"chosen": [user, {"role": "assistant", "content": "1 2"}],
-            "rejected": [user, {"role": "assistant", "content": "2 1"}]}
-    want = ("<start_of_turn>user\nSort: 2 1<end_of_turn>\n<start_of_turn>model\n",
-            "1 2<end_of_turn>", "2 1<end_of_turn>")  # as sft.py renders a chat; EOS follows
+    chat = {
+        "chosen": [user, {"role": "assistant", "content": "1 2"}],
+        "rejected": [user, {"role": "assistant", "content": "2 1"}],
+    }
+    want = (
+        "<start_of_turn>user\nSort: 2 1<end_of_turn>\n<start_of_turn>model\n",
+        "1 2<end_of_turn>",
+        "2 1<end_of_turn>",
+    )  # as sft.py renders a chat; EOS follows
     assert triple(chat, "f:1", gemma) == want
     explicit = {"prompt": [user], "chosen": chat["chosen"][1:], "rejected": chat["rejected"][1:]}
     assert triple(explicit, "f:1", gemma) == want
     for content, message in [
-        ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n',
-         "bad.jsonl:2: missing field 'rejected'"),
-        ('{"prompt": "a", "chosen": 3, "rejected": "c"}\n', "bad.jsonl:1: field 'chosen' must be a non-empty string"),
-        ('{"prompt": "a", "chosen": "b", "rejected": "  "}\n', "bad.jsonl:1: field 'rejected' must be a non-empty"),
+        (
+            '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n',
+            "bad.jsonl:2: missing field 'rejected'",
+        ),
+        (
+            '{"prompt": "a", "chosen": 3, "rejected": "c"}\n',
+            "bad.jsonl:1: field 'chosen' must be a non-empty string",
+        ),
+        (
+            '{"prompt": "a", "chosen": "b", "rejected": "  "}\n',
+            "bad.jsonl:1: field 'rejected' must be a non-empty",
+        ),
         ('{"chosen": "ab", "rejected": "abc"}\n', "bad.jsonl:1: without 'prompt'"),
-        ('{"chosen": [{"role": "user"}], "rejected": []}\n', "bad.jsonl:1: field 'chosen' must be a non-empty list"),
+        (
+            '{"chosen": [{"role": "user"}], "rejected": []}\n',
+            "bad.jsonl:1: field 'chosen' must be a non-empty list",
+        ),
         ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{oops\n', "bad.jsonl:2: invalid JSON"),
-        (json.dumps({**explicit, "prompt": [{"role": "tool", "content": "7"}]}) + "\n",
-         "bad.jsonl:1: field 'prompt', turn 1: unknown role 'tool'"),
-        (json.dumps({**explicit, "chosen": [{"role": "assistant", "content": ""}]}) + "\n",  # nothing to train on
-         "bad.jsonl:1: 'chosen' must continue the prompt with an assistant turn with text"),
+        (
+            json.dumps({**explicit, "prompt": [{"role": "tool", "content": "7"}]}) + "\n",
+            "bad.jsonl:1: field 'prompt', turn 1: unknown role 'tool'",
+        ),
+        (
+            json.dumps({**explicit, "chosen": [{"role": "assistant", "content": ""}]})
+            + "\n",  # nothing to train on
+            "bad.jsonl:1: 'chosen' must continue the prompt with an assistant turn with text",
+        ),
     ]:
         (tmp_path / "bad.jsonl").write_text(content)
         with pytest.raises(common.UsageError, match=message):
@@ -143,8 +183,13 @@ SCRIPTS = {"dpo.py": dpo, "simpo.py": simpo, "orpo.py": orpo}
 
 def run(script, *args, check=True, env=None):
     """The script as a user runs it: one CPU device (8 simulated devices make a CPU step ~4x slower)."""
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), *args], capture_output=True, text=True,
-                          cwd=ROOT, env=env or one_device_env())
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, script), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env or one_device_env(),
+    )
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -170,7 +215,9 @@ def expected_metrics(module, model, pairs):
     data = dpo.pad_examples(pairs, 32)
     logps = forward(data)
     if module is dpo:  # policy == reference; the NLL is logged at --sft-weight 0 too
-        return dpo_loss(*logps[:2], *logps[:2], nll_loss=logps[2].sum() / data["chosen_loss_mask"][:, 1:].sum())
+        return dpo_loss(
+            *logps[:2], *logps[:2], nll_loss=logps[2].sum() / data["chosen_loss_mask"][:, 1:].sum()
+        )
     nll = logps[2].sum() / logps[3].sum()
     return simpo_loss(logps[0], logps[1], nll) if module is simpo else orpo_loss(logps[0], logps[1], nll)
 
@@ -190,8 +237,23 @@ def test_issue_command_logs_first_batch_before_any_update(hf_checkpoint, prefs, 
     with open(os.path.join(ROOT, "data", "prefs_eval.jsonl")) as f:
         (tmp_path / "pairs.jsonl").write_text("".join(f.readlines()[:8]))
     out = str(tmp_path / "run")
-    run("dpo.py", "--model", hf_checkpoint, "--dataset", str(tmp_path / "pairs.jsonl"), "--dtype", "float32",
-        "--max-steps", "1", "--batch-size", "8", "--eval-dataset", "", "--output-dir", out)
+    run(
+        "dpo.py",
+        "--model",
+        hf_checkpoint,
+        "--dataset",
+        str(tmp_path / "pairs.jsonl"),
+        "--dtype",
+        "float32",
+        "--max-steps",
+        "1",
+        "--batch-size",
+        "8",
+        "--eval-dataset",
+        "",
+        "--output-dir",
+        out,
+    )
     (row,) = read_metrics(out)
     assert row["step"] == 1 and row["train/loss"] == pytest.approx(LOG2, abs=1e-6)
     assert_logged(row, *expected_metrics(dpo, model, pairs), "dpo.py")
@@ -201,12 +263,38 @@ def test_issue_command_logs_first_batch_before_any_update(hf_checkpoint, prefs, 
 def trained(request, hf_checkpoint, tmp_path_factory):
     """30 steps from the random `tiny` (as an HF directory), every step logged."""
     out = str(tmp_path_factory.mktemp(request.param[:-3]) / "run")
-    tiny = ["--batch-size", "32", "--learning-rate", "3e-4", "--warmup-steps", "5",  # `tiny` from scratch,
-            "--lr-scheduler-type", "cosine_with_min_lr"]  # the schedule the thresholds below were measured with
-    tiny += ["--grad-accum-steps", "1", "--gamma", "0.5"] if request.param == "simpo.py" else []  # SimPO: paper's
-    run(request.param, "--model", hf_checkpoint, "--dataset", os.path.join(ROOT, "data", "prefs_train.jsonl"),
-        "--dtype", "float32", "--max-steps", "30", *tiny, "--log-every", "1", "--eval-every", "30",
-        "--output-dir", out, env=learning_env())
+    tiny = [
+        "--batch-size",
+        "32",
+        "--learning-rate",
+        "3e-4",
+        "--warmup-steps",
+        "5",  # `tiny` from scratch,
+        "--lr-scheduler-type",
+        "cosine_with_min_lr",
+    ]  # the schedule the thresholds below were measured with
+    tiny += (
+        ["--grad-accum-steps", "1", "--gamma", "0.5"] if request.param == "simpo.py" else []
+    )  # SimPO: paper's
+    run(
+        request.param,
+        "--model",
+        hf_checkpoint,
+        "--dataset",
+        os.path.join(ROOT, "data", "prefs_train.jsonl"),
+        "--dtype",
+        "float32",
+        "--max-steps",
+        "30",
+        *tiny,
+        "--log-every",
+        "1",
+        "--eval-every",
+        "30",
+        "--output-dir",
+        out,
+        env=learning_env(),
+    )
     return request.param, out
 
 
@@ -234,11 +322,23 @@ def test_outputs(trained):
         assert json.load(f)["max_steps"] == 30
     train = [r for r in read_metrics(out) if "train/loss" in r]
     assert [r["step"] for r in train] == list(range(1, 31))
-    names = {"train/loss", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
-             "logps/chosen", "logps/rejected", "charts/learning_rate", "charts/tokens_per_sec", "charts/mfu"}
+    names = {
+        "train/loss",
+        "rewards/chosen",
+        "rewards/rejected",
+        "rewards/accuracies",
+        "rewards/margins",
+        "logps/chosen",
+        "logps/rejected",
+        "charts/learning_rate",
+        "charts/tokens_per_sec",
+        "charts/mfu",
+    }
     names |= {"nll_loss", "log_odds_ratio", "log_odds_chosen"} if script == "orpo.py" else set()
     assert names <= set(train[-1]) and 0 < train[-1]["charts/mfu"] <= 1
-    assert {"config.json", "model.weights.h5", "tokenizer.json"} <= set(os.listdir(os.path.join(out, "model")))
+    assert {"config.json", "model.weights.h5", "tokenizer.json"} <= set(
+        os.listdir(os.path.join(out, "model"))
+    )
 
 
 def test_learns_preferences(trained):
@@ -257,15 +357,18 @@ def test_learns_preferences(trained):
     with open(os.path.join(out, "args.json")) as f:
         beta = json.load(f)["beta"]  # margins are β-scaled: compare them in nats of log-prob
     assert (after["eval/rewards/margins"] - before["eval/rewards/margins"]) / beta > 0.03, (before, after)
-    early, late = (np.mean([r["rewards/margins"] for r in train[i:i + 10]]) for i in (0, 20))
+    early, late = (np.mean([r["rewards/margins"] for r in train[i : i + 10]]) for i in (0, 20))
     assert late > early, (early, late)
     assert after["eval/loss"] < before["eval/loss"]
 
 
 def test_bad_row_is_refused_naming_file_and_line(tmp_path):
     import orpo  # in this process: the UsageError main raises before any compute
+
     (tmp_path / "bad.jsonl").write_text('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a"}\n')
-    message = usage_error(orpo, "--dataset", str(tmp_path / "bad.jsonl"), "--output-dir", str(tmp_path / "out"))
+    message = usage_error(
+        orpo, "--dataset", str(tmp_path / "bad.jsonl"), "--output-dir", str(tmp_path / "out")
+    )
     assert "bad.jsonl:2: missing field 'chosen'" in message and not os.path.exists(tmp_path / "out")
 
 
@@ -275,13 +378,31 @@ def test_lora_precomputed_reference_checkpoint_and_resume(tmp_path):
     out = str(tmp_path / "run")
     with open(os.path.join(ROOT, "data", "prefs_eval.jsonl")) as f:
         (tmp_path / "pairs.jsonl").write_text("".join(f.readlines()[:16]))
-    common_flags = ["--dataset", str(tmp_path / "pairs.jsonl"), "--eval-dataset", "",
-                    "--batch-size", "8", "--lora-rank", "2", "--precompute-ref", "--log-every", "1",
-                    "--save-every", "2", "--output-dir", out]
+    common_flags = [
+        "--dataset",
+        str(tmp_path / "pairs.jsonl"),
+        "--eval-dataset",
+        "",
+        "--batch-size",
+        "8",
+        "--lora-rank",
+        "2",
+        "--precompute-ref",
+        "--log-every",
+        "1",
+        "--save-every",
+        "2",
+        "--output-dir",
+        out,
+    ]
     run("dpo.py", "--max-steps", "2", *common_flags)
-    assert {"model", "checkpoints"} <= set(os.listdir(out)) and "2" in os.listdir(os.path.join(out, "checkpoints"))
+    assert {"model", "checkpoints"} <= set(os.listdir(out)) and "2" in os.listdir(
+        os.path.join(out, "checkpoints")
+    )
     assert "already holds a finished run" in usage_error(dpo, "--max-steps", "4", *common_flags)  # in-process
     resumed = run("dpo.py", "--max-steps", "4", "--resume", *common_flags)
     assert "resumed from step 2" in resumed.stdout
     assert [r["step"] for r in read_metrics(out)] == [1, 2, 3, 4]
-    assert read_metrics(out)[0]["train/loss"] == pytest.approx(LOG2, abs=1e-6)  # LoRA B = 0: policy == reference
+    assert read_metrics(out)[0]["train/loss"] == pytest.approx(
+        LOG2, abs=1e-6
+    )  # LoRA B = 0: policy == reference

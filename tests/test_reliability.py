@@ -9,11 +9,30 @@ import sys
 
 import pytest
 
-from helpers import (ROOT, assert_same_rows, env_with_devices, metrics, run_two_processes, usage_error,
-                     wait_for)
+from helpers import (
+    ROOT,
+    assert_same_rows,
+    env_with_devices,
+    metrics,
+    run_two_processes,
+    usage_error,
+    wait_for,
+)
 
-FAST = ["--model", "tiny", "--batch-size", "16", "--log-every", "5", "--eval-dataset", "",
-        "--num-samples", "0", "--seed", "3"]
+FAST = [
+    "--model",
+    "tiny",
+    "--batch-size",
+    "16",
+    "--log-every",
+    "5",
+    "--eval-dataset",
+    "",
+    "--num-samples",
+    "0",
+    "--seed",
+    "3",
+]
 
 
 def cmd(script, *args):
@@ -23,15 +42,21 @@ def cmd(script, *args):
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("rel") / "clean")
-    subprocess.run(cmd("sft.py", "--max-steps", "20", "--save-every", "5", "--output-dir", out),
-                   check=True, capture_output=True, env=env_with_devices(1))
+    subprocess.run(
+        cmd("sft.py", "--max-steps", "20", "--save-every", "5", "--output-dir", out),
+        check=True,
+        capture_output=True,
+        env=env_with_devices(1),
+    )
     return out
 
 
 def test_sigkill_then_resume_equals_uninterrupted(uninterrupted, tmp_path):
     out = str(tmp_path / "killed")
     args = cmd("sft.py", "--max-steps", "20", "--save-every", "5", "--output-dir", out)
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env_with_devices(1))
+    proc = subprocess.Popen(
+        args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env_with_devices(1)
+    )
     wait_for(os.path.join(out, "checkpoints", "10"), proc)
     proc.send_signal(signal.SIGKILL)
     proc.wait()
@@ -42,13 +67,22 @@ def test_sigkill_then_resume_equals_uninterrupted(uninterrupted, tmp_path):
     assert f"resumed from step {steps_on_disk[-1]}" in done.stdout
     # Same data order, same losses, no duplicated or missing rows.
     assert_same_rows(metrics(uninterrupted), metrics(out))
-    assert sorted(os.listdir(os.path.join(uninterrupted, "checkpoints")), key=int) == ["10", "15", "20"]  # 3 kept
+    assert sorted(os.listdir(os.path.join(uninterrupted, "checkpoints")), key=int) == [
+        "10",
+        "15",
+        "20",
+    ]  # 3 kept
 
 
 def test_sigterm_checkpoints_and_exits_0(tmp_path):
     out = str(tmp_path / "preempted")
-    proc = subprocess.Popen(cmd("sft.py", "--max-steps", "1000", "--output-dir", out),
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env_with_devices(1))
+    proc = subprocess.Popen(
+        cmd("sft.py", "--max-steps", "1000", "--output-dir", out),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=env_with_devices(1),
+    )
     wait_for(os.path.join(out, "args.json"), proc)  # written once the first step has run
     proc.send_signal(signal.SIGTERM)
     stdout, _ = proc.communicate(timeout=120)
@@ -62,30 +96,66 @@ def test_sigterm_checkpoints_and_exits_0(tmp_path):
 
 def test_occupied_output_dir_is_refused_then_overwritten(uninterrupted, tmp_path):
     import sft  # in-process: the exit-2 line itself is test_lifecycle.py's test_occupied_dir_exits_2_in_one_line
+
     before = open(os.path.join(uninterrupted, "metrics.jsonl")).read()
-    assert "already holds" in usage_error(sft, *cmd("sft.py", "--max-steps", "5", "--output-dir", uninterrupted)[2:])
+    assert "already holds" in usage_error(
+        sft, *cmd("sft.py", "--max-steps", "5", "--output-dir", uninterrupted)[2:]
+    )
     assert open(os.path.join(uninterrupted, "metrics.jsonl")).read() == before  # untouched
     out = str(tmp_path / "over")
     os.makedirs(out)
     open(os.path.join(out, "metrics.jsonl"), "w").write('{"step": 99}\n')
-    subprocess.run(cmd("sft.py", "--max-steps", "5", "--output-dir", out, "--overwrite"),
-                   check=True, capture_output=True, env=env_with_devices(1))
+    subprocess.run(
+        cmd("sft.py", "--max-steps", "5", "--output-dir", out, "--overwrite"),
+        check=True,
+        capture_output=True,
+        env=env_with_devices(1),
+    )
     assert [r["step"] for r in metrics(out)] == [5]
 
 
 def test_nonfinite_loss_stops_naming_the_step_or_is_skipped(tmp_path):
     out = str(tmp_path / "nan")
-    proc = subprocess.run(cmd("sft.py", "--max-steps", "10", "--save-every", "1", "--learning-rate", "1e30",
-                              "--warmup-steps", "1", "--output-dir", out),
-                          capture_output=True, text=True, env=env_with_devices(1))
+    proc = subprocess.run(
+        cmd(
+            "sft.py",
+            "--max-steps",
+            "10",
+            "--save-every",
+            "1",
+            "--learning-rate",
+            "1e30",
+            "--warmup-steps",
+            "1",
+            "--output-dir",
+            out,
+        ),
+        capture_output=True,
+        text=True,
+        env=env_with_devices(1),
+    )
     assert proc.returncode == 1 and "non-finite train/loss at step " in proc.stderr
     bad = int(proc.stderr.split("at step ")[1].split(";")[0])
     kept = sorted(int(s) for s in os.listdir(os.path.join(out, "checkpoints")))
     assert kept and kept[-1] == bad - 1  # the last good state is the newest checkpoint
     out = str(tmp_path / "skip")
-    subprocess.run(cmd("sft.py", "--max-steps", "10", "--learning-rate", "1e30", "--warmup-steps", "1",
-                       "--skip-nonfinite", "--output-dir", out), check=True, capture_output=True,
-                   env=env_with_devices(1))
+    subprocess.run(
+        cmd(
+            "sft.py",
+            "--max-steps",
+            "10",
+            "--learning-rate",
+            "1e30",
+            "--warmup-steps",
+            "1",
+            "--skip-nonfinite",
+            "--output-dir",
+            out,
+        ),
+        check=True,
+        capture_output=True,
+        env=env_with_devices(1),
+    )
     assert sum(r["train/skipped_nonfinite"] for r in metrics(out)) >= 1
 
 
@@ -99,10 +169,29 @@ def test_two_processes_match_one(tmp_path):
     for name, n in (("train", 48), ("eval", 24)):  # small files: each process tokenizes and precomputes all
         with open(os.path.join(ROOT, "data", f"prefs_{name}.jsonl")) as f:
             (tmp_path / f"{name}.jsonl").write_text("".join(f.readlines()[:n]))
-    flags = [sys.executable, os.path.join(ROOT, "dpo.py"), "--model", "tiny", "--max-steps", "3", "--log-every", "1",
-             "--batch-size", "16", "--learning-rate", "3e-4", "--max-length", "128", "--precompute-ref",
-             "--dataset", str(tmp_path / "train.jsonl"), "--eval-dataset", str(tmp_path / "eval.jsonl"),
-             "--eval-every", "3"]
+    flags = [
+        sys.executable,
+        os.path.join(ROOT, "dpo.py"),
+        "--model",
+        "tiny",
+        "--max-steps",
+        "3",
+        "--log-every",
+        "1",
+        "--batch-size",
+        "16",
+        "--learning-rate",
+        "3e-4",
+        "--max-length",
+        "128",
+        "--precompute-ref",
+        "--dataset",
+        str(tmp_path / "train.jsonl"),
+        "--eval-dataset",
+        str(tmp_path / "eval.jsonl"),
+        "--eval-every",
+        "3",
+    ]
     one = str(tmp_path / "one")
     optimised = lambda n: env_with_devices(n, fast_compile=False)
     subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=optimised(8))
@@ -129,10 +218,30 @@ def test_two_processes_sft_with_eval_and_samples_exit_0(tmp_path):
     for name, n in (("train", 64), ("eval", 16)):
         with open(os.path.join(ROOT, "data", f"sft_{name}.jsonl")) as f:
             (tmp_path / f"{name}.jsonl").write_text("".join(f.readlines()[:n]))
-    flags = [sys.executable, os.path.join(ROOT, "sft.py"), "--model", "tiny", "--max-steps", "3", "--log-every", "1",
-             "--batch-size", "16", "--learning-rate", "3e-4", "--max-length", "64", "--eval-every", "2",
-             "--num-samples", "2", "--dataset", str(tmp_path / "train.jsonl"),
-             "--eval-dataset", str(tmp_path / "eval.jsonl")]
+    flags = [
+        sys.executable,
+        os.path.join(ROOT, "sft.py"),
+        "--model",
+        "tiny",
+        "--max-steps",
+        "3",
+        "--log-every",
+        "1",
+        "--batch-size",
+        "16",
+        "--learning-rate",
+        "3e-4",
+        "--max-length",
+        "64",
+        "--eval-every",
+        "2",
+        "--num-samples",
+        "2",
+        "--dataset",
+        str(tmp_path / "train.jsonl"),
+        "--eval-dataset",
+        str(tmp_path / "eval.jsonl"),
+    ]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=env_with_devices(8))
     run_two_processes(flags, two, env_with_devices(4))
@@ -142,16 +251,26 @@ def test_two_processes_sft_with_eval_and_samples_exit_0(tmp_path):
     assert os.path.exists(os.path.join(two, "model", "model.weights.h5"))
 
 
-@pytest.mark.parametrize("content, where", [
-    ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n', "pairs.jsonl:2:"),
-    ('{"prompt": 7, "chosen": "b", "rejected": "c"}\n', "pairs.jsonl:1:"),
-    ('{"prompt": "a", "chosen": "b", "rejected": "c"}\nnot json\n', "pairs.jsonl:2: invalid JSON"),
-    ("", "pairs.jsonl: no examples"),
-    ('{"prompt": "a", "chosen": "", "rejected": "c"}\n', "pairs.jsonl:1:"),
-], ids=["missing-rejected", "non-string-prompt", "not-json", "empty-file", "empty-chosen"])
+@pytest.mark.parametrize(
+    "content, where",
+    [
+        (
+            '{"prompt": "a", "chosen": "b", "rejected": "c"}\n{"prompt": "a", "chosen": "b"}\n',
+            "pairs.jsonl:2:",
+        ),
+        ('{"prompt": 7, "chosen": "b", "rejected": "c"}\n', "pairs.jsonl:1:"),
+        ('{"prompt": "a", "chosen": "b", "rejected": "c"}\nnot json\n', "pairs.jsonl:2: invalid JSON"),
+        ("", "pairs.jsonl: no examples"),
+        ('{"prompt": "a", "chosen": "", "rejected": "c"}\n', "pairs.jsonl:1:"),
+    ],
+    ids=["missing-rejected", "non-string-prompt", "not-json", "empty-file", "empty-chosen"],
+)
 def test_malformed_preference_rows_are_refused(tmp_path, content, where):
     import dpo  # in this process (the exit-2 line itself: test_sft, test_preference)
+
     (tmp_path / "pairs.jsonl").write_text(content)
     out = str(tmp_path / "out")
-    assert where in usage_error(dpo, "--model", "tiny", "--dataset", str(tmp_path / "pairs.jsonl"), "--output-dir", out)
+    assert where in usage_error(
+        dpo, "--model", "tiny", "--dataset", str(tmp_path / "pairs.jsonl"), "--output-dir", out
+    )
     assert not os.path.exists(out)

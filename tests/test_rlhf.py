@@ -15,8 +15,17 @@ import jax.numpy as jnp
 import optax
 
 from helpers import assert_same_rows, learning_env, metrics, preempt_then_resume, run_script as run
-from ppo import (Args, Pair, PPOParams, advantages_of, generate, response_logps, rollout_stats,
-                 train_step, truncate_response)
+from ppo import (
+    Args,
+    Pair,
+    PPOParams,
+    advantages_of,
+    generate,
+    response_logps,
+    rollout_stats,
+    train_step,
+    truncate_response,
+)
 
 
 # ---------------------------------------------------------------------------
@@ -44,8 +53,11 @@ def test_ppo_update_moves_logprobs_along_advantages():
     rng = np.random.default_rng(0)
     queries = jnp.array(rng.integers(3, 300, (8, q)), jnp.int32)
     responses = jnp.array(rng.integers(3, 300, (8, r)), jnp.int32)
-    batch = {"query_responses": jnp.concatenate([queries, responses], 1),
-             "padding_mask": jnp.ones((8, q + r), bool), "response_mask": jnp.ones((8, r), bool)}
+    batch = {
+        "query_responses": jnp.concatenate([queries, responses], 1),
+        "padding_mask": jnp.ones((8, q + r), bool),
+        "response_mask": jnp.ones((8, r), bool),
+    }
     lp, ref, values = rollout_stats(models, params, params.policy, frozen, batch, q, 1.0)
     scores = jnp.array(rng.normal(size=8), jnp.float32)
     adv, ret, _ = advantages_of(scores, lp, ref, values, jnp.full((8,), r - 1), args)
@@ -54,7 +66,9 @@ def test_ppo_update_moves_logprobs_along_advantages():
     state = (params, optimizer.init(params))
     step = jax.jit(lambda s, f, b: train_step(models, optimizer, args, s, f, b, q))
     state, m = step(state, frozen, batch)
-    forward = jax.jit(lambda p, f, ids, m: response_logps(bb, p, f, ids, m, q, 1.0)[:2])  # see test_preference
+    forward = jax.jit(
+        lambda p, f, ids, m: response_logps(bb, p, f, ids, m, q, 1.0)[:2]
+    )  # see test_preference
     new_lp, _ = forward(state[0].policy, frozen.policy, batch["query_responses"], batch["padding_mask"])
     delta = np.asarray(new_lp - lp)
     assert np.sum(delta * np.asarray(adv)) > 0
@@ -99,7 +113,7 @@ def test_cached_generation_matches_uncached_greedy_and_compiles_once():
     q, r = 16, 6
     queries, qmask = np.zeros((8, q), np.int32), np.zeros((8, q), bool)
     for i, x in enumerate(ids):  # left padding, different lengths
-        queries[i, q - len(x):], qmask[i, q - len(x):] = x, True
+        queries[i, q - len(x) :], qmask[i, q - len(x) :] = x, True
     # as ppo.main does: values through one jit first, so they carry the mesh in their types
     # like every updated version of them will
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
@@ -107,8 +121,13 @@ def test_cached_generation_matches_uncached_greedy_and_compiles_once():
     gen = jax.jit(lambda p, qs, qm, k: generate(bb, p, frozen, qs, qm, k, r, 0.0, eos, pad)[0])
     cached = np.asarray(gen(params, queries, qmask, jax.random.key(0)))
 
-    seq, mask = np.concatenate([queries, np.zeros((8, r), np.int32)], 1), np.concatenate([qmask, np.zeros((8, r), bool)], 1)
-    logits_fn = jax.jit(lambda s, m: bb.token_embedding(common.forward(bb, params, frozen, s, m)[0], reverse=True))
+    seq, mask = (
+        np.concatenate([queries, np.zeros((8, r), np.int32)], 1),
+        np.concatenate([qmask, np.zeros((8, r), bool)], 1),
+    )
+    logits_fn = jax.jit(
+        lambda s, m: bb.token_embedding(common.forward(bb, params, frozen, s, m)[0], reverse=True)
+    )
     for t in range(r):  # uncached: the whole sequence again for each new token
         nxt = np.argmax(np.asarray(logits_fn(seq, mask))[:, q + t - 1], -1)
         seq[:, q + t], mask[:, q + t] = nxt, True
@@ -129,7 +148,9 @@ def test_bad_input_fails_fast_with_file_and_line(tmp_path):
     bad.write_text('{"prompt": "Sort: 1 2"}\n{"prompt": ""}\n')
     out = run("ppo.py", "--dataset", str(bad), "--output-dir", str(tmp_path / "p"))
     assert out.returncode == 2 and f"{bad}:2" in out.stderr, out.stderr
-    bad.write_text('{"prompt": "Sort: 1 2", "chosen": " 1 2", "rejected": " 2 1"}\n{"prompt": "x", "chosen": 3, "rejected": "y"}\n')
+    bad.write_text(
+        '{"prompt": "Sort: 1 2", "chosen": " 1 2", "rejected": " 2 1"}\n{"prompt": "x", "chosen": 3, "rejected": "y"}\n'
+    )
     out = run("reward.py", "--dataset", str(bad), "--output-dir", str(tmp_path / "r"))
     assert out.returncode == 2 and f"{bad}:2" in out.stderr and "chosen" in out.stderr, out.stderr
 
@@ -145,18 +166,29 @@ def test_reward_tokenizes_pairs_as_dpo(tmp_path):
     class Recording:  # the tiny tokenizer, keeping the texts it was given
         def __init__(self):
             self.inner = common.keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER)
-            self.start_token_id, self.end_token_id, self.texts = self.inner.start_token_id, self.inner.end_token_id, []
+            self.start_token_id, self.end_token_id, self.texts = (
+                self.inner.start_token_id,
+                self.inner.end_token_id,
+                [],
+            )
 
         def tokenize(self, texts):
             self.texts.append(list(texts))
             return self.inner.tokenize(texts)
 
     turn = lambda role, text: {"role": role, "content": text}
-    rows = [{"chosen": "Sort: 9 2 8 9", "rejected": "Sort: 9 2 5 9"},
-            {"chosen": [turn("user", "Sort: 3 1"), turn("assistant", " 1 3")],
-             "rejected": [turn("user", "Sort: 3 1"), turn("assistant", " 3 1")]},
-            {"prompt": [turn("user", "Sort: 2 1")], "chosen": [turn("assistant", " 1 2")],
-             "rejected": [turn("assistant", " 2 1")]}]
+    rows = [
+        {"chosen": "Sort: 9 2 8 9", "rejected": "Sort: 9 2 5 9"},
+        {
+            "chosen": [turn("user", "Sort: 3 1"), turn("assistant", " 1 3")],
+            "rejected": [turn("user", "Sort: 3 1"), turn("assistant", " 3 1")],
+        },
+        {
+            "prompt": [turn("user", "Sort: 2 1")],
+            "chosen": [turn("assistant", " 1 2")],
+            "rejected": [turn("assistant", " 2 1")],
+        },
+    ]
     path = tmp_path / "pairs.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
     triples = common.read_dataset(str(path), "preference", common.chat_template("tiny"))  # as both mains do
@@ -194,8 +226,22 @@ def test_reward_model_learns_and_saves_head(reward_run):
 def test_reward_sigterm_then_resume_equals_uninterrupted(tmp_path):
     """--log-every 1: every row is one step, so the row the stopped run logs at its stop step is
     also a row of the uninterrupted run (with --log-every 5 it would average a partial interval)."""
-    flags = ["--model", "tiny", "--max-steps", "20", "--save-every", "5", "--batch-size", "8",
-             "--log-every", "1", "--eval-dataset", "", "--seed", "3"]
+    flags = [
+        "--model",
+        "tiny",
+        "--max-steps",
+        "20",
+        "--save-every",
+        "5",
+        "--batch-size",
+        "8",
+        "--log-every",
+        "1",
+        "--eval-dataset",
+        "",
+        "--seed",
+        "3",
+    ]
     clean, resumed, stopped, _ = preempt_then_resume("reward.py", flags, 5, tmp_path, env=learning_env())
     assert 5 <= stopped < 20
     assert [r["step"] for r in clean] == list(range(1, 21))
@@ -209,10 +255,29 @@ def test_reward_nonfinite_loss_stops_naming_the_step(tmp_path):
     import signal
     import plumbing
     import reward
+
     before = [signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)]
-    args = plumbing.cli(reward.Args, ["--model", "tiny", "--max-steps", "6", "--batch-size", "8", "--log-every", "3",
-                                      "--learning-rate", "1e30", "--warmup-steps", "1", "--eval-dataset", "",
-                                      "--output-dir", str(tmp_path)])
+    args = plumbing.cli(
+        reward.Args,
+        [
+            "--model",
+            "tiny",
+            "--max-steps",
+            "6",
+            "--batch-size",
+            "8",
+            "--log-every",
+            "3",
+            "--learning-rate",
+            "1e30",
+            "--warmup-steps",
+            "1",
+            "--eval-dataset",
+            "",
+            "--output-dir",
+            str(tmp_path),
+        ],
+    )
     with pytest.raises(plumbing.NonFiniteLoss, match="non-finite train/loss at step [1-3];"):
         reward.main(args)
     assert not os.path.exists(tmp_path / "model") and os.path.exists(tmp_path / "metrics.jsonl")
@@ -223,9 +288,25 @@ def test_reward_nonfinite_loss_stops_naming_the_step(tmp_path):
 def ppo_with_rm(reward_run, tmp_path_factory):
     """ppo.py scored by reward.py's model (which also initialises the value model): 4 steps run
     uninterrupted and, beside it, stopped by SIGTERM after the step-2 checkpoint and resumed."""
-    flags = ["--model", "tiny", "--reward-model", os.path.join(reward_run, "model"), "--max-steps", "4",
-             "--save-every", "2", "--batch-size", "8", "--response-length", "8", "--sample-every", "0",
-             "--seed", "3", *TINY_PPO]
+    flags = [
+        "--model",
+        "tiny",
+        "--reward-model",
+        os.path.join(reward_run, "model"),
+        "--max-steps",
+        "4",
+        "--save-every",
+        "2",
+        "--batch-size",
+        "8",
+        "--response-length",
+        "8",
+        "--sample-every",
+        "0",
+        "--seed",
+        "3",
+        *TINY_PPO,
+    ]
     tmp_path = tmp_path_factory.mktemp("ppo_rm")
     return tmp_path / "clean", preempt_then_resume("ppo.py", flags, 2, tmp_path)
 
@@ -242,15 +323,33 @@ def test_ppo_sigterm_then_resume_equals_uninterrupted(ppo_with_rm):
 
 
 # `tiny` from scratch (the defaults are TRL's, for real models): the values these tests were measured with
-TINY_PPO = ["--learning-rate", "3e-4", "--num-mini-batches", "2", "--missing-eos-penalty", "1.0",
-            "--max-prompt-length", "64"]
+TINY_PPO = [
+    "--learning-rate",
+    "3e-4",
+    "--num-mini-batches",
+    "2",
+    "--missing-eos-penalty",
+    "1.0",
+    "--max-prompt-length",
+    "64",
+]
 
 
 def ppo_scores(output_dir):
     rows = metrics(output_dir)
-    for k in ("objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
-              "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg",
-              "val/clipfrac_avg", "val/num_eos_tokens", "charts/generate_tokens_per_sec"):
+    for k in (
+        "objective/kl",
+        "objective/entropy",
+        "objective/non_score_reward",
+        "objective/rlhf_reward",
+        "policy/approxkl_avg",
+        "policy/clipfrac_avg",
+        "loss/policy_avg",
+        "loss/value_avg",
+        "val/clipfrac_avg",
+        "val/num_eos_tokens",
+        "charts/generate_tokens_per_sec",
+    ):
         assert k in rows[-1], k
     assert rows[-1]["charts/generate_compilations"] == 1  # no recompilation after the first rollout
     return [r["objective/scores"] for r in rows]
@@ -260,15 +359,32 @@ def test_ppo_raises_toy_score_from_scratch(tmp_path):
     """`tiny` from random init rarely ends with EOS (score ≈ -0.9 after the missing-EOS
     penalty); PPO with the programmatic reward learns to stop within a few iterations (measured,
     seed 0: -0.885 at step 1, -0.327 and -0.203 at steps 9 and 10)."""
-    out = run("ppo.py", "--model", "tiny", "--max-steps", "10", "--batch-size", "32", "--response-length", "16",
-              *TINY_PPO, "--output-dir", str(tmp_path), env=learning_env())
+    out = run(
+        "ppo.py",
+        "--model",
+        "tiny",
+        "--max-steps",
+        "10",
+        "--batch-size",
+        "32",
+        "--response-length",
+        "16",
+        *TINY_PPO,
+        "--output-dir",
+        str(tmp_path),
+        env=learning_env(),
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     scores = ppo_scores(str(tmp_path))
     assert np.mean(scores[-2:]) > scores[0] + 0.3, scores
     assert os.path.exists(tmp_path / "model" / "config.json")
     assert "sample:" in out.stdout + out.stderr  # decoded samples with their scores
     last = out.stdout.strip().splitlines()[-1]  # plumbing.Run's summary line
-    assert last.startswith("done: 10 steps in ") and "objective/scores " in last and f"outputs in {tmp_path}" in last
+    assert (
+        last.startswith("done: 10 steps in ")
+        and "objective/scores " in last
+        and f"outputs in {tmp_path}" in last
+    )
 
 
 def test_ppo_with_reward_model(ppo_with_rm):
@@ -285,14 +401,36 @@ def test_ppo_resumes_on_the_mesh_after_a_failing_reward_function(tmp_path):
     every multi-device run, ppo.py and grpo.py --resume failed there)."""
     import plumbing
     import ppo
+
     judge = tmp_path / "judge.py"
-    judge.write_text("calls = []\n\ndef judge(completions, answer, **kwargs):\n    calls.append(1)\n"
-                     "    assert len(calls) != 2, 'no verdict'\n"
-                     "    return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]\n")
+    judge.write_text(
+        "calls = []\n\ndef judge(completions, answer, **kwargs):\n    calls.append(1)\n"
+        "    assert len(calls) != 2, 'no verdict'\n"
+        "    return [float(c.strip() == a.strip()) for c, a in zip(completions, answer)]\n"
+    )
     out = tmp_path / "run"
-    argv = ["--model", "tiny", "--max-steps", "3", "--save-every", "1", "--batch-size", "16", "--response-length", "8",
-            "--sample-every", "0", *TINY_PPO, "--reward-fn", f"{judge}:judge", "--output-dir", str(out)]
-    with pytest.raises(plumbing.UsageError, match=rf"reward function judge \({judge}:3\) raised AssertionError"):
+    argv = [
+        "--model",
+        "tiny",
+        "--max-steps",
+        "3",
+        "--save-every",
+        "1",
+        "--batch-size",
+        "16",
+        "--response-length",
+        "8",
+        "--sample-every",
+        "0",
+        *TINY_PPO,
+        "--reward-fn",
+        f"{judge}:judge",
+        "--output-dir",
+        str(out),
+    ]
+    with pytest.raises(
+        plumbing.UsageError, match=rf"reward function judge \({judge}:3\) raised AssertionError"
+    ):
         ppo.main(plumbing.cli(ppo.Args, argv))
     assert sorted(os.listdir(out / "checkpoints")) == ["1"]
     judge.write_text(judge.read_text().replace("len(calls) != 2", "True"))

@@ -17,7 +17,11 @@ import jax.numpy as jnp
 import keras
 
 SCRIPTS = ("grpo", "ppo", "rloo")  # evaluate.py's is grpo.py's (test_evaluate_samples_with_grpos_sampler)
-FILTERING = ("grpo", "rloo", "ppo")  # ppo.py samples at temperature only, as TRL's PPOConfig, with the same functions
+FILTERING = (
+    "grpo",
+    "rloo",
+    "ppo",
+)  # ppo.py samples at temperature only, as TRL's PPOConfig, with the same functions
 
 
 # ---------------------------------------------------------------------------
@@ -27,25 +31,31 @@ P5 = np.array([0.05, 0.40, 0.10, 0.25, 0.20])  # token i's probability; sorted: 
 
 
 @pytest.mark.parametrize("script", FILTERING)
-@pytest.mark.parametrize("flags, kept", [
-    ({}, [0, 1, 2, 3, 4]),  # every filter off
-    ({"top_k": 2}, [1, 3]),  # the two largest: 0.40, 0.25
-    ({"top_k": 1}, [1]),
-    # top-p drops the least likely tokens while their summed probability stays ≤ 1 − p = 0.2:
-    # 0.05 (token 0), 0.05 + 0.10 = 0.15 (token 2); 0.15 + 0.20 = 0.35 > 0.2, so token 4 stays
-    # (0.40 + 0.25 = 0.65 < 0.8, + 0.20 = 0.85 ≥ 0.8: the token that crosses p is kept)
-    ({"top_p": 0.8}, [1, 3, 4]),
-    ({"top_p": 0.6}, [1, 3]),  # dropped while ≤ 0.4: 0.05, 0.15, 0.35; 0.60 > 0.4
-    ({"min_p": 0.2}, [1, 2, 3, 4]),  # p ≥ 0.2 × 0.40 = 0.08: only 0.05 is below
-    ({"min_p": 0.6}, [1, 3]),  # p ≥ 0.6 × 0.40 = 0.24
-    # all three, in transformers' order: top-k leaves 0.40, 0.25, renormalised 0.40 / 0.65 = 0.615 and
-    # 0.385; top-p 0.8 drops while ≤ 0.2: nothing (0.385 > 0.2); min-p: 0.2 × 0.615 = 0.123 < 0.385
-    ({"top_k": 2, "top_p": 0.8, "min_p": 0.2}, [1, 3]),
-    # top-p after top-k sees the renormalised 0.385 ≤ 1 − 0.6 = 0.4 and drops it; on the whole
-    # distribution (the row above) top-p 0.6 keeps token 3: the order matters
-    ({"top_k": 2, "top_p": 0.6}, [1]),
-    ({"top_k": 2, "min_p": 0.7}, [1]),  # 0.7 × 0.615 = 0.431 > 0.385 (a ratio to the top: 0.7 × 0.40 > 0.25)
-])
+@pytest.mark.parametrize(
+    "flags, kept",
+    [
+        ({}, [0, 1, 2, 3, 4]),  # every filter off
+        ({"top_k": 2}, [1, 3]),  # the two largest: 0.40, 0.25
+        ({"top_k": 1}, [1]),
+        # top-p drops the least likely tokens while their summed probability stays ≤ 1 − p = 0.2:
+        # 0.05 (token 0), 0.05 + 0.10 = 0.15 (token 2); 0.15 + 0.20 = 0.35 > 0.2, so token 4 stays
+        # (0.40 + 0.25 = 0.65 < 0.8, + 0.20 = 0.85 ≥ 0.8: the token that crosses p is kept)
+        ({"top_p": 0.8}, [1, 3, 4]),
+        ({"top_p": 0.6}, [1, 3]),  # dropped while ≤ 0.4: 0.05, 0.15, 0.35; 0.60 > 0.4
+        ({"min_p": 0.2}, [1, 2, 3, 4]),  # p ≥ 0.2 × 0.40 = 0.08: only 0.05 is below
+        ({"min_p": 0.6}, [1, 3]),  # p ≥ 0.6 × 0.40 = 0.24
+        # all three, in transformers' order: top-k leaves 0.40, 0.25, renormalised 0.40 / 0.65 = 0.615 and
+        # 0.385; top-p 0.8 drops while ≤ 0.2: nothing (0.385 > 0.2); min-p: 0.2 × 0.615 = 0.123 < 0.385
+        ({"top_k": 2, "top_p": 0.8, "min_p": 0.2}, [1, 3]),
+        # top-p after top-k sees the renormalised 0.385 ≤ 1 − 0.6 = 0.4 and drops it; on the whole
+        # distribution (the row above) top-p 0.6 keeps token 3: the order matters
+        ({"top_k": 2, "top_p": 0.6}, [1]),
+        (
+            {"top_k": 2, "min_p": 0.7},
+            [1],
+        ),  # 0.7 × 0.615 = 0.431 > 0.385 (a ratio to the top: 0.7 × 0.40 > 0.25)
+    ],
+)
 def test_filter_logits_keeps_the_hand_computed_tokens(script, flags, kept):
     filter_logits = importlib.import_module(script).filter_logits
     logits = np.log(np.stack([P5, P5[::-1]])).astype(np.float32) + np.float32([[0.0], [3.0]])  # [B=2, V=5]
@@ -81,16 +91,21 @@ def transformers_filters64(logits, top_k, top_p, min_p):
     return x
 
 
-@pytest.mark.parametrize("top_k, top_p, min_p", [(0, 0.9, None), (10, 1.0, None), (0, 1.0, 0.1), (20, 0.7, 0.05),
-                                                 (5, 0.95, 0.3), (0, 0.3, None)])
+@pytest.mark.parametrize(
+    "top_k, top_p, min_p",
+    [(0, 0.9, None), (10, 1.0, None), (0, 1.0, 0.1), (20, 0.7, 0.05), (5, 0.95, 0.3), (0, 0.3, None)],
+)
 def test_filter_logits_matches_a_float64_numpy_rederivation(top_k, top_p, min_p):
     import grpo
+
     logits = np.random.default_rng(0).normal(0, 2, (32, 64)).astype(np.float32)  # [B, V], no ties
     out = np.asarray(grpo.filter_logits(jnp.asarray(logits), top_k, top_p, min_p))
     ref = transformers_filters64(logits, top_k, top_p, min_p)
     np.testing.assert_array_equal(np.isfinite(out), np.isfinite(ref))
     np.testing.assert_array_equal(out[np.isfinite(out)], logits[np.isfinite(out)])
-    assert 1 <= np.isfinite(out).sum(1).min() and np.isfinite(out).sum(1).max() < 64  # every row filtered, none empty
+    assert (
+        1 <= np.isfinite(out).sum(1).min() and np.isfinite(out).sum(1).max() < 64
+    )  # every row filtered, none empty
 
 
 # ---------------------------------------------------------------------------
@@ -113,7 +128,9 @@ def fixed_length_generate(backbone, params, frozen, queries, query_mask, key, re
             logits, cache = common.cached_forward(backbone, token[:, None], padding_mask, cache, index)
             return (logits[:, -1], cache, index + 1, key), token
 
-        _, tokens = jax.lax.scan(step, (logits[:, -1], cache, jnp.int32(q), key), None, length=response_length)
+        _, tokens = jax.lax.scan(
+            step, (logits[:, -1], cache, jnp.int32(q), key), None, length=response_length
+        )
     return tokens.T
 
 
@@ -128,11 +145,13 @@ def tiny():
     ids = [[tok.start_token_id] + list(x) for x in tok.tokenize(prompts)]
     queries, query_mask = np.zeros((8, 16), np.int32), np.zeros((8, 16), bool)
     for i, x in enumerate(ids):
-        queries[i, 16 - len(x):], query_mask[i, 16 - len(x):] = x, True
+        queries[i, 16 - len(x) :], query_mask[i, 16 - len(x) :] = x, True
     return model.backbone, params, frozen, queries, query_mask, tok.end_token_id, tok.pad_token_id
 
 
-EOS_BIAS = 4.0  # added to the EOS logit: random `tiny` then ends its sequences within ~16 tokens, at varied steps
+EOS_BIAS = (
+    4.0  # added to the EOS logit: random `tiny` then ends its sequences within ~16 tokens, at varied steps
+)
 
 
 @pytest.mark.parametrize("script", SCRIPTS)
@@ -158,13 +177,18 @@ def test_early_stop_samples_the_fixed_length_tokens_and_ends_when_all_have_ended
     assert new._cache_size() == 1  # ... in one compiled program
 
 
-@pytest.mark.parametrize("script, flags", [("grpo", {"top_k": 1}), ("grpo", {"top_p": 1e-6}),
-                                           ("grpo", {"min_p": 1.0}), ("rloo", {"top_k": 1})])
+@pytest.mark.parametrize(
+    "script, flags",
+    [("grpo", {"top_k": 1}), ("grpo", {"top_p": 1e-6}), ("grpo", {"min_p": 1.0}), ("rloo", {"top_k": 1})],
+)
 def test_a_filter_that_keeps_one_token_samples_the_greedy_tokens(script, flags, tiny):
     module = importlib.import_module(script)
     backbone, params, frozen, queries, query_mask, eos, pad = tiny
-    gen = lambda t, **f: jax.device_get(jax.jit(lambda p, qs, qm, k: module.generate(
-        backbone, p, frozen, qs, qm, k, 8, t, eos, pad, **f))(params, queries, query_mask, jax.random.key(1))[0])
+    gen = lambda t, **f: jax.device_get(
+        jax.jit(lambda p, qs, qm, k: module.generate(backbone, p, frozen, qs, qm, k, 8, t, eos, pad, **f))(
+            params, queries, query_mask, jax.random.key(1)
+        )[0]
+    )
     np.testing.assert_array_equal(gen(1.0, **flags), gen(0.0))
 
 
@@ -175,8 +199,11 @@ def test_evaluate_samples_with_grpos_sampler():
     tokens: tests/test_compare.py)."""
     import evaluate
     import grpo
-    assert all(getattr(evaluate, f) is getattr(grpo, f) for f in ("generate", "tokenize_prompts",
-                                                                  "truncate_response"))
+
+    assert all(
+        getattr(evaluate, f) is getattr(grpo, f)
+        for f in ("generate", "tokenize_prompts", "truncate_response")
+    )
     args = evaluate.Args(model="tiny", num_prompts=8, max_new_tokens=6, batch_size=8, top_k=5, top_p=0.9)
     mesh = common.make_mesh(None)
     policy = evaluate.load_policy("tiny", mesh, args)
@@ -188,9 +215,19 @@ def test_evaluate_samples_with_grpos_sampler():
     np.testing.assert_array_equal(data["query_mask"], query_mask)
     key = jax.random.key(7)
     out = evaluate.respond(policy, data, "sampled", key, 8, mesh)  # greedy: the same call at temperature 0
-    sample = functools.partial(grpo.generate, policy.model.backbone, response_length=6, temperature=1.0,
-                               stop_ids=data["stops"], pad_id=data["pad"], top_k=5, top_p=0.9)
-    tokens, _, _ = jax.jit(sample)(policy.params, policy.frozen, queries, query_mask, jax.random.fold_in(key, 0))
+    sample = functools.partial(
+        grpo.generate,
+        policy.model.backbone,
+        response_length=6,
+        temperature=1.0,
+        stop_ids=data["stops"],
+        pad_id=data["pad"],
+        top_k=5,
+        top_p=0.9,
+    )
+    tokens, _, _ = jax.jit(sample)(
+        policy.params, policy.frozen, queries, query_mask, jax.random.fold_in(key, 0)
+    )
     expected, _ = grpo.truncate_response(tokens, data["stops"], data["pad"])
     np.testing.assert_array_equal(out["responses"], np.asarray(expected))
     assert len({tuple(r) for r in out["responses"]}) > 1  # sampled: the prompts' responses differ
@@ -205,13 +242,27 @@ RL = ("grpo", "rloo", "ppo")
 def test_the_three_samplers_are_one_copy():
     """grpo.py, rloo.py, ppo.py and distill.py each keep the sampler (forkable alone), and keep it the same."""
     import inspect
-    names = ("filter_logits", "filtered_logps", "generate", "truncate_response", "response_logps", "mismatch",
-             "rollout", "decode")
+
+    names = (
+        "filter_logits",
+        "filtered_logps",
+        "generate",
+        "truncate_response",
+        "response_logps",
+        "mismatch",
+        "rollout",
+        "decode",
+    )
     grpo, rloo, ppo, distill = (importlib.import_module(s) for s in RL + ("distill",))
     for name in names:
-        assert inspect.getsource(getattr(grpo, name)) == inspect.getsource(getattr(rloo, name)) \
-            == inspect.getsource(getattr(ppo, name)), name
-        if name != "response_logps":  # distill.py's copy (its student's log q comes in its divergence's chunks)
+        assert (
+            inspect.getsource(getattr(grpo, name))
+            == inspect.getsource(getattr(rloo, name))
+            == inspect.getsource(getattr(ppo, name))
+        ), name
+        if (
+            name != "response_logps"
+        ):  # distill.py's copy (its student's log q comes in its divergence's chunks)
             assert inspect.getsource(getattr(distill, name)) == inspect.getsource(getattr(grpo, name)), name
 
 
@@ -232,8 +283,9 @@ def test_filtered_logps_renormalise_over_the_kept_tokens(script):
     kept = np.array([0.40, 0.25, 0.20]) / 0.85
     np.testing.assert_allclose(entropy(top_p=0.8)[1], -np.sum(kept * np.log(kept)), rtol=1e-6)
     # temperature 2 then top-k 2: q ∝ √p over tokens 1 and 3: √0.40 / (√0.40 + √0.25)
-    np.testing.assert_allclose(lq(2.0, top_k=2)[[1, 3]], np.log(np.sqrt([0.40, 0.25]) / (0.4 ** 0.5 + 0.5)),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+        lq(2.0, top_k=2)[[1, 3]], np.log(np.sqrt([0.40, 0.25]) / (0.4**0.5 + 0.5)), rtol=1e-6
+    )
     # direction: raising token 3's logit raises its log q and lowers token 1's, under the filter too
     up = np.asarray(filtered_logps(logits.at[:, 3].add(0.1), tokens, 1.0, top_p=0.8)[0])
     assert up[3] > lq(top_p=0.8)[3] and up[1] < lq(top_p=0.8)[1]
@@ -246,6 +298,7 @@ def test_ties_at_the_cut_stay_in_sampling_and_in_scoring(flags):
     the tie), and each keeps both 0.3s. The sampler draws from filter_logits' support, filtered_logps gives
     each of its tokens q = 0.3 / 0.6 = 1/2: over that support the renormalised probabilities sum to 1."""
     import grpo
+
     logits = jnp.log(jnp.array([[0.3, 0.3, 0.2, 0.2]] * 4, jnp.float32))
     support = np.isfinite(np.asarray(grpo.filter_logits(logits, **flags)))[0]
     assert support.tolist() == [True, True, False, False]
@@ -256,10 +309,13 @@ def test_ties_at_the_cut_stay_in_sampling_and_in_scoring(flags):
     assert set(np.asarray(draws).tolist()) == {0, 1}  # both tied tokens are sampled, nothing else
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p, min_p", [(0.7, 0, 0.9, None), (1.0, 10, 1.0, None),
-                                                             (1.3, 0, 1.0, 0.1), (0.9, 20, 0.7, 0.05)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p, min_p",
+    [(0.7, 0, 0.9, None), (1.0, 10, 1.0, None), (1.3, 0, 1.0, 0.1), (0.9, 20, 0.7, 0.05)],
+)
 def test_filtered_logps_match_a_float64_numpy_rederivation(temperature, top_k, top_p, min_p):
     import grpo
+
     rng = np.random.default_rng(1)
     logits = rng.normal(0, 2, (32, 64)).astype(np.float32)  # [B, V]
     kept = transformers_filters64(logits / np.float64(temperature), top_k, top_p, min_p)
@@ -268,15 +324,18 @@ def test_filtered_logps_match_a_float64_numpy_rederivation(temperature, top_k, t
     tokens[:4] = np.argmin(logits[:4], -1)  # the least likely: outside it (counted as kept, p / (Z + p))
     with_token = np.where(np.arange(64) == tokens[:, None], logits / np.float64(temperature), kept)
     expected = (with_token - np.log(np.exp(with_token).sum(-1, keepdims=True)))[np.arange(32), tokens]
-    logq, entropy = jax.device_get(grpo.filtered_logps(jnp.asarray(logits), jnp.asarray(tokens), temperature,
-                                                       top_k, top_p, min_p))
+    logq, entropy = jax.device_get(
+        grpo.filtered_logps(jnp.asarray(logits), jnp.asarray(tokens), temperature, top_k, top_p, min_p)
+    )
     np.testing.assert_allclose(logq, expected, rtol=1e-5, atol=1e-5)
     p = softmax64(with_token)
-    np.testing.assert_allclose(entropy, -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0), -1),
-                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(
+        entropy, -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0), -1), rtol=1e-5, atol=1e-5
+    )
     # and the gradient stays finite where tokens are dropped (-inf logits): 0 · -inf is kept out
-    grad = jax.grad(lambda x: grpo.filtered_logps(x, jnp.asarray(tokens), temperature, top_k, top_p,
-                                                  min_p)[1].sum())(jnp.asarray(logits))
+    grad = jax.grad(
+        lambda x: grpo.filtered_logps(x, jnp.asarray(tokens), temperature, top_k, top_p, min_p)[1].sum()
+    )(jnp.asarray(logits))
     assert np.isfinite(np.asarray(grad)).all()
 
 
@@ -284,6 +343,7 @@ def test_filters_off_give_todays_log_probs_bit_for_bit():
     """At top-k 0, top-p 1, min-p None: the arithmetic the scripts had before (log-softmax of logits / T
     and its entropy), to the last bit, so an unfiltered run computes what it did."""
     import grpo
+
     logits = jnp.asarray(np.random.default_rng(2).normal(0, 3, (16, 320)), jnp.float32)
     tokens = jnp.asarray(np.random.default_rng(3).integers(0, 320, 16))
 
@@ -307,12 +367,14 @@ def test_the_sampler_and_the_trainer_take_the_same_distribution(flags, tiny):
     simulated devices (the batch over `data`) as on 1; with the trainer unfiltered, as TRL and this
     project's main before, the ratio is the kept mass, far below 1."""
     import grpo
+
     backbone, params, frozen, queries, query_mask, eos, pad = tiny
     r, q = 12, queries.shape[1]
 
     def meter(params, queries, query_mask, trainer_flags):
-        tokens, _, logq = grpo.generate(backbone, params, frozen, queries, query_mask, jax.random.key(3), r,
-                                        1.0, (eos,), pad, **flags)
+        tokens, _, logq = grpo.generate(
+            backbone, params, frozen, queries, query_mask, jax.random.key(3), r, 1.0, (eos,), pad, **flags
+        )
         responses, lengths = grpo.truncate_response(tokens, (eos,), pad)
         mask = jnp.arange(r)[None] <= lengths[:, None]
         ids, padding = jnp.concatenate([queries, responses], 1), jnp.concatenate([query_mask, mask], 1)
@@ -322,8 +384,9 @@ def test_the_sampler_and_the_trainer_take_the_same_distribution(flags, tiny):
     on_data = jax.sharding.NamedSharding(common.make_mesh(None), jax.sharding.PartitionSpec("data"))
     one = jax.devices()[0]
     for where in (on_data, one):
-        inputs = jax.device_put((params, queries, query_mask),
-                                (None if where is on_data else one, where, where))
+        inputs = jax.device_put(
+            (params, queries, query_mask), (None if where is on_data else one, where, where)
+        )
         m = jax.device_get(jax.jit(lambda p, qs, qm: meter(p, qs, qm, flags))(*inputs))
         assert abs(m["mismatch/ratio_mean"] - 1) < 1e-5 and abs(m["mismatch/ratio_max"] - 1) < 1e-4, m
         assert abs(m["mismatch/ratio_min"] - 1) < 1e-4 and m["mismatch/frac_outside_10pct"] == 0, m
@@ -341,12 +404,16 @@ def chat_tokenizers():
     <end_of_turn>), and Llama 3's and Qwen's (ChatML) byte-level BPE kinds learnt from the toy data."""
     import keras_hub.models as m
     from helpers import byte_bpe
-    llama3 = byte_bpe(["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>",
-                       "<|eot_id|>"])
+
+    llama3 = byte_bpe(
+        ["<|begin_of_text|>", "<|end_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    )
     chatml = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    return {"gemma": common.tiny_causal_lm(0, "float32").preprocessor.tokenizer,
-            "llama3": m.Llama3Tokenizer(vocabulary=llama3[0], merges=llama3[1]),
-            "chatml": m.QwenTokenizer(*byte_bpe(chatml), unsplittable_tokens=chatml)}
+    return {
+        "gemma": common.tiny_causal_lm(0, "float32").preprocessor.tokenizer,
+        "llama3": m.Llama3Tokenizer(vocabulary=llama3[0], merges=llama3[1]),
+        "chatml": m.QwenTokenizer(*byte_bpe(chatml), unsplittable_tokens=chatml),
+    }
 
 
 def test_stop_token_ids_are_eos_the_turn_end_and_the_flags(chat_tokenizers):
@@ -370,39 +437,57 @@ def test_stop_token_ids_are_eos_the_turn_end_and_the_flags(chat_tokenizers):
 TURN_BIAS = 5.0  # added to the turn end's logit: random `tiny` writes it within a few tokens, then goes on
 
 
-@pytest.mark.parametrize("template, script", [("gemma", "grpo"), ("llama3", "grpo"), ("chatml", "grpo"),
-                                              ("gemma", "distill")])  # distill.py: its own copy
+@pytest.mark.parametrize(
+    "template, script", [("gemma", "grpo"), ("llama3", "grpo"), ("chatml", "grpo"), ("gemma", "distill")]
+)  # distill.py: its own copy
 def test_completions_end_at_the_chats_turn_end(template, script, chat_tokenizers, tiny, monkeypatch):
     """A tiny model that writes the turn end and carries on: stopped at EOS only (main before), every
     completion runs to R; stopped at the template's turn end too, each ends there: the same tokens up to it,
     PAD after, the loss mask through it, completion_ids and the text before it, clipped_ratio 0."""
     import grpo
+
     sampler = importlib.import_module(script)  # generate, rollout, decode: the script's own copy
     backbone, params, frozen, queries, query_mask, _, pad = tiny
     tok, r = chat_tokenizers[template], 32
     stops = common.stop_token_ids(tok, common.CHAT_TEMPLATES[template])  # (EOS, the turn end)
     logits = common.logits
-    monkeypatch.setattr(common, "logits", lambda bb, h: logits(bb, h).at[..., stops[1]].add(TURN_BIAS).at[
-        ..., jnp.array([0, 1])].set(-jnp.inf))  # never an EOS (tiny's is 1, the Qwen tokenizer's 0)
+    monkeypatch.setattr(
+        common,
+        "logits",
+        lambda bb, h: logits(bb, h).at[..., stops[1]].add(TURN_BIAS).at[..., jnp.array([0, 1])].set(-jnp.inf),
+    )  # never an EOS (tiny's is 1, the Qwen tokenizer's 0)
     gen = jax.jit(lambda p, f, qs, qm, k, s: sampler.generate(backbone, p, f, qs, qm, k, r, 1.0, s, pad))
     on_data = jax.sharding.NamedSharding(common.make_mesh(None), jax.sharding.PartitionSpec("data"))
     out = {}
     for kind, ids in (("eos only", (stops[0],) * 2), ("turn end", stops)):  # one shape: one compilation
-        batch, lengths = sampler.rollout(lambda p, f, qs, qm, k: gen(p, f, qs, qm, k, jnp.asarray(ids)),
-                                         params, frozen, queries, query_mask, jax.random.key(5), ids, pad, on_data)
+        batch, lengths = sampler.rollout(
+            lambda p, f, qs, qm, k: gen(p, f, qs, qm, k, jnp.asarray(ids)),
+            params,
+            frozen,
+            queries,
+            query_mask,
+            jax.random.key(5),
+            ids,
+            pad,
+            on_data,
+        )
         qb = sampler.query_length(batch)
         out[kind] = (jax.device_get(batch), *sampler.decode(tok, batch, lengths, qb, ids))
     turn, (batch, texts, ids, lengths, ended) = stops[1], out["turn end"]
     carried = out["eos only"][0]["query_responses"][:, qb:]
-    assert (carried[:, :r // 2] == turn).any(1).all() and (carried != pad).all()  # wrote it, and went on
-    assert grpo.reward_metrics(np.zeros(8), {}, out["eos only"][3], out["eos only"][4])[
-        "completions/clipped_ratio"] == 1.0
+    assert (carried[:, : r // 2] == turn).any(1).all() and (carried != pad).all()  # wrote it, and went on
+    assert (
+        grpo.reward_metrics(np.zeros(8), {}, out["eos only"][3], out["eos only"][4])[
+            "completions/clipped_ratio"
+        ]
+        == 1.0
+    )
     responses, mask = batch["query_responses"][:, qb:], batch["response_mask"]
     assert grpo.reward_metrics(np.zeros(8), {}, lengths, ended)["completions/clipped_ratio"] == 0.0
     for i in range(8):
         n = int(np.argmax(carried[i] == turn))  # the first turn end
-        np.testing.assert_array_equal(responses[i, :n + 1], carried[i, :n + 1])  # the same tokens up to it
-        assert (responses[i, n + 1:] == pad).all() and mask[i].tolist() == [j <= n for j in range(r)]
+        np.testing.assert_array_equal(responses[i, : n + 1], carried[i, : n + 1])  # the same tokens up to it
+        assert (responses[i, n + 1 :] == pad).all() and mask[i].tolist() == [j <= n for j in range(r)]
         assert ids[i] == list(carried[i, :n]) and lengths[i] == n  # completion_ids: the tokens before it
         assert common.turn_end(common.CHAT_TEMPLATES[template]) not in texts[i]
     assert gen._cache_size() == 1

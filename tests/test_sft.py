@@ -17,23 +17,38 @@ import toy  # noqa: E402
 CHAT = [{"role": "user", "content": "Sort: 2 1"}, {"role": "assistant", "content": "1 2"}]
 # A chat row that follows a good one, and what the refusal says (`tiny`: Gemma's template, no system role)
 BAD_CHATS = [
-    ({"messages": [{"role": "tool", "content": "7"}, *CHAT]},  # TRL's tool turn: not rendered here
-     "bad.jsonl:2: field 'messages', turn 1: unknown role 'tool' (expected 'system', 'user' or 'assistant')"),
-    ({"messages": [CHAT[0], {"role": "asistant", "content": "1 2"}]},
-     "bad.jsonl:2: field 'messages', turn 2: unknown role 'asistant'"),
+    (
+        {"messages": [{"role": "tool", "content": "7"}, *CHAT]},  # TRL's tool turn: not rendered here
+        "bad.jsonl:2: field 'messages', turn 1: unknown role 'tool' (expected 'system', 'user' or 'assistant')",
+    ),
+    (
+        {"messages": [CHAT[0], {"role": "asistant", "content": "1 2"}]},
+        "bad.jsonl:2: field 'messages', turn 2: unknown role 'asistant'",
+    ),
     ({"messages": CHAT[:1]}, "bad.jsonl:2: no assistant turn with text in 'messages': nothing to train on"),
-    ({"messages": [CHAT[0], {"role": "assistant", "content": " "}]},
-     "bad.jsonl:2: no assistant turn with text in 'messages'"),
-    ({"prompt": CHAT[:1], "completion": [{"role": "assistant", "content": ""}]},
-     "bad.jsonl:2: no assistant turn with text in 'completion': nothing to train on"),
-    ({"messages": [*CHAT, {"role": "system", "content": "Be brief."}]},  # no user turn after it to open
-     "bad.jsonl:2: field 'messages': a system turn must come first, then a user turn"),
+    (
+        {"messages": [CHAT[0], {"role": "assistant", "content": " "}]},
+        "bad.jsonl:2: no assistant turn with text in 'messages'",
+    ),
+    (
+        {"prompt": CHAT[:1], "completion": [{"role": "assistant", "content": ""}]},
+        "bad.jsonl:2: no assistant turn with text in 'completion': nothing to train on",
+    ),
+    (
+        {"messages": [*CHAT, {"role": "system", "content": "Be brief."}]},  # no user turn after it to open
+        "bad.jsonl:2: field 'messages': a system turn must come first, then a user turn",
+    ),
 ]
 
 
 def run(*args, check=True, env=None):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "sft.py"), *args],
-                          capture_output=True, text=True, cwd=ROOT, env=env)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "sft.py"), *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+    )
     if check:
         assert proc.returncode == 0, proc.stderr[-3000:]
     return proc
@@ -50,10 +65,29 @@ def exact_match(model, n=100):
 def trained(tmp_path_factory):
     out = str(tmp_path_factory.mktemp("sft") / "run")
     # the defaults are TRL's, for real models; `tiny` from scratch: exact match 0.32 at step 150 (0.20 at 100)
-    tiny = ["--batch-size", "32", "--learning-rate", "2e-3", "--warmup-steps", "10",
-            "--lr-scheduler-type", "cosine_with_min_lr"]  # the schedule these numbers were measured with
-    done = run("--model", "tiny", "--max-steps", "150", *tiny, "--eval-every", "75", "--export-hf",
-               "--output-dir", out, env=learning_env())
+    tiny = [
+        "--batch-size",
+        "32",
+        "--learning-rate",
+        "2e-3",
+        "--warmup-steps",
+        "10",
+        "--lr-scheduler-type",
+        "cosine_with_min_lr",
+    ]  # the schedule these numbers were measured with
+    done = run(
+        "--model",
+        "tiny",
+        "--max-steps",
+        "150",
+        *tiny,
+        "--eval-every",
+        "75",
+        "--export-hf",
+        "--output-dir",
+        out,
+        env=learning_env(),
+    )
     assert "(model/, model_hf/, metrics.jsonl" in done.stdout
     return out
 
@@ -69,7 +103,9 @@ def test_outputs(trained):
     assert [r["step"] for r in train] == list(range(10, 151, 10))
     assert {"charts/learning_rate", "charts/tokens_per_sec", "charts/mfu"} <= set(train[-1])
     assert 0 < train[-1]["charts/mfu"] <= 1
-    assert {"config.json", "model.weights.h5", "tokenizer.json"} <= set(os.listdir(os.path.join(trained, "model")))
+    assert {"config.json", "model.weights.h5", "tokenizer.json"} <= set(
+        os.listdir(os.path.join(trained, "model"))
+    )
 
 
 def test_export_hf(trained):
@@ -79,10 +115,16 @@ def test_export_hf(trained):
     spec: "Sort" became "So" + "rt"), with the Gemma chat template and ordinary file modes."""
     import common  # noqa: F401  (sets the Keras backend)
     import keras_hub
+
     hf = os.path.join(trained, "model_hf")
     assert not os.path.exists(hf + ".tmp")
-    assert sorted(os.listdir(hf)) == ["config.json", "model.safetensors", "tokenizer.json", "tokenizer.model",
-                                      "tokenizer_config.json"]
+    assert sorted(os.listdir(hf)) == [
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer.model",
+        "tokenizer_config.json",
+    ]
     with open(os.path.join(hf, "config.json")) as f:
         config = json.load(f)
     assert config["architectures"] == ["GemmaForCausalLM"] and config["model_type"] == "gemma"
@@ -92,13 +134,16 @@ def test_export_hf(trained):
     inputs = {"token_ids": ids, "padding_mask": ids != 0}
     np.testing.assert_allclose(np.asarray(exported(inputs)), np.asarray(saved(inputs)), rtol=1e-5, atol=1e-5)
     text = "Sort: 3 1 2"
-    assert list(exported.preprocessor.tokenizer.tokenize(text)) == list(saved.preprocessor.tokenizer.tokenize(text))
+    assert list(exported.preprocessor.tokenizer.tokenize(text)) == list(
+        saved.preprocessor.tokenizer.tokenize(text)
+    )
     check_exported_tokenizer(hf, saved.preprocessor.tokenizer, "gemma")
 
 
 def test_learns_toy_task(trained):
     import common  # noqa: F401  (sets the Keras backend)
     import keras_hub
+
     rows = read_metrics(trained)
     train = [r["train/loss"] for r in rows if "train/loss" in r]
     evals = [r["eval/loss"] for r in rows if "eval/loss" in r]
@@ -113,11 +158,27 @@ def test_learns_toy_task(trained):
 def test_saved_model_continues_as_model_flag_with_messages(trained, tmp_path):
     out = str(tmp_path / "again")
     with open(os.path.join(ROOT, "data", "sft_messages_eval.jsonl")) as f:
-        (tmp_path / "eval.jsonl").write_text("".join(f.readlines()[:16]))  # two batches: the path, not the value
-    proc = run("--model", os.path.join(trained, "model"), "--max-steps", "2", "--log-every", "1",
-               "--dataset", os.path.join(ROOT, "data", "sft_messages_train.jsonl"),
-               "--eval-dataset", str(tmp_path / "eval.jsonl"),
-               "--batch-size", "8", "--output-dir", out, "--num-samples", "1")
+        (tmp_path / "eval.jsonl").write_text(
+            "".join(f.readlines()[:16])
+        )  # two batches: the path, not the value
+    proc = run(
+        "--model",
+        os.path.join(trained, "model"),
+        "--max-steps",
+        "2",
+        "--log-every",
+        "1",
+        "--dataset",
+        os.path.join(ROOT, "data", "sft_messages_train.jsonl"),
+        "--eval-dataset",
+        str(tmp_path / "eval.jsonl"),
+        "--batch-size",
+        "8",
+        "--output-dir",
+        out,
+        "--num-samples",
+        "1",
+    )
     assert "sample:" in proc.stdout
     assert len([r for r in read_metrics(out) if "train/loss" in r]) == 2
 
@@ -127,13 +188,31 @@ def test_print_example_shows_rows_as_trained_and_runs_nothing(tmp_path, capsys):
     every token id with its piece (`*`: in the loss), the EOS last; no output dir, no step."""
     import plumbing
     import sft
-    sft.main(plumbing.cli(sft.Args, ["--print-example", "1", "--dataset", os.path.join(ROOT, "data",
-                                     "sft_messages_train.jsonl"), "--output-dir", str(tmp_path / "out")]))
+
+    sft.main(
+        plumbing.cli(
+            sft.Args,
+            [
+                "--print-example",
+                "1",
+                "--dataset",
+                os.path.join(ROOT, "data", "sft_messages_train.jsonl"),
+                "--output-dir",
+                str(tmp_path / "out"),
+            ],
+        )
+    )
     out = capsys.readouterr().out
     first = json.loads(open(os.path.join(ROOT, "data", "sft_messages_train.jsonl")).readline())["messages"]
-    assert f"<start_of_turn>user\n{first[0]['content']}<end_of_turn>\n<start_of_turn>model\n" \
-           f"[[{first[1]['content']}<end_of_turn>]]" in out
-    assert out.count("--- row ") == 1 and "2:'<bos>' " in out and out.rstrip().endswith("5*:'<end_of_turn>' 1*:'<eos>'")
+    assert (
+        f"<start_of_turn>user\n{first[0]['content']}<end_of_turn>\n<start_of_turn>model\n"
+        f"[[{first[1]['content']}<end_of_turn>]]" in out
+    )
+    assert (
+        out.count("--- row ") == 1
+        and "2:'<bos>' " in out
+        and out.rstrip().endswith("5*:'<end_of_turn>' 1*:'<eos>'")
+    )
     assert not (tmp_path / "out").exists()
 
 
@@ -142,31 +221,47 @@ def test_a_sample_continues_the_whole_chat_earlier_answers_included():
     answers in their turns), not with the user turns alone."""
     import common
     import sft
-    chat = [{"role": "user", "content": "Sort: 3 1"}, {"role": "assistant", "content": "1 3"},
-            {"role": "user", "content": "Sort: 2 1"}, {"role": "assistant", "content": "1 2"}]
+
+    chat = [
+        {"role": "user", "content": "Sort: 3 1"},
+        {"role": "assistant", "content": "1 3"},
+        {"role": "user", "content": "Sort: 2 1"},
+        {"role": "assistant", "content": "1 2"},
+    ]
     segments = common.sft_segments({"messages": chat}, "x.jsonl:1", common.CHAT_TEMPLATES["gemma"])
-    assert sft.sample_prompt(segments) == ("<start_of_turn>user\nSort: 3 1<end_of_turn>\n<start_of_turn>model\n"
-                                           "1 3<end_of_turn>\n<start_of_turn>user\nSort: 2 1<end_of_turn>\n"
-                                           "<start_of_turn>model\n")
+    assert sft.sample_prompt(segments) == (
+        "<start_of_turn>user\nSort: 3 1<end_of_turn>\n<start_of_turn>model\n"
+        "1 3<end_of_turn>\n<start_of_turn>user\nSort: 2 1<end_of_turn>\n"
+        "<start_of_turn>model\n"
+    )
     assert sft.sample_prompt([("Sort: 2 1", False), (" 1 2", True)]) == "Sort: 2 1"  # prompt + completion
     assert sft.sample_prompt([("1 2 3", True)]) == ""  # `text`: a sample from nothing
 
 
-@pytest.mark.parametrize("content, message", [
-    ('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": "b"}\n{"prompt": "a",\n',
-     "bad.jsonl:3: invalid JSON"),
-    ('{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": ""}\n',
-     "bad.jsonl:2: field 'completion' must be a non-empty string"),
-    ('{"prompt": "a", "completion": "b"}\n{"question": "a"}\n', "bad.jsonl:2: need 'text'"),
-    ("", "bad.jsonl: no examples"),
-    *[(f'{json.dumps({"messages": CHAT})}\n{json.dumps(row)}\n', message) for row, message in BAD_CHATS],
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (
+            '{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": "b"}\n{"prompt": "a",\n',
+            "bad.jsonl:3: invalid JSON",
+        ),
+        (
+            '{"prompt": "a", "completion": "b"}\n{"prompt": "a", "completion": ""}\n',
+            "bad.jsonl:2: field 'completion' must be a non-empty string",
+        ),
+        ('{"prompt": "a", "completion": "b"}\n{"question": "a"}\n', "bad.jsonl:2: need 'text'"),
+        ("", "bad.jsonl: no examples"),
+        *[(f"{json.dumps({'messages': CHAT})}\n{json.dumps(row)}\n", message) for row, message in BAD_CHATS],
+    ],
+)
 def test_bad_dataset_is_refused_naming_file_and_line(tmp_path, content, message):
     import sft  # here: JAX is imported after conftest set XLA_FLAGS
+
     bad = tmp_path / "bad.jsonl"
     bad.write_text(content)
-    assert message in usage_error(sft, "--dataset", str(bad), "--max-steps", "1",
-                                  "--output-dir", str(tmp_path / "out"))
+    assert message in usage_error(
+        sft, "--dataset", str(bad), "--max-steps", "1", "--output-dir", str(tmp_path / "out")
+    )
     assert not os.path.exists(tmp_path / "out")  # nothing written, no compute spent
 
 
@@ -177,11 +272,16 @@ def test_conversational_prompt_completion_trains_on_the_completion_only(tmp_path
     import keras_hub
     import common
     import sft
+
     turn = lambda role, text: {"role": role, "content": text}  # noqa: E731
     prompt = [turn("system", "Answer briefly."), *CHAT, turn("user", "Sort: 3 1")]
     path = tmp_path / "chats.jsonl"
-    path.write_text(json.dumps({"prompt": prompt, "completion": [turn("assistant", "1 3")]}) + "\n"
-                    + json.dumps({"messages": [*prompt, turn("assistant", "1 3")]}) + "\n")
+    path.write_text(
+        json.dumps({"prompt": prompt, "completion": [turn("assistant", "1 3")]})
+        + "\n"
+        + json.dumps({"messages": [*prompt, turn("assistant", "1 3")]})
+        + "\n"
+    )
     tokenizer = keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER)
     rows = common.read_dataset(str(path), "sft", common.CHAT_TEMPLATES["gemma"])
     (ids, mask), (chat_ids, chat_mask) = sft.tokenize_dataset(rows, tokenizer, 256, True, str(path))[0]
@@ -189,8 +289,9 @@ def test_conversational_prompt_completion_trains_on_the_completion_only(tmp_path
     assert "".join(t for t, _ in rows[0]).startswith("<start_of_turn>user\nAnswer briefly.\n\nSort: 2 1<end")
     assert list(ids) == list(chat_ids)
     assert list(ids[mask]) == tokens("1 3<end_of_turn>") + [tokenizer.end_token_id]
-    assert list(chat_ids[chat_mask]) == (tokens("1 2<end_of_turn>") + tokens("1 3<end_of_turn>")
-                                         + [tokenizer.end_token_id])
+    assert list(chat_ids[chat_mask]) == (
+        tokens("1 2<end_of_turn>") + tokens("1 3<end_of_turn>") + [tokenizer.end_token_id]
+    )
 
 
 def test_bad_dataset_exits_2_in_one_line(tmp_path):
@@ -199,16 +300,21 @@ def test_bad_dataset_exits_2_in_one_line(tmp_path):
     bad.write_text('{"prompt": "a", "completion": "b"}\n{"question": "a"}\n')
     proc = run("--dataset", str(bad), "--output-dir", str(tmp_path / "out"), check=False)
     assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
-        f"error: {bad}:2: need 'text', 'prompt'+'completion' or 'messages' (got ['question'])"], proc.stderr
+        f"error: {bad}:2: need 'text', 'prompt'+'completion' or 'messages' (got ['question'])"
+    ], proc.stderr
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--model", "gemma_3b_typo"], "unknown --model 'gemma_3b_typo'"),
-    (["--mesh", "data=3"], "--mesh 'data=3' has 3 devices, but 8 are present"),
-    (["--batch-size", "12"], "--batch-size 12 must divide"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--model", "gemma_3b_typo"], "unknown --model 'gemma_3b_typo'"),
+        (["--mesh", "data=3"], "--mesh 'data=3' has 3 devices, but 8 are present"),
+        (["--batch-size", "12"], "--batch-size 12 must divide"),
+    ],
+)
 def test_bad_flags_are_refused(tmp_path, flags, message):
     import sft
+
     assert message in usage_error(sft, *flags, "--output-dir", str(tmp_path / "out"))
 
 
@@ -220,19 +326,42 @@ def test_eval_loss_covers_every_example_even_fewer_than_a_batch(tmp_path):
     import jax
     import sft
     import plumbing
+
     rows = [json.loads(line) for line in open(os.path.join(ROOT, "data", "sft_eval.jsonl"))][:5]
     (tmp_path / "five.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     out = str(tmp_path / "run")
-    sft.main(plumbing.cli(sft.Args, ["--model", "tiny", "--max-steps", "1", "--batch-size", "8",
-                                     "--eval-dataset", str(tmp_path / "five.jsonl"), "--eval-every", "1",
-                                     "--num-samples", "0", "--output-dir", out]))
+    sft.main(
+        plumbing.cli(
+            sft.Args,
+            [
+                "--model",
+                "tiny",
+                "--max-steps",
+                "1",
+                "--batch-size",
+                "8",
+                "--eval-dataset",
+                str(tmp_path / "five.jsonl"),
+                "--eval-every",
+                "1",
+                "--num-samples",
+                "0",
+                "--output-dir",
+                out,
+            ],
+        )
+    )
     logged = read_metrics(out)[0]
     assert logged["step"] == 0
-    model = common.load_model("tiny", jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model")), "float32")
+    model = common.load_model(
+        "tiny", jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model")), "float32"
+    )
     tokenizer, nll, count = model.preprocessor.tokenizer, 0.0, 0
     for r in rows:
         prompt, completion = (list(tokenizer.tokenize(r[k])) for k in ("prompt", "completion"))
-        ids = np.array([[tokenizer.start_token_id] + prompt + completion + [tokenizer.end_token_id]], np.int32)
+        ids = np.array(
+            [[tokenizer.start_token_id] + prompt + completion + [tokenizer.end_token_id]], np.int32
+        )
         hidden = model.backbone({"token_ids": ids, "padding_mask": np.ones_like(ids, bool)})
         z = np.asarray(common.logits(model.backbone, hidden), np.float64)[0]  # [T, V]
         logp = z - z.max(-1, keepdims=True)

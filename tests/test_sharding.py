@@ -53,6 +53,7 @@ def test_data_alone_takes_the_generic_rule():
 
 def test_generic_rule_shards_largest_divisible_dim():
     import keras
+
     mesh = common.make_mesh("data=4,model=2")
     dist = common.distribution_for(mesh, keras.Model)  # no layout map: generic rule only
     with dist.scope():
@@ -65,15 +66,18 @@ def test_generic_rule_shards_largest_divisible_dim():
 def run_steps(model, mesh, args, steps=2):
     rng = np.random.default_rng(0)
     ids = rng.integers(3, 300, (2 * 8, 16)).astype(np.int32)
-    data = {"token_ids": ids, "padding_mask": np.ones_like(ids, bool),
-            "loss_mask": rng.uniform(size=ids.shape) < 0.7}
+    data = {
+        "token_ids": ids,
+        "padding_mask": np.ones_like(ids, bool),
+        "loss_mask": rng.uniform(size=ids.shape) < 0.7,
+    }
     optimizer = sft.make_optimizer(args, args.max_steps)[0]
     params, frozen = common.split_variables(model.backbone)
     state = (params, jax.jit(optimizer.init)(params))
     step = jax.jit(lambda s, f, b: sft.train_step(model.backbone, optimizer, args, s, f, b))
     losses = []
     for i in range(steps):
-        batch = {k: v[i * 8:(i + 1) * 8].reshape(2, 4, -1) for k, v in data.items()}  # A=2 micro-batches
+        batch = {k: v[i * 8 : (i + 1) * 8].reshape(2, 4, -1) for k, v in data.items()}  # A=2 micro-batches
         state, metrics = step(state, frozen, common.shard_batch(mesh, batch))
         losses.append(float(metrics["train/loss"]))
     return losses, [np.asarray(p) for p in state[0]]
