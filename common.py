@@ -669,7 +669,10 @@ class Scorer:
     starts from them), else None."""
 
     def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None):
-        self.model, self.head, self.name, self.on_data = model, head, name, NamedSharding(mesh, P("data"))
+        self.model = model
+        self.head = head
+        self.name = name
+        self.on_data = NamedSharding(mesh, P("data"))  # scores [B], as the batch
         self.fns = [
             (f, w, reward_fn_signature(f), n)
             for f, w, n in zip(fns, weights or [1.0] * len(fns), reward_names(fns), strict=True)
@@ -880,14 +883,16 @@ def family_template(preset):
 def turn_end(template):
     """The template's end-of-turn marker (`<end_of_turn>`, `<|eot_id|>`, `<|im_end|>`), where a
     completion ends for reward functions; None without a template or marker (Mistral's is the EOS)."""
-    return (template[2].strip() or None) if template else None
+    return (template.end.strip() or None) if template else None
 
 
 def stop_token_ids(tokenizer, template, extra=()):
     """The ids a sampled completion ends at, as the models' own generation configs (Gemma 3's eos_token_id
     is [1, 106]): the EOS, the template's turn end where the vocabulary holds it as one token, and `extra`
     (--stop-token: a token's text, else its id) -> a tuple of ints, EOS first."""
-    vocab, size, end = set(tokenizer.get_vocabulary()), tokenizer.vocabulary_size(), turn_end(template)
+    vocab = set(tokenizer.get_vocabulary())
+    size = tokenizer.vocabulary_size()
+    end = turn_end(template)
     ids = [tokenizer.end_token_id] + ([tokenizer.token_to_id(end)] if end in vocab else [])
     for token in extra:
         if token not in vocab and not (token.isdigit() and int(token) < size):
@@ -1006,8 +1011,9 @@ def preference_triple(row, where, template, names=("chosen", "rejected")):
                 (i for i, (c, r) in enumerate(zip(chosen, rejected)) if c != r),
                 min(len(chosen), len(rejected)),
             )  # the turns they share
-            prompt, chosen, rejected = chosen[:n], chosen[n:], rejected[n:]
-        model, end = template[1], template[2]
+            prompt = chosen[:n]
+            chosen, rejected = chosen[n:], rejected[n:]
+        model, end = template.model, template.end
         responses = []
         for name, msgs in zip(names, (chosen, rejected)):
             if not msgs or msgs[0]["role"] != "assistant" or not msgs[0]["content"].strip():
@@ -1049,7 +1055,7 @@ def prompt_text(row, where, template):
     if isinstance(value, str) and value.strip():
         return value
     if isinstance(value, list):
-        return render(_messages(value, "prompt", where, template), template) + template[1]
+        return render(_messages(value, "prompt", where, template), template) + template.model
     raise UsageError(f"{where}: need 'prompt' (a non-empty string or a list of {{role, content}})")
 
 

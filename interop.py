@@ -411,7 +411,9 @@ def hf_tokenizer(tokenizer):
     ):  # keras-hub 0.32's BytePairTokenizer, no TensorFlow
         return Tokenizer.from_str(tokenizer._tokenizer.to_str())
     proto = sentencepiece_model_pb2.ModelProto.FromString(tokenizer.proto)
-    spec, trainer, pieces = proto.normalizer_spec, proto.trainer_spec, list(proto.pieces)
+    spec = proto.normalizer_spec
+    trainer = proto.trainer_spec
+    pieces = list(proto.pieces)
     if trainer.model_type != trainer.BPE:
         raise ValueError(
             f"{type(tokenizer).__name__}: SentencePiece model type {trainer.model_type}, not BPE"

@@ -187,17 +187,22 @@ def answer_help(module_name, path):
 
 
 def _fields(path, name):
-    """{name: (section, flag, doc, default)} of class `name` in `path`, not imported: its bases' fields in this
-    module first (one redefined keeps its place); a `# comment` between fields opens a section; None: none."""
+    """{name: (section, flag, doc, default)} of class `name` in `path`, not imported: its bases' fields first
+    (one redefined keeps its place); a `# comment` between fields opens a section. None: no such class, or a
+    base whose source cannot be found (then answer_help leaves the command line to tyro)."""
     source = open(path).read()
     lines, tree = source.splitlines(), ast.parse(source)
     cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
     if cls is None:
         return None
-    fields, section, previous = {}, None, cls.lineno
-    for base in (ast.unparse(b).removeprefix("plumbing.") for b in cls.bases):
-        if base in ("SharedArgs", "RolloutArgs"):
-            fields.update(_fields(__file__, base))
+    fields = {}
+    for base in cls.bases:
+        inherited = _base_fields(ast.unparse(base), tree, path)
+        if inherited is None:
+            return None
+        fields.update(inherited)
+    section = None
+    previous = cls.lineno
     names = {
         "os": os,
         "HERE": HERE,
@@ -236,6 +241,31 @@ def _fields(path, name):
             default = ast.unparse(node.value)
         fields[node.target.id] = (fields.get(node.target.id, (section,))[0], flag, doc, default)
     return fields
+
+
+def _base_fields(base, tree, path):
+    """The fields of a base class `base` (its source text: `SharedArgs`, `plumbing.RolloutArgs`, `grpo.Args`,
+    `Args` of the same file) of a class in `path`, read from its module's source; None where it cannot be
+    found without importing anything (a module in a package, a name imported under another name)."""
+    module, _, name = base.rpartition(".")
+    if base == "object":
+        return {}
+    if module == "plumbing" or (not module and name in ("SharedArgs", "RolloutArgs")):
+        return _fields(__file__, name)
+    if not module:
+        return (
+            _fields(path, name)
+            if any(isinstance(n, ast.ClassDef) and n.name == name for n in tree.body)
+            else None
+        )
+    if "." in module:
+        return None
+    try:  # the module as `import module` would find it (the script's folder first), not executed
+        spec = importlib.util.find_spec(module)
+    except (ImportError, ValueError):
+        return None
+    origin = getattr(spec, "origin", None)
+    return _fields(origin, name) if origin and origin.endswith(".py") else None
 
 
 def help_from_source(path, width=100):
@@ -455,11 +485,17 @@ class Run:
             interop.check_export_hf(args.model, preset, common.backbone_class(preset).__name__)
         if args.track and importlib.util.find_spec("wandb") is None:
             raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
-        self.script, self.args, self.log_every, self.eval_every = script, args, log_every, eval_every
-        self.export_hf, self.skip_nonfinite, self.resolved = export_hf, skip_nonfinite, {}
+        self.script = script
+        self.args = args
+        self.log_every = log_every
+        self.eval_every = eval_every
+        self.export_hf = export_hf
+        self.skip_nonfinite = skip_nonfinite
+        self.resolved = {}  # what main and the Run resolve, for args.json
         self.dtype = args.dtype or common.default_dtype()
         self.dir = args.output_dir or default_output_dir(script, args.model, args.seed)
-        self.model_dir, self.max_steps = os.path.join(self.dir, "model"), args.max_steps
+        self.model_dir = os.path.join(self.dir, "model")
+        self.max_steps = args.max_steps
         self.mesh = common.make_mesh(args.mesh)
         self.main = common.jax.process_index() == 0  # process 0 writes the outputs
         if args.batch_size % (self.mesh.shape["data"] * grad_accum_steps):
@@ -467,16 +503,26 @@ class Run:
             raise UsageError(
                 f"--batch-size {args.batch_size} must divide by data axis ({self.mesh.shape['data']}){accum}"
             )
-        self.start = self.step = self._check_output_dir()
-        self.stop_signal, self.last_train, self.last_eval, self._handlers = None, {}, {}, {}
-        self._pending, self._tokens, self._padded, self._flops, self._shapes = [], 0, 0, 0.0, set()
-        self._opened, self._buffered, self._manager, self._started = False, [], None, time.perf_counter()
-        self._paused, self._eval_started = 0.0, None
+        self.start = self._check_output_dir()  # 0, or the checkpoint --resume continues from
+        self.step = self.start
+        self.stop_signal = None  # the name of a signal that asked to stop
+        self.last_train = {}  # the last logged rows, for the summary line
+        self.last_eval = {}
+        self._handlers = {}  # the signal handlers from before the loop
+        self._new_interval()
+        self._shapes = set()  # the padded sizes met: a step's compilations
+        self._opened = False  # outputs created (after the first step)
+        self._buffered = []  # rows logged before that
+        self._manager = None  # orbax's, made at the first checkpoint
+        self._started = time.perf_counter()
+        self._eval_started = None
 
     def _check_output_dir(self):
         """The step to start from; refuses to touch a previous run unless asked, or a place that cannot hold one
         (a file, or under one; not writable): exit 2 now, not after the model loads and the first step."""
-        d, held, steps = self.dir, [f for f in RUN_FILES if os.path.exists(os.path.join(self.dir, f))], []
+        d = self.dir
+        held = [f for f in RUN_FILES if os.path.exists(os.path.join(d, f))]
+        steps = []
         existing = os.path.abspath(d)
         while not os.path.exists(existing):
             existing = os.path.dirname(existing)
@@ -486,7 +532,9 @@ class Run:
         if os.path.isdir(os.path.join(d, "checkpoints")):  # a step's dir appears (renamed) once complete
             steps = sorted(int(s) for s in os.listdir(os.path.join(d, "checkpoints")) if s.isdigit())
         last, finished = steps[-1] if steps else None, os.path.isdir(self.model_dir)
-        self._done = self._no_checkpoint = self._scheduled = None
+        self._done = None  # a finished run's last step
+        self._no_checkpoint = None  # why --resume cannot continue
+        self._scheduled = None  # the steps the resumed run's schedule spans
         if self.args.resume:
             if "args.json" in held:
                 recorded = self._check_same_run()
@@ -577,7 +625,8 @@ class Run:
                 )
         self._check_resumable()
         keep = self._scheduled if self.args.resume_schedule == "keep" and self._scheduled else self.max_steps
-        self.schedule_steps = self.resolved["schedule_steps"] = keep
+        self.schedule_steps = keep
+        self.resolved["schedule_steps"] = keep
         if keep != self.max_steps and self.main and self.args.lr_scheduler_type != "constant":
             print(
                 f"--resume: the learning-rate schedule stays the run's, over {keep} steps, then its last rate "
@@ -603,7 +652,8 @@ class Run:
         """After the first step: signals now checkpoint; the outputs are created (process 0)."""
         if self._opened:
             return
-        self._opened, args = True, self.args
+        self._opened = True
+        args = self.args
         self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         if not self.main:
             return
@@ -634,7 +684,9 @@ class Run:
                 f.writelines(kept)
         from tensorboardX import SummaryWriter
 
-        self._metrics, self._tb, self._wandb = open(path, "a"), SummaryWriter(self.dir), None
+        self._metrics = open(path, "a")
+        self._tb = SummaryWriter(self.dir)
+        self._wandb = None
         if args.track:
             import wandb
 
@@ -689,14 +741,13 @@ class Run:
         from tqdm import tqdm
 
         assert self.max_steps is not None, "call run.resolve_max_steps before the loop"
-        self._flops_per_token, self._lr, self._show, self._summed = (
-            flops_per_token,
-            learning_rate,
-            show,
-            summed,
-        )
+        self._flops_per_token = flops_per_token
+        self._lr = learning_rate
+        self._show = show
+        self._summed = summed
         self._counted = counted or {}
-        self._peak, self._t0, self._paused = peak_flops(), time.perf_counter(), 0.0
+        self._peak = peak_flops()
+        self._new_interval()
         self._bar = tqdm(
             total=self.max_steps,
             initial=self.start,
@@ -763,8 +814,17 @@ class Run:
         self._write(self.step, row)
         shown = {k.split("/")[-1]: f"{row[k]:.4g}" for k in ("train/loss", *self._show) if k in row}
         self._bar.set_postfix(**shown, tok_s=f"{row['charts/tokens_per_sec']:.0f}")
-        self._pending, self._tokens, self._flops, self._padded = [], 0, 0.0, 0
-        self._t0, self._paused = time.perf_counter(), 0.0
+        self._new_interval()
+
+    def _new_interval(self):
+        """Start what the next log row sums: metrics (device arrays), real and padded tokens, FLOPs, and the
+        time, less what evaluation and checkpoints take (kept out of tokens/s)."""
+        self._pending = []
+        self._tokens = 0
+        self._padded = 0
+        self._flops = 0.0
+        self._t0 = time.perf_counter()
+        self._paused = 0.0
 
     def eval_due(self):
         """True every eval_every steps and at the last (eval time is kept out of tokens/s)."""
@@ -774,7 +834,8 @@ class Run:
 
     def log_eval(self, row):
         """Log eval metrics (host floats, names prefixed eval/) at the current step, and print them."""
-        self.last_eval = row = {k: float(v) for k, v in row.items()}
+        row = {k: float(v) for k, v in row.items()}
+        self.last_eval = row
         self._write(self.step, row)
         from tqdm import tqdm
 
@@ -902,7 +963,9 @@ class Remat:
     remat is pure cost), else decided at the first call by compiling without remat. str(remat): the mode."""
 
     def __init__(self, mode, *backbones):
-        self.requested, self.mode, self.backbones = mode, None if mode == "auto" else mode, []
+        self.requested = mode
+        self.mode = None if mode == "auto" else mode  # auto: set at the first call
+        self.backbones = []
         for backbone in backbones:
             self.add(backbone)
 
@@ -936,7 +999,9 @@ class Remat:
         import functools
         import jax
 
-        fn, limit, resolved = functools.partial(fn), device_memory_limit(), []
+        fn = functools.partial(fn)
+        limit = device_memory_limit()
+        resolved = []  # the step compiled with the mode chosen at the first call
         if self.requested != "auto" or limit is None:
             why = self.requested == "auto" and f"{jax.devices()[0].platform}: no device memory limit"
             return self._resolve("off" if self.requested == "auto" else self.requested, why, fn, jit_kwargs)

@@ -1,0 +1,167 @@
+"""Forking a script, the two ways the README shows: copying the file, and subclassing its `Args` in a file of
+your own that opens as the scripts do (plumbing.answer_help, then plumbing.launch). --help lists every flag,
+inherited and new; a run with both kinds starts and records them; an option no field names is refused in one
+line (exit 2) before the heavy imports; a dataclass written from scratch works too; and benchmarks/step_ab.py,
+itself a subclass of throughput.py's Args, runs from its docstring's command."""
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import plumbing  # noqa: E402  (light: no JAX)
+
+SUBCLASS_FORK = '''"""SFT with one more flag: the README's subclassing example."""
+from dataclasses import dataclass
+
+import plumbing
+
+plumbing.answer_help(__name__, __file__)
+
+import sft  # noqa: E402
+
+
+@dataclass
+class Args(sft.Args):
+    # my idea
+    my_bonus: float = 0.0
+    """a new coefficient of this fork"""
+
+
+def main(args):
+    print(f"my_bonus {args.my_bonus}")
+    sft.main(args)
+
+
+if __name__ == "__main__":
+    plumbing.launch(main, Args)
+'''
+
+SCRATCH_FORK = '''"""A script whose Args is a dataclass of its own."""
+from dataclasses import dataclass
+
+import plumbing
+
+plumbing.answer_help(__name__, __file__)
+
+
+@dataclass
+class Args:
+    steps: int = 3
+    """how many steps"""
+    name: str = "x"
+    """a name"""
+
+
+def main(args):
+    print(f"steps {args.steps} name {args.name}")
+
+
+if __name__ == "__main__":
+    plumbing.launch(main, Args)
+'''
+
+
+def run(args, cwd, timeout=300):
+    env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # one device: the fork's run is about its flags
+    return subprocess.run(
+        [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
+    )
+
+
+def flags_of(args_class):
+    return {"--" + f.name.replace("_", "-") for f in dataclasses.fields(args_class)}
+
+
+def test_a_subclassed_args_lists_every_flag_and_runs(tmp_path):
+    import sft
+
+    (tmp_path / "mysft.py").write_text(SUBCLASS_FORK)
+    out = run(["mysft.py", "--help"], tmp_path, timeout=60)
+    assert out.returncode == 0, out.stderr
+    listed = set(re.findall(r"^  (--[\w-]+)", out.stdout, re.M))
+    assert listed == flags_of(sft.Args) | {"--my-bonus"}, listed ^ (flags_of(sft.Args) | {"--my-bonus"})
+    assert "a new coefficient of this fork" in out.stdout and "my idea:" in out.stdout
+    bad = run(["mysft.py", "--my-bonsu", "1"], tmp_path, timeout=60)
+    assert bad.returncode == 2 and "perhaps you meant --my-bonus" in bad.stderr, bad.stderr
+    out = run(
+        [
+            "mysft.py",
+            "--model",
+            "tiny",
+            "--max-steps",
+            "2",
+            "--batch-size",
+            "8",
+            "--max-length",
+            "64",
+            "--eval-dataset",
+            "",
+            "--my-bonus",
+            "0.5",
+            "--output-dir",
+            "out",
+        ],
+        tmp_path,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "my_bonus 0.5" in out.stdout
+    recorded = json.loads((tmp_path / "out" / "args.json").read_text())
+    assert recorded["my_bonus"] == 0.5 and recorded["max_steps"] == 2
+
+
+def test_a_copied_script_and_a_dataclass_from_scratch(tmp_path):
+    import sft
+
+    shutil.copy(os.path.join(ROOT, "sft.py"), tmp_path / "mycopy.py")
+    out = run(["mycopy.py", "--help"], tmp_path, timeout=60)
+    assert out.returncode == 0 and set(re.findall(r"^  (--[\w-]+)", out.stdout, re.M)) == flags_of(sft.Args)
+    (tmp_path / "mine.py").write_text(SCRATCH_FORK)
+    out = run(["mine.py", "--help"], tmp_path, timeout=60)
+    assert out.returncode == 0 and set(re.findall(r"^  (--[\w-]+)", out.stdout, re.M)) == {
+        "--steps",
+        "--name",
+    }
+    out = run(["mine.py", "--steps", "5", "--name", "y"], tmp_path, timeout=60)
+    assert out.returncode == 0 and "steps 5 name y" in out.stdout, out.stderr
+
+
+def test_a_base_the_source_cannot_show_is_left_to_tyro(tmp_path):
+    """A base imported under another name cannot be read from source: the fast path steps aside (no refusal of
+    flags it cannot see), and tyro parses the real class."""
+    (tmp_path / "alias.py").write_text(
+        SCRATCH_FORK.replace("class Args:", "class Args(Base):").replace(
+            "from dataclasses import dataclass\n",
+            "from dataclasses import dataclass\n\nfrom sft import Args as Base\n",
+        )
+    )
+    assert plumbing._fields(str(tmp_path / "alias.py"), "Args") is None
+    out = run(["alias.py", "--steps", "4", "--model", "tiny"], tmp_path, timeout=120)
+    assert out.returncode == 0 and "steps 4 name x" in out.stdout, out.stderr
+
+
+def test_step_ab_runs_from_its_docstring_command():
+    """benchmarks/step_ab.py (class Args(throughput.Args)) from the command in its docstring, at a smaller
+    width and length, one timed round: both sides time, one JSON line last."""
+    doc = open(os.path.join(ROOT, "benchmarks", "step_ab.py")).read().split('"""')[1]
+    command = re.search(
+        r"python (benchmarks/step_ab\.py .*?)\n(?!\s+--)", doc.replace("\\\n", ""), re.S
+    ).group(1)
+    argv = command.split()
+    assert argv[:3] == ["benchmarks/step_ab.py", "--algo", "dpo"], argv
+    small = {
+        "--arch": "hidden_dim=64,vocabulary_size=512,intermediate_dim=128,head_dim=16",
+        "--max-length": "32",
+    }
+    argv = [small.get(argv[i - 1], a) for i, a in enumerate(argv)]
+    out = run([*argv, "--steps", "1", "--warmup", "1", "--num-layers", "1"], ROOT, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row, out.stdout
