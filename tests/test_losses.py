@@ -206,10 +206,10 @@ def test_simpo_float64_rederivation_and_direction():
     c, r = c / 10, r / 10  # per-token means
     beta, gamma, w, nll = 2.5, 0.7, 0.3, 1.9
     want = np.mean(-log_sigmoid64(beta * c - beta * r - gamma)) + w * nll
-    loss, m = simpo_loss(jnp.asarray(c), jnp.asarray(r), nll, beta, gamma, w)
+    loss, m = simpo_loss(jnp.asarray(c), jnp.asarray(r), nll, beta=beta, gamma=gamma, sft_weight=w)
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
     np.testing.assert_allclose(float(m["rewards/accuracies"]), np.mean(c > r))
-    g = jax.grad(lambda c, r: simpo_loss(c, r, 0.0, beta, gamma)[0], argnums=(0, 1))(
+    g = jax.grad(lambda c, r: simpo_loss(c, r, 0.0, beta=beta, gamma=gamma)[0], argnums=(0, 1))(
         jnp.asarray(c), jnp.asarray(r)
     )
     assert (g[0] < 0).all() and (g[1] > 0).all()
