@@ -81,7 +81,9 @@ def tokenize_dataset(triples, tokenizer, max_length, path):
     both sequences, then drop the pair if a response still does not fit.
     """
     pieces = iter(tokenizer.tokenize([t for triple in triples for t in triple]))  # one batched call
-    examples, truncated, dropped = [], 0, 0
+    examples = []
+    truncated = 0
+    dropped = 0
     for _ in triples:
         prompt, chosen, rejected = (list(next(pieces)) for _ in range(3))
         cut = 2 + len(prompt) + max(len(chosen), len(rejected)) - max_length
@@ -89,7 +91,8 @@ def tokenize_dataset(triples, tokenizer, max_length, path):
             dropped += 1
             continue
         if cut > 0:
-            prompt, truncated = prompt[cut:], truncated + 1
+            prompt = prompt[cut:]
+            truncated += 1
         examples.append(
             tuple(
                 (
@@ -111,14 +114,14 @@ def pad_examples(examples, length):
     n = len(examples)
     data = {}
     for j, name in enumerate(("chosen", "rejected")):
-        ids, pad, mask = (
-            np.zeros((n, length), np.int32),
-            np.zeros((n, length), bool),
-            np.zeros((n, length), bool),
-        )
+        ids = np.zeros((n, length), np.int32)
+        pad = np.zeros((n, length), bool)
+        mask = np.zeros((n, length), bool)
         for i, pair in enumerate(examples):
             x, m = pair[j]
-            ids[i, : len(x)], pad[i, : len(x)], mask[i, : len(x)] = x, True, m
+            ids[i, : len(x)] = x
+            pad[i, : len(x)] = True
+            mask[i, : len(x)] = m
         data.update({f"{name}_ids": ids, f"{name}_padding_mask": pad, f"{name}_loss_mask": mask})
     return data
 
@@ -128,14 +131,16 @@ def pair_lengths(data):
     return np.stack([data["chosen_padding_mask"].sum(-1), data["rejected_padding_mask"].sum(-1)], -1)
 
 
-def get_batch(data, lengths, step, args):
+def get_batch(data, lengths, step, args, ref_logps=None):
     """Batch for `step` (a pure function of it, so --resume is exact), cut to the length bucket of
-    its longest sequence: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes."""
+    its longest sequence: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes.
+    ref_logps: --precompute-ref's {ref_chosen_logps, ref_rejected_logps}, [N] each -> [A, B/A/P] each."""
     idx, length, real = common.length_batch(
-        lengths, step, args.batch_size, args.seed, args.max_length, args.group_by_length
+        lengths, step, args.batch_size, args.seed, args.max_length, group=args.group_by_length
     )
-    cut = {k: v[idx, :length] if v.ndim > 1 else v[idx] for k, v in data.items()}
-    batch = {k: v.reshape(args.grad_accum_steps, -1, *v.shape[1:]) for k, v in cut.items()}
+    batch = {k: v[idx, :length].reshape(args.grad_accum_steps, -1, length) for k, v in data.items()}
+    if ref_logps:  # differs from simpo.py's and orpo.py's: only DPO precomputes reference log-probs
+        batch.update({k: v[idx].reshape(args.grad_accum_steps, -1) for k, v in ref_logps.items()})
     return batch, (real, 2 * args.batch_size * length)
 
 
@@ -202,6 +207,7 @@ def dpo_loss(
     rejected_logps,
     ref_chosen_logps,
     ref_rejected_logps,
+    *,
     beta=0.1,
     loss_type="sigmoid",
     label_smoothing=0.0,
@@ -261,6 +267,28 @@ def lora_off(backbone, params):
     ]
 
 
+def precompute_reference_logps(backbone, ref_params, frozen, data, lengths, *, average, args, mesh):
+    """--precompute-ref: πref's log-probs of every pair in one pass before training, so that no step runs a
+    reference forward. data: {chosen,rejected}_{ids,padding_mask,loss_mask}, [N, T] each; lengths: [N, 2]
+    -> {ref_chosen_logps, ref_rejected_logps}, [N] each, in the data's order (get_batch indexes them)."""
+
+    # Weights are jit arguments, never closed over (that would bake them into the program as constants).
+    @jax.jit
+    def forward(ref_params, frozen, batch):
+        batch = jax.tree.map(lambda x: x[0], batch)  # [1, B, ...] -> [B, ...]
+        return concatenated_forward(backbone, ref_params, frozen, batch, average)[:2]
+
+    ref_chosen, ref_rejected = common.per_example(
+        partial(forward, ref_params, frozen),
+        data,
+        args.batch_size,
+        mesh,
+        lengths=lengths,
+        max_length=args.max_length,
+    )
+    return {"ref_chosen_logps": ref_chosen, "ref_rejected_logps": ref_rejected}
+
+
 # ---------------------------------------------------------------------------
 # train_step: one optimizer update over `A` accumulated micro-batches
 # ---------------------------------------------------------------------------
@@ -283,11 +311,11 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
             rejected,
             ref_chosen,
             ref_rejected,
-            args.beta,
-            args.loss_type,
-            args.label_smoothing,
-            nll.sum() / num_chosen_tokens * accum,
-            args.sft_weight,
+            beta=args.beta,
+            loss_type=args.loss_type,
+            label_smoothing=args.label_smoothing,
+            nll_loss=nll.sum() / num_chosen_tokens * accum,
+            sft_weight=args.sft_weight,
         )
         loss = loss + aux_loss  # + the policy's router load-balancing loss (a mixture of experts; 0.0 dense)
         return loss / accum, {"train/loss": loss, "aux_loss": aux_loss, **metrics}  # equal micro-batches
@@ -309,9 +337,9 @@ def make_optimizer(args, max_steps):
         args.lr_scheduler_type,
         args.learning_rate,
         max_steps,
-        args.warmup_steps,
-        args.warmup_ratio,
-        args.min_lr_rate,
+        warmup_steps=args.warmup_steps,
+        warmup_ratio=args.warmup_ratio,
+        min_lr_rate=args.min_lr_rate,
     )
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
     optimizer = optax.chain(
@@ -338,12 +366,14 @@ def main(args):
         args.dataset, args.eval_dataset, args.eval_split, (Args.dataset, Args.eval_dataset)
     )
     eval_rows = (
-        common.read_dataset(eval_path, "preference", template, eval_flag, args.dataset_config, eval_split)
+        common.read_dataset(
+            eval_path, "preference", template, flag=eval_flag, config=args.dataset_config, split=eval_split
+        )
         if eval_path
         else []
     )
     train_rows = common.read_dataset(
-        args.dataset, "preference", template, "--dataset", args.dataset_config, args.dataset_split
+        args.dataset, "preference", template, config=args.dataset_config, split=args.dataset_split
     )
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of pairs
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
@@ -366,23 +396,20 @@ def main(args):
     average = args.loss_type == "ipo"
     # The reference πref = the initial policy, three ways: LoRA-off base (no copy), a frozen copy,
     # or (--precompute-ref) its log-probs stored per example before training.
-    if args.lora_rank:
+    ref_params = None  # the weights of the online reference forward; None: its log-probs are precomputed
+    train_ref_logps, eval_ref_logps = {}, {}  # --precompute-ref's, [N] each
+    if args.precompute_ref:
+        initial = lora_off(backbone, params) if args.lora_rank else params  # read here, before any update
+        precompute = partial(
+            precompute_reference_logps, backbone, initial, frozen, average=average, args=args, mesh=run.mesh
+        )
+        train_ref_logps = precompute(train_data, lengths)
+        if eval_data is not None:
+            eval_ref_logps = precompute(eval_data, eval_lengths)
+    elif args.lora_rank:
         ref_params = lora_off(backbone, params)
-    elif args.precompute_ref:
-        ref_params = params  # used only below, before any update
     else:  # a copy: the policy's buffers are donated to (overwritten by) each update
         ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
-    # Weights are jit arguments, never closed over (that would bake them into the program as constants).
-    first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
-    ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), average)[:2])
-    if args.precompute_ref:
-        for data, n in (
-            ((train_data, lengths), (eval_data, eval_lengths)) if eval_data else ((train_data, lengths),)
-        ):
-            data["ref_chosen_logps"], data["ref_rejected_logps"] = common.per_example(
-                lambda b: ref_fn(ref_params, frozen, b), data, args.batch_size, run.mesh, n, args.max_length
-            )
-        ref_params = None  # no reference forward (and no reference weights) from here on
     (params, opt_state), _ = run.resume((params, opt_state))
     state_shardings = (common.shardings(params), opt_shardings)
     state = jax.device_put((params, opt_state), state_shardings)
@@ -396,31 +423,33 @@ def main(args):
     run.record(
         remat=remat, num_warmup_steps=warmup
     )  # args.json: the mode --remat auto chose, the warmup steps
-    eval_fn = jax.jit(
-        lambda p, r, f, b: (
-            *concatenated_forward(backbone, p, f, first(b), average)[:3],
-            *reference_logps(backbone, r, f, first(b), average),
-        )
-    )
+
+    # Weights are jit arguments, never closed over (that would bake them into the program as constants).
+    @jax.jit
+    def eval_fn(params, ref_params, frozen, batch):
+        batch = jax.tree.map(lambda x: x[0], batch)  # [1, B, ...] -> [B, ...]
+        chosen, rejected, nll, _ = concatenated_forward(backbone, params, frozen, batch, average)
+        return chosen, rejected, nll, *reference_logps(backbone, ref_params, frozen, batch, average)
 
     def evaluate(params):
-        chosen, rejected, nll, *ref = common.per_example(
-            lambda b: eval_fn(params, ref_params, frozen, b),
-            eval_data,
+        chosen, rejected, nll, ref_chosen, ref_rejected = common.per_example(
+            partial(eval_fn, params, ref_params, frozen),
+            {**eval_data, **eval_ref_logps},  # with --precompute-ref, its log-probs ride along
             args.batch_size,
             run.mesh,
-            eval_lengths,
-            args.max_length,
+            lengths=eval_lengths,
+            max_length=args.max_length,
         )
         loss, metrics = dpo_loss(
             chosen,
             rejected,
-            *ref,
-            args.beta,
-            args.loss_type,
-            args.label_smoothing,
-            nll.sum() / eval_data["chosen_loss_mask"][:, 1:].sum(),
-            args.sft_weight,
+            ref_chosen,
+            ref_rejected,
+            beta=args.beta,
+            loss_type=args.loss_type,
+            label_smoothing=args.label_smoothing,
+            nll_loss=nll.sum() / eval_data["chosen_loss_mask"][:, 1:].sum(),
+            sft_weight=args.sft_weight,
         )
         metrics = {f"eval/{k}": v for k, v in metrics.items()}  # accuracy and margin first: Run prints those
         return {**metrics, "eval/loss": loss}
@@ -432,7 +461,7 @@ def main(args):
     if eval_data is not None and run.start == 0:
         run.log_eval(evaluate(state[0]))  # the starting point: policy == reference
     for step in run.steps(flops_per_token, schedule, show=("rewards/margins",)):
-        batch, tokens = get_batch(train_data, lengths, step, args)  # tokens: (real, padded)
+        batch, tokens = get_batch(train_data, lengths, step, args, train_ref_logps)  # tokens: (real, padded)
         state, metrics = step_fn(state, frozen, common.shard_batch(run.mesh, batch), ref_params)
         run.log(metrics, *tokens)  # metrics of the pre-update forward; tokens/s, MFU: real tokens
         if eval_data is not None and run.eval_due():

@@ -91,15 +91,19 @@ def tokenize_dataset(examples, tokenizer, max_length, path, seed, mismatched=Tru
     order = np.random.default_rng(seed).permutation(len(examples))
     other = np.empty_like(order)
     other[order] = np.roll(order, 1)  # other[i]: whose completion example i's mismatched pair takes
-    out, truncated, dropped = [], 0, 0
+    out = []
+    truncated = 0
+    dropped = 0
     for i, (_, _, label) in enumerate(examples):
-        prompt, responses = prompts[i], [completions[i]] + [completions[other[i]]] * mismatched
+        prompt = prompts[i]
+        responses = [completions[i]] + [completions[other[i]]] * mismatched
         cut = 2 + len(prompt) + max(map(len, responses)) - max_length
         if cut > len(prompt):
             dropped += 1
             continue
         if cut > 0:
-            prompt, truncated = prompt[cut:], truncated + 1
+            prompt = prompt[cut:]
+            truncated += 1
         out.append(
             (
                 tuple(
@@ -133,14 +137,14 @@ def pad_examples(examples, length):
     n = len(examples)
     data = {"label": np.array([label for _, label in examples], bool)}
     for j, name in enumerate(("completion", "KL")[: len(examples[0][0])]):
-        ids, pad, mask = (
-            np.zeros((n, length), np.int32),
-            np.zeros((n, length), bool),
-            np.zeros((n, length), bool),
-        )
+        ids = np.zeros((n, length), np.int32)
+        pad = np.zeros((n, length), bool)
+        mask = np.zeros((n, length), bool)
         for i, (sequences, _) in enumerate(examples):
             x, m = sequences[j]
-            ids[i, : len(x)], pad[i, : len(x)], mask[i, : len(x)] = x, True, m
+            ids[i, : len(x)] = x
+            pad[i, : len(x)] = True
+            mask[i, : len(x)] = m
         data.update({f"{name}_ids": ids, f"{name}_padding_mask": pad, f"{name}_loss_mask": mask})
     return data
 
@@ -161,8 +165,9 @@ def get_batch(data, lengths, step, args):
     """Batch for `step` (a pure function of it, so --resume is exact), cut to the length bucket of
     its longest sequence: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes."""
     idx, length, real = common.length_batch(
-        lengths, step, args.batch_size, args.seed, args.max_length, args.group_by_length
+        lengths, step, args.batch_size, args.seed, args.max_length, group=args.group_by_length
     )
+    # label and --precompute-ref's log-probs: [N], no T axis to cut
     cut = {k: v[idx, :length] if v.ndim > 1 else v[idx] for k, v in data.items()}
     batch = {k: v.reshape(args.grad_accum_steps, -1, *v.shape[1:]) for k, v in cut.items()}
     return batch, (real, lengths.shape[1] * args.batch_size * length)
@@ -226,6 +231,7 @@ def kto_loss(
     kl_logps,
     ref_kl_logps,
     labels,
+    *,
     beta=0.1,
     desirable_weight=1.0,
     undesirable_weight=1.0,
@@ -293,6 +299,28 @@ def lora_off(backbone, params):
     ]
 
 
+def precompute_reference_logps(backbone, ref_params, frozen, data, lengths, *, names, args, mesh):
+    """--precompute-ref: πref's log-probs of every example's `names` sequences (itself, its mismatched pair) in
+    one pass before training, so that no step runs a reference forward. data: {name}_{ids,padding_mask,
+    loss_mask}, [N, T] each; lengths: [N, k] -> {ref_{name}_logps}, [N] each, in the data's order."""
+
+    # Weights are jit arguments, never closed over (that would bake them into the program as constants).
+    @jax.jit
+    def forward(ref_params, frozen, batch):
+        batch = jax.tree.map(lambda x: x[0], batch)  # [1, B, ...] -> [B, ...]
+        return concatenated_forward(backbone, ref_params, frozen, batch, names)[:-1]  # less the aux_loss
+
+    logps = common.per_example(
+        partial(forward, ref_params, frozen),
+        data,
+        args.batch_size,
+        mesh,
+        lengths=lengths,
+        max_length=args.max_length,
+    )
+    return {f"ref_{name}_logps": x for name, x in zip(names, logps)}
+
+
 # ---------------------------------------------------------------------------
 # train_step: one optimizer update over `A` accumulated micro-batches
 # ---------------------------------------------------------------------------
@@ -355,9 +383,9 @@ def make_optimizer(args, max_steps):
         args.lr_scheduler_type,
         args.learning_rate,
         max_steps,
-        args.warmup_steps,
-        args.warmup_ratio,
-        args.min_lr_rate,
+        warmup_steps=args.warmup_steps,
+        warmup_ratio=args.warmup_ratio,
+        min_lr_rate=args.min_lr_rate,
     )
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
     adamw = optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask)
@@ -381,9 +409,11 @@ def main(args):
         args.dataset, args.eval_dataset, args.eval_split, (Args.dataset, Args.eval_dataset)
     )
     eval_rows = (
-        read_examples(eval_path, template, eval_flag, args.dataset_config, eval_split) if eval_path else []
+        read_examples(eval_path, template, flag=eval_flag, config=args.dataset_config, split=eval_split)
+        if eval_path
+        else []
     )
-    train_rows = read_examples(args.dataset, template, "--dataset", args.dataset_config, args.dataset_split)
+    train_rows = read_examples(args.dataset, template, config=args.dataset_config, split=args.dataset_split)
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of examples
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
@@ -414,24 +444,19 @@ def main(args):
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     # The reference πref = the initial policy, three ways: LoRA-off base (no copy), a frozen copy,
     # or (--precompute-ref) its log-probs stored per example (and per mismatched pair) before training.
-    if args.lora_rank:
+    ref_params = None  # the weights of the online reference forward; None: its log-probs are precomputed
+    if args.precompute_ref:  # the log-probs join the data, [N] each like the labels (get_batch, per_example)
+        initial = lora_off(backbone, params) if args.lora_rank else params  # read here, before any update
+        precompute = partial(
+            precompute_reference_logps, backbone, initial, frozen, names=names, args=args, mesh=run.mesh
+        )
+        train_data.update(precompute(train_data, lengths))
+        if eval_data is not None:
+            eval_data.update(precompute(eval_data, eval_lengths))
+    elif args.lora_rank:
         ref_params = lora_off(backbone, params)
-    elif args.precompute_ref:
-        ref_params = params  # used only below, before any update
     else:  # a copy: the policy's buffers are donated to (overwritten by) each update
         ref_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
-    # Weights are jit arguments, never closed over (that would bake them into the program as constants).
-    first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
-    ref_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), names)[:-1])
-    if args.precompute_ref:
-        for data, n in (
-            ((train_data, lengths), (eval_data, eval_lengths)) if eval_data else ((train_data, lengths),)
-        ):
-            logps = common.per_example(
-                lambda b: ref_fn(ref_params, frozen, b), data, args.batch_size, run.mesh, n, args.max_length
-            )
-            data.update({f"ref_{name}_logps": x for name, x in zip(names, logps)})
-        ref_params = None  # no reference forward (and no reference weights) from here on
     (params, opt_state), _ = run.resume((params, opt_state))
     state_shardings = (common.shardings(params), opt_shardings)
     state = jax.device_put((params, opt_state), state_shardings)
@@ -445,21 +470,22 @@ def main(args):
     run.record(
         remat=remat, num_warmup_steps=warmup
     )  # args.json: the mode --remat auto chose, the warmup steps
-    eval_fn = jax.jit(
-        lambda p, r, f, b: (
-            *concatenated_forward(backbone, p, f, first(b), names)[:-1],
-            *reference_logps(backbone, r, f, first(b), names),
-        )
-    )
+
+    # Weights are jit arguments, never closed over (that would bake them into the program as constants).
+    @jax.jit
+    def eval_fn(params, ref_params, frozen, batch):
+        batch = jax.tree.map(lambda x: x[0], batch)  # [1, B, ...] -> [B, ...]
+        logps = concatenated_forward(backbone, params, frozen, batch, names)[:-1]  # less the aux_loss
+        return *logps, *reference_logps(backbone, ref_params, frozen, batch, names)
 
     def evaluate(params):  # z₀ from every eval example's mismatched pair; [-1]: the KL sequences, if any
         logps = common.per_example(
-            lambda b: eval_fn(params, ref_params, frozen, b),
+            partial(eval_fn, params, ref_params, frozen),
             eval_data,
             args.batch_size,
             run.mesh,
-            eval_lengths,
-            args.max_length,
+            lengths=eval_lengths,
+            max_length=args.max_length,
         )
         policy, ref = logps[: len(names)], logps[len(names) :]
         loss, metrics = kto_loss(
@@ -468,10 +494,10 @@ def main(args):
             policy[-1],
             ref[-1],
             eval_data["label"],
-            args.beta,
-            args.desirable_weight,
-            args.undesirable_weight,
-            args.loss_type,
+            beta=args.beta,
+            desirable_weight=args.desirable_weight,
+            undesirable_weight=args.undesirable_weight,
+            loss_type=args.loss_type,
         )
         return {"eval/loss": loss, **{f"eval/{k}": v for k, v in metrics.items()}}  # Run prints the first 3
 

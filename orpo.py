@@ -73,7 +73,9 @@ def tokenize_dataset(triples, tokenizer, max_length, path):
     both sequences, then drop the pair if a response still does not fit.
     """
     pieces = iter(tokenizer.tokenize([t for triple in triples for t in triple]))  # one batched call
-    examples, truncated, dropped = [], 0, 0
+    examples = []
+    truncated = 0
+    dropped = 0
     for _ in triples:
         prompt, chosen, rejected = (list(next(pieces)) for _ in range(3))
         cut = 2 + len(prompt) + max(len(chosen), len(rejected)) - max_length
@@ -81,7 +83,8 @@ def tokenize_dataset(triples, tokenizer, max_length, path):
             dropped += 1
             continue
         if cut > 0:
-            prompt, truncated = prompt[cut:], truncated + 1
+            prompt = prompt[cut:]
+            truncated += 1
         examples.append(
             tuple(
                 (
@@ -103,14 +106,14 @@ def pad_examples(examples, length):
     n = len(examples)
     data = {}
     for j, name in enumerate(("chosen", "rejected")):
-        ids, pad, mask = (
-            np.zeros((n, length), np.int32),
-            np.zeros((n, length), bool),
-            np.zeros((n, length), bool),
-        )
+        ids = np.zeros((n, length), np.int32)
+        pad = np.zeros((n, length), bool)
+        mask = np.zeros((n, length), bool)
         for i, pair in enumerate(examples):
             x, m = pair[j]
-            ids[i, : len(x)], pad[i, : len(x)], mask[i, : len(x)] = x, True, m
+            ids[i, : len(x)] = x
+            pad[i, : len(x)] = True
+            mask[i, : len(x)] = m
         data.update({f"{name}_ids": ids, f"{name}_padding_mask": pad, f"{name}_loss_mask": mask})
     return data
 
@@ -124,10 +127,9 @@ def get_batch(data, lengths, step, args):
     """Batch for `step` (a pure function of it, so --resume is exact), cut to the length bucket of
     its longest sequence: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes."""
     idx, length, real = common.length_batch(
-        lengths, step, args.batch_size, args.seed, args.max_length, args.group_by_length
+        lengths, step, args.batch_size, args.seed, args.max_length, group=args.group_by_length
     )
-    cut = {k: v[idx, :length] if v.ndim > 1 else v[idx] for k, v in data.items()}
-    batch = {k: v.reshape(args.grad_accum_steps, -1, *v.shape[1:]) for k, v in cut.items()}
+    batch = {k: v[idx, :length].reshape(args.grad_accum_steps, -1, length) for k, v in data.items()}
     return batch, (real, 2 * args.batch_size * length)
 
 
@@ -262,9 +264,9 @@ def make_optimizer(args, max_steps):
         args.lr_scheduler_type,
         args.learning_rate,
         max_steps,
-        args.warmup_steps,
-        args.warmup_ratio,
-        args.min_lr_rate,
+        warmup_steps=args.warmup_steps,
+        warmup_ratio=args.warmup_ratio,
+        min_lr_rate=args.min_lr_rate,
     )
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
     optimizer = optax.chain(
@@ -291,12 +293,14 @@ def main(args):
         args.dataset, args.eval_dataset, args.eval_split, (Args.dataset, Args.eval_dataset)
     )
     eval_rows = (
-        common.read_dataset(eval_path, "preference", template, eval_flag, args.dataset_config, eval_split)
+        common.read_dataset(
+            eval_path, "preference", template, flag=eval_flag, config=args.dataset_config, split=eval_split
+        )
         if eval_path
         else []
     )
     train_rows = common.read_dataset(
-        args.dataset, "preference", template, "--dataset", args.dataset_config, args.dataset_split
+        args.dataset, "preference", template, config=args.dataset_config, split=args.dataset_split
     )
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of pairs
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
@@ -339,8 +343,8 @@ def main(args):
             eval_data,
             args.batch_size,
             run.mesh,
-            eval_lengths,
-            args.max_length,
+            lengths=eval_lengths,
+            max_length=args.max_length,
         )
         loss, metrics = orpo_loss(chosen, rejected, nll.sum() / count.sum(), args.beta)
         metrics = {f"eval/{k}": v for k, v in metrics.items()}  # accuracy and margin first: Run prints those

@@ -70,7 +70,9 @@ def tokenize_pairs(triples, tokenizer, max_length, path):
     """
     ids = iter(tokenizer.tokenize([t for triple in triples for t in triple]))  # one batched call
     bos, eos = tokenizer.start_token_id, tokenizer.end_token_id
-    pairs, truncated, dropped = [], 0, 0
+    pairs = []
+    truncated = 0
+    dropped = 0
     for _ in triples:
         prompt, chosen, rejected = (list(next(ids)) for _ in range(3))
         cut = max(len(chosen), len(rejected)) + 2 + len(prompt) - max_length
@@ -105,7 +107,7 @@ def get_batch(data, lengths, step, args):
     """Batch for `step` (a pure function of it, so --resume is exact), cut to the length bucket of
     its longest sequence: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes."""
     idx, length, real = common.length_batch(
-        lengths, step, args.batch_size, args.seed, args.max_length, args.group_by_length
+        lengths, step, args.batch_size, args.seed, args.max_length, group=args.group_by_length
     )
     batch = {k: v[idx, :length].reshape(args.grad_accum_steps, -1, length) for k, v in data.items()}
     return batch, (real, 2 * args.batch_size * length)
@@ -127,9 +129,8 @@ def last_token_hidden(backbone, params, frozen, token_ids, padding_mask):
     aux_loss (a mixture of experts' router load-balancing loss, common.forward; 0.0 for a dense model)."""
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
     last = jnp.sum(padding_mask, -1).astype(jnp.int32) - 1  # right padding: index of the final real token
-    return jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0].astype(
-        jnp.float32
-    ), aux_loss  # f32 upcast
+    hidden = jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0]  # [B, D]
+    return hidden.astype(jnp.float32), aux_loss  # f32 upcast
 
 
 def sequence_scores(backbone, params, frozen, head, token_ids, padding_mask):
@@ -158,7 +159,7 @@ def pair_scores(backbone, params, frozen, head, micro):
     """Chosen and rejected in one forward, concatenated on the batch axis: ([B], [B], its aux_loss)."""
     ids = jnp.concatenate([micro["chosen_token_ids"], micro["rejected_token_ids"]])  # [2B, T]
     mask = jnp.concatenate([micro["chosen_padding_mask"], micro["rejected_padding_mask"]])
-    scores, aux_loss = sequence_scores(backbone, params, frozen, head, ids, mask)
+    scores, aux_loss = sequence_scores(backbone, params, frozen, head, token_ids=ids, padding_mask=mask)
     return (*jnp.split(scores, 2), aux_loss)
 
 
@@ -197,9 +198,9 @@ def make_optimizer(args, max_steps):
         args.lr_scheduler_type,
         args.learning_rate,
         max_steps,
-        args.warmup_steps,
-        args.warmup_ratio,
-        args.min_lr_rate,
+        warmup_steps=args.warmup_steps,
+        warmup_ratio=args.warmup_ratio,
+        min_lr_rate=args.min_lr_rate,
     )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norms / biases
     optimizer = optax.chain(
@@ -227,12 +228,14 @@ def main(args):
         args.dataset, args.eval_dataset, args.eval_split, (Args.dataset, Args.eval_dataset)
     )
     eval_rows = (
-        common.read_dataset(eval_path, "preference", template, eval_flag, args.dataset_config, eval_split)
+        common.read_dataset(
+            eval_path, "preference", template, flag=eval_flag, config=args.dataset_config, split=eval_split
+        )
         if eval_path
         else []
     )
     train_rows = common.read_dataset(
-        args.dataset, "preference", template, "--dataset", args.dataset_config, args.dataset_split
+        args.dataset, "preference", template, config=args.dataset_config, split=args.dataset_split
     )
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of pairs
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
@@ -268,9 +271,14 @@ def main(args):
     run.record(
         remat=remat, num_warmup_steps=warmup
     )  # args.json: the mode --remat auto chose, the warmup steps
-    score_fn = jax.jit(
-        lambda p, f, b: sequence_scores(backbone, p[0], f, p[1], b["ids"][0], b["mask"][0])[:1]
-    )
+
+    @jax.jit
+    def score_fn(params, frozen, batch):  # [1, B, T] -> ([B],): the scores without the aux_loss
+        backbone_params, head = params
+        scores, _ = sequence_scores(
+            backbone, backbone_params, frozen, head, token_ids=batch["ids"][0], padding_mask=batch["mask"][0]
+        )
+        return (scores,)
 
     def scores_of(params, data, side):
         """r(x, y) of every `side` sequence of padded pairs, in length-bucketed batches: [N]."""
@@ -280,8 +288,8 @@ def main(args):
             seqs,
             args.batch_size,
             run.mesh,
-            seqs["mask"].sum(-1),
-            args.max_length,
+            lengths=seqs["mask"].sum(-1),
+            max_length=args.max_length,
         )[0]
 
     def evaluate(params):
@@ -299,7 +307,8 @@ def main(args):
         run.checkpoint(state)
 
     # ---- outputs: normalised head (eq. 2, optional), backbone preset + head ----
-    (params, head), info = state[0], {"normalized": args.normalize}
+    params, head = state[0]
+    info = {"normalized": args.normalize}
     if args.normalize:  # reference set: chosen responses of the first N training pairs
         first = {k: v[: args.normalize_samples] for k, v in train_data.items()}
         ref = scores_of(state[0], first, "chosen")

@@ -76,7 +76,9 @@ def tokenize_dataset(segs, tokenizer, max_length, completion_only_loss, path):
     """
     flat = [t for s in segs for t, _ in s]
     ids_flat = iter(tokenizer.tokenize(flat))  # one batched call: fast
-    examples, truncated, dropped = [], 0, 0
+    examples = []
+    truncated = 0
+    dropped = 0
     for s in segs:
         ids, mask = [], []
         for _, is_completion in s:
@@ -121,7 +123,9 @@ def pad_examples(examples, length):
     loss_mask = np.zeros((n, length), bool)
     padding_mask = np.zeros((n, length), bool)
     for i, (ids, mask) in enumerate(examples):
-        token_ids[i, : len(ids)], loss_mask[i, : len(ids)], padding_mask[i, : len(ids)] = ids, mask, True
+        token_ids[i, : len(ids)] = ids
+        loss_mask[i, : len(ids)] = mask
+        padding_mask[i, : len(ids)] = True
     return {"token_ids": token_ids, "padding_mask": padding_mask, "loss_mask": loss_mask}
 
 
@@ -129,7 +133,7 @@ def get_batch(data, lengths, step, args):
     """Batch for `step` (a pure function of it, so --resume is exact), cut to the length bucket of
     its longest example: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes."""
     idx, length, real = common.length_batch(
-        lengths, step, args.batch_size, args.seed, args.max_length, args.group_by_length
+        lengths, step, args.batch_size, args.seed, args.max_length, group=args.group_by_length
     )
     batch = {k: v[idx, :length].reshape(args.grad_accum_steps, -1, length) for k, v in data.items()}
     return batch, (real, args.batch_size * length)
@@ -202,7 +206,8 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     grads, (losses, aux_losses) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
     updates, new_opt_state = optimizer.update(grads, opt_state, params)
     new_params = optax.apply_updates(params, updates)
-    loss, grad_norm = losses.sum(), optax.global_norm(grads)
+    loss = losses.sum()
+    grad_norm = optax.global_norm(grads)
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     if args.skip_nonfinite:  # keep the old weights and optimizer state for a non-finite batch
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
@@ -236,9 +241,9 @@ def make_optimizer(args, max_steps):
         args.lr_scheduler_type,
         args.learning_rate,
         max_steps,
-        args.warmup_steps,
-        args.warmup_ratio,
-        args.min_lr_rate,
+        warmup_steps=args.warmup_steps,
+        warmup_ratio=args.warmup_ratio,
+        min_lr_rate=args.min_lr_rate,
     )
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
     optimizer = optax.chain(
@@ -264,12 +269,14 @@ def main(args):
         args.dataset, args.eval_dataset, args.eval_split, (Args.dataset, Args.eval_dataset)
     )
     eval_rows = (
-        common.read_dataset(eval_path, "sft", template, eval_flag, args.dataset_config, eval_split)
+        common.read_dataset(
+            eval_path, "sft", template, flag=eval_flag, config=args.dataset_config, split=eval_split
+        )
         if eval_path
         else []
     )
     train_rows = common.read_dataset(
-        args.dataset, "sft", template, "--dataset", args.dataset_config, args.dataset_split
+        args.dataset, "sft", template, config=args.dataset_config, split=args.dataset_split
     )
     if args.print_example:  # the rows as the model sees them, and no run
         model = common.load_model(args.model, run.mesh, run.dtype, args.seed)
@@ -319,8 +326,8 @@ def main(args):
             eval_data,
             args.batch_size,
             run.mesh,
-            eval_data["padding_mask"].sum(-1),
-            args.max_length,
+            lengths=eval_data["padding_mask"].sum(-1),
+            max_length=args.max_length,
         )
         return {"eval/loss": float(nll.sum() / max(n.sum(), 1))}
 
@@ -340,9 +347,8 @@ def main(args):
     def save_and_sample(path):
         common.save_model(model, state[0], path)  # also writes the trained values into `model`
         prompts = [sample_prompt(segs) for segs in eval_rows[: args.num_samples]]
-        for p, out in zip(
-            prompts, model.generate(prompts, max_length=length, strip_prompt=True) if prompts else []
-        ):
+        samples = model.generate(prompts, max_length=length, strip_prompt=True) if prompts else []
+        for p, out in zip(prompts, samples):
             print(f"sample: {p!r} -> {out!r}")
 
     run.finish(save_and_sample)

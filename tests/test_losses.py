@@ -141,7 +141,8 @@ def test_dpo_variants_hand_worked():
     # --sft-weight (RPO): α·NLL added to any of them, logged whatever α: log 2 + 0.5·2, 25 + 0.5·2
     loss, m = dpo_loss(*same, beta=0.1, nll_loss=2.0, sft_weight=0.5)
     assert float(loss) == pytest.approx(LOG2 + 1.0, abs=1e-6) and float(m["nll_loss"]) == 2.0
-    assert float(dpo_loss(*same, 0.1, "ipo", nll_loss=2.0, sft_weight=0.5)[0]) == pytest.approx(26.0)
+    loss, _ = dpo_loss(*same, beta=0.1, loss_type="ipo", nll_loss=2.0, sft_weight=0.5)
+    assert float(loss) == pytest.approx(26.0)
     assert float(dpo_loss(*same, beta=0.1, nll_loss=2.0)[0]) == pytest.approx(LOG2, abs=1e-6)
 
 
@@ -166,7 +167,14 @@ def test_dpo_float64_rederivation(loss_type, eps, alpha):
         want = np.mean((h - 1 / (2 * beta)) ** 2)
     else:
         want = np.mean(np.maximum(0.0, 1 - beta * h))
-    loss, m = dpo_loss(*map(jnp.asarray, (c, r, rc, rr)), beta, loss_type, eps, nll, alpha)
+    loss, m = dpo_loss(
+        *map(jnp.asarray, (c, r, rc, rr)),
+        beta=beta,
+        loss_type=loss_type,
+        label_smoothing=eps,
+        nll_loss=nll,
+        sft_weight=alpha,
+    )
     np.testing.assert_allclose(float(loss), want + alpha * nll, rtol=1e-5)
     np.testing.assert_allclose(float(m["rewards/margins"]), np.mean(beta * h), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(float(m["rewards/accuracies"]), np.mean(beta * (c - rc) > beta * (r - rr)))
@@ -206,10 +214,10 @@ def test_simpo_float64_rederivation_and_direction():
     c, r = c / 10, r / 10  # per-token means
     beta, gamma, w, nll = 2.5, 0.7, 0.3, 1.9
     want = np.mean(-log_sigmoid64(beta * c - beta * r - gamma)) + w * nll
-    loss, m = simpo_loss(jnp.asarray(c), jnp.asarray(r), nll, beta, gamma, w)
+    loss, m = simpo_loss(jnp.asarray(c), jnp.asarray(r), nll, beta=beta, gamma=gamma, sft_weight=w)
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
     np.testing.assert_allclose(float(m["rewards/accuracies"]), np.mean(c > r))
-    g = jax.grad(lambda c, r: simpo_loss(c, r, 0.0, beta, gamma)[0], argnums=(0, 1))(
+    g = jax.grad(lambda c, r: simpo_loss(c, r, 0.0, beta=beta, gamma=gamma)[0], argnums=(0, 1))(
         jnp.asarray(c), jnp.asarray(r)
     )
     assert (g[0] < 0).all() and (g[1] > 0).all()
@@ -338,7 +346,11 @@ def test_kto_float64_rederivation(loss_type):
         z0 = 0.0
         want = np.mean(np.where(desirable, w_d * (1 - sig(beta * r)), w_u * sig(beta * r)))
     loss, m = kto_loss(
-        *map(jnp.asarray, (logps, ref_logps, kl_logps, ref_kl_logps, desirable)), beta, w_d, w_u, loss_type
+        *map(jnp.asarray, (logps, ref_logps, kl_logps, ref_kl_logps, desirable)),
+        beta=beta,
+        desirable_weight=w_d,
+        undesirable_weight=w_u,
+        loss_type=loss_type,
     )
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
     np.testing.assert_allclose(float(m["kl"]), z0, rtol=1e-5)

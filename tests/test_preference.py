@@ -306,8 +306,10 @@ def test_first_batch_metrics_logged_before_the_update(trained, prefs):
     triples = common.read_dataset(path, "preference", common.chat_template("tiny"))
     pairs, _ = module.tokenize_dataset(triples, model.preprocessor.tokenizer, 512, path)
     args = module.Args(batch_size=32, grad_accum_steps=1, seed=0)  # as the `trained` run
-    ids, lengths = {"chosen_ids": np.arange(len(pairs))}, np.ones((len(pairs), 2), int)
-    first = module.get_batch(ids, lengths, 0, args)[0]["chosen_ids"][0]  # batch 0's pairs
+    lengths = np.ones((len(pairs), 2), int)  # the order does not depend on them (no --group-by-length)
+    width = common.bucket_length(1, args.max_length)  # the bucket get_batch cuts these lengths to
+    ids = {"chosen_ids": np.repeat(np.arange(len(pairs))[:, None], width, 1)}  # each row holds its index
+    first = module.get_batch(ids, lengths, 0, args)[0]["chosen_ids"][0, :, 0]  # batch 0's pairs
     row = read_metrics(out)[1]  # [0] is the step-0 evaluation
     assert row["step"] == 1
     assert_logged(row, *expected_metrics(module, model, [pairs[i] for i in first]), script)
