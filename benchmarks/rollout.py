@@ -31,6 +31,7 @@ plumbing.answer_help(__name__, __file__)
 import common  # noqa: E402
 import grpo  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 
@@ -96,13 +97,13 @@ def main(args):
     t = args.temperature
     eos, pad = tokenizer.end_token_id, tokenizer.pad_token_id
 
-    def fixed_length(params, frozen, queries, query_mask, key):  # -> (responses [B, R], R decode steps)
+    def fixed_length(params, frozen, queries, query_mask, key):  # -> (responses [B, R], R decode steps, 0)
         responses = old.generate(
             backbone, params, frozen, queries, query_mask, key=key, response_length=r, temperature=t
         )
-        return responses, r
+        return responses, r, jnp.zeros(responses.shape)  # rollout's third: the sampler's log q, unused here
 
-    samplers = {  # each -> (responses [B, R], decode steps)
+    samplers = {  # each -> (responses [B, R], decode steps, the sampler's log q [B, R])
         "fixed_length": jax.jit(fixed_length),
         "early_stop": jax.jit(
             functools.partial(
