@@ -8,6 +8,7 @@ Offline toy (docs/distill.md: teacher = `tiny` after 150 sft.py steps, student a
         --batch-size 32 --learning-rate 1e-3 --response-length 16 --max-prompt-length 64
 """
 
+import functools
 import math
 import os
 import time
@@ -98,6 +99,7 @@ def completion_divergence(
     frozen,
     teacher,
     teacher_weights,
+    *,
     token_ids,
     padding_mask,
     response_mask,
@@ -126,11 +128,11 @@ def completion_divergence(
     )  # [B, T, D_T]
     b, r = response_mask.shape
     n = -(-r // chunk)
-    cut = lambda h: (
-        jnp.pad(h[:, context_length - 1 : -1], ((0, 0), (0, n * chunk - r), (0, 0)))
-        .reshape(b, n, chunk, h.shape[-1])
-        .swapaxes(0, 1)
-    )  # [B, T, D] -> [n, B, C, D]: response positions, padded
+
+    def cut(h):  # [B, T, D] -> [n, B, C, D]: response positions, padded
+        padded = jnp.pad(h[:, context_length - 1 : -1], ((0, 0), (0, n * chunk - r), (0, 0)))
+        return padded.reshape(b, n, chunk, h.shape[-1]).swapaxes(0, 1)
+
     mask = jnp.pad(response_mask, ((0, 0), (0, n * chunk - r))).reshape(b, n, chunk).swapaxes(0, 1)  # [n,B,C]
     student_state = list(
         zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
@@ -149,7 +151,9 @@ def completion_divergence(
         with keras.StatelessScope(state_mapping=teacher_state):
             teacher_logits = jax.lax.stop_gradient(common.logits(teacher, h_teacher)[..., :v])
         # the sampled tokens under the sampler's filters (a metric only: the divergence is the full one)
-        logq, entropy = filtered_logps(logits.reshape(-1, v), y.reshape(-1), temperature, top_k, top_p, min_p)
+        logq, entropy = filtered_logps(
+            logits.reshape(-1, v), y.reshape(-1), temperature, top_k=top_k, top_p=top_p, min_p=min_p
+        )
         divergence = generalized_jsd(logits, teacher_logits, m, beta, temperature)
         return divergence, logq.reshape(m.shape), entropy.reshape(m.shape)
 
@@ -193,13 +197,15 @@ def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
     return logits
 
 
-def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
+def filtered_logps(logits, tokens, temperature, *, top_k=0, top_p=1.0, min_p=None):
     """log q(token) and q's entropy [B] for float32 logits [B, V], tokens [B]; q, what the sampler draws from:
     softmax(filter_logits(logits / T, …)), renormalised over the kept tokens (eq. 1 of docs/design.md). The
     token always counts as kept: only a rounding gap between the two forwards could drop it (NaN)."""
-    kept = filter_logits(scaled := logits / temperature, top_k, top_p, min_p)
+    scaled = logits / temperature
+    kept = filter_logits(scaled, top_k, top_p, min_p)
     kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
-    logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
+    logz = jax.nn.logsumexp(kept, -1)
+    finite = jnp.isfinite(kept)
     # Σ p·logit over the kept tokens only (0 · -inf is NaN); the inner where keeps the gradient finite too
     plogp = jnp.where(finite, jax.nn.softmax(kept, -1) * jnp.where(finite, kept, 0.0), 0.0)
     return jnp.take_along_axis(kept, tokens[:, None], -1)[:, 0] - logz, logz - plogp.sum(-1)
@@ -212,6 +218,7 @@ def generate(
     queries,
     query_mask,
     key,
+    *,
     response_length,
     temperature,
     stop_ids,
@@ -243,7 +250,7 @@ def generate(
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
                 # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
-                logq = filtered_logps(logits, token, temperature, top_k, top_p, min_p)[0]
+                logq = filtered_logps(logits, token, temperature, top_k=top_k, top_p=top_p, min_p=min_p)[0]
             token = jnp.where(done, pad_id, token)
             return token, jnp.where(done, 0.0, logq), key, done | jnp.isin(token, jnp.asarray(stop_ids))
 
@@ -269,7 +276,8 @@ def generate(
 def truncate_response(responses, stop_ids, pad_id):
     """Keep tokens up to and including the first of `stop_ids` (EOS, turn end, …), pad after it -> (responses
     [B, R], sequence_lengths [B]: index of the last real token, the stop token, or R-1 without one)."""
-    r, is_stop = responses.shape[1], jnp.isin(responses, jnp.asarray(stop_ids, jnp.int32))
+    r = responses.shape[1]
+    is_stop = jnp.isin(responses, jnp.asarray(stop_ids, jnp.int32))  # [B, R]
     first = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1), r - 1)
     return jnp.where(jnp.arange(r)[None] > first[:, None], pad_id, responses), first
 
@@ -281,7 +289,8 @@ def masked_mean(x, mask):
 def mismatch(logps, sampler_logps, mask):
     """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the
     weights that sampled against the sampler's own log q: 1 to float rounding (unfiltered: the kept mass)."""
-    ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
+    ratio = jnp.exp(logps - sampler_logps)  # [B, R]
+    real = lambda x: jnp.where(mask, x, 1.0)  # padding as a ratio of 1: out of the max and the min
     return {
         "mismatch/ratio_mean": masked_mean(ratio, mask),
         "mismatch/ratio_max": real(ratio).max(),
@@ -290,14 +299,14 @@ def mismatch(logps, sampler_logps, mask):
     }  # outside [0.9, 1.1]
 
 
-def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_data):
+def rollout(gen_fn, params, frozen, queries, query_mask, *, key, stop_ids, pad_id, on_data):
     """Responses to host queries [B, Q] (whole on each process), cut after their first stop token -> (batch,
     with the sampler's own log-probs, lengths [B]). The queries are cut to their last Qb columns (left padded:
     all their real tokens), Qb the bucket of the longest prompt (≤ Q): jit compiles once per bucket met."""
     qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
     qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
     responses, _, sampler_logps = gen_fn(params, frozen, qs, qm, key)
-    responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
+    responses, sequence_lengths = truncate_response(responses, stop_ids, pad_id)
     response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: stop included
     return {
         "query_responses": jnp.concatenate([qs, responses], 1),
@@ -318,7 +327,8 @@ def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
     responses = common.to_host(batch["query_responses"][:, context_length:])
     has_eos = np.isin(responses, stop_ids).any(1)
     lengths = common.to_host(sequence_lengths) + 1 - has_eos
-    texts = tokenizer.detokenize(ids := [list(x[:n]) for x, n in zip(responses, lengths)])
+    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
+    texts = tokenizer.detokenize(ids)
     return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
 
 
@@ -333,7 +343,7 @@ def hold(weights, dtype):
     return jax.tree.map(narrow, weights)
 
 
-def train_step(backbone, optimizer, args, state, frozen, batch, context_length, teacher, teacher_weights):
+def train_step(backbone, optimizer, args, state, frozen, *, batch, context_length, teacher, teacher_weights):
     """state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask [B, R],
     sampler_logps [B, R] when rollout made it (the sampler's log q, against this first forward: mismatch/*).
 
@@ -349,16 +359,16 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length, 
             frozen,
             teacher,
             teacher_weights,
-            batch["query_responses"],
-            batch["padding_mask"],
-            mask,
-            context_length,
-            args.beta,
-            args.temperature,
-            args.logits_chunk,
-            args.top_k,
-            args.top_p,
-            args.min_p,
+            token_ids=batch["query_responses"],
+            padding_mask=batch["padding_mask"],
+            response_mask=mask,
+            context_length=context_length,
+            beta=args.beta,
+            temperature=args.temperature,
+            chunk=args.logits_chunk,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
         )
         loss, metrics = distill_loss(divergence, mask)
         loss = loss + aux_loss  # + the student's router load-balancing loss (a mixture of experts; 0.0 dense)
@@ -419,9 +429,9 @@ def make_optimizer(args, max_steps):
         args.lr_scheduler_type,
         args.learning_rate,
         max_steps,
-        args.warmup_steps,
-        args.warmup_ratio,
-        args.min_lr_rate,
+        warmup_steps=args.warmup_steps,
+        warmup_ratio=args.warmup_ratio,
+        min_lr_rate=args.min_lr_rate,
     )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     optimizer = optax.chain(
@@ -445,10 +455,13 @@ def main(args):
     teacher_model = common.load_model(
         args.teacher_model, run.mesh, args.teacher_dtype or run.dtype, args.seed
     )
-    backbone, teacher, tokenizer = model.backbone, teacher_model.backbone, model.preprocessor.tokenizer
+    backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
+    teacher = teacher_model.backbone
     remat = plumbing.Remat(args.remat, backbone)  # --remat: a checkpoint switch on each student block
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    q, r, pad = queries.shape[1], args.response_length, tokenizer.pad_token_id
+    q = queries.shape[1]
+    r = args.response_length
+    pad = tokenizer.pad_token_id
     stops = common.stop_token_ids(tokenizer, template, args.stop_token)  # EOS, the turn end, --stop-token
     print(
         f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
@@ -474,16 +487,30 @@ def main(args):
     key = jax.random.wrap_key_data(np.asarray(key_data))  # through the host: not committed to one device
     state = jax.device_put((params, opt_state), state_shardings)
 
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     gen_fn = jax.jit(
-        lambda p, f, qs, qm, k: generate(
-            backbone, p, f, qs, qm, k, r, args.temperature, stops, pad, args.top_k, args.top_p, args.min_p
-        )
+        functools.partial(generate, backbone, response_length=r, stop_ids=stops, pad_id=pad, **sampling)
     )
-    # the state donated (updated in place); the teacher's weights (tw) an input only
+
+    def update(
+        state, frozen, batch, teacher_weights
+    ):  # the batch's own query width: a compilation per bucket
+        context_length = query_length(batch)
+        return train_step(
+            backbone,
+            optimizer,
+            args,
+            state,
+            frozen,
+            batch=batch,
+            context_length=context_length,
+            teacher=teacher,
+            teacher_weights=teacher_weights,
+        )
+
+    # the state donated (updated in place); the teacher's weights an input only
     step_fn = remat.jit(
-        lambda s, f, b, tw: train_step(backbone, optimizer, args, s, f, b, query_length(b), teacher, tw),
-        donate_argnums=0,
-        out_shardings=(state_shardings, common.replicated(run.mesh)),
+        update, donate_argnums=0, out_shardings=(state_shardings, common.replicated(run.mesh))
     )
     run.record(remat=remat, num_warmup_steps=warmup)  # args.json: the mode --remat auto chose, warmup steps
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
@@ -492,18 +519,25 @@ def main(args):
 
     # ---- the loop: rollout (the student samples) -> the teacher grades every token -> update ----
     for step in run.steps(learning_rate=schedule, show=("entropy",), summed=("charts/generated_tokens",)):
-        ticks, idx = (
-            [time.perf_counter()],
-            order[step * args.batch_size : (step + 1) * args.batch_size],
-        )  # [B]
+        ticks = [time.perf_counter()]
+        idx = order[step * args.batch_size : (step + 1) * args.batch_size]  # [B]
         key, gen_key = jax.random.split(key)
         batch, sequence_lengths = rollout(
-            gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key, stops, pad, on_data
+            gen_fn,
+            state[0],
+            frozen,
+            queries[idx],
+            query_mask[idx],
+            key=gen_key,
+            stop_ids=stops,
+            pad_id=pad,
+            on_data=on_data,
         )
         ticks += [plumbing.synced(batch)] * 2  # generated; "scored" too: the teacher runs inside the update
         state, metrics = step_fn(state, frozen, batch, teacher_weights)
         lengths = common.to_host(sequence_lengths) + 1  # completion tokens through each stop (R without one)
-        qb, real = query_length(batch), int(query_mask[idx].sum() + lengths.sum())
+        qb = query_length(batch)
+        real = int(query_mask[idx].sum() + lengths.sum())
         logged = plumbing.phase_metrics([metrics], ticks, int(lengths.sum()))
         del logged["charts/score_time"]  # no phase of its own: the teacher's forward is inside the update's
         run.log(

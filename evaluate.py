@@ -139,14 +139,19 @@ class Policy(NamedTuple):
 def make_fns(backbone, args, stops, pad):
     """Jitted sampling and log-probs: the policy's of the distribution it sampled from (filtered), the
     baseline's of logits / T alone (as grpo.py's reference: a filtered one's support is not the policy's)."""
-    r, t = args.max_new_tokens, args.temperature
+    r = args.max_new_tokens
+    t = args.temperature
     filters = {"top_k": args.top_k, "top_p": args.top_p, "min_p": args.min_p}
-    logps = lambda **f: jax.jit(
-        lambda params, frozen, ids, mask, q: response_logps(  # -> [B, R]
-            backbone, params, frozen, ids, mask, q, t, **f
-        )[0],
-        static_argnums=4,
-    )
+
+    def jitted_logps(**f):  # -> fn(params, frozen, ids, mask, q) -> [B, R], q (the query width) static
+        def fn(params, frozen, ids, mask, q):
+            logps, _, _ = response_logps(
+                backbone, params, frozen, ids, mask, context_length=q, temperature=t, **f
+            )
+            return logps
+
+        return jax.jit(fn, static_argnums=4)
+
     return {
         "greedy": jax.jit(
             partial(generate, backbone, response_length=r, temperature=0.0, stop_ids=stops, pad_id=pad)
@@ -156,8 +161,8 @@ def make_fns(backbone, args, stops, pad):
                 generate, backbone, response_length=r, temperature=t, stop_ids=stops, pad_id=pad, **filters
             )
         ),
-        "logps": logps(**filters),
-        "ref_logps": logps(),
+        "logps": jitted_logps(**filters),
+        "ref_logps": jitted_logps(),
     }
 
 
@@ -182,7 +187,8 @@ def batched(fn, arrays, batch_size, query_mask):
     """fn(i, rows, drop, *batch) over rows of host arrays [N, ...] in fixed-size batches i (the last one padded
     with repeats), rows: the batch's row indices, drop: the leading query columns [N, Q] no prompt of the batch
     uses (Q minus its longest prompt's bucket: a batch compiles once per bucket met) -> host outputs [N, ...]."""
-    n, outs = len(arrays[0]), []
+    n = len(arrays[0])
+    outs = []
     for i, start in enumerate(range(0, n, batch_size)):
         idx = np.minimum(np.arange(start, start + batch_size), n - 1)
         q = query_mask.shape[1]
@@ -193,22 +199,16 @@ def batched(fn, arrays, batch_size, query_mask):
 
 def respond(policy, data, kind, key, batch_size, mesh):
     """Greedy or sampled responses to every prompt -> dict of host arrays and decoded texts."""
-    stops, pad, put = (
-        data["stops"],
-        data["pad"],
-        partial(jax.device_put, device=NamedSharding(mesh, P("data"))),
-    )
-    gen = (
-        lambda i, rows, drop, qs, qm: truncate_response(
-            policy.fns[kind](  # the batch's bucket of columns
-                policy.params, policy.frozen, put(qs[:, drop:]), put(qm[:, drop:]), jax.random.fold_in(key, i)
-            )[0],
-            stops,
-            pad,
-        )
-    )
+    put = partial(jax.device_put, device=NamedSharding(mesh, P("data")))
+
+    def gen(i, rows, drop, qs, qm):  # the batch's bucket of columns
+        tokens = policy.fns[kind](
+            policy.params, policy.frozen, put(qs[:, drop:]), put(qm[:, drop:]), jax.random.fold_in(key, i)
+        )[0]
+        return truncate_response(tokens, data["stops"], data["pad"])
+
     responses, seq_lens = batched(gen, (data["queries"], data["query_mask"]), batch_size, data["query_mask"])
-    lengths, has_eos = response_lengths(responses, seq_lens, stops)
+    lengths, has_eos = response_lengths(responses, seq_lens, data["stops"])
     ids = [list(x[:n]) for x, n in zip(responses, lengths)]
     texts = data["tokenizer"].detokenize(ids) if len(lengths) else []
     texts = [t.decode() if isinstance(t, bytes) else str(t) for t in texts]
@@ -240,14 +240,17 @@ def score(scorers, data, out, batch_size, mesh):
     put = partial(jax.device_put, device=NamedSharding(mesh, P("data")))
     for name, scorer in scorers.items():
         if scorer is not None:
-            scores = lambda i, rows, drop, ids, m: scorer(
-                [data["prompts"][j] for j in rows],
-                [out["texts"][j] for j in rows],
-                {"query_responses": put(ids[:, drop:]), "padding_mask": put(m[:, drop:])},
-                [data["rows"][j] for j in rows],
-                [out["ids"][j] for j in rows],
-                common.turn_end(data["template"]),
-            )[0]
+
+            def scores(i, rows, drop, ids, m):  # the batch's bucket of columns
+                return scorer(
+                    [data["prompts"][j] for j in rows],
+                    [out["texts"][j] for j in rows],
+                    {"query_responses": put(ids[:, drop:]), "padding_mask": put(m[:, drop:])},
+                    rows=[data["rows"][j] for j in rows],
+                    completion_ids=[out["ids"][j] for j in rows],
+                    end=common.turn_end(data["template"]),
+                )[0]
+
             out[name] = batched(scores, (ids, mask), batch_size, data["query_mask"]).astype(np.float64)
     return out
 
@@ -255,25 +258,23 @@ def score(scorers, data, out, batch_size, mesh):
 def evaluate_policy(policy, data, scorer, args, mesh, baseline=None):
     """The protocol for one model: greedy and sampled responses, their scores, and (with a
     baseline) per-prompt KL(policy || baseline) on the policy's own sampled responses."""
-    key, q, bs = jax.random.key(args.seed), data["queries"].shape[1], data["batch_size"]
+    key = jax.random.key(args.seed)
+    q = data["queries"].shape[1]
+    bs = data["batch_size"]
     put = partial(jax.device_put, device=NamedSharding(mesh, P("data")))
     outs = {
-        kind: score(scorer, data, respond(policy, data, kind, key, bs, mesh), bs, mesh)
+        kind: score(scorer, data, respond(policy, data, kind, key, batch_size=bs, mesh=mesh), bs, mesh)
         for kind in ("greedy", "sampled")
     }
     if baseline is not None:
         ids, mask, response_mask = full_sequences(data, outs["sampled"])
-        kl_of = (
-            lambda i, rows, drop, ids, m, rm: sequence_kl(  # the prompt columns cut to the batch's bucket
-                policy.fns["logps"](
-                    policy.params, policy.frozen, put(ids[:, drop:]), put(m[:, drop:]), q - drop
-                ),
-                baseline.fns["ref_logps"](
-                    baseline.params, baseline.frozen, put(ids[:, drop:]), put(m[:, drop:]), q - drop
-                ),
-                put(rm),
-            )
-        )
+
+        def kl_of(i, rows, drop, ids, m, rm):  # the prompt columns cut to the batch's bucket
+            ids, m = put(ids[:, drop:]), put(m[:, drop:])
+            logps = policy.fns["logps"](policy.params, policy.frozen, ids, m, q - drop)
+            baseline_logps = baseline.fns["ref_logps"](baseline.params, baseline.frozen, ids, m, q - drop)
+            return sequence_kl(logps, baseline_logps, put(rm))
+
         outs["kl"] = batched(kl_of, (ids, mask, response_mask), bs, data["query_mask"])
     return outs
 
@@ -375,7 +376,8 @@ def prepare(args, mesh, prompts, rows, tokenizer):
     """Prompt texts -> left-padded queries and the fixed generation batch size; `rows`: the dataset rows
     (what reward functions read)."""
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    d, template = mesh.shape["data"], common.chat_template(args.model, args.chat_template)
+    d = mesh.shape["data"]
+    template = common.chat_template(args.model, args.chat_template)
     return {
         "prompts": prompts,
         "rows": rows,
@@ -397,7 +399,12 @@ def check_same_tokens(name, model, data, args, what):
         data["prompts"]
         if template == data["template"]
         else common.read_dataset(
-            args.prompts, "prompt", template, "--prompts", args.prompts_config, args.prompts_split
+            args.prompts,
+            "prompt",
+            template,
+            flag="--prompts",
+            config=args.prompts_config,
+            split=args.prompts_split,
         )
     )
     prompts = prompts[: len(data["prompts"])]
@@ -456,7 +463,7 @@ def main(args):
         f"eval: {len(data['prompts'])} prompts, {args.max_new_tokens} new tokens, greedy and "
         f"sampled (T={args.temperature}, seed {args.seed}); baseline: {args.baseline}"
     )
-    outs = evaluate_policy(policy, data, scorer, args, mesh, baseline)
+    outs = evaluate_policy(policy, data, scorer, args, mesh, baseline=baseline)
     base_outs = evaluate_policy(baseline, data, scorer, args, mesh) if baseline is not None else None
     metrics = {
         "model": args.model,

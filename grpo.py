@@ -7,6 +7,7 @@ Offline, toy checker data/toy.py:batch_score (the defaults are for real models; 
         --max-prompt-length 64 --response-length 16 --beta 0.04 --lr-scheduler-type constant_with_warmup
 """
 
+import functools
 import math
 import os
 import time
@@ -121,13 +122,15 @@ def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
     return logits
 
 
-def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
+def filtered_logps(logits, tokens, temperature, *, top_k=0, top_p=1.0, min_p=None):
     """log q(token) and q's entropy [B] for float32 logits [B, V], tokens [B]; q, what the sampler draws from:
     softmax(filter_logits(logits / T, …)), renormalised over the kept tokens (eq. 1 of docs/design.md). The
     token always counts as kept: only a rounding gap between the two forwards could drop it (NaN)."""
-    kept = filter_logits(scaled := logits / temperature, top_k, top_p, min_p)
+    scaled = logits / temperature
+    kept = filter_logits(scaled, top_k, top_p, min_p)
     kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
-    logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
+    logz = jax.nn.logsumexp(kept, -1)
+    finite = jnp.isfinite(kept)
     # Σ p·logit over the kept tokens only (0 · -inf is NaN); the inner where keeps the gradient finite too
     plogp = jnp.where(finite, jax.nn.softmax(kept, -1) * jnp.where(finite, kept, 0.0), 0.0)
     return jnp.take_along_axis(kept, tokens[:, None], -1)[:, 0] - logz, logz - plogp.sum(-1)
@@ -140,6 +143,7 @@ def generate(
     queries,
     query_mask,
     key,
+    *,
     response_length,
     temperature,
     stop_ids,
@@ -171,7 +175,7 @@ def generate(
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
                 # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
-                logq = filtered_logps(logits, token, temperature, top_k, top_p, min_p)[0]
+                logq = filtered_logps(logits, token, temperature, top_k=top_k, top_p=top_p, min_p=min_p)[0]
             token = jnp.where(done, pad_id, token)
             return token, jnp.where(done, 0.0, logq), key, done | jnp.isin(token, jnp.asarray(stop_ids))
 
@@ -197,7 +201,8 @@ def generate(
 def truncate_response(responses, stop_ids, pad_id):
     """Keep tokens up to and including the first of `stop_ids` (EOS, turn end, …), pad after it -> (responses
     [B, R], sequence_lengths [B]: index of the last real token, the stop token, or R-1 without one)."""
-    r, is_stop = responses.shape[1], jnp.isin(responses, jnp.asarray(stop_ids, jnp.int32))
+    r = responses.shape[1]
+    is_stop = jnp.isin(responses, jnp.asarray(stop_ids, jnp.int32))  # [B, R]
     first = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1), r - 1)
     return jnp.where(jnp.arange(r)[None] > first[:, None], pad_id, responses), first
 
@@ -208,6 +213,7 @@ def response_logps(
     frozen,
     token_ids,
     padding_mask,
+    *,
     context_length,
     temperature,
     top_k=0,
@@ -221,9 +227,12 @@ def response_logps(
     hidden, labels = hidden[:, context_length - 1 : -1], token_ids[:, context_length:]  # [B, R, D], [B, R]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
-        position = jax.checkpoint(
-            lambda h, y: filtered_logps(common.logits(backbone, h), y, temperature, top_k, top_p, min_p)
-        )  # [B, D], [B] -> [B], [B]
+
+        @jax.checkpoint
+        def position(h, y):  # [B, D], [B] -> [B], [B]
+            logits = common.logits(backbone, h)  # [B, V], float32
+            return filtered_logps(logits, y, temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
         logps, entropy = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
     return logps.T, entropy.T, aux_loss
 
@@ -235,7 +244,8 @@ def masked_mean(x, mask):
 def mismatch(logps, sampler_logps, mask):
     """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the
     weights that sampled against the sampler's own log q: 1 to float rounding (unfiltered: the kept mass)."""
-    ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
+    ratio = jnp.exp(logps - sampler_logps)  # [B, R]
+    real = lambda x: jnp.where(mask, x, 1.0)  # padding as a ratio of 1: out of the max and the min
     return {
         "mismatch/ratio_mean": masked_mean(ratio, mask),
         "mismatch/ratio_max": real(ratio).max(),
@@ -249,7 +259,8 @@ def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
     std with Bessel's correction (TRL's); `batch`: ÷ all B's std, `none`: no division (Dr. GRPO) -> (Â [B],
     std [B/G]); an all-equal group gets Â = 0."""
     grouped = rewards.reshape(-1, num_generations)  # [B/G, G]
-    std, centred = grouped.std(1, ddof=1), grouped - grouped.mean(1, keepdims=True)
+    std = grouped.std(1, ddof=1)  # [B/G]
+    centred = grouped - grouped.mean(1, keepdims=True)  # [B/G, G]
     scale = {"group": std[:, None] + eps, "batch": rewards.std(ddof=1) + eps, "none": 1.0}[scale_rewards]
     return (centred / scale).reshape(-1), std
 
@@ -257,7 +268,8 @@ def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
 def k3_kl(logps, ref_logps):
     """Per-token KL(π ‖ π_ref) estimate k3 = π_ref/π − log(π_ref/π) − 1 (Schulman 2020; eq. 4): ≥ 0,
     unbiased on tokens sampled from π, lower variance than k1 = log π − log π_ref."""
-    return jnp.expm1(log_ratio := ref_logps - logps) - log_ratio
+    log_ratio = ref_logps - logps  # log(π_ref / π)
+    return jnp.expm1(log_ratio) - log_ratio
 
 
 def aggregate(per_token, mask, loss_type):
@@ -275,6 +287,7 @@ def grpo_loss(
     ref_logps,
     advantages,
     mask,
+    *,
     epsilon,
     epsilon_high,
     beta,
@@ -283,17 +296,23 @@ def grpo_loss(
     entropy=None,
     top_entropy_quantile=1.0,
     entropy_coef=0.0,
-    sapo_temperatures=(1.0, 1.05),
-    vespo_params=(2.0, 3.0, 3.0, 2.0),
+    sapo_temperature_pos=1.0,
+    sapo_temperature_neg=1.05,
+    vespo_k_pos=2.0,
+    vespo_lambda_pos=3.0,
+    vespo_k_neg=3.0,
+    vespo_lambda_neg=2.0,
 ):
     """The policy term of `loss_type` (eq. 3, GSPO's 6, CISPO 7, SAPO 8, VESPO 10) on the tokens ρ keeps (11),
     + β·k3 KL (4), aggregated (5, 9), − entropy_coef × entropy (12). logps, old_logps, ref_logps (None: β 0),
-    entropy, mask [B, R], advantages [B]; sapo_temperatures and vespo_params: Args' fields in their order."""
-    log_ratio = token_log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # [B, R]; padding may hold anything
+    entropy, mask [B, R], advantages [B]; the keywords are Args' fields of the same names (TRL's defaults)."""
+    token_log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # [B, R]; padding may hold anything
+    log_ratio = token_log_ratio
     if importance_sampling_level == "sequence":  # GSPO (eq. 6): log s_i = (1/|o_i|) Σ_t log ρ_{i,t}, [B, 1]
         # differentiated through the mean (as TRL's GRPOTrainer): ∂ s_i / ∂ log π_{i,t} = s_i / |o_i|
         log_ratio = log_ratio.sum(1, keepdims=True) / jnp.maximum(mask.sum(1, keepdims=True), 1)
-    ratio, a = jnp.exp(log_ratio), advantages[:, None]  # ρ or s; one update a batch: old = sg(π_θ), ratio 1
+    ratio = jnp.exp(log_ratio)  # ρ or s; one update a batch: old = sg(π_θ), ratio 1
+    a = advantages[:, None]  # Â [B, 1]
     # shares over real tokens, or at sequence level over the B completions (TRL counts all B)
     share = lambda x: masked_mean(x, mask if importance_sampling_level == "token" else jnp.ones_like(x))
     real_logps = jnp.where(mask, logps, 0.0)  # cispo and vespo weigh log π itself: padding's must not count
@@ -302,14 +321,16 @@ def grpo_loss(
         per_token = -jax.lax.stop_gradient(jnp.minimum(ratio, epsilon_high)) * a * real_logps
         metrics["cispo_clip_ratio"] = share((ratio > epsilon_high) & (a > 0))
     elif loss_type == "sapo":  # a sigmoid gate for the clip: gradient weight 1 at ratio 1, fading off it
-        tau = jnp.where(a > 0, *sapo_temperatures)
+        tau = jnp.where(a > 0, sapo_temperature_pos, sapo_temperature_neg)
         per_token = -jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * a
     elif loss_type == "vespo":  # φ(w) = w^k e^(λ(1−w)) of the whole sequence's ratio w [B, 1], held constant,
         # times Â log π; (k, λ) by the sign of Â; in log space with TRL's clamps
         log_w = jnp.clip(jnp.clip(token_log_ratio, -20.0, 20.0).sum(1, keepdims=True), math.log(1e-8), 20.0)
-        k, lam = jnp.where(a >= 0, *vespo_params[::2]), jnp.where(a >= 0, *vespo_params[1::2])  # (k, λ) by Â
+        k = jnp.where(a >= 0, vespo_k_pos, vespo_k_neg)  # (k, λ) by the sign of Â
+        lam = jnp.where(a >= 0, vespo_lambda_pos, vespo_lambda_neg)
         phi = jax.lax.stop_gradient(jnp.exp(jnp.maximum(lam, 1e-4) * (1.0 - jnp.exp(log_w)) + k * log_w))
-        per_token, metrics["vespo/phi_seq_mean"] = -phi * a * real_logps, jnp.mean(phi)
+        per_token = -phi * a * real_logps
+        metrics["vespo/phi_seq_mean"] = jnp.mean(phi)
     else:  # pessimistic: the clip only removes gradient. [B, 1] at sequence level: o_i's real tokens share it
         per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * a)
         low = (ratio < 1.0 - epsilon) & (a < 0)  # clipped from below: pushing further down is blocked
@@ -328,7 +349,9 @@ def grpo_loss(
         kept = (entropy >= cut) & mask
         per_token = jnp.where(kept, per_token, 0.0)
     if beta:  # on every real token, kept or not (as TRL)
-        per_token, metrics["kl"] = per_token + beta * (kl := k3_kl(logps, ref_logps)), masked_mean(kl, mask)
+        kl = k3_kl(logps, ref_logps)  # [B, R]
+        per_token = per_token + beta * kl
+        metrics["kl"] = masked_mean(kl, mask)
     loss = aggregate(per_token, mask, loss_type)
     if entropy_coef:  # TRL's bonus: the kept tokens' mean entropy, whatever the aggregation
         metrics.update({"policy_loss": loss, "entropy_coef": jnp.float32(entropy_coef)})
@@ -336,20 +359,46 @@ def grpo_loss(
     return loss, metrics
 
 
-def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, sampling):
-    """π_old's log-probs of a finished generation batch, of the distribution sampled from (sampling: T, top-k,
+def rollout_logps(
+    backbone,
+    params,
+    ref_params,
+    frozen,
+    batch,
+    *,
+    context_length,
+    temperature,
+    top_k=0,
+    top_p=1.0,
+    min_p=None,
+):
+    """π_old's log-probs of a finished generation batch, of the distribution sampled from (temperature, top-k,
     top-p, min-p), and π_ref's of logits / T only; an entry is left out where its params are None."""
-    logps = lambda p, s: response_logps(
-        backbone, p, frozen, batch["query_responses"], batch["padding_mask"], context_length, *s
-    )[0]
-    return {
-        **({"old_logps": logps(params, sampling)} if params is not None else {}),
-        **({"ref_logps": logps(ref_params, sampling[:1])} if ref_params is not None else {}),
-    }
+    # differs from rloo.py's: π_old only when params are given (one update a batch needs none: π_old = sg(π_θ))
+    ids, mask = batch["query_responses"], batch["padding_mask"]
+    out = {}
+    if params is not None:
+        out["old_logps"] = response_logps(
+            backbone,
+            params,
+            frozen,
+            ids,
+            mask,
+            context_length=context_length,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+        )[0]
+    if ref_params is not None:
+        out["ref_logps"] = response_logps(
+            backbone, ref_params, frozen, ids, mask, context_length=context_length, temperature=temperature
+        )[0]
+    return out
 
 
 # ---- train_step: one update of the policy on a (mini-)batch of completions
-def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
+def train_step(backbone, optimizer, args, state, frozen, *, batch, context_length):
     """state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask [B, R],
     advantages [B]; old_logps / ref_logps [B, R] if made at rollout; sampler_logps [B, R] if its weights'."""
     params, opt_state = state
@@ -362,11 +411,11 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
             frozen,
             ids,
             mask,
-            context_length,
-            args.temperature,
-            args.top_k,
-            args.top_p,
-            args.min_p,
+            context_length=context_length,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
         )
         old = batch.get("old_logps", jax.lax.stop_gradient(logps))  # μ = 1: π_old = sg(π_θ), ratio 1
         loss, metrics = grpo_loss(
@@ -375,16 +424,20 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
             batch.get("ref_logps"),
             batch["advantages"],
             batch["response_mask"],
-            args.epsilon,
-            args.epsilon if args.epsilon_high is None else args.epsilon_high,
-            args.beta,
-            args.loss_type,
-            args.importance_sampling_level,
-            entropy,
-            args.top_entropy_quantile,
-            args.entropy_coef,
-            (args.sapo_temperature_pos, args.sapo_temperature_neg),
-            (args.vespo_k_pos, args.vespo_lambda_pos, args.vespo_k_neg, args.vespo_lambda_neg),
+            epsilon=args.epsilon,
+            epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
+            beta=args.beta,
+            loss_type=args.loss_type,
+            importance_sampling_level=args.importance_sampling_level,
+            entropy=entropy,
+            top_entropy_quantile=args.top_entropy_quantile,
+            entropy_coef=args.entropy_coef,
+            sapo_temperature_pos=args.sapo_temperature_pos,
+            sapo_temperature_neg=args.sapo_temperature_neg,
+            vespo_k_pos=args.vespo_k_pos,
+            vespo_lambda_pos=args.vespo_lambda_pos,
+            vespo_k_neg=args.vespo_k_neg,
+            vespo_lambda_neg=args.vespo_lambda_neg,
         )
         loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
         if "sampler_logps" in batch:  # mismatch/*, over every sampled token (padding_mask's response part)
@@ -445,9 +498,9 @@ def make_optimizer(args, max_steps):
         args.lr_scheduler_type,
         args.learning_rate,
         updates,
-        args.warmup_steps,
-        args.warmup_ratio,
-        args.min_lr_rate,
+        warmup_steps=args.warmup_steps,
+        warmup_ratio=args.warmup_ratio,
+        min_lr_rate=args.min_lr_rate,
     )
     adamw = optax.adamw(
         schedule, weight_decay=args.weight_decay, mask=lambda t: jax.tree.map(lambda p: p.ndim >= 2, t)
@@ -455,14 +508,14 @@ def make_optimizer(args, max_steps):
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adamw), schedule, warmup
 
 
-def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_data):
+def rollout(gen_fn, params, frozen, queries, query_mask, *, key, stop_ids, pad_id, on_data):
     """Responses to host queries [B, Q] (whole on each process), cut after their first stop token -> (batch,
     with the sampler's own log-probs, lengths [B]). The queries are cut to their last Qb columns (left padded:
     all their real tokens), Qb the bucket of the longest prompt (≤ Q): jit compiles once per bucket met."""
     qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
     qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
     responses, _, sampler_logps = gen_fn(params, frozen, qs, qm, key)
-    responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
+    responses, sequence_lengths = truncate_response(responses, stop_ids, pad_id)
     response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: stop included
     return {
         "query_responses": jnp.concatenate([qs, responses], 1),
@@ -483,13 +536,15 @@ def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
     responses = common.to_host(batch["query_responses"][:, context_length:])
     has_eos = np.isin(responses, stop_ids).any(1)
     lengths = common.to_host(sequence_lengths) + 1 - has_eos
-    texts = tokenizer.detokenize(ids := [list(x[:n]) for x, n in zip(responses, lengths)])
+    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
+    texts = tokenizer.detokenize(ids)
     return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
 
 
 def reward_metrics(rewards, parts, lengths, has_eos):
     """The summed reward, each reward function's (or the reward model's) mean and std (a function's None,
     NaN here, left out of them as TRL does), completion lengths."""
+    # differs from rloo.py's: no reward_std here (main logs the groups' mean std under that name, as TRL's GRPO)
     return {
         "reward": float(rewards.mean()),
         **{
@@ -513,18 +568,16 @@ def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
-    run = plumbing.Run(
-        "grpo", args, export_hf=args.export_hf
-    )  # flags and --output-dir checked; nothing written
+    # flags and --output-dir checked; nothing written
+    run = plumbing.Run("grpo", args, export_hf=args.export_hf)
     check_args(args, run.mesh)
     template = common.chat_template(args.model, args.chat_template)
     prompts, rows = common.read_prompts(
         args.dataset, template, "--dataset", args.dataset_config, args.dataset_split
     )
     g, n_prompts = args.num_generations, args.batch_size // args.num_generations
-    max_steps = run.resolve_max_steps(
-        len(prompts), n_prompts
-    )  # --max-steps, or --num-epochs' worth of B/G prompts
+    # --max-steps, or --num-epochs' worth of B/G prompts
+    max_steps = run.resolve_max_steps(len(prompts), n_prompts)
     scorer = common.load_scorer(
         run.mesh,
         run.dtype,
@@ -536,11 +589,12 @@ def main(args):
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     scorer.check_tokenizer(tokenizer)
-    remat = plumbing.Remat(
-        args.remat, backbone
-    )  # --remat: a checkpoint switch on each block (not the sampler's calls)
+    # --remat: a checkpoint switch on each block (not the sampler's calls)
+    remat = plumbing.Remat(args.remat, backbone)
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    q, r, pad = queries.shape[1], args.response_length, tokenizer.pad_token_id
+    q = queries.shape[1]
+    r = args.response_length
+    pad = tokenizer.pad_token_id
     stops = common.stop_token_ids(tokenizer, template, args.stop_token)  # EOS, the turn end, --stop-token
     print(
         f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
@@ -564,22 +618,25 @@ def main(args):
     (params, opt_state, key_data), meta = run.resume(
         (params, opt_state, jax.random.key_data(key)), {"rng": rng.bit_generator.state}
     )
-    key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
+    key = jax.random.wrap_key_data(np.asarray(key_data))
+    rng.bit_generator.state = meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    sampling = (args.temperature, args.top_k, args.top_p, args.min_p)  # q: what is sampled and scored
+    # q: what is sampled and scored
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     gen_fn = jax.jit(
-        lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, sampling[0], stops, pad, *sampling[1:])
+        functools.partial(generate, backbone, response_length=r, stop_ids=stops, pad_id=pad, **sampling)
     )
-    logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, query_length(b), sampling))
+    logps_fn = jax.jit(
+        lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, context_length=query_length(b), **sampling)
+    )
     step_fn = remat.jit(
-        lambda s, f, b: train_step(backbone, optimizer, args, s, f, b, query_length(b)),
+        lambda s, f, b: train_step(backbone, optimizer, args, s, f, batch=b, context_length=query_length(b)),
         donate_argnums=0,
         out_shardings=(state_shardings, common.replicated(run.mesh)),
     )
-    run.record(
-        remat=remat, num_warmup_steps=warmup
-    )  # args.json: the mode --remat auto chose, the warmup steps
+    # args.json: the mode --remat auto chose, the warmup steps
+    run.record(remat=remat, num_warmup_steps=warmup)
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))  # rollouts [B, …]
     # FLOPs (docs/design.md): 2N a token per forward (sampler, π_old, π_ref, reward model), 6N per update pass
     n, n_rm = (plumbing.count_params(m.backbone) if m is not None else 0 for m in (model, scorer.model))
@@ -591,19 +648,30 @@ def main(args):
         summed=("charts/generated_tokens",),
         show=("reward", "frac_reward_zero_std"),
     ):
-        ticks, idx = (
-            [time.perf_counter()],
-            np.repeat(order[step * n_prompts : (step + 1) * n_prompts], g),
-        )  # [B]
+        ticks = [time.perf_counter()]
+        idx = np.repeat(order[step * n_prompts : (step + 1) * n_prompts], g)  # [B]
         key, gen_key = jax.random.split(key)  # rollout: G completions of B/G prompts, a group per G rows
         batch, sequence_lengths = rollout(
-            gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key, stops, pad, on_data
+            gen_fn,
+            state[0],
+            frozen,
+            queries[idx],
+            query_mask[idx],
+            key=gen_key,
+            stop_ids=stops,
+            pad_id=pad,
+            on_data=on_data,
         )
         qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
         texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb, stops)  # rewards: (1)
         scores, parts = scorer(
-            [prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids, common.turn_end(template)
+            [prompts[i] for i in idx],
+            texts,
+            batch,
+            rows=[rows[i] for i in idx],
+            completion_ids=ids,
+            end=common.turn_end(template),
         )
         rewards = common.to_host(scores)
         advantages, group_std = jax.device_get(group_advantages(jnp.asarray(rewards), g, args.scale_rewards))
@@ -612,11 +680,9 @@ def main(args):
         batch["advantages"] = common.put_global(advantages, on_data)  # relative to the prompt's group (2)
         if off_policy or ref_params is not None:  # else neither π_old nor π_ref needs a forward
             batch.update(logps_fn(state[0] if off_policy else None, ref_params, frozen, batch))
-        meter = (
-            mismatch(batch["old_logps"], batch.pop("sampler_logps"), batch["padding_mask"][:, qb:])
-            if "old_logps" in batch
-            else {}
-        )  # mismatch/*: here, or in train_step
+        meter = {}  # mismatch/*: here, or in train_step
+        if "old_logps" in batch:
+            meter = mismatch(batch["old_logps"], batch.pop("sampler_logps"), batch["padding_mask"][:, qb:])
         ticks.append(plumbing.synced(batch))
         updates = []  # update: num_iterations passes, each over num_mini_batches shuffled mini-batches
         for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data):

@@ -7,6 +7,7 @@ Offline, toy reward data/toy.py:batch_score (the defaults are for real models; `
         --learning-rate 3e-4 --max-prompt-length 64 --response-length 16 --missing-eos-penalty 1.0
 """
 
+import functools
 import math
 import os
 import time
@@ -120,13 +121,15 @@ def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
     return logits
 
 
-def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
+def filtered_logps(logits, tokens, temperature, *, top_k=0, top_p=1.0, min_p=None):
     """log q(token) and q's entropy [B] for float32 logits [B, V], tokens [B]; q, what the sampler draws from:
     softmax(filter_logits(logits / T, …)), renormalised over the kept tokens (eq. 1 of docs/design.md). The
     token always counts as kept: only a rounding gap between the two forwards could drop it (NaN)."""
-    kept = filter_logits(scaled := logits / temperature, top_k, top_p, min_p)
+    scaled = logits / temperature
+    kept = filter_logits(scaled, top_k, top_p, min_p)
     kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
-    logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
+    logz = jax.nn.logsumexp(kept, -1)
+    finite = jnp.isfinite(kept)
     # Σ p·logit over the kept tokens only (0 · -inf is NaN); the inner where keeps the gradient finite too
     plogp = jnp.where(finite, jax.nn.softmax(kept, -1) * jnp.where(finite, kept, 0.0), 0.0)
     return jnp.take_along_axis(kept, tokens[:, None], -1)[:, 0] - logz, logz - plogp.sum(-1)
@@ -139,6 +142,7 @@ def generate(
     queries,
     query_mask,
     key,
+    *,
     response_length,
     temperature,
     stop_ids,
@@ -170,7 +174,7 @@ def generate(
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
                 # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
-                logq = filtered_logps(logits, token, temperature, top_k, top_p, min_p)[0]
+                logq = filtered_logps(logits, token, temperature, top_k=top_k, top_p=top_p, min_p=min_p)[0]
             token = jnp.where(done, pad_id, token)
             return token, jnp.where(done, 0.0, logq), key, done | jnp.isin(token, jnp.asarray(stop_ids))
 
@@ -196,7 +200,8 @@ def generate(
 def truncate_response(responses, stop_ids, pad_id):
     """Keep tokens up to and including the first of `stop_ids` (EOS, turn end, …), pad after it -> (responses
     [B, R], sequence_lengths [B]: index of the last real token, the stop token, or R-1 without one)."""
-    r, is_stop = responses.shape[1], jnp.isin(responses, jnp.asarray(stop_ids, jnp.int32))
+    r = responses.shape[1]
+    is_stop = jnp.isin(responses, jnp.asarray(stop_ids, jnp.int32))  # [B, R]
     first = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1), r - 1)
     return jnp.where(jnp.arange(r)[None] > first[:, None], pad_id, responses), first
 
@@ -207,6 +212,7 @@ def response_logps(
     frozen,
     token_ids,
     padding_mask,
+    *,
     context_length,
     temperature,
     top_k=0,
@@ -220,14 +226,17 @@ def response_logps(
     hidden, labels = hidden[:, context_length - 1 : -1], token_ids[:, context_length:]  # [B, R, D], [B, R]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
-        position = jax.checkpoint(
-            lambda h, y: filtered_logps(common.logits(backbone, h), y, temperature, top_k, top_p, min_p)
-        )  # [B, D], [B] -> [B], [B]
+
+        @jax.checkpoint
+        def position(h, y):  # [B, D], [B] -> [B], [B]
+            logits = common.logits(backbone, h)  # [B, V], float32
+            return filtered_logps(logits, y, temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
         logps, entropy = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
     return logps.T, entropy.T, aux_loss
 
 
-def response_values(backbone, params, frozen, head, token_ids, padding_mask, context_length):
+def response_values(backbone, params, frozen, token_ids, padding_mask, *, head, context_length):
     """V(state before each response token) = w·h + b: [B, R], float32; and the forward's aux_loss."""
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
     hidden = hidden[:, context_length - 1 : -1]
@@ -241,7 +250,8 @@ def masked_mean(x, mask):
 def mismatch(logps, sampler_logps, mask):
     """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the
     weights that sampled against the sampler's own log q: 1 to float rounding (unfiltered: the kept mass)."""
-    ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
+    ratio = jnp.exp(logps - sampler_logps)  # [B, R]
+    real = lambda x: jnp.where(mask, x, 1.0)  # padding as a ratio of 1: out of the max and the min
     return {
         "mismatch/ratio_mean": masked_mean(ratio, mask),
         "mismatch/ratio_max": real(ratio).max(),
@@ -259,7 +269,7 @@ def whiten(x, mask, shift_mean=True):
     return jnp.where(mask, out, 0.0)
 
 
-def compute_rewards(scores, logprobs, ref_logprobs, sequence_lengths, kl_coef, kl_estimator="k1"):
+def compute_rewards(scores, logprobs, ref_logprobs, sequence_lengths, *, kl_coef, kl_estimator="k1"):
     """Per-token rewards (eq. 2 of docs/ppo.md): -β·KL_t on every real response token, plus the score on the
     last real one (the stop token). Padding after it gets 0. -> (rewards, kl, non_score_reward) [B, R]."""
     idx = jnp.arange(logprobs.shape[1])[None]
@@ -289,9 +299,20 @@ def compute_gae(rewards, values, mask, gamma, lam):
 
 
 def ppo_loss(
-    new_logprobs, new_values, logprobs, values, advantages, returns, mask, cliprange, cliprange_value, vf_coef
+    new_logprobs,
+    new_values,
+    *,
+    logprobs,
+    values,
+    advantages,
+    returns,
+    mask,
+    cliprange,
+    cliprange_value,
+    vf_coef,
 ):
-    """Clipped surrogate (eq. 4) + vf_coef · clipped value loss (eq. 5), token means over `mask`."""
+    """Clipped surrogate (eq. 4) + vf_coef · clipped value loss (eq. 5), token means over `mask`: the update's
+    new_logprobs and new_values [B, R] against the rollout's logprobs, values, advantages, returns [B, R]."""
     log_ratio = new_logprobs - logprobs
     ratio = jnp.exp(log_ratio)
     pg_losses = -advantages * ratio
@@ -311,26 +332,38 @@ def ppo_loss(
     return pg_loss + vf_coef * vf_loss, metrics
 
 
-def rollout_stats(models, params, ref_params, frozen, batch, context_length, temperature):
+def rollout_stats(models, params, ref_params, frozen, batch, *, context_length, temperature):
     """Log-probs of policy and reference, and values, for a finished rollout batch.
     models, frozen: Pairs (backbones, frozen values); params: PPOParams; ref_params: policy values."""
     ids, mask = batch["query_responses"], batch["padding_mask"]
     logprobs, _, _ = response_logps(
-        models.policy, params.policy, frozen.policy, ids, mask, context_length, temperature
+        models.policy,
+        params.policy,
+        frozen.policy,
+        ids,
+        mask,
+        context_length=context_length,
+        temperature=temperature,
     )
     ref_logprobs, _, _ = response_logps(
-        models.policy, ref_params, frozen.policy, ids, mask, context_length, temperature
+        models.policy,
+        ref_params,
+        frozen.policy,
+        ids,
+        mask,
+        context_length=context_length,
+        temperature=temperature,
     )
     values, _ = response_values(
-        models.value, params.value, frozen.value, params.head, ids, mask, context_length
+        models.value, params.value, frozen.value, ids, mask, head=params.head, context_length=context_length
     )
     return logprobs, ref_logprobs, values
 
 
-def advantages_of(scores, logprobs, ref_logprobs, values, sequence_lengths, args):
+def advantages_of(scores, logprobs, ref_logprobs, values, sequence_lengths, *, args):
     """Rewards -> GAE advantages (whitened) and returns, plus the objective/* metrics."""
     rewards, kl, non_score_reward = compute_rewards(
-        scores, logprobs, ref_logprobs, sequence_lengths, args.kl_coef, args.kl_estimator
+        scores, logprobs, ref_logprobs, sequence_lengths, kl_coef=args.kl_coef, kl_estimator=args.kl_estimator
     )
     mask = jnp.arange(logprobs.shape[1])[None] <= sequence_lengths[:, None]
     if args.whiten_rewards:
@@ -348,7 +381,7 @@ def advantages_of(scores, logprobs, ref_logprobs, values, sequence_lengths, args
 
 
 # ---- train_step: one PPO update of policy and value on a mini-batch
-def train_step(models, optimizer, args, state, frozen, batch, context_length):
+def train_step(models, optimizer, args, state, frozen, *, batch, context_length):
     """One PPO update on a mini-batch. state = (PPOParams, opt_state); models = Pair of backbones;
     frozen = Pair of their non-trainable values, an input only (never donated)."""
     params, opt_state = state
@@ -356,22 +389,28 @@ def train_step(models, optimizer, args, state, frozen, batch, context_length):
 
     def loss_fn(p):
         new_logprobs, entropy, aux_loss = response_logps(
-            models.policy, p.policy, frozen.policy, ids, mask, context_length, args.temperature
+            models.policy,
+            p.policy,
+            frozen.policy,
+            ids,
+            mask,
+            context_length=context_length,
+            temperature=args.temperature,
         )
         new_values, value_aux_loss = response_values(
-            models.value, p.value, frozen.value, p.head, ids, mask, context_length
+            models.value, p.value, frozen.value, ids, mask, head=p.head, context_length=context_length
         )
         loss, metrics = ppo_loss(
             new_logprobs,
             new_values,
-            batch["logprobs"],
-            batch["values"],
-            batch["advantages"],
-            batch["returns"],
-            batch["response_mask"],
-            args.cliprange,
-            args.cliprange_value,
-            args.vf_coef,
+            logprobs=batch["logprobs"],
+            values=batch["values"],
+            advantages=batch["advantages"],
+            returns=batch["returns"],
+            mask=batch["response_mask"],
+            cliprange=args.cliprange,
+            cliprange_value=args.cliprange_value,
+            vf_coef=args.vf_coef,
         )
         # + each model's router load-balancing loss (a mixture of experts; 0.0 dense), weighted as its own
         # loss: the value model's by vf_coef, as its value loss, so its balance against that loss is kept
@@ -398,9 +437,9 @@ def make_optimizer(args, max_steps):
         args.lr_scheduler_type,
         args.learning_rate,
         total_updates,
-        args.warmup_steps,
-        args.warmup_ratio,
-        args.min_lr_rate,
+        warmup_steps=args.warmup_steps,
+        warmup_ratio=args.warmup_ratio,
+        min_lr_rate=args.min_lr_rate,
     )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     optimizer = optax.chain(
@@ -410,14 +449,14 @@ def make_optimizer(args, max_steps):
     return optimizer, schedule, warmup
 
 
-def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_data):
+def rollout(gen_fn, params, frozen, queries, query_mask, *, key, stop_ids, pad_id, on_data):
     """Responses to host queries [B, Q] (whole on each process), cut after their first stop token -> (batch,
     with the sampler's own log-probs, lengths [B]). The queries are cut to their last Qb columns (left padded:
     all their real tokens), Qb the bucket of the longest prompt (≤ Q): jit compiles once per bucket met."""
     qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
     qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
     responses, _, sampler_logps = gen_fn(params, frozen, qs, qm, key)
-    responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
+    responses, sequence_lengths = truncate_response(responses, stop_ids, pad_id)
     response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: stop included
     return {
         "query_responses": jnp.concatenate([qs, responses], 1),
@@ -438,7 +477,8 @@ def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
     responses = common.to_host(batch["query_responses"][:, context_length:])
     has_eos = np.isin(responses, stop_ids).any(1)
     lengths = common.to_host(sequence_lengths) + 1 - has_eos
-    texts = tokenizer.detokenize(ids := [list(x[:n]) for x, n in zip(responses, lengths)])
+    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
+    texts = tokenizer.detokenize(ids)
     return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
 
 
@@ -451,9 +491,8 @@ def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
-    run = plumbing.Run(
-        "ppo", args, export_hf=args.export_hf
-    )  # flags and --output-dir checked; nothing written
+    # flags and --output-dir checked; nothing written
+    run = plumbing.Run("ppo", args, export_hf=args.export_hf)
     if args.num_mini_batches < 1 or args.num_ppo_epochs < 1 or args.temperature <= 0:
         raise common.UsageError("--num-mini-batches and --num-ppo-epochs must be ≥ 1, --temperature > 0")
     if (
@@ -479,11 +518,12 @@ def main(args):
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     scorer.check_tokenizer(tokenizer)
     value_bb = scorer.model.backbone if scorer.model is not None else backbone
-    remat = plumbing.Remat(
-        args.remat, backbone, value_bb
-    )  # --remat on policy and value (not the KV-cached sampler)
+    # --remat on policy and value (not the KV-cached sampler)
+    remat = plumbing.Remat(args.remat, backbone, value_bb)
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    q, r, pad = queries.shape[1], args.response_length, tokenizer.pad_token_id
+    q = queries.shape[1]
+    r = args.response_length
+    pad = tokenizer.pad_token_id
     stops = common.stop_token_ids(tokenizer, template, args.stop_token)  # EOS, the turn end, --stop-token
     print(
         f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
@@ -494,9 +534,8 @@ def main(args):
     # value = a copy of the reward model (Huang et al.), else of the policy + a zero head.
     policy_params, policy_frozen = common.split_variables(backbone)
     ref_params = jax.tree.map(jnp.copy, policy_params)
-    value_params, value_frozen = common.split_variables(
-        value_bb
-    )  # the scorer keeps the reward model's as loaded
+    # the scorer keeps the reward model's as loaded
+    value_params, value_frozen = common.split_variables(value_bb)
     head = (
         scorer.head
         if scorer.model is not None
@@ -522,24 +561,37 @@ def main(args):
         (params, opt_state, jax.random.key_data(key)), {"rng": rng.bit_generator.state}
     )
     # the key through the host: restored, it sits on one device, which jit refuses beside mesh-wide inputs
-    key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
+    key = jax.random.wrap_key_data(np.asarray(key_data))
+    rng.bit_generator.state = meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
     gen_fn = jax.jit(
-        lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, args.temperature, stops, pad)
+        functools.partial(
+            generate, backbone, response_length=r, temperature=args.temperature, stop_ids=stops, pad_id=pad
+        )
     )
-    stats_fn = jax.jit(
-        lambda p, rp, f, b: rollout_stats(models, p, rp, f, b, query_length(b), args.temperature)
-    )
-    adv_fn = jax.jit(lambda s, lp, rlp, v, sl: advantages_of(s, lp, rlp, v, sl, args))
+
+    @jax.jit
+    def stats_fn(params, ref_params, frozen, batch):  # the batch's own query width: a compilation per bucket
+        context_length = query_length(batch)
+        return rollout_stats(
+            models,
+            params,
+            ref_params,
+            frozen,
+            batch,
+            context_length=context_length,
+            temperature=args.temperature,
+        )
+
+    adv_fn = jax.jit(functools.partial(advantages_of, args=args))
     step_fn = remat.jit(
-        lambda s, f, b: train_step(models, optimizer, args, s, f, b, query_length(b)),
+        lambda s, f, b: train_step(models, optimizer, args, s, f, batch=b, context_length=query_length(b)),
         donate_argnums=0,
         out_shardings=(state_shardings, common.replicated(run.mesh)),
     )
-    run.record(
-        remat=remat, num_warmup_steps=warmup
-    )  # args.json: the mode --remat auto chose, the warmup steps
+    # args.json: the mode --remat auto chose, the warmup steps
+    run.record(remat=remat, num_warmup_steps=warmup)
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
     # FLOPs (docs/design.md): 2N per token per forward (sampling, policy + reference + value, reward model),
@@ -558,7 +610,8 @@ def main(args):
         summed=("charts/generated_tokens",),
         show=("objective/scores", "objective/kl"),
     ):
-        ticks, idx = [time.perf_counter()], order[step * args.batch_size : (step + 1) * args.batch_size]
+        ticks = [time.perf_counter()]
+        idx = order[step * args.batch_size : (step + 1) * args.batch_size]
         # rollout: sample responses to a batch of prompts, cut them after the first stop token
         key, gen_key = jax.random.split(key)
         batch, sequence_lengths = rollout(
@@ -567,17 +620,22 @@ def main(args):
             frozen.policy,
             queries[idx],
             query_mask[idx],
-            gen_key,
-            stops,
-            pad,
-            on_data,
+            key=gen_key,
+            stop_ids=stops,
+            pad_id=pad,
+            on_data=on_data,
         )
         qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
         # rewards: a score per response (1), minus the missing-EOS penalty; log-probs of policy and reference; values
         texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb, stops)
         scores, _ = scorer(
-            [prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids, common.turn_end(template)
+            [prompts[i] for i in idx],
+            texts,
+            batch,
+            rows=[rows[i] for i in idx],
+            completion_ids=ids,
+            end=common.turn_end(template),
         )
         if args.missing_eos_penalty is not None:
             scores = scores - args.missing_eos_penalty * common.put_global(np.float32(~has_eos), on_data)

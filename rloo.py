@@ -7,6 +7,7 @@ Offline, toy checker data/toy.py:batch_score (the defaults are for real models; 
         --max-prompt-length 64 --response-length 16 --beta 0.01 --lr-scheduler-type constant_with_warmup
 """
 
+import functools
 import math
 import os
 import time
@@ -105,13 +106,15 @@ def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
     return logits
 
 
-def filtered_logps(logits, tokens, temperature, top_k=0, top_p=1.0, min_p=None):
+def filtered_logps(logits, tokens, temperature, *, top_k=0, top_p=1.0, min_p=None):
     """log q(token) and q's entropy [B] for float32 logits [B, V], tokens [B]; q, what the sampler draws from:
     softmax(filter_logits(logits / T, …)), renormalised over the kept tokens (eq. 1 of docs/design.md). The
     token always counts as kept: only a rounding gap between the two forwards could drop it (NaN)."""
-    kept = filter_logits(scaled := logits / temperature, top_k, top_p, min_p)
+    scaled = logits / temperature
+    kept = filter_logits(scaled, top_k, top_p, min_p)
     kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
-    logz, finite = jax.nn.logsumexp(kept, -1), jnp.isfinite(kept)
+    logz = jax.nn.logsumexp(kept, -1)
+    finite = jnp.isfinite(kept)
     # Σ p·logit over the kept tokens only (0 · -inf is NaN); the inner where keeps the gradient finite too
     plogp = jnp.where(finite, jax.nn.softmax(kept, -1) * jnp.where(finite, kept, 0.0), 0.0)
     return jnp.take_along_axis(kept, tokens[:, None], -1)[:, 0] - logz, logz - plogp.sum(-1)
@@ -124,6 +127,7 @@ def generate(
     queries,
     query_mask,
     key,
+    *,
     response_length,
     temperature,
     stop_ids,
@@ -155,7 +159,7 @@ def generate(
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
                 # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
-                logq = filtered_logps(logits, token, temperature, top_k, top_p, min_p)[0]
+                logq = filtered_logps(logits, token, temperature, top_k=top_k, top_p=top_p, min_p=min_p)[0]
             token = jnp.where(done, pad_id, token)
             return token, jnp.where(done, 0.0, logq), key, done | jnp.isin(token, jnp.asarray(stop_ids))
 
@@ -181,7 +185,8 @@ def generate(
 def truncate_response(responses, stop_ids, pad_id):
     """Keep tokens up to and including the first of `stop_ids` (EOS, turn end, …), pad after it -> (responses
     [B, R], sequence_lengths [B]: index of the last real token, the stop token, or R-1 without one)."""
-    r, is_stop = responses.shape[1], jnp.isin(responses, jnp.asarray(stop_ids, jnp.int32))
+    r = responses.shape[1]
+    is_stop = jnp.isin(responses, jnp.asarray(stop_ids, jnp.int32))  # [B, R]
     first = jnp.where(is_stop.any(1), jnp.argmax(is_stop, 1), r - 1)
     return jnp.where(jnp.arange(r)[None] > first[:, None], pad_id, responses), first
 
@@ -192,6 +197,7 @@ def response_logps(
     frozen,
     token_ids,
     padding_mask,
+    *,
     context_length,
     temperature,
     top_k=0,
@@ -205,9 +211,12 @@ def response_logps(
     hidden, labels = hidden[:, context_length - 1 : -1], token_ids[:, context_length:]  # [B, R, D], [B, R]
     state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
     with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
-        position = jax.checkpoint(
-            lambda h, y: filtered_logps(common.logits(backbone, h), y, temperature, top_k, top_p, min_p)
-        )  # [B, D], [B] -> [B], [B]
+
+        @jax.checkpoint
+        def position(h, y):  # [B, D], [B] -> [B], [B]
+            logits = common.logits(backbone, h)  # [B, V], float32
+            return filtered_logps(logits, y, temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+
         logps, entropy = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
     return logps.T, entropy.T, aux_loss
 
@@ -219,7 +228,8 @@ def masked_mean(x, mask):
 def mismatch(logps, sampler_logps, mask):
     """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the
     weights that sampled against the sampler's own log q: 1 to float rounding (unfiltered: the kept mass)."""
-    ratio, real = jnp.exp(logps - sampler_logps), lambda x: jnp.where(mask, x, 1.0)  # [B, R]
+    ratio = jnp.exp(logps - sampler_logps)  # [B, R]
+    real = lambda x: jnp.where(mask, x, 1.0)  # padding as a ratio of 1: out of the max and the min
     return {
         "mismatch/ratio_mean": masked_mean(ratio, mask),
         "mismatch/ratio_max": real(ratio).max(),
@@ -238,7 +248,9 @@ def sequence_kl(old_logps, ref_logps, mask):
     return jnp.sum(jnp.where(mask, old_logps - ref_logps, 0.0), 1)  # padding may hold anything
 
 
-def rloo_advantages(rewards, kl, num_generations, beta, normalize_advantages=False, reward_clip_range=None):
+def rloo_advantages(
+    rewards, kl, num_generations, *, beta, normalize_advantages=False, reward_clip_range=None
+):
     """A_i = r̃_i − mean_{j≠i} r̃_j with r̃ = clip(r) − β·KL   (eqs. 2–4 of docs/rloo.md).
 
     rewards, kl [B] hold B/k groups of k consecutive completions of one prompt. The mean of the other
@@ -256,7 +268,7 @@ def rloo_advantages(rewards, kl, num_generations, beta, normalize_advantages=Fal
     return advantages, shaped.std(1, ddof=1)
 
 
-def rloo_loss(logps, old_logps, advantages, mask, epsilon, epsilon_high):
+def rloo_loss(logps, old_logps, advantages, mask, *, epsilon, epsilon_high):
     """Clipped surrogate on one ratio per completion, averaged over the B completions (eq. 5).
 
     logps / old_logps [B, R] per response token, advantages [B], mask [B, R]. The ratio is of the whole
@@ -282,20 +294,45 @@ def rloo_loss(logps, old_logps, advantages, mask, epsilon, epsilon_high):
     }
 
 
-def rollout_logps(backbone, params, ref_params, frozen, batch, context_length, sampling):
-    """π_old (the rollout policy's, of the distribution sampled from: sampling = temperature, top-k, top-p,
-    min-p) and π_ref (logits / T only: docs/grpo.md, detail 17) log-probs of a finished batch (β > 0)."""
+def rollout_logps(
+    backbone,
+    params,
+    ref_params,
+    frozen,
+    batch,
+    *,
+    context_length,
+    temperature,
+    top_k=0,
+    top_p=1.0,
+    min_p=None,
+):
+    """π_old (the rollout policy's, of the distribution sampled from: temperature, top-k, top-p, min-p) and
+    π_ref (logits / T only: docs/grpo.md, detail 17) log-probs of a finished batch (β > 0)."""
+    # differs from grpo.py's: π_old always (the sequence KL folded into the reward is π_old's)
     ids, mask = batch["query_responses"], batch["padding_mask"]
-    out = {"old_logps": response_logps(backbone, params, frozen, ids, mask, context_length, *sampling)[0]}
+    old_logps = response_logps(
+        backbone,
+        params,
+        frozen,
+        ids,
+        mask,
+        context_length=context_length,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        min_p=min_p,
+    )[0]
+    out = {"old_logps": old_logps}
     if ref_params is not None:
         out["ref_logps"] = response_logps(
-            backbone, ref_params, frozen, ids, mask, context_length, sampling[0]
+            backbone, ref_params, frozen, ids, mask, context_length=context_length, temperature=temperature
         )[0]
     return out
 
 
 # ---- train_step: one update of the policy on a (mini-)batch of completions
-def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
+def train_step(backbone, optimizer, args, state, frozen, *, batch, context_length):
     """One update on a (mini-)batch of completions. state = (params, opt_state). batch: query_responses /
     padding_mask [B, Q+R], response_mask [B, R], advantages [B] (the KL already in them); old_logps [B, R]
     from rollout time when more than one update uses the batch; sampler_logps [B, R] when this is the first
@@ -310,11 +347,11 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
             frozen,
             ids,
             mask,
-            context_length,
-            args.temperature,
-            args.top_k,
-            args.top_p,
-            args.min_p,
+            context_length=context_length,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            min_p=args.min_p,
         )
         # one update per generation batch: π_old is π_θ itself, held constant (ratio 1, gradient of π_θ)
         old = batch["old_logps"] if "old_logps" in batch else jax.lax.stop_gradient(logps)
@@ -323,8 +360,8 @@ def train_step(backbone, optimizer, args, state, frozen, batch, context_length):
             old,
             batch["advantages"],
             batch["response_mask"],
-            args.epsilon,
-            args.epsilon if args.epsilon_high is None else args.epsilon_high,
+            epsilon=args.epsilon,
+            epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
         )
         loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
         if "sampler_logps" in batch:  # mismatch/*, over every sampled token (padding_mask's response part)
@@ -378,9 +415,9 @@ def make_optimizer(args, max_steps):
         args.lr_scheduler_type,
         args.learning_rate,
         updates,
-        args.warmup_steps,
-        args.warmup_ratio,
-        args.min_lr_rate,
+        warmup_steps=args.warmup_steps,
+        warmup_ratio=args.warmup_ratio,
+        min_lr_rate=args.min_lr_rate,
     )
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     optimizer = optax.chain(
@@ -390,14 +427,14 @@ def make_optimizer(args, max_steps):
     return optimizer, schedule, warmup
 
 
-def rollout(gen_fn, params, frozen, queries, query_mask, key, stop_ids, pad, on_data):
+def rollout(gen_fn, params, frozen, queries, query_mask, *, key, stop_ids, pad_id, on_data):
     """Responses to host queries [B, Q] (whole on each process), cut after their first stop token -> (batch,
     with the sampler's own log-probs, lengths [B]). The queries are cut to their last Qb columns (left padded:
     all their real tokens), Qb the bucket of the longest prompt (≤ Q): jit compiles once per bucket met."""
     qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
     qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
     responses, _, sampler_logps = gen_fn(params, frozen, qs, qm, key)
-    responses, sequence_lengths = truncate_response(responses, stop_ids, pad)
+    responses, sequence_lengths = truncate_response(responses, stop_ids, pad_id)
     response_mask = jnp.arange(responses.shape[1])[None] <= sequence_lengths[:, None]  # [B, R]: stop included
     return {
         "query_responses": jnp.concatenate([qs, responses], 1),
@@ -418,7 +455,8 @@ def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
     responses = common.to_host(batch["query_responses"][:, context_length:])
     has_eos = np.isin(responses, stop_ids).any(1)
     lengths = common.to_host(sequence_lengths) + 1 - has_eos
-    texts = tokenizer.detokenize(ids := [list(x[:n]) for x, n in zip(responses, lengths)])
+    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
+    texts = tokenizer.detokenize(ids)
     return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
 
 
@@ -426,6 +464,7 @@ def reward_metrics(rewards, parts, lengths, has_eos):
     """The summed reward (before the KL) and its std over the batch, each reward function's (or the reward
     model's) mean and std, completion lengths."""
     # a function's None (NaN here) is left out of its mean and std, as TRL does
+    # differs from grpo.py's: reward_std is here, the batch's (grpo.py's main logs its groups' mean std)
     return {
         "reward": float(rewards.mean()),
         "reward_std": float(rewards.std(ddof=1)),
@@ -447,9 +486,8 @@ def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
-    run = plumbing.Run(
-        "rloo", args, export_hf=args.export_hf
-    )  # flags and --output-dir checked; nothing written
+    # flags and --output-dir checked; nothing written
+    run = plumbing.Run("rloo", args, export_hf=args.export_hf)
     check_args(args, run.mesh)
     template = common.chat_template(args.model, args.chat_template)
     # rows: the columns reward functions may read
@@ -457,9 +495,8 @@ def main(args):
         args.dataset, template, "--dataset", args.dataset_config, args.dataset_split
     )
     g, n_prompts = args.num_generations, args.batch_size // args.num_generations
-    max_steps = run.resolve_max_steps(
-        len(prompts), n_prompts
-    )  # --max-steps, or --num-epochs' worth of B/k prompts
+    # --max-steps, or --num-epochs' worth of B/k prompts
+    max_steps = run.resolve_max_steps(len(prompts), n_prompts)
     scorer = common.load_scorer(
         run.mesh,
         run.dtype,
@@ -471,11 +508,12 @@ def main(args):
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     scorer.check_tokenizer(tokenizer)
-    remat = plumbing.Remat(
-        args.remat, backbone
-    )  # --remat: a checkpoint switch on each block (not the sampler's calls)
+    # --remat: a checkpoint switch on each block (not the sampler's calls)
+    remat = plumbing.Remat(args.remat, backbone)
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    q, r, pad = queries.shape[1], args.response_length, tokenizer.pad_token_id
+    q = queries.shape[1]
+    r = args.response_length
+    pad = tokenizer.pad_token_id
     stops = common.stop_token_ids(tokenizer, template, args.stop_token)  # EOS, the turn end, --stop-token
     print(
         f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
@@ -502,22 +540,25 @@ def main(args):
         (params, opt_state, jax.random.key_data(key)), {"rng": rng.bit_generator.state}
     )
     # the key through the host: restored, it sits on one device, which jit refuses beside mesh-wide inputs
-    key, rng.bit_generator.state = jax.random.wrap_key_data(np.asarray(key_data)), meta["rng"]
+    key = jax.random.wrap_key_data(np.asarray(key_data))
+    rng.bit_generator.state = meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    sampling = (args.temperature, args.top_k, args.top_p, args.min_p)  # q: what is sampled and scored
+    # q: what is sampled and scored
+    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     gen_fn = jax.jit(
-        lambda p, f, qs, qm, k: generate(backbone, p, f, qs, qm, k, r, sampling[0], stops, pad, *sampling[1:])
+        functools.partial(generate, backbone, response_length=r, stop_ids=stops, pad_id=pad, **sampling)
     )
-    logps_fn = jax.jit(lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, query_length(b), sampling))
+    logps_fn = jax.jit(
+        lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, context_length=query_length(b), **sampling)
+    )
     step_fn = remat.jit(
-        lambda s, f, b: train_step(backbone, optimizer, args, s, f, b, query_length(b)),
+        lambda s, f, b: train_step(backbone, optimizer, args, s, f, batch=b, context_length=query_length(b)),
         donate_argnums=0,
         out_shardings=(state_shardings, common.replicated(run.mesh)),
     )
-    run.record(
-        remat=remat, num_warmup_steps=warmup
-    )  # args.json: the mode --remat auto chose, the warmup steps
+    # args.json: the mode --remat auto chose, the warmup steps
+    run.record(remat=remat, num_warmup_steps=warmup)
     # Every process samples, scores and updates the same global batch: rollout arrays [B, ...] over `data`.
     on_data = jax.sharding.NamedSharding(run.mesh, jax.sharding.PartitionSpec("data"))
     # FLOPs (docs/design.md): 2N per token per forward (sampling; π_old and π_ref when needed; reward model),
@@ -533,34 +574,44 @@ def main(args):
         summed=("charts/generated_tokens",),
         show=("reward", "frac_reward_zero_std"),
     ):
-        ticks, idx = (
-            [time.perf_counter()],
-            np.repeat(order[step * n_prompts : (step + 1) * n_prompts], g),
-        )  # [B]
+        ticks = [time.perf_counter()]
+        idx = np.repeat(order[step * n_prompts : (step + 1) * n_prompts], g)  # [B]
         # rollout: k completions of each of B/k prompts (a group = k consecutive rows), cut after a stop token
         key, gen_key = jax.random.split(key)
         batch, sequence_lengths = rollout(
-            gen_fn, state[0], frozen, queries[idx], query_mask[idx], gen_key, stops, pad, on_data
+            gen_fn,
+            state[0],
+            frozen,
+            queries[idx],
+            query_mask[idx],
+            key=gen_key,
+            stop_ids=stops,
+            pad_id=pad,
+            on_data=on_data,
         )
         qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
         # rewards: one scalar per completion (1), a weighted sum over the reward functions (or the RM score)
         texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb, stops)
         scores, parts = scorer(
-            [prompts[i] for i in idx], texts, batch, [rows[i] for i in idx], ids, common.turn_end(template)
+            [prompts[i] for i in idx],
+            texts,
+            batch,
+            rows=[rows[i] for i in idx],
+            completion_ids=ids,
+            end=common.turn_end(template),
         )
         rewards = common.to_host(scores)
         if args.mask_truncated_completions:  # DAPO: a cut-off completion is in neither the KL nor the loss
             batch["response_mask"] = batch["response_mask"] & common.put_global(has_eos[:, None], on_data)
         # the KL to the reference per completion (2): π_old and π_ref forwards at rollout time, no gradient
         logps = logps_fn(state[0], ref_params, frozen, batch) if off_policy or ref_params is not None else {}
-        kl, kl_log = np.zeros(len(idx), np.float32), {}
+        kl = np.zeros(len(idx), np.float32)
+        kl_log = {}
         # mismatch/*: the sampler's log q against the first forward of its weights: here, else train_step's
-        meter = (
-            mismatch(logps["old_logps"], batch.pop("sampler_logps"), batch["padding_mask"][:, qb:])
-            if "old_logps" in logps
-            else {}
-        )
+        meter = {}
+        if "old_logps" in logps:
+            meter = mismatch(logps["old_logps"], batch.pop("sampler_logps"), batch["padding_mask"][:, qb:])
         if ref_params is not None:  # logged per real token, as TRL: Σ_i KL_i / Σ_i |o_i|
             kl = common.to_host(sequence_kl(logps["old_logps"], logps["ref_logps"], batch["response_mask"]))
             kl_log = {"kl": float(kl.sum() / max(common.to_host(batch["response_mask"]).sum(), 1))}
@@ -570,9 +621,9 @@ def main(args):
                 jnp.asarray(rewards),
                 jnp.asarray(kl),
                 g,
-                args.beta,
-                args.normalize_advantages,
-                args.reward_clip_range,
+                beta=args.beta,
+                normalize_advantages=args.normalize_advantages,
+                reward_clip_range=args.reward_clip_range,
             )
         )
         batch["advantages"] = common.put_global(advantages, on_data)

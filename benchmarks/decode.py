@@ -8,6 +8,8 @@ matmul's FLOP/s. Roofline step = max(weight bytes / bandwidth, 2 N B / matmul FL
 once and every multiply-add done once per decode step. Prints one JSON line last.
 """
 
+import functools
+import inspect
 import json
 import os
 import statistics
@@ -52,7 +54,8 @@ class Args:
 
 def modules_at(revision, names):
     """{name: module} of `names`.py as of `revision`, each importing the others at that revision."""
-    saved, out = {n: sys.modules.get(n) for n in names}, {}
+    saved = {n: sys.modules.get(n) for n in names}
+    out = {}
     try:
         for name in names:  # in order: common first, so the script's `import common` finds the old one
             source = subprocess.run(
@@ -62,18 +65,24 @@ def modules_at(revision, names):
                 capture_output=True,
                 text=True,
             ).stdout
-            out[name] = sys.modules[name] = types.ModuleType(name)
-            out[name].__file__ = os.path.join(harness.ROOT, f"{name}.py")
-            exec(compile(source, f"{revision}:{name}.py", "exec"), out[name].__dict__)
+            module = types.ModuleType(name)
+            module.__file__ = os.path.join(harness.ROOT, f"{name}.py")
+            sys.modules[name] = module
+            out[name] = module
+            exec(compile(source, f"{revision}:{name}.py", "exec"), module.__dict__)
     finally:
         for name, module in saved.items():
-            sys.modules.pop(name) if module is None else sys.modules.__setitem__(name, module)
+            if module is None:
+                sys.modules.pop(name)
+            else:
+                sys.modules[name] = module
     return out
 
 
 def bandwidth(n=64 * 2**20):
     """Bytes/s reading n float32 (256 MiB) once, as a decode step reads its weights: a sum, best of 3."""
-    x, f = jnp.ones((n,), jnp.float32), jax.jit(jnp.sum)
+    x = jnp.ones((n,), jnp.float32)
+    f = jax.jit(jnp.sum)
     f(x).block_until_ready()
     return 4 * n / min(_timed(f, x) for _ in range(3))
 
@@ -89,7 +98,10 @@ def main(args):
     overrides = {k: int(v) for k, _, v in (item.partition("=") for item in args.arch.split(",") if item)}
     backbone = harness.build_backbone("tiny", mesh, "float32", seed=args.seed, overrides=overrides)
     params, frozen = common.split_variables(backbone)
-    b, q, r, t = args.batch_size, args.prompt_length, args.response_length, args.temperature
+    b = args.batch_size
+    q = args.prompt_length
+    r = args.response_length
+    t = args.temperature
     rng = np.random.default_rng(args.seed)
     queries = rng.integers(3, backbone.vocabulary_size, (b, q), dtype=np.int32)
     query_mask = np.ones((b, q), bool)
@@ -97,12 +109,13 @@ def main(args):
         "before": modules_at(args.before, ["common", args.script])[args.script],
         "after": __import__(args.script),
     }
-    gens = {
-        side: jax.jit(
-            lambda p, f, qs, qm, k, m=m: m.generate(backbone, p, f, qs, qm, k, r, t, harness.EOS, 0)
-        )
-        for side, m in scripts.items()
-    }
+
+    def sampler(module):  # its generate, jitted; the stop ids were `eos_id` before they were `stop_ids`
+        stop = "stop_ids" if "stop_ids" in inspect.signature(module.generate).parameters else "eos_id"
+        settings = {"response_length": r, "temperature": t, stop: harness.EOS, "pad_id": 0}
+        return jax.jit(functools.partial(module.generate, backbone, **settings))
+
+    gens = {side: sampler(m) for side, m in scripts.items()}
 
     def prefill(p, f, qs, qm):  # the working tree's prefill alone: what generate spends before step 1
         state = zip(backbone.trainable_variables + backbone.non_trainable_variables, p + f)
@@ -113,7 +126,8 @@ def main(args):
     prefill = jax.jit(prefill)
     times = {"before": [], "after": [], "prefill": [], "bandwidth": [], "matmul": []}
     for round_ in range(args.rounds + 1):  # round 0 compiles
-        key, out = jax.random.key(args.seed + round_), {}
+        key = jax.random.key(args.seed + round_)
+        out = {}
         for side in ["before", "after"] if round_ % 2 else ["after", "before"]:
             start = time.perf_counter()
             out[side] = jax.device_get(gens[side](params, frozen, queries, query_mask, key))

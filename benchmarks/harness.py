@@ -678,16 +678,33 @@ def ppo_rollout(module, args, models, mesh, rng, vocab, ref_params):
     query_mask = np.ones((b, q), bool)
     scores = common.put_global(rng.normal(0, 1, b).astype(np.float32), on_data)
     gen_fn = jax.jit(
-        lambda p, f, qs, qm, k: module.generate(models.policy, p, f, qs, qm, k, r, args.temperature, EOS, 0)
+        functools.partial(
+            module.generate,
+            models.policy,
+            response_length=r,
+            temperature=args.temperature,
+            stop_ids=EOS,
+            pad_id=0,
+        )
     )
-    stats_fn = jax.jit(lambda p, rp, f, bt: module.rollout_stats(models, p, rp, f, bt, q, args.temperature))
-    adv_fn = jax.jit(lambda s, lp, rlp, v, sl: module.advantages_of(s, lp, rlp, v, sl, args))
+    stats_fn = jax.jit(
+        functools.partial(module.rollout_stats, models, context_length=q, temperature=args.temperature)
+    )
+    adv_fn = jax.jit(functools.partial(module.advantages_of, args=args))
     order = np.random.default_rng(0)
 
     def iteration(state, extra, step_fn, key):
         t0, frozen = time.perf_counter(), extra["frozen"]
         batch, lengths = module.rollout(
-            gen_fn, state[0].policy, frozen.policy, queries, query_mask, key, EOS, 0, on_data
+            gen_fn,
+            state[0].policy,
+            frozen.policy,
+            queries,
+            query_mask,
+            key=key,
+            stop_ids=EOS,
+            pad_id=0,
+            on_data=on_data,
         )
         t1 = plumbing.synced(batch)
         logprobs, ref_logprobs, values = stats_fn(state[0], ref_params, frozen, batch)
@@ -775,7 +792,11 @@ def leave_one_out(module, rewards, args):
     """rloo.py's leave-one-out advantages of rewards [B], with no KL term (the benchmark's β = 0: one update
     per rollout and no reference forward, like grpo's TRL defaults)."""
     return module.rloo_advantages(
-        rewards, jnp.zeros_like(rewards), args.num_generations, 0.0, args.normalize_advantages
+        rewards,
+        jnp.zeros_like(rewards),
+        args.num_generations,
+        beta=0.0,
+        normalize_advantages=args.normalize_advantages,
     )[0]
 
 
@@ -805,14 +826,24 @@ def grpo_rollout(module, args, backbone, mesh, rng, vocab, advantages=group_adva
     tokenizer = tiny if tiny.vocabulary_size() == vocab else IdsText()
     scorer = common.load_scorer(mesh, reward_fns=[GRPO_REWARD_FN])
     gen_fn = jax.jit(
-        lambda p, f, qs, qm, k: module.generate(backbone, p, f, qs, qm, k, r, args.temperature, EOS, 0)
+        functools.partial(
+            module.generate, backbone, response_length=r, temperature=args.temperature, stop_ids=EOS, pad_id=0
+        )
     )
     order = np.random.default_rng(0)
 
     def iteration(state, extra, step_fn, key):
         t0 = time.perf_counter()
         batch, lengths = module.rollout(
-            gen_fn, state[0], extra["frozen"], queries, query_mask, key, EOS, 0, on_data
+            gen_fn,
+            state[0],
+            extra["frozen"],
+            queries,
+            query_mask,
+            key=key,
+            stop_ids=EOS,
+            pad_id=0,
+            on_data=on_data,
         )
         t1 = plumbing.synced(batch)
         texts, ids = module.decode(tokenizer, batch, lengths, q, (EOS,))[:2]

@@ -11,6 +11,7 @@ round). Prints one JSON line per sampler: median generate seconds, the per-round
 sampled up to and with each EOS per second ("completion tokens"), and decode slots B × steps per second.
 """
 
+import functools
 import importlib.util
 import json
 import os
@@ -30,6 +31,7 @@ plumbing.answer_help(__name__, __file__)
 import common  # noqa: E402
 import grpo  # noqa: E402
 import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 
@@ -89,12 +91,24 @@ def main(args):
     params = jax.jit(lambda p: jax.tree.map(lambda x: x.copy(), p), out_shardings=common.shardings(params))(
         params
     )
-    b, g, r, t = args.batch_size, args.num_generations, args.response_length, args.temperature
+    b = args.batch_size
+    g = args.num_generations
+    r = args.response_length
+    t = args.temperature
     eos, pad = tokenizer.end_token_id, tokenizer.pad_token_id
-    samplers = {  # each -> (responses [B, R], decode steps)
-        "fixed_length": jax.jit(lambda p, f, qs, qm, k: (old.generate(backbone, p, f, qs, qm, k, r, t), r)),
+
+    def fixed_length(params, frozen, queries, query_mask, key):  # -> (responses [B, R], R decode steps, 0)
+        responses = old.generate(
+            backbone, params, frozen, queries, query_mask, key=key, response_length=r, temperature=t
+        )
+        return responses, r, jnp.zeros(responses.shape)  # rollout's third: the sampler's log q, unused here
+
+    samplers = {  # each -> (responses [B, R], decode steps, the sampler's log q [B, R])
+        "fixed_length": jax.jit(fixed_length),
         "early_stop": jax.jit(
-            lambda p, f, qs, qm, k: grpo.generate(backbone, p, f, qs, qm, k, r, t, eos, pad)
+            functools.partial(
+                grpo.generate, backbone, response_length=r, temperature=t, stop_ids=eos, pad_id=pad
+            )
         ),
     }
     on_data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
@@ -108,7 +122,15 @@ def main(args):
         for name in names:
             t0 = time.perf_counter()
             batch, lengths = grpo.rollout(
-                samplers[name], params, frozen, queries[idx], query_mask[idx], k, eos, pad, on_data
+                samplers[name],
+                params,
+                frozen,
+                queries[idx],
+                query_mask[idx],
+                key=k,
+                stop_ids=eos,
+                pad_id=pad,
+                on_data=on_data,
             )
             seconds = plumbing.synced(batch) - t0
             out[name] = common.to_host(batch["query_responses"])

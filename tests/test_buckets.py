@@ -3,6 +3,7 @@ longest; the step compiles at most once per bucket; --resume stays exact across 
 --group-by-length pads less, over the same examples; the RL rollouts cut their queries to the bucket of
 their batch's longest prompt, sampling and scoring the tokens they would at the run's width."""
 
+import functools
 import json
 import os
 import re
@@ -327,18 +328,35 @@ def test_a_batch_cut_to_its_bucket_samples_and_scores_as_at_the_full_width():
     queries, query_mask = np.tile(queries[:4], (2, 1)), np.tile(query_mask[:4], (2, 1))
     eos, pad, r = tok.end_token_id, tok.pad_token_id, 16
     on_data = jax.sharding.NamedSharding(common.make_mesh(None), jax.sharding.PartitionSpec("data"))
-    gen = jax.jit(lambda p, f, qs, qm, k: grpo.generate(model.backbone, p, f, qs, qm, k, r, 1.0, eos, pad))
-    full = grpo.rollout(gen, params, frozen, queries, query_mask, jax.random.key(0), eos, pad, on_data)[0]
+    gen = jax.jit(
+        functools.partial(
+            grpo.generate, model.backbone, response_length=r, temperature=1.0, stop_ids=eos, pad_id=pad
+        )
+    )
+    full = grpo.rollout(
+        gen,
+        params,
+        frozen,
+        queries,
+        query_mask,
+        key=jax.random.key(0),
+        stop_ids=eos,
+        pad_id=pad,
+        on_data=on_data,
+    )[0]
     assert queries.shape[1] == 128 and grpo.query_length(full) == 32  # rollout cut the batch to its bucket
     full = jax.device_get(full)  # on the host: the reference below runs on the same (unsharded) inputs
     # the unbucketed reference: the same batch at the full width, through the sampler directly
     tokens = gen(params, frozen, jnp.asarray(queries), jnp.asarray(query_mask), jax.random.key(0))[0]
     responses = np.asarray(grpo.truncate_response(tokens, eos, pad)[0])  # [8, R]
     np.testing.assert_array_equal(full["query_responses"][:, 32:], responses)
-    logps = jax.jit(
-        lambda ids, mask, q: grpo.response_logps(model.backbone, params, frozen, ids, mask, q, 1.0)[0],
-        static_argnums=2,
-    )
+
+    @functools.partial(jax.jit, static_argnums=2)
+    def logps(ids, mask, q):  # [B, R] at the query width q
+        return grpo.response_logps(
+            model.backbone, params, frozen, ids, mask, context_length=q, temperature=1.0
+        )[0]
+
     wide_mask = np.concatenate([query_mask, full["response_mask"]], 1)
     wide = logps(np.concatenate([queries, responses], 1), wide_mask, 128)  # [8, R], Q = 128
     np.testing.assert_allclose(

@@ -182,7 +182,18 @@ def test_chunked_projection_equals_the_full_logits(pair):
 
     def chunked(p, chunk):
         return distill.completion_divergence(
-            backbone, p, frozen, teacher, weights, ids, pad, mask, q, 0.5, 1.3, chunk
+            backbone,
+            p,
+            frozen,
+            teacher,
+            weights,
+            token_ids=ids,
+            padding_mask=pad,
+            response_mask=mask,
+            context_length=q,
+            beta=0.5,
+            temperature=1.3,
+            chunk=chunk,
         )[0]
 
     want = jax.jit(full)(params)
@@ -206,10 +217,10 @@ def test_a_bfloat16_teacher_is_held_in_half_the_bytes_and_grades_alike(pair):
     assert all(a.dtype == jnp.bfloat16 and a.sharding == b.sharding for a, b in zip(arrays, f32))
     assert sum(a.nbytes for a in arrays) * 2 == sum(b.nbytes for b in f32)
     ids, pad, mask = batch["query_responses"], batch["padding_mask"], batch["response_mask"]
+    settings = {"beta": 1.0, "temperature": 1.0, "chunk": 4}
+    inputs = {"token_ids": ids, "padding_mask": pad, "response_mask": mask, "context_length": q}
     grade = jax.jit(
-        lambda w: distill.completion_divergence(
-            backbone, params, frozen, teacher, w, ids, pad, mask, q, 1.0, 1.0, 4
-        )[0]
+        lambda w: distill.completion_divergence(backbone, params, frozen, teacher, w, **inputs, **settings)[0]
     )
     want, got = np.asarray(grade(weights)), np.asarray(grade(held))
     assert np.abs(want).max() > 0.1 and not np.array_equal(got, want)  # rounded, so not bit-equal
@@ -223,7 +234,13 @@ def test_student_divergence_falls_on_a_fixed_batch_and_the_teacher_stays(pair):
     args = distill.Args(teacher_model="tiny", learning_rate=3e-3, logits_chunk=4)
     optimizer, _, _ = distill.make_optimizer(args, 10)
     state = (jax.tree.map(jnp.copy, params), optimizer.init(params))
-    step = jax.jit(lambda s, f, b, w: distill.train_step(backbone, optimizer, args, s, f, b, q, teacher, w))
+
+    @jax.jit
+    def step(s, f, b, w):
+        return distill.train_step(
+            backbone, optimizer, args, s, f, batch=b, context_length=q, teacher=teacher, teacher_weights=w
+        )
+
     before = [np.asarray(w) for w in weights[0]]
     losses = []
     for _ in range(4):
@@ -407,16 +424,26 @@ def test_distillation_moves_a_weak_student_toward_its_teacher_on_the_toy_task():
         tokenizer.pad_token_id,
         jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
     )
-    sampler = lambda temperature: jax.jit(
-        lambda p, f, qs, qm, k: distill.generate(backbone, p, f, qs, qm, k, 12, temperature, stops, pad)
-    )
+
+    def sampler(temperature):
+        settings = {"response_length": 12, "temperature": temperature, "stop_ids": stops, "pad_id": pad}
+        return jax.jit(partial(distill.generate, backbone, **settings))
+
     greedy, sample = sampler(0.0), sampler(1.0)
     test_prompts = common.read_prompts(os.path.join(ROOT, "data", "prompts_test.jsonl"), template)[0][:64]
     queries, query_mask = distill.tokenize_prompts(test_prompts, tokenizer, 64)
 
     def score(p):  # the mean greedy task score on the test prompts (data/toy.py:score, partial credit)
         batch, lengths = distill.rollout(
-            greedy, p, frozen, queries, query_mask, jax.random.key(0), stops, pad, on_data
+            greedy,
+            p,
+            frozen,
+            queries,
+            query_mask,
+            key=jax.random.key(0),
+            stop_ids=stops,
+            pad_id=pad,
+            on_data=on_data,
         )
         texts = distill.decode(tokenizer, batch, lengths, distill.query_length(batch), stops)[0]
         return float(np.mean(batch_score(test_prompts, texts)))
@@ -425,12 +452,22 @@ def test_distillation_moves_a_weak_student_toward_its_teacher_on_the_toy_task():
         teacher_model="tiny", learning_rate=2e-3, warmup_steps=0, response_length=12, logits_chunk=16
     )
     optimizer = distill.make_optimizer(args, 12)[0]
+
     # the teacher is a `tiny` too: one backbone serves both models, the teacher's weights an input (tw)
-    step_fn = jax.jit(
-        lambda s, f, b, tw: distill.train_step(
-            backbone, optimizer, args, s, f, b, distill.query_length(b), backbone, tw
+    @jax.jit
+    def step_fn(s, f, b, tw):
+        return distill.train_step(
+            backbone,
+            optimizer,
+            args,
+            s,
+            f,
+            batch=b,
+            context_length=distill.query_length(b),
+            teacher=backbone,
+            teacher_weights=tw,
         )
-    )
+
     train_prompts = common.read_prompts(os.path.join(ROOT, "data", "prompts_train.jsonl"), template)[0][
         : 12 * 32
     ]
@@ -440,7 +477,15 @@ def test_distillation_moves_a_weak_student_toward_its_teacher_on_the_toy_task():
         key, gen_key = jax.random.split(key)
         idx = slice(32 * step, 32 * (step + 1))
         batch, _ = distill.rollout(
-            sample, state[0], frozen, train_queries[idx], train_mask[idx], gen_key, stops, pad, on_data
+            sample,
+            state[0],
+            frozen,
+            train_queries[idx],
+            train_mask[idx],
+            key=gen_key,
+            stop_ids=stops,
+            pad_id=pad,
+            on_data=on_data,
         )
         state, metrics = step_fn(state, frozen, batch, teacher)
         losses.append(float(metrics["train/loss"]))

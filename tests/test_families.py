@@ -432,11 +432,11 @@ def test_sampler_ignores_left_padding(presets, family):
     params, frozen = common.split_variables(model.backbone)
     tok = model.preprocessor.tokenizer
     ids = [[tok.start_token_id] + list(x) for x in tok.tokenize(["Sort: 3 1 2 9 0 5 7 4 8", "Sort: 1"])]
-    generate = jax.jit(
-        lambda p, f, qs, qm: grpo.generate(
-            model.backbone, p, f, qs, qm, jax.random.key(0), 6, 0.0, -1, tok.pad_token_id
-        )[0]
-    )  # EOS -1: no early end
+    settings = {"response_length": 6, "temperature": 0.0, "stop_ids": -1, "pad_id": tok.pad_token_id}
+
+    @jax.jit
+    def generate(p, f, qs, qm):  # EOS -1: no early end
+        return grpo.generate(model.backbone, p, f, qs, qm, key=jax.random.key(0), **settings)[0]
 
     def sample(rows):  # rows of token ids -> [len(rows), 6] greedy tokens
         q = max(map(len, rows))

@@ -41,16 +41,20 @@ def _loss(
         arr(ref),
         arr(adv),
         jnp.array(mask, bool),
-        eps,
-        eps_high,
-        beta,
-        loss_type,
-        level,
-        arr(entropy),
-        rho,
-        coef,
-        SAPO,
-        VESPO,
+        epsilon=eps,
+        epsilon_high=eps_high,
+        beta=beta,
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        entropy=arr(entropy),
+        top_entropy_quantile=rho,
+        entropy_coef=coef,
+        sapo_temperature_pos=SAPO[0],
+        sapo_temperature_neg=SAPO[1],
+        vespo_k_pos=VESPO[0],
+        vespo_lambda_pos=VESPO[1],
+        vespo_k_neg=VESPO[2],
+        vespo_lambda_neg=VESPO[3],
     )
 
 
@@ -321,11 +325,31 @@ def test_sharded_over_8_devices_equals_one_device():
     adv, mask = rng.normal(size=8), rng.random((8, 5)) > 0.3
     on_data = jax.sharding.NamedSharding(common.make_mesh(None), jax.sharding.PartitionSpec("data"))
     for loss_type in ("vespo", "sapo"):
-        f = jax.jit(
-            lambda lp, old, adv, mask, ent: grpo_loss(
-                lp, old, None, adv, mask, 0.2, 0.28, 0.0, loss_type, "token", ent, 0.3, 0.02, SAPO, VESPO
+
+        @jax.jit
+        def f(lp, old, adv, mask, ent):
+            return grpo_loss(
+                lp,
+                old,
+                None,
+                adv,
+                mask,
+                epsilon=0.2,
+                epsilon_high=0.28,
+                beta=0.0,
+                loss_type=loss_type,
+                importance_sampling_level="token",
+                entropy=ent,
+                top_entropy_quantile=0.3,
+                entropy_coef=0.02,
+                sapo_temperature_pos=SAPO[0],
+                sapo_temperature_neg=SAPO[1],
+                vespo_k_pos=VESPO[0],
+                vespo_lambda_pos=VESPO[1],
+                vespo_k_neg=VESPO[2],
+                vespo_lambda_neg=VESPO[3],
             )
-        )
+
         inputs = [jnp.array(x) for x in (lp, old, adv, mask, ent)]
         one = f(*inputs)
         placed = [jax.device_put(x, on_data) for x in inputs]

@@ -445,7 +445,7 @@ def test_ppo_reward_placement_and_kl():
     # score added on the last real token only: -0.1·kl + score there
     np.testing.assert_allclose(rewards, [[-0.05, 0.1, 2.0, 0.0], [-0.1, 0.0, 0.0, -1.0]], rtol=1e-6)
     np.testing.assert_allclose(nsr, -0.1 * np.asarray(kl))
-    _, kl3, _ = compute_rewards(scores, logprobs, ref, lengths, 0.1, "k3")
+    _, kl3, _ = compute_rewards(scores, logprobs, ref, lengths, kl_coef=0.1, kl_estimator="k3")
     logr = np.array([[-0.5, 1.0, 0.0, 0.0], [-1.0, 0.0, 0.0, 0.0]])
     np.testing.assert_allclose(kl3, np.expm1(logr) - logr, rtol=1e-6)
     assert (np.asarray(kl3) >= 0).all()
@@ -501,9 +501,20 @@ def test_ppo_masked_whitening():
 
 
 def _ppo_loss(new_lp, new_v, lp, v, adv, ret, mask=None, **kw):
-    args = [jnp.array([x], jnp.float32) for x in (new_lp, new_v, lp, v, adv, ret)]
+    arr = lambda x: jnp.array([x], jnp.float32)
     mask = jnp.ones((1, len(new_lp)), bool) if mask is None else jnp.array([mask])
-    return ppo_loss(*args, mask, cliprange=kw.get("c", 0.2), cliprange_value=kw.get("cv", 0.2), vf_coef=0.1)
+    return ppo_loss(
+        arr(new_lp),
+        arr(new_v),
+        logprobs=arr(lp),
+        values=arr(v),
+        advantages=arr(adv),
+        returns=arr(ret),
+        mask=mask,
+        cliprange=kw.get("c", 0.2),
+        cliprange_value=kw.get("cv", 0.2),
+        vf_coef=0.1,
+    )
 
 
 def test_ppo_policy_loss_hand_cases():
@@ -550,33 +561,60 @@ def test_ppo_loss_numpy_and_direction():
     pg = np.maximum(-adv * ratio, -adv * np.clip(ratio, 0.8, 1.2))[mask].mean()
     vc = v + np.clip(new_v - v, -0.2, 0.2)
     vf = 0.5 * np.maximum((new_v - ret) ** 2, (vc - ret) ** 2)[mask].mean()
-    args = [jnp.array(x, jnp.float32) for x in (new_lp, new_v, lp, v, adv, ret)]
-    loss, m = ppo_loss(*args, jnp.array(mask), 0.2, 0.2, 0.1)
+    f32 = lambda x: jnp.array(x, jnp.float32)
+    loss, m = ppo_loss(
+        f32(new_lp),
+        f32(new_v),
+        logprobs=f32(lp),
+        values=f32(v),
+        advantages=f32(adv),
+        returns=f32(ret),
+        mask=jnp.array(mask),
+        cliprange=0.2,
+        cliprange_value=0.2,
+        vf_coef=0.1,
+    )
     np.testing.assert_allclose(
         [m["loss/policy_avg"], m["loss/value_avg"], loss], [pg, vf, pg + 0.1 * vf], rtol=1e-5
     )
+
     # direction: with a positive advantage, raising the token's log-prob lowers the loss
-    grad = jax.grad(
-        lambda x: ppo_loss(
+    def loss_of(x):  # one token: old log-prob, values and return 0, advantage 1
+        return ppo_loss(
             x,
-            *[jnp.zeros((1, 1))] * 3,
-            jnp.ones((1, 1)),
             jnp.zeros((1, 1)),
-            jnp.ones((1, 1), bool),
-            0.2,
-            0.2,
-            0.1,
+            logprobs=jnp.zeros((1, 1)),
+            values=jnp.zeros((1, 1)),
+            advantages=jnp.ones((1, 1)),
+            returns=jnp.zeros((1, 1)),
+            mask=jnp.ones((1, 1), bool),
+            cliprange=0.2,
+            cliprange_value=0.2,
+            vf_coef=0.1,
         )[0]
-    )(jnp.zeros((1, 1)))
+
+    grad = jax.grad(loss_of)(jnp.zeros((1, 1)))
     assert grad[0, 0] < 0
 
 
 def test_ppo_value_loss_direction_and_clipped_values_have_no_gradient():
     def grad(new_v, ret):  # d loss / d V_new on one token: old value 0, advantage 0, vf_coef 0.1
         zero = jnp.zeros((1, 1))
-        f = lambda x: ppo_loss(
-            zero, x, zero, zero, zero, jnp.full((1, 1), ret), jnp.ones((1, 1), bool), 0.2, 0.2, 0.1
-        )[0]
+
+        def f(x):
+            return ppo_loss(
+                zero,
+                x,
+                logprobs=zero,
+                values=zero,
+                advantages=zero,
+                returns=jnp.full((1, 1), ret),
+                mask=jnp.ones((1, 1), bool),
+                cliprange=0.2,
+                cliprange_value=0.2,
+                vf_coef=0.1,
+            )[0]
+
         return float(jax.grad(f)(jnp.full((1, 1), new_v))[0, 0])
 
     # inside the clip range: d/dV ½·0.1·(V − R)² = 0.1·(V − R), so V moves toward the return
@@ -652,11 +690,11 @@ def _grpo_loss(
         arr(ref),
         arr(advantages),
         jnp.array(mask, bool),
-        eps,
-        eps_high,
-        beta,
-        loss_type,
-        level,
+        epsilon=eps,
+        epsilon_high=eps_high,
+        beta=beta,
+        loss_type=loss_type,
+        importance_sampling_level=level,
     )
 
 
@@ -881,7 +919,9 @@ def test_gspo_ignores_padded_log_probs():
 # ---------------------------------------------------------------------------
 def _rloo_loss(logps, old, advantages, mask, eps=0.2, eps_high=0.2):
     arr = lambda x: jnp.array(x, jnp.float32)
-    return rloo_loss(arr(logps), arr(old), arr(advantages), jnp.array(mask, bool), eps, eps_high)
+    return rloo_loss(
+        arr(logps), arr(old), arr(advantages), jnp.array(mask, bool), epsilon=eps, epsilon_high=eps_high
+    )
 
 
 def test_rloo_leave_one_out_baseline_by_hand():
@@ -950,9 +990,11 @@ def test_rloo_numpy_float64_from_the_definitions():
     want_adv = np.array(want_adv)
     f32 = lambda x: jnp.array(x, jnp.float32)
     kl = sequence_kl(f32(garbage(old)), f32(garbage(ref)), jnp.array(mask))
-    adv, _ = rloo_advantages(jnp.array(rewards, jnp.float32), kl, k, beta)
+    adv, _ = rloo_advantages(jnp.array(rewards, jnp.float32), kl, k, beta=beta)
     np.testing.assert_allclose(adv, want_adv, rtol=1e-4, atol=1e-5)
-    normalised = rloo_advantages(jnp.array(rewards, jnp.float32), kl, k, beta, normalize_advantages=True)[0]
+    normalised = rloo_advantages(
+        jnp.array(rewards, jnp.float32), kl, k, beta=beta, normalize_advantages=True
+    )[0]
     np.testing.assert_allclose(
         normalised, (want_adv - want_adv.mean()) / (np.std(want_adv, ddof=1) + 1e-4), rtol=1e-4, atol=1e-5
     )

@@ -58,16 +58,18 @@ def test_ppo_update_moves_logprobs_along_advantages():
         "padding_mask": jnp.ones((8, q + r), bool),
         "response_mask": jnp.ones((8, r), bool),
     }
-    lp, ref, values = rollout_stats(models, params, params.policy, frozen, batch, q, 1.0)
+    lp, ref, values = rollout_stats(
+        models, params, params.policy, frozen, batch, context_length=q, temperature=1.0
+    )
     scores = jnp.array(rng.normal(size=8), jnp.float32)
-    adv, ret, _ = advantages_of(scores, lp, ref, values, jnp.full((8,), r - 1), args)
+    adv, ret, _ = advantages_of(scores, lp, ref, values, jnp.full((8,), r - 1), args=args)
     batch.update(logprobs=lp, values=values, advantages=adv, returns=ret)
     optimizer = optax.adam(1e-3)
     state = (params, optimizer.init(params))
-    step = jax.jit(lambda s, f, b: train_step(models, optimizer, args, s, f, b, q))
+    step = jax.jit(lambda s, f, b: train_step(models, optimizer, args, s, f, batch=b, context_length=q))
     state, m = step(state, frozen, batch)
     forward = jax.jit(
-        lambda p, f, ids, m: response_logps(bb, p, f, ids, m, q, 1.0)[:2]
+        lambda p, f, ids, m: response_logps(bb, p, f, ids, m, context_length=q, temperature=1.0)[:2]
     )  # see test_preference
     new_lp, _ = forward(state[0].policy, frozen.policy, batch["query_responses"], batch["padding_mask"])
     delta = np.asarray(new_lp - lp)
@@ -118,7 +120,8 @@ def test_cached_generation_matches_uncached_greedy_and_compiles_once():
     # like every updated version of them will
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p))(params)
     eos, pad = tok.end_token_id, tok.pad_token_id
-    gen = jax.jit(lambda p, qs, qm, k: generate(bb, p, frozen, qs, qm, k, r, 0.0, eos, pad)[0])
+    settings = {"response_length": r, "temperature": 0.0, "stop_ids": eos, "pad_id": pad}
+    gen = jax.jit(lambda p, qs, qm, k: generate(bb, p, frozen, qs, qm, key=k, **settings)[0])
     cached = np.asarray(gen(params, queries, qmask, jax.random.key(0)))
 
     seq, mask = (

@@ -161,7 +161,8 @@ def test_early_stop_samples_the_fixed_length_tokens_and_ends_when_all_have_ended
     logits = common.logits  # every sampler's logits come from common.logits (inside common.cached_forward)
     monkeypatch.setattr(common, "logits", lambda bb, h: logits(bb, h).at[..., eos].add(EOS_BIAS))
     r = 64
-    new = jax.jit(lambda p, qs, qm, k: module.generate(backbone, p, frozen, qs, qm, k, r, 1.0, eos, pad))
+    settings = {"response_length": r, "temperature": 1.0, "stop_ids": eos, "pad_id": pad}
+    new = jax.jit(lambda p, qs, qm, k: module.generate(backbone, p, frozen, qs, qm, key=k, **settings))
     old = jax.jit(lambda p, qs, qm, k: fixed_length_generate(backbone, p, frozen, qs, qm, k, r, 1.0))
     ends = []
     for k in range(2):  # two batches of one shape: other prompts (rows rolled), another key
@@ -184,11 +185,12 @@ def test_early_stop_samples_the_fixed_length_tokens_and_ends_when_all_have_ended
 def test_a_filter_that_keeps_one_token_samples_the_greedy_tokens(script, flags, tiny):
     module = importlib.import_module(script)
     backbone, params, frozen, queries, query_mask, eos, pad = tiny
-    gen = lambda t, **f: jax.device_get(
-        jax.jit(lambda p, qs, qm, k: module.generate(backbone, p, frozen, qs, qm, k, 8, t, eos, pad, **f))(
-            params, queries, query_mask, jax.random.key(1)
-        )[0]
-    )
+
+    def gen(t, **f):  # the tokens sampled at temperature t with the filters f
+        settings = {"response_length": 8, "temperature": t, "stop_ids": eos, "pad_id": pad, **f}
+        sample = jax.jit(lambda p, qs, qm, k: module.generate(backbone, p, frozen, qs, qm, key=k, **settings))
+        return jax.device_get(sample(params, queries, query_mask, jax.random.key(1))[0])
+
     np.testing.assert_array_equal(gen(1.0, **flags), gen(0.0))
 
 
@@ -324,8 +326,9 @@ def test_filtered_logps_match_a_float64_numpy_rederivation(temperature, top_k, t
     tokens[:4] = np.argmin(logits[:4], -1)  # the least likely: outside it (counted as kept, p / (Z + p))
     with_token = np.where(np.arange(64) == tokens[:, None], logits / np.float64(temperature), kept)
     expected = (with_token - np.log(np.exp(with_token).sum(-1, keepdims=True)))[np.arange(32), tokens]
+    filters = {"top_k": top_k, "top_p": top_p, "min_p": min_p}
     logq, entropy = jax.device_get(
-        grpo.filtered_logps(jnp.asarray(logits), jnp.asarray(tokens), temperature, top_k, top_p, min_p)
+        grpo.filtered_logps(jnp.asarray(logits), jnp.asarray(tokens), temperature, **filters)
     )
     np.testing.assert_allclose(logq, expected, rtol=1e-5, atol=1e-5)
     p = softmax64(with_token)
@@ -333,9 +336,9 @@ def test_filtered_logps_match_a_float64_numpy_rederivation(temperature, top_k, t
         entropy, -np.sum(np.where(p > 0, p * np.log(np.where(p > 0, p, 1)), 0), -1), rtol=1e-5, atol=1e-5
     )
     # and the gradient stays finite where tokens are dropped (-inf logits): 0 · -inf is kept out
-    grad = jax.grad(
-        lambda x: grpo.filtered_logps(x, jnp.asarray(tokens), temperature, top_k, top_p, min_p)[1].sum()
-    )(jnp.asarray(logits))
+    grad = jax.grad(lambda x: grpo.filtered_logps(x, jnp.asarray(tokens), temperature, **filters)[1].sum())(
+        jnp.asarray(logits)
+    )
     assert np.isfinite(np.asarray(grad)).all()
 
 
@@ -373,12 +376,24 @@ def test_the_sampler_and_the_trainer_take_the_same_distribution(flags, tiny):
 
     def meter(params, queries, query_mask, trainer_flags):
         tokens, _, logq = grpo.generate(
-            backbone, params, frozen, queries, query_mask, jax.random.key(3), r, 1.0, (eos,), pad, **flags
+            backbone,
+            params,
+            frozen,
+            queries,
+            query_mask,
+            key=jax.random.key(3),
+            response_length=r,
+            temperature=1.0,
+            stop_ids=(eos,),
+            pad_id=pad,
+            **flags,
         )
         responses, lengths = grpo.truncate_response(tokens, (eos,), pad)
         mask = jnp.arange(r)[None] <= lengths[:, None]
         ids, padding = jnp.concatenate([queries, responses], 1), jnp.concatenate([query_mask, mask], 1)
-        logps = grpo.response_logps(backbone, params, frozen, ids, padding, q, 1.0, **trainer_flags)[0]
+        logps = grpo.response_logps(
+            backbone, params, frozen, ids, padding, context_length=q, temperature=1.0, **trainer_flags
+        )[0]
         return grpo.mismatch(logps, logq, mask)
 
     on_data = jax.sharding.NamedSharding(common.make_mesh(None), jax.sharding.PartitionSpec("data"))
@@ -456,7 +471,13 @@ def test_completions_end_at_the_chats_turn_end(template, script, chat_tokenizers
         "logits",
         lambda bb, h: logits(bb, h).at[..., stops[1]].add(TURN_BIAS).at[..., jnp.array([0, 1])].set(-jnp.inf),
     )  # never an EOS (tiny's is 1, the Qwen tokenizer's 0)
-    gen = jax.jit(lambda p, f, qs, qm, k, s: sampler.generate(backbone, p, f, qs, qm, k, r, 1.0, s, pad))
+
+    @jax.jit
+    def gen(p, f, qs, qm, k, s):  # s: the stop ids, an input (one compilation for both kinds)
+        return sampler.generate(
+            backbone, p, f, qs, qm, key=k, response_length=r, temperature=1.0, stop_ids=s, pad_id=pad
+        )
+
     on_data = jax.sharding.NamedSharding(common.make_mesh(None), jax.sharding.PartitionSpec("data"))
     out = {}
     for kind, ids in (("eos only", (stops[0],) * 2), ("turn end", stops)):  # one shape: one compilation
@@ -466,10 +487,10 @@ def test_completions_end_at_the_chats_turn_end(template, script, chat_tokenizers
             frozen,
             queries,
             query_mask,
-            jax.random.key(5),
-            ids,
-            pad,
-            on_data,
+            key=jax.random.key(5),
+            stop_ids=ids,
+            pad_id=pad,
+            on_data=on_data,
         )
         qb = sampler.query_length(batch)
         out[kind] = (jax.device_get(batch), *sampler.decode(tok, batch, lengths, qb, ids))
