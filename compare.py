@@ -19,7 +19,7 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass
-from typing import Annotated, Literal
+from typing import Annotated, Literal, NamedTuple
 
 import plumbing  # the run shell: the exit boundary, --help from this file's source (instant to import)
 
@@ -179,7 +179,10 @@ def task_flags(task, model, recipe):
     if task == "toy" or not plumbing.is_toy_model(model):
         return []
     kind = TASK_DATA[recipe]
-    path = lambda split: os.path.join(common.HERE, "data", "compare", f"{kind}_{split}.jsonl")
+
+    def path(split):
+        return os.path.join(common.HERE, "data", "compare", f"{kind}_{split}.jsonl")
+
     return ["--dataset", path("train")] + (["--eval-dataset", path("eval")] if kind != "prompts" else [])
 
 
@@ -213,6 +216,24 @@ def tag(setting):
     return "__".join(f"{k}_{v}" for k, v in setting.items())
 
 
+# A row of the table after SFT, run once per seed (and per --sweep setting): its name (a fork's: its file's), its
+# script, its RECIPE key (a fork reads dpo's), its --max-steps (None: sft+rl's, known once its seed's RL rows
+# ran: matched_steps), its own flags (a teacher, the task score as reward), its pass-through flags (appended
+# last), and whether it is PPO on its seed's reward model (a reward stage first)
+Row = NamedTuple(
+    "Row",
+    [
+        ("name", str),
+        ("script", str),
+        ("recipe", str),
+        ("steps", int | None),
+        ("flags", list[str]),
+        ("extra", str),
+        ("on_rm", bool),
+    ],
+)
+
+
 def plan(args, output_dir):
     """-> (stages {name: run dir under output_dir, row, setting, seed, script, flags, needs} in run order,
     the base model, the seeds, the sweep grid); bad choices raise UsageError."""
@@ -223,12 +244,25 @@ def plan(args, output_dir):
         )
     base = os.path.join(output_dir, "sft", "model") if "sft" in methods else args.model
     sft = ["sft"] if "sft" in methods else []
-    lr, fn = ["--learning-rate", str(args.learning_rate)], ["--reward-fn", args.reward_fn]
-    budget = lambda steps: ["--max-steps", str(steps)] + curve_flags(steps, args.curve_points)
-    script = lambda name: os.path.join(common.HERE, f"{name}.py")
-    # rows after SFT: (row, script, recipe key, steps, its flags, pass-through flags, on the reward model)
+    lr = ["--learning-rate", str(args.learning_rate)]
+    fn = ["--reward-fn", args.reward_fn]
+
+    def budget(steps):
+        return ["--max-steps", str(steps)] + curve_flags(steps, args.curve_points)
+
+    def script(name):
+        return os.path.join(common.HERE, f"{name}.py")
+
     rows = [
-        (m, script(m), m, args.steps, [], getattr(args, f"{m}_args"), False)
+        Row(
+            name=m,
+            script=script(m),
+            recipe=m,
+            steps=args.steps,
+            flags=[],
+            extra=getattr(args, f"{m}_args"),
+            on_rm=False,
+        )
         for m in PREFERENCE
         if m in methods
     ]
@@ -238,39 +272,87 @@ def plan(args, output_dir):
             raise plumbing.UsageError(
                 f"--extra {path}: expected an existing script whose name is not a built-in"
             )
-        rows.append((name, os.path.abspath(path), "dpo", args.steps, [], args.extra_args, False))
+        rows.append(
+            Row(
+                name=name,
+                script=os.path.abspath(path),
+                recipe="dpo",
+                steps=args.steps,
+                flags=[],
+                extra=args.extra_args,
+                on_rm=False,
+            )
+        )
     if "distill" in methods:  # the preference rows' budget, graded token by token by the teacher
         if not args.teacher_model:
             raise plumbing.UsageError(
                 "--methods distill needs --teacher-model (a model of the base's vocabulary)"
             )
         rows.append(
-            (
-                "distill",
-                script("distill"),
-                "distill",
-                args.steps,
-                ["--teacher-model", args.teacher_model],
-                args.distill_args,
-                False,
+            Row(
+                name="distill",
+                script=script("distill"),
+                recipe="distill",
+                steps=args.steps,
+                flags=["--teacher-model", args.teacher_model],
+                extra=args.distill_args,
+                on_rm=False,
             )
         )
     if "sft+" in methods:  # the preference rows' control: their steps, their tokens (RECIPE's sft+)
-        rows.append(("sft+", script("sft"), "sft+", args.steps, [], args.sft_args, False))
+        rows.append(
+            Row(
+                name="sft+",
+                script=script("sft"),
+                recipe="sft+",
+                steps=args.steps,
+                flags=[],
+                extra=args.sft_args,
+                on_rm=False,
+            )
+        )
     for row, on_rm in (("ppo", True), ("ppo_fn" if args.ppo_reward == "both" else "ppo", False)):
         if "ppo" in methods and args.ppo_reward in ("both", "model" if on_rm else "fn"):
             rows.append(
-                (row, script("ppo"), "ppo", args.ppo_steps, [] if on_rm else fn, args.ppo_args, on_rm)
+                Row(
+                    name=row,
+                    script=script("ppo"),
+                    recipe="ppo",
+                    steps=args.ppo_steps,
+                    flags=[] if on_rm else fn,
+                    extra=args.ppo_args,
+                    on_rm=on_rm,
+                )
             )
     for m in ("grpo", "rloo"):  # a verifiable reward: the task score itself, like ppo_fn
         if m in methods:
-            rows.append((m, script(m), m, getattr(args, f"{m}_steps"), fn, getattr(args, f"{m}_args"), False))
-    if "sft+rl" in methods and any(r[0] in RL for r in rows):  # steps: matched_steps, once the RL rows ran
-        rows.append(("sft+rl", script("sft"), "sft+", None, [], args.sft_args, False))
-    grid = parse_sweep(args.sweep, [r[0] for r in rows])
+            rows.append(
+                Row(
+                    name=m,
+                    script=script(m),
+                    recipe=m,
+                    steps=getattr(args, f"{m}_steps"),
+                    flags=fn,
+                    extra=getattr(args, f"{m}_args"),
+                    on_rm=False,
+                )
+            )
+    if "sft+rl" in methods and any(r.name in RL for r in rows):  # steps: matched_steps, once the RL rows ran
+        rows.append(
+            Row(
+                name="sft+rl",
+                script=script("sft"),
+                recipe="sft+",
+                steps=None,
+                flags=[],
+                extra=args.sft_args,
+                on_rm=False,
+            )
+        )
+    grid = parse_sweep(args.sweep, [r.name for r in rows])
     template = ["--chat-template", args.chat_template] if args.chat_template else []
 
-    def stage(name, row, script, recipe, model, flags, seed, extra, needs, setting):
+    def stage(name, *, row, script, recipe, model, flags, seed, extra, needs, setting):
         swept = [x for k, v in setting.items() for x in ("--" + k.replace("_", "-"), v)]
         return {
             "name": name,
@@ -291,49 +373,62 @@ def plan(args, output_dir):
         }
 
     seeds = [args.seed + k for k in range(args.seeds)]
-    stages = (
-        [
+    stages = []
+    if sft:
+        stages.append(
             stage(
                 "sft",
-                "sft",
-                script("sft"),
-                "sft",
-                args.model,
-                budget(args.sft_steps),
-                args.seed,
-                args.sft_args,
-                [],
-                {},
+                row="sft",
+                script=script("sft"),
+                recipe="sft",
+                model=args.model,
+                flags=budget(args.sft_steps),
+                seed=args.seed,
+                extra=args.sft_args,
+                needs=[],
+                setting={},
             )
-        ]
-        if sft
-        else []
-    )
+        )
     for seed in seeds:
         rm = f"reward/seed{seed}"
-        if any(r[6] for r in rows):
+        if any(r.on_rm for r in rows):
             stages.append(
                 stage(
                     rm,
-                    "reward",
-                    script("reward"),
-                    "reward",
-                    base,
-                    ["--max-steps", str(args.reward_steps), "--normalize"],
-                    seed,
-                    args.reward_args,
-                    sft,
-                    {},
+                    row="reward",
+                    script=script("reward"),
+                    recipe="reward",
+                    model=base,
+                    flags=["--max-steps", str(args.reward_steps), "--normalize"],
+                    seed=seed,
+                    extra=args.reward_args,
+                    needs=sft,
+                    setting={},
                 )
             )
-        for row, path, recipe, steps, row_flags, extra, on_rm in rows:
+        for row in rows:
             ran = [s["name"] for s in stages if s["seed"] == seed and s["row"] in (RL + ("sft+",))]
-            flags = (budget(steps) if steps else []) + ([] if row in CONTROLS else lr)
-            flags += row_flags + (["--reward-model", os.path.join(output_dir, rm, "model")] if on_rm else [])
-            needs = sft + ([rm] if on_rm else []) + (ran if not steps else [])
-            for setting in grid.get(row, [{}]):
-                name = "/".join(filter(None, [row, tag(setting), f"seed{seed}"]))
-                stages.append(stage(name, row, path, recipe, base, flags, seed, extra, needs, setting))
+            flags = (budget(row.steps) if row.steps else []) + ([] if row.name in CONTROLS else lr)
+            flags += row.flags + (
+                ["--reward-model", os.path.join(output_dir, rm, "model")] if row.on_rm else []
+            )
+            needs = sft + ([rm] if row.on_rm else []) + (ran if not row.steps else [])
+            for setting in grid.get(row.name, [{}]):
+                name = "/".join(filter(None, [row.name, tag(setting), f"seed{seed}"]))
+                stages.append(
+                    stage(
+                        name,
+                        row=row.name,
+                        script=row.script,
+                        recipe=row.recipe,
+                        model=base,
+                        flags=flags,
+                        seed=seed,
+                        extra=row.extra,
+                        needs=needs,
+                        setting=setting,
+                    )
+                )
     return stages, base, seeds, grid
 
 
@@ -398,7 +493,10 @@ def run_cost(run_dir):
     rows = read_metrics(run_dir)
     path = os.path.join(run_dir, "args.json")
     a = json.load(open(path)) if os.path.exists(path) else {}
-    total = lambda k: float(sum(r[k] for r in rows if k in r)) if any(k in r for r in rows) else float("nan")
+
+    def total(k):
+        return float(sum(r[k] for r in rows if k in r)) if any(k in r for r in rows) else float("nan")
+
     generated = (
         total("charts/generated_tokens")
         if any("charts/generated_tokens" in r for r in rows)
@@ -446,37 +544,45 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
     on `prompts_path` against `base`, both sampled with `seed` (paired); outputs in eval_dir(key, seed)."""
     import evaluate  # JAX starts only now, after the training processes ended (a TPU admits one)
 
-    eargs = lambda seed, rm: evaluate.Args(
-        model=base,
-        baseline=base,
-        prompts=prompts_path,
-        num_prompts=args.num_prompts,
-        reward_fn=(args.reward_fn,),
-        reward_model=rm,
-        chat_template=args.chat_template,
-        max_new_tokens=args.max_new_tokens,
-        temperature=args.temperature,
-        seed=seed,
-    )
-    mesh, ea = common.make_mesh(None), eargs(args.seed, None)
+    def eargs(seed, rm):
+        return evaluate.Args(
+            model=base,
+            baseline=base,
+            prompts=prompts_path,
+            num_prompts=args.num_prompts,
+            reward_fn=(args.reward_fn,),
+            reward_model=rm,
+            chat_template=args.chat_template,
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            seed=seed,
+        )
+
+    mesh = common.make_mesh(None)
+    ea = eargs(args.seed, None)
     prompts, rows, reward_fn = evaluate.check_args(ea, mesh)
     base_policy = evaluate.load_policy(base, mesh, ea)
     data = evaluate.prepare(ea, mesh, prompts, rows, base_policy.model.preprocessor.tokenizer)
-    scorers, base_outs, results = {}, {}, {}
+    scorers = {}  # one a reward model (None: the task score only)
+    base_outs = {}  # the base's responses, one set a (sampling seed, reward model)
+    results = {}
     for key, seed, model_dir, rm in jobs:
-        t0, ea = time.perf_counter(), eargs(seed, rm)
+        t0 = time.perf_counter()
+        ea = eargs(seed, rm)
         if rm not in scorers:
             scorers[rm] = evaluate.make_scorer(ea, mesh, data, reward_fn)
         if (seed, rm) not in base_outs:
             base_outs[seed, rm] = evaluate.evaluate_policy(
-                base_policy, data, scorers[rm], ea, mesh, base_policy
+                base_policy, data, scorers[rm], ea, mesh, baseline=base_policy
             )
-        b = outs = base_outs[seed, rm]
+        b = base_outs[seed, rm]
+        outs = b  # a base_keys job: the base against itself
         if model_dir != base:
             policy = evaluate.load_policy(model_dir, mesh, ea, like=base_policy)
             evaluate.check_same_tokens(model_dir, policy.model, data, ea, key)
             outs = evaluate.evaluate_policy(policy, data, scorers[rm], ea, mesh, baseline=base_policy)
-        results[key], m = evaluate.per_prompt(outs, b), evaluate.summarize(outs, b)
+        results[key] = evaluate.per_prompt(outs, b)
+        m = evaluate.summarize(outs, b)
         meta = {
             "model": model_dir,
             "baseline": base,
@@ -515,9 +621,12 @@ def checkpoint_scores(args, base, run_dirs):
     prompts, rows, reward_fn = evaluate.check_args(ea, mesh)
     policy = evaluate.load_policy(base, mesh, ea)
     data = evaluate.prepare(ea, mesh, prompts, rows, policy.model.preprocessor.tokenizer)
-    scorer, bs, curves = evaluate.make_scorer(ea, mesh, data, reward_fn), data["batch_size"], {}
+    scorer = evaluate.make_scorer(ea, mesh, data, reward_fn)
+    bs = data["batch_size"]
+    curves = {}
     for run_dir in run_dirs:
-        folder, curves[run_dir] = os.path.abspath(os.path.join(run_dir, "checkpoints")), []
+        folder = os.path.abspath(os.path.join(run_dir, "checkpoints"))
+        curves[run_dir] = []
         with open(os.path.join(run_dir, "args.json")) as f:
             last = json.load(f)["max_steps"]  # its end: model/, scored in the table
         steps = (
@@ -537,7 +646,8 @@ def checkpoint_scores(args, base, run_dirs):
             at = policy._replace(
                 params=[jax.device_put(w, p.sharding) for w, p in zip(params, policy.params)]
             )
-            out = evaluate.respond(at, data, "greedy", jax.random.key(0), bs, mesh)  # greedy: the key unused
+            # greedy: the key unused
+            out = evaluate.respond(at, data, "greedy", jax.random.key(0), batch_size=bs, mesh=mesh)
             curves[run_dir].append((step, float(evaluate.score(scorer, data, out, bs, mesh)["score"].mean())))
         print(
             f"      {os.path.relpath(run_dir)}: greedy score at steps {steps}: "
@@ -559,8 +669,11 @@ def mean_interval(x, level=0.95):
     """Mean of x [S seeds, P prompts] and the half-width of its `level` interval, seeds and prompts random
     (crossed two-way random effects, Cornfield–Tukey): Var(mean) = (MS_seed + MS_prompt − MS_resid) / (S·P),
     t with Satterthwaite's df, each MS floored at MS_resid; S = 1: the t-interval over prompts."""
-    s, p = (x := np.asarray(x, np.float64)).shape
-    m, rows, cols = x.mean(), x.mean(1), x.mean(0)
+    x = np.asarray(x, np.float64)
+    s, p = x.shape
+    m = x.mean()
+    rows = x.mean(1)  # each seed's mean [S]
+    cols = x.mean(0)  # each prompt's mean [P]
     ms_p = s * np.sum((cols - m) ** 2) / max(p - 1, 1)
     if s == 1:
         terms = [(ms_p, p - 1)]
@@ -591,7 +704,7 @@ def verdict(delta, name):
     return f"{word} {name} (Δ {d:+.3f} ± {h:.3f}{covers})"
 
 
-def note(name, st, base_name, base_st, run_metrics, on_reward_model):
+def note(name, st, base_name, base_st, *, run_metrics, on_reward_model):
     """One line a row: verdicts against the base and the control, then the likely why (log-probs, RM, KL)."""
     if name == base_name:
         return "the base every other method starts from (one model, shared by every seed)"
@@ -600,7 +713,11 @@ def note(name, st, base_name, base_st, run_metrics, on_reward_model):
     )
     if st["delta"][0] + st["delta"][1] >= 0:
         return head
-    head, mean = head + ": ", lambda k, b=st: b[k][0]
+    head += ": "
+
+    def mean(k, b=st):  # a metric's mean: this row's, or b's
+        return b[k][0]
+
     chosen = [[r["eval/logps/chosen"] for r in rows if "eval/logps/chosen" in r] for rows in run_metrics]
     chosen = [c for c in chosen if len(c) >= 2]
     first, last = (np.mean([c[0] for c in chosen]), np.mean([c[-1] for c in chosen])) if chosen else (0, 0)
@@ -673,16 +790,15 @@ def table(rows, base_name, with_rm):
 def seed_band(runs):
     """Each seed's [[FLOPs, score]] -> x, mean, min, max over seeds at the first k - 1 points and the ends (k: the
     fewest points; sft+rl's seeds may differ by a checkpoint)."""
-    xy = np.stack(
-        [np.concatenate([r[: min(map(len, runs)) - 1], r[-1:]]) for r in runs]
-    )  # [seeds, points, 2]
+    fewest = min(map(len, runs))
+    xy = np.stack([np.concatenate([r[: fewest - 1], r[-1:]]) for r in runs])  # [seeds, points, 2]
     return xy[..., 0].mean(0), xy[..., 1].mean(0), xy[..., 1].min(0), xy[..., 1].max(0)
 
 
-def plot(curves, stats, base_name, temperature, path):
-    """Each row's main training metric (left; every seed), the test scores ± intervals (middle), the greedy
-    test score against training FLOPs, SFT included (right: mean over seeds, band: their range)."""
-    curves, score_curves = curves
+def plot(curves, score_curves, stats, *, base_name, temperature, path):
+    """Each row's main training metric (left; every seed: `curves`), the test scores ± intervals (middle), the
+    greedy test score against training FLOPs, SFT included (right: `score_curves`; mean over seeds, band: their
+    range)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -695,9 +811,12 @@ def plot(curves, stats, base_name, temperature, path):
         ax = fig.add_subplot(grid[i % 2, i // 2])
         for k, (metric, steps, values) in enumerate(runs):  # seed --seed bold, the others thin
             ax.plot(steps, values, marker=None if k else ".", lw=0.8 if k else 1.2, alpha=0.6 if k else 1)
-        ax.set_title(f"{name}: {runs[0][0]}", fontsize=9), ax.set_xlabel("step", fontsize=8)
+        ax.set_title(f"{name}: {runs[0][0]}", fontsize=9)
+        ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
-    ax, names, x = fig.add_subplot(grid[:, cols]), list(stats), np.arange(len(stats))
+    ax = fig.add_subplot(grid[:, cols])
+    names = list(stats)
+    x = np.arange(len(stats))
     for dx, key, label in ((-0.2, "score", "greedy"), (0.2, "score_sampled", f"sampled (T={temperature:g})")):
         ax.bar(
             x + dx,
@@ -709,39 +828,58 @@ def plot(curves, stats, base_name, temperature, path):
         )
     if base_name in stats:
         ax.axhline(stats[base_name]["score"][0], ls="--", lw=1, color="gray", label=f"{base_name} greedy")
-    ax.set_xticks(x, names, rotation=30, fontsize=8), ax.legend(fontsize=8, loc="upper right")
+    ax.set_xticks(x, names, rotation=30, fontsize=8)
+    ax.legend(fontsize=8, loc="upper right")
     ax.set(ylim=(0, 1.05), ylabel="test task score (mean ± 95% interval)")
     ax.set_title("final scores (evaluate.py protocol, test split)", fontsize=10)
-    ax, span = fig.add_subplot(grid[:, cols + 1]), []
+    ax = fig.add_subplot(grid[:, cols + 1])
+    span = []  # (first FLOPs, lowest, highest) of each row drawn in full: the zoom
     top = score_curves[base_name][0][-1, 1] if base_name in score_curves else np.nan  # the base's end score
     for i, (n, runs) in enumerate(score_curves.items()):
         x, mean, low, high = seed_band(runs)
-        color, out = plt.cm.tab20(2 * i % 20 + i // 10), n != base_name and bool(mean.min() < top - 0.06)
+        color = plt.cm.tab20(2 * i % 20 + i // 10)
+        out = n != base_name and bool(mean.min() < top - 0.06)  # far below the base: outside the zoom
         ax.plot(
             x, mean, marker="o", ms=3, lw=1.2, label=n + f" (to {mean[-1]:.2f}, below)" * out, color=color
         )
         ax.fill_between(x, low, high, alpha=0.15, color=color)
-        span += [(x[0], low.min(), high.max())] if n != base_name and not out else []
-    if (
-        span
-    ):  # zoomed on the post-training range: the base climbs in from the left, rows far below leave (legend)
-        (x0, *_), (low, high) = min(span), np.array(span)[:, 1:].T
+        if n != base_name and not out:
+            span.append((x[0], low.min(), high.max()))
+    # zoomed on the post-training range: the base climbs in from the left, rows far below leave (legend)
+    if span:
+        x0 = min(span)[0]
+        low, high = np.array(span)[:, 1:].T
         ax.set(xlim=(0.7 * x0, None), ylim=(low.min() - 0.03, high.max() + 0.03))
     ax.set(xlabel=FLOPS_LABEL, ylabel="greedy task score, test split (band: the seeds' range)")
-    (
-        ax.set_title("score against compute (checkpoints)", fontsize=10),
-        ax.legend(fontsize=8),
-        fig.tight_layout(),
-    )
-    fig.savefig(path, dpi=110), plt.close(fig)
+    ax.set_title("score against compute (checkpoints)", fontsize=10)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
 
 
 def write_report(
-    args, output_dir, stages, rows, stats, costs, curves, sweep, base_name, reward_acc, seeds, total
+    args,
+    output_dir,
+    *,
+    stages,
+    rows,
+    stats,
+    costs,
+    curves,
+    score_curves,
+    sweep,
+    base_name,
+    reward_acc,
+    seeds,
+    total,
 ):
     """comparison.md (table, sweep, protocol, commands) and comparison.png into output_dir."""
     md = table(rows, base_name, any("rm_score" in st for st in stats.values()))
-    short = lambda p: p if os.path.relpath(p).startswith("..") else os.path.relpath(p)
+
+    def short(p):  # relative to the working directory, unless outside it
+        return p if os.path.relpath(p).startswith("..") else os.path.relpath(p)
+
     runs = "\n".join(f"    python {short(s['script'])} {shlex.join(s['flags'])}" for s in stages)
     rm_line = (
         f"- reward model (PPO's reward, trained on the same preference pairs, one per seed): held-out pair "
@@ -749,15 +887,16 @@ def write_report(
         if reward_acc is not None
         else ""
     )
-    # sweep: {row: [(setting, stats on the eval split, kept)]} -> every setting's eval score
+    # sweep: {row: [{setting, stats on the eval split, kept}]} -> every setting's eval score
     sweep_md = (
         f"\n## Sweep (chosen on the eval split, {short(args.eval_prompts)})\n\n"
         f"| method | setting | eval task score | Δ vs {base_name} (eval, paired) | kept |\n"
         "|---|---|---:|---:|---|\n"
         + "".join(
-            f"| {r} | `{t}` | {fmt(st['score'])} | {fmt(st['delta'])} | {'**kept**' * k} |\n"
+            f"| {r} | `{t['setting']}` | {fmt(t['stats']['score'])} | {fmt(t['stats']['delta'])} | "
+            f"{'**kept**' * t['kept']} |\n"
             for r, settings in sweep.items()
-            for t, st, k in settings
+            for t in settings
         )
         + "\nEach setting trained with every seed; the one with the best mean greedy task score on "
         "the eval split is kept, and only it is scored on the test split (the table above).\n"
@@ -801,12 +940,20 @@ Commands run:
 """
     with open(os.path.join(output_dir, "comparison.md"), "w") as f:
         f.write(text)
-    plot(curves, stats, base_name, args.temperature, os.path.join(output_dir, "comparison.png"))
+    plot(
+        curves,
+        score_curves,
+        stats,
+        base_name=base_name,
+        temperature=args.temperature,
+        path=os.path.join(output_dir, "comparison.png"),
+    )
     return md
 
 
 def main(args):
-    args = dataclasses.replace(args, **dict(zip(("eval_prompts", "test_prompts"), task_prompts(args))))
+    eval_prompts, test_prompts = task_prompts(args)
+    args = dataclasses.replace(args, eval_prompts=eval_prompts, test_prompts=test_prompts)
     output_dir = args.output_dir or plumbing.default_output_dir("compare", args.model, args.seed)
     stages, base, seeds, grid = plan(args, output_dir)
     common.load_reward_fn(args.reward_fn)
@@ -814,12 +961,15 @@ def main(args):
     for path, flag in ((args.eval_prompts, "--eval-prompts"), (args.test_prompts, "--test-prompts")):
         common.read_dataset(path, "prompt", common.chat_template(args.model, args.chat_template), flag)
     prepare_output_dir(output_dir, stages, args.overwrite)
-    t_start, ok, walls = time.perf_counter(), {}, {}
+    t_start = time.perf_counter()
+    ok = {}  # each run: exited 0
+    walls = {}  # each run's wall seconds
     for i, stage in enumerate(stages, 1):
         missing = [n for n in stage["needs"] if not ok.get(n)]
         if missing:
             print(f"[{i}/{len(stages)}] {stage['name']}: skipped ({', '.join(missing)} failed)", flush=True)
-            ok[stage["name"]], walls[stage["name"]] = False, 0.0
+            ok[stage["name"]] = False
+            walls[stage["name"]] = 0.0
             continue
         if stage["row"] == "sft+rl":  # its budget is known only now: the RL rows' logged FLOPs
             steps = matched_steps(output_dir, stage)
@@ -827,7 +977,9 @@ def main(args):
         ok[stage["name"]], walls[stage["name"]] = run_stage(i, len(stages), stage, output_dir)
     if "sft" in ok and not ok["sft"]:
         raise RunsFailed(f"sft failed: nothing to compare (see {output_dir}/sft.log)")
-    md = evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, t_start)
+    md = evaluate_and_report(
+        args, output_dir, stages, base=base, seeds=seeds, grid=grid, ok=ok, walls=walls, t_start=t_start
+    )
     print(
         f"\n{md}\n\ndone in {(time.perf_counter() - t_start) / 60:.1f} min: "
         f"{output_dir}/comparison.md, comparison.png"
@@ -861,58 +1013,72 @@ def versus_base(res, runs, base_keys):
 
 
 def choose_settings(args, grid, swept, evaluate_on, base_keys):
-    """Swept runs scored on the eval split -> ({row: kept}, {row: [[setting, stats, kept]]}): best mean."""
+    """Swept runs scored on the eval split -> ({row: kept}, {row: [{setting, stats, kept}]}): best mean."""
     print(f"[eval] sweep: {len(swept)} runs on the eval split ({args.eval_prompts})", flush=True)
     res = evaluate_on("eval", swept)
-    runs = lambda row, t: [s for s in swept if s["row"] == row and s["setting"] == t]
+
+    def runs(row, t):
+        return [s for s in swept if s["row"] == row and s["setting"] == t]
+
     sweep = {
         row: [
-            [t, versus_base(res, runs(row, t), base_keys), False]
+            {"setting": t, "stats": versus_base(res, runs(row, t), base_keys), "kept": False}
             for t in dict.fromkeys(map(tag, grid[row]))
             if runs(row, t)
         ]
         for row in grid
     }
-    for best in [max(settings, key=lambda x: x[1]["score"][0]) for settings in sweep.values() if settings]:
-        best[2] = True
-    return {row: s[0] for row, settings in sweep.items() for s in settings if s[2]}, sweep
+    for settings in sweep.values():
+        if settings:
+            max(settings, key=lambda x: x["stats"]["score"][0])["kept"] = True
+    return {row: s["setting"] for row, settings in sweep.items() for s in settings if s["kept"]}, sweep
 
 
-def score_curve(res, at, output_dir, stage, metrics, walls, base_keys, is_base, sft_flops):
+def score_curve(res, at, output_dir, stage, metrics, *, walls, base_keys, is_base, sft_flops):
     """One run's [[training FLOPs, greedy test score]]: the base's point (after SFT), its checkpoints `at`
     (the base's FLOPs, a reward model's, its own up to each), its end (the table's score)."""
-    seed, own = stage["seed"], run_cost(run_dir := os.path.join(output_dir, stage["name"]))[2]
+    seed = stage["seed"]
+    run_dir = os.path.join(output_dir, stage["name"])
+    own = run_cost(run_dir)[2]
     offset = 0.0 if is_base else sft_flops + stage_cost(output_dir, stage, walls)[2] - own
     start = [] if is_base or not sft_flops else [(sft_flops, res[base_keys[seed]]["score"].mean())]
     end = [(offset + own, res[base_keys[seed] if is_base else stage["name"]]["score"].mean())]
     return np.array(start + [(offset + flops_at(metrics, step), v) for step, v in at.get(run_dir, [])] + end)
 
 
-def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, t_start):
+def evaluate_and_report(args, output_dir, stages, *, base, seeds, grid, ok, walls, t_start):
     """Pick swept settings on the eval split, score the kept runs and the base on the test split -> table."""
     base_name = "sft" if "sft" in ok else "base"
     done = [s for s in stages if s["row"] not in ("sft", "reward") and ok[s["name"]]]
-    rm = lambda seed: (
-        os.path.join(output_dir, f"reward/seed{seed}/model") if ok.get(f"reward/seed{seed}") else None
-    )
     base_keys = {seed: f"{base_name} seed{seed}" for seed in seeds}
-    evaluate_on = lambda split, runs, rm=lambda seed: None: evaluate_models(  # the runs, the base each seed
-        args,
-        args.eval_prompts if split == "eval" else args.test_prompts,
-        base,
-        [(k, x, base, rm(x)) for x, k in base_keys.items()]
-        + [(s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), rm(s["seed"])) for s in runs],
-        lambda key, seed: (
-            os.path.join(output_dir, key, f"eval_{split}")
-            if key in ok
-            else os.path.join(output_dir, base_name, f"eval_{split}", f"seed{seed}")
-        ),
-    )
+
+    def reward_model(seed, split):  # the seed's reward model (PPO's), scored on the test split only
+        trained = split == "test" and ok.get(f"reward/seed{seed}")
+        return os.path.join(output_dir, f"reward/seed{seed}/model") if trained else None
+
+    def evaluate_on(split, runs):  # the runs, the base each seed
+        def eval_dir(key, seed):  # a run's own folder; the base's: one a seed
+            own = os.path.join(output_dir, key, f"eval_{split}")
+            return own if key in ok else os.path.join(output_dir, base_name, f"eval_{split}", f"seed{seed}")
+
+        jobs = [(k, x, base, reward_model(x, split)) for x, k in base_keys.items()]
+        jobs += [
+            (
+                s["name"],
+                s["seed"],
+                os.path.join(output_dir, s["name"], "model"),
+                reward_model(s["seed"], split),
+            )
+            for s in runs
+        ]
+        prompts = args.eval_prompts if split == "eval" else args.test_prompts
+        return evaluate_models(args, prompts, base, jobs, eval_dir)
+
     swept = [s for s in done if s["row"] in grid]
     kept, sweep = choose_settings(args, grid, swept, evaluate_on, base_keys) if swept else ({}, {})
     final = [s for s in done if s["setting"] == kept.get(s["row"], "" if s["row"] not in grid else None)]
     print(f"[eval] {len(final)} runs and {base_name} on the test split ({args.test_prompts})", flush=True)
-    res = evaluate_on("test", final, rm)
+    res = evaluate_on("test", final)
     stats = {base_name: row_stats(*stack(res, list(base_keys.values()), list(base_keys.values())))}
     costs = {
         base_name: stage_cost(output_dir, stages[0], walls) if base_name == "sft" else [np.nan] * 3 + [0.0]
@@ -922,10 +1088,11 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
     ]
     at = checkpoint_scores(args, base, scored) if args.curve_points else {}  # the base's own curve too
     sft = costs[base_name][2] if np.isfinite(costs[base_name][2]) else 0.0  # a given base: its FLOPs unknown
-    curves, score_curves, rows = {}, {}, []
-    for name in [base_name] + list(
-        dict.fromkeys(s["row"] for s in stages if s["row"] not in ("sft", "reward"))
-    ):
+    curves = {}  # each row's main training metric, every seed: the left panels
+    score_curves = {}  # each row's greedy test score against FLOPs, every seed: the right panel
+    rows = []
+    names = [base_name] + list(dict.fromkeys(s["row"] for s in stages if s["row"] not in ("sft", "reward")))
+    for name in names:
         runs = [s for s in final if s["row"] == name] or [s for s in stages if s["name"] == name]
         metrics = [read_metrics(os.path.join(output_dir, s["name"])) for s in runs]
         if name != base_name and runs:
@@ -936,7 +1103,17 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
         on_rm = any("--reward-model" in s["flags"] for s in runs)
         score = (
             [
-                score_curve(res, at, output_dir, s, m, walls, base_keys, name == base_name, sft)
+                score_curve(
+                    res,
+                    at,
+                    output_dir,
+                    s,
+                    m,
+                    walls=walls,
+                    base_keys=base_keys,
+                    is_base=name == base_name,
+                    sft_flops=sft,
+                )
                 for s, m in zip(runs, metrics)
             ]
             if name in stats
@@ -956,39 +1133,38 @@ def evaluate_and_report(args, output_dir, stages, base, seeds, grid, ok, walls, 
             f"{n} (`{kept[n]}`)" if n in kept else n,
             stats.get(n),
             costs.get(n, [np.nan] * 3 + [0.0]),
-            note(n, stats[n], base_name, stats[base_name], m, on_rm)
+            note(n, stats[n], base_name, stats[base_name], run_metrics=m, on_reward_model=on_rm)
             if n in stats
             else f"failed or skipped: see {n}/*.log",
         )
         for n, m, on_rm in rows
     ]  # controls may come later
-    accs = sum(
+    held_out = [  # each reward model's held-out accuracies, as logged
         [
-            [
-                r["eval/accuracy"]
-                for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
-                if "eval/accuracy" in r
-            ][-1:]
-            for x in seeds
-        ],
-        [],
-    )  # each reward model's last held-out one
+            r["eval/accuracy"]
+            for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
+            if "eval/accuracy" in r
+        ]
+        for x in seeds
+    ]
+    accs = [a[-1] for a in held_out if a]  # each reward model's last held-out one
     reward_acc = float(np.mean(accs)) if accs else None
     with open(os.path.join(output_dir, "curves.json"), "w") as f:  # the right panel's points, to re-plot
         json.dump({n: [c.tolist() for c in cs] for n, cs in score_curves.items()}, f)
     return write_report(
         args,
         output_dir,
-        stages,
-        rows,
-        stats,
-        costs,
-        (curves, score_curves),
-        sweep,
-        base_name,
-        reward_acc,
-        seeds,
-        time.perf_counter() - t_start,
+        stages=stages,
+        rows=rows,
+        stats=stats,
+        costs=costs,
+        curves=curves,
+        score_curves=score_curves,
+        sweep=sweep,
+        base_name=base_name,
+        reward_acc=reward_acc,
+        seeds=seeds,
+        total=time.perf_counter() - t_start,
     )
 
 

@@ -98,7 +98,8 @@ def write(name, rows):
 def splits(rng, lengths, sizes):
     """{split: prompts}: eval drawn first, then train avoiding it, then test avoiding both; eval and test
     have no repeats and are sorted, train keeps its order (and may repeat a prompt, as the toy's does)."""
-    out, seen = {}, set()
+    out = {}
+    seen = set()  # the prompts of the splits drawn so far
     for split in ("eval", "train", "test"):
         ps = []
         while len(ps) < sizes[split]:
@@ -184,7 +185,9 @@ def main():
             ],
         )
         write(f"prompts_{split}.jsonl", [{"prompt": p, "answer": fmt(a)} for p, a in zip(ps, answers)])
-    test_rng, seen, test = random.Random(1), set(prompts["eval"]) | set(prompts["train"]), set()
+    test_rng = random.Random(1)  # its own RNG, drawn after the others: the files above stay the same
+    seen = set(prompts["eval"]) | set(prompts["train"])
+    test = set()
     while len(test) < SIZES["test"]:
         p = make_prompt(test_rng)
         if p not in seen:

@@ -215,7 +215,7 @@ def test_paired_interval_covers_the_truth_and_within_noise_note():
         st, base_st = compare.row_stats(row, base), compare.row_stats(base, base)
         d, h = st["delta"]
         assert abs(d - delta) <= h < 0.05, (name, d, h)  # covers the truth, and is narrow enough to tell
-        notes[name] = compare.note(name, st, "sft", base_st, [[]], False)
+        notes[name] = compare.note(name, st, "sft", base_st, run_metrics=[[]], on_reward_model=False)
     assert notes["better"].startswith("beats sft") and notes["worse"].startswith("below sft")
     assert notes["same"].startswith("within noise of sft")
     assert ["within noise" in n for n in notes.values()] == [False, True, False]
@@ -439,7 +439,9 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
             )
         )
     ok = {s["name"]: True for s in stages}
-    md = compare.evaluate_and_report(args, str(tmp_path), stages, base, seeds, grid, ok, {}, 0.0)
+    md = compare.evaluate_and_report(
+        args, str(tmp_path), stages, base=base, seeds=seeds, grid=grid, ok=ok, walls={}, t_start=0.0
+    )
     cells = {
         r.split("**")[1]: [c.strip() for c in r.split("|")[2:-1]]
         for r in md.splitlines()
@@ -602,7 +604,9 @@ def test_compare_failed_run_ends_in_runs_failed(tmp_path, monkeypatch, capsys):
     bad = tmp_path / "broken.py"
     bad.write_text("print('broken on purpose')\nraise SystemExit(3)\n")
     reports = []
-    monkeypatch.setattr(compare, "evaluate_and_report", lambda *a: reports.append(a[6]) or "| table |")
+    monkeypatch.setattr(
+        compare, "evaluate_and_report", lambda *a, ok, **kw: reports.append(ok) or "| table |"
+    )
     with pytest.raises(compare.RunsFailed, match=r"^1 of 1 runs failed or were skipped \(broken/seed0\)"):
         compare.main(compare.Args(methods="", extra=(str(bad),), seeds=1, output_dir=str(tmp_path / "cmp")))
     out = capsys.readouterr().out
