@@ -320,9 +320,10 @@ def text_causal_lm(preset, dtype=None):
     if not encoders and not needs_tf:
         return keras_hub.models.CausalLM.from_preset(preset, dtype=dtype)
     backbone = keras_hub.models.Backbone.from_preset(preset, dtype=dtype, **encoders)
+    # Gemma 4's draft-model task, Gemma4AssistantCausalLM, has it too
     task = getattr(keras_hub.models, cls.__name__.replace("Backbone", "CausalLM"), None) or find_subclass(
         preset, keras_hub.models.CausalLM, cls
-    )  # Gemma 4's draft-model task, Gemma4AssistantCausalLM, has it too
+    )
     preprocessor = keras_hub.models.CausalLMPreprocessor if needs_tf else task.preprocessor_cls
     return task(backbone=backbone, preprocessor=preprocessor(keras_hub.models.Tokenizer.from_preset(preset)))
 
@@ -1007,10 +1008,11 @@ def preference_triple(row, where, template, names=("chosen", "rejected")):
             _messages(row[k], k, where, template) if k in row else [] for k in ("prompt", *names)
         )
         if "prompt" not in row:
+            # the turns they share
             n = next(
                 (i for i, (c, r) in enumerate(zip(chosen, rejected)) if c != r),
                 min(len(chosen), len(rejected)),
-            )  # the turns they share
+            )
             prompt = chosen[:n]
             chosen, rejected = chosen[n:], rejected[n:]
         model, end = template.model, template.end

@@ -123,9 +123,10 @@ def completion_divergence(
     teacher_params, teacher_frozen = teacher_weights
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D]
     # the frozen teacher: no gradient into it (and its router's aux_loss is not trained), as TRL's no_grad
+    # [B, T, D_T]
     teacher_hidden = jax.lax.stop_gradient(
         common.forward(teacher, teacher_params, teacher_frozen, token_ids, padding_mask)[0]
-    )  # [B, T, D_T]
+    )
     b, r = response_mask.shape
     n = -(-r // chunk)
 
@@ -244,9 +245,10 @@ def generate(
                 token, logq = jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b,))
             else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
                 # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
+                # [B, V]
                 z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
                     logits / temperature, top_k, top_p, min_p
-                )  # [B, V]
+                )
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
                 # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
@@ -411,9 +413,10 @@ def check_args(args):
     common.check_sampler(args.model)  # the student samples: a family whose decoder layers the sampler knows
     student, teacher = common.vocabulary(args.model), common.vocabulary(args.teacher_model)
     if student != teacher:
+        # the first id the two tokenizers disagree on
         first = next(
             (i for i, (a, b) in enumerate(zip(student, teacher)) if a != b), min(len(student), len(teacher))
-        )  # the first id the two tokenizers disagree on
+        )
         raise common.UsageError(
             f"--teacher-model {args.teacher_model}: its tokenizer's vocabulary "
             f"({len(teacher)} tokens) is not --model {args.model}'s ({len(student)}; they"
@@ -425,6 +428,7 @@ def check_args(args):
 def make_optimizer(args, max_steps):
     """Clip, AdamW with --weight-decay on matrices only (not norms or biases), --lr-scheduler-type over the
     updates (one a step) -> (optimizer, schedule, warmup)"""
+    # differs from dpo.py's: the decay mask is a tree map (the same mask on a list)
     schedule, warmup = common.lr_schedule(
         args.lr_scheduler_type,
         args.learning_rate,
@@ -472,9 +476,8 @@ def main(args):
     params, frozen = common.split_variables(backbone)
     # committed to the mesh in their types, as the updated ones will be: the sampler compiles once (grpo.py)
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
-    teacher_weights = hold(
-        common.split_variables(teacher), args.teacher_dtype
-    )  # never updated, donated, saved
+    # never updated, donated, saved
+    teacher_weights = hold(common.split_variables(teacher), args.teacher_dtype)
     optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     state_shardings = (common.shardings(params), opt_shardings)

@@ -177,8 +177,7 @@ def sequence_logps(logps, loss_mask, average=False):
     """Per-sequence log-prob of the response: [B, T-1] token log-probs -> [B].
 
     Shifting `loss_mask` by one aligns it with `logps` (position t scores token
-    t+1), so BOS, prompt and padding drop out. Summed (DPO), or the per-token mean
-    (`average`: IPO, as TRL does).
+    t+1), so BOS, prompt and padding drop out. Summed, or the per-token mean (`average`).
     """
     mask = loss_mask[:, 1:]  # [B, T-1]: is token t+1 a response token
     total = jnp.sum(jnp.where(mask, logps, 0.0), -1)
@@ -351,6 +350,7 @@ def make_optimizer(args, max_steps):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
+    # shared flags and --output-dir checked; nothing written
     run = plumbing.Run(
         "dpo",
         args,
@@ -358,7 +358,7 @@ def main(args):
         eval_every=args.eval_every,
         grad_accum_steps=args.grad_accum_steps,
         export_hf=args.export_hf,
-    )  # shared flags and --output-dir checked; nothing written
+    )
     if args.beta <= 0 or not 0 <= args.label_smoothing < 0.5 or args.sft_weight < 0:
         raise common.UsageError("need --beta > 0, 0 <= --label-smoothing < 0.5 and --sft-weight >= 0")
     template = common.chat_template(args.model, args.chat_template)
@@ -420,9 +420,8 @@ def main(args):
         donate_argnums=0,
         out_shardings=(state_shardings, common.replicated(run.mesh)),
     )
-    run.record(
-        remat=remat, num_warmup_steps=warmup
-    )  # args.json: the mode --remat auto chose, the warmup steps
+    # args.json: the mode --remat auto chose, the warmup steps
+    run.record(remat=remat, num_warmup_steps=warmup)
 
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     @jax.jit

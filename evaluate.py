@@ -115,6 +115,7 @@ def sequence_kl(logps, baseline_logps, response_mask):
     y ~ π (the model's own samples), so the mean over prompts estimates KL(π || π_base);
     prompt and padding are outside `response_mask` (response tokens up to and with the EOS).
     """
+    # differs from rloo.py's: a KL between any two models' log-probs of the same samples (upcast to float32)
     diff = jnp.asarray(logps, jnp.float32) - jnp.asarray(baseline_logps, jnp.float32)
     return jnp.sum(jnp.where(response_mask, diff, 0.0), axis=1)
 

@@ -169,9 +169,10 @@ def generate(
                 token, logq = jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b,))
             else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
                 # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
+                # [B, V]
                 z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
                     logits / temperature, top_k, top_p, min_p
-                )  # [B, V]
+                )
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
                 # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
@@ -374,7 +375,8 @@ def rollout_logps(
 ):
     """π_old's log-probs of a finished generation batch, of the distribution sampled from (temperature, top-k,
     top-p, min-p), and π_ref's of logits / T only; an entry is left out where its params are None."""
-    # differs from rloo.py's: π_old only when params are given (one update a batch needs none: π_old = sg(π_θ))
+    # differs from rloo.py's: π_old only when params are given (one update a batch needs none: π_old =
+    # sg(π_θ))
     ids, mask = batch["query_responses"], batch["padding_mask"]
     out = {}
     if params is not None:
@@ -493,6 +495,7 @@ def check_args(args, mesh):
 def make_optimizer(args, max_steps):
     """Clip, AdamW (--weight-decay on matrices only), --lr-scheduler-type over all μ × mini-batches updates
     (TRL counts optimizer steps) -> (optimizer, schedule, warmup)"""
+    # differs from dpo.py's: updates = steps × μ × mini-batches (TRL counts optimizer steps)
     updates = max_steps * args.num_iterations * args.num_mini_batches
     schedule, warmup = common.lr_schedule(
         args.lr_scheduler_type,
@@ -544,7 +547,8 @@ def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
 def reward_metrics(rewards, parts, lengths, has_eos):
     """The summed reward, each reward function's (or the reward model's) mean and std (a function's None,
     NaN here, left out of them as TRL does), completion lengths."""
-    # differs from rloo.py's: no reward_std here (main logs the groups' mean std under that name, as TRL's GRPO)
+    # differs from rloo.py's: no reward_std here (main logs the groups' mean std under that name, as
+    # TRL's GRPO)
     return {
         "reward": float(rewards.mean()),
         **{
@@ -578,13 +582,14 @@ def main(args):
     g, n_prompts = args.num_generations, args.batch_size // args.num_generations
     # --max-steps, or --num-epochs' worth of B/G prompts
     max_steps = run.resolve_max_steps(len(prompts), n_prompts)
+    # r(x, y): the reward model, or the weighted functions
     scorer = common.load_scorer(
         run.mesh,
         run.dtype,
         reward_model=args.reward_model,
         reward_fns=args.reward_fn,
         weights=args.reward_weights,
-    )  # r(x, y): the reward model, or the weighted functions
+    )
     scorer.check_columns(rows)  # before the model loads: every column a reward function names exists
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer

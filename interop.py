@@ -427,6 +427,7 @@ def hf_tokenizer(tokenizer):
         for k in range(1, len(p))
         if p[:k] in normal and p[k:] in normal
     )
+    # a user-defined piece, which no merge makes, taken whole
     hf = Tokenizer(
         models.BPE(
             {p.piece: i for i, p in enumerate(pieces)},
@@ -436,7 +437,7 @@ def hf_tokenizer(tokenizer):
             byte_fallback=trainer.byte_fallback,
             ignore_merges=True,
         )
-    )  # a user-defined piece, which no merge makes, taken whole
+    )
     steps = [norm.Precompiled(spec.precompiled_charsmap)] if spec.precompiled_charsmap else []  # e.g. NFKC
     if spec.remove_extra_whitespaces:  # spaces only (after the charsmap, which makes "\n" one in nmt_nfkc)
         steps += [norm.Replace(Regex(r"\A +| +\z"), ""), norm.Replace(Regex(" {2,}"), " ")]
@@ -453,9 +454,10 @@ def hf_tokenizer(tokenizer):
     hf.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(), *strip]
     )
+    # so a template's "<bos>" is the BOS id
     hf.add_special_tokens(
         [AddedToken(p.piece, normalized=False, special=True) for p in pieces if p.type in (2, 3)]
-    )  # so a template's "<bos>" is the BOS id
+    )
     return hf
 
 

@@ -86,6 +86,7 @@ def tokenize_dataset(examples, tokenizer, max_length, path, seed, mismatched=Tru
     mismatched pair (Eq. 2): the prompt with the completion of the example before it in an order drawn from
     `seed` (TRL's rotation by one, once over the data: batches are reshuffled each epoch, and --precompute-ref
     needs the pairs fixed). Too long: cut the prompt from the left (BOS kept) for both, then drop it."""
+    # differs from dpo.py's: (prompt, completion, label) rows, each with the mismatched pair KTO's z0 needs
     pieces = [list(x) for x in tokenizer.tokenize([t for p, c, _ in examples for t in (p, c)])]  # one call
     prompts, completions = pieces[0::2], pieces[1::2]
     order = np.random.default_rng(seed).permutation(len(examples))
@@ -134,6 +135,7 @@ def tokenize_dataset(examples, tokenizer, max_length, path, seed, mismatched=Tru
 def pad_examples(examples, length):
     """-> {completion,KL}_{ids,padding_mask,loss_mask}, each [N, length] (right padding; KL_ only with
     mismatched pairs), and label [N] (True: desirable)."""
+    # differs from dpo.py's: an example and its mismatched pair (completion, KL), plus the label
     n = len(examples)
     data = {"label": np.array([label for _, label in examples], bool)}
     for j, name in enumerate(("completion", "KL")[: len(examples[0][0])]):
@@ -164,6 +166,8 @@ def example_lengths(data):
 def get_batch(data, lengths, step, args):
     """Batch for `step` (a pure function of it, so --resume is exact), cut to the length bucket of
     its longest sequence: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes."""
+    # differs from simpo.py's: labels and precomputed log-probs are [N] (no T axis to cut); k sequences
+    # an example
     idx, length, real = common.length_batch(
         lengths, step, args.batch_size, args.seed, args.max_length, group=args.group_by_length
     )
@@ -217,6 +221,8 @@ def concatenated_forward(backbone, params, frozen, batch, names=("completion", "
     """The `names` sequences of each example through the model in ONE forward (stacked on the batch axis):
     batch {name}_{ids,padding_mask,loss_mask}, each [B, T] -> per-sequence log-probs, [B] for each name,
     then the forward's aux_loss (token_logps)."""
+    # differs from dpo.py's: the sequences are `names` (an example and its mismatched pair), summed
+    # log-probs only
     both = {
         k: jnp.concatenate([batch[f"{name}_{k}"] for name in names])  # [len(names)·B, T]
         for k in ("ids", "padding_mask", "loss_mask")
@@ -253,11 +259,12 @@ def kto_loss(
         kl = jnp.zeros((), logratios.dtype)
     else:
         raise ValueError(f"unknown loss_type {loss_type!r}")
+    # ... losses below it
     losses = jnp.where(
         labels,
         1 - jax.nn.sigmoid(beta * (logratios - kl)),  # [B]: gains above z₀ ...
         1 - jax.nn.sigmoid(beta * (kl - logratios)),
-    )  # ... losses below it
+    )
     weights = jnp.where(labels, desirable_weight, undesirable_weight)  # λ_y
     rewards, logps = jax.lax.stop_gradient((beta * logratios, logps))  # implicit reward β·r (TRL's)
     metrics = {}
@@ -284,6 +291,7 @@ COUNTED = {
 
 def reference_logps(backbone, ref_params, frozen, batch, names=("completion", "KL")):
     """πref log-probs of the `names` sequences: precomputed ones from the batch, else a reference forward."""
+    # differs from dpo.py's: the sequences are `names` (an example, its mismatched pair), not chosen/rejected
     if "ref_completion_logps" in batch:
         return tuple(batch[f"ref_{name}_logps"] for name in names)
     # stop_gradient: the reference is frozen (no gradient into the shared `frozen`); its aux_loss is dropped
@@ -303,6 +311,7 @@ def precompute_reference_logps(backbone, ref_params, frozen, data, lengths, *, n
     """--precompute-ref: πref's log-probs of every example's `names` sequences (itself, its mismatched pair) in
     one pass before training, so that no step runs a reference forward. data: {name}_{ids,padding_mask,
     loss_mask}, [N, T] each; lengths: [N, k] -> {ref_{name}_logps}, [N] each, in the data's order."""
+    # differs from dpo.py's: the sequences are `names` (an example, its mismatched pair), not chosen/rejected
 
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     @jax.jit
@@ -345,11 +354,12 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
             reference_logps(backbone, ref_params, frozen, micro, ("KL",))[0],
         )
 
+    # [A, B/A] each (apo_zero_unpaired reads none)
     kl_logps, ref_kl_logps = (
         jax.lax.map(mismatched_logps, batch)
         if args.loss_type == "kto"
         else (jnp.zeros((accum, 1)), jnp.zeros((accum, 1)))
-    )  # [A, B/A] each (apo_zero_unpaired reads none)
+    )
     kl_logps, ref_kl_logps = kl_logps.reshape(-1), ref_kl_logps.reshape(-1)  # the whole batch, [B]
 
     def micro_loss(p, micro):
@@ -388,8 +398,11 @@ def make_optimizer(args, max_steps):
         min_lr_rate=args.min_lr_rate,
     )
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
-    adamw = optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask)
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adamw), schedule, warmup
+    optimizer = optax.chain(
+        optax.clip_by_global_norm(args.max_grad_norm),
+        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask),
+    )
+    return optimizer, schedule, warmup
 
 
 def main(args):
@@ -467,9 +480,8 @@ def main(args):
         donate_argnums=0,
         out_shardings=(state_shardings, common.replicated(run.mesh)),
     )
-    run.record(
-        remat=remat, num_warmup_steps=warmup
-    )  # args.json: the mode --remat auto chose, the warmup steps
+    # args.json: the mode --remat auto chose, the warmup steps
+    run.record(remat=remat, num_warmup_steps=warmup)
 
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     @jax.jit

@@ -181,6 +181,8 @@ def concatenated_forward(backbone, params, frozen, batch, prompt_nll=True):
     count (over prompt + response tokens if `prompt_nll`, else the response only; BOS and padding never);
     and the forward's aux_loss (token_logps).
     """
+    # differs from dpo.py's: per-token mean log-probs (ORPO's odds), and the NLL over prompt + response
+    # by default (TRL's)
     both = {
         k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])  # [2B, T]
         for k in ("ids", "padding_mask", "loss_mask")
@@ -278,6 +280,7 @@ def make_optimizer(args, max_steps):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
+    # shared flags and --output-dir checked; nothing written
     run = plumbing.Run(
         "orpo",
         args,
@@ -285,7 +288,7 @@ def main(args):
         eval_every=args.eval_every,
         grad_accum_steps=args.grad_accum_steps,
         export_hf=args.export_hf,
-    )  # shared flags and --output-dir checked; nothing written
+    )
     if args.beta < 0:
         raise common.UsageError("need --beta (λ) >= 0")
     template = common.chat_template(args.model, args.chat_template)
@@ -330,9 +333,8 @@ def main(args):
         donate_argnums=0,
         out_shardings=(state_shardings, common.replicated(run.mesh)),
     )
-    run.record(
-        remat=remat, num_warmup_steps=warmup
-    )  # args.json: the mode --remat auto chose, the warmup steps
+    # args.json: the mode --remat auto chose, the warmup steps
+    run.record(remat=remat, num_warmup_steps=warmup)
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
     eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), args.prompt_nll)[:4])

@@ -136,9 +136,8 @@ def check_defaults(args, argv):
     """A model other than the `tiny` demo (or a model trained from it) never silently trains or scores with
     the bundled toy task: each data or reward flag left at its data/ default must be given."""
     given = {a.split("=")[0] for a in argv}
-    given |= {"--eval-dataset"} | (
-        {"--reward-fn"} if "--reward-model" in given else set()
-    )  # no eval: no toy eval
+    # no eval: no toy eval
+    given |= {"--eval-dataset"} | ({"--reward-fn"} if "--reward-model" in given else set())
     toy = [
         flag
         for f in dataclasses.fields(args)
@@ -642,11 +641,12 @@ class Run:
         self.stop_signal = signal.Signals(signum).name
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, signal.SIG_DFL)  # a second signal ends the process at once
+        # os.write: safe inside a handler
         os.write(
             1,
             f"\n{self.stop_signal}: checkpoint at the end of this step, then exit "
             "(again to quit at once)\n".encode(),
-        )  # os.write: safe inside a handler
+        )
 
     def _open(self):
         """After the first step: signals now checkpoint; the outputs are created (process 0)."""
@@ -803,10 +803,11 @@ class Run:
             self._tokens / elapsed,
             self._flops / elapsed / self._peak,
         )
+        # the interval's (sums)
         row["charts/tokens"], row["charts/flops"] = (
             float(self._tokens),
             float(self._flops),
-        )  # the interval's (sums)
+        )
         if self._padded:
             row["charts/padding_fraction"] = 1.0 - self._tokens / self._padded
             row["charts/compilations"] = float(len(self._shapes))
@@ -839,9 +840,8 @@ class Run:
         self._write(self.step, row)
         from tqdm import tqdm
 
-        tqdm.write(
-            f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3])
-        )  # above a bar
+        # above a bar
+        tqdm.write(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3]))
         if self._eval_started is not None:
             self._paused += time.perf_counter() - self._eval_started
             self._eval_started = None

@@ -168,9 +168,10 @@ def generate(
                 token, logq = jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b,))
             else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
                 # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
+                # [B, V]
                 z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
                     logits / temperature, top_k, top_p, min_p
-                )  # [B, V]
+                )
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
                 # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
@@ -432,6 +433,8 @@ def train_step(models, optimizer, args, state, frozen, *, batch, context_length)
 def make_optimizer(args, max_steps):
     """Clip (policy and value together), AdamW with ε = 1e-5 and --weight-decay on matrices only (not norms,
     biases or the value head's bias), --lr-scheduler-type over all updates -> (optimizer, schedule, warmup)"""
+    # differs from dpo.py's: updates = steps × PPO epochs × mini-batches, Adam ε 1e-5 (TRL's PPO), a tree
+    # mask
     total_updates = max_steps * args.num_ppo_epochs * args.num_mini_batches
     schedule, warmup = common.lr_schedule(
         args.lr_scheduler_type,
@@ -510,9 +513,10 @@ def main(args):
         args.dataset, template, "--dataset", args.dataset_config, args.dataset_split
     )
     max_steps = run.resolve_max_steps(len(prompts))  # --max-steps, or --num-epochs' worth of rollouts
+    # s(x, y): the reward model, or the reward function
     scorer = common.load_scorer(
         run.mesh, run.dtype, reward_model=args.reward_model, reward_fns=[args.reward_fn], **args.lora
-    )  # s(x, y): the reward model, or the reward function
+    )
     scorer.check_columns(rows)  # before the model loads: every column a reward function names exists
     model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer

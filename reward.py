@@ -194,6 +194,7 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
 
 
 def make_optimizer(args, max_steps):
+    # differs from dpo.py's: the params are (backbone weights, head), a tree: the decay mask is a tree map
     schedule, warmup = common.lr_schedule(
         args.lr_scheduler_type,
         args.learning_rate,
@@ -212,13 +213,14 @@ def make_optimizer(args, max_steps):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
+    # nothing written yet
     run = plumbing.Run(
         "reward",
         args,
         log_every=args.log_every,
         eval_every=args.eval_every,
         grad_accum_steps=args.grad_accum_steps,
-    )  # nothing written yet
+    )
     if args.normalize and args.normalize_samples < 1:
         raise common.UsageError(
             f"--normalize-samples {args.normalize_samples}: must be >= 1 with --normalize"
@@ -268,9 +270,8 @@ def main(args):
         donate_argnums=0,
         out_shardings=(state_shardings, common.replicated(run.mesh)),
     )
-    run.record(
-        remat=remat, num_warmup_steps=warmup
-    )  # args.json: the mode --remat auto chose, the warmup steps
+    # args.json: the mode --remat auto chose, the warmup steps
+    run.record(remat=remat, num_warmup_steps=warmup)
 
     @jax.jit
     def score_fn(params, frozen, batch):  # [1, B, T] -> ([B],): the scores without the aux_loss

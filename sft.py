@@ -74,6 +74,7 @@ def tokenize_dataset(segs, tokenizer, max_length, completion_only_loss, path):
     learns to stop. Too long: cut the prompt from the left (BOS kept), then drop what
     still does not fit.
     """
+    # differs from dpo.py's: segments (text, is_completion) of one sequence, the loss on completions by flag
     flat = [t for s in segs for t, _ in s]
     ids_flat = iter(tokenizer.tokenize(flat))  # one batched call: fast
     examples = []
@@ -118,6 +119,7 @@ def print_examples(rows, tokenizer, args):
 
 def pad_examples(examples, length):
     """-> token_ids, padding_mask, loss_mask, each [N, length] (right padding)."""
+    # differs from dpo.py's: one sequence per example
     n = len(examples)
     token_ids = np.zeros((n, length), np.int32)
     loss_mask = np.zeros((n, length), bool)
@@ -132,6 +134,7 @@ def pad_examples(examples, length):
 def get_batch(data, lengths, step, args):
     """Batch for `step` (a pure function of it, so --resume is exact), cut to the length bucket of
     its longest example: [A, B/A/P, T] per process; and its (real, padded) tokens over all processes."""
+    # differs from simpo.py's: one sequence per example, so the padded tokens are B × T, not 2 × B × T
     idx, length, real = common.length_batch(
         lengths, step, args.batch_size, args.seed, args.max_length, group=args.group_by_length
     )
@@ -255,6 +258,7 @@ def make_optimizer(args, max_steps):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
+    # nothing written yet
     run = plumbing.Run(
         "sft",
         args,
@@ -263,7 +267,7 @@ def main(args):
         grad_accum_steps=args.grad_accum_steps,
         export_hf=args.export_hf,
         skip_nonfinite=args.skip_nonfinite,
-    )  # nothing written yet
+    )
     template = common.chat_template(args.model, args.chat_template)
     eval_path, eval_split, eval_flag = common.eval_source(
         args.dataset, args.eval_dataset, args.eval_split, (Args.dataset, Args.eval_dataset)
@@ -315,9 +319,8 @@ def main(args):
         donate_argnums=0,
         out_shardings=(state_shardings, common.replicated(run.mesh)),
     )
-    run.record(
-        remat=remat, num_warmup_steps=warmup
-    )  # args.json: the mode --remat auto chose, the warmup steps
+    # args.json: the mode --remat auto chose, the warmup steps
+    run.record(remat=remat, num_warmup_steps=warmup)
     eval_fn = jax.jit(partial(eval_nll, backbone))
 
     def evaluate(params):  # every eval example once (the last batch wraps around, then is trimmed)

@@ -193,6 +193,8 @@ def concatenated_forward(backbone, params, frozen, batch):
     per-token mean log-probs of chosen and rejected responses, and the chosen NLL sum and token count;
     and the forward's aux_loss (token_logps).
     """
+    # differs from dpo.py's: SimPO's log-probs are per-token means (length-normalised), and the chosen
+    # NLL comes with its token count
     both = {
         k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])  # [2B, T]
         for k in ("ids", "padding_mask", "loss_mask")
@@ -285,6 +287,7 @@ def make_optimizer(args, max_steps):
 
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
+    # shared flags and --output-dir checked; nothing written
     run = plumbing.Run(
         "simpo",
         args,
@@ -292,7 +295,7 @@ def main(args):
         eval_every=args.eval_every,
         grad_accum_steps=args.grad_accum_steps,
         export_hf=args.export_hf,
-    )  # shared flags and --output-dir checked; nothing written
+    )
     if args.beta <= 0 or args.sft_weight < 0:
         raise common.UsageError("need --beta > 0 and --sft-weight >= 0")
     template = common.chat_template(args.model, args.chat_template)
@@ -337,9 +340,8 @@ def main(args):
         donate_argnums=0,
         out_shardings=(state_shardings, common.replicated(run.mesh)),
     )
-    run.record(
-        remat=remat, num_warmup_steps=warmup
-    )  # args.json: the mode --remat auto chose, the warmup steps
+    # args.json: the mode --remat auto chose, the warmup steps
+    run.record(remat=remat, num_warmup_steps=warmup)
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
     eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b))[:4])

@@ -425,6 +425,7 @@ def ppo_args(module, cfg):
         raise plumbing.UsageError(
             "ppo: --grad-accum-steps must be 1 (it splits into mini-batches) and --max-length >= 4"
         )
+    # as measured in RESULTS.md (ppo.py's default is now TRL's 1)
     return module.Args(
         batch_size=cfg.batch_size,
         lora_rank=cfg.lora_rank,
@@ -432,7 +433,7 @@ def ppo_args(module, cfg):
         max_prompt_length=cfg.max_length // 2,
         response_length=cfg.max_length - cfg.max_length // 2,
         num_mini_batches=2,
-    )  # as measured in RESULTS.md (ppo.py's default is now TRL's 1)
+    )
 
 
 def grpo_args(module, cfg):

@@ -227,9 +227,8 @@ def main(args):
     data, lengths, described = make_data(args, module, backbone.vocabulary_size, tokenizer)
     run_length = data["padding_mask" if args.algo == "sft" else "chosen_padding_mask"].shape[1]
 
-    bench = harness.setup(
-        args, backbone, mesh
-    )  # its synthetic batch is not used: the batches here are the script's
+    # its synthetic batch is not used: the batches here are the script's
+    bench = harness.setup(args, backbone, mesh)
     script_args = bench.args
     flops_per_token = bench.flops_factor * plumbing.count_params(backbone)
     peak = plumbing.peak_flops()

@@ -42,9 +42,8 @@ def script_at(name, revision):
         ["git", "show", f"{revision}:{name}.py"], cwd=harness.ROOT, check=True, capture_output=True, text=True
     ).stdout
     module = types.ModuleType(name)
-    module.__file__ = os.path.join(
-        harness.ROOT, f"{name}.py"
-    )  # what `plumbing.answer_help(__name__, __file__)` reads
+    # what `plumbing.answer_help(__name__, __file__)` reads
+    module.__file__ = os.path.join(harness.ROOT, f"{name}.py")
     exec(compile(source, f"{revision}:{name}.py", "exec"), module.__dict__)
     return module
 

@@ -131,3 +131,81 @@ def test_repository_is_formatted():
         [ruff, "format", "--check", "."], cwd=ROOT, capture_output=True, text=True, timeout=120
     )
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# Files held to STYLE's habits below: the algorithm files, evaluate.py, compare.py, the shared modules
+CHECKED = (*ALGORITHMS, "evaluate", "compare", "common", "plumbing", "interop")
+
+
+def packing(source):
+    """[(line, what)] of the habits a formatter cannot undo: a call passing more than five arguments
+    positionally (name them), a literal tuple assignment binding more than two names or any attribute
+    (`a, b, c = x, y, z`, `self.a, self.b = ...`), a chained assignment of attributes, a walrus inside a
+    tuple, a starred slice with a step (`*x[::2]`)."""
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Call) and len(node.args) > 5:
+            found.append(
+                (node.lineno, f"{ast.unparse(node.func)}(...) passes {len(node.args)} arguments by position")
+            )
+        if isinstance(node, ast.Assign) and isinstance(node.value, ast.Tuple):
+            for target in node.targets:
+                names = target.elts if isinstance(target, ast.Tuple) else []
+                if len(names) > 2 or any(isinstance(n, ast.Attribute) for n in names):
+                    found.append((node.lineno, f"packed assignment: {ast.unparse(target)} = ..."))
+        if isinstance(node, ast.Assign) and len(node.targets) > 1:
+            if any(isinstance(t, ast.Attribute) for t in node.targets):
+                found.append((node.lineno, "chained assignment of attributes"))
+        if isinstance(node, ast.Tuple) and any(isinstance(e, ast.NamedExpr) for e in node.elts):
+            found.append((node.lineno, "walrus inside a tuple"))
+        if isinstance(node, ast.Starred) and isinstance(node.value, ast.Subscript):
+            if isinstance(node.value.slice, ast.Slice) and node.value.slice.step is not None:
+                found.append((node.lineno, "starred slice with a step"))
+    return found
+
+
+def test_packing_is_found():
+    """The check itself, on a line of each kind and on their unfolded forms."""
+    packed = "f(a, b, c, d, e, g)\na, b, c = 1, 2, 3\nself.a, b = 1, 2\nself.a = self.b = 0\nx = (y := 1), 2\nf(*k[::2])\n"
+    assert sorted(line for line, _ in packing(packed)) == [1, 2, 3, 4, 5, 6]
+    unfolded = "f(a, b, c, d, e, g=g)\na, b = 1, 2\nc = 3\nself.a = 1\nx, y = f()\nf(*k)\n"
+    assert packing(unfolded) == []
+
+
+@pytest.mark.parametrize("module", CHECKED)
+def test_calls_name_their_arguments_and_nothing_is_packed(module):
+    with open(os.path.join(ROOT, module + ".py")) as f:
+        found = packing(f.read())
+    assert not found, "\n".join(f"{module}.py:{line}: {what}" for line, what in found)
+
+
+# Functions each script defines for itself by nature, whatever their names share
+OWN = {"main", "train_step", "check_args"}
+
+
+def copies():
+    """{function name: {module: its source}} of every top-level function that two or more of the algorithm
+    files and evaluate.py define: the deliberate copies (CleanRL's rule: a fork of one file needs no other)."""
+    found = {}
+    for module in (*ALGORITHMS, "evaluate"):
+        with open(os.path.join(ROOT, module + ".py")) as f:
+            source = f.read()
+        for node in ast.parse(source).body:
+            if isinstance(node, ast.FunctionDef) and node.name not in OWN:
+                found.setdefault(node.name, {})[module] = ast.get_source_segment(source, node)
+    return {name: sources for name, sources in found.items() if len(sources) > 1}
+
+
+def test_every_deliberate_copy_is_pinned():
+    """Every copy of a function is character for character the most common version of it, or says at the copy
+    how it differs (`# differs from <script>.py's: ...`): a copy that drifts without saying so fails here."""
+    unsaid = []
+    for name, sources in sorted(copies().items()):
+        versions = [text for text in sources.values()]
+        common_text = max(versions, key=versions.count)
+        unsaid += [
+            f"{m}.py's {name}" for m, t in sources.items() if t != common_text and "# differs from" not in t
+        ]
+    assert not unsaid, "copies that differ without a '# differs from' comment: " + ", ".join(unsaid)
+    names = copies()
+    assert {"generate", "filter_logits", "token_logps", "rollout", "lora_off"} <= set(names), sorted(names)
