@@ -64,6 +64,11 @@ TINY_CONFIG = dict(
 )
 
 
+# Sequence positions whose logits a chunk computes (per_token), where the model was loaded without
+# --logits-chunk (tests, benchmarks): [B, 64, V] float32 is 512 MiB at B = 8 and Gemma's 256k vocabulary
+LOGITS_CHUNK = 64
+
+
 def default_dtype():
     """The compute dtype: bfloat16 on accelerators, float32 on CPU (bf16 matmuls are slow on CPU)."""
     return "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -76,14 +81,51 @@ def dtype_policy(dtype):
 
 
 # --- 1. Multi-host start-up and the mesh ---
+# Variables by which a cluster launcher says how many processes it started: a TPU VM's host list (one host
+# per process; a lone TPU VM lists `localhost`), SLURM's task count, Open MPI's world size
+CLUSTER_VARIABLES = ("TPU_WORKER_HOSTNAMES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")
+
+
+def cluster_size():
+    """(processes a launcher's variables name, that variable) for the first that names more than one, else
+    (1, None): a TPU host list counts its comma-separated hosts, SLURM and Open MPI give a number."""
+    for name in CLUSTER_VARIABLES:
+        value = os.environ.get(name, "").strip()
+        if name == "TPU_WORKER_HOSTNAMES":
+            size = len([host for host in value.split(",") if host.strip()])
+        else:
+            size = int(value) if value.isdigit() else 1
+        if size > 1:
+            return size, name
+    return 1, None
+
+
 def init_distributed(coordinator_address=None, num_processes=None, process_id=None):
-    """Start `jax.distributed` when several processes take part (flags or cluster env)."""
-    if coordinator_address or (num_processes or 1) > 1:
-        if os.environ.get("JAX_PLATFORMS") == "cpu":  # CPU collectives across processes need gloo
-            jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    """Start `jax.distributed` when more than one process takes part: the flags say so, or a launcher's
+    variables name several (cluster_size; JAX then finds the rest itself). A single host starts alone, whatever
+    its variables. A start that fails is a UsageError (exit 2) naming what was tried and the flags to set."""
+    by_flags = coordinator_address is not None or (num_processes or 1) > 1
+    size, variable = cluster_size()
+    if not by_flags and size == 1:
+        return
+    if os.environ.get("JAX_PLATFORMS") == "cpu":  # CPU collectives across processes need gloo
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if by_flags:
+        tried = (
+            f"--coordinator-address {coordinator_address} --num-processes {num_processes} "
+            f"--process-id {process_id}"
+        )
+    else:
+        tried = f"{variable}={os.environ[variable]!r} ({size} processes; the rest found by JAX)"
+    try:
         jax.distributed.initialize(coordinator_address, num_processes, process_id)
-    elif any(k in os.environ for k in ("TPU_WORKER_HOSTNAMES", "SLURM_NTASKS", "OMPI_COMM_WORLD_SIZE")):
-        jax.distributed.initialize()  # JAX auto-detects TPU pods, SLURM and Open MPI
+    except Exception as e:  # one line: the first of the error's, and what to do
+        first = (str(e).strip().splitlines() or [""])[0][:200]
+        raise UsageError(
+            f"multi-process start-up failed: jax.distributed.initialize with {tried}: {type(e).__name__}: "
+            f"{first}; on a single host unset {variable or 'those flags'}, else pass --coordinator-address "
+            "HOST:PORT --num-processes N --process-id I to every process"
+        ) from None
 
 
 def parse_mesh(spec):
@@ -289,9 +331,19 @@ def vocabulary(name):
         return keras_hub.models.Tokenizer.from_preset(preset).get_vocabulary()
 
 
-def load_model(name, mesh, dtype=None, seed=0, lora_rank=0, lora_alpha=None, lora_target_modules=None):
+def load_model(
+    name,
+    mesh,
+    dtype=None,
+    seed=0,
+    lora_rank=0,
+    lora_alpha=None,
+    lora_target_modules=None,
+    logits_chunk=LOGITS_CHUNK,
+):
     """--model -> its KerasHub CausalLM (backbone + preprocessor), every weight created sharded and float32
-    whatever the checkpoint holds (`dtype`: the compute dtype); lora_rank > 0: only LoRA weights train."""
+    whatever the checkpoint holds (`dtype`: the compute dtype); lora_rank > 0: only LoRA weights train;
+    logits_chunk: --logits-chunk, the positions whose logits per_token computes at a time."""
     preset = resolve_model(name)
     with interop.hub_errors(preset), distribution_for(mesh, backbone_class(preset)).scope():
         model = (
@@ -300,6 +352,7 @@ def load_model(name, mesh, dtype=None, seed=0, lora_rank=0, lora_alpha=None, lor
         if lora_rank:
             enable_lora(model.backbone, lora_rank, lora_alpha, lora_target_modules)
     ensure_start_token(getattr(model.preprocessor, "tokenizer", None), name)
+    model.backbone.logits_chunk = logits_chunk
     return model
 
 
@@ -373,12 +426,28 @@ def inputs(backbone, token_ids, padding_mask):
     return x
 
 
+class _Weights(keras.StatelessScope):
+    """keras.StatelessScope that takes each value in the dtype it is held in: StatelessScope itself converts
+    every value to its variable's dtype (float32 under the mixed policy), which would turn the frozen weights
+    held in bfloat16 (split_variables) back into a float32 copy of the model at every forward."""
+
+    def __init__(self, state_mapping, collect_losses=False):
+        super().__init__(collect_losses=collect_losses)
+        self.state_mapping = {id(variable): value for variable, value in state_mapping}
+
+
+def weights(backbone, params, frozen, collect_losses=False):
+    """The scope inside which `backbone`'s layers read `params` (its trainable values) and `frozen` (the rest,
+    split_variables' order) as their weights, each in its own dtype (a layer casts to its compute dtype)."""
+    variables = backbone.trainable_variables + backbone.non_trainable_variables
+    return _Weights(zip(variables, params + frozen, strict=True), collect_losses)
+
+
 def forward(backbone, params, frozen, token_ids, padding_mask):
     """The backbone's stateless forward (weights passed as values) -> (final-norm hidden states [B, T, D],
     aux_loss: the sum of the losses its layers add, which a stateless call drops unless its scope collects
     them: a mixture of experts' router loss per MoE layer, × its coefficient (ROUTER_AUX_LOSS); dense: 0.0)."""
-    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state, collect_losses=True) as scope:
+    with weights(backbone, params, frozen, collect_losses=True) as scope:
         hidden = backbone(
             inputs(backbone, token_ids, padding_mask), training=type(backbone).__name__ in ROUTER_AUX_LOSS
         )
@@ -387,8 +456,39 @@ def forward(backbone, params, frozen, token_ids, padding_mask):
 
 def logits(backbone, hidden):
     """Final hidden states [..., D] -> float32 logits [..., V] through every family's output layer (tied or
-    not; Gemma 2's final_logit_soft_cap c·tanh(z/c) is applied inside it)."""
+    not; Gemma 2's final_logit_soft_cap c·tanh(z/c) is applied inside it). Inside `weights(...)`."""
     return backbone.token_embedding(hidden, reverse=True).astype(jnp.float32)  # f32 upcast
+
+
+def per_token(backbone, fn, arrays):
+    """fn(*chunks) -> a tuple of [B, C] arrays, mapped over C positions of the [B, T, ...] `arrays` at a time,
+    C the model's --logits-chunk (load_model; T padded to whole chunks), each chunk under jax.checkpoint:
+    what fn makes inside (a chunk's [B, C, V] logits) lives only there, forward and backward (recomputed),
+    and [B, T, V] never does. -> fn's outputs [B, T] each. A chunk of 0 (or ≥ T): one call on the whole."""
+    chunk = getattr(backbone, "logits_chunk", LOGITS_CHUNK)
+    b, t = arrays[0].shape[:2]
+    if not chunk or chunk >= t:
+        return fn(*arrays)
+    n = -(-t // chunk)  # chunks; the last is padded
+
+    def split(x):  # [B, T, ...] -> [n, B, C, ...]
+        x = jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))
+        return x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)
+
+    outs = jax.lax.map(lambda xs: jax.checkpoint(fn)(*xs), tuple(split(x) for x in arrays))
+    return tuple(y.swapaxes(0, 1).reshape(b, n * chunk)[:, :t] for y in outs)  # [n, B, C] -> [B, T]
+
+
+def token_logps(backbone, hidden, labels):
+    """log p(label) in float32 [B, T] from final hidden states [B, T, D] and labels [B, T] (the token each
+    position predicts: the caller shifts), the logits a chunk of positions at a time (per_token). Inside
+    `weights(...)`: the output layer reads its weights from there."""
+
+    def chunk_logps(h, y):  # [B, C, D], [B, C] -> ([B, C],)
+        z = logits(backbone, h)  # [B, C, V] f32
+        return (jnp.take_along_axis(z, y[..., None], -1)[..., 0] - jax.nn.logsumexp(z, -1),)
+
+    return per_token(backbone, chunk_logps, (hidden, labels))[0]
 
 
 def empty_cache(backbone, batch, length):
@@ -500,12 +600,28 @@ def per_layer_inputs(backbone, token_ids, x):
     ]
 
 
-def split_variables(backbone):
-    """(trainable values, frozen values) in the order `stateless_call` expects."""
+def split_variables(backbone, frozen_dtype=None, all_frozen=False):
+    """(trainable values, frozen values) in the order `weights(...)` expects. frozen_dtype (the compute dtype,
+    bfloat16): the frozen ones (LoRA's base; with all_frozen every weight: a reference, a reward model, a
+    teacher, a model evaluated) are held in it from now on, their variables' float32 buffers replaced, so
+    the model takes half the memory: a weight that is never updated needs no float32 master copy, and the
+    bfloat16 policy casts every weight as a layer reads it anyway. None or float32: as loaded."""
+    if frozen_dtype not in (None, "float32"):
+        held = backbone.weights if all_frozen else backbone.non_trainable_variables
+        for variable in held:
+            if variable.dtype == "float32":  # keras 3.15 internals, as save_model's: the value, recast
+                variable._value = jax.jit(lambda x: x.astype(frozen_dtype))(variable.value)
     return (
         [v.value for v in backbone.trainable_variables],
         [v.value for v in backbone.non_trainable_variables],
     )
+
+
+def frozen_copy(params, dtype):
+    """A copy of `params` (e.g. the reference policy: the initial weights) laid out as they are, in `dtype`
+    (the compute dtype: see split_variables; float32 or None: as they are)."""
+    cast = (lambda x: x.astype(dtype)) if dtype not in (None, "float32") else jnp.copy
+    return jax.jit(lambda p: jax.tree.map(cast, p), out_shardings=shardings(params))(params)
 
 
 def save_model(model, params, path):
@@ -579,8 +695,7 @@ def load_reward_fn(spec, flag="--reward-fn"):
 
 def reward_model_scores(backbone, params, frozen, head, token_ids, padding_mask):
     """reward.py's r_φ(x, y) = w·h + b, h the final hidden state at the padding mask's last True: [B] float32."""
-    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
+    with weights(backbone, params, frozen):
         hidden = backbone(inputs(backbone, token_ids, padding_mask))  # [B, T, D]
     last = padding_mask.shape[1] - 1 - jnp.argmax(padding_mask[:, ::-1], 1)
     h = jnp.take_along_axis(hidden, last[:, None, None], 1)[:, 0].astype(jnp.float32)  # f32 head
@@ -669,7 +784,7 @@ class Scorer:
     for None}; every process passes the whole batch. `model`, `head`: a reward model's (PPO's value model
     starts from them), else None."""
 
-    def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None):
+    def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None, values=None):
         self.model = model
         self.head = head
         self.name = name
@@ -683,9 +798,8 @@ class Scorer:
             model is not None
         ):  # the weights are jit arguments: closed over, they would be baked in as constants
             forward = jax.jit(functools.partial(reward_model_scores, model.backbone))
-            values = (*split_variables(model.backbone), head)
             self.forward = lambda batch: to_host(
-                forward(*values, batch["query_responses"], batch["padding_mask"])
+                forward(*values, head, batch["query_responses"], batch["padding_mask"])
             )
 
     def check_columns(self, rows, flag="--dataset"):
@@ -747,13 +861,29 @@ class Scorer:
             )
 
 
-def load_scorer(mesh, dtype=None, reward_model=None, reward_fns=(), weights=(), lora_rank=0, **lora):
-    """The Scorer of --reward-model (reward.py's model/, loaded sharded; `lora_rank`, `lora`: PPO's value
-    model), else of --reward-fn weighted by --reward-weights (empty: all 1); called before the policy loads."""
-    if reward_model:
-        model, head = load_reward_model(reward_model, mesh, dtype, lora_rank, **lora)
-        return Scorer(mesh, model=model, head=head, name=reward_model)
-    return Scorer(mesh, [load_reward_fn(spec) for spec in reward_fns], weights)
+def load_scorer(
+    mesh,
+    dtype=None,
+    frozen_dtype=None,
+    reward_model=None,
+    reward_fns=(),
+    weights=(),
+    value_model=False,
+    lora_rank=0,
+    **lora,
+):
+    """The Scorer of --reward-model (reward.py's model/, loaded sharded, its weights held in `frozen_dtype`:
+    see split_variables), else of --reward-fn weighted by --reward-weights (empty: all 1); called before the
+    policy loads. value_model (PPO's, which starts from the reward model; `lora_rank`, `lora`: its LoRA): the
+    model's own weights stay as loaded for it, and the scorer holds its own copy in `frozen_dtype`."""
+    if not reward_model:
+        return Scorer(mesh, [load_reward_fn(spec) for spec in reward_fns], weights)
+    model, head = load_reward_model(reward_model, mesh, dtype, lora_rank, **lora)
+    if value_model:
+        values = tuple(frozen_copy(v, frozen_dtype) for v in split_variables(model.backbone))
+    else:
+        values = split_variables(model.backbone, frozen_dtype=frozen_dtype, all_frozen=True)
+    return Scorer(mesh, model=model, head=head, name=reward_model, values=values)
 
 
 # --- 3. File formats: dataset files and TRL's row formats -> text ---

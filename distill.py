@@ -37,8 +37,8 @@ class Args(plumbing.RolloutArgs):
     """the frozen teacher: any --model form; its tokenizer's vocabulary must be the student's, its width and
     depth may differ (TRL's teacher_model_name_or_path)"""
     teacher_dtype: Literal["bfloat16", "float32"] | None = None
-    """the teacher's compute dtype and the dtype its frozen weights are held in; bfloat16 halves its memory
-    (it has no optimizer, so no float32 master copy is needed). None: the student's --dtype"""
+    """the teacher's compute dtype and the dtype its weights are held in; bfloat16 halves its memory (it has
+    no optimizer, so no float32 master copy is needed). None: the student's --dtype, held in --frozen-dtype"""
     # rollouts
     response_length: int = 512
     """new tokens the student samples per completion (TRL DistillationConfig's max_completion_length: 512)"""
@@ -56,8 +56,6 @@ class Args(plumbing.RolloutArgs):
     in between β·KL(p_T ‖ m) + (1 − β)·KL(p_S ‖ m), m = (1 − β)·p_S + β·p_T"""
     temperature: float = 1.0
     """τ: sampling temperature, and both models' logits are divided by it in the loss (TRL: 1.0)"""
-    logits_chunk: int = 64
-    """completion positions projected to [B, chunk, V] logits at a time (memory: 2 such blocks per model)"""
     # logging and outputs
     export_hf: bool = False
     """also write the student as a Hugging Face checkpoint, tokenizer and template in model_hf/"""
@@ -106,7 +104,6 @@ def completion_divergence(
     context_length,
     beta,
     temperature,
-    chunk=64,
     top_k=0,
     top_p=1.0,
     min_p=None,
@@ -117,39 +114,24 @@ def completion_divergence(
 
     Both models run on query + response [B, Q+R]; position Q+i-1 predicts response token i, so the hidden
     states [:, Q-1:-1] are kept. The [B, R, V] logits of either model are never materialised: each model's
-    own output layer (its soft-cap included) projects `chunk` positions at a time under jax.checkpoint, so
-    one [B, chunk, V] float32 block per model is alive at a time, forward and backward (recomputed).
+    own output layer (its soft-cap included) projects --logits-chunk positions at a time (common.per_token,
+    under jax.checkpoint), so one [B, chunk, V] float32 block per model is alive at a time, forward and
+    backward (recomputed).
     """
     teacher_params, teacher_frozen = teacher_weights
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D]
     # the frozen teacher: no gradient into it (and its router's aux_loss is not trained), as TRL's no_grad
-    # [B, T, D_T]
     teacher_hidden = jax.lax.stop_gradient(
         common.forward(teacher, teacher_params, teacher_frozen, token_ids, padding_mask)[0]
-    )
-    b, r = response_mask.shape
-    n = -(-r // chunk)
-
-    def cut(h):  # [B, T, D] -> [n, B, C, D]: response positions, padded
-        padded = jnp.pad(h[:, context_length - 1 : -1], ((0, 0), (0, n * chunk - r), (0, 0)))
-        return padded.reshape(b, n, chunk, h.shape[-1]).swapaxes(0, 1)
-
-    mask = jnp.pad(response_mask, ((0, 0), (0, n * chunk - r))).reshape(b, n, chunk).swapaxes(0, 1)  # [n,B,C]
-    student_state = list(
-        zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    )
-    teacher_state = list(
-        zip(teacher.trainable_variables + teacher.non_trainable_variables, teacher_params + teacher_frozen)
-    )
+    )  # [B, T, D_T]
     # One tokenizer, embedding matrices of other widths (Gemma 3 1B: 262,144 rows, 4B: 262,208, the rows past
     # the tokenizer's padding): the divergence is over the ids both have (vocabularies: checked at start-up)
     v = min(backbone.vocabulary_size, teacher.vocabulary_size)
 
-    @jax.checkpoint
     def chunk_divergence(h, h_teacher, m, y):  # [B, C, D], [B, C, D_T], [B, C], [B, C] -> 3 × [B, C]
-        with keras.StatelessScope(state_mapping=student_state):  # each output layer reads its own weights
+        with common.weights(backbone, params, frozen):  # each output layer reads its own weights
             logits = common.logits(backbone, h)[..., :v]  # f32 [B, C, V]
-        with keras.StatelessScope(state_mapping=teacher_state):
+        with common.weights(teacher, teacher_params, teacher_frozen):
             teacher_logits = jax.lax.stop_gradient(common.logits(teacher, h_teacher)[..., :v])
         # the sampled tokens under the sampler's filters (a metric only: the divergence is the full one)
         logq, entropy = filtered_logps(
@@ -158,13 +140,13 @@ def completion_divergence(
         divergence = generalized_jsd(logits, teacher_logits, m, beta, temperature)
         return divergence, logq.reshape(m.shape), entropy.reshape(m.shape)
 
+    def response(x):  # [B, T, ...] -> the positions that predict the response, [B, R, ...]
+        return x[:, context_length - 1 : -1]
+
     labels = token_ids[:, context_length:]  # [B, R]: position Q+i-1's hidden state predicts token i
-    labels = jnp.pad(labels, ((0, 0), (0, n * chunk - r))).reshape(b, n, chunk).swapaxes(0, 1)  # [n, B, C]
-    divergence, logq, entropy = jax.lax.map(
-        lambda x: chunk_divergence(*x), (cut(hidden), cut(teacher_hidden), mask, labels)
-    )
-    unchunk = lambda x: x.swapaxes(0, 1).reshape(b, n * chunk)[:, :r]  # [n, B, C] -> [B, R]
-    return unchunk(divergence), unchunk(logq), unchunk(entropy), aux_loss
+    arrays = (response(hidden), response(teacher_hidden), response_mask, labels)
+    divergence, logq, entropy = common.per_token(backbone, chunk_divergence, arrays)
+    return divergence, logq, entropy, aux_loss
 
 
 # ---- Data and rollouts, as grpo.py's (copied: each algorithm file forks alone): left-padded prompts [N, Q],
@@ -234,8 +216,7 @@ def generate(
     `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
-    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
+    with common.weights(backbone, params, frozen):  # each weight in the dtype it is held in
         cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
         logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
@@ -245,8 +226,7 @@ def generate(
                 token, logq = jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b,))
             else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
                 # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
-                # [B, V]
-                z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
+                z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(  # [B, V]
                     logits / temperature, top_k, top_p, min_p
                 )
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
@@ -335,16 +315,6 @@ def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
 
 
 # ---- train_step: one update of the student on a batch of its own completions
-def hold(weights, dtype):
-    """The frozen teacher's values in `dtype` (bfloat16: its floating arrays cast, their layout kept), else as
-    loaded. Keras widens each to its variable's float32 at use (lossless; the mixed policy's bfloat16 compute
-    narrows it again): between steps only the bfloat16 copy is resident."""
-    if dtype != "bfloat16":
-        return weights
-    narrow = lambda x: x.astype(jnp.bfloat16) if jnp.issubdtype(x.dtype, jnp.floating) else x
-    return jax.tree.map(narrow, weights)
-
-
 def train_step(backbone, optimizer, args, state, frozen, *, batch, context_length, teacher, teacher_weights):
     """state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask [B, R],
     sampler_logps [B, R] when rollout made it (the sampler's log q, against this first forward: mismatch/*).
@@ -367,7 +337,6 @@ def train_step(backbone, optimizer, args, state, frozen, *, batch, context_lengt
             context_length=context_length,
             beta=args.beta,
             temperature=args.temperature,
-            chunk=args.logits_chunk,
             top_k=args.top_k,
             top_p=args.top_p,
             min_p=args.min_p,
@@ -399,8 +368,8 @@ def check_args(args):
         )
     if not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= (args.min_p or 0) <= 1:
         raise common.UsageError("--top-p must be in (0, 1], --top-k ≥ 0 (0: off), --min-p in [0, 1]")
-    if args.logits_chunk < 1 or args.response_length < 1:
-        raise common.UsageError("--logits-chunk and --response-length must be ≥ 1")
+    if args.response_length < 1:
+        raise common.UsageError("--response-length must be ≥ 1")
     if not args.teacher_model:
         raise common.UsageError(
             "--teacher-model is required: the model whose next-token distributions the student learns"
@@ -454,10 +423,16 @@ def main(args):
         args.dataset, template, "--dataset", args.dataset_config, args.dataset_split
     )
     max_steps = run.resolve_max_steps(len(prompts), args.batch_size)  # --max-steps, or --num-epochs' worth
-    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)  # LoRA: the student's
+    model = common.load_model(
+        args.model, run.mesh, run.dtype, args.seed, logits_chunk=args.logits_chunk, **args.lora
+    )  # LoRA: the student's
     # the teacher: laid out on the mesh by the same rule (its family's layout map, or the generic one)
     teacher_model = common.load_model(
-        args.teacher_model, run.mesh, args.teacher_dtype or run.dtype, args.seed
+        args.teacher_model,
+        run.mesh,
+        args.teacher_dtype or run.dtype,
+        args.seed,
+        logits_chunk=args.logits_chunk,
     )
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     teacher = teacher_model.backbone
@@ -473,11 +448,13 @@ def main(args):
         f"{args.teacher_model}"
     )
 
-    params, frozen = common.split_variables(backbone)
+    params, frozen = common.split_variables(backbone, frozen_dtype=run.frozen_dtype)
     # committed to the mesh in their types, as the updated ones will be: the sampler compiles once (grpo.py)
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
-    # never updated, donated, saved
-    teacher_weights = hold(common.split_variables(teacher), args.teacher_dtype)
+    # never updated, saved or donated: held in --teacher-dtype, else --frozen-dtype (the compute dtype)
+    teacher_weights = common.split_variables(
+        teacher, frozen_dtype=args.teacher_dtype or run.frozen_dtype, all_frozen=True
+    )
     optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     state_shardings = (common.shardings(params), opt_shardings)

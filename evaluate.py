@@ -42,7 +42,8 @@ class Args:  # not plumbing.SharedArgs: an evaluation has no training flags
     baseline: str | None = None
     """model to compare against (win rate, KL); same tokenizer as --model"""
     dtype: Literal["bfloat16", "float32"] | None = None
-    """compute dtype; weights and optimizer state stay float32. None: bfloat16 on TPU/GPU, float32 on CPU"""
+    """compute dtype, which the weights are held in too (nothing is trained). None: bfloat16 on TPU/GPU,
+    float32 on CPU"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
     # data and scorers
@@ -167,11 +168,16 @@ def make_fns(backbone, args, stops, pad):
     }
 
 
+def compute_dtype(args):
+    return args.dtype or common.default_dtype()
+
+
 def load_policy(name, mesh, args, like=None, flag="--model"):
     """Load a model; with `like` (a Policy of the same architecture) its compiled functions are reused."""
     common.check_sampler(name, flag)
     model = common.load_model(name, mesh, args.dtype, args.seed)
-    params, frozen = common.split_variables(model.backbone)
+    # nothing is trained: every weight held in the compute dtype (half the memory under bfloat16)
+    params, frozen = common.split_variables(model.backbone, frozen_dtype=compute_dtype(args), all_frozen=True)
     same = like is not None and like.model.backbone.get_config() == model.backbone.get_config()
     tokenizer = model.preprocessor.tokenizer
     stops = common.stop_token_ids(tokenizer, common.chat_template(name, args.chat_template), args.stop_token)
@@ -418,7 +424,11 @@ def check_same_tokens(name, model, data, args, what):
 
 def make_scorer(args, mesh, data, reward_fn):
     """{"score": the Scorer of --reward-fn (check_args'), "rm_score": of --reward-model}, None where not given."""
-    rm = common.load_scorer(mesh, args.dtype, reward_model=args.reward_model) if args.reward_model else None
+    rm = None
+    if args.reward_model:
+        rm = common.load_scorer(
+            mesh, args.dtype, frozen_dtype=compute_dtype(args), reward_model=args.reward_model
+        )
     if rm is not None:
         check_same_tokens(args.reward_model, rm.model, data, args, "--reward-model")
     return {"score": reward_fn, "rm_score": rm}

@@ -21,7 +21,6 @@ plumbing.answer_help(__name__, __file__)
 import common  # noqa: E402  (mesh, models, data files, batches)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -136,30 +135,18 @@ def get_batch(data, lengths, step, args):
 # ---------------------------------------------------------------------------
 # ALGO LOGIC: log-probs of chosen and rejected, and the ORPO loss
 # ---------------------------------------------------------------------------
-def token_logps(backbone, params, frozen, token_ids, padding_mask, chunk=128):
+def token_logps(backbone, params, frozen, token_ids, padding_mask):
     """log p(token[t+1] | tokens[≤t]) in float32: [B, T-1]; and the forward's aux_loss (a mixture of
     experts' router load-balancing loss, common.forward; 0.0 for a dense model).
 
-    The [B, T, V] logits are never materialised: the unembedding runs over
-    sequence chunks of `chunk` tokens under `jax.checkpoint`, so only one
-    [B, chunk, V] float32 block is alive at a time, forward and backward.
+    The [B, T, V] logits are never materialised: common.token_logps projects --logits-chunk
+    positions at a time under jax.checkpoint, so one [B, chunk, V] float32 block is alive at
+    a time, forward and backward.
     """
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
-    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
-        hidden, labels = hidden[:, :-1], token_ids[:, 1:]  # logits at t predict token t+1
-        b, t, d = hidden.shape
-        n = -(-t // chunk)
-        hidden = jnp.pad(hidden, ((0, 0), (0, n * chunk - t), (0, 0))).reshape(b, n, chunk, d)
-        labels = jnp.pad(labels, ((0, 0), (0, n * chunk - t))).reshape(b, n, chunk)
-
-        @jax.checkpoint
-        def chunk_logps(h, y):  # [B, C, D], [B, C] -> [B, C]
-            logits = common.logits(backbone, h)  # f32
-            return jnp.take_along_axis(logits, y[..., None], -1)[..., 0] - jax.nn.logsumexp(logits, -1)
-
-        logps = jax.lax.map(lambda hy: chunk_logps(*hy), (hidden.swapaxes(0, 1), labels.swapaxes(0, 1)))
-    return logps.swapaxes(0, 1).reshape(b, n * chunk)[:, :t], aux_loss  # [B, T-1], scalar
+    with common.weights(backbone, params, frozen):  # the output layer's weights, from `params`
+        logps = common.token_logps(backbone, hidden[:, :-1], token_ids[:, 1:])  # logits at t predict t+1
+    return logps, aux_loss  # [B, T-1], scalar  # [B, T-1], scalar
 
 
 def sequence_logps(logps, loss_mask, average=False):
@@ -306,7 +293,9 @@ def main(args):
         args.dataset, "preference", template, config=args.dataset_config, split=args.dataset_split
     )
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of pairs
-    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
+    model = common.load_model(
+        args.model, run.mesh, run.dtype, args.seed, logits_chunk=args.logits_chunk, **args.lora
+    )
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     train, counts = tokenize_dataset(train_rows, tokenizer, args.max_length, args.dataset)
@@ -321,7 +310,7 @@ def main(args):
     lengths, eval_lengths = pair_lengths(train_data), pair_lengths(eval_data) if evals else None
 
     optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
-    params, frozen = common.split_variables(backbone)
+    params, frozen = common.split_variables(backbone, frozen_dtype=run.frozen_dtype)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     (params, opt_state), _ = run.resume((params, opt_state))
     state_shardings = (common.shardings(params), opt_shardings)

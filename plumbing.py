@@ -17,6 +17,7 @@ them: `import plumbing` is instant, and `python dpo.py --help` answers before th
 import ast
 import contextlib
 import dataclasses
+import functools
 import importlib.util
 import json
 import math
@@ -299,6 +300,14 @@ class SharedArgs:
     or gemma4_large at 26B-A4B / 31B, Llama 3: llama3, Mistral: mistral, Qwen 2.5 / 3: chatml, Qwen 3.5: qwen3.5)"""
     dtype: Literal["bfloat16", "float32"] | None = None
     """compute dtype; weights and optimizer state stay float32. None: bfloat16 on TPU/GPU, float32 on CPU"""
+    frozen_dtype: Literal["bfloat16", "float32"] | None = None
+    """dtype of the weights that are never updated (LoRA's base, references, reward models, a teacher); None:
+    the compute dtype, which halves them under bfloat16 (no float32 master copy is needed: nothing updates
+    them); float32 keeps them as loaded (TRL: the dtype its model_init_kwargs / ref_model_init_kwargs load in)"""
+    logits_chunk: int = 64
+    """sequence positions whose [B, chunk, V] float32 logits exist at a time, in every log-prob, forward and
+    backward (recomputed): the whole [B, T, V] logits never do (Gemma's 256k vocabulary: 8 GiB at 8 × 1024);
+    0 keeps them whole (faster where they fit)"""
     lora_rank: int = 0
     """0 = full fine-tuning; r > 0: LoRA of rank r, only its A and B train (TRL: --use-peft --lora-r r)"""
     lora_alpha: int = 32
@@ -308,9 +317,11 @@ class SharedArgs:
     or KerasHub layer names, e.g. `query value`; None: query and value (PEFT's default for these families)"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
-    remat: Literal["auto", "on", "off"] = "auto"
-    """recompute each decoder block's activations in the backward pass (memory for ~1/3 more FLOPs);
-    auto: on only if the step compiled without it would not fit the device's memory (never on CPU)"""
+    remat: Literal["auto", "off", "on", "full", "minimal", "save_dots", "minimal_offloaded"] = "auto"
+    """what each decoder block keeps for the backward pass (the rest is recomputed): off (everything), save_dots
+    (every matmul's output), minimal (the weight projections' outputs), minimal_offloaded (those, in host
+    memory), full or on (only the block's input: ~1/3 more FLOPs); auto: the first of off, save_dots, minimal,
+    full whose compiled step fits the device's memory (off on CPU, which sets no limit)"""
     # data
     dataset: str = ""
     """training data: .jsonl/.json/.parquet, a `save_to_disk` folder, or a Hugging Face Hub dataset id"""
@@ -415,6 +426,7 @@ RESUMABLE = {
     "sample_every",
     "num_samples",
     "mesh",
+    "logits_chunk",
     "remat",
     "export_hf",
     "skip_nonfinite",
@@ -473,6 +485,7 @@ class Run:
             eval_every=(eval_every, 0, False),
             grad_accum_steps=(grad_accum_steps, 1, False),
             warmup_steps=(args.warmup_steps, 0, False),
+            logits_chunk=(args.logits_chunk, 0, False),
         )
         if not (0 <= args.warmup_ratio <= 1 and 0 <= args.min_lr_rate <= 1):
             raise UsageError(
@@ -492,6 +505,7 @@ class Run:
         self.skip_nonfinite = skip_nonfinite
         self.resolved = {}  # what main and the Run resolve, for args.json
         self.dtype = args.dtype or common.default_dtype()
+        self.frozen_dtype = args.frozen_dtype or self.dtype  # common.split_variables' frozen_dtype
         self.dir = args.output_dir or default_output_dir(script, args.model, args.seed)
         self.model_dir = os.path.join(self.dir, "model")
         self.max_steps = args.max_steps
@@ -598,6 +612,7 @@ class Run:
             **vars(self.args),
             "output_dir": self.dir,
             "dtype": self.dtype,
+            "frozen_dtype": self.frozen_dtype,
             "max_steps": self.max_steps,
             **self.resolved,
         }
@@ -838,10 +853,7 @@ class Run:
         row = {k: float(v) for k, v in row.items()}
         self.last_eval = row
         self._write(self.step, row)
-        from tqdm import tqdm
-
-        # above a bar
-        tqdm.write(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3]))
+        announce(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3]))
         if self._eval_started is not None:
             self._paused += time.perf_counter() - self._eval_started
             self._eval_started = None
@@ -913,22 +925,49 @@ class Run:
                 self._wandb.finish()
 
 
-# --- 4. Remat: activation checkpointing per decoder block, --remat {auto,on,off} ---
-def enable_remat(backbone, on=True):
-    """Activation checkpointing per decoder block: its activations are recomputed in the backward pass, so only
-    block inputs [B, T, D] stay alive between forward and backward (about +1/3 FLOPs; Gemma-2B DPO fits 16 GiB
-    chips). Calls with a KV cache (generation) are left alone. `backbone.remat_on`, read when a step is traced,
-    switches it (Remat's auto). A block's added losses (MoE router loss) leave the checkpoint as outputs."""
+# --- 4. Remat: activation checkpointing per decoder block, --remat {auto,off,full,minimal,save_dots,...} ---
+# What a decoder block keeps for the backward pass, by --remat (MaxText's names where they mean the same), from
+# the least recompute (fastest, most memory) to the most; `auto` takes the first whose compiled step fits.
+REMAT_POLICIES = {
+    "off": None,  # no checkpoint: every activation kept
+    "save_dots": "dots_saveable",  # every matmul's output kept (attention's too), the rest recomputed
+    "minimal": "checkpoint_dots_with_no_batch_dims",  # the weight projections' outputs kept; attention recomputed
+    "minimal_offloaded": "offload_dot_with_no_batch_dims",  # those outputs kept in host memory (TPU, GPU)
+    "full": "nothing_saveable",  # only the block's input kept: everything recomputed (about +1/3 FLOPs)
+}
+AUTO_ORDER = (
+    "off",
+    "save_dots",
+    "minimal",
+    "full",
+)  # offloading waits on the host link: asked for by name only
+
+
+def checkpoint_policy(mode):
+    """--remat's mode ("on": "full") -> the jax.checkpoint policy of a decoder block; None for "off"."""
+    import jax
+
+    name = REMAT_POLICIES["full" if mode == "on" else mode]
+    if name == "offload_dot_with_no_batch_dims":
+        return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
+    return getattr(jax.checkpoint_policies, name) if name else None
+
+
+def enable_remat(backbone, mode="full"):
+    """Activation checkpointing per decoder block, by `backbone.remat_mode` (a REMAT_POLICIES key, "on" for
+    "full"; read when a step is traced, so Remat's auto can switch it): "full" keeps only the block inputs
+    [B, T, D] between forward and backward (Gemma-2B DPO fits 16 GiB chips), "minimal" and "save_dots" keep
+    more and recompute less. Calls with a KV cache (generation) are left alone. A block's added losses (MoE
+    router loss) leave the checkpoint as outputs."""
     import jax
     from keras.src.backend.common.stateless_scope import get_stateless_scope
 
-    backbone.remat_on = on
+    backbone.remat_mode = mode
     for layer in [] if hasattr(backbone, "_remat_layers") else getattr(backbone, "transformer_layers", []):
 
         def call(*args, _call=layer.call, **kwargs):
-            if not backbone.remat_on or any(
-                v is not None for k, v in kwargs.items() if "cache" in k and "index" not in k
-            ):
+            cached = any(v is not None for k, v in kwargs.items() if "cache" in k and "index" not in k)
+            if backbone.remat_mode == "off" or cached:
                 return _call(*args, **kwargs)
             arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
             rest = {k: v for k, v in kwargs.items() if k not in arrays}
@@ -938,10 +977,12 @@ def enable_remat(backbone, on=True):
             def block(a, kw):  # a loss added inside, left in the scope, would be a leaked tracer
                 n = len(losses)
                 out = _call(*a, **kw, **rest)
-                added, losses[n:] = losses[n:], []  # taken out of the scope, returned instead
+                added = losses[n:]  # taken out of the scope, returned instead
+                del losses[n:]
                 return out, added
 
-            out, added = jax.checkpoint(block)(args, arrays)
+            policy = checkpoint_policy(backbone.remat_mode)
+            out, added = jax.checkpoint(block, policy=policy)(args, arrays)
             losses.extend(added)
             return out
 
@@ -957,14 +998,42 @@ def device_memory_limit():
     return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
 
 
+def choose_remat(peak_of, limit, modes=AUTO_ORDER):
+    """--remat auto's decision: the first of `modes` (the least recompute first) whose step fits 90% of
+    `limit` bytes a device (the 10%: what the compiler's analysis leaves out: fragmentation, runtime buffers,
+    the next batch). peak_of(mode) -> the compiled peak in bytes, or raises where the compile itself runs out
+    of memory (that mode does not fit). -> (mode, why: each mode's need, for the log). None fits: a
+    UsageError with the need of the last and the flags that lower it."""
+    needs = []
+    for mode in modes:
+        try:
+            peak = peak_of(mode)
+        except Exception as e:  # XLA's RESOURCE_EXHAUSTED: the compile (or its program) did not fit
+            if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
+                raise
+            found = [x for x in str(e).splitlines() if "exceeds" in x or "RESOURCE_EXHAUSTED" in x]
+            needs.append(f"{mode}: does not compile in the memory ({(found or [str(e)])[0].strip()[:160]})")
+            continue
+        needs.append(f"{mode} {peak / 2**30:.2f} GiB")
+        if peak <= 0.9 * limit:
+            return mode, f"compiled peak per device: {', '.join(needs)}; of {limit / 2**30:.2f} GiB"
+    raise UsageError(
+        f"the train step does not fit a device's {limit / 2**30:.2f} GiB with any remat policy "
+        f"({'; '.join(needs)}): lower --batch-size (--grad-accum-steps keeps the batch: the micro-batch is "
+        "what counts), --max-length, train LoRA (--lora-rank 16), or spread over more devices (--mesh)"
+    )
+
+
 class Remat:
     """--remat for `backbones`: "off" leaves them untouched; else each decoder block gets a switch
-    (enable_remat) that `jit` sets: on / off as asked; auto: off where the device sets no memory limit (CPU:
-    remat is pure cost), else decided at the first call by compiling without remat. str(remat): the mode."""
+    (enable_remat) that `jit` sets: the policy asked for; auto: off where the device sets no memory limit
+    (CPU: remat is pure cost), else decided at the first call by compiling (choose_remat). `limit`: the
+    device's bytes (None: the device's own; benchmarks/memory.py passes a target's). str(remat): the mode."""
 
-    def __init__(self, mode, *backbones):
+    def __init__(self, mode, *backbones, limit=None):
         self.requested = mode
         self.mode = None if mode == "auto" else mode  # auto: set at the first call
+        self.limit = limit
         self.backbones = []
         for backbone in backbones:
             self.add(backbone)
@@ -972,62 +1041,84 @@ class Remat:
     def add(self, backbone):
         """Put one more backbone (e.g. PPO's value model) under the same switch."""
         if self.requested != "off":
-            self.backbones.append(enable_remat(backbone, self.requested == "on"))
+            self.backbones.append(
+                enable_remat(backbone, "off" if self.requested == "auto" else self.requested)
+            )
         return backbone
 
     def __str__(self):
         return self.mode or self.requested
 
-    def _resolve(self, mode, why, fn, jit_kwargs):
+    def _resolve(self, mode, fn, jit_kwargs):
         import jax
 
         self.mode = mode
         for backbone in self.backbones:
-            backbone.remat_on = mode == "on"
-        if why and jax.process_index() == 0:
-            from tqdm import tqdm
-
-            tqdm.write(f"remat: auto -> {mode} ({why})")  # above the progress bar the first step runs under
-        return jax.jit(fn, **jit_kwargs)  # a new callable: traced afresh, with the switch as now set
+            backbone.remat_mode = mode
+        # a new function object: jax.jit caches traces per function, and the switch is read when tracing
+        return jax.jit(functools.partial(fn), **jit_kwargs)
 
     def jit(self, fn, length=None, **jit_kwargs):
         """jax.jit(fn, **jit_kwargs) with the remat mode applied. auto, on a device with a memory limit: at the
-        first call fn is compiled ahead of time without remat for that call's shapes and shardings, the batch
-        (third argument, leaves [A, B, T, ...]) at `length` tokens (the run's longest); remat goes on when the
-        compiled peak per device (argument + output + temp − alias) exceeds 90% of the limit (the 10%: what the
-        analysis leaves out: fragmentation, runtime buffers, the next batch). Costs one compile (RESULTS.md)."""
-        import functools
+        first call fn is compiled ahead of time for that call's shapes and shardings, the batch (third
+        argument, leaves [A, B, T, ...]) at `length` tokens (the run's longest), under each policy in turn
+        (choose_remat; one compile each, RESULTS.md), and the chosen one is logged with why."""
         import jax
 
-        fn = functools.partial(fn)
-        limit = device_memory_limit()
-        resolved = []  # the step compiled with the mode chosen at the first call
+        limit = self.limit or device_memory_limit()
         if self.requested != "auto" or limit is None:
-            why = self.requested == "auto" and f"{jax.devices()[0].platform}: no device memory limit"
-            return self._resolve("off" if self.requested == "auto" else self.requested, why, fn, jit_kwargs)
+            if self.requested == "auto":
+                announce(f"remat: auto -> off ({jax.devices()[0].platform}: no device memory limit)")
+            return self._resolve("off" if self.requested == "auto" else self.requested, fn, jit_kwargs)
+        resolved = []  # the step compiled with the mode chosen at the first call
+
+        def at_length(spec):  # a batch leaf [A, B, T, ...] at the run's longest length
+            return (
+                spec.update(shape=spec.shape[:2] + (length,) + spec.shape[3:])
+                if length and spec.ndim >= 3
+                else spec
+            )
 
         def step(*a):
             if not resolved:
                 spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), a)
-                at = lambda s: (
-                    s.update(shape=s.shape[:2] + (length,) + s.shape[3:]) if length and s.ndim >= 3 else s
-                )
-                t, spec = time.perf_counter(), (*spec[:2], jax.tree.map(at, spec[2]), *spec[3:])
-                m = self._resolve("off", None, fn, jit_kwargs).lower(*spec).compile().memory_analysis()
-                peak = (
-                    m.argument_size_in_bytes
-                    + m.output_size_in_bytes
-                    + m.temp_size_in_bytes
-                    - m.alias_size_in_bytes
-                )
-                why = (
-                    f"compiled peak {peak / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB per device; "
-                    f"checked in {time.perf_counter() - t:.1f} s"
-                )
-                resolved.append(self._resolve("on" if peak > 0.9 * limit else "off", why, fn, jit_kwargs))
+                spec = (*spec[:2], jax.tree.map(at_length, spec[2]), *spec[3:])
+                t = time.perf_counter()
+                mode, why, _ = self.choose(fn, spec, limit, **jit_kwargs)
+                announce(f"remat: auto -> {mode} ({why}; checked in {time.perf_counter() - t:.1f} s)")
+                resolved.append(self._resolve(mode, fn, jit_kwargs))
             return resolved[0](*a)
 
         return step
+
+    def choose(self, fn, spec, limit, **jit_kwargs):
+        """auto's decision for jax.jit(fn, **jit_kwargs) at arguments `spec` (shapes and shardings): each policy
+        compiled in turn (choose_remat) -> (mode, why, its compiled program); the switches are left at it."""
+        compiled = {}
+
+        def peak_of(mode):
+            compiled[mode] = self._resolve(mode, fn, jit_kwargs).lower(*spec).compile()
+            return peak_bytes(compiled[mode])
+
+        mode, why = choose_remat(peak_of, limit)
+        self._resolve(mode, fn, jit_kwargs)
+        return mode, why, compiled[mode]
+
+
+def peak_bytes(compiled):
+    """Bytes a device needs for a compiled program, from the compiler (argument + output + temp − alias)."""
+    m = compiled.memory_analysis()
+    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
+
+
+def announce(line):
+    """One line on process 0, above a progress bar if one is open."""
+    import jax
+
+    if jax.process_index() == 0:
+        from tqdm import tqdm
+
+        tqdm.write(line)
 
 
 # --- 5. Accounting: FLOPs, peak, phase times; the compilation cache ---
@@ -1044,7 +1135,25 @@ PEAK_FLOPS = {
     "H200": 989e12,
     "A100": 312e12,
 }
+# Memory bandwidth in bytes/s per chip, from the same datasheets: a decode step's floor (benchmarks/decode.py)
+PEAK_BANDWIDTH = {
+    "TPU v4": 1200e9,
+    "TPU v5 lite": 819e9,
+    "TPU v5e": 819e9,
+    "TPU v5p": 2765e9,
+    "TPU v5": 2765e9,
+    "TPU v6 lite": 1640e9,
+    "TPU v6e": 1640e9,
+    "H100": 3350e9,
+    "H200": 4800e9,
+    "A100": 2039e9,
+}
 _measured_peak = {}
+
+
+def datasheet(table, kind):
+    """A chip's entry of PEAK_FLOPS or PEAK_BANDWIDTH by its device_kind (None: not listed, e.g. CPU)."""
+    return next((value for name, value in table.items() if name.lower() in kind.lower()), None)
 
 
 def count_params(backbone):
@@ -1070,9 +1179,8 @@ def peak_flops():
     import jax
 
     kind = jax.devices()[0].device_kind
-    for name, flops in PEAK_FLOPS.items():
-        if name.lower() in kind.lower():
-            return flops * jax.device_count()
+    if datasheet(PEAK_FLOPS, kind):
+        return datasheet(PEAK_FLOPS, kind) * jax.device_count()
     _measured_peak[kind] = _measured_peak.get(kind) or matmul_flops_per_sec()
     return _measured_peak[kind] * jax.process_count()
 

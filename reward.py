@@ -240,7 +240,9 @@ def main(args):
         args.dataset, "preference", template, config=args.dataset_config, split=args.dataset_split
     )
     max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of pairs
-    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
+    model = common.load_model(
+        args.model, run.mesh, run.dtype, args.seed, logits_chunk=args.logits_chunk, **args.lora
+    )
     remat = plumbing.Remat(args.remat, model.backbone)  # --remat: a checkpoint switch on each decoder block
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     train, counts = tokenize_pairs(train_rows, tokenizer, args.max_length, args.dataset)
@@ -255,7 +257,7 @@ def main(args):
     lengths = pair_lengths(train_data)
 
     optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
-    params, frozen = common.split_variables(backbone)
+    params, frozen = common.split_variables(backbone, frozen_dtype=run.frozen_dtype)
     head = jax.tree.map(
         lambda x: common.put_global(x, common.replicated(run.mesh)), init_head(backbone, args.seed)
     )

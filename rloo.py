@@ -142,8 +142,7 @@ def generate(
     `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
-    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):
+    with common.weights(backbone, params, frozen):  # each weight in the dtype it is held in
         cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
         logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
 
@@ -153,8 +152,7 @@ def generate(
                 token, logq = jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b,))
             else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
                 # index at it: the same token without its fused (value, index) reduce, ~3 ms a step on CPU
-                # [B, V]
-                z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(
+                z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(  # [B, V]
                     logits / temperature, top_k, top_p, min_p
                 )
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
@@ -207,19 +205,22 @@ def response_logps(
 ):
     """log q(response token) and q's entropy (filtered_logps), [B, R] each, float32, and the forward's
     aux_loss (a mixture of experts' router loss, common.forward; 0.0 dense). Position t predicts t+1:
-    response token Q+i is scored by hidden[Q+i-1]; the [B, R, V] logits come one position at a time."""
+    response token Q+i is scored by hidden[Q+i-1]; the [B, R, V] logits come --logits-chunk positions at a
+    time (common.per_token), never whole."""
     hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
     hidden, labels = hidden[:, context_length - 1 : -1], token_ids[:, context_length:]  # [B, R, D], [B, R]
-    state = zip(backbone.trainable_variables + backbone.non_trainable_variables, params + frozen)
-    with keras.StatelessScope(state_mapping=state):  # the output layer's weights, from `params`
 
-        @jax.checkpoint
-        def position(h, y):  # [B, D], [B] -> [B], [B]
-            logits = common.logits(backbone, h)  # [B, V], float32
-            return filtered_logps(logits, y, temperature, top_k=top_k, top_p=top_p, min_p=min_p)
+    def chunk(h, y):  # [B, C, D], [B, C] -> log q [B, C], entropy [B, C]
+        logits = common.logits(backbone, h)  # [B, C, V], float32
+        b, c, v = logits.shape
+        logq, entropy = filtered_logps(
+            logits.reshape(b * c, v), y.reshape(b * c), temperature, top_k=top_k, top_p=top_p, min_p=min_p
+        )
+        return logq.reshape(b, c), entropy.reshape(b, c)
 
-        logps, entropy = jax.lax.map(lambda hy: position(*hy), (hidden.swapaxes(0, 1), labels.T))
-    return logps.T, entropy.T, aux_loss
+    with common.weights(backbone, params, frozen):  # the output layer's weights, from `params`
+        logps, entropy = common.per_token(backbone, chunk, (hidden, labels))
+    return logps, entropy, aux_loss
 
 
 def masked_mean(x, mask):
@@ -508,7 +509,9 @@ def main(args):
         weights=args.reward_weights,
     )
     scorer.check_columns(rows)  # before the model loads: every column a reward function names exists
-    model = common.load_model(args.model, run.mesh, run.dtype, args.seed, **args.lora)
+    model = common.load_model(
+        args.model, run.mesh, run.dtype, args.seed, logits_chunk=args.logits_chunk, **args.lora
+    )
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     scorer.check_tokenizer(tokenizer)
     # --remat: a checkpoint switch on each block (not the sampler's calls)
@@ -525,11 +528,11 @@ def main(args):
     )
 
     # Policy trainable; reference (β > 0) = frozen copy of its initial values (with LoRA: the LoRA-off base)
-    params, frozen = common.split_variables(backbone)
+    params, frozen = common.split_variables(backbone, frozen_dtype=run.frozen_dtype)
     # Through one jit with explicit out_shardings, so the trainable values carry the mesh in their types and are
     # committed to their devices, as the updated ones will be: the sampler sees the same input types every step.
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
-    ref_params = jax.tree.map(jnp.copy, params) if args.beta else None
+    ref_params = common.frozen_copy(params, run.frozen_dtype) if args.beta else None
     off_policy = args.num_iterations > 1 or args.num_mini_batches > 1  # π_old differs from π_θ at some update
     optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated

@@ -1,11 +1,16 @@
-r"""Decode speed of one script's KV-cached sampler (`generate`) before / after a change, in ONE process:
-the script and common.py as of a git revision (`--before`) against the working tree's, on the same
-random-init Gemma, prompts and keys, alternated each round so a shared, noisy machine loads both alike.
+r"""Decode speed of one script's KV-cached sampler (`generate`), against its roofline, and before / after a
+change: the script and common.py as of a git revision (`--before`) against the working tree's, in ONE process,
+on the same random-init Gemma, prompts and keys, alternated each round so a shared, noisy machine loads both
+alike (`--before ''`: the working tree's alone).
     python benchmarks/decode.py --before HEAD~1    # hidden 512, 4 layers, V = 8192; B = 16, Q = 64, R = 128
-Each round times: both samplers (the tokens must be identical, checked every round), one prefill alone,
-and the roofline's two inputs measured now: memory bandwidth (reading 256 MiB once) and a float32
-matmul's FLOP/s. Roofline step = max(weight bytes / bandwidth, 2 N B / matmul FLOP/s): every weight read
-once and every multiply-add done once per decode step. Prints one JSON line last.
+    python benchmarks/decode.py --model gemma_2b --before '' --batch-size 64    # Gemma-2B shape, on a chip
+Each round times: the samplers (the tokens must be identical, checked every round), one prefill alone, and
+the probes: memory bandwidth (reading 256 MiB once) and a float32 matmul's FLOP/s. Roofline step = max(bytes
+a step reads / bandwidth, 2 N B / peak FLOP/s): every weight, as it is held (--dtype: the compute dtype, as a
+frozen base or a sampled-only model is held), and the whole KV cache read once, every multiply-add done once.
+Bandwidth and FLOP/s are the chip's datasheet's (plumbing.PEAK_BANDWIDTH, PEAK_FLOPS) where it has a row,
+the probes' otherwise (both are printed). A step faster than its roofline means the meter is wrong: it says
+so. Prints one JSON line last.
 """
 
 import functools
@@ -18,6 +23,7 @@ import sys
 import time
 import types
 from dataclasses import dataclass
+from typing import Literal
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repo root
 import plumbing  # noqa: E402  (instant: `--help` below answers before the heavy imports)
@@ -36,9 +42,16 @@ class Args:
     script: str = "grpo"
     """whose `generate` is timed: grpo, ppo or evaluate"""
     before: str = "HEAD"
-    """git revision whose <script>.py and common.py are compared with the working tree's"""
+    """git revision whose <script>.py and common.py are compared with the working tree's; '': none"""
+    model: str = "tiny"
+    """architecture (benchmarks/harness.py ARCHS, e.g. gemma_2b), random weights; --arch overrides it"""
     arch: str = "hidden_dim=512,vocabulary_size=8192,intermediate_dim=4096,head_dim=128"
-    """GemmaBackbone arguments over `tiny`'s (4 layers, 4 query heads, 1 KV head), random weights"""
+    """GemmaBackbone arguments over --model's (tiny: 4 layers, 4 query heads, 1 KV head); '' for none"""
+    num_layers: int = 0
+    """override --model's decoder-block count (0: as it is)"""
+    dtype: Literal["bfloat16", "float32"] | None = None
+    """compute dtype, which the weights are held in too (a sampler only reads them); None: bfloat16 on an
+    accelerator, float32 on CPU"""
     batch_size: int = 16
     """B sequences"""
     prompt_length: int = 64
@@ -49,6 +62,8 @@ class Args:
     """0: greedy"""
     rounds: int = 7
     """timed rounds (after one compiling round)"""
+    profile: str = ""
+    """a folder: a jax.profiler trace of the last round's working-tree sampler is written there"""
     seed: int = 0
 
 
@@ -96,8 +111,11 @@ def _timed(f, *a):
 def main(args):
     mesh = common.make_mesh(None)
     overrides = {k: int(v) for k, _, v in (item.partition("=") for item in args.arch.split(",") if item)}
-    backbone = harness.build_backbone("tiny", mesh, "float32", seed=args.seed, overrides=overrides)
-    params, frozen = common.split_variables(backbone)
+    if args.num_layers:
+        overrides["num_layers"] = args.num_layers
+    dtype = args.dtype or common.default_dtype()
+    backbone = harness.build_backbone(args.model, mesh, dtype, seed=args.seed, overrides=overrides)
+    params, frozen = common.split_variables(backbone, frozen_dtype=dtype, all_frozen=True)
     b = args.batch_size
     q = args.prompt_length
     r = args.response_length
@@ -105,10 +123,9 @@ def main(args):
     rng = np.random.default_rng(args.seed)
     queries = rng.integers(3, backbone.vocabulary_size, (b, q), dtype=np.int32)
     query_mask = np.ones((b, q), bool)
-    scripts = {
-        "before": modules_at(args.before, ["common", args.script])[args.script],
-        "after": __import__(args.script),
-    }
+    scripts = {"after": __import__(args.script)}
+    if args.before:
+        scripts["before"] = modules_at(args.before, ["common", args.script])[args.script]
 
     def sampler(module):  # its generate, jitted; the stop ids were `eos_id` before they were `stop_ids`
         stop = "stop_ids" if "stop_ids" in inspect.signature(module.generate).parameters else "eos_id"
@@ -118,46 +135,57 @@ def main(args):
     gens = {side: sampler(m) for side, m in scripts.items()}
 
     def prefill(p, f, qs, qm):  # the working tree's prefill alone: what generate spends before step 1
-        state = zip(backbone.trainable_variables + backbone.non_trainable_variables, p + f)
-        with common.keras.StatelessScope(state_mapping=state):
+        with common.weights(backbone, p, f):
             mask = jnp.concatenate([qm, jnp.ones((b, r), bool)], 1)
             return common.cached_forward(backbone, qs, mask, common.empty_cache(backbone, b, q + r), 0)[0]
 
     prefill = jax.jit(prefill)
-    times = {"before": [], "after": [], "prefill": [], "bandwidth": [], "matmul": []}
+    times = {side: [] for side in (*gens, "prefill", "bandwidth", "matmul")}
     for round_ in range(args.rounds + 1):  # round 0 compiles
         key = jax.random.key(args.seed + round_)
         out = {}
-        for side in ["before", "after"] if round_ % 2 else ["after", "before"]:
+        for side in sorted(gens, reverse=bool(round_ % 2)):
+            traced = args.profile and side == "after" and round_ == args.rounds
+            if traced:
+                jax.profiler.start_trace(args.profile)
             start = time.perf_counter()
             out[side] = jax.device_get(gens[side](params, frozen, queries, query_mask, key))
             times[side].append(time.perf_counter() - start)
-        if not (out["before"][0] == out["after"][0]).all() or out["before"][1] != out["after"][1]:
+            if traced:
+                jax.profiler.stop_trace()
+        if "before" in out and (
+            not (out["before"][0] == out["after"][0]).all() or out["before"][1] != out["after"][1]
+        ):
             raise RuntimeError(f"round {round_}: the two samplers returned different tokens")
         times["prefill"].append(_timed(prefill, params, frozen, queries, query_mask))
         times["bandwidth"].append(bandwidth())
         times["matmul"].append(plumbing.matmul_flops_per_sec(repeats=3))
-        print(
-            f"round {round_}: before {times['before'][-1]:.3f} s, after {times['after'][-1]:.3f} s, "
-            f"{int(out['after'][1])} steps",
-            file=sys.stderr,
-            flush=True,
-        )
-    return report(args, times, int(out["after"][1]), params + frozen)
+        timed = ", ".join(f"{side} {times[side][-1]:.3f} s" for side in gens)
+        print(f"round {round_}: {timed}, {int(out['after'][1])} steps", file=sys.stderr, flush=True)
+    cache = common.empty_cache(backbone, b, q + r)  # what a decode step reads besides the weights
+    return report(args, times, int(out["after"][1]), params + frozen, jax.tree.leaves(cache))
 
 
-def report(args, times, steps, weights):
+def report(args, times, steps, weights, cache):
     """One JSON line: per side tokens/s (B × steps / generate s, prefill included, as the sampler's user
     sees it) and ms per decode step (prefill taken out), beside the roofline (medians of rounds 1…)."""
     b = args.batch_size
     med = {k: statistics.median(v[1:]) for k, v in times.items()}
-    weight_bytes = sum(w.size * w.dtype.itemsize for w in weights)
+    weight_bytes = sum(w.size * w.dtype.itemsize for w in weights)  # as held: what a step reads
+    cache_bytes = sum(c.size * c.dtype.itemsize for c in cache)  # every layer's K and V, all S positions
     matmul_params = sum(w.size for w in weights if w.ndim >= 2)  # N: every weight used in a matmul
-    roofline_s = max(weight_bytes / med["bandwidth"], 2 * matmul_params * b / med["matmul"])
+    kind = jax.devices()[0].device_kind
+    bandwidth = plumbing.datasheet(plumbing.PEAK_BANDWIDTH, kind) or med["bandwidth"]
+    flops = plumbing.datasheet(plumbing.PEAK_FLOPS, kind) or med["matmul"]
+    roofline_s = max((weight_bytes + cache_bytes) / bandwidth, 2 * matmul_params * b / flops)
     out = {
         "script": args.script,
         "before": args.before,
+        "model": args.model,
         "arch": args.arch,
+        "num_layers": args.num_layers,
+        "dtype": args.dtype or common.default_dtype(),
+        "device": kind,
         "batch_size": b,
         "prompt_length": args.prompt_length,
         "response_length": args.response_length,
@@ -165,18 +193,29 @@ def report(args, times, steps, weights):
         "decode_steps": steps,
         "rounds": args.rounds,
         "weight_mb": weight_bytes / 1e6,
-        "bandwidth_gb_s": med["bandwidth"] / 1e9,
+        "kv_cache_mb": cache_bytes / 1e6,
+        "bandwidth_gb_s": bandwidth / 1e9,
+        "bandwidth_source": "datasheet" if bandwidth != med["bandwidth"] else "probe",
+        "bandwidth_probe_gb_s": med["bandwidth"] / 1e9,
         "matmul_gflop_s": med["matmul"] / 1e9,
         "prefill_s": med["prefill"],
         "roofline_ms_per_step": 1e3 * roofline_s,
         "roofline_tokens_per_sec": b / roofline_s,
     }
     for side in ("before", "after"):
-        out[f"{side}_generate_s"] = med[side]
-        out[f"{side}_tokens_per_sec"] = b * steps / med[side]
-        out[f"{side}_ms_per_step"] = 1e3 * (med[side] - med["prefill"]) / (steps - 1)
-    ratios = [x / y for x, y in zip(times["before"][1:], times["after"][1:])]  # each round's pair: one load
-    out["speedup_median_of_rounds"] = statistics.median(ratios)
+        if side in med:
+            out[f"{side}_generate_s"] = med[side]
+            out[f"{side}_tokens_per_sec"] = b * steps / med[side]
+            out[f"{side}_ms_per_step"] = 1e3 * (med[side] - med["prefill"]) / max(steps - 1, 1)
+    out["ms_per_step"] = out["after_ms_per_step"]  # the working tree's, under the name RESULTS.md uses
+    out["tokens_per_sec"] = out["after_tokens_per_sec"]
+    out["of_roofline"] = out["roofline_ms_per_step"] / out["ms_per_step"]  # 1: at the floor
+    if out["of_roofline"] > 1.02:  # 2%: the timing's own noise
+        out["meter_error"] = "the step ran faster than its roofline: a byte or FLOP count here is wrong"
+        print(f"warning: {out['meter_error']}", file=sys.stderr)
+    if "before" in med:  # each round's pair: one load
+        ratios = [x / y for x, y in zip(times["before"][1:], times["after"][1:])]
+        out["speedup_median_of_rounds"] = statistics.median(ratios)
     print(json.dumps(out))
     return out
 

@@ -180,6 +180,8 @@ class Config:
     """DPO: reference log-probs in the batch instead of a reference forward"""
     teacher_model: str = ""
     """distill: the teacher, an ARCHS name (random weights at its shapes) or a common.load_model name"""
+    frozen_dtype: str | None = None
+    """what the never-updated weights are held in (LoRA's base, a reference, a teacher); None: the compute dtype"""
     seed: int = 0
     """the synthetic tokens"""
 
@@ -243,22 +245,42 @@ class _nullcontext:
         return False
 
 
-def abstract_variables(backbone):
-    """(params, frozen) as ShapeDtypeStructs with their layouts, in stateless_call order."""
+def abstract_variables(backbone, frozen_dtype=None, all_frozen=False):
+    """(params, frozen) as ShapeDtypeStructs with their layouts, in the order of common.weights, the frozen
+    ones (all_frozen: every one) in `frozen_dtype` as common.split_variables holds them."""
     distribution = backbone._bench_distribution
+    held = jnp.dtype(frozen_dtype or "float32")
 
-    def spec(v):
+    def spec(v, frozen):
         sharding = distribution.get_variable_layout(v).backend_layout
-        return jax.ShapeDtypeStruct(tuple(v.shape), jnp.dtype(v.dtype), sharding=sharding)
+        dtype = held if frozen and v.dtype == "float32" else jnp.dtype(v.dtype)
+        return jax.ShapeDtypeStruct(tuple(v.shape), dtype, sharding=sharding)
 
     return (
-        [spec(v) for v in backbone.trainable_variables],
-        [spec(v) for v in backbone.non_trainable_variables],
+        [spec(v, all_frozen) for v in backbone.trainable_variables],
+        [spec(v, True) for v in backbone.non_trainable_variables],
     )
 
 
+def frozen_dtype(cfg, backbone):
+    """The dtype the scripts hold never-updated weights in: --frozen-dtype, else the compute dtype."""
+    return cfg.frozen_dtype or backbone.dtype_policy.compute_dtype
+
+
+def frozen_copy(params, dtype):
+    """common.frozen_copy as a function to run (abstract or not): the reference a script keeps."""
+    return jax.tree.map(lambda x: x.astype(dtype) if dtype != "float32" else jnp.copy(x), params)
+
+
 def load_backbone(args, mesh, abstract=False):
-    """--model through common.load_model, or at ARCHS shapes with --random-init / abstract."""
+    """--model through common.load_model, or at ARCHS shapes with --random-init / abstract; its log-probs
+    computed --logits-chunk positions at a time, as the scripts' (common.per_token)."""
+    backbone = _backbone(args, mesh, abstract)
+    backbone.logits_chunk = getattr(args, "logits_chunk", common.LOGITS_CHUNK)
+    return backbone
+
+
+def _backbone(args, mesh, abstract):
     if abstract or args.random_init:
         overrides = {"num_layers": args.num_layers} if getattr(args, "num_layers", 0) else {}
         for item in filter(None, getattr(args, "arch", "").split(",")):  # --arch hidden_dim=512,...
@@ -477,10 +499,11 @@ def setup(cfg, backbone, mesh, abstract=False):
     module = import_algo(cfg.algo)
     algo = ALGOS[cfg.algo]
     args = algo.args(module, cfg)
+    args.frozen_dtype = frozen_dtype(cfg, backbone)  # as the scripts' run.frozen_dtype
     if abstract:
-        params, frozen = abstract_variables(backbone)
+        params, frozen = abstract_variables(backbone, args.frozen_dtype)
     else:
-        params, frozen = common.split_variables(backbone)
+        params, frozen = common.split_variables(backbone, frozen_dtype=args.frozen_dtype)
         # Through one jit, so the values carry the mesh in their types as the updated ones
         # will: the second step then finds the first step's compilation (ppo.py does the same).
         on_mesh = lambda x: x.sharding if isinstance(x.sharding, NamedSharding) else NamedSharding(mesh, P())
@@ -559,7 +582,7 @@ def _preference(
         copy = (
             (lambda p: module.lora_off(backbone, p))
             if args.lora_rank
-            else (lambda p: jax.tree.map(jnp.copy, p))
+            else functools.partial(frozen_copy, dtype=args.frozen_dtype)
         )
         extra["ref_params"] = run(copy, params, abstract=abstract, like=params)
         factor, note = 8, "online reference forward (+2N)"
@@ -594,7 +617,7 @@ def _kto(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, ab
         copy = (
             (lambda p: module.lora_off(backbone, p))
             if args.lora_rank
-            else (lambda p: jax.tree.map(jnp.copy, p))
+            else functools.partial(frozen_copy, dtype=args.frozen_dtype)
         )
         extra["ref_params"] = run(copy, params, abstract=abstract, like=params)
     state = (params, init_opt_state(optimizer, params, mesh, abstract))
@@ -664,7 +687,8 @@ def _ppo(module, args, backbone, optimizer, params, frozen, rng, shape, mesh, ab
         "update step: policy + value forward+backward, 6N each",
     )
     if not abstract:
-        bench.rollout = ppo_rollout(module, args, models, mesh, rng, vocab, run(copy, params))
+        reference = run(functools.partial(frozen_copy, dtype=args.frozen_dtype), params)
+        bench.rollout = ppo_rollout(module, args, models, mesh, rng, vocab, reference)
     return bench
 
 
@@ -763,7 +787,11 @@ def _distill(module, args, backbone, optimizer, params, frozen, rng, shape, mesh
         teacher = build_backbone(args.teacher_model, mesh, dtype, seed=1, abstract=abstract)
     else:
         teacher = common.load_model(args.teacher_model, mesh, dtype, 1).backbone
-    weights = abstract_variables(teacher) if abstract else common.split_variables(teacher)
+    held = args.teacher_dtype or args.frozen_dtype
+    if abstract:
+        weights = abstract_variables(teacher, held, all_frozen=True)
+    else:
+        weights = common.split_variables(teacher, frozen_dtype=held, all_frozen=True)
     state = (params, init_opt_state(optimizer, params, mesh, abstract))
     step = script_step(
         module, backbone=backbone, optimizer=optimizer, args=args, context_length=q, teacher=teacher

@@ -65,7 +65,7 @@ class Args:
     """the scripts' --max-length: the largest bucket"""
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = LoRA of this rank"""
-    remat: Literal["on", "off"] = "off"
+    remat: Literal["auto", "off", "on", "full", "minimal", "save_dots", "minimal_offloaded"] = "off"
     """activation checkpointing per decoder block (the scripts' `--remat auto` turns it on only where
     the step does not fit the device)"""
     # timing

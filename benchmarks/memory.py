@@ -62,9 +62,14 @@ class Args:
     state_only: bool = False
     """report the state per chip alone (weights, Adam moments, frozen weights, reference: the shards of the
     abstract arrays, exact at any depth) and the float32 gradients beside it, without compiling the step"""
-    remat: Literal["on", "off"] = "on"
-    """activation checkpointing per decoder block, as the scripts' `--remat on|off` (their `auto` picks off
-    when the step without remat fits the device: compare the two here)"""
+    remat: Literal["auto", "off", "on", "full", "minimal", "save_dots", "minimal_offloaded"] = "on"
+    """what each decoder block keeps for the backward pass, as the scripts' `--remat`; auto resolves as they do
+    (plumbing.choose_remat: the first of off, save_dots, minimal, full that fits), against the target's memory"""
+    logits_chunk: int = 64
+    """sequence positions whose [B, chunk, V] logits exist at a time, as the scripts' flag; 0: the whole"""
+    frozen_dtype: Literal["bfloat16", "float32"] | None = None
+    """dtype of the weights never updated (LoRA's base, a reference, a teacher), as the scripts' flag; None: the
+    compute dtype"""
     # the target
     target: Literal["tpu_v5e", "tpu_v6e", "tpu_v5p", "cpu"] = "tpu_v5e"
     """compile for: tpu_v5e (16 GiB chips), tpu_v6e (32 GiB) or tpu_v5p (95 GiB) with libtpu's
@@ -132,15 +137,20 @@ def weight_bytes(tree):
     return total
 
 
-def compile_step(args, mesh):
-    """(compiled train step, Bench, backbone, seconds) for abstract weights laid out on `mesh`."""
+def compile_step(args, mesh, limit):
+    """(compiled train step, Bench, backbone, seconds, the remat mode and why) for abstract weights laid out
+    on `mesh`; --remat auto: chosen as the scripts choose it, against `limit` bytes a device."""
     backbone = harness.load_backbone(args, mesh, abstract=True)
     remat = plumbing.Remat(args.remat, backbone)
     t = time.perf_counter()
     bench = harness.setup(args, backbone, mesh, abstract=True)
-    step = remat.jit(bench.step, donate_argnums=0)  # state donated, as in the scripts
-    compiled = step.lower(bench.state, bench.batch, bench.extra).compile()
-    return compiled, bench, backbone, time.perf_counter() - t
+    spec = (bench.state, bench.batch, bench.extra)
+    if args.remat == "auto":  # state donated, as in the scripts
+        mode, why, compiled = remat.choose(bench.step, spec, limit, donate_argnums=0)
+    else:
+        compiled = remat.jit(bench.step, donate_argnums=0).lower(*spec).compile()
+        mode, why = args.remat, "as asked"
+    return compiled, bench, backbone, time.perf_counter() - t, (mode, why)
 
 
 def state_of(bench):
@@ -194,8 +204,9 @@ def main(args):
         )
         return
     over = None
+    chip_gib = args.device_memory_gib or CHIP_GIB[args.target]
     try:
-        compiled, bench, backbone, compile_s = compile_step(args, mesh)
+        compiled, bench, backbone, compile_s, remat = compile_step(args, mesh, chip_gib * GIB)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e) or args.target not in ("tpu_v5e", "tpu_v6e"):
             raise
@@ -204,9 +215,8 @@ def main(args):
         over = str(e).split("RESOURCE_EXHAUSTED:")[-1].strip().splitlines()[0]
         print(f"{args.target}: {over}; breakdown from a TPU v5p compile of the same step", flush=True)
         mesh = tpu_mesh("tpu_v5p", mesh.devices.shape)
-        compiled, bench, backbone, compile_s = compile_step(args, mesh)
+        compiled, bench, backbone, compile_s, remat = compile_step(args, mesh, CHIP_GIB["tpu_v5p"] * GIB)
     m = compiled.memory_analysis()
-    chip_gib = args.device_memory_gib or CHIP_GIB[args.target]
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
     result = {
         **run,
@@ -227,6 +237,8 @@ def main(args):
         "target_error": over,
         "device_memory_gib": chip_gib,
         "compile_s": compile_s,
+        "remat_resolved": remat[0],
+        "remat_why": remat[1],
         "compiled_for": str(mesh.devices.flat[0].device_kind),
     }
     print(json.dumps(result))

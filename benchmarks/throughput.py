@@ -55,12 +55,18 @@ class Args:
     """micro-batches per step"""
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = LoRA of this rank"""
+    logits_chunk: int = 64
+    """sequence positions whose [B, chunk, V] logits exist at a time, as the scripts' flag; 0: the whole"""
+    frozen_dtype: Literal["bfloat16", "float32"] | None = None
+    """dtype of the weights never updated (LoRA's base, a reference, a teacher), as the scripts' flag; None: the
+    compute dtype"""
     precompute_ref: bool = False
     """DPO, KTO: reference log-probs in the batch instead of a reference forward (DPO: 6N, not 8N)"""
     teacher_model: str = ""
     """distill: the frozen teacher (an ARCHS name: random weights at its shapes; throughput: any model name)"""
-    remat: Literal["auto", "on", "off"] = "auto"
-    """activation checkpointing per decoder block, as the scripts' `--remat` (auto: plumbing.Remat's rule)"""
+    remat: Literal["auto", "off", "on", "full", "minimal", "save_dots", "minimal_offloaded"] = "auto"
+    """what each decoder block keeps for the backward pass, as the scripts' `--remat` (auto: the first policy
+    whose compiled step fits the device: plumbing.choose_remat)"""
     # timing
     steps: int = 5
     """timed steps (after the warm-up)"""
@@ -68,6 +74,8 @@ class Args:
     """untimed steps first (the first one compiles)"""
     seed: int = 0
     """seeds the random weights and the synthetic tokens"""
+    profile: str = ""
+    """a folder: a jax.profiler trace of the timed steps is written there (Perfetto, TensorBoard's profile)"""
 
 
 def peak_bytes():
@@ -129,11 +137,15 @@ def main(args):
         jax.block_until_ready((state, metrics))
     warmup_s, warm_traces = time.perf_counter() - t, len(traces)
     times = []
+    if args.profile:
+        jax.profiler.start_trace(args.profile)
     for _ in range(args.steps):
         t = time.perf_counter()
         state, metrics = step(state, bench.batch, bench.extra)
         jax.block_until_ready((state, metrics))
         times.append(time.perf_counter() - t)
+    if args.profile:
+        jax.profiler.stop_trace()
     loss = float(jax.device_get(metrics["train/loss"]))
     retraces = len(traces) - warm_traces  # 0 when the timed steps reuse the warm-up's program
     rollout = ppo_split(bench, state, step, args) if bench.rollout else {}

@@ -288,50 +288,55 @@ def test_longtail_lognormal_lengths():
     assert y.min() >= 16 and y.max() == 512
 
 
-def test_remat_auto_resolves_by_compiled_memory(monkeypatch, capsys):
-    """--remat auto (plumbing.Remat): off on CPU (no memory limit, nothing compiled); with a faked
-    1 MiB device the step compiled without remat does not fit, so remat turns on, and the step then
-    is --remat on's, number for number (to float32 rounding). str(remat) is the resolved mode (what
-    args.json records)."""
+def test_remat_policies_and_auto_resolve_by_compiled_memory(monkeypatch, capsys):
+    """--remat (plumbing.Remat): each policy compiles, keeping less the more it recomputes (off > save_dots ≥
+    minimal ≥ full in compiled peak); auto is off on CPU (no memory limit, nothing compiled); with a faked
+    device where off does not fit 90% and save_dots does, auto compiles them in turn, picks save_dots, logs
+    each one's need, and the step then is --remat save_dots's, number for number (to float32 rounding).
+    str(remat) is the resolved mode (what args.json records)."""
     import harness
     import jax
     import numpy as np
     import plumbing
 
-    mesh, out = harness.common.make_mesh("data=8"), {}
-    for mode, limit in (("auto", None), ("auto", 2**20), ("on", None)):
+    mesh, out, peaks = harness.common.make_mesh("data=8"), {}, {}
+
+    def make(mode, limit):
         monkeypatch.setattr(plumbing, "device_memory_limit", lambda: limit)
         cfg = throughput.Args(
-            algo="sft", model="tiny", random_init=True, batch_size=8, max_length=32, remat=mode
-        )
+            algo="sft", model="tiny", random_init=True, batch_size=16, max_length=128, remat=mode
+        )  # long enough that activations, not weights, set the peak
         backbone = harness.load_backbone(cfg, mesh)
         remat = plumbing.Remat(cfg.remat, backbone)
         bench = harness.setup(cfg, backbone, mesh)
+        return cfg, remat, bench
+
+    for mode in ("off", "save_dots", "minimal", "full"):
+        _, remat, bench = make(mode, None)
+        spec = harness.shape_of((bench.state, bench.batch, bench.extra))
+        peaks[mode] = plumbing.peak_bytes(remat.jit(bench.step, donate_argnums=0).lower(*spec).compile())
+    assert peaks["off"] > peaks["save_dots"] >= peaks["minimal"] >= peaks["full"], peaks
+    limit = (peaks["off"] + peaks["save_dots"]) / 2 / 0.9  # 90% of it: between off's need and save_dots'
+    for mode, device in (("auto", None), ("auto", limit), ("save_dots", None), ("full", None)):
+        cfg, remat, bench = make(mode, device)
         step = remat.jit(bench.step, donate_argnums=0)
-        assert str(remat) == ("auto" if mode == "auto" and limit else mode if mode == "on" else "off")
         shapes = harness.shape_of((bench.state, bench.batch, bench.extra))  # the state is donated below
         _, metrics = step(bench.state, bench.batch, bench.extra)  # resolves auto on the first call
         # a fresh callable: traced anew (jax caches traces per function), as Remat.jit's own jit is
         remats = str(jax.make_jaxpr(functools.partial(bench.step))(*shapes)).count("remat")
-        out[mode, limit] = str(remat), remats, jax.device_get(metrics), capsys.readouterr().out
+        out[mode, device] = str(remat), remats, jax.device_get(metrics), capsys.readouterr().out
         assert cfg.remat == mode  # the flag itself is never rewritten
-    assert (
-        out["auto", None][0] == "off"
-        and "remat: auto -> off (cpu: no device memory limit)" in out["auto", None][3]
-    )
-    assert out["auto", 2**20][0] == "on"
-    assert (
-        out["auto", 2**20][1] == out["on", None][1] == out["auto", None][1] + 4
-    )  # + one per decoder block (tiny: 4)
-    assert (
-        "remat: auto -> on (compiled peak" in out["auto", 2**20][3]
-        and "of 0.00 GiB per" in out["auto", 2**20][3]
-    )
-    assert out["on", None][0] == "on"
+    assert out["auto", None][0] == "off"
+    assert "remat: auto -> off (cpu: no device memory limit)" in out["auto", None][3]
+    assert out["auto", limit][0] == "save_dots"
+    said = out["auto", limit][3]
+    assert f"remat: auto -> save_dots (compiled peak per device: off {peaks['off'] / 2**30:.2f} GiB" in said
+    for mode in ("save_dots", "full"):  # one checkpoint a decoder block (tiny: 4)
+        assert out[mode, None][0] == mode and out[mode, None][1] == out["auto", None][1] + 4
+    assert out["auto", limit][1] == out["save_dots", None][1]
     for k in ("train/loss", "train/grad_norm"):
-        # the same program compiled twice: equal to float32 rounding (1 ulp apart under helpers.FAST_COMPILE)
-        np.testing.assert_allclose(out["auto", 2**20][2][k], out["on", None][2][k], rtol=1e-6)
-        np.testing.assert_allclose(out["auto", None][2][k], out["on", None][2][k], rtol=1e-5)
+        np.testing.assert_allclose(out["auto", limit][2][k], out["save_dots", None][2][k], rtol=1e-6)
+        np.testing.assert_allclose(out["auto", None][2][k], out["full", None][2][k], rtol=1e-5)
 
 
 def test_checkpoint_cost_is_measured_through_the_run(tmp_path, capsys):
@@ -344,3 +349,37 @@ def test_checkpoint_cost_is_measured_through_the_run(tmp_path, capsys):
     assert row["gib"] == 0.125 and len(row["times"]) == 4 and row["seconds"] > 0
     assert row["gemma_2b_save_seconds"] == pytest.approx(12 * 2.506e9 / (row["gb_per_s"] * 1e9))
     assert not (tmp_path / "ck").exists()  # removed after measuring
+
+
+def test_tpu_check_runs_its_commands_on_cpu(tmp_path):
+    """benchmarks/tpu_check.sh with SMOKE=1: the chip's commands at `tiny` shape on the CPU (the bf16 matmul,
+    the README pipeline's flags as each script parses them, the throughput rows, a decode row), each one JSON
+    line of results.jsonl with what, device, date and command beside its figures."""
+    import subprocess
+
+    env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "PY": sys.executable}
+    env["PARTS"] = "matmul flags throughput decode"
+    env.pop("XLA_FLAGS", None)  # one CPU device, as a lone chip
+    out = subprocess.run(
+        ["bash", "benchmarks/tpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    whats = [r["what"] for r in rows]
+    assert whats == [
+        "matmul_bf16",
+        "script_flags",
+        "full_ft_2b_width",
+        "lora_2b",
+        "lora_2b_b8",
+        "dpo_lora_2b",
+        "grpo_update_2b",
+        "decode_2b_b4",
+    ], whats
+    bad = [(r["what"], r.get("error")) for r in rows if r["rc"] != 0]
+    assert not bad, bad
+    assert all(r["device"] == "cpu" and r["date"] and r["command"] for r in rows)
+    assert rows[1]["commands"] == 11  # the whole pipeline, evaluate.py included
+    assert all(0 < r["mfu"] <= 1 and r["tokens_per_sec"] > 0 for r in rows[2:7])
+    assert {r["remat"] for r in rows[3:7]} == {"off"}  # auto on CPU: no memory limit
+    assert rows[7]["ms_per_step"] > 0 and rows[7]["bandwidth_source"] == "probe"

@@ -164,9 +164,9 @@ def pair():
     )
 
 
-def test_chunked_projection_equals_the_full_logits(pair):
-    """completion_divergence in chunks of 3 (8 positions: the last chunk padded) == in one chunk == the
-    divergence of the full [B, R, V] logits of both models; and so do the gradients."""
+def test_chunked_projection_equals_the_full_logits(pair, monkeypatch):
+    """completion_divergence in chunks of 3 (--logits-chunk 3; 8 positions: the last chunk padded) == in one
+    chunk == the divergence of the full [B, R, V] logits of both models; and so do the gradients."""
     backbone, (params, frozen), teacher, weights, batch, q = pair
     ids, pad, mask = batch["query_responses"], batch["padding_mask"], batch["response_mask"]
 
@@ -181,6 +181,7 @@ def test_chunked_projection_equals_the_full_logits(pair):
         return generalized_jsd(out[0], out[1], mask, 0.5, 1.3)
 
     def chunked(p, chunk):
+        monkeypatch.setattr(backbone, "logits_chunk", chunk, raising=False)  # read when traced
         return distill.completion_divergence(
             backbone,
             p,
@@ -193,7 +194,6 @@ def test_chunked_projection_equals_the_full_logits(pair):
             context_length=q,
             beta=0.5,
             temperature=1.3,
-            chunk=chunk,
         )[0]
 
     want = jax.jit(full)(params)
@@ -207,17 +207,20 @@ def test_chunked_projection_equals_the_full_logits(pair):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=1e-4, atol=1e-7)
 
 
-def test_a_bfloat16_teacher_is_held_in_half_the_bytes_and_grades_alike(pair):
-    """--teacher-dtype bfloat16: every floating teacher array held in bfloat16 (half the bytes, layout kept),
-    and the divergence within bfloat16's rounding of the float32 teacher's (a relative step of 2^-8)."""
-    backbone, (params, frozen), teacher, weights, batch, q = pair
-    held = distill.hold(weights, "bfloat16")
-    assert distill.hold(weights, None) is weights
+def test_a_bfloat16_teacher_is_held_in_half_the_bytes_and_grades_alike(pair, monkeypatch):
+    """--teacher-dtype bfloat16 (common.split_variables, every weight frozen): every floating teacher array held
+    in bfloat16 (half the bytes, layout kept), its variables' buffers replaced, and the divergence within
+    bfloat16's rounding of the float32 teacher's (a relative step of 2^-8)."""
+    backbone, (params, frozen), _, weights, batch, q = pair
+    teacher = common.load_model("tiny", common.make_mesh(), "float32", seed=1).backbone  # its own: recast
+    held = common.split_variables(teacher, frozen_dtype="bfloat16", all_frozen=True)
     arrays, f32 = jax.tree.leaves(held), jax.tree.leaves(weights)
     assert all(a.dtype == jnp.bfloat16 and a.sharding == b.sharding for a, b in zip(arrays, f32))
     assert sum(a.nbytes for a in arrays) * 2 == sum(b.nbytes for b in f32)
+    assert all(v.value.dtype == jnp.bfloat16 for v in teacher.weights)
     ids, pad, mask = batch["query_responses"], batch["padding_mask"], batch["response_mask"]
-    settings = {"beta": 1.0, "temperature": 1.0, "chunk": 4}
+    monkeypatch.setattr(backbone, "logits_chunk", 4, raising=False)
+    settings = {"beta": 1.0, "temperature": 1.0}
     inputs = {"token_ids": ids, "padding_mask": pad, "response_mask": mask, "context_length": q}
     grade = jax.jit(
         lambda w: distill.completion_divergence(backbone, params, frozen, teacher, w, **inputs, **settings)[0]

@@ -18,7 +18,7 @@ MODULES = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
 ALGORITHMS = ("sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rloo", "distill")
 # Statements (ast.stmt) per file: what the file holds, however the formatter lays it out. The shared modules'
 # budgets are their roles' (each has a table of contents); a script's is "about" (SLACK over it at most).
-SHARED = {"common": 700, "plumbing": 700, "interop": 300}
+SHARED = {"common": 700, "plumbing": 750, "interop": 300}  # plumbing: + remat policies and their chooser
 ABOUT = {
     "dpo": 250,
     "simpo": 250,

@@ -1106,15 +1106,14 @@ def tiny():
     return model, params, frozen
 
 
-def test_token_logps_match_full_logits_and_padding(tiny):
+def test_token_logps_match_full_logits_and_padding(tiny, monkeypatch):
     model, params, frozen = tiny
     rng = np.random.default_rng(0)
     ids = rng.integers(3, 300, (2, 11)).astype(np.int32)
     mask = np.ones_like(ids, bool)
     mask[1, 7:] = False  # row 1 is right-padded
-    chunked = jax.jit(
-        lambda p, i, m: token_logps(model.backbone, p, frozen, i, m, chunk=4)[0]
-    )  # chunks: 4+4+2
+    monkeypatch.setattr(model.backbone, "logits_chunk", 4, raising=False)  # --logits-chunk 4: chunks 4+4+2
+    chunked = jax.jit(lambda p, i, m: token_logps(model.backbone, p, frozen, i, m)[0])
     logps = chunked(params, ids, mask)
     # Reference: full [B, T, V] logits from the KerasHub model itself, float64 log-softmax.
     logits = np.asarray(model({"token_ids": ids, "padding_mask": mask}), np.float64)

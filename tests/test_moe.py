@@ -166,11 +166,11 @@ def test_train_step_adds_aux_loss_and_moves_the_router(moe, monkeypatch):
         moved = grads[i] - grads0[i]
         assert np.abs(moved).max() > 1e-3  # the coefficient changes the router's gradient ...
         np.testing.assert_allclose(moved, aux_grads[i], atol=1e-5)  # ... by exactly the aux term's gradient
-    plumbing.enable_remat(backbone, True)
+    plumbing.enable_remat(backbone, "full")
     try:
         remat, remat_grads = sft_step(backbone, batch)
     finally:
-        backbone.remat_on = False
+        backbone.remat_mode = "off"
     for k in ("train/loss", "aux_loss"):
         assert float(remat[k]) == pytest.approx(float(with_aux[k]), rel=1e-5), k
     for a, b in zip(grads, remat_grads):

@@ -1,0 +1,301 @@
+"""What a real accelerator needs, checked on CPU: a lone host starts alone whatever its launcher variables
+(a one-host TPU VM sets TPU_WORKER_HOSTNAMES=localhost), several hosts start jax.distributed, a failed start
+is one line (exit 2); --remat auto survives a compile that runs out of memory and, where nothing fits, says
+which flags to change; frozen weights are held in the compute dtype."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import common  # first: KERAS_BACKEND=jax
+import jax
+import jax.numpy as jnp
+import plumbing
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture
+def initialize(monkeypatch):
+    """jax.distributed.initialize replaced by a recorder of its calls; no launcher variable set."""
+    calls = []
+    for name in common.CLUSTER_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(jax.distributed, "initialize", lambda *a: calls.append(a))
+    return calls
+
+
+@pytest.mark.parametrize(
+    "variables",
+    [{}, {"TPU_WORKER_HOSTNAMES": "localhost"}, {"SLURM_NTASKS": "1"}, {"OMPI_COMM_WORLD_SIZE": "1"}],
+)
+def test_a_lone_host_starts_alone(initialize, monkeypatch, variables):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    common.init_distributed()
+    assert initialize == []
+
+
+@pytest.mark.parametrize(
+    "variables, size",
+    [
+        ({"TPU_WORKER_HOSTNAMES": "10.0.0.2,10.0.0.3"}, 2),
+        ({"SLURM_NTASKS": "4"}, 4),
+        ({"OMPI_COMM_WORLD_SIZE": "8"}, 8),
+    ],
+)
+def test_several_hosts_start_jax_distributed(initialize, monkeypatch, variables, size):
+    for name, value in variables.items():
+        monkeypatch.setenv(name, value)
+    assert common.cluster_size() == (size, next(iter(variables)))
+    common.init_distributed()
+    assert initialize == [(None, None, None)]  # JAX finds the coordinator and the process's index itself
+
+
+def test_the_flags_start_it_on_any_host(initialize, monkeypatch):
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "localhost")
+    common.init_distributed("10.0.0.2:1234", 2, 1)
+    assert initialize == [("10.0.0.2:1234", 2, 1)]
+
+
+def test_a_failed_start_is_one_line_naming_what_was_tried(monkeypatch):
+    def refuse(*a):
+        raise ConnectionError("Failed to connect to the metadata server\nretrying ...\nmore")
+
+    monkeypatch.setenv("TPU_WORKER_HOSTNAMES", "host-a,host-b")
+    monkeypatch.setattr(jax.distributed, "initialize", refuse)
+    with pytest.raises(plumbing.UsageError) as e:
+        common.init_distributed()
+    message = str(e.value)
+    assert "\n" not in message
+    assert "TPU_WORKER_HOSTNAMES='host-a,host-b' (2 processes" in message
+    assert "ConnectionError: Failed to connect to the metadata server;" in message
+    assert "--coordinator-address HOST:PORT --num-processes N --process-id I" in message
+
+
+def test_a_one_host_tpu_vm_runs_a_script(tmp_path):
+    """As on a lone TPU VM: the host list names only itself, and sft.py runs to the end (exit 0)."""
+    env = {**os.environ, "TPU_WORKER_HOSTNAMES": "localhost", "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    out = subprocess.run(
+        [
+            sys.executable,
+            "sft.py",
+            "--model",
+            "tiny",
+            "--max-steps",
+            "1",
+            "--batch-size",
+            "8",
+            "--max-length",
+            "64",
+            "--eval-dataset",
+            "",
+            "--save-every",
+            "0",
+            "--output-dir",
+            str(tmp_path / "out"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+
+
+GIB = 2**30
+OOM = "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of memory in memory space hbm. Used 24.26G of 15.75G hbm. Exceeded hbm capacity by 8.51G.\nTotal hbm usage >= 24.26G:\n    reserved 1M\n    program 24.26G"
+
+
+def peaks(table):
+    """peak_of for choose_remat from {mode: GiB, or OOM: the compile raises as XLA:TPU does}."""
+
+    def peak_of(mode):
+        if table[mode] == "OOM":
+            raise RuntimeError(OOM)
+        return table[mode] * GIB
+
+    return peak_of
+
+
+def test_auto_takes_the_first_policy_that_fits():
+    limit = 16 * GIB  # 90% of it: 14.4 GiB
+    assert plumbing.choose_remat(peaks({"off": 9.0}), limit)[0] == "off"
+    mode, why = plumbing.choose_remat(peaks({"off": 15.0, "save_dots": 14.0}), limit)
+    assert mode == "save_dots" and "off 15.00 GiB, save_dots 14.00 GiB" in why
+    # the no-remat compile runs out of memory itself (a TPU's compiler refuses, it reports no peak)
+    mode, why = plumbing.choose_remat(peaks({"off": "OOM", "save_dots": "OOM", "minimal": 12.0}), limit)
+    assert mode == "minimal" and "off: does not compile in the memory (RESOURCE_EXHAUSTED" in why
+
+
+def test_auto_says_which_flags_to_change_when_nothing_fits():
+    table = {"off": "OOM", "save_dots": "OOM", "minimal": "OOM", "full": 20.0}
+    with pytest.raises(plumbing.UsageError) as e:
+        plumbing.choose_remat(peaks(table), 16 * GIB)
+    message = str(e.value)
+    assert "\n" not in message and "full 20.00 GiB" in message and "16.00 GiB" in message
+    for lever in ("--batch-size", "--grad-accum-steps", "--max-length", "--lora-rank", "--mesh"):
+        assert lever in message
+
+
+def test_auto_lets_other_errors_through():
+    def broken(mode):
+        raise ValueError("a bug, not memory")
+
+    with pytest.raises(ValueError):
+        plumbing.choose_remat(broken, 16 * GIB)
+
+
+# ---------------------------------------------------------------------------
+# Log-probs a chunk of positions at a time (common.per_token): equal to the whole logits' to rounding
+# ---------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tiny():
+    mesh = common.make_mesh()
+    model = common.load_model("tiny", mesh, "float32", seed=0)
+    params, frozen = common.split_variables(model.backbone)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 300, (4, 23)).astype(np.int32)
+    mask = np.ones_like(ids, bool)
+    mask[1, 15:] = False  # a right-padded row
+    return model.backbone, params, frozen, ids, mask
+
+
+def chunked_and_whole(backbone, fn, monkeypatch):
+    """fn's value and gradient (a fixed random weighting of its outputs, d/d params) at --logits-chunk 5
+    (T not a multiple: the last chunk is padded) and 0 (the whole logits, no chunks)."""
+    out = {}
+    for chunk in (5, 0):
+        monkeypatch.setattr(backbone, "logits_chunk", chunk, raising=False)
+        out[chunk] = jax.jit(jax.value_and_grad(fn, has_aux=True))  # traced afresh: the chunk is read then
+    return out
+
+
+def weighting(x):
+    return jnp.asarray(np.random.default_rng(1).normal(size=x.shape), x.dtype)
+
+
+def test_sft_log_probs_by_chunks_equal_the_whole_logits(tiny, monkeypatch):
+    import sft
+
+    backbone, params, frozen, ids, mask = tiny
+
+    def fn(p):
+        logps = sft.token_logps(backbone, p, frozen, ids, mask)[0]  # [B, T-1]
+        return jnp.sum(weighting(logps) * jnp.where(mask[:, 1:], logps, 0.0)), logps
+
+    fns = chunked_and_whole(backbone, fn, monkeypatch)
+    (_, chunked), g_chunked = fns[5](params)
+    (_, whole), g_whole = fns[0](params)
+    np.testing.assert_allclose(np.asarray(chunked), np.asarray(whole), rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_whole)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_rl_log_probs_and_entropy_by_chunks_equal_the_whole_logits(tiny, monkeypatch):
+    """grpo.py's response_logps (ppo's and rloo's are the same copy) under TRL's filters: log q of the
+    response tokens and q's entropy, values and gradients, against the whole [B, R, V] logits."""
+    import grpo
+
+    backbone, params, frozen, ids, _ = tiny
+    mask = np.ones_like(ids, bool)
+
+    def fn(p):
+        logq, entropy, _ = grpo.response_logps(
+            backbone, p, frozen, ids, mask, context_length=6, temperature=0.7, top_k=50, top_p=0.9, min_p=None
+        )
+        return jnp.sum(weighting(logq) * logq + 0.1 * entropy), (logq, entropy)
+
+    fns = chunked_and_whole(backbone, fn, monkeypatch)
+    (_, chunked), g_chunked = fns[5](params)
+    (_, whole), g_whole = fns[0](params)
+    for a, b in zip(chunked, whole):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_whole)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+def test_distill_divergence_by_chunks_equals_the_whole_logits(tiny, monkeypatch):
+    """distill.py's completion_divergence (a teacher of the same tiny architecture, other weights)."""
+    import distill
+
+    backbone, params, frozen, ids, _ = tiny
+    mesh = common.make_mesh()
+    teacher = common.load_model("tiny", mesh, "float32", seed=1).backbone
+    teacher_weights = common.split_variables(teacher)
+    response_mask = np.ones((ids.shape[0], ids.shape[1] - 6), bool)
+    response_mask[2, 9:] = False
+
+    def fn(p):
+        divergence, logq, entropy, _ = distill.completion_divergence(
+            backbone,
+            p,
+            frozen,
+            teacher,
+            teacher_weights,
+            token_ids=ids,
+            padding_mask=np.ones_like(ids, bool),
+            response_mask=response_mask,
+            context_length=6,
+            beta=0.5,
+            temperature=1.0,
+        )
+        return jnp.sum(weighting(divergence) * divergence), (divergence, logq, entropy)
+
+    fns = chunked_and_whole(backbone, fn, monkeypatch)
+    (_, chunked), g_chunked = fns[5](params)
+    (_, whole), g_whole = fns[0](params)
+    for a, b in zip(chunked, whole):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_chunked), jax.tree.leaves(g_whole)):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------------------
+# Frozen weights in the compute dtype (split_variables' frozen_dtype)
+# ---------------------------------------------------------------------------
+def test_float32_runs_are_unchanged_by_the_weights_scope(tiny):
+    """In float32 nothing is recast: the project's scope gives the very values keras.StatelessScope gives."""
+    import keras
+
+    backbone, params, frozen, ids, mask = tiny
+
+    def old(p):
+        state = zip(backbone.trainable_variables + backbone.non_trainable_variables, p + frozen)
+        with keras.StatelessScope(state_mapping=state):
+            return backbone(common.inputs(backbone, ids, mask))
+
+    def new(p):
+        with common.weights(backbone, p, frozen):
+            return backbone(common.inputs(backbone, ids, mask))
+
+    np.testing.assert_array_equal(np.asarray(jax.jit(old)(params)), np.asarray(jax.jit(new)(params)))
+
+
+def test_lora_base_held_in_bfloat16_halves_it_and_keeps_the_values():
+    """LoRA at bfloat16 compute: the frozen base held in bfloat16 takes half the bytes, every trainable
+    LoRA factor stays float32, and the log-probs equal those of the float32-held base to bfloat16 rounding
+    (the mixed policy casts every weight to bfloat16 as a layer reads it anyway)."""
+    import sft
+
+    mesh = common.make_mesh()
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, 300, (4, 16)).astype(np.int32)
+    mask = np.ones_like(ids, bool)
+    out = {}
+    for held in ("float32", "bfloat16"):
+        backbone = common.load_model("tiny", mesh, "bfloat16", seed=0, lora_rank=4).backbone
+        params, frozen = common.split_variables(backbone, frozen_dtype=held)
+        nbytes = sum(x.size * x.dtype.itemsize for x in frozen)
+        assert all(x.dtype == jnp.float32 for x in params)  # the trained factors keep their master copy
+        assert {str(x.dtype) for x in frozen} == {held}
+        assert all(v.value.dtype == held for v in backbone.non_trainable_variables)  # the buffers replaced
+        logps = jax.jit(lambda p: sft.token_logps(backbone, p, frozen, ids, mask)[0])(params)
+        out[held] = nbytes, np.asarray(logps, np.float32)
+    assert out["bfloat16"][0] * 2 == out["float32"][0]
+    np.testing.assert_allclose(out["bfloat16"][1], out["float32"][1], rtol=0.02, atol=0.02)
