@@ -31,7 +31,7 @@ ABOUT = {
     "rloo": 380,
     "distill": 290,
     "evaluate": 300,
-    "compare": 560,
+    "compare": 660,  # + the data check, --quick, per-run progress, the summary with Holm's correction
 }
 SLACK = 0.02
 
