@@ -69,8 +69,8 @@ class Args:
     extra: tuple[str, ...] = ()
     """forked scripts (e.g. mydpo.py), each run like dpo from the SFT model; the row is the file's name"""
     quick: bool = False
-    """a first look in minutes: QUICK's methods, budgets, 1 seed, 200 test prompts, no curves (a flag you give
-    keeps your value); one seed measures no seed noise, so the report makes no claim (docs/compare.md)"""
+    """a first look in minutes: QUICK's methods, budgets, 1 seed, 200 test prompts, no curves (a flag you
+    give keeps its value: quick_argv); one seed measures no seed noise, so the report claims nothing"""
     seeds: int = 3
     """training seeds after SFT: --seed, --seed+1, …; SFT is trained once (--seed): the shared base"""
     sweep: RepeatedStr = ()
@@ -217,11 +217,12 @@ QUICK = dict(
 )
 
 
-def quick(args):
-    """--quick: QUICK's value for every field still at its default (a flag given keeps its value)."""
-    return dataclasses.replace(
-        args, **{k: v for k, v in QUICK.items() if getattr(args, k) == getattr(Args, k)}
-    )
+def quick_argv(argv):
+    """--quick: QUICK's flags put ahead of the command line, whose own flags come later and so win (tyro keeps
+    a repeated flag's last value); a command line without --quick as it is."""
+    if "--quick" not in argv:
+        return argv
+    return [f"--{k.replace('_', '-')}={v}" for k, v in QUICK.items()] + argv
 
 
 def check_data(args, stages, grid):
@@ -1049,13 +1050,6 @@ def write_report(
     summary and the table."""
     md = table(rows, base_name, any("rm_score" in st for st in stats.values()))
     md = summary(stats, costs, base_name=base_name, seeds=len(seeds)) + "\n\n" + md
-    quick_line = (
-        "\n`--quick`: "
-        + ", ".join(f"--{k.replace('_', '-')} {getattr(args, k)}" for k in QUICK)
-        + " (a first look)."
-        if args.quick
-        else ""
-    )
 
     def short(p):  # relative to the working directory, unless outside it
         return p if os.path.relpath(p).startswith("..") else os.path.relpath(p)
@@ -1087,7 +1081,7 @@ def write_report(
     text = f"""# Post-training recipes compared on `{args.model}`
 
 `python compare.py {shlex.join(sys.argv[1:])}` — {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, \
-{total / 60:.1f} min in all on {os.cpu_count()} CPU cores; seeds {", ".join(map(str, seeds))}.{quick_line}
+{total / 60:.1f} min in all on {os.cpu_count()} CPU cores; seeds {", ".join(map(str, seeds))}.
 
 {md}
 
@@ -1132,7 +1126,6 @@ Commands run:
 
 
 def main(args):
-    args = quick(args) if args.quick else args
     output_dir = args.output_dir or plumbing.default_output_dir("compare", args.model, args.seed)
     stages, base, seeds, grid = plan(args, output_dir)
     check_data(args, stages, grid)  # before the task's held-out prompts stand in for those not given
@@ -1360,4 +1353,5 @@ def evaluate_and_report(args, output_dir, stages, *, base, seeds, grid, ok, wall
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = quick_argv(sys.argv[1:])  # --quick: its values unless a flag given says otherwise
     plumbing.launch(main, Args)  # the one boundary: exceptions -> exit codes and one-line messages

@@ -415,17 +415,20 @@ def test_compare_never_mixes_tasks(tmp_path):
 
 
 def test_quick_fills_in_what_was_not_given():
-    """--quick: QUICK's methods, budgets and one seed where the flag kept its default; a flag given keeps its value."""
+    """--quick: QUICK's methods, budgets and one seed, unless a flag given says otherwise, even with the value
+    that is the default (--seeds 3); a command line without --quick is left alone."""
     import plumbing
 
-    args = compare.quick(plumbing.cli(compare.Args, ["--quick", "--steps", "20"]))
-    assert (args.methods, args.seeds, args.sft_steps, args.steps, args.curve_points) == (
+    args = plumbing.cli(compare.Args, compare.quick_argv(["--quick", "--steps", "20", "--seeds", "3"]))
+    assert (args.methods, args.seeds, args.sft_steps, args.steps, args.curve_points, args.quick) == (
         "sft,sft+,dpo,grpo,sft+rl",
-        1,
+        3,
         150,
         20,
         0,
+        True,
     )
+    assert compare.quick_argv(["--seeds", "2"]) == ["--seeds", "2"]
 
 
 def test_sft_plus_matches_preference_tokens():
