@@ -279,10 +279,14 @@ def resolve_model(name):
         raise UsageError(
             f"--model {name}: no such directory; as a Hugging Face Hub repo id it is --model hf://{name}"
         )
-    aliases = ", ".join(["tiny"] + sorted(MODEL_ALIASES))
+    import difflib
+
+    names = ["tiny", *sorted(MODEL_ALIASES)]
+    close = difflib.get_close_matches(name, names + sorted(keras_hub.models.CausalLM.presets), n=3)
+    known = f"did you mean {', '.join(close)}?" if close else f"the aliases: {', '.join(names)}."
     raise UsageError(
-        f"unknown --model {name!r}. Aliases: {aliases}; or any KerasHub preset, "
-        "a kaggle:// or hf:// handle, or a local preset / Hugging Face directory"
+        f"unknown --model {name!r}: {known} --model also takes any KerasHub preset, a kaggle:// or hf:// "
+        "handle, or a local preset / Hugging Face directory"
     )
 
 
@@ -721,18 +725,20 @@ def described(fn):
     return f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})" if code else fn.__name__
 
 
-def call_reward_fn(fn, n, *args, **kwargs):
+def call_reward_fn(fn, n, args=(), kwargs=None, columns=()):
     """fn(*args, **kwargs) -> ([n] float64 scores, NaN where it returned None or NaN; [n] bool: it returned
-    NaN itself); a UsageError naming fn when it raises or returns anything else."""
+    NaN itself); a UsageError naming fn when it raises (a KeyError: with the rows' `columns`, what it could
+    have read) or returns anything else."""
     import traceback
 
     try:
-        out = fn(*args, **kwargs)
+        out = fn(*args, **(kwargs or {}))
     except Exception as e:
         where = traceback.extract_tb(e.__traceback__)[-1]  # the innermost frame: where in its code
+        has = f"; the rows' columns: {', '.join(columns)}" if isinstance(e, KeyError) and columns else ""
         raise UsageError(
             f"reward function {described(fn)} raised {type(e).__name__}: {e} "
-            f"(at {where.filename}:{where.lineno})"
+            f"(at {where.filename}:{where.lineno}{has})"
         ) from None
     try:
         scores = [None if v is None else float(v) for v in out]
@@ -816,14 +822,14 @@ class Scorer:
     def __call__(self, prompts, texts, batch, rows, completion_ids, end=None):
         texts = [t.split(end)[0] for t in texts] if end else list(texts)
         inputs = reward_inputs(prompts, texts, rows, completion_ids) if any(f[2] for f in self.fns) else None
+        columns = sorted({k for r in rows for k in r})  # named when a function's KeyError stops the run
         parts, nan = {}, {}
         for f, _, signature, name in self.fns:
             if signature is None:  # f(prompts, responses)
-                parts[name], nan[name] = call_reward_fn(f, len(texts), prompts, texts)
+                parts[name], nan[name] = call_reward_fn(f, len(texts), (prompts, texts), columns=columns)
             else:  # TRL's keywords: those it names (signature[1]), or all where it takes **kwargs ([2])
-                parts[name], nan[name] = call_reward_fn(
-                    f, len(texts), **{k: v for k, v in inputs.items() if signature[2] or k in signature[1]}
-                )
+                kwargs = {k: v for k, v in inputs.items() if signature[2] or k in signature[1]}
+                parts[name], nan[name] = call_reward_fn(f, len(texts), kwargs=kwargs, columns=columns)
             if nan[name].any() and name not in self.warned:  # TRL's nansum takes a NaN as a None
                 self.warned.add(name)
                 from tqdm import tqdm  # on a line of its own, above the progress bar
@@ -1095,6 +1101,12 @@ def sft_segments(row, where, template):
     (TRL's conversational form: the completion's answers carry the loss); `messages` (its answers do)."""
     if not isinstance(row, dict):
         raise UsageError(f"{where}: expected a JSON object")
+    if ("chosen" in row or "rejected" in row) and "completion" not in row:  # another script's data
+        raise UsageError(
+            f"{where}: this row holds 'chosen'/'rejected', i.e. preference data: train on it with dpo.py, "
+            "simpo.py, orpo.py or reward.py (kto.py unpairs it); sft.py takes 'text', 'prompt'+'completion' "
+            "or 'messages'"
+        )
     if "messages" in row or any(isinstance(row.get(k), list) for k in ("prompt", "completion")):
         keys = ("messages",) if "messages" in row else ("prompt", "completion")
         chats = [_messages(row.get(k), k, where, template) for k in keys]
@@ -1129,8 +1141,16 @@ def preference_triple(row, where, template, names=("chosen", "rejected")):
     if not isinstance(row, dict):
         raise UsageError(f"{where}: expected a JSON object")
     if missing := [key for key in names if key not in row]:
+        other = (  # another script's data
+            "KTO's unpaired data (prompt, completion, label): kto.py"
+            if "label" in row
+            else "SFT data: sft.py"
+            if {"text", "completion", "messages"} & set(row)
+            else ""
+        )
         raise UsageError(
             f"{where}: missing field {missing[0]!r} (need 'chosen', 'rejected', optional 'prompt')"
+            + (f"; this row looks like {other} trains on it" if other else "")
         )
     keys = [k for k in ("prompt", *names) if k in row]
     if isinstance(row[names[0]], list):  # conversational: message lists

@@ -2,13 +2,17 @@
 Every script runs through its real CLI (a subprocess; a fork slots in by name, `--extra mydpo.py`); each model
 is scored with evaluate.py's protocol against SFT and a compute-matched continued-SFT control (sft+, sft+rl),
 over --seeds seeds, paired 95% intervals; --sweep picks settings on the eval split, the table reports the test
-split. Writes comparison.md (table, sweep, costs), comparison.png and curves.json (greedy score against FLOPs).
-    python compare.py --model gemma_2b --sft-args="--dataset sft.jsonl" --dpo-args="--dataset prefs.jsonl"
-Offline, the bundled comparison task (data/compare/, docs/compare.md) on the `tiny` model:
+split. Writes comparison.md (summary, table, sweep, costs), comparison.png, curves.json (score against FLOPs).
+    python compare.py --model gemma_2b --methods sft,dpo --test-prompts test.jsonl --reward-fn f.py:score \
+        --sft-args="--dataset sft.jsonl --eval-dataset sft_eval.jsonl" \
+        --dpo-args="--dataset prefs.jsonl --eval-dataset prefs_eval.jsonl"
+Offline, a first look in minutes (`--quick`), and the bundled comparison task (data/compare/) at 3 seeds:
+    python compare.py --model tiny --quick
     python compare.py --model tiny --seeds 3 --sweep kto.learning_rate=1e-5,5e-5 \\
         --sweep simpo.learning_rate=1e-5,5e-5   # docs/comparison.md
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -64,6 +68,9 @@ class Args:
     """the distill row's frozen teacher (any --model form, the base's vocabulary), e.g. a larger sibling"""
     extra: tuple[str, ...] = ()
     """forked scripts (e.g. mydpo.py), each run like dpo from the SFT model; the row is the file's name"""
+    quick: bool = False
+    """a first look in minutes: QUICK's methods, budgets, 1 seed, 200 test prompts, no curves (a flag you
+    give keeps its value: quick_argv); one seed measures no seed noise, so the report claims nothing"""
     seeds: int = 3
     """training seeds after SFT: --seed, --seed+1, …; SFT is trained once (--seed): the shared base"""
     sweep: RepeatedStr = ()
@@ -174,6 +181,9 @@ TASK_DATA = {
 }
 
 
+DATA_KIND = {"sft": "demonstrations", "prefs": "preference pairs", "kto": "KTO rows", "prompts": "prompts"}
+
+
 def task_flags(task, model, recipe):
     """The data flags of one script under --task (its recipe key names it; a fork reads dpo's)."""
     if task == "toy" or not plumbing.is_toy_model(model):
@@ -193,6 +203,60 @@ def task_prompts(args):
         args.eval_prompts or os.path.join(folder, "prompts_eval.jsonl"),
         args.test_prompts or os.path.join(folder, "prompts_test.jsonl"),
     )
+
+
+# --quick: SFT's 150 updates; dpo against sft+, grpo (the checker) against sft+rl; 3.5 min (docs/compare.md)
+QUICK = dict(
+    methods="sft,sft+,dpo,grpo,sft+rl",
+    seeds=1,
+    sft_steps=150,
+    steps=40,
+    grpo_steps=30,
+    num_prompts=200,
+    curve_points=0,
+)
+
+
+def quick_argv(argv):
+    """--quick: QUICK's flags put ahead of the command line, whose own flags come later and so win (tyro keeps
+    a repeated flag's last value); a command line without --quick as it is."""
+    if "--quick" not in argv:
+        return argv
+    return [f"--{k.replace('_', '-')}={v}" for k, v in QUICK.items()] + argv
+
+
+def check_data(args, stages, grid):
+    """compare.py never mixes tasks. Once a run trains on your data (--dataset in its --<row>-args), or
+    --model is not `tiny`-based, every run does, each with its eval set named beside it where the task would
+    pass its own, and every row is scored on your held-out prompts; else UsageError, one line naming what to
+    pass."""
+    yours = [s for s in stages if "--dataset" in s["own"]]
+    if not yours and plumbing.is_toy_model(args.model):
+        return  # the task's data throughout
+    problems = {}  # one a pass-through flag (sft, sft+ and sft+rl share --sft-args), in run order
+    for s in stages:
+        fork = s["row"] not in METHODS + RL + ("reward",)
+        via = "--extra-args" if fork else f"--{s['recipe'].rstrip('+')}-args"
+        task = s["flags"][: len(s["flags"]) - len(s["own"])]  # compare's flags, before yours
+        if "--dataset" not in s["own"]:
+            problems[via] = f"{via}: add --dataset (your {DATA_KIND[TASK_DATA[s['recipe']]]})"
+        elif "--eval-dataset" in task and not {"--eval-dataset", "--eval-split"} & set(s["own"]):
+            held_out = os.path.relpath(task[task.index("--eval-dataset") + 1])
+            problems[via] = (
+                f"{via}: add --eval-dataset FILE or --eval-split SPLIT (--eval-dataset '' for none), else "
+                f"{s['row']} is evaluated on the task's {held_out}"
+            )
+    if args.test_prompts is None:
+        problems["test"] = "pass --test-prompts FILE (your held-out prompts, scored by --reward-fn)"
+    if grid and args.eval_prompts is None:
+        problems["eval"] = "pass --eval-prompts FILE (where --sweep chooses)"
+    if problems:
+        why = (
+            f"{yours[0]['row']} trains on your --dataset" if yours else f"--model {args.model} is not `tiny`"
+        )
+        raise plumbing.UsageError(
+            f"{why}, so every run trains and is scored on your data: " + "; ".join(problems.values())
+        )
 
 
 def parse_sweep(specs, rows):
@@ -357,10 +421,12 @@ def plan(args, output_dir):
         return {
             "name": name,
             "row": row,
+            "recipe": recipe,
             "setting": tag(setting),
             "seed": seed,
             "script": script,
             "needs": needs,
+            "own": shlex.split(extra) + swept,  # the flags you passed through: they come last
             "flags": ["--model", model]
             + flags
             + task_flags(args.task, args.model, recipe)
@@ -520,7 +586,8 @@ def run_stage(i, n, stage, output_dir):
     }
     with open(log_path, "w") as log:
         t0 = time.perf_counter()
-        rc = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=env).returncode
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+        rc = watch(proc, os.path.join(output_dir, stage["name"]), t0)
     wall = time.perf_counter() - t0
     if rc != 0:
         with open(log_path) as f:
@@ -536,6 +603,32 @@ def run_stage(i, n, stage, output_dir):
         flush=True,
     )
     return True, wall
+
+
+def progress(run_dir):
+    """(the last step a running script logged, its --max-steps), or None before its first step is logged."""
+    try:
+        with open(os.path.join(run_dir, "args.json")) as f:
+            total = json.load(f)["max_steps"]
+        with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+            steps = [json.loads(line)["step"] for line in f if line.endswith("\n")]  # whole lines only
+    except (OSError, ValueError, KeyError):  # not written yet, or being written
+        return None
+    return max(steps, default=0), total
+
+
+def watch(proc, run_dir, t0, every=2.0):
+    """Wait for a script -> its exit code, printing how far it is (the steps its metrics.jsonl logged) at each
+    quarter of its --max-steps."""
+    quarter = 0  # quarters shown
+    while proc.poll() is None:
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(timeout=every)
+        step, total = progress(run_dir) or (0, 1)  # nothing logged yet: loading the model, compiling
+        if 4 * step >= (quarter + 1) * total:
+            quarter = 4 * step // total
+            print(f"      step {step}/{total}, {time.perf_counter() - t0:.0f} s", flush=True)
+    return proc.returncode
 
 
 # === Evaluation (evaluate.py's protocol, in this process: one compilation for every model) ===
@@ -666,9 +759,25 @@ def t_quantile(p, df):
 
 
 def mean_interval(x, level=0.95):
-    """Mean of x [S seeds, P prompts] and the half-width of its `level` interval, seeds and prompts random
-    (crossed two-way random effects, Cornfield–Tukey): Var(mean) = (MS_seed + MS_prompt − MS_resid) / (S·P),
-    t with Satterthwaite's df, each MS floored at MS_resid; S = 1: the t-interval over prompts."""
+    """Mean of x [S seeds, P prompts] and the half-width of its `level` interval (t, mean_variance's)."""
+    m, var, df = mean_variance(x)
+    return m, float(t_quantile((1 + level) / 2, df) * math.sqrt(var)) if var > 0 else 0.0
+
+
+def p_above_zero(x):
+    """One-sided p-value of "the mean of x [S, P] is above 0", t with mean_variance's variance and df: the
+    claim "beats" of a paired difference x holds alone at 2.5% exactly when its 95% interval lies above 0."""
+    import scipy.stats
+
+    m, var, df = mean_variance(x)
+    return float(scipy.stats.t.sf(m / math.sqrt(var), df)) if var > 0 else float(m <= 0)
+
+
+def mean_variance(x):
+    """Mean of x [S seeds, P prompts], the variance of that mean and its degrees of freedom, seeds and
+    prompts random (crossed two-way random effects, Cornfield–Tukey):
+    Var(mean) = (MS_seed + MS_prompt − MS_resid) / (S·P), Satterthwaite's df, each MS floored at MS_resid;
+    S = 1: prompts only (seed noise unmeasured); var 0: no spread."""
     x = np.asarray(x, np.float64)
     s, p = x.shape
     m = x.mean()
@@ -683,33 +792,96 @@ def mean_interval(x, level=0.95):
         terms = [(max(ms_s, ms_e), s - 1), (max(ms_p, ms_e), p - 1), (-ms_e, (s - 1) * (p - 1))]
     var = sum(t for t, _ in terms) / (s * p)
     if var <= 0 or p < 2:
-        return float(m), 0.0
-    df = sum(t for t, _ in terms) ** 2 / sum(t * t / d for t, d in terms)
-    return float(m), float(t_quantile((1 + level) / 2, df) * math.sqrt(var))
+        return float(m), 0.0, 0.0
+    return float(m), float(var), float(sum(t for t, _ in terms) ** 2 / sum(t * t / d for t, d in terms))
 
 
 def row_stats(arrays, base_arrays):
-    """{metric: [S, P]} of a row and of the base -> {metric: (mean, ±)}, `delta`: score row − base, paired."""
+    """{metric: [S, P]} of a row and of the base -> {metric: (mean, ±)}, `delta`: score row − base, paired,
+    and `p`: its one-sided p-value of "beats"."""
+    diff = arrays["score"] - base_arrays["score"]
     return {
         **{k: mean_interval(v) for k, v in arrays.items()},
-        "delta": mean_interval(arrays["score"] - base_arrays["score"]),
+        "delta": mean_interval(diff),
+        "p": p_above_zero(diff),
     }
 
 
-# === Report: the table (markdown), the picture ===
-def verdict(delta, name):
-    """(Δ, ±) against `name` -> 'beats name (Δ …)', 'within noise of name (… covers 0)' or 'below …'."""
+def holm(pvalues, alpha):
+    """Holm's step-down correction (Holm 1979) -> which claims of a family hold, the chance that any of them
+    is false kept ≤ alpha: sorted ascending, the k-th p-value (from 0) of m must be ≤ alpha / (m − k), as
+    must all before it. One claim alone: p ≤ alpha."""
+    holds = [False] * len(pvalues)
+    for k, i in enumerate(np.argsort(pvalues, kind="stable")):
+        if pvalues[i] > alpha / (len(pvalues) - k):
+            break
+        holds[i] = True
+    return holds
+
+
+# === Report: the summary, the table (markdown), the picture ===
+MIN_SEEDS = 3  # fewer: no claim (one seed measures no seed noise; two, too little: docs/compare.md)
+ALPHA = 0.025  # one-sided: a lone "beats" claim holds exactly when its 95% interval lies above 0
+
+
+def verdict(delta, name, seeds=MIN_SEEDS):
+    """(Δ, ±) against `name` -> 'beats name (Δ …)', 'within noise of name (… covers 0)' or 'below …'; with
+    fewer than MIN_SEEDS seeds no claim: 'needs ≥ 3 seeds vs name (Δ …)'."""
     d, h = delta
     word, covers = ("beats", "") if d > h else ("within noise of", " covers 0") if d >= -h else ("below", "")
+    if seeds < MIN_SEEDS:
+        word, covers = (f"needs ≥ {MIN_SEEDS} seeds vs", "")
     return f"{word} {name} (Δ {d:+.3f} ± {h:.3f}{covers})"
 
 
-def note(name, st, base_name, base_st, *, run_metrics, on_reward_model):
+def summary(stats, costs, *, base_name, seeds):
+    """The report's first lines: which rows beat which control (the base, and the row's own), with Holm's
+    correction over every "beats" claim the table could make, and at what cost; with fewer than MIN_SEEDS
+    seeds no claim, the rows ranked by their Δ vs the base instead (candidates for a run with more seeds)."""
+    claims = [
+        (name, against, st[d], st[p])
+        for name, st in stats.items()
+        if name != base_name
+        for against, d, p in ((base_name, "delta", "p"), (st.get("control"), "delta_control", "p_control"))
+        if d in st
+    ]
+
+    def cost(name):
+        return f"{fmt(costs[name][2], top=1e10)} FLOPs, {costs[name][3]:.0f} s"  # FLOPs as 3.30e12
+
+    if seeds < MIN_SEEDS:
+        noise = "over prompts only: seed noise is unmeasured" if seeds == 1 else "from too few seeds to trust"
+        ranked = sorted((c for c in claims if c[1] == base_name), key=lambda c: -c[2][0])
+        return (
+            f"**Summary: {seeds} seed(s), needs ≥ {MIN_SEEDS} seeds.** The intervals are {noise} "
+            f"(docs/compare.md), so no row is said to beat another. Δ vs {base_name}, the candidates for "
+            f"`--seeds {MIN_SEEDS}`: "
+            + "; ".join(f"{n} {d:+.3f} ± {h:.3f} ({cost(n)})" for n, _, (d, h), _ in ranked)
+        )
+    holds = holm([c[3] for c in claims], ALPHA)
+    won = {}
+    for (name, against, (d, h), _), ok in zip(claims, holds):
+        if ok:
+            won.setdefault(name, []).append(f"{against} (Δ {d:+.3f} ± {h:.3f})")
+    lines = [f"- **{n}** beats {' and '.join(w)}, at {cost(n)} a run" for n, w in won.items()]
+    rest = [n for n in stats if n != base_name and n not in won]
+    return "\n".join(
+        [
+            f"**Summary** (greedy test score, Δ paired per prompt and seed; Holm's correction over the "
+            f'table\'s {len(claims)} "beats" claims, so the chance that any line below is false is '
+            f"≤ {ALPHA:.1%}; {base_name}: {cost(base_name)}, paid once):",
+            *lines,
+            *([f"- no claim holds for {', '.join(rest)}"] if rest else []),
+        ]
+    )
+
+
+def note(name, st, base_name, base_st, *, run_metrics, on_reward_model, seeds=MIN_SEEDS):
     """One line a row: verdicts against the base and the control, then the likely why (log-probs, RM, KL)."""
     if name == base_name:
         return "the base every other method starts from (one model, shared by every seed)"
-    head = verdict(st["delta"], base_name) + (
-        f"; {verdict(st['delta_control'], st['control'])}" if "delta_control" in st else ""
+    head = verdict(st["delta"], base_name, seeds) + (
+        f"; {verdict(st['delta_control'], st['control'], seeds)}" if "delta_control" in st else ""
     )
     if st["delta"][0] + st["delta"][1] >= 0:
         return head
@@ -874,8 +1046,10 @@ def write_report(
     seeds,
     total,
 ):
-    """comparison.md (table, sweep, protocol, commands) and comparison.png into output_dir."""
+    """comparison.md (summary, table, sweep, protocol, commands) and comparison.png into output_dir -> the
+    summary and the table."""
     md = table(rows, base_name, any("rm_score" in st for st in stats.values()))
+    md = summary(stats, costs, base_name=base_name, seeds=len(seeds)) + "\n\n" + md
 
     def short(p):  # relative to the working directory, unless outside it
         return p if os.path.relpath(p).startswith("..") else os.path.relpath(p)
@@ -952,10 +1126,11 @@ Commands run:
 
 
 def main(args):
-    eval_prompts, test_prompts = task_prompts(args)
-    args = dataclasses.replace(args, eval_prompts=eval_prompts, test_prompts=test_prompts)
     output_dir = args.output_dir or plumbing.default_output_dir("compare", args.model, args.seed)
     stages, base, seeds, grid = plan(args, output_dir)
+    check_data(args, stages, grid)  # before the task's held-out prompts stand in for those not given
+    eval_prompts, test_prompts = task_prompts(args)
+    args = dataclasses.replace(args, eval_prompts=eval_prompts, test_prompts=test_prompts)
     common.load_reward_fn(args.reward_fn)
     # --model resolves (no SFT stage: it is the base itself) and every held-out prompt reads
     for path, flag in ((args.eval_prompts, "--eval-prompts"), (args.test_prompts, "--test-prompts")):
@@ -1126,14 +1301,23 @@ def evaluate_and_report(args, output_dir, stages, *, base, seeds, grid, ok, wall
         paired = [s for s in runs if s["seed"] in control] if base_name not in (name, ctl) else []
         if name in stats and paired:  # paired per prompt and per seed against the control of the same seed
             a, c = stack(res, [s["name"] for s in paired], [control[s["seed"]] for s in paired])
-            stats[name].update(delta_control=mean_interval(a["score"] - c["score"]), control=ctl)
+            diff = a["score"] - c["score"]
+            stats[name].update(delta_control=mean_interval(diff), p_control=p_above_zero(diff), control=ctl)
         rows.append((name, metrics, on_rm))
     rows = [
         (
             f"{n} (`{kept[n]}`)" if n in kept else n,
             stats.get(n),
             costs.get(n, [np.nan] * 3 + [0.0]),
-            note(n, stats[n], base_name, stats[base_name], run_metrics=m, on_reward_model=on_rm)
+            note(
+                n,
+                stats[n],
+                base_name,
+                stats[base_name],
+                run_metrics=m,
+                on_reward_model=on_rm,
+                seeds=len(seeds),
+            )
             if n in stats
             else f"failed or skipped: see {n}/*.log",
         )
@@ -1169,4 +1353,5 @@ def evaluate_and_report(args, output_dir, stages, *, base, seeds, grid, ok, wall
 
 
 if __name__ == "__main__":
+    sys.argv[1:] = quick_argv(sys.argv[1:])  # --quick: its values unless a flag given says otherwise
     plumbing.launch(main, Args)  # the one boundary: exceptions -> exit codes and one-line messages

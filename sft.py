@@ -57,7 +57,7 @@ class Args(plumbing.SharedArgs):
     eval_every: int = 50
     """evaluate every N steps (and at the end)"""
     num_samples: int = 4
-    """greedy generations from eval prompts printed at the end"""
+    """greedy generations printed at the end: from eval prompts, else from training prompts (marked)"""
     print_example: int = 0
     """print the first N rows of --dataset as the model trains on them (the text the chat template renders,
     the trained parts in [[ ]]; each token `id:piece`, `*` where the loss covers it) and exit, training nothing"""
@@ -338,10 +338,12 @@ def main(args):
     # ---- outputs: final model (LoRA merged) and a few greedy samples from it ----
     def save_and_sample(path):
         common.save_model(model, state[0], path)  # also writes the trained values into `model`
-        prompts = [sample_prompt(segs) for segs in eval_rows[: args.num_samples]]
+        # held-out prompts; without eval data, training prompts, marked as such (their answers were trained on)
+        mark = "sample:" if eval_rows else "sample (a training prompt: no eval data):"
+        prompts = [sample_prompt(segs) for segs in (eval_rows or train_rows)[: args.num_samples]]
         samples = model.generate(prompts, max_length=length, strip_prompt=True) if prompts else []
         for p, out in zip(prompts, samples):
-            print(f"sample: {p!r} -> {out!r}")
+            print(f"{mark} {p!r} -> {out!r}")
 
     run.finish(save_and_sample)
 

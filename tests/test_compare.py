@@ -6,6 +6,7 @@ known difference), sweep, costs and plan, and compare.py end to end with a tiny 
 import dataclasses
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -362,6 +363,74 @@ def test_plan_controls_and_task_data(tmp_path):
     )
 
 
+def test_compare_never_mixes_tasks(tmp_path):
+    """The issue's command, your sft and dpo data through --sft-args / --dpo-args: it stops before any run (nothing
+    written), one line naming each flag to pass: your eval sets beside your data (else the task's held-out sets
+    would score models trained on yours), your grpo prompts, your test prompts. Given them, every run reads
+    yours; a real model without data is stopped the same way; the task's own data needs nothing."""
+    import plumbing
+
+    mine = ["--model", "tiny", "--methods", "sft,dpo,grpo", "--output-dir", str(tmp_path / "cmp")]
+    argv = mine + ["--sft-args=--dataset my_sft.jsonl", "--dpo-args=--dataset my_prefs.jsonl"]
+    with pytest.raises(plumbing.UsageError) as e:
+        compare.main(plumbing.cli(compare.Args, argv))
+    task = os.path.join("data", "compare")
+    assert str(e.value) == (
+        "sft trains on your --dataset, so every run trains and is scored on your data: "
+        "--sft-args: add --eval-dataset FILE or --eval-split SPLIT (--eval-dataset '' for none), else sft is "
+        f"evaluated on the task's {os.path.relpath(os.path.join(ROOT, task, 'sft_eval.jsonl'))}; "
+        "--dpo-args: add --eval-dataset FILE or --eval-split SPLIT (--eval-dataset '' for none), else dpo is "
+        f"evaluated on the task's {os.path.relpath(os.path.join(ROOT, task, 'prefs_eval.jsonl'))}; "
+        "--grpo-args: add --dataset (your prompts); pass --test-prompts FILE (your held-out prompts, scored by "
+        "--reward-fn)"
+    )
+    assert not (tmp_path / "cmp").exists()
+    fixed = mine + [
+        "--sft-args=--dataset my_sft.jsonl --eval-dataset my_sft_eval.jsonl",
+        "--dpo-args=--dataset my_prefs.jsonl --eval-split test",
+        "--grpo-args=--dataset my_prompts.jsonl",
+        "--test-prompts",
+        "my_test.jsonl",
+    ]
+    args = plumbing.cli(compare.Args, fixed)
+    stages = compare.plan(args, str(tmp_path))[0]
+    compare.check_data(args, stages, {})
+    for s, (data, held_out) in zip(
+        stages, [("my_sft", "my_sft_eval.jsonl"), ("my_prefs", None), ("my_prompts", None)]
+    ):
+        assert last(s["flags"], "--dataset") == data + ".jsonl" and s["flags"][-len(s["own"]) :] == s["own"]
+        assert held_out is None or last(s["flags"], "--eval-dataset") == held_out
+    with pytest.raises(plumbing.UsageError, match="--eval-prompts FILE \\(where --sweep chooses\\)"):
+        compare.check_data(args, stages, {"dpo": [{"beta": "0.1"}]})
+    real = dataclasses.replace(args, model="gemma_2b", sft_args="", dpo_args="", grpo_args="")
+    with pytest.raises(
+        plumbing.UsageError,
+        match="^--model gemma_2b is not `tiny`, .*--sft-args: add --dataset \\(your demonstrations\\); --dpo-args: add --dataset \\(your preference pairs\\); --grpo-args: add --dataset \\(your prompts\\)$",
+    ):
+        compare.check_data(real, compare.plan(real, str(tmp_path))[0], {})
+    task_args = compare.Args(methods="sft,sft+,dpo,kto,ppo,grpo,rloo,sft+rl", seeds=1)
+    compare.check_data(
+        task_args, compare.plan(task_args, str(tmp_path))[0], {}
+    )  # the task's data: nothing asked
+
+
+def test_quick_fills_in_what_was_not_given():
+    """--quick: QUICK's methods, budgets and one seed, unless a flag given says otherwise, even with the value
+    that is the default (--seeds 3); a command line without --quick is left alone."""
+    import plumbing
+
+    args = plumbing.cli(compare.Args, compare.quick_argv(["--quick", "--steps", "20", "--seeds", "3"]))
+    assert (args.methods, args.seeds, args.sft_steps, args.steps, args.curve_points, args.quick) == (
+        "sft,sft+,dpo,grpo,sft+rl",
+        3,
+        150,
+        20,
+        0,
+        True,
+    )
+    assert compare.quick_argv(["--seeds", "2"]) == ["--seeds", "2"]
+
+
 def test_sft_plus_matches_preference_tokens():
     """A step of sft+ (64 demonstrations) and of dpo (32 pairs: prompt twice, chosen, rejected) train about the
     same number of tokens on data/compare/ (tiny tokenizer, BOS + EOS each sequence)."""
@@ -404,8 +473,11 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
     = [0, .5, 0, 1] on both seeds -> mean 0.375; identical seeds leave the prompts' spread: var = s²/P with
     s² = (.375² + .125² + .375² + .625²)/3, df 3 -> ± t_.975(3)·√(s²/4). grpo is read against sft+rl, sft+
     against sft only. The score-against-FLOPs curve of a grpo seed: sft's point (its logged 5e9 FLOPs, its
-    score 0.625), a checkpoint at step 1 (5e9 + grpo's 2e9 so far, the checkpoint's 0.9), the end (8e9, 1.0)."""
-    args = compare.Args(methods="sft,sft+,dpo,grpo,sft+rl", seeds=2, output_dir=str(tmp_path))
+    score 0.625), a checkpoint at step 1 (5e9 + grpo's 2e9 so far, the checkpoint's 0.9), the end (8e9, 1.0).
+    The summary, Holm over the 6 "beats" claims (one-sided p: dpo − sft and grpo − sft+rl 0 (no spread), grpo − sft
+    [.25, .25, .75, .25]: t = .375 / .125 = 3 on 3 df, p = 0.029 > 0.025 / 4; dpo − sft+ 0.11; sft+ and sft+rl
+    − sft below 0): dpo beats sft, grpo beats sft+rl, nothing else; at one seed no claim."""
+    args = compare.Args(methods="sft,sft+,dpo,grpo,sft+rl", seeds=3, output_dir=str(tmp_path))
     args = dataclasses.replace(
         args, **dict(zip(("eval_prompts", "test_prompts"), compare.task_prompts(args)))
     )
@@ -458,11 +530,47 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
         cells["dpo"][-1]
         == f"beats sft (Δ +0.250 ± 0.000); within noise of sft+ (Δ +0.375 ± {h:.3f} covers 0)"
     )
+    assert abs(compare.p_above_zero(np.tile([0.25, 0.25, 0.75, 0.25], (3, 1))) - 0.02883) < 1e-4
+    assert md.splitlines()[1:4] == [
+        "- **dpo** beats sft (Δ +0.250 ± 0.000), at – FLOPs, 0 s a run",
+        "- **grpo** beats sft+rl (Δ +1.000 ± 0.000), at 3.00e09 FLOPs, 0 s a run",
+        "- no claim holds for sft+, sft+rl",
+    ]
+    assert "Holm's correction over the table's 6 \"beats\" claims" in md.splitlines()[0]
+    one = compare.evaluate_and_report(
+        dataclasses.replace(args, seeds=1),
+        str(tmp_path),
+        [s for s in stages if s["seed"] == 0],
+        base=base,
+        seeds=[0],
+        grid=grid,
+        ok=ok,
+        walls={},
+        t_start=0.0,
+    )
+    assert one.startswith("**Summary: 1 seed(s), needs ≥ 3 seeds.** The intervals are over prompts only")
+    assert "beats" not in one.split("\n\n")[0] and "grpo +0.375 ± 0.398" in one  # ranked by Δ vs sft
+    assert "needs ≥ 3 seeds vs sft (Δ +0.250 ± 0.000); needs ≥ 3 seeds vs sft+ (Δ +0.375" in one
+    assert "beats" not in one and "within noise" not in one
     assert (tmp_path / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     curves = json.loads((tmp_path / "curves.json").read_text())
-    np.testing.assert_allclose(curves["grpo"], [[[5e9, 0.625], [7e9, 0.9], [8e9, 1.0]]] * 2)
+    np.testing.assert_allclose(curves["grpo"], [[[5e9, 0.625], [7e9, 0.9], [8e9, 1.0]]])
     np.testing.assert_allclose(curves["sft"], [[[5e9, 0.625]]])  # one model, no checkpoint: its end
     assert "dpo" not in curves  # its FLOPs were never logged: no curve
+
+
+def test_holm_by_hand_and_p_values_agree_with_the_intervals():
+    """Holm at 5% over p = (.01, .04, .03, .005): sorted .005 <= .05/4 and .01 <= .05/3 hold, .03 > .05/2 stops
+    the rest. A lone claim holds at 2.5% one-sided exactly when its 95% interval lies above 0."""
+    assert compare.holm([0.01, 0.04, 0.03, 0.005], 0.05) == [True, False, False, True]
+    assert compare.holm([0.02], 0.025) == [True] and compare.holm([], 0.025) == []
+    rng = np.random.default_rng(1)
+    for delta in (-0.05, 0.0, 0.02, 0.03, 0.05, 0.1):
+        diff = synthetic(rng, delta, prompts=100)[0]["score"] - 0.5
+        d, h = compare.mean_interval(diff)
+        assert (d - h > 0) == (compare.p_above_zero(diff) <= 0.025), delta
+    assert compare.verdict((0.1, 0.01), "sft") == "beats sft (Δ +0.100 ± 0.010)"
+    assert compare.verdict((0.1, 0.01), "sft", seeds=1) == "needs ≥ 3 seeds vs sft (Δ +0.100 ± 0.010)"
 
 
 def test_seed_band_aligns_the_ends():
@@ -700,6 +808,8 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     assert cost[0] > 0 and cost[1] == 0 and ("M" in cells["mydpo"][7]) == ("M" in cells["sft"][7])
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| **sft**" in proc.stdout  # the table is printed at the end
+    assert re.search(r"^      step \d+/\d+, \d+ s$", proc.stdout, re.M)  # progress inside the runs
+    assert md.count("needs ≥ 3 seeds vs sft") == 1 and "beats" not in md  # 2 seeds: no claim
     # the curves (one point: at half of each run): sft's checkpoint 10 and its end; each kept run from sft's end,
     # its checkpoint 2, its end (the table's score), FLOPs rising
     curves = json.loads((out / "curves.json").read_text())

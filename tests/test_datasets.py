@@ -156,6 +156,23 @@ def test_a_local_copy_of_a_hub_repo_takes_dataset_config(tmp_path):
     )
 
 
+def test_gsm8k_writes_the_file_its_reward_function_reads(tmp_path):
+    """`python data/gsm8k.py --out F` (the README's GSM8K line): one split of the `main` configuration as `prompt`
+    (GSM8K's question) + `answer` rows, here from a local clone of the Hub repo."""
+    import importlib.util
+    import json
+
+    spec = importlib.util.spec_from_file_location("gsm8k", os.path.join(ROOT, "data", "gsm8k.py"))
+    gsm8k = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gsm8k)
+    repo = hub_copy(tmp_path / "gsm8k", "question")
+    out = tmp_path / "test.jsonl"
+    gsm8k.main(gsm8k.Args(out=str(out), split="test", source=str(repo)))
+    assert [json.loads(line) for line in out.read_text().splitlines()] == [
+        {"prompt": "main test", "answer": "4"}
+    ]
+
+
 def test_evaluate_takes_a_hub_datasets_config_and_split(tmp_path):
     """evaluate.py's --prompts reads a Hub dataset as --dataset does, with its own --prompts-config and
     --prompts-split; datasets' messages name those flags."""

@@ -1,5 +1,6 @@
-"""The docs against the code, by reading files only (no JAX import, no subprocess): the README's
-loop is dpo.py's, nothing cites a design document outside the repository, every backticked
+"""The docs against the code, by reading files only (no JAX import, no subprocess): docs/code.md's
+loop is dpo.py's, the README's commands name scripts and flags that exist (and mark the lines that need
+weights or a network), nothing cites a design document outside the repository, every backticked
 `common.NAME` / `plumbing.NAME` / `interop.NAME` names something those modules define, and every
 pointer into docs/design.md names one of its sections."""
 
@@ -90,22 +91,80 @@ def class_names(cls):
     return out
 
 
-def test_readme_loop_is_dpo_main():
-    """The README's loop snippet is dpo.py's main, line for line (a subset, in order)."""
+def test_code_page_loop_is_dpo_main():
+    """docs/code.md's loop snippet is dpo.py's main, line for line (a subset, in order)."""
     blocks = [
         b
-        for b in re.findall(r"```python\n(.*?)```", read("README.md"), re.S)
+        for b in re.findall(r"```python\n(.*?)```", read("docs", "code.md"), re.S)
         if "for step in run.steps(" in b
     ]
-    assert len(blocks) == 1, f"README.md: {len(blocks)} python blocks hold `for step in run.steps(`"
+    assert len(blocks) == 1, f"docs/code.md: {len(blocks)} python blocks hold `for step in run.steps(`"
     source = [line.strip() for line in read("dpo.py").splitlines()]
     at = -1
     for line in (s.strip() for s in blocks[0].splitlines()):
         if not line:
             continue
         following = [i for i in range(at + 1, len(source)) if source[i] == line]
-        assert following, f"README.md's loop snippet: {line!r} is not in dpo.py after line {at + 1}"
+        assert following, f"docs/code.md's loop snippet: {line!r} is not in dpo.py after line {at + 1}"
         at = following[0]
+
+
+def readme_commands():
+    """(script path, its flags, the line's comment) of every `python <file>.py …` line in the README's bash
+    blocks, continuation lines joined."""
+    import shlex
+
+    for block in re.findall(r"```bash\n(.*?)```", read("README.md"), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            command, _, comment = line.partition("  #")
+            words = shlex.split(command)
+            if words[:1] == ["python"] and words[1].endswith(".py"):
+                yield words[1], [w.split("=")[0] for w in words[2:] if w.startswith("--")], comment
+
+
+def test_readme_commands_name_flags_that_exist():
+    """Each README command runs a file of the repository with flags its `Args` has (read from source, as --help
+    reads it); a line that needs what a fresh clone offline lacks (a real model's weights, the network) says so
+    in its comment: every `--model` other than `tiny` or a run's `runs/…/model` is marked `real model`."""
+    import plumbing  # instant: no JAX
+
+    commands = list(readme_commands())
+    assert len(commands) >= 10, commands
+    for path, flags, comment in commands:
+        assert os.path.exists(os.path.join(ROOT, path)), path
+        ours = {"--" + name.replace("_", "-") for name in plumbing._fields(os.path.join(ROOT, path), "Args")}
+        assert set(flags) <= ours | {"--help"}, (path, set(flags) - ours)
+    for block in re.findall(r"```bash\n(.*?)```", read("README.md"), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            model = re.search(r"--model (\S+)", line)
+            if model and model.group(1) != "tiny" and not model.group(1).startswith("runs/"):
+                assert "# real model" in line, line
+            if "data/gsm8k.py --out" in line:
+                assert "needs network" in line, line
+
+
+def test_relative_links_resolve():
+    """Every relative link of README.md and docs/*.md names a file of the repository, and its `#anchor` one of
+    that file's headings (GitHub's slugs: lower case, punctuation dropped, spaces as hyphens)."""
+
+    def slugs(path):
+        return {
+            re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-")
+            for h in re.findall(r"^#+ (.+)$", re.sub(r"```.*?```", "", read(path), flags=re.S), re.M)
+        }
+
+    bad = []
+    for path in doc_files():
+        for target in re.findall(r"\]\(([^)\s]+)\)", read(path)):
+            if "://" in target:
+                continue
+            file, _, anchor = target.partition("#")
+            linked = os.path.normpath(os.path.join(os.path.dirname(path), file)) if file else path
+            if not os.path.exists(os.path.join(ROOT, linked)):
+                bad.append(f"{path}: {target}")
+            elif anchor and linked.endswith(".md") and anchor not in slugs(linked):
+                bad.append(f"{path}: {target} (no such heading)")
+    assert not bad, "links to nothing:\n" + "\n".join(bad)
 
 
 def test_no_external_design_citations():
@@ -153,7 +212,7 @@ def test_design_sections_and_pointers():
 
 
 def test_coming_from_trl_names_flags_that_exist():
-    """The README's "Coming from TRL" table: each flag it gives as this project's is a field of some script's
+    """docs/trl.md's "Coming from TRL" table: each flag it gives as this project's is a field of some script's
     Args (read from source, as --help reads it), and each TRL name beside it is either that same flag here
     (TRL's underscores for our dashes) or one plumbing.TRL_FLAGS answers with a hint."""
     import plumbing  # instant: no JAX
@@ -164,7 +223,7 @@ def test_coming_from_trl_names_flags_that_exist():
         for s in scripts
         for name in plumbing._fields(os.path.join(ROOT, s + ".py"), "Args")
     }
-    section = read("README.md").split("## Coming from TRL")[1].split("\n## ")[0]
+    section = read("docs", "trl.md").split("## Coming from TRL")[1].split("\n## ")[0]
     rows = [line.split("|")[1:3] for line in section.splitlines() if line.startswith("| `--")]
     assert len(rows) >= 15
     for trl, here in rows:

@@ -519,7 +519,7 @@ def test_templates_render_as_the_model_cards():
 
 
 def test_aliases_name_presets_and_the_readme_lists_them():
-    """Every alias is a keras-hub 0.32 CausalLM preset (Gemma 3's: text-only ones), and the README's
+    """Every alias is a keras-hub 0.32 CausalLM preset (Gemma 3's: text-only ones), and docs/models.md's
     alias row lists exactly common.MODEL_ALIASES."""
     import re
     import common
@@ -531,7 +531,7 @@ def test_aliases_name_presets_and_the_readme_lists_them():
         assert not alias.startswith("gemma3") or "text-only" in presets[preset]["metadata"]["description"], (
             alias
         )
-    with open(os.path.join(ROOT, "README.md"), encoding="utf-8") as f:
+    with open(os.path.join(ROOT, "docs", "models.md"), encoding="utf-8") as f:
         row = next(line for line in f if line.startswith("| alias"))
     assert set(re.findall(r"`([^`]+)`", row)) - {"common.MODEL_ALIASES"} == set(common.MODEL_ALIASES)
 

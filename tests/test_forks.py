@@ -100,12 +100,19 @@ def test_a_subclassed_args_and_a_copied_script(tmp_path):
     assert bad.returncode == 2 and "perhaps you meant --my-bonus" in bad.stderr, bad.stderr
     out = run(["mycopy.py", "--help"], tmp_path, timeout=60)
     assert out.returncode == 0 and set(re.findall(r"^  (--[\w-]+)", out.stdout, re.M)) == flags_of(sft.Args)
-    out = run(["mysft.py", *TINY_RUN, "--my-bonus", "0.5", "--output-dir", "fork"], tmp_path)
+    out = run(
+        ["mysft.py", *TINY_RUN, "--my-bonus", "0.5", "--output-dir", "fork", "--num-samples", "0"], tmp_path
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     recorded = json.loads((tmp_path / "fork" / "args.json").read_text())
     assert recorded["my_bonus"] == 0.5 and recorded["max_steps"] == 1
-    out = run(["mycopy.py", *TINY_RUN, "--output-dir", "copy"], tmp_path)
+    out = run(["mycopy.py", *TINY_RUN, "--output-dir", "copy", "--num-samples", "2"], tmp_path)
     assert out.returncode == 0, out.stderr[-2000:]
+    # no eval data: the closing samples come from training prompts, and say so
+    first = json.loads(open(os.path.join(ROOT, "data", "sft_train.jsonl")).readline())["prompt"]
+    mark = "sample (a training prompt: no eval data): "
+    marked = [line[len(mark) :] for line in out.stdout.splitlines() if line.startswith(mark)]
+    assert len(marked) == 2 and marked[0].startswith(repr(first) + " -> "), out.stdout
     assert first_loss(tmp_path / "fork") == pytest.approx(1.5 * first_loss(tmp_path / "copy"), rel=1e-6)
 
 

@@ -330,7 +330,7 @@ def test_lora_flags_reach_the_model():
 
 def test_all_linear_on_qwen3_moe_leaves_the_stacked_experts():
     """Qwen3-MoE's experts are one layer of stacked weights, not Dense layers: all-linear adapts attention
-    and the router only (README, Defaults: what PEFT would adapt there that Keras' LoRA cannot)."""
+    and the router only (docs/trl.md, "Defaults": what PEFT would adapt there that Keras' LoRA cannot)."""
     backbone = keras_hub.models.Qwen3MoeBackbone(
         vocabulary_size=64,
         num_layers=1,

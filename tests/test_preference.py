@@ -153,6 +153,14 @@ def test_prompt_forms_and_bad_rows(tmp_path, prefs):
             "bad.jsonl:1: field 'chosen' must be a non-empty list",
         ),
         ('{"prompt": "a", "chosen": "b", "rejected": "c"}\n{oops\n', "bad.jsonl:2: invalid JSON"),
+        (  # another script's data: said so, and which script takes it
+            '{"prompt": "a", "completion": "b"}\n',
+            "bad.jsonl:1: missing field 'chosen' .*; this row looks like SFT data: sft.py trains on it",
+        ),
+        (
+            '{"prompt": "a", "completion": "b", "label": true}\n',
+            r"bad.jsonl:1: .* looks like KTO's unpaired data \(prompt, completion, label\): kto.py trains",
+        ),
         (
             json.dumps({**explicit, "prompt": [{"role": "tool", "content": "7"}]}) + "\n",
             "bad.jsonl:1: field 'prompt', turn 1: unknown role 'tool'",

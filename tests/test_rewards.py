@@ -161,7 +161,11 @@ def test_same_named_functions_keep_one_score_each_by_position():
 @pytest.mark.parametrize(
     "body, message",
     [
-        ("raise KeyError('solution')", r"raised KeyError: 'solution'"),
+        # a KeyError: with the columns the rows have (what it could have read)
+        (
+            "raise KeyError('solution')",
+            r"raised KeyError: 'solution' \(at .*bad.py:2; the rows' columns: prompt\)",
+        ),
         ("return [1.0] * (len(completions) - 1)", r"returned 7 scores for 8 completions"),
         ("return 'good'", r"returned 'good': expected one float \(or None\) per completion"),
         ("return [{'score': 1}] * len(completions)", r"returned \"\[\{'score': 1\}, .*: expected one float"),

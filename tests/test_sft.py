@@ -250,6 +250,15 @@ def test_a_sample_continues_the_whole_chat_earlier_answers_included():
             "bad.jsonl:2: field 'completion' must be a non-empty string",
         ),
         ('{"prompt": "a", "completion": "b"}\n{"question": "a"}\n', "bad.jsonl:2: need 'text'"),
+        (  # preference rows, explicit or implicit prompt, strings or chats: said so, and which scripts take them
+            '{"prompt": "a", "chosen": "b", "rejected": "c"}\n',
+            "bad.jsonl:1: this row holds 'chosen'/'rejected', i.e. preference data: train on it with dpo.py, "
+            "simpo.py, orpo.py or reward.py",
+        ),
+        (
+            json.dumps({"chosen": CHAT, "rejected": CHAT[:1]}) + "\n",
+            "bad.jsonl:1: this row holds 'chosen'/'rejected', i.e. preference data",
+        ),
         ("", "bad.jsonl: no examples"),
         *[(f"{json.dumps({'messages': CHAT})}\n{json.dumps(row)}\n", message) for row, message in BAD_CHATS],
     ],
@@ -308,6 +317,7 @@ def test_bad_dataset_exits_2_in_one_line(tmp_path):
     "flags, message",
     [
         (["--model", "gemma_3b_typo"], "unknown --model 'gemma_3b_typo'"),
+        (["--model", "gemma3_1b_itt"], "unknown --model 'gemma3_1b_itt': did you mean gemma3_1b_it, "),
         (["--mesh", "data=3"], "--mesh 'data=3' has 3 devices, but 8 are present"),
         (["--batch-size", "12"], "--batch-size 12 must divide"),
     ],
