@@ -160,7 +160,7 @@ def generate(
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     with common.weights(backbone, params, frozen):  # each weight in the dtype it is held in
         cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
-        logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0)  # prefill
+        logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0, last=True)  # prefill
 
         def pick(logits, key, done):  # logits [B, V] -> token [B], its log q [B]; a finished sequence pads
             key, sample_key = jax.random.split(key)

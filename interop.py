@@ -6,7 +6,8 @@
                   tokenizers do)
   3. Model hubs   MODEL_ALIASES (--model's short names), model_config (a preset's config.json, read once),
                   hub_errors / hub_error (a Kaggle or Hugging Face failure in one line saying what to do),
-                  NETWORK_ERRORS, hub_unreachable
+                  NETWORK_ERRORS, hub_unreachable; plain_saved_dtype (a bf16-trained preset that keras-hub
+                  can read back)
   4. Datasets     load_splits (a Hub id, a local copy of a Hub repo, a saved folder, a .parquet), DATA_FLAGS
   5. --export-hf  check_export_hf (refused at start-up), hf_tokenizer (tokenizer.json), export_hf
                   (model.safetensors, config.json, tokenizer files), HF_CHAT_TEMPLATES (Jinja)
@@ -353,6 +354,23 @@ DATA_FLAGS = {
     "--eval-split of --dataset": ("--dataset-config", "--eval-split"),
     "--prompts": ("--prompts-config", "--prompts-split"),
 }
+
+
+def plain_saved_dtype(path):
+    """A preset saved from a model computing under a mixed policy (`mixed_bfloat16`: every run on a TPU or
+    GPU) names that policy in config.json and task.json, and keras-hub 0.32's from_preset cannot read it
+    back (its `_resolve_dtype` asks is_float_dtype("mixed_bfloat16"), which raises): name the dtype the
+    weights are stored in, float32, instead; the compute dtype is the loader's to choose (`--dtype`)."""
+    for name in ("config.json", "task.json"):
+        file = os.path.join(path, name)
+        with open(file) as f:
+            data = json.load(f)
+        config = data.get("config", {})
+        for policy in (config.get("dtype"), config.get("backbone", {}).get("config", {}).get("dtype")):
+            if isinstance(policy, dict) and str(policy.get("config", {}).get("name")).startswith("mixed_"):
+                policy["config"]["name"] = "float32"
+        with open(file, "w") as f:
+            json.dump(data, f, indent=2)
 
 
 # --- 5. --export-hf: a saved preset as a Hugging Face checkpoint ---

@@ -137,7 +137,8 @@ def main(args):
     def prefill(p, f, qs, qm):  # the working tree's prefill alone: what generate spends before step 1
         with common.weights(backbone, p, f):
             mask = jnp.concatenate([qm, jnp.ones((b, r), bool)], 1)
-            return common.cached_forward(backbone, qs, mask, common.empty_cache(backbone, b, q + r), 0)[0]
+            cache = common.empty_cache(backbone, b, q + r)
+            return common.cached_forward(backbone, qs, mask, cache, 0, last=True)[0]
 
     prefill = jax.jit(prefill)
     times = {side: [] for side in (*gens, "prefill", "bandwidth", "matmul")}

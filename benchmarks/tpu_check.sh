@@ -4,7 +4,7 @@
 # throughput.py and decode.py print: mfu, tokens_per_sec, ms_per_step), a log beside it, traces in $OUT.
 #   bash benchmarks/tpu_check.sh                      # on the chip (PARTS picks parts: see below)
 #   SMOKE=1 bash benchmarks/tpu_check.sh              # the same commands on CPU at `tiny` shape, in minutes
-# Parts (PARTS="..."; default all but profile):
+# Parts (PARTS="..."; default all but flags and profile; ROWS="regex" keeps the matching measurements):
 #   matmul      the bf16 matmul peak through JAX (8192^3): the ceiling MFU is read against
 #   scripts     every script end to end on `tiny` as the README's pipeline runs them (+ evaluate.py and
 #               --export-hf), a few steps each, in the host's own environment (its TPU_* variables as they are)
@@ -21,6 +21,8 @@ OUT=${OUT:-/tmp/tpu_check}
 BUDGET_S=${BUDGET_S:-560}
 PY=${PY:-python3}
 PARTS=${PARTS:-matmul scripts throughput decode}
+ROWS=${ROWS:-.}  # a regular expression: only the measurements whose `what` matches it
+REMAT=${REMAT:-auto}  # the LoRA rows' --remat (auto: the scripts' default; it compiles each policy it tries)
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log") 2>&1
@@ -53,6 +55,7 @@ left() { echo $(( BUDGET_S - ($(date +%s) - start) )); }
 # device, date and the command added; a failure is a line too, with its return code and the error's last line.
 record() {
   local what=$1; shift
+  [[ $what =~ $ROWS ]] || return 0
   local budget; budget=$(left)
   if [ "$budget" -lt 20 ]; then echo "skip $what: ${budget}s left"; return; fi
   echo "== $what ($budget s left): $*"
@@ -135,10 +138,10 @@ fi
 if want throughput; then
   T="$PY benchmarks/throughput.py $MODEL $STEPS"
   record full_ft_2b_width $T --algo sft $WIDTH --batch-size 8 --max-length $(( 1024 / SCALE )) --remat off
-  record lora_2b $T --algo sft --lora-rank 16 --batch-size 4 --max-length $(( 1024 / SCALE )) --remat auto
-  record lora_2b_b8 $T --algo sft --lora-rank 16 --batch-size 8 --max-length $(( 1024 / SCALE )) --remat auto
-  record dpo_lora_2b $T --algo dpo --lora-rank 16 --batch-size 4 --max-length $(( 1024 / SCALE )) --remat auto
-  record grpo_update_2b $T --algo grpo --lora-rank 16 --batch-size 32 --max-length $(( 512 / SCALE )) --remat auto
+  record lora_2b $T --algo sft --lora-rank 16 --batch-size 4 --max-length $(( 1024 / SCALE )) --remat $REMAT
+  record lora_2b_b8 $T --algo sft --lora-rank 16 --batch-size 8 --max-length $(( 1024 / SCALE )) --remat $REMAT
+  record dpo_lora_2b $T --algo dpo --lora-rank 16 --batch-size 4 --max-length $(( 1024 / SCALE )) --remat $REMAT
+  record grpo_update_2b $T --algo grpo --lora-rank 16 --batch-size 32 --max-length $(( 512 / SCALE )) --remat $REMAT
 fi
 
 if want decode; then
@@ -149,8 +152,8 @@ fi
 
 if want profile; then  # traces for where each step's time goes (RESULTS.md): the newest .trace.json.gz each
   T="$PY benchmarks/throughput.py $MODEL --steps 2 --warmup 1"
-  record profile_lora_2b $T --algo sft --lora-rank 16 --batch-size 4 --max-length $(( 1024 / SCALE )) --remat auto --profile /tmp/prof_lora
-  record profile_grpo_update_2b $T --algo grpo --lora-rank 16 --batch-size 32 --max-length $(( 512 / SCALE )) --remat auto --profile /tmp/prof_grpo
+  record profile_lora_2b $T --algo sft --lora-rank 16 --batch-size 4 --max-length $(( 1024 / SCALE )) --remat $REMAT --profile /tmp/prof_lora
+  record profile_grpo_update_2b $T --algo grpo --lora-rank 16 --batch-size 32 --max-length $(( 512 / SCALE )) --remat $REMAT --profile /tmp/prof_grpo
   record profile_decode_2b_b64 $PY benchmarks/decode.py $DECODE --before "" --batch-size 64 --rounds 1 \
     --response-length 32 --profile /tmp/prof_decode
   for p in lora grpo decode; do  # up out of the profiler's nested folders: $OUT comes back 2 folders deep

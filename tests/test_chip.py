@@ -299,3 +299,22 @@ def test_lora_base_held_in_bfloat16_halves_it_and_keeps_the_values():
         out[held] = nbytes, np.asarray(logps, np.float32)
     assert out["bfloat16"][0] * 2 == out["float32"][0]
     np.testing.assert_allclose(out["bfloat16"][1], out["float32"][1], rtol=0.02, atol=0.02)
+
+
+def test_a_model_trained_in_bfloat16_saves_a_preset_keras_hub_reads_back(tmp_path):
+    """On a TPU or GPU every run computes in bfloat16, and keras-hub's from_preset could not read back the
+    mixed_bfloat16 policy it saved (interop.plain_saved_dtype): a LoRA model with its base held in bfloat16
+    saves a preset that CausalLM.from_preset loads, with every weight the one held (LoRA's B is 0 at start:
+    the merged kernel is the base)."""
+    import keras_hub
+
+    model = common.load_model("tiny", common.make_mesh(), "bfloat16", seed=0, lora_rank=4)
+    params, frozen = common.split_variables(model.backbone, frozen_dtype="bfloat16")
+    held = {v.path: np.asarray(v.value, np.float32) for v in model.backbone.non_trainable_variables}
+    common.save_model(model, params, str(tmp_path))
+    loaded = keras_hub.models.CausalLM.from_preset(str(tmp_path))
+    assert loaded.backbone.dtype_policy.name == "float32"  # the loader chooses the compute dtype
+    weights = {v.path: np.asarray(v.value) for v in loaded.backbone.weights}
+    assert set(held) <= set(weights)
+    for path, value in held.items():
+        np.testing.assert_array_equal(weights[path], value)

@@ -27,7 +27,7 @@ def test_aliases_and_unknown_name():
     assert common.resolve_model("gemma_2b_en") == "gemma_2b_en"  # any KerasHub preset
     assert common.resolve_model("hf://google/gemma-2b") == "hf://google/gemma-2b"
     assert common.resolve_model("kaggle://keras/gemma/keras/gemma_2b_en").startswith("kaggle://")
-    with pytest.raises(common.UsageError, match="gemma_2b.*llama3_8b"):
+    with pytest.raises(common.UsageError, match="did you mean .*gemma_2b_it"):
         common.resolve_model("gemma_3b_typo")
 
 
