@@ -383,3 +383,37 @@ def test_tpu_check_runs_its_commands_on_cpu(tmp_path):
     assert all(0 < r["mfu"] <= 1 and r["tokens_per_sec"] > 0 for r in rows[2:7])
     assert {r["remat"] for r in rows[3:7]} == {"off"}  # auto on CPU: no memory limit
     assert rows[7]["ms_per_step"] > 0 and rows[7]["bandwidth_source"] == "probe"
+
+
+def test_chip_results_are_well_formed_and_in_results_md():
+    """benchmarks/results/*.jsonl: one JSON object a line with what, device, date and command; a measurement
+    that ran (rc 0) carries its figures under the names throughput.py and decode.py print (a later line of the
+    same `what` supersedes an earlier one); and benchmarks/RESULTS.md names every `what` that ran."""
+    import re
+
+    folder = os.path.join(ROOT, "benchmarks", "results")
+    figures = {
+        "full_ft": ("mfu", "tokens_per_sec"),
+        "lora": ("mfu", "tokens_per_sec"),
+        "grpo_update": ("mfu", "tokens_per_sec", "generate_s"),
+        "decode": ("ms_per_step", "tokens_per_sec"),
+    }
+    results = open(os.path.join(ROOT, "benchmarks", "RESULTS.md")).read()
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".jsonl"))
+    assert "tpu_v5e.jsonl" in files
+    for name in files:
+        latest = {}
+        for i, line in enumerate(open(os.path.join(folder, name)).read().splitlines(), 1):
+            row = json.loads(line)
+            assert {"what", "device", "date", "command", "rc"} <= row.keys(), f"{name}:{i}"
+            assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", row["date"]), f"{name}:{i}"
+            latest[row["what"]] = row
+        for what, row in latest.items():
+            if row["rc"] != 0:
+                continue
+            for prefix, keys in figures.items():
+                if what.startswith(prefix):
+                    assert all(isinstance(row.get(k), float) for k in keys), f"{name}: {what} lacks {keys}"
+            assert f"`{what}`" in results or what.startswith(("script_", "matmul")), (
+                f"RESULTS.md: no `{what}`"
+            )
