@@ -14,6 +14,7 @@ Offline, a first look in minutes (`--quick`), and the bundled comparison task (d
     python compare.py --model tiny --seeds 3 --sweep all.learning_rate=2e-5,2e-4   # docs/comparison.md
 """
 
+import concurrent.futures
 import contextlib
 import functools
 import dataclasses
@@ -172,6 +173,9 @@ class Args:
     """None: runs/compare__{model}__{seed}__{time}; one sub-directory per run"""
     overwrite: bool = False
     """replace the runs already in --output-dir (otherwise refused)"""
+    jobs: int = 1
+    """runs at a time (a run starts once what it needs has finished: its base, a control's row); 1: in plan
+    order. On a shared machine each run's wall seconds then include the others'"""
     keep_finished: bool = False
     """reuse the runs --output-dir already holds finished (model/ written; their seconds from its walls.json),
     run the rest: e.g. more seeds at the settings an earlier run chose (docs/comparison.md)"""
@@ -1249,6 +1253,48 @@ Commands run:
     return md
 
 
+def run_stages(args, stages, output_dir):
+    """Run every stage once its needs have finished, --jobs at a time (1: in plan order) -> ({run: exited 0},
+    {run: wall s}): a stage whose needs failed is skipped, one finished before is kept under --keep-finished."""
+    walls_path = os.path.join(output_dir, "walls.json")
+    kept = json.load(open(walls_path)) if args.keep_finished and os.path.exists(walls_path) else {}
+    ok = {}
+    walls = {}
+    pending = list(enumerate(stages, 1))
+    running = {}  # future -> its stage
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        while pending or running:
+            for i, stage in [p for p in pending if all(n in ok for n in p[1]["needs"])]:
+                if len(running) >= args.jobs:
+                    break
+                pending.remove((i, stage))
+                name = stage["name"]
+                missing = [n for n in stage["needs"] if not ok[n]]
+                if missing or (args.keep_finished and os.path.isdir(os.path.join(output_dir, name, "model"))):
+                    print(
+                        f"[{i}/{len(stages)}] {name}: "
+                        + (f"skipped ({', '.join(missing)} failed)" if missing else "finished before, kept"),
+                        flush=True,
+                    )
+                    ok[name] = not missing
+                    walls[name] = kept.get(name, 0.0) if ok[name] else 0.0
+                    continue
+                run = run_stage
+                if stage["match"]:  # a control: its budget is known only now, from its row's logged FLOPs
+                    done = [s for s in stages if ok.get(s["name"])]
+                    run = functools.partial(
+                        run_control, done=done, walls=walls, curve_points=args.curve_points
+                    )
+                running[pool.submit(run, i, len(stages), stage, output_dir)] = stage
+            finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in finished:
+                name = running.pop(future)["name"]
+                ok[name], walls[name] = future.result()
+                with open(walls_path, "w") as f:  # what --keep-finished reads
+                    json.dump(kept | walls, f)
+    return ok, walls
+
+
 def main(args):
     output_dir = args.output_dir or plumbing.default_output_dir("compare", args.model, args.seed)
     stages, bases, seeds, grid = plan(args, output_dir)
@@ -1261,30 +1307,7 @@ def main(args):
         common.read_dataset(path, "prompt", common.chat_template(args.model, args.chat_template), flag)
     prepare_output_dir(output_dir, stages, args.overwrite, args.keep_finished)
     t_start = time.perf_counter()
-    ok = {}  # each run: exited 0
-    walls_path = os.path.join(output_dir, "walls.json")
-    kept = json.load(open(walls_path)) if args.keep_finished and os.path.exists(walls_path) else {}
-    walls = {}  # each run's wall seconds
-    for i, stage in enumerate(stages, 1):
-        if args.keep_finished and os.path.isdir(os.path.join(output_dir, stage["name"], "model")):
-            print(f"[{i}/{len(stages)}] {stage['name']}: finished before, kept", flush=True)
-            ok[stage["name"]] = True
-            walls[stage["name"]] = kept.get(stage["name"], 0.0)
-            continue
-        missing = [n for n in stage["needs"] if not ok.get(n)]
-        if missing:
-            print(f"[{i}/{len(stages)}] {stage['name']}: skipped ({', '.join(missing)} failed)", flush=True)
-            ok[stage["name"]] = False
-            walls[stage["name"]] = 0.0
-            continue
-        if stage["match"]:  # a control: its budget is known only now, from its row's logged FLOPs
-            done = [s for s in stages if ok.get(s["name"])]
-            run = functools.partial(run_control, done=done, walls=walls, curve_points=args.curve_points)
-        else:
-            run = run_stage
-        ok[stage["name"]], walls[stage["name"]] = run(i, len(stages), stage, output_dir)
-        with open(walls_path, "w") as f:  # what --keep-finished reads
-            json.dump(kept | walls, f)
+    ok, walls = run_stages(args, stages, output_dir)  # each run: exited 0; its wall seconds
     failed_bases = [f"sft/seed{s}" for s in seeds if ok.get(f"sft/seed{s}") is False]
     if failed_bases:
         raise RunsFailed(f"{', '.join(failed_bases)} failed: nothing to compare (see {output_dir}/sft/*.log)")

@@ -547,6 +547,53 @@ def test_controls_match_their_rows_flops(tmp_path, monkeypatch):
     assert ran == [20]  # its kind's last run's FLOPs a step: matched at once
 
 
+def test_jobs_run_independent_runs_together(tmp_path, monkeypatch):
+    """--jobs 2 (the scripts replaced): dpo and grpo run at once (dpo's run waits until grpo's has started), each
+    control only after its row finished, a base before its rows; a failed row's control is skipped; under
+    --keep-finished a run whose model/ exists is kept with the seconds walls.json recorded, not run again."""
+    import threading
+
+    args = compare.Args(methods="sft,dpo,grpo,sft-chosen,rft", seeds=1, jobs=2, curve_points=0)
+    stages = compare.plan(args, str(tmp_path))[0]
+    grpo_started = threading.Event()
+    events = []
+
+    def fake(i, n, stage, output_dir):
+        name = stage["name"]
+        events.append(("start", name))
+        if name == "grpo/seed0":
+            grpo_started.set()
+        if name == "dpo/seed0":
+            assert grpo_started.wait(timeout=60), "grpo never ran beside dpo"
+        d = tmp_path / name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "charts/flops": 1e9}) + "\n")
+        (d / "args.json").write_text(json.dumps({"max_steps": 1}))
+        events.append(("end", name))
+        return name != "grpo/seed0", 2.0  # grpo fails
+
+    monkeypatch.setattr(compare, "run_stage", fake)
+    ok, walls = compare.run_stages(args, stages, str(tmp_path))
+    assert ok == {
+        "sft/seed0": True,
+        "dpo/seed0": True,
+        "grpo/seed0": False,
+        "sft-chosen@dpo/seed0": True,
+        "rft@grpo/seed0": False,
+    }
+    at = {e: events.index(e) for e in events}
+    assert at["end", "sft/seed0"] < at["start", "dpo/seed0"] and ("start", "rft@grpo/seed0") not in at
+    assert at["end", "dpo/seed0"] < at["start", "sft-chosen@dpo/seed0"] and walls["rft@grpo/seed0"] == 0.0
+    (tmp_path / "sft/seed0/model").mkdir()
+    events.clear()
+    keep = dataclasses.replace(args, methods="sft", keep_finished=True)
+    assert compare.run_stages(keep, compare.plan(keep, str(tmp_path))[0], str(tmp_path)) == (
+        {"sft/seed0": True},
+        {"sft/seed0": 2.0},
+    )
+    assert events == []
+
+
 def test_delta_against_control_worked_example(tmp_path, monkeypatch):
     """The report from synthetic per-prompt scores (3 seeds × 4 prompts, the evaluation replaced): dpo − sft
     = 0.25 everywhere (± 0); dpo − sft-chosen@dpo = [0, .5, 0, 1] on every seed -> mean 0.375; identical seeds
