@@ -547,6 +547,29 @@ def test_controls_match_their_rows_flops(tmp_path, monkeypatch):
     assert ran == [20]  # its kind's last run's FLOPs a step: matched at once
 
 
+def test_distill_counts_its_teachers_training(tmp_path):
+    """distill's cost: its own logged FLOPs (2e9) and wall (10 s) plus, when its teacher is a run's model/, that
+    run's logged FLOPs (3e9 + 3e9) and training seconds (tokens / tokens per second: 100/50 + 300/100 = 5 s);
+    tokens trained add up too, tokens generated are the student's."""
+    teacher = tmp_path / "grpo/seed0"
+    (teacher / "model").mkdir(parents=True)
+    rows = [
+        {"step": 1, "charts/tokens": 100.0, "charts/tokens_per_sec": 50.0, "charts/flops": 3e9},
+        {"step": 2, "charts/tokens": 300.0, "charts/tokens_per_sec": 100.0, "charts/flops": 3e9},
+    ]
+    (teacher / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    student = tmp_path / "distill/seed0"
+    student.mkdir(parents=True)
+    (student / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "charts/tokens": 40.0, "charts/generated_tokens": 7.0, "charts/flops": 2e9})
+        + "\n"
+    )
+    stage = {"name": "distill/seed0", "needs": [], "flags": ["--teacher-model", str(teacher / "model")]}
+    walls = {"distill/seed0": 10.0}
+    assert compare.stage_cost(str(tmp_path), stage, walls) == [440.0, 7.0, 8e9, 15.0]
+    assert compare.stage_cost(str(tmp_path), dict(stage, flags=[]), walls) == [40.0, 7.0, 2e9, 10.0]
+
+
 def test_jobs_run_independent_runs_together(tmp_path, monkeypatch):
     """--jobs 2 (the scripts replaced): dpo and grpo run at once (dpo's run waits until grpo's has started), each
     control only after its row finished, a base before its rows; a failed row's control is skipped; under
