@@ -1614,6 +1614,9 @@ def write_results(args, output_dir, *, stages, stats, costs, sweep, matrix, extr
                 for r in dict.fromkeys(s["recipe"] for s in stages)
             },
             "sources": {
+                "learning_rate": "--sweep's choice on the eval split (`sweep`, `kept`)"
+                if args.sweep
+                else "compare.py's --learning-rate, a stated default: the same for every row, not tuned",
                 "sft_steps": PILOT,
                 "budgets": BUDGET,
                 "controls": f"each at its row's FLOPs, within {MATCH:.0%}",
