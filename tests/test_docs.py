@@ -238,21 +238,18 @@ def test_coming_from_trl_names_flags_that_exist():
 
 RUN = os.path.join("docs", "comparison_run")  # the comparison's committed artefacts: one run, every number
 NUMBER = re.compile(r"(?<![\w.])[+\-−]?(\d+\.\d+(?:e[+-]?\d+)?)")  # a decimal (the sign dropped)
+PAIR = re.compile(r"(?<![\w.])[+\-−]?(\d+\.\d+) ± (\d+\.\d+)")  # a value and its interval: one number
 
 
 def run_numbers():
-    """Every decimal the committed run holds: in its report (compare.py's comparison.md) and in results.json,
-    each float as the pages write them (1, 2 or 3 decimals, or 1.23e12)."""
-    held = set(NUMBER.findall(read(RUN, "comparison.md")))
-
-    def walk(x):
-        if isinstance(x, float):
-            held.update(f"{abs(x):.{d}f}" for d in (1, 2, 3))
-            held.add(f"{abs(x):.2e}".replace("e+", "e"))
-        for v in x.values() if isinstance(x, dict) else x if isinstance(x, list) else []:
-            walk(v)
-
-    walk(json.loads(read(RUN, "results.json")))
+    """Every decimal the committed run holds as a page would quote it: the numbers of its report (compare.py's
+    comparison.md: the summary, the table, the Δ matrix), and from results.json the eval curves' scores (3
+    decimals) and each run's FLOPs (as 1.23e12); nothing else, so that a wrong digit rarely passes."""
+    report = read(RUN, "comparison.md")
+    held = set(NUMBER.findall(report)) | {" ± ".join(p) for p in PAIR.findall(report)}
+    results = json.loads(read(RUN, "results.json"))
+    held.update(f"{p[1]:.3f}" for curves in results["curves_eval"].values() for c in curves for p in c)
+    held.update(f"{r['flops']:.2e}".replace("e+", "e") for r in results["runs"].values())
     return held
 
 
@@ -270,12 +267,17 @@ def quoted(text):
     return out
 
 
+def numbers(line):
+    """The decimals of a line, a value with its interval (`0.065 ± 0.015`) as one: the pair must be the run's."""
+    return [" ± ".join(p) for p in PAIR.findall(line)] + NUMBER.findall(PAIR.sub(" ", line))
+
+
 def unheld(path, text, held):
     """["path:line: what"] for each decimal inside a numbers block that `held` lacks, and each line outside a
     block that points at docs/comparison.md and quotes a decimal (docs/comparison.md itself: blocks only)."""
     blocks = quoted(text)
     inside = {i for i, _ in blocks}
-    bad = [f"{path}:{i}: {n}" for i, line in blocks for n in NUMBER.findall(line) if n not in held]
+    bad = [f"{path}:{i}: {n}" for i, line in blocks for n in numbers(line) if n not in held]
     for i, line in enumerate(text.splitlines(), 1):
         cites = "comparison.md" in line and path != os.path.join("docs", "comparison.md")
         if cites and i not in inside and NUMBER.search(line):
@@ -297,14 +299,16 @@ def test_comparison_numbers_come_from_the_committed_run():
 
 
 def test_number_check_catches_a_number_the_run_lacks():
-    """The check itself: a decimal inside a block is looked up (sign and ± dropped), one outside is not, and a
-    line outside a block that cites docs/comparison.md with a decimal is flagged."""
+    """The check itself: a decimal inside a block is looked up (its sign dropped; a value with its interval as
+    one pair), one outside is not, and a line outside a block that cites docs/comparison.md with a decimal is
+    flagged."""
     page = (
         "a 0.123 b\n<!-- numbers: docs/comparison_run -->\nΔ −0.045 ± 0.017, 3.31e12 FLOPs\n"
         "<!-- end numbers -->\nGRPO +0.05 (docs/comparison.md)\n"
     )
-    assert [n for _, line in quoted(page) for n in NUMBER.findall(line)] == ["0.045", "0.017", "3.31e12"]
-    assert unheld("docs/x.md", page, {"0.045", "0.017", "3.31e12"}) == [
+    assert [n for _, line in quoted(page) for n in numbers(line)] == ["0.045 ± 0.017", "3.31e12"]
+    assert unheld("docs/x.md", page, {"0.045 ± 0.017", "3.31e12"}) == [
         "docs/x.md:5: a comparison number outside a numbers block"
     ]
-    assert unheld("docs/x.md", page, {"0.045", "3.31e12"})[0] == "docs/x.md:3: 0.017"
+    # each half held, but not as a pair: the interval belongs to another cell
+    assert unheld("docs/x.md", page, {"0.045", "0.017", "3.31e12"})[0] == "docs/x.md:3: 0.045 ± 0.017"
