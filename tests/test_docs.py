@@ -1,8 +1,9 @@
 """The docs against the code, by reading files only (no JAX import, no subprocess): docs/code.md's
 loop is dpo.py's, the README's commands name scripts and flags that exist (and mark the lines that need
 weights or a network), nothing cites a design document outside the repository, every backticked
-`common.NAME` / `plumbing.NAME` / `interop.NAME` names something those modules define, and every
-pointer into docs/design.md names one of its sections."""
+`common.NAME` / `plumbing.NAME` / `interop.NAME` names something those modules define, every
+pointer into docs/design.md names one of its sections, and every comparison number a page quotes is one the
+committed run (docs/comparison_run/) holds."""
 
 import ast
 import json
