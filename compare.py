@@ -1432,7 +1432,9 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
     }
     scored = [os.path.join(output_dir, s["name"]) for s in final + base_stages]
     at = checkpoint_scores(args, bases[seeds[0]], scored) if args.curve_points else {}  # the bases' too
-    sft = costs[base_name][2] if np.isfinite(costs[base_name][2]) else 0.0  # a given base: its FLOPs unknown
+    sft = {  # each seed's base's FLOPs, where its curves start (a given base: its FLOPs unknown, 0)
+        s["seed"]: run_cost(os.path.join(output_dir, s["name"]))[2] for s in base_stages
+    }
     curves = {}  # each row's main training metric, every seed: the left panels
     score_curves = {}  # each row's greedy eval score against FLOPs, every seed: the right panel
     rows = []
@@ -1462,7 +1464,7 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
                 walls=walls,
                 base_keys=base_keys,
                 is_base=name == base_name,
-                sft_flops=sft,
+                sft_flops=sft.get(s["seed"], 0.0),
             )
             for s, m in zip(runs, metrics)
             if name in stats

@@ -992,7 +992,8 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| **sft**" in proc.stdout  # the table is printed at the end
     assert re.search(r"^      step \d+/\d+, \d+ s$", proc.stdout, re.M)  # progress inside the runs
-    assert md.count("needs ≥ 3 seeds vs sft") == 1 and "beats" not in md  # 2 seeds: no claim
+    claims = md.split("## Method against method")[0]  # the summary and the table (below: the matrix's legend)
+    assert md.count("needs ≥ 3 seeds vs sft") == 1 and "beats" not in claims  # 2 seeds: no claim
     # the curves on the eval split (one point: at half of each run): each seed's sft's checkpoint 10 and its end;
     # each kept run from its seed's sft's end, its checkpoint 2, its end (its eval score), FLOPs rising
     curves = json.loads((out / "results.json").read_text())["curves_eval"]
