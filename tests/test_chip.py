@@ -318,3 +318,20 @@ def test_a_model_trained_in_bfloat16_saves_a_preset_keras_hub_reads_back(tmp_pat
     assert set(held) <= set(weights)
     for path, value in held.items():
         np.testing.assert_array_equal(weights[path], value)
+
+
+def test_the_default_chunks_only_logits_that_would_be_large():
+    """--logits-chunk None (the default): the whole [B, T, V] where its float32 logits take at most 1 GiB
+    (one call, no scan), else 64 positions a chunk (a scan over ceil(T / 64) chunks); a number is taken as given."""
+    import types
+
+    def scans(vocabulary, b, t, chunk=None):
+        backbone = types.SimpleNamespace(vocabulary_size=vocabulary, logits_chunk=chunk)
+        hidden = jax.ShapeDtypeStruct((b, t, 8), jnp.float32)
+        jaxpr = jax.make_jaxpr(lambda h: common.per_token(backbone, lambda x: (x.sum(-1),), (h,)))(hidden)
+        return str(jaxpr).count("scan[")
+
+    assert scans(320, 32, 512) == 0  # tiny: 21 MB
+    assert scans(256_000, 1, 1024) == 0  # 4 × 1 × 1024 × 256,000 bytes = 0.98 GiB: whole
+    assert scans(256_000, 2, 1024) == 1  # 1.95 GiB: chunks
+    assert scans(320, 32, 512, chunk=64) == 1 and scans(256_000, 2, 1024, chunk=0) == 0
