@@ -1,7 +1,8 @@
 """What a real accelerator needs, checked on CPU: a lone host starts alone whatever its launcher variables
 (a one-host TPU VM sets TPU_WORKER_HOSTNAMES=localhost; tests/test_lifecycle.py runs sft.py so), several
 hosts start jax.distributed, a failed start is one line (exit 2); --remat auto survives a compile that runs
-out of memory and, where nothing fits, says which flags to change; frozen weights are held in the compute dtype."""
+out of memory and, where nothing fits, says which flags to change; frozen weights are held in the compute
+dtype."""
 
 import os
 
