@@ -64,9 +64,11 @@ TINY_CONFIG = dict(
 )
 
 
-# Sequence positions whose logits a chunk computes (per_token), where the model was loaded without
-# --logits-chunk (tests, benchmarks): [B, 64, V] float32 is 512 MiB at B = 8 and Gemma's 256k vocabulary
+# Sequence positions whose logits a chunk computes (per_token) when --logits-chunk is None (the default)
+# and the whole batch's float32 logits would take more than WHOLE_LOGITS bytes: [B, 64, V] float32 is 512 MiB
+# at B = 8 and Gemma's 256k vocabulary; under 1 GiB (small vocabularies, short batches) they stay whole
 LOGITS_CHUNK = 64
+WHOLE_LOGITS = 2**30
 
 
 def default_dtype():
@@ -343,7 +345,7 @@ def load_model(
     lora_rank=0,
     lora_alpha=None,
     lora_target_modules=None,
-    logits_chunk=LOGITS_CHUNK,
+    logits_chunk=None,
 ):
     """--model -> its KerasHub CausalLM (backbone + preprocessor), every weight created sharded and float32
     whatever the checkpoint holds (`dtype`: the compute dtype); lora_rank > 0: only LoRA weights train;
@@ -466,11 +468,14 @@ def logits(backbone, hidden):
 
 def per_token(backbone, fn, arrays):
     """fn(*chunks) -> a tuple of [B, C] arrays, mapped over C positions of the [B, T, ...] `arrays` at a time,
-    C the model's --logits-chunk (load_model; T padded to whole chunks), each chunk under jax.checkpoint:
-    what fn makes inside (a chunk's [B, C, V] logits) lives only there, forward and backward (recomputed),
-    and [B, T, V] never does. -> fn's outputs [B, T] each. A chunk of 0 (or ≥ T): one call on the whole."""
-    chunk = getattr(backbone, "logits_chunk", LOGITS_CHUNK)
+    C the model's --logits-chunk (load_model; None: LOGITS_CHUNK where the whole would exceed WHOLE_LOGITS;
+    T padded to whole chunks), each chunk under jax.checkpoint: what fn makes inside (a chunk's [B, C, V]
+    logits) lives only there, forward and backward (recomputed), and [B, T, V] never does. -> fn's outputs
+    [B, T] each. A chunk of 0 (or ≥ T): one call on the whole."""
     b, t = arrays[0].shape[:2]
+    chunk = getattr(backbone, "logits_chunk", None)
+    if chunk is None:  # the default: whole where the batch's float32 logits are small
+        chunk = 0 if 4 * b * t * backbone.vocabulary_size <= WHOLE_LOGITS else LOGITS_CHUNK
     if not chunk or chunk >= t:
         return fn(*arrays)
     n = -(-t // chunk)  # chunks; the last is padded
