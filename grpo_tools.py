@@ -645,8 +645,8 @@ def main(args):
     )
     print(
         f"data: {len(prompts)} prompts, queries padded to ≤ {queries.shape[1]} tokens; {n_prompts} prompts × G={g} "
-        f"completions of ≤ {r} tokens, tool results included, per step; tools: {', '.join(tools.fns) if tools else 'none'}"
-        f" (≤ {args.max_tool_calls if args.max_tool_calls is not None else 'any number of'} tool turns); {len(evals[0]) if evals else 0} eval prompts"
+        f"completions of ≤ {r} positions a step (tool results included); {len(evals[0]) if evals else 0} eval "
+        f"prompts; tools: {', '.join(tools.fns) if tools else 'none'}, ≤ {args.max_tool_calls} tool turns each"
     )
 
     params, frozen = common.split_variables(backbone, frozen_dtype=run.frozen_dtype)
@@ -658,7 +658,7 @@ def main(args):
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
     order = np.concatenate(
-        [rng.permutation(len(prompts)) for _ in range(-(-max_steps * n_prompts // len(prompts)))]
+        [rng.permutation(len(prompts)) for _ in range(max(1, -(-max_steps * n_prompts // len(prompts))))]
     )
     (params, opt_state, key_data), meta = run.resume(
         (params, opt_state, jax.random.key_data(key)), {"rng": rng.bit_generator.state}
@@ -700,7 +700,7 @@ def main(args):
         bridge=bridge,
         tokenizer=tokenizer,
         max_tool_calls=args.max_tool_calls,
-        turn_end_id=stops[1] if len(stops) > 1 else -1,
+        turn_end_id=tokenizer.token_to_id(end),
         on_data=on_data,
     )
     n, n_rm = (plumbing.count_params(m.backbone) if m is not None else 0 for m in (model, scorer.model))

@@ -196,8 +196,9 @@ SCRIPTS = [
 ] + [[5 + i] for i in range(5)]  # n: n tokens drawn, then the turn end
 
 
-def scripted_rollout(setup, mesh=None, forced=True, max_tool_calls=None, spy=None, rows=4):
-    """The rollout of the first `rows` prompts, SCRIPTS forced (or all drawn), on `mesh` (default: one device)."""
+def scripted_rollout(setup, mesh=None, forced=True, max_tool_calls=None, spy=None, rows=4, scripts=SCRIPTS):
+    """The rollout of the first `rows` prompts, `scripts` forced (or all drawn), on `mesh` (default: one
+    device), in setup's template (default gemma's) -> (batch, transcript, params, frozen)."""
     import jax
     import jax.numpy as jnp
 
@@ -206,16 +207,18 @@ def scripted_rollout(setup, mesh=None, forced=True, max_tool_calls=None, spy=Non
     params, frozen = common.split_variables(backbone)
     if mesh is not setup["mesh"]:
         params, frozen = jax.device_put((params, frozen), common.replicated(mesh))
-    stops = common.stop_token_ids(tokenizer, GEMMA)
+    template = setup.get("template", GEMMA)
+    stops = common.stop_token_ids(tokenizer, template)
+    end = common.turn_end(template)
     script = np.full((rows, 96), -1, np.int32)
-    for i, turns in enumerate(SCRIPTS[:rows] if forced else []):
+    for i, turns in enumerate(scripts[:rows] if forced else []):
         ids = [
             t
             for turn in turns
             for t in (
-                [-1] * turn + [stops[1]]
+                [-1] * turn + [tokenizer.token_to_id(end)]
                 if isinstance(turn, int)
-                else tokenizer.tokenize(turn + "<end_of_turn>")
+                else tokenizer.tokenize(turn + end)
             )
         ]
         script[i, : len(ids)] = ids
@@ -235,8 +238,7 @@ def scripted_rollout(setup, mesh=None, forced=True, max_tool_calls=None, spy=Non
     }
     if spy is not None:
         fns = {k: (lambda f, k: lambda *a: spy(k, a) or f(*a))(f, k) for k, f in fns.items()}
-    end = common.turn_end(GEMMA)
-    fmt = gt.FORMATS["gemma"]
+    fmt = setup.get("fmt", gt.FORMATS["gemma"])
     batch, transcript = gt.rollout(
         fns,
         params,
@@ -246,13 +248,12 @@ def scripted_rollout(setup, mesh=None, forced=True, max_tool_calls=None, spy=Non
         key=jax.random.key(3),
         tools=setup["tools"],
         fmt=fmt,
-        bridge=lambda results: "\n" + fmt.results(results) + GEMMA.model,
+        bridge=lambda results: "\n" + fmt.results(results) + template.model,
         tokenizer=tokenizer,
         max_tool_calls=max_tool_calls,
-        turn_end_id=stops[1],
+        turn_end_id=tokenizer.token_to_id(end),
         on_data=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data")),
     )
-    assert end == "<end_of_turn>"
     return batch, transcript, params, frozen
 
 
@@ -442,3 +443,195 @@ def test_eight_devices_roll_out_as_one(tiny):
         np.asarray(one["sampler_logps"]), np.asarray(eight["sampler_logps"]), atol=1e-5
     )
     assert list(transcript.calls) == [2, 1, 0, 0, 0, 0, 0, 0]
+
+
+def test_qwen3_5_tool_calls_on_a_small_random_model(tmp_path):
+    """Qwen 3.5's format on its own backbone (a gated delta net layer, then attention; random init) with a
+    byte-level BPE holding its tool tokens: the system turn describes the tools as its template does; a
+    scripted XML call is parsed and run, its result comes back as a <tool_response> user turn and the model's
+    next turn opens as the template's; the sampler's log q equal the trainer's over the policy's tokens: the
+    delta net's conv and recurrent states carry over the tool result and the holes as the full forward's."""
+    import jax
+    import keras
+    import keras_hub.models as m
+    from helpers import byte_bpe, short_delta_rule_chunks
+
+    short_delta_rule_chunks()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<|vision_start|>"]
+    specials += ["<|vision_end|>", "<|image_pad|>", "<|video_pad|>", "<tool_call>", "</tool_call>"]
+    specials += [
+        "<tool_response>",
+        "</tool_response>",
+    ]  # Qwen 3.5's tool tokens: one each, as in its vocabulary
+    vocab, merges = byte_bpe(specials)
+    tokenizer = m.Qwen3_5Tokenizer(vocabulary=vocab, merges=merges, unsplittable_tokens=specials)
+    keras.utils.set_random_seed(0)
+    backbone = m.Qwen3_5Backbone(
+        vocabulary_size=len(vocab),
+        num_layers=2,
+        hidden_dim=64,
+        intermediate_dim=128,
+        num_query_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        tie_word_embeddings=True,
+    )
+    common.ensure_start_token(tokenizer, "qwen3.5")
+    template, fmt = common.CHAT_TEMPLATES["qwen3.5"], gt.FORMATS["qwen3.5"]
+    tools = gt.Toolbox([calculator.calculator], timeout=1.0)
+    path = tmp_path / "prompts.jsonl"
+    chat = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "3 * 4"}]
+    path.write_text(
+        json.dumps({"prompt": chat, "answer": "12"}) + "\n" + json.dumps({"prompt": chat[1:]}) + "\n"
+    )
+    prompts, _ = gt.read_tool_prompts(str(path), template, fmt, tools.schemas)
+    assert prompts[0] == (
+        "<|im_start|>system\n"
+        + fmt.system(tools.schemas)
+        + "\n\nBe brief.<|im_end|>\n<|im_start|>user\n3 * 4"
+        "<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n"
+    )
+    assert (
+        prompts[1].startswith("<|im_start|>system\n# Tools\n")
+        and "</IMPORTANT><|im_end|>\n<|im_start|>user" in prompts[1]
+    )
+    queries, query_mask = grpo.tokenize_prompts(prompts, tokenizer, 2048)
+    setup = dict(
+        model=m.Qwen3_5CausalLM(backbone, m.Qwen3_5CausalLMPreprocessor(tokenizer)),
+        mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model")),
+        tools=tools,
+        queries=queries,
+        query_mask=query_mask,
+        template=template,
+        fmt=fmt,
+    )
+    call = fmt.call("calculator", {"expression": "3 * 4"})
+    batch, transcript, params, frozen = scripted_rollout(setup, rows=2, scripts=[[call, "12"], ["12"]])
+    assert transcript.messages[0] == [
+        {
+            "role": "assistant",
+            "content": call,
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calculator", "arguments": {"expression": "3 * 4"}}}
+            ],
+        },
+        {"role": "tool", "name": "calculator", "content": "12"},
+        {"role": "assistant", "content": "12"},
+    ]
+    qb = grpo.query_length(batch)
+    tokens = np.asarray(batch["query_responses"])[0, qb:]
+    policy, context = np.asarray(batch["response_mask"])[0], np.asarray(batch["padding_mask"])[0, qb:]
+    assert decode_ids(tokenizer, tokens[context & ~policy]) == (
+        "\n<|im_start|>user\n<tool_response>\n12\n</tool_response><|im_end|>\n<|im_start|>assistant\n<think>\n\n"
+        "</think>\n\n"
+    )
+    assert (~context[: np.flatnonzero(context & ~policy)[0]]).any()  # holes before the right-aligned bridge
+    logps, _, _ = grpo.response_logps(
+        backbone,
+        params,
+        frozen,
+        batch["query_responses"],
+        batch["padding_mask"],
+        context_length=qb,
+        temperature=1.0,
+    )
+    meter = grpo.mismatch(logps, batch["sampler_logps"], batch["sampled_mask"])
+    assert (
+        abs(float(meter["mismatch/ratio_max"]) - 1) < 1e-4
+        and abs(float(meter["mismatch/ratio_min"]) - 1) < 1e-4
+    )
+
+
+def decode_ids(tokenizer, ids):
+    return gt.decode(tokenizer, [ids])[0]
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (
+            ["--dataset", os.path.join(ROOT, "data", "prompts_train.jsonl")],
+            "prompts_train.jsonl:1: with --tools, 'prompt' must be a chat",
+        ),
+        (["--chat-template", "llama3"], "the chat template llama3 has no tool format here (gemma, qwen3.5"),
+        (["--max-tool-calls", "-1"], "--max-tool-calls -1: must be >= 0"),
+        (["--tool-timeout", "0"], "--tool-timeout 0.0: must be > 0"),
+        (
+            ["--tools", f"{__file__}:listing", f"{os.path.join(ROOT, 'grpo.py')}:masked_mean"],
+            f"--tools masked_mean ({os.path.join(ROOT, 'grpo.py')}:",
+        ),
+    ],
+)
+def test_bad_tool_flags_are_refused_before_the_model_loads(flags, message, tmp_path):
+    got = usage_error(gt, "--output-dir", str(tmp_path / "out"), *flags)
+    assert message in got, got
+    assert not (tmp_path / "out").exists()
+
+
+def test_end_to_end_with_tools_and_the_control(tmp_path):
+    """Two steps of `tiny` (random init: it calls nothing) on 8 simulated devices: TRL's tool metrics and
+    turns logged, the eval rows at the start and the end, the model saved; the control (`--tools` with none)
+    evaluated at 0 steps: what a model scores without the tools."""
+    import plumbing
+
+    evals = tmp_path / "eval.jsonl"
+    with open(os.path.join(ROOT, "data", "calculator", "prompts_eval.jsonl")) as f:
+        evals.write_text("".join(f.readlines()[:12]))  # 12: the last batch of 8 padded with repeats
+    small = ["--model", "tiny", "--batch-size", "8", "--num-generations", "4", "--response-length", "24"]
+    small += ["--eval-dataset", str(evals), "--learning-rate", "1e-4", "--sample-every", "1"]
+    out = tmp_path / "tools"
+    gt.main(plumbing.cli(gt.Args, small + ["--max-steps", "2", "--output-dir", str(out)]))
+    rows = metrics(out)
+    assert [r["step"] for r in rows] == [0, 1, 2, 2] and "eval/reward" in rows[0] and "eval/reward" in rows[3]
+    for k in (
+        "tools/call_frequency",
+        "tools/failure_frequency",
+        "completions/mean_turns",
+        "rewards/correct/mean",
+    ):
+        assert k in rows[1] and k in rows[2], k
+    assert rows[1]["rewards/useful_call/mean"] == 0.0 and rows[1]["reward"] == rows[1]["rewards/correct/mean"]
+    assert "mismatch/ratio_mean" in rows[1] and abs(rows[1]["mismatch/ratio_mean"] - 1) < 1e-4
+    assert rows[3]["eval/completions/mean_turns"] == 1.0 and "eval/tools/call_frequency" in rows[3]
+    assert (out / "model" / "config.json").exists()
+    control = tmp_path / "control"
+    gt.main(plumbing.cli(gt.Args, small + ["--max-steps", "0", "--tools", "--output-dir", str(control)]))
+    assert [r["step"] for r in metrics(control)] == [0] and metrics(control)[0][
+        "eval/tools/call_frequency"
+    ] == 0
+
+
+def test_calculator_demonstrations_are_what_the_rollout_builds(tiny):
+    """A demonstration that calls the tool (data/calculator/sft_train.jsonl), tokenised as sft.py trains on it,
+    is token for token what a rollout holds for the same completion: the prompt as grpo.py tokenises it, the
+    call and its turn end, the gemma bridge around the result, the answer; the call parses, the tool agrees."""
+    import sft
+
+    tokenizer = tiny["model"].preprocessor.tokenizer
+    with open(os.path.join(ROOT, "data", "calculator", "sft_train.jsonl")) as f:
+        demos = [json.loads(line) for line in f]
+    calling = [d for d in demos if len(d["messages"]) == 4]
+    assert 0.25 < len(calling) / len(demos) < 0.35  # TOOL_SHARE 0.3 of them call
+    row = calling[0]["messages"]
+    (ids, mask), *_ = sft.tokenize_dataset(
+        [common.sft_segments(calling[0], "demo", GEMMA)], tokenizer, 512, True, "x"
+    )[0]
+    prompt = common.prompt_text({"prompt": row[:1]}, "x", GEMMA)
+    query = list(grpo.tokenize_prompts([prompt], tokenizer, 64)[0][0])
+    query = query[query.index(tokenizer.start_token_id) :]
+    (name, arguments), *_ = gt.FORMATS["gemma"].parse(row[1]["content"], {})
+    result = calculator.calculator(**arguments)
+    assert (
+        name == "calculator"
+        and row[2]["content"] == f"```tool_output\n{result}\n```"
+        and row[3]["content"] == result
+    )
+    bridge = "\n" + gt.FORMATS["gemma"].results([result]) + GEMMA.model
+    completion = [*tokenizer.tokenize(row[1]["content"] + "<end_of_turn>"), *tokenizer.tokenize(bridge)]
+    completion += [*tokenizer.tokenize(result + "<end_of_turn>"), tokenizer.end_token_id]  # sft.py's EOS last
+    assert list(ids) == query + completion
