@@ -646,7 +646,8 @@ def main(args):
     print(
         f"data: {len(prompts)} prompts, queries padded to ≤ {queries.shape[1]} tokens; {n_prompts} prompts × G={g} "
         f"completions of ≤ {r} positions a step (tool results included); {len(evals[0]) if evals else 0} eval "
-        f"prompts; tools: {', '.join(tools.fns) if tools else 'none'}, ≤ {args.max_tool_calls} tool turns each"
+        f"prompts; tools: {', '.join(tools.fns) if tools else 'none'}"
+        + (f", ≤ {args.max_tool_calls} tool turns each" if args.max_tool_calls is not None else "")
     )
 
     params, frozen = common.split_variables(backbone, frozen_dtype=run.frozen_dtype)

@@ -144,10 +144,22 @@ def stubborn(expression: str) -> str:
             pass
 
 
+async def napping(expression: str) -> str:
+    """An async tool: hangs, then answers.
+
+    Args:
+        expression: echoed
+    """
+    import asyncio
+
+    await asyncio.sleep(float(expression))
+    return expression
+
+
 def test_failing_tools_give_an_error_result_counted_and_reported_once(capsys):
     """A raise, a hang past --tool-timeout (even one that catches Exception), a non-text result and an unknown
     name: each an error result as TRL writes it, `failed`, and one warning per tool naming its file and line."""
-    tools = gt.Toolbox([calculator.calculator, slow, listing, stubborn], timeout=0.2)
+    tools = gt.Toolbox([calculator.calculator, slow, listing, stubborn, napping], timeout=0.2)
     assert tools("calculator", {"expression": "37 * 58"}) == ("2146", False)
     assert tools("calculator", {"expression": "2 ** 3"}) == (
         "{'error': \"not an integer expression: '2 ** 3'\"}",
@@ -156,20 +168,22 @@ def test_failing_tools_give_an_error_result_counted_and_reported_once(capsys):
     began = time.perf_counter()
     assert tools("slow", {"expression": ""}) == ("{'error': 'timed out after 0.2 s'}", True)
     assert tools("stubborn", {"expression": ""}) == ("{'error': 'timed out after 0.2 s'}", True)
-    assert time.perf_counter() - began < 2
+    assert tools("napping", {"expression": "0"}) == ("0", False)  # async: awaited
+    assert tools("napping", {"expression": "30"}) == ("{'error': 'timed out after 0.2 s'}", True)
+    assert time.perf_counter() - began < 3
     assert tools("listing", {"expression": "x"}) == ("{'error': 'returned list, not text'}", True)
     assert tools("search", {"q": "x"}) == ("{'error': 'Tool search not found.'}", True)
     assert tools("calculator", {"expression": "1 / 0"})[1]  # the second failure of a tool: not reported
     err = capsys.readouterr().err.splitlines()
-    assert len(err) == 5, err
+    assert len(err) == 6, err
     line = calculator.calculator.__code__.co_firstlineno
     assert err[0].startswith(
         f"warning: tool calculator ({calculator.__file__}:{line}) raised ValueError: not an integer expression"
     )
     assert f"(at {calculator.__file__}:" in err[0] and "tools/failure_frequency" in err[0]
     assert f"slow ({__file__}:" in err[1] and "ran past --tool-timeout 0.2 s" in err[1]
-    assert "stubborn" in err[2] and "listing" in err[3] and "returned ['x']" in err[3]
-    assert err[4].startswith("warning: tool 'search' was called but is not a --tools function")
+    assert "stubborn" in err[2] and "napping" in err[3] and "listing" in err[4] and "returned ['x']" in err[4]
+    assert err[5].startswith("warning: tool 'search' was called but is not a --tools function")
 
 
 @pytest.fixture(scope="module")
