@@ -31,18 +31,16 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-CALCULATOR = os.path.join(common.HERE, "data", "calculator")
-
 
 @dataclass
 class Args(grpo.Args):
     """grpo.py's flags (its loss, sampling, rewards) plus the tools'; the bundled calculator task by default."""
 
     # data
-    dataset: str = os.path.join(CALCULATOR, "prompts_train.jsonl")
+    dataset: str = os.path.join(common.HERE, "data", "calculator", "prompts_train.jsonl")
     """prompts as chats (`prompt`: a message list, the tools described in its system turn as the template
     does) and the columns the reward functions read: .jsonl/.json/.parquet or a Hugging Face dataset"""
-    eval_dataset: str = os.path.join(CALCULATOR, "prompts_eval.jsonl")
+    eval_dataset: str = os.path.join(common.HERE, "data", "calculator", "prompts_eval.jsonl")
     """held-out prompts answered greedily, tools and all, before the first step and after the last (and
     every --eval-every steps); "" for none; another --dataset without one named: none"""
     eval_every: int = 0
