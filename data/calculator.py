@@ -60,3 +60,35 @@ def useful_call(completions, answer, **kwargs):
         worked = bool(results) and not any(r.startswith("{'error'") for r in results)
         out.append(float(worked and answered(final_text(c)) == int(a)))
     return out
+
+
+# Metrics by the size of the numbers (--reward-weights 0: logged, not rewarded): None where a prompt is of
+# the other size, so that rewards/<fn>/mean averages over that size's prompts alone (TRL's nanmean)
+def two_digit(prompt):
+    """Whether a prompt (its chat, or text) multiplies two-digit numbers."""
+    text = prompt[-1]["content"] if isinstance(prompt, list) else prompt
+    return int(re.findall(r"\d+", text)[0]) >= 10
+
+
+def called(completion):
+    return isinstance(completion, list) and any(m["role"] == "tool" for m in completion)
+
+
+def correct_two_digit(prompts, completions, answer, **kwargs):
+    """`correct` on the two-digit products (None on the others)."""
+    return [s if two_digit(p) else None for p, s in zip(prompts, correct(completions, answer))]
+
+
+def correct_one_digit(prompts, completions, answer, **kwargs):
+    """`correct` on the one-digit products (None on the others)."""
+    return [s if not two_digit(p) else None for p, s in zip(prompts, correct(completions, answer))]
+
+
+def calls_two_digit(prompts, completions, **kwargs):
+    """1.0 where a completion called a tool, on the two-digit products (None on the others)."""
+    return [float(called(c)) if two_digit(p) else None for p, c in zip(prompts, completions)]
+
+
+def calls_one_digit(prompts, completions, **kwargs):
+    """1.0 where a completion called a tool, on the one-digit products (None on the others)."""
+    return [float(called(c)) if not two_digit(p) else None for p, c in zip(prompts, completions)]

@@ -649,3 +649,27 @@ def test_calculator_demonstrations_are_what_the_rollout_builds(tiny):
     completion = [*tokenizer.tokenize(row[1]["content"] + "<end_of_turn>"), *tokenizer.tokenize(bridge)]
     completion += [*tokenizer.tokenize(result + "<end_of_turn>"), tokenizer.end_token_id]  # sft.py's EOS last
     assert list(ids) == query + completion
+
+
+def test_calculator_checks_and_metrics_by_size():
+    """correct reads the final answer's last number; useful_call needs a call that worked and a right answer;
+    the by-size metrics are None on the other size (left out of their means, as TRL's nanmean)."""
+    prompts = [[{"role": "user", "content": "37 * 58"}], [{"role": "user", "content": "3 * 5"}], "12 * 2"]
+    worked = [
+        {"role": "assistant", "content": "[c]", "tool_calls": []},
+        {"role": "tool", "name": "calculator", "content": "2146"},
+        {"role": "assistant", "content": "It is 2146"},
+    ]
+    failed = [worked[0], {"role": "tool", "name": "calculator", "content": "{'error': 'x'}"}, worked[2]]
+    completions = [worked, [{"role": "assistant", "content": "15"}], "24"]
+    answers = ["2146", "15", "24"]
+    assert calculator.correct(completions, answers) == [1.0, 1.0, 1.0]
+    assert calculator.correct([[{"role": "assistant", "content": "2147"}], "no number"], ["2146", "1"]) == [
+        0,
+        0,
+    ]
+    assert calculator.useful_call([worked, failed, completions[1]], ["2146", "2146", "15"]) == [1.0, 0.0, 0.0]
+    assert calculator.correct_two_digit(prompts, completions, answers) == [1.0, None, 1.0]
+    assert calculator.correct_one_digit(prompts, completions, answers) == [None, 1.0, None]
+    assert calculator.calls_two_digit(prompts, completions) == [1.0, None, 0.0]
+    assert calculator.calls_one_digit(prompts, completions) == [None, 0.0, None]
