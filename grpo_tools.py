@@ -544,12 +544,13 @@ def tool_metrics(transcript, prefix=""):
     }
 
 
-def evaluate(fns, params, frozen, data, scorer, *, batch_size, end, stop_ids, **rollout_kwargs):
+def evaluate(fns, params, frozen, data, scorer, *, batch_size, end, stop_ids, path=None, **rollout_kwargs):
     """Greedy multi-turn completions of every eval prompt (batches of batch_size, the last padded with repeats),
-    scored -> eval/reward, eval/rewards/<fn>/mean, the tool metrics and lengths."""
+    scored -> eval/reward, eval/rewards/<fn>/mean, the tool metrics and lengths; with a path, each prompt's
+    row there too (its columns, the completion's messages, each reward function's score: paired comparisons)."""
     prompts, rows, queries, query_mask = data
     n = len(prompts)
-    parts, kept = {}, []
+    parts, kept, messages = {}, [], []
     for begin in range(0, n, batch_size):
         idx = np.minimum(np.arange(begin, begin + batch_size), n - 1)
         batch, transcript = rollout(
@@ -570,7 +571,14 @@ def evaluate(fns, params, frozen, data, scorer, *, batch_size, end, stop_ids, **
         for k, v in scored.items():
             parts.setdefault(k, []).append(v)
         kept.append((transcript.calls[:m], transcript.failures[:m], transcript.turns[:m], length[:m]))
+        messages += transcript.messages[:m]
     parts = {k: np.concatenate(v) for k, v in parts.items()}
+    if path:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            for i, (row, completion) in enumerate(zip(rows, messages)):
+                scores = {k: None if np.isnan(v[i]) else float(v[i]) for k, v in parts.items()}
+                f.write(json.dumps({**row, "completion": completion, "scores": scores}) + "\n")
     weighted = np.nansum([w * parts[name] for _, w, _, name in scorer.fns], 0) + parts.get(
         "reward_model", 0.0
     )
@@ -713,6 +721,7 @@ def main(args):
         batch_size=args.batch_size,
         end=end,
         stop_ids=stops,
+        path=os.path.join(run.dir, f"eval_completions_step{run.step}.jsonl"),  # prompt by prompt
         **turns,
     )
     if eval_data is not None and run.start == 0:
