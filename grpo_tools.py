@@ -550,7 +550,8 @@ def evaluate(fns, params, frozen, data, scorer, *, batch_size, end, stop_ids, pa
     row there too (its columns, the completion's messages, each reward function's score: paired comparisons)."""
     prompts, rows, queries, query_mask = data
     n = len(prompts)
-    parts, kept, messages = {}, [], []
+    parts, kept = {}, []
+    messages = []  # each prompt's completion (TRL's messages)
     for begin in range(0, n, batch_size):
         idx = np.minimum(np.arange(begin, begin + batch_size), n - 1)
         batch, transcript = rollout(

@@ -63,7 +63,7 @@ class Args:
     )
     """sft.py's other flags (compare.py's recipe for `tiny`)"""
     grpo_args: str = (
-        "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 64 --beta 0.0 "
+        "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 128 --beta 0.0 "
         "--learning-rate 2e-4 --warmup-steps 5 --lr-scheduler-type constant_with_warmup --temperature 1.0"
     )
     """grpo_tools.py's other flags, the same for both GRPO rows"""
