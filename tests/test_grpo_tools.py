@@ -613,6 +613,16 @@ def test_end_to_end_with_tools_and_the_control(tmp_path):
     assert "mismatch/ratio_mean" in rows[1] and abs(rows[1]["mismatch/ratio_mean"] - 1) < 1e-4
     assert rows[3]["eval/completions/mean_turns"] == 1.0 and "eval/tools/call_frequency" in rows[3]
     assert (out / "model" / "config.json").exists()
+    for step in (
+        0,
+        2,
+    ):  # each evaluation prompt by prompt (paired comparisons): its columns, messages, scores
+        done = [json.loads(line) for line in open(out / f"eval_completions_step{step}.jsonl")]
+        assert [r["answer"] for r in done] == [json.loads(line)["answer"] for line in open(evals)]
+        assert [r["scores"]["correct"] for r in done] == calculator.correct(
+            [r["completion"] for r in done], [r["answer"] for r in done]
+        )
+        assert all(r["completion"][-1]["role"] == "assistant" for r in done)
     control = tmp_path / "control"
     gt.main(plumbing.cli(gt.Args, small + ["--max-steps", "0", "--tools", "--output-dir", str(control)]))
     assert [r["step"] for r in metrics(control)] == [0] and metrics(control)[0][
