@@ -32,6 +32,9 @@ import numpy as np  # noqa: E402
 
 import compare  # noqa: E402  (its paired intervals: seeds and prompts random)
 
+sys.path.insert(0, os.path.join(ROOT, "data"))
+import calculator  # noqa: E402  (the task's checker)
+
 CALC = os.path.join(ROOT, "data", "calculator.py")
 METRICS = (
     "correct",
@@ -129,6 +132,17 @@ def scores(path):
     }, rows
 
 
+def copied(rows):
+    """Of the completions that called and whose calls all worked, the share whose final answer is the last
+    result: how well the model copies what the calculator said."""
+    hits = []
+    for r in rows:
+        results = [m["content"] for m in r["completion"] if m["role"] == "tool"]
+        if results and not any(x.startswith("{'error'") for x in results):
+            hits.append(calculator.answered(calculator.final_text(r["completion"])) == int(results[-1]))
+    return float(np.mean(hits)) if hits else None
+
+
 def report(args, walls):
     """The table's numbers: each row's means and intervals over [seeds, prompts], each paired Δ."""
     end = lambda name, s: os.path.join(
@@ -161,6 +175,9 @@ def report(args, walls):
                 for z in ("one-digit", "two-digit")
             },
             "per_seed_correct": [float(t["correct"].mean()) for t in table[row]],
+            "per_seed_useful_call": [float(t["useful_call"].mean()) for t in table[row]],
+            "per_seed_calls_two_digit": [float(np.nanmean(t["calls_two_digit"])) for t in table[row]],
+            "per_seed_copied": [copied(scores(sources[row](s))[1]) for s in seeds],
         }
         for row in sources
     }
@@ -203,6 +220,8 @@ def main(args):
     for name in ("sft", "tools", "control"):
         os.makedirs(os.path.join(args.output_dir, name), exist_ok=True)
     walls = {}
+    if args.report_only and os.path.exists(os.path.join(args.output_dir, "report.json")):
+        walls = json.load(open(os.path.join(args.output_dir, "report.json")))["walls_s"]  # the runs' own
     if not args.report_only:
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
