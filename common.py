@@ -776,15 +776,16 @@ def reward_names(fns):
 TRL_INPUTS = ("prompts", "completions", "completion_ids")
 
 
-def reward_inputs(prompts, texts, rows, completion_ids):
+def reward_inputs(prompts, texts, rows, completion_ids, messages=None):
     """TRL's keyword arguments of a reward function, each a list aligned with the completions: prompts and
     completions as the dataset holds them (a chat: the prompt's messages, each completion [{"role": "assistant",
-    "content": text}]), completion_ids, and every other column."""
+    "content": text}], or its `messages`: a multi-turn completion's turns), completion_ids, every other column."""
     chat = [isinstance(r.get("prompt"), list) for r in rows]
+    messages = messages or [[{"role": "assistant", "content": t}] for t in texts]
     columns = {k for r in rows for k in r} - {"prompt", "completion", *TRL_INPUTS}
     return {
         "prompts": [r["prompt"] if c else p for r, p, c in zip(rows, prompts, chat)],
-        "completions": [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)],
+        "completions": [m if c else t for t, m, c in zip(texts, messages, chat)],
         "completion_ids": [list(map(int, x)) for x in completion_ids],
         **{k: [r.get(k) for r in rows] for k in sorted(columns)},
     }
@@ -793,8 +794,8 @@ def reward_inputs(prompts, texts, rows, completion_ids):
 class Scorer:
     """s(x, y) per completion, the one scoring call of ppo.py, grpo.py and evaluate.py (made by load_scorer):
     `scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)`, s the weighted sum of the parts:
-    reward functions (TRL's form: reward_inputs; or f(prompt texts, texts)) on the texts cut at `end`, the turn
-    end (`rows`: each completion's dataset row), or reward.py's model on batch["query_responses"] /
+    reward functions (TRL's form: reward_inputs, `messages` its multi-turn completions; or f(prompt texts,
+    texts)) on the texts cut at `end`, the turn end (`rows`: each completion's dataset row), or reward.py's model on batch["query_responses"] /
     ["padding_mask"] [B, T]. A None or NaN leaves its function out of that sample's sum (TRL's nansum). ->
     scores [B] float32 over `data`, parts {reward_names' name or "reward_model": [B] float64 on the host, NaN
     for None}; every process passes the whole batch. `model`, `head`: a reward model's (PPO's value model
@@ -829,9 +830,10 @@ class Scorer:
                     f"column of {flag} (its columns: {', '.join(sorted(have - set(TRL_INPUTS)))})"
                 )
 
-    def __call__(self, prompts, texts, batch, rows, completion_ids, end=None):
+    def __call__(self, prompts, texts, batch, rows, completion_ids, end=None, messages=None):
         texts = [t.split(end)[0] for t in texts] if end else list(texts)
-        inputs = reward_inputs(prompts, texts, rows, completion_ids) if any(f[2] for f in self.fns) else None
+        fns = any(f[2] for f in self.fns)
+        inputs = reward_inputs(prompts, texts, rows, completion_ids, messages) if fns else None
         columns = sorted({k for r in rows for k in r})  # named when a function's KeyError stops the run
         parts, nan = {}, {}
         for f, _, signature, name in self.fns:
