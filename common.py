@@ -64,9 +64,11 @@ TINY_CONFIG = dict(
 )
 
 
-# Sequence positions whose logits a chunk computes (per_token), where the model was loaded without
-# --logits-chunk (tests, benchmarks): [B, 64, V] float32 is 512 MiB at B = 8 and Gemma's 256k vocabulary
+# Sequence positions whose logits a chunk computes (per_token) when --logits-chunk is None (the default)
+# and the whole batch's float32 logits would take more than WHOLE_LOGITS bytes: [B, 64, V] float32 is 512 MiB
+# at B = 8 and Gemma's 256k vocabulary; under 1 GiB (small vocabularies, short batches) they stay whole
 LOGITS_CHUNK = 64
+WHOLE_LOGITS = 2**30
 
 
 def default_dtype():
@@ -343,7 +345,7 @@ def load_model(
     lora_rank=0,
     lora_alpha=None,
     lora_target_modules=None,
-    logits_chunk=LOGITS_CHUNK,
+    logits_chunk=None,
 ):
     """--model -> its KerasHub CausalLM (backbone + preprocessor), every weight created sharded and float32
     whatever the checkpoint holds (`dtype`: the compute dtype); lora_rank > 0: only LoRA weights train;
@@ -466,11 +468,14 @@ def logits(backbone, hidden):
 
 def per_token(backbone, fn, arrays):
     """fn(*chunks) -> a tuple of [B, C] arrays, mapped over C positions of the [B, T, ...] `arrays` at a time,
-    C the model's --logits-chunk (load_model; T padded to whole chunks), each chunk under jax.checkpoint:
-    what fn makes inside (a chunk's [B, C, V] logits) lives only there, forward and backward (recomputed),
-    and [B, T, V] never does. -> fn's outputs [B, T] each. A chunk of 0 (or ≥ T): one call on the whole."""
-    chunk = getattr(backbone, "logits_chunk", LOGITS_CHUNK)
+    C the model's --logits-chunk (load_model; None: LOGITS_CHUNK where the whole would exceed WHOLE_LOGITS;
+    T padded to whole chunks), each chunk under jax.checkpoint: what fn makes inside (a chunk's [B, C, V]
+    logits) lives only there, forward and backward (recomputed), and [B, T, V] never does. -> fn's outputs
+    [B, T] each. A chunk of 0 (or ≥ T): one call on the whole."""
     b, t = arrays[0].shape[:2]
+    chunk = getattr(backbone, "logits_chunk", None)
+    if chunk is None:  # the default: whole where the batch's float32 logits are small
+        chunk = 0 if 4 * b * t * backbone.vocabulary_size <= WHOLE_LOGITS else LOGITS_CHUNK
     if not chunk or chunk >= t:
         return fn(*arrays)
     n = -(-t // chunk)  # chunks; the last is padded
@@ -771,15 +776,16 @@ def reward_names(fns):
 TRL_INPUTS = ("prompts", "completions", "completion_ids")
 
 
-def reward_inputs(prompts, texts, rows, completion_ids):
+def reward_inputs(prompts, texts, rows, completion_ids, messages=None):
     """TRL's keyword arguments of a reward function, each a list aligned with the completions: prompts and
     completions as the dataset holds them (a chat: the prompt's messages, each completion [{"role": "assistant",
-    "content": text}]), completion_ids, and every other column."""
+    "content": text}], or its `messages`: a multi-turn completion's turns), completion_ids, every other column."""
     chat = [isinstance(r.get("prompt"), list) for r in rows]
+    messages = messages or [[{"role": "assistant", "content": t}] for t in texts]
     columns = {k for r in rows for k in r} - {"prompt", "completion", *TRL_INPUTS}
     return {
         "prompts": [r["prompt"] if c else p for r, p, c in zip(rows, prompts, chat)],
-        "completions": [[{"role": "assistant", "content": t}] if c else t for t, c in zip(texts, chat)],
+        "completions": [m if c else t for t, m, c in zip(texts, messages, chat)],
         "completion_ids": [list(map(int, x)) for x in completion_ids],
         **{k: [r.get(k) for r in rows] for k in sorted(columns)},
     }
@@ -788,8 +794,8 @@ def reward_inputs(prompts, texts, rows, completion_ids):
 class Scorer:
     """s(x, y) per completion, the one scoring call of ppo.py, grpo.py and evaluate.py (made by load_scorer):
     `scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)`, s the weighted sum of the parts:
-    reward functions (TRL's form: reward_inputs; or f(prompt texts, texts)) on the texts cut at `end`, the turn
-    end (`rows`: each completion's dataset row), or reward.py's model on batch["query_responses"] /
+    reward functions (TRL's form: reward_inputs, `messages` its multi-turn completions; or f(prompt texts,
+    texts)) on the texts cut at `end`, the turn end (`rows`: each completion's dataset row), or reward.py's model on batch["query_responses"] /
     ["padding_mask"] [B, T]. A None or NaN leaves its function out of that sample's sum (TRL's nansum). ->
     scores [B] float32 over `data`, parts {reward_names' name or "reward_model": [B] float64 on the host, NaN
     for None}; every process passes the whole batch. `model`, `head`: a reward model's (PPO's value model
@@ -824,9 +830,10 @@ class Scorer:
                     f"column of {flag} (its columns: {', '.join(sorted(have - set(TRL_INPUTS)))})"
                 )
 
-    def __call__(self, prompts, texts, batch, rows, completion_ids, end=None):
+    def __call__(self, prompts, texts, batch, rows, completion_ids, end=None, messages=None):
         texts = [t.split(end)[0] for t in texts] if end else list(texts)
-        inputs = reward_inputs(prompts, texts, rows, completion_ids) if any(f[2] for f in self.fns) else None
+        fns = any(f[2] for f in self.fns)
+        inputs = reward_inputs(prompts, texts, rows, completion_ids, messages) if fns else None
         columns = sorted({k for r in rows for k in r})  # named when a function's KeyError stops the run
         parts, nan = {}, {}
         for f, _, signature, name in self.fns:

@@ -454,8 +454,10 @@ def train_step(backbone, optimizer, args, state, frozen, *, batch, context_lengt
             vespo_lambda_neg=args.vespo_lambda_neg,
         )
         loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
-        if "sampler_logps" in batch:  # mismatch/*, over every sampled token (padding_mask's response part)
-            metrics.update(mismatch(logps, batch["sampler_logps"], mask[:, context_length:]))
+        if "sampler_logps" in batch:  # mismatch/*, over every sampled token (padding_mask's response part;
+            # grpo_tools.py's sampled_mask: the policy's own, the tool results in the context are not sampled)
+            sampled = batch.get("sampled_mask", mask[:, context_length:])
+            metrics.update(mismatch(logps, batch["sampler_logps"], sampled))
         return loss, {
             **metrics,
             "entropy": masked_mean(entropy, batch["response_mask"]),

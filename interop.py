@@ -577,6 +577,7 @@ TRL_FLAGS = {
     "dataset-name": "--dataset | --prompts",
     "save-steps": "--save-every",
     "eval-steps": "--eval-every",
+    "max-tool-calling-iterations": "--max-tool-calls",
     "logging-steps": "--log-every",
     "gradient-checkpointing": "--remat on",
     "bf16": "--dtype bfloat16",

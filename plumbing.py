@@ -304,10 +304,10 @@ class SharedArgs:
     """dtype of the weights that are never updated (LoRA's base, references, reward models, a teacher); None:
     the compute dtype, which halves them under bfloat16 (no float32 master copy is needed: nothing updates
     them); float32 keeps them as loaded (TRL: the dtype its model_init_kwargs / ref_model_init_kwargs load in)"""
-    logits_chunk: int = 64
+    logits_chunk: int | None = None
     """sequence positions whose [B, chunk, V] float32 logits exist at a time, in every log-prob, forward and
-    backward (recomputed): the whole [B, T, V] logits never do (Gemma's 256k vocabulary: 8 GiB at 8 × 1024);
-    0 keeps them whole (faster where they fit)"""
+    backward (recomputed), so that [B, T, V] never does (Gemma's 256k vocabulary: 8 GiB at 8 × 1024); 0: whole;
+    None: 64, or whole where the batch's float32 logits take at most 1 GiB (small vocabularies, short batches)"""
     lora_rank: int = 0
     """0 = full fine-tuning; r > 0: LoRA of rank r, only its A and B train (TRL: --use-peft --lora-r r)"""
     lora_alpha: int = 32

@@ -276,7 +276,7 @@ def load_backbone(args, mesh, abstract=False):
     """--model through common.load_model, or at ARCHS shapes with --random-init / abstract; its log-probs
     computed --logits-chunk positions at a time, as the scripts' (common.per_token)."""
     backbone = _backbone(args, mesh, abstract)
-    backbone.logits_chunk = getattr(args, "logits_chunk", common.LOGITS_CHUNK)
+    backbone.logits_chunk = getattr(args, "logits_chunk", None)
     return backbone
 
 

@@ -65,8 +65,9 @@ class Args:
     remat: Literal["auto", "off", "on", "full", "minimal", "save_dots", "minimal_offloaded"] = "on"
     """what each decoder block keeps for the backward pass, as the scripts' `--remat`; auto resolves as they do
     (plumbing.choose_remat: the first of off, save_dots, minimal, full that fits), against the target's memory"""
-    logits_chunk: int = 64
-    """sequence positions whose [B, chunk, V] logits exist at a time, as the scripts' flag; 0: the whole"""
+    logits_chunk: int | None = None
+    """sequence positions whose [B, chunk, V] logits exist at a time, as the scripts' flag; 0: the whole;
+    None: 64, or whole where they take at most 1 GiB"""
     frozen_dtype: Literal["bfloat16", "float32"] | None = None
     """dtype of the weights never updated (LoRA's base, a reference, a teacher), as the scripts' flag; None: the
     compute dtype"""

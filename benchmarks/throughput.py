@@ -55,8 +55,9 @@ class Args:
     """micro-batches per step"""
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = LoRA of this rank"""
-    logits_chunk: int = 64
-    """sequence positions whose [B, chunk, V] logits exist at a time, as the scripts' flag; 0: the whole"""
+    logits_chunk: int | None = None
+    """sequence positions whose [B, chunk, V] logits exist at a time, as the scripts' flag; 0: the whole;
+    None: 64, or whole where they take at most 1 GiB"""
     frozen_dtype: Literal["bfloat16", "float32"] | None = None
     """dtype of the weights never updated (LoRA's base, a reference, a teacher), as the scripts' flag; None: the
     compute dtype"""

@@ -12,7 +12,8 @@
 #   throughput  benchmarks/throughput.py at Gemma-2B shape: full fine-tuning at width (4 blocks, vocabulary
 #               32k, 8 x 1024), LoRA r16 at full depth (4 and 8 x 1024, --remat auto), a LoRA DPO step, a
 #               LoRA GRPO update and iteration (32 x 512)
-#   decode      benchmarks/decode.py at Gemma-2B shape (prompt 64 + 128 new tokens), batch 16, 64, 256, 512
+#   decode      benchmarks/decode.py at Gemma-2B shape (prompt 64 + 128 new tokens), batch 16, 64, 256, 512,
+#               and greedy at batch $GREEDY_B (default the first): what drawing the token costs
 #   profile     jax.profiler traces of the LoRA step, the GRPO update and a decode step (into $OUT)
 # The packages the chip's image lacks travel as wheels in .whl-tpu/ (benchmarks/tpu_wheels.sh fills it here;
 # the device call carries it); they are installed under /tmp/site. Stops starting new runs at $BUDGET_S s.
@@ -23,6 +24,8 @@ PY=${PY:-python3}
 PARTS=${PARTS:-matmul scripts throughput decode}
 ROWS=${ROWS:-.}  # a regular expression: only the measurements whose `what` matches it
 REMAT=${REMAT:-auto}  # the LoRA rows' --remat (auto: the scripts' default; it compiles each policy it tries)
+BEFORE=${BEFORE:-}  # decode rows: a git revision whose sampler runs beside the working tree's (decode.py --before)
+THROUGHPUT=${THROUGHPUT:-}  # more flags for every throughput row (e.g. --logits-chunk 256)
 want() { [[ " $PARTS " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log") 2>&1
@@ -136,7 +139,7 @@ fi
 
 # Gemma-2B shape, random weights, bf16 compute, float32 master weights and Adam.
 if want throughput; then
-  T="$PY benchmarks/throughput.py $MODEL $STEPS"
+  T="$PY benchmarks/throughput.py $MODEL $STEPS $THROUGHPUT"
   record full_ft_2b_width $T --algo sft $WIDTH --batch-size 8 --max-length $(( 1024 / SCALE )) --remat off
   record lora_2b $T --algo sft --lora-rank 16 --batch-size 4 --max-length $(( 1024 / SCALE )) --remat $REMAT
   record lora_2b_b8 $T --algo sft --lora-rank 16 --batch-size 8 --max-length $(( 1024 / SCALE )) --remat $REMAT
@@ -146,15 +149,17 @@ fi
 
 if want decode; then
   for b in $BATCHES; do
-    record "decode_2b_b$b" $PY benchmarks/decode.py $DECODE --before "" --batch-size "$b" --rounds $ROUNDS
+    record "decode_2b_b$b" $PY benchmarks/decode.py $DECODE --before "$BEFORE" --batch-size "$b" --rounds $ROUNDS
   done
+  b=${BATCHES%% *}; b=${GREEDY_B:-$b}  # greedy: the step without its draw (a Gumbel variate a vocabulary entry)
+  record "greedy_2b_b$b" $PY benchmarks/decode.py $DECODE --before "" --batch-size "$b" --rounds $ROUNDS --temperature 0
 fi
 
 if want profile; then  # traces for where each step's time goes (RESULTS.md): the newest .trace.json.gz each
   T="$PY benchmarks/throughput.py $MODEL --steps 2 --warmup 1"
   record profile_lora_2b $T --algo sft --lora-rank 16 --batch-size 4 --max-length $(( 1024 / SCALE )) --remat $REMAT --profile /tmp/prof_lora
   record profile_grpo_update_2b $T --algo grpo --lora-rank 16 --batch-size 32 --max-length $(( 512 / SCALE )) --remat $REMAT --profile /tmp/prof_grpo
-  record profile_decode_2b_b64 $PY benchmarks/decode.py $DECODE --before "" --batch-size 64 --rounds 1 \
+  record profile_decode_2b_b256 $PY benchmarks/decode.py $DECODE --before "" --batch-size 256 --rounds 1 \
     --response-length 32 --profile /tmp/prof_decode
   for p in lora grpo decode; do  # up out of the profiler's nested folders: $OUT comes back 2 folders deep
     f=$(find "/tmp/prof_$p" -name "*.trace.json.gz" 2>/dev/null | head -n 1)

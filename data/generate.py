@@ -2,6 +2,7 @@
 
     python data/generate.py            # rewrites data/*.jsonl, data/compare/*.jsonl and data/tiny_tokenizer.model
     python data/generate.py compare    # rewrites data/compare/*.jsonl only (the tokenizer stays as it is)
+    python data/generate.py calculator # rewrites data/calculator/*.jsonl only
 
 Deterministic (fixed seed). Files:
   sft_{train,eval}.jsonl           prompt + completion
@@ -26,6 +27,15 @@ toy.py's score, but with signals that differ. Its own RNG (seed 2), so the files
   chosen_{train,eval}.jsonl  each pair's chosen answer as a demonstration (prompt + completion): compare.py's
                            sft-chosen control, the preference rows' information without the contrast
   prompts_{train,eval,test}.jsonl  prompt + answer: the RL prompts, the sweep's split, the reported split
+
+data/calculator/ holds grpo_tools.py's task (docs/grpo_tools.md; checker and tool: calculator.py): chat prompts
+"a * b", half of two one-digit numbers, half of two two-digit numbers; its own RNG (seed 3):
+  sft_train.jsonl          demonstrations as chat `messages`: on a share TOOL_SHARE of them (drawn whatever the
+                           numbers) the answer calls the calculator in the gemma template's tool format
+                           (grpo_tools.py's FORMATS["gemma"]: the call, the result in a user turn), then answers;
+                           the others answer at once
+  prompts_{train,eval,test}.jsonl  prompt (a one-turn chat) + answer; eval and test hold no two-digit product
+                           of train (the one-digit table has only 81 products: every split holds them)
 """
 
 import json
@@ -40,6 +50,8 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MIN_LEN, MAX_LEN = 3, 6
 SIZES = {"train": 4000, "eval": 200, "test": 500}
 COMPARE_LEN = (3, 5)  # digits a list in the comparison task
+CALCULATOR_SIZES = {"train": 4000, "eval": 200, "test": 500}
+TOOL_SHARE = 0.3  # share of the calculator demonstrations that call the tool
 HABIT = 0.6  # share of the lists with a repeated digit whose demonstration writes that digit once
 SLIP = 0.5  # share of each answer of a preference pair with one random mistake besides (before ranking)
 
@@ -147,9 +159,45 @@ def compare_task():
         )
 
 
+def product_prompt(rng):
+    """(a, b): two one-digit numbers, or (half of the time) two two-digit numbers."""
+    low, high = (1, 9) if rng.random() < 0.5 else (10, 99)
+    return rng.randint(low, high), rng.randint(low, high)
+
+
+def calculator_task():
+    """data/calculator/: grpo_tools.py's task (module docstring)."""
+    rng = random.Random(3)
+    seen = set()  # the two-digit products of the splits drawn so far
+    for split in ("eval", "test", "train"):
+        pairs = []
+        while len(pairs) < CALCULATOR_SIZES[split]:
+            a, b = product_prompt(rng)
+            if a < 10 or (a, b) not in seen or split == "train":
+                pairs.append((a, b))
+        seen |= {(a, b) for a, b in pairs if a >= 10}
+        rows = [
+            {"prompt": [{"role": "user", "content": f"{a} * {b}"}], "answer": str(a * b)} for a, b in pairs
+        ]
+        write(f"calculator/prompts_{split}.jsonl", rows)
+        if split != "train":
+            continue
+        demos = []
+        for row, (a, b) in zip(rows, pairs):
+            turns = row["prompt"][:]
+            if rng.random() < TOOL_SHARE:  # the gemma format of grpo_tools.py (tests/test_grpo_tools.py)
+                turns += [
+                    {"role": "assistant", "content": f'[calculator(expression="{a} * {b}")]'},
+                    {"role": "user", "content": f"```tool_output\n{a * b}\n```"},
+                ]
+            demos.append({"messages": turns + [{"role": "assistant", "content": str(a * b)}]})
+        write("calculator/sft_train.jsonl", demos)
+
+
 def main():
     compare_task()
-    if sys.argv[1:] == ["compare"]:
+    calculator_task()
+    if sys.argv[1:] in (["compare"], ["calculator"]):
         return
     import sentencepiece as spm
 

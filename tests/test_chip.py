@@ -1,11 +1,10 @@
 """What a real accelerator needs, checked on CPU: a lone host starts alone whatever its launcher variables
-(a one-host TPU VM sets TPU_WORKER_HOSTNAMES=localhost), several hosts start jax.distributed, a failed start
-is one line (exit 2); --remat auto survives a compile that runs out of memory and, where nothing fits, says
-which flags to change; frozen weights are held in the compute dtype."""
+(a one-host TPU VM sets TPU_WORKER_HOSTNAMES=localhost; tests/test_lifecycle.py runs sft.py so), several
+hosts start jax.distributed, a failed start is one line (exit 2); --remat auto survives a compile that runs
+out of memory and, where nothing fits, says which flags to change; frozen weights are held in the compute
+dtype."""
 
 import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -74,38 +73,6 @@ def test_a_failed_start_is_one_line_naming_what_was_tried(monkeypatch):
     assert "TPU_WORKER_HOSTNAMES='host-a,host-b' (2 processes" in message
     assert "ConnectionError: Failed to connect to the metadata server;" in message
     assert "--coordinator-address HOST:PORT --num-processes N --process-id I" in message
-
-
-def test_a_one_host_tpu_vm_runs_a_script(tmp_path):
-    """As on a lone TPU VM: the host list names only itself, and sft.py runs to the end (exit 0)."""
-    env = {**os.environ, "TPU_WORKER_HOSTNAMES": "localhost", "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)
-    out = subprocess.run(
-        [
-            sys.executable,
-            "sft.py",
-            "--model",
-            "tiny",
-            "--max-steps",
-            "1",
-            "--batch-size",
-            "8",
-            "--max-length",
-            "64",
-            "--eval-dataset",
-            "",
-            "--save-every",
-            "0",
-            "--output-dir",
-            str(tmp_path / "out"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env=env,
-    )
-    assert out.returncode == 0, out.stderr[-2000:]
 
 
 GIB = 2**30
@@ -318,3 +285,20 @@ def test_a_model_trained_in_bfloat16_saves_a_preset_keras_hub_reads_back(tmp_pat
     assert set(held) <= set(weights)
     for path, value in held.items():
         np.testing.assert_array_equal(weights[path], value)
+
+
+def test_the_default_chunks_only_logits_that_would_be_large():
+    """--logits-chunk None (the default): the whole [B, T, V] where its float32 logits take at most 1 GiB
+    (one call, no scan), else 64 positions a chunk (a scan over ceil(T / 64) chunks); a number is taken as given."""
+    import types
+
+    def scans(vocabulary, b, t, chunk=None):
+        backbone = types.SimpleNamespace(vocabulary_size=vocabulary, logits_chunk=chunk)
+        hidden = jax.ShapeDtypeStruct((b, t, 8), jnp.float32)
+        jaxpr = jax.make_jaxpr(lambda h: common.per_token(backbone, lambda x: (x.sum(-1),), (h,)))(hidden)
+        return str(jaxpr).count("scan[")
+
+    assert scans(320, 32, 512) == 0  # tiny: 21 MB
+    assert scans(256_000, 1, 1024) == 0  # 4 × 1 × 1024 × 256,000 bytes = 0.98 GiB: whole
+    assert scans(256_000, 2, 1024) == 1  # 1.95 GiB: chunks
+    assert scans(320, 32, 512, chunk=64) == 1 and scans(256_000, 2, 1024, chunk=0) == 0

@@ -32,6 +32,7 @@ ABOUT = {
     "rloo": 380,
     "distill": 290,
     "evaluate": 300,
+    "grpo_tools": 400,  # grpo.py's loss and update imported; tools, their formats, the multi-turn sampler
     # + the data check, --quick, per-run progress, the summary with Holm's correction; each seed its own base,
     # controls matched to each row in information and FLOPs (run_control), the Δ matrix, results.json
     "compare": 760,
@@ -138,7 +139,7 @@ def test_repository_is_formatted():
 
 
 # Files held to STYLE's habits below: the algorithm files, evaluate.py, compare.py, the shared modules
-CHECKED = (*ALGORITHMS, "evaluate", "compare", "common", "plumbing", "interop")
+CHECKED = (*ALGORITHMS, "grpo_tools", "evaluate", "compare", "common", "plumbing", "interop")
 
 
 def packing(source):

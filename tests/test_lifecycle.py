@@ -76,9 +76,11 @@ def one_line_exit_2(proc):
 
 @pytest.fixture(scope="module")
 def finished(tmp_path_factory):
-    """A finished 4-step run without a checkpoint (--save-every 0)."""
+    """A finished 4-step run without a checkpoint (--save-every 0), on a host that says, as a lone TPU VM
+    does, TPU_WORKER_HOSTNAMES=localhost: one host, so it starts alone (common.init_distributed)."""
     out = str(tmp_path_factory.mktemp("life") / "done")
-    proc = sft("--max-steps", "4", "--save-every", "0", "--output-dir", out)
+    env = {**one_device_env(), "TPU_WORKER_HOSTNAMES": "localhost"}
+    proc = run_script("sft.py", *FAST, "--max-steps", "4", "--save-every", "0", "--output-dir", out, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out, proc
 

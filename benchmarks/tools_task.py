@@ -1,0 +1,236 @@
+"""The calculator task's comparison (docs/grpo_tools.md, "Results"): at each seed, the SFT start (sft.py on the
+task's demonstrations), GRPO with the calculator from it (grpo_tools.py), and the same GRPO without tools (the
+control: `--tools` with none), each answered greedily on one split; paired differences with compare.py's
+intervals (seeds and prompts both random: compare.mean_interval).
+
+    python benchmarks/tools_task.py --output-dir runs/tools_task                       # the docs' table
+    python benchmarks/tools_task.py --output-dir runs/tools_pilot --seeds 1 --split eval  # choosing settings
+
+The seeds run side by side (`--parallel` processes at a time), each its chain sft -> tools, control. Each
+grpo_tools.py run scores its start before its first step and its end after its last, prompt by prompt, into
+`eval_completions_step{N}.jsonl`: the tools run's step 0 is the SFT start with the calculator, the control's
+step 0 the same start without it. Writes `report.json` (every number the table shows) and prints the table.
+`--report-only`: the report from runs already there.
+"""
+
+import concurrent.futures
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+import plumbing  # noqa: E402
+
+plumbing.answer_help(__name__, __file__)
+
+import numpy as np  # noqa: E402
+
+import compare  # noqa: E402  (its paired intervals: seeds and prompts random)
+
+sys.path.insert(0, os.path.join(ROOT, "data"))
+import calculator  # noqa: E402  (the task's checker)
+
+CALC = os.path.join(ROOT, "data", "calculator.py")
+METRICS = (
+    "correct",
+    "useful_call",
+    "correct_one_digit",
+    "correct_two_digit",
+    "calls_one_digit",
+    "calls_two_digit",
+)
+
+
+@dataclass
+class Args:
+    output_dir: str = os.path.join("runs", "tools_task")
+    """one folder a run: sft/seed{s}, tools/seed{s}, control/seed{s}; report.json"""
+    seeds: int = 3
+    """seeds 0 … seeds-1: each its own SFT start, GRPO with tools and the control"""
+    parallel: int = 3
+    """seeds run at a time"""
+    split: str = "test"
+    """the calculator split answered: test (reported) or eval (settings are chosen on it)"""
+    sft_steps: int = 300
+    """sft.py's updates (batch 32)"""
+    grpo_steps: int = 60
+    """grpo_tools.py's updates (each 8 prompts x 8 completions), with and without tools"""
+    sft_args: str = (
+        "--batch-size 32 --learning-rate 1e-3 --warmup-steps 20 --max-length 512 "
+        "--lr-scheduler-type cosine_with_min_lr --min-lr-rate 0.1"
+    )
+    """sft.py's other flags (compare.py's recipe for `tiny`)"""
+    grpo_args: str = (
+        "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 128 --beta 0.0 "
+        "--learning-rate 2e-4 --warmup-steps 5 --lr-scheduler-type constant_with_warmup --temperature 1.0"
+    )
+    """grpo_tools.py's other flags, the same for both GRPO rows"""
+    report_only: bool = False
+    """the report from the runs already in --output-dir"""
+
+
+def run(cmd, log):
+    """One script to its end, its output in `log`; a failure stops the comparison."""
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        rc = subprocess.call(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=ROOT)
+    if rc:
+        raise SystemExit(f"{' '.join(map(shlex.quote, cmd))} failed ({rc}): see {log}")
+    return time.perf_counter() - t0
+
+
+def chain(args, seed):
+    """sft -> GRPO with tools, GRPO without: {run: wall s}."""
+    d = lambda name: os.path.join(args.output_dir, name, f"seed{seed}")
+    py, walls = sys.executable, {}
+    rewards = ["--reward-fn", *(f"{CALC}:{m}" for m in METRICS), "--reward-weights", "1", *["0"] * 5]
+    split = os.path.join(ROOT, "data", "calculator", f"prompts_{args.split}.jsonl")
+    walls["sft"] = run(
+        [
+            py,
+            "sft.py",
+            "--model",
+            "tiny",
+            "--dataset",
+            os.path.join(ROOT, "data", "calculator", "sft_train.jsonl"),
+        ]
+        + [
+            "--eval-dataset",
+            "",
+            "--max-steps",
+            str(args.sft_steps),
+            "--seed",
+            str(seed),
+            "--output-dir",
+            d("sft"),
+        ]
+        + shlex.split(args.sft_args),
+        d("sft") + ".log",
+    )
+    for name, tools in (("tools", [f"{CALC}:calculator"]), ("control", [])):
+        walls[name] = run(
+            [py, "grpo_tools.py", "--model", os.path.join(d("sft"), "model"), "--seed", str(seed)]
+            + ["--max-steps", str(args.grpo_steps), "--output-dir", d(name), "--eval-dataset", split]
+            + ["--tools", *tools, *rewards]
+            + shlex.split(args.grpo_args),
+            d(name) + ".log",
+        )
+    print(f"seed {seed}: " + ", ".join(f"{k} {v:.0f} s" for k, v in walls.items()), flush=True)
+    return walls
+
+
+def scores(path):
+    """eval_completions_*.jsonl -> {metric: [P] float (nan where the metric does not apply)}, completions."""
+    rows = [json.loads(line) for line in open(path)]
+    return {
+        m: np.array([np.nan if r["scores"][m] is None else r["scores"][m] for r in rows]) for m in METRICS
+    }, rows
+
+
+def copied(rows):
+    """Of the completions that called and whose calls all worked, the share whose final answer is the last
+    result: how well the model copies what the calculator said."""
+    hits = []
+    for r in rows:
+        results = [m["content"] for m in r["completion"] if m["role"] == "tool"]
+        if results and not any(x.startswith("{'error'") for x in results):
+            hits.append(calculator.answered(calculator.final_text(r["completion"])) == int(results[-1]))
+    return float(np.mean(hits)) if hits else None
+
+
+def report(args, walls):
+    """The table's numbers: each row's means and intervals over [seeds, prompts], each paired Δ."""
+    end = lambda name, s: os.path.join(
+        args.output_dir, name, f"seed{s}", f"eval_completions_step{args.grpo_steps}.jsonl"
+    )
+    start = lambda name, s: os.path.join(args.output_dir, name, f"seed{s}", "eval_completions_step0.jsonl")
+    sources = {
+        "sft": lambda s: start("tools", s),  # the SFT start, the calculator given
+        "sft (no tools)": lambda s: start("control", s),
+        "grpo + tools": lambda s: end("tools", s),
+        "grpo, no tools (control)": lambda s: end("control", s),
+    }
+    seeds = range(args.seeds)
+    table = {k: [scores(f(s))[0] for s in seeds] for k, f in sources.items()}
+    two = ~np.isnan(table["sft"][0]["correct_two_digit"])  # the prompts of two-digit products
+    sizes = {"all": np.ones_like(two), "one-digit": ~two, "two-digit": two}
+
+    def stack(row, metric, size):
+        return np.stack([t[metric][sizes[size]] for t in table[row]])  # [S, P of that size]
+
+    out = {"split": args.split, "seeds": args.seeds, "prompts": {k: int(v.sum()) for k, v in sizes.items()}}
+    out["rows"] = {
+        row: {
+            **{f"correct/{z}": compare.mean_interval(stack(row, "correct", z)) for z in sizes},
+            "useful_call": compare.mean_interval(stack(row, "useful_call", "all")),
+            **{
+                f"calls/{z}": compare.mean_interval(
+                    np.stack([np.nan_to_num(t[f"calls_{z.replace('-', '_')}"])[sizes[z]] for t in table[row]])
+                )
+                for z in ("one-digit", "two-digit")
+            },
+            "per_seed_correct": [float(t["correct"].mean()) for t in table[row]],
+            "per_seed_useful_call": [float(t["useful_call"].mean()) for t in table[row]],
+            "per_seed_calls_two_digit": [float(np.nanmean(t["calls_two_digit"])) for t in table[row]],
+            "per_seed_copied": [copied(scores(sources[row](s))[1]) for s in seeds],
+        }
+        for row in sources
+    }
+    out["deltas"] = {
+        f"{a} - {b}": {
+            **{
+                f"correct/{z}": compare.mean_interval(stack(a, "correct", z) - stack(b, "correct", z))
+                for z in sizes
+            },
+            "useful_call": compare.mean_interval(
+                stack(a, "useful_call", "all") - stack(b, "useful_call", "all")
+            ),
+        }
+        for a, b in (
+            ("grpo + tools", "sft"),
+            ("grpo + tools", "grpo, no tools (control)"),
+            ("grpo, no tools (control)", "sft (no tools)"),
+        )
+    }
+    out["walls_s"] = walls
+    with open(os.path.join(args.output_dir, "report.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    fmt = lambda v: f"{v[0]:.3f} ± {v[1]:.3f}"
+    print(f"\n{args.split} split, {args.seeds} seeds, greedy; ± : 95% interval, seeds and prompts random")
+    print("| row | correct | one-digit | two-digit | useful calls | calls (1-digit) | calls (2-digit) |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for row, r in out["rows"].items():
+        cells = [r[k] for k in ("correct/all", "correct/one-digit", "correct/two-digit", "useful_call")]
+        cells += [r["calls/one-digit"], r["calls/two-digit"]]
+        print(f"| {row} | " + " | ".join(map(fmt, cells)) + " |")
+    print("\n| paired Δ | correct | one-digit | two-digit | useful calls |\n|---|---:|---:|---:|---:|")
+    for name, r in out["deltas"].items():
+        cells = [r[k] for k in ("correct/all", "correct/one-digit", "correct/two-digit", "useful_call")]
+        print(f"| {name} | " + " | ".join(f"{v[0]:+.3f} ± {v[1]:.3f}" for v in cells) + " |")
+    return out
+
+
+def main(args):
+    os.makedirs(args.output_dir, exist_ok=True)
+    for name in ("sft", "tools", "control"):
+        os.makedirs(os.path.join(args.output_dir, name), exist_ok=True)
+    walls = {}
+    if args.report_only and os.path.exists(os.path.join(args.output_dir, "report.json")):
+        walls = json.load(open(os.path.join(args.output_dir, "report.json")))["walls_s"]  # the runs' own
+    if not args.report_only:
+        t0 = time.perf_counter()
+        with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:
+            for seed, w in zip(range(args.seeds), pool.map(lambda s: chain(args, s), range(args.seeds))):
+                walls[f"seed{seed}"] = w
+        walls["total"] = time.perf_counter() - t0
+        print(f"all runs: {walls['total'] / 60:.1f} min", flush=True)
+    report(args, walls)
+
+
+if __name__ == "__main__":
+    plumbing.launch(main, Args)
