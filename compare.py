@@ -1,21 +1,24 @@
-"""Compare post-training recipes on one base: SFT, then DPO, SimPO, ORPO, KTO, reward model + PPO, GRPO, RLOO.
-Every script runs through its real CLI (a subprocess; a fork slots in by name, `--extra mydpo.py`); each model
-is scored with evaluate.py's protocol against SFT and a compute-matched continued-SFT control (sft+, sft+rl),
-over --seeds seeds, paired 95% intervals; --sweep picks settings on the eval split, the table reports the test
-split. Writes comparison.md (summary, table, sweep, costs), comparison.png, curves.json (score against FLOPs).
+"""Compare post-training recipes on one task: SFT, then DPO, SimPO, ORPO, KTO, reward model + PPO, GRPO, RLOO.
+Every script runs through its real CLI (a subprocess; a fork slots in by name, `--extra mydpo.py`); each seed
+trains its own SFT base, and each row is read against it and against controls matched to it in information
+(sft-chosen: SFT on the pairs' chosen answers; rft: SFT on its own samples the checker accepts) and in compute
+(each control run at that row's logged FLOPs), paired 95% intervals, Holm's correction over every "beats"
+claim and a method-against-method Δ matrix. --sweep chooses on the eval split (the curves are scored there
+too); the test split is read once, at the end. Writes comparison.md, comparison.png, results.json (every
+cell, the recipe and where each value came from, costs, curves) and scores.npz (the per-prompt test scores).
     python compare.py --model gemma_2b --methods sft,dpo --test-prompts test.jsonl --reward-fn f.py:score \
         --sft-args="--dataset sft.jsonl --eval-dataset sft_eval.jsonl" \
         --dpo-args="--dataset prefs.jsonl --eval-dataset prefs_eval.jsonl"
-Offline, a first look in minutes (`--quick`), and the bundled comparison task (data/compare/) at 3 seeds:
+Offline, a first look in minutes (`--quick`), and the bundled comparison task (data/compare/):
     python compare.py --model tiny --quick
-    python compare.py --model tiny --seeds 3 --sweep kto.learning_rate=1e-5,5e-5 \\
-        --sweep simpo.learning_rate=1e-5,5e-5   # docs/comparison.md
+    python compare.py --model tiny --seeds 3 --sweep all.learning_rate=2e-5,2e-4   # docs/comparison.md
 """
 
+import concurrent.futures
 import contextlib
+import functools
 import dataclasses
 import json
-import math
 import os
 import shlex
 import shutil
@@ -33,12 +36,33 @@ plumbing.answer_help(__name__, __file__)
 import common  # noqa: E402  (data files, reward functions, mesh; JAX's devices start only to evaluate)
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
+from compare_stats import holm, mean_interval, p_above_zero, pairwise, row_stats, t_quantile  # noqa: E402, F401
 
-METHODS = ("sft", "sft+", "dpo", "simpo", "orpo", "kto", "ppo", "grpo", "rloo", "sft+rl", "distill")
+METHODS = (
+    "sft",
+    "dpo",
+    "simpo",
+    "orpo",
+    "kto",
+    "ppo",
+    "grpo",
+    "rloo",
+    "distill",
+    "sft+",
+    "sft-chosen",
+    "rft",
+)
 PREFERENCE = ("dpo", "simpo", "orpo", "kto")  # started from the SFT model on the same preference data
-RL = ("ppo", "ppo_fn", "grpo", "rloo")  # rows that sample; the rest read their controls' in CONTROL
-CONTROL = {**{r: "sft+rl" for r in RL}, "sft+": "sft", "sft+rl": "sft"}  # a row's control; others: sft+
-CONTROLS = ("sft+", "sft+rl")  # the control rows: SFT continued at SFT's final rate, not --learning-rate
+RL = ("ppo", "ppo_fn", "grpo", "rloo")  # rows that sample
+# The controls, each run once per row it is read against (`kind@row`), from that seed's base, for as many
+# updates as match that row's logged FLOPs (matched_steps); which rows each reads: a row's signal
+CONTROLS = {
+    "sft+": ("prefs", "checker", "teacher"),  # the demonstrations again: "it only trained longer"
+    "sft-chosen": ("prefs",),  # the pairs' chosen answers: "it is SFT on better answers"
+    "rft": ("checker",),  # its own samples the checker accepts: "it imitates what passed the checker"
+}
+INFORMATION = {"prefs": "sft-chosen", "checker": "rft"}  # the control a row must clear to "beat" anything
+MATCH = 0.10  # a control whose FLOPs miss its row's by more runs again once, at its own measured FLOPs a step
 RepeatedStr = Annotated[tuple[str, ...], tyro.conf.UseAppendAction]  # `--flag a --flag b` -> ("a", "b")
 MAIN_METRIC = ("objective/scores", "reward", "train/loss")  # the curve plotted per run: the first one logged
 FLOPS_LABEL = 'training FLOPs (SFT included; docs/design.md, "FLOPs")'  # the score-against-compute x axis
@@ -60,10 +84,11 @@ class Args:
     at 26B-A4B / 31B, Llama 3: llama3, Mistral: mistral, Qwen 2.5 / 3: chatml, Qwen 3.5: qwen3.5)"""
     task: Literal["compare", "toy"] = "compare"
     """every script's data on a `tiny`-based --model: `compare`, data/compare/ (docs/compare.md); `toy`"""
-    methods: str = "sft,sft+,dpo,simpo,orpo,kto,ppo,grpo,rloo,sft+rl"
-    """comma-separated subset of METHODS (ppo: --ppo-reward; grpo, rloo: --reward-fn); sft+: SFT continued for
-    --steps updates of twice the preference batch (a preference row's tokens), sft+rl: the RL rows' FLOPs;
-    distill (not by default): --steps of on-policy distillation from --teacher-model, read against sft+"""
+    methods: str = "sft,dpo,simpo,orpo,kto,ppo,grpo,rloo,sft-chosen,rft"
+    """comma-separated subset of METHODS (ppo: --ppo-reward; grpo, rloo: --reward-fn); the controls, one run
+    per row they read, at its FLOPs: sft-chosen (SFT on the pairs' chosen answers) reads the preference rows
+    and PPO on a reward model, rft (grpo.py --accept-reward: SFT on its own accepted samples) the checker
+    rows, sft+ (the demonstrations again) every row; distill (not by default): from --teacher-model"""
     teacher_model: str | None = None
     """the distill row's frozen teacher (any --model form, the base's vocabulary), e.g. a larger sibling"""
     extra: tuple[str, ...] = ()
@@ -72,15 +97,17 @@ class Args:
     """a first look in minutes: QUICK's methods, budgets, 1 seed, 200 test prompts, no curves (a flag you
     give keeps its value: quick_argv); one seed measures no seed noise, so the report claims nothing"""
     seeds: int = 3
-    """training seeds after SFT: --seed, --seed+1, …; SFT is trained once (--seed): the shared base"""
+    """seeds --seed, --seed+1, …: each trains its own SFT base and every row from it (the base's noise is in
+    every interval)"""
     sweep: RepeatedStr = ()
-    """`method.flag=v1,v2,…` (repeatable; two flags of a method: their grid), e.g. dpo.learning_rate=1e-5,5e-5
-    (appended last): every setting × seed; the best mean greedy score on --eval-prompts is tested"""
+    """`row.flag=v1,v2,…` (repeatable; two flags of a row: their grid); row: a method, a control (every run of
+    it), or `all` (every row, controls included: the same tuning for each), e.g. all.learning_rate=2e-5,2e-4;
+    every setting × seed, scored on --eval-prompts, the best mean greedy score kept and alone tested"""
     # budgets
     sft_steps: int = 1000
-    """SFT updates (the shared base): until more SFT stops paying (docs/comparison.md; the toy run: 150)"""
+    """SFT updates (each seed's base)"""
     steps: int = 100
-    """updates of each preference method (dpo, simpo, orpo, kto, --extra) and sft+ (docs/comparison.md: 40)"""
+    """updates of each preference method (dpo, simpo, orpo, kto, --extra) and distill"""
     reward_steps: int = 40
     """reward model updates (before PPO)"""
     ppo_steps: int = 20
@@ -90,37 +117,44 @@ class Args:
     rloo_steps: int = 200
     """RLOO iterations (as GRPO's: 8 prompts × 8 completions + one update each)"""
     learning_rate: float = 5e-5
-    """peak learning rate after SFT, but the controls' (SFT's final one); the recipe's other flags: RECIPE"""
+    """every row's peak learning rate after SFT (controls included) unless --sweep chooses one; the recipe's
+    other flags, each with its source: RECIPE"""
+    accept_reward: float = 1.0
+    """rft keeps a sample whose --reward-fn score reaches this (the task's checker: 1, exactly right)"""
     ppo_reward: Literal["model", "fn", "both"] = "both"
     """`model`: PPO optimises a reward model trained on the preference pairs; `fn`: --reward-fn; `both`"""
     # pass-through flags, appended last (they override compare's choices); write them with `=`
     sft_args: str = ""
-    """extra flags for sft.py, e.g. --sft-args="--learning-rate 5e-4" (the base and both controls)"""
-    dpo_args: str = "--sft-weight 1.0"
-    """extra flags for dpo.py; default: RPO's NLL term on the chosen (α 1; pure DPO lowers the chosen too)"""
-    simpo_args: str = "--sft-weight 1.0"
-    """extra flags for simpo.py; default: CPO-SimPO's `cpo_alpha=1` (pure SimPO lowers the chosen too)"""
-    orpo_args: str = "--no-prompt-nll"
-    """extra flags for orpo.py; default: the NLL on the chosen response only (on toy prompts it swamps it)"""
+    """extra flags for sft.py, e.g. --sft-args="--learning-rate 5e-4" (the bases and the sft+ controls)"""
+    sft_chosen_args: str = ""
+    """extra flags for the sft-chosen controls (sft.py), e.g. your chosen answers: --dataset chosen.jsonl"""
+    rft_args: str = ""
+    """extra flags for the rft controls (grpo.py --accept-reward)"""
+    dpo_args: str = ""
+    """extra flags for dpo.py"""
+    simpo_args: str = ""
+    """extra flags for simpo.py"""
+    orpo_args: str = ""
+    """extra flags for orpo.py"""
     kto_args: str = ""
     """extra flags for kto.py (its default data: the same pairs, unpaired)"""
     reward_args: str = ""
     """extra flags for reward.py"""
     ppo_args: str = ""
     """extra flags for ppo.py"""
-    grpo_args: str = "--learning-rate 2e-4"
-    """extra flags for grpo.py; default: the rate docs/comparison.md's pilot chose (5e-4 diverged)"""
-    rloo_args: str = "--learning-rate 2e-4"
-    """extra flags for rloo.py; default: grpo's rate"""
+    grpo_args: str = ""
+    """extra flags for grpo.py"""
+    rloo_args: str = ""
+    """extra flags for rloo.py"""
     distill_args: str = ""
     """extra flags for distill.py"""
     extra_args: str = ""
     """extra flags for every --extra script"""
     # evaluation (evaluate.py's protocol)
     eval_prompts: str | None = None
-    """held-out prompts choosing among --sweep settings (the eval split); None: --task's prompts_eval.jsonl"""
+    """held-out prompts where --sweep chooses and the curves are scored (the eval split); None: --task's"""
     test_prompts: str | None = None
-    """held-out prompts of the reported numbers (the test split, never chooses); None: prompts_test.jsonl"""
+    """held-out prompts of the reported numbers, read once at the end (the test split); None: --task's"""
     num_prompts: int = 0
     """the first N prompts of each split (0: all: 200 eval, 500 test)"""
     reward_fn: str = os.path.join(common.HERE, "data", "toy.py") + ":batch_score"
@@ -130,45 +164,118 @@ class Args:
     temperature: float = 1.0
     """temperature of the sampled responses (KL is measured on them)"""
     curve_points: int = 3
-    """checkpoints a run keeps and is scored at (greedy, test split) besides its end: the score-against-FLOPs
+    """checkpoints a run keeps and is scored at (greedy, eval split) besides its end: the score-against-FLOPs
     curves; at real sizes each is weights + optimizer state on disk; 0: none"""
     seed: int = 0
-    """SFT's seed and the first of --seeds; a model of seed s is evaluated with sampling seed s"""
+    """the first of --seeds; a model of seed s (its base too) is evaluated with sampling seed s"""
     # outputs
     output_dir: str | None = None
     """None: runs/compare__{model}__{seed}__{time}; one sub-directory per run"""
     overwrite: bool = False
     """replace the runs already in --output-dir (otherwise refused)"""
+    jobs: int = 1
+    """runs at a time (a run starts once what it needs has finished: its base, a control's row); 1: in plan
+    order. On a shared machine each run's wall seconds then include the others'"""
+    keep_finished: bool = False
+    """reuse the runs --output-dir already holds finished (model/ written; their seconds from its walls.json),
+    run the rest: e.g. more seeds at the settings an earlier run chose (docs/comparison.md)"""
 
 
 # === The plan: which script runs, from which model, with which flags, for which seed and setting ===
-# Each script's fixed flags (docs/comparison.md's, for `tiny`; the defaults are TRL's), then budgets, lr, args
+# Each script's fixed flags, each group with where its value came from (results.json and the report print
+# them); the learning rate is --learning-rate or the eval sweep's, for every row alike (the base's: below)
+TRL = "TRL's default for the method (the script's own), not tuned"
+BUDGET = "the comparison's budget: the same for every row of its kind, not tuned"
+SCHEDULE = "a stated schedule: warmup, then cosine to 10% of the peak, the same for every preference row"
+PILOT = (
+    "set by one-seed pilots that read the test split before this protocol (docs/comparison.md, 'How the "
+    "task and recipe came to be'); not re-tuned: the base's eval curve in this run shows where it stands"
+)
 COSINE_TO_10 = " --lr-scheduler-type cosine_with_min_lr --min-lr-rate 0.1"  # warmup, then to 10% of the peak
-SAMPLER = "--num-generations 8 --max-prompt-length 64 --response-length 16"
+SAMPLER = ("--num-generations 8 --max-prompt-length 64 --response-length 16", BUDGET + ": 8 × 8 a step")
+SFT_STEP = ("--batch-size 64 --max-length 512", BUDGET + ": 64 sequences a step, a preference step's tokens")
 RECIPE = {
-    "sft": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 20 --max-length 512" + COSINE_TO_10,
-    # the controls: SFT at the rate it ended on, 64 demonstrations a step (a preference step's 32 pairs)
-    "sft+": "--batch-size 64 --learning-rate 1e-4 --warmup-steps 0 --max-length 512 "
-    "--lr-scheduler-type constant",
-    "dpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,
-    "simpo": "--batch-size 32 --grad-accum-steps 1 --warmup-steps 5 --max-length 512 --beta 2.0 --gamma 0.5"
-    + COSINE_TO_10,
-    "orpo": "--batch-size 32 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,
-    "kto": "--batch-size 64 --warmup-steps 5 --max-length 512 --beta 0.1" + COSINE_TO_10,  # dpo's 32 pairs
-    "reward": "--batch-size 32 --learning-rate 1e-3 --warmup-steps 10 --max-length 512" + COSINE_TO_10,
-    "ppo": "--batch-size 32 --num-mini-batches 2 --max-prompt-length 64 --response-length 16 "
-    "--missing-eos-penalty 1.0 --kl-coef 0.05 --lr-scheduler-type linear",  # to 0 over every update
-    "grpo": f"--batch-size 64 {SAMPLER} --beta 0.0 --lr-scheduler-type constant_with_warmup",  # TRL's β
-    # β 0.01 as docs/rloo.md measured (TRL's 0.05 drowns the toy reward in the sequence KL's noise)
-    "rloo": f"--batch-size 64 {SAMPLER} --beta 0.01 --lr-scheduler-type constant_with_warmup",
+    "sft": [
+        ("--batch-size 32 --max-length 512", BUDGET),
+        ("--learning-rate 1e-3 --warmup-steps 20" + COSINE_TO_10, PILOT),
+    ],
+    "sft+": [
+        SFT_STEP,
+        ("--warmup-steps 0 --lr-scheduler-type constant", "a stated constant rate for a control"),
+    ],
+    "sft-chosen": [SFT_STEP, ("--warmup-steps 0 --lr-scheduler-type constant", "as sft+'s")],
+    "dpo": [
+        ("--batch-size 32 --max-length 512", BUDGET),
+        ("--warmup-steps 5" + COSINE_TO_10, SCHEDULE),
+        ("--beta 0.1", TRL),
+        ("--sft-weight 1.0", "RPO's α = 1 (Pang et al. 2024): an NLL on the chosen; the row is DPO+NLL"),
+    ],
+    "simpo": [
+        ("--batch-size 32 --grad-accum-steps 1 --max-length 512", BUDGET),
+        ("--warmup-steps 5" + COSINE_TO_10, SCHEDULE),
+        ("--beta 2.0 --gamma 1.0", "simpo.py's defaults (the SimPO paper's), not tuned"),
+        ("--sft-weight 1.0", "TRL's CPO-SimPO default cpo_alpha = 1; the row is SimPO+NLL"),
+    ],
+    "orpo": [
+        ("--batch-size 32 --max-length 512", BUDGET),
+        ("--warmup-steps 5" + COSINE_TO_10, SCHEDULE),
+        ("--beta 0.1", TRL),
+        (
+            "--no-prompt-nll",
+            "an eval-split trial on the toy task (docs/compare.md): the prompt's NLL swamped it",
+        ),
+    ],
+    "kto": [
+        ("--batch-size 64 --max-length 512", BUDGET + ": 64 completions, dpo's 32 pairs"),
+        ("--warmup-steps 5" + COSINE_TO_10, SCHEDULE),
+        ("--beta 0.1", TRL),
+    ],
+    "reward": [
+        ("--batch-size 32 --max-length 512 --normalize", BUDGET),
+        ("--learning-rate 1e-3 --warmup-steps 10" + COSINE_TO_10, "the base's rate, as SFT; not tuned"),
+    ],
+    "ppo": [
+        ("--batch-size 32 --num-mini-batches 2 --max-prompt-length 64 --response-length 16", BUDGET),
+        ("--kl-coef 0.05", TRL),
+        ("--missing-eos-penalty 1.0", "the N implementation details' penalty (Huang et al. 2024), not tuned"),
+        ("--lr-scheduler-type linear", TRL + ": linear to 0"),
+    ],
+    "grpo": [
+        ("--batch-size 64", BUDGET),
+        SAMPLER,
+        ("--beta 0.0", TRL),
+        ("--lr-scheduler-type constant_with_warmup", "a stated constant rate"),
+    ],
+    "rloo": [
+        ("--batch-size 64", BUDGET),
+        SAMPLER,
+        ("--beta 0.05", TRL),
+        ("--lr-scheduler-type constant_with_warmup", "as grpo's"),
+    ],
+    # grpo.py --accept-reward: grpo's sampler, batch and schedule, SFT on the accepted samples instead of Â
+    "rft": [
+        ("--batch-size 64", BUDGET),
+        SAMPLER,
+        ("--beta 0.0 --lr-scheduler-type constant_with_warmup", "as grpo's"),
+    ],
     # one completion per prompt, 64 a step (grpo's 8 x 8), reverse KL (TRL's β = 1)
-    "distill": "--batch-size 64 --max-prompt-length 64 --response-length 16 --warmup-steps 5" + COSINE_TO_10,
+    "distill": [
+        ("--batch-size 64 --max-prompt-length 64 --response-length 16", BUDGET),
+        ("--warmup-steps 5" + COSINE_TO_10, SCHEDULE),
+    ],
 }
+
+
+def recipe_flags(recipe):
+    """A RECIPE key's flags, in order."""
+    return [x for flags, _ in RECIPE[recipe] for x in shlex.split(flags)]
+
+
 # --task compare: data/compare/{kind}_train.jsonl (+ _eval but for prompts), before the recipe
 TASK_DATA = {
     "sft": "sft",
     "sft+": "sft",
-    "sft+rl": "sft",
+    "sft-chosen": "chosen",
     "dpo": "prefs",
     "simpo": "prefs",
     "orpo": "prefs",
@@ -177,15 +284,22 @@ TASK_DATA = {
     "ppo": "prompts",
     "grpo": "prompts",
     "rloo": "prompts",
+    "rft": "prompts",
     "distill": "prompts",
 }
-
-
-DATA_KIND = {"sft": "demonstrations", "prefs": "preference pairs", "kto": "KTO rows", "prompts": "prompts"}
+DATA_KIND = {
+    "sft": "demonstrations",
+    "chosen": "chosen answers, as prompt + completion",
+    "prefs": "preference pairs",
+    "kto": "KTO rows",
+    "prompts": "prompts",
+}
 
 
 def task_flags(task, model, recipe):
     """The data flags of one script under --task (its recipe key names it; a fork reads dpo's)."""
+    if task == "toy" and recipe == "sft-chosen":  # the toy pairs' chosen answers are the demonstrations
+        recipe = "sft"
     if task == "toy" or not plumbing.is_toy_model(model):
         return []
     kind = TASK_DATA[recipe]
@@ -205,9 +319,9 @@ def task_prompts(args):
     )
 
 
-# --quick: SFT's 150 updates; dpo against sft+, grpo (the checker) against sft+rl; 3.5 min (docs/compare.md)
+# --quick: SFT's 150 updates; dpo against sft-chosen, grpo (the checker) against rft (docs/compare.md)
 QUICK = dict(
-    methods="sft,sft+,dpo,grpo,sft+rl",
+    methods="sft,dpo,grpo,sft-chosen,rft",
     seeds=1,
     sft_steps=150,
     steps=40,
@@ -233,10 +347,9 @@ def check_data(args, stages, grid):
     yours = [s for s in stages if "--dataset" in s["own"]]
     if not yours and plumbing.is_toy_model(args.model):
         return  # the task's data throughout
-    problems = {}  # one a pass-through flag (sft, sft+ and sft+rl share --sft-args), in run order
+    problems = {}  # one a pass-through flag (the bases and sft+ share --sft-args), in run order
     for s in stages:
-        fork = s["row"] not in METHODS + RL + ("reward",)
-        via = "--extra-args" if fork else f"--{s['recipe'].rstrip('+')}-args"
+        via = s["via"]
         task = s["flags"][: len(s["flags"]) - len(s["own"])]  # compare's flags, before yours
         if "--dataset" not in s["own"]:
             problems[via] = f"{via}: add --dataset (your {DATA_KIND[TASK_DATA[s['recipe']]]})"
@@ -248,8 +361,8 @@ def check_data(args, stages, grid):
             )
     if args.test_prompts is None:
         problems["test"] = "pass --test-prompts FILE (your held-out prompts, scored by --reward-fn)"
-    if grid and args.eval_prompts is None:
-        problems["eval"] = "pass --eval-prompts FILE (where --sweep chooses)"
+    if args.eval_prompts is None:  # every run is scored there: the sweep's choice, the curves
+        problems["eval"] = "pass --eval-prompts FILE (where --sweep chooses and the curves are scored)"
     if problems:
         why = (
             f"{yours[0]['row']} trains on your --dataset" if yours else f"--model {args.model} is not `tiny`"
@@ -261,17 +374,20 @@ def check_data(args, stages, grid):
 
 def parse_sweep(specs, rows):
     """['dpo.learning_rate=1e-6,5e-6', …] -> {row: [setting {flag: value}, …]} (the grid of a row's swept
-    flags, in the order given); a row not in `rows` or a spec without values raises UsageError."""
+    flags, in the order given); a spec's row: one of `rows`, a control kind (each `kind@row` of it) or `all`
+    (every row); else, or without values, UsageError."""
     grid = {}
     for spec in specs:
         key, _, values = spec.partition("=")
         row, _, flag = key.partition(".")
         values = [v.strip() for v in values.split(",") if v.strip()]
-        if row not in rows or not flag.isidentifier() or not values:
+        named = [r for r in rows if row in ("all", r, r.split("@")[0])]
+        if not named or not flag.isidentifier() or not values:
             raise plumbing.UsageError(
-                f"--sweep {spec!r}: expected row.flag=v1,v2,… with row one of {','.join(rows)}"
+                f"--sweep {spec!r}: expected row.flag=v1,v2,… with row `all` or one of {','.join(rows)}"
             )
-        grid[row] = [{**s, flag: v} for s in grid.get(row, [{}]) for v in values]
+        for r in named:
+            grid[r] = [{**s, flag: v} for s in grid.get(r, [{}]) for v in values]
     return grid
 
 
@@ -280,10 +396,11 @@ def tag(setting):
     return "__".join(f"{k}_{v}" for k, v in setting.items())
 
 
-# A row of the table after SFT, run once per seed (and per --sweep setting): its name (a fork's: its file's), its
-# script, its RECIPE key (a fork reads dpo's), its --max-steps (None: sft+rl's, known once its seed's RL rows
-# ran: matched_steps), its own flags (a teacher, the task score as reward), its pass-through flags (appended
-# last), and whether it is PPO on its seed's reward model (a reward stage first)
+# A row of the table, run once per seed (and per --sweep setting): its name (a fork's: its file's; a control's
+# `kind@row`), its script, its RECIPE key (a fork reads dpo's), its --max-steps (None: a control's, known once
+# the row it reads has run: matched_steps), its own flags (a teacher, the task score as reward), its
+# pass-through flags (appended last) and their flag's name, whether it is PPO on its seed's reward model (a
+# reward stage first), its signal (prefs, checker, teacher; a control: the row it reads)
 Row = NamedTuple(
     "Row",
     [
@@ -293,21 +410,24 @@ Row = NamedTuple(
         ("steps", int | None),
         ("flags", list[str]),
         ("extra", str),
+        ("via", str),
         ("on_rm", bool),
+        ("signal", str),
     ],
 )
 
 
 def plan(args, output_dir):
-    """-> (stages {name: run dir under output_dir, row, setting, seed, script, flags, needs} in run order,
-    the base model, the seeds, the sweep grid); bad choices raise UsageError."""
+    """-> (stages {name: run dir under output_dir, row, setting, seed, script, flags, needs, match} in run
+    order, {seed: its base model}, the seeds, the sweep grid); bad choices raise UsageError."""
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     if any(m not in METHODS for m in methods) or not (methods or args.extra) or args.seeds < 1:
         raise plumbing.UsageError(
             f"--methods {args.methods!r}: choose from {','.join(METHODS)}; --seeds >= 1"
         )
-    base = os.path.join(output_dir, "sft", "model") if "sft" in methods else args.model
-    sft = ["sft"] if "sft" in methods else []
+    seeds = [args.seed + k for k in range(args.seeds)]
+    sft = "sft" in methods
+    bases = {s: os.path.join(output_dir, f"sft/seed{s}", "model") if sft else args.model for s in seeds}
     lr = ["--learning-rate", str(args.learning_rate)]
     fn = ["--reward-fn", args.reward_fn]
 
@@ -317,185 +437,147 @@ def plan(args, output_dir):
     def script(name):
         return os.path.join(common.HERE, f"{name}.py")
 
-    rows = [
-        Row(
-            name=m,
-            script=script(m),
-            recipe=m,
-            steps=args.steps,
-            flags=[],
-            extra=getattr(args, f"{m}_args"),
-            on_rm=False,
+    def row(name, *, recipe=None, steps=None, flags=(), on_rm=False, signal="prefs", path=None, fork=False):
+        recipe = recipe or name
+        own = "extra" if fork else recipe.rstrip("+").replace("-", "_")  # its pass-through flag: --{own}-args
+        return Row(
+            name=name,
+            script=path or script(recipe),
+            recipe=recipe,
+            steps=steps,
+            flags=list(flags),
+            extra=getattr(args, f"{own}_args"),
+            via=f"--{own.replace('_', '-')}-args",
+            on_rm=on_rm,
+            signal=signal,
         )
-        for m in PREFERENCE
-        if m in methods
-    ]
+
+    rows = [row(m, steps=args.steps) for m in PREFERENCE if m in methods]
     for path in args.extra:
         name = os.path.splitext(os.path.basename(path))[0]
         if not path.endswith(".py") or not os.path.exists(path) or name in METHODS + ("reward",):
             raise plumbing.UsageError(
                 f"--extra {path}: expected an existing script whose name is not a built-in"
             )
-        rows.append(
-            Row(
-                name=name,
-                script=os.path.abspath(path),
-                recipe="dpo",
-                steps=args.steps,
-                flags=[],
-                extra=args.extra_args,
-                on_rm=False,
-            )
-        )
+        rows.append(row(name, recipe="dpo", steps=args.steps, path=os.path.abspath(path), fork=True))
     if "distill" in methods:  # the preference rows' budget, graded token by token by the teacher
         if not args.teacher_model:
             raise plumbing.UsageError(
                 "--methods distill needs --teacher-model (a model of the base's vocabulary)"
             )
-        rows.append(
-            Row(
-                name="distill",
-                script=script("distill"),
-                recipe="distill",
-                steps=args.steps,
-                flags=["--teacher-model", args.teacher_model],
-                extra=args.distill_args,
-                on_rm=False,
-            )
-        )
-    if "sft+" in methods:  # the preference rows' control: their steps, their tokens (RECIPE's sft+)
-        rows.append(
-            Row(
-                name="sft+",
-                script=script("sft"),
-                recipe="sft+",
-                steps=args.steps,
-                flags=[],
-                extra=args.sft_args,
-                on_rm=False,
-            )
-        )
-    for row, on_rm in (("ppo", True), ("ppo_fn" if args.ppo_reward == "both" else "ppo", False)):
+        teacher = ["--teacher-model", args.teacher_model]
+        rows.append(row("distill", steps=args.steps, flags=teacher, signal="teacher"))
+    for name, on_rm in (("ppo", True), ("ppo_fn" if args.ppo_reward == "both" else "ppo", False)):
         if "ppo" in methods and args.ppo_reward in ("both", "model" if on_rm else "fn"):
+            signal = "prefs" if on_rm else "checker"  # a reward model learnt from the pairs, or the checker
             rows.append(
-                Row(
-                    name=row,
-                    script=script("ppo"),
+                row(
+                    name,
                     recipe="ppo",
                     steps=args.ppo_steps,
                     flags=[] if on_rm else fn,
-                    extra=args.ppo_args,
                     on_rm=on_rm,
+                    signal=signal,
                 )
             )
     for m in ("grpo", "rloo"):  # a verifiable reward: the task score itself, like ppo_fn
         if m in methods:
-            rows.append(
-                Row(
-                    name=m,
-                    script=script(m),
-                    recipe=m,
-                    steps=getattr(args, f"{m}_steps"),
-                    flags=fn,
-                    extra=getattr(args, f"{m}_args"),
-                    on_rm=False,
-                )
-            )
-    if "sft+rl" in methods and any(r.name in RL for r in rows):  # steps: matched_steps, once the RL rows ran
-        rows.append(
-            Row(
-                name="sft+rl",
-                script=script("sft"),
-                recipe="sft+",
-                steps=None,
-                flags=[],
-                extra=args.sft_args,
-                on_rm=False,
-            )
+            rows.append(row(m, steps=getattr(args, f"{m}_steps"), flags=fn, signal="checker"))
+    accept = fn + ["--accept-reward", str(args.accept_reward)]
+    controls = [  # steps: matched_steps, once the row read has run; rft: grpo.py --accept-reward
+        row(
+            f"{kind}@{r.name}",
+            recipe=kind,
+            flags=accept if kind == "rft" else [],
+            signal=r.name,
+            path=script("grpo" if kind == "rft" else "sft"),
         )
-    grid = parse_sweep(args.sweep, [r.name for r in rows])
+        for r in rows
+        for kind, reads in CONTROLS.items()
+        if kind in methods and r.signal in reads
+    ]
+    grid = parse_sweep(args.sweep, [r.name for r in rows + controls])
     template = ["--chat-template", args.chat_template] if args.chat_template else []
 
-    def stage(name, *, row, script, recipe, model, flags, seed, extra, needs, setting):
+    def stage(name, *, row, recipe, model, flags, seed, needs, setting, match=()):
         swept = [x for k, v in setting.items() for x in ("--" + k.replace("_", "-"), v)]
         return {
             "name": name,
-            "row": row,
+            "row": row.name,
             "recipe": recipe,
             "setting": tag(setting),
             "seed": seed,
-            "script": script,
+            "script": row.script,
             "needs": needs,
-            "own": shlex.split(extra) + swept,  # the flags you passed through: they come last
+            "match": list(match),  # the runs whose FLOPs a control matches (its row's, every setting)
+            "via": row.via,  # the pass-through flag its own flags came from
+            "own": shlex.split(row.extra) + swept,  # the flags you passed through: they come last
             "flags": ["--model", model]
             + flags
             + task_flags(args.task, args.model, recipe)
-            + shlex.split(RECIPE[recipe])
+            + recipe_flags(recipe)
             + ["--seed", str(seed)]
             + template
             + ["--output-dir", os.path.join(output_dir, name)]
-            + shlex.split(extra)
+            + shlex.split(row.extra)
             + swept,
         }
 
-    seeds = [args.seed + k for k in range(args.seeds)]
     stages = []
-    if sft:
-        stages.append(
-            stage(
-                "sft",
-                row="sft",
-                script=script("sft"),
-                recipe="sft",
-                model=args.model,
-                flags=budget(args.sft_steps),
-                seed=args.seed,
-                extra=args.sft_args,
-                needs=[],
-                setting={},
-            )
-        )
+    base_row = row("sft", signal="base")
     for seed in seeds:
-        rm = f"reward/seed{seed}"
-        if any(r.on_rm for r in rows):
+        base = [f"sft/seed{seed}"] if sft else []
+        if sft:  # this seed's base: its noise is in every interval of the seed's rows
+            flags = budget(args.sft_steps)
             stages.append(
                 stage(
-                    rm,
-                    row="reward",
-                    script=script("reward"),
-                    recipe="reward",
-                    model=base,
-                    flags=["--max-steps", str(args.reward_steps), "--normalize"],
+                    base[0],
+                    row=base_row,
+                    recipe="sft",
+                    model=args.model,
+                    flags=flags,
                     seed=seed,
-                    extra=args.reward_args,
-                    needs=sft,
+                    needs=[],
                     setting={},
                 )
             )
-        for row in rows:
-            ran = [s["name"] for s in stages if s["seed"] == seed and s["row"] in (RL + ("sft+",))]
-            flags = (budget(row.steps) if row.steps else []) + ([] if row.name in CONTROLS else lr)
-            flags += row.flags + (
-                ["--reward-model", os.path.join(output_dir, rm, "model")] if row.on_rm else []
+        rm = f"reward/seed{seed}"
+        if any(r.on_rm for r in rows):
+            flags = ["--max-steps", str(args.reward_steps)]
+            stages.append(
+                stage(
+                    rm,
+                    row=row("reward"),
+                    recipe="reward",
+                    model=bases[seed],
+                    flags=flags,
+                    seed=seed,
+                    needs=base,
+                    setting={},
+                )
             )
-            needs = sft + ([rm] if row.on_rm else []) + (ran if not row.steps else [])
-            for setting in grid.get(row.name, [{}]):
-                name = "/".join(filter(None, [row.name, tag(setting), f"seed{seed}"]))
+        for r in rows + controls:
+            flags = (budget(r.steps) if r.steps else []) + lr + r.flags
+            flags += ["--reward-model", os.path.join(output_dir, rm, "model")] if r.on_rm else []
+            match = [
+                s["name"] for s in stages if s["seed"] == seed and s["row"] == r.signal and "@" in r.name
+            ]
+            for setting in grid.get(r.name, [{}]):
+                name = "/".join(filter(None, [r.name, tag(setting), f"seed{seed}"]))
                 stages.append(
                     stage(
                         name,
-                        row=row.name,
-                        script=row.script,
-                        recipe=row.recipe,
-                        model=base,
+                        row=r,
+                        recipe=r.recipe,
+                        model=bases[seed],
                         flags=flags,
                         seed=seed,
-                        extra=row.extra,
-                        needs=needs,
+                        needs=base + ([rm] if r.on_rm else []) + match,
                         setting=setting,
+                        match=match,
                     )
                 )
-    return stages, base, seeds, grid
+    return stages, bases, seeds, grid
 
 
 def curve_flags(steps, points):
@@ -503,24 +585,66 @@ def curve_flags(steps, points):
     return ["--save-every", str(max(1, steps // (points + 1))), "--save-total-limit", "0"] if points else []
 
 
-def matched_steps(output_dir, stage):
-    """sft+rl's updates: its seed's RL runs' mean logged FLOPs over those of one update of its seed's sft+ run
-    (rounded, at least 1); RunsFailed when there is nothing to match."""
-    control = [os.path.join(output_dir, n) for n in stage["needs"] if n.split("/")[0] == "sft+"]
-    rl = [run_cost(os.path.join(output_dir, n))[2] for n in stage["needs"] if n.split("/")[0] in RL]
-    if not control or not rl or not all(np.isfinite(rl)):
-        raise RunsFailed(f"{stage['name']}: no sft+ run or logged RL FLOPs to match ({stage['needs']})")
-    with open(os.path.join(control[0], "args.json")) as f:
-        per_step = run_cost(control[0])[2] / json.load(f)["max_steps"]
-    return max(1, round(float(np.mean(rl)) / per_step))
+def target_flops(output_dir, stage, done, walls):
+    """The FLOPs a control matches: the mean over its row's finished runs (stage_cost: a reward model, a
+    teacher included); RunsFailed when none logged any."""
+    flops = [stage_cost(output_dir, s, walls)[2] for s in done if s["name"] in stage["match"]]
+    if not flops or not all(np.isfinite(flops)):
+        raise RunsFailed(f"{stage['name']}: no logged FLOPs of {', '.join(stage['match'])} to match")
+    return float(np.mean(flops))
 
 
-def prepare_output_dir(output_dir, stages, overwrite):
-    """Refuse to mix with an earlier comparison unless --overwrite (which removes its runs)."""
+def flops_per_step(run_dir):
+    """A finished run's logged FLOPs over its --max-steps."""
+    with open(os.path.join(run_dir, "args.json")) as f:
+        return run_cost(run_dir)[2] / json.load(f)["max_steps"]
+
+
+def matched_steps(target, per_step):
+    """A control's updates: the row's FLOPs over one update's (rounded, at least 1)."""
+    return max(1, round(target / per_step))
+
+
+def run_control(i, n, stage, output_dir, *, done, walls, curve_points):
+    """Run a control at its row's FLOPs -> (ok, wall s): its updates from the FLOPs a step of a finished run of
+    its kind, else of its script (a base, a grpo run) scaled by batch size, else of its row; more than MATCH off
+    its target, it runs again, once, at its own FLOPs a step."""
+    target = target_flops(output_dir, stage, done, walls)
+    like = (
+        [s for s in done if s["recipe"] == stage["recipe"]]
+        or [s for s in done if s["script"] == stage["script"]]
+        or [s for s in done if s["name"] in stage["match"]]
+    )[-1]
+
+    def batch(s):  # the last --batch-size a run was given
+        return float(s["flags"][len(s["flags"]) - s["flags"][::-1].index("--batch-size")])
+
+    per_step = flops_per_step(os.path.join(output_dir, like["name"])) * batch(stage) / batch(like)
+    flags = list(stage["flags"])
+    for attempt in range(2):
+        steps = matched_steps(target, per_step)
+        stage["flags"] = (
+            flags[:2] + ["--max-steps", str(steps)] + curve_flags(steps, curve_points) + flags[2:]
+        )
+        ok, wall = run_stage(i, n, stage, output_dir)
+        run_dir = os.path.join(output_dir, stage["name"])
+        if not ok or abs(run_cost(run_dir)[2] / target - 1) <= MATCH or attempt:
+            return ok, wall
+        per_step = flops_per_step(run_dir)
+        print(f"      {run_cost(run_dir)[2]:.3g} FLOPs against {target:.3g}: again, {per_step:.3g} a step")
+        shutil.rmtree(run_dir)
+
+
+def prepare_output_dir(output_dir, stages, overwrite, keep=False):
+    """Refuse to mix with an earlier comparison unless --overwrite (which removes its runs) or --keep-finished
+    (which removes only the unfinished ones)."""
     held = sorted(
         {s["name"].split("/")[0] for s in stages if os.path.exists(os.path.join(output_dir, s["name"]))}
     )
-    if held and not overwrite:
+    if keep:
+        held = [s["name"] for s in stages if os.path.exists(os.path.join(output_dir, s["name"]))]
+        held = [n for n in held if not os.path.isdir(os.path.join(output_dir, n, "model"))]
+    elif held and not overwrite:
         raise plumbing.UsageError(
             f"--output-dir {output_dir} already holds runs ({', '.join(held)}); "
             "pass --overwrite to replace them"
@@ -632,15 +756,16 @@ def watch(proc, run_dir, t0, every=2.0):
 
 
 # === Evaluation (evaluate.py's protocol, in this process: one compilation for every model) ===
-def evaluate_models(args, prompts_path, base, jobs, eval_dir):
+def evaluate_models(args, prompts_path, bases, jobs, eval_dir):
     """jobs: [(key, seed, model dir, reward model dir or None)] -> {key: evaluate.per_prompt arrays}: each model
-    on `prompts_path` against `base`, both sampled with `seed` (paired); outputs in eval_dir(key, seed)."""
+    on `prompts_path` against its seed's base (bases {seed: model}), both sampled with `seed` (paired); a job
+    whose model is its seed's base scores the base against itself; outputs in eval_dir(key, seed)."""
     import evaluate  # JAX starts only now, after the training processes ended (a TPU admits one)
 
     def eargs(seed, rm):
         return evaluate.Args(
-            model=base,
-            baseline=base,
+            model=bases[seed],
+            baseline=bases[seed],
             prompts=prompts_path,
             num_prompts=args.num_prompts,
             reward_fn=(args.reward_fn,),
@@ -652,16 +777,21 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
         )
 
     mesh = common.make_mesh(None)
-    ea = eargs(args.seed, None)
+    first = min(bases)
+    ea = eargs(first, None)
     prompts, rows, reward_fn = evaluate.check_args(ea, mesh)
-    base_policy = evaluate.load_policy(base, mesh, ea)
-    data = evaluate.prepare(ea, mesh, prompts, rows, base_policy.model.preprocessor.tokenizer)
+    policies = {bases[first]: evaluate.load_policy(bases[first], mesh, ea)}  # one a base; compiled once
+    like = policies[bases[first]]
+    data = evaluate.prepare(ea, mesh, prompts, rows, like.model.preprocessor.tokenizer)
     scorers = {}  # one a reward model (None: the task score only)
-    base_outs = {}  # the base's responses, one set a (sampling seed, reward model)
+    base_outs = {}  # each base's responses, one set a (sampling seed, reward model)
     results = {}
     for key, seed, model_dir, rm in jobs:
         t0 = time.perf_counter()
         ea = eargs(seed, rm)
+        if bases[seed] not in policies:
+            policies[bases[seed]] = evaluate.load_policy(bases[seed], mesh, ea, like=like)
+        base_policy = policies[bases[seed]]
         if rm not in scorers:
             scorers[rm] = evaluate.make_scorer(ea, mesh, data, reward_fn)
         if (seed, rm) not in base_outs:
@@ -669,16 +799,16 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
                 base_policy, data, scorers[rm], ea, mesh, baseline=base_policy
             )
         b = base_outs[seed, rm]
-        outs = b  # a base_keys job: the base against itself
-        if model_dir != base:
-            policy = evaluate.load_policy(model_dir, mesh, ea, like=base_policy)
+        outs = b  # the base against itself
+        if model_dir != bases[seed]:
+            policy = evaluate.load_policy(model_dir, mesh, ea, like=like)
             evaluate.check_same_tokens(model_dir, policy.model, data, ea, key)
             outs = evaluate.evaluate_policy(policy, data, scorers[rm], ea, mesh, baseline=base_policy)
         results[key] = evaluate.per_prompt(outs, b)
         m = evaluate.summarize(outs, b)
         meta = {
             "model": model_dir,
-            "baseline": base,
+            "baseline": bases[seed],
             "prompts": prompts_path,
             "num_prompts": len(data["prompts"]),
             "seed": seed,
@@ -695,7 +825,7 @@ def evaluate_models(args, prompts_path, base, jobs, eval_dir):
 
 
 def checkpoint_scores(args, base, run_dirs):
-    """Greedy task score on the test split at each run's checkpoints before its end (model/, the table's)
+    """Greedy task score on the eval split (never the test split) at each run's checkpoints before its end
     -> {run dir: [(step, score)]}; weights of other shapes than the base's (a LoRA run's) are not scored."""
     import evaluate
     import jax
@@ -703,7 +833,7 @@ def checkpoint_scores(args, base, run_dirs):
 
     ea = evaluate.Args(
         model=base,
-        prompts=args.test_prompts,
+        prompts=args.eval_prompts,
         num_prompts=args.num_prompts,
         seed=args.seed,
         reward_fn=(args.reward_fn,),
@@ -750,75 +880,6 @@ def checkpoint_scores(args, base, run_dirs):
     return curves
 
 
-# === STATISTICS: pure functions of per-prompt score tables [seeds S, prompts P] ===
-def t_quantile(p, df):
-    """Student-t quantile t_p(df) (SciPy's, a dependency of JAX's)."""
-    import scipy.stats  # here: `import compare` stays light
-
-    return float(scipy.stats.t.ppf(p, df))
-
-
-def mean_interval(x, level=0.95):
-    """Mean of x [S seeds, P prompts] and the half-width of its `level` interval (t, mean_variance's)."""
-    m, var, df = mean_variance(x)
-    return m, float(t_quantile((1 + level) / 2, df) * math.sqrt(var)) if var > 0 else 0.0
-
-
-def p_above_zero(x):
-    """One-sided p-value of "the mean of x [S, P] is above 0", t with mean_variance's variance and df: the
-    claim "beats" of a paired difference x holds alone at 2.5% exactly when its 95% interval lies above 0."""
-    import scipy.stats
-
-    m, var, df = mean_variance(x)
-    return float(scipy.stats.t.sf(m / math.sqrt(var), df)) if var > 0 else float(m <= 0)
-
-
-def mean_variance(x):
-    """Mean of x [S seeds, P prompts], the variance of that mean and its degrees of freedom, seeds and
-    prompts random (crossed two-way random effects, Cornfield–Tukey):
-    Var(mean) = (MS_seed + MS_prompt − MS_resid) / (S·P), Satterthwaite's df, each MS floored at MS_resid;
-    S = 1: prompts only (seed noise unmeasured); var 0: no spread."""
-    x = np.asarray(x, np.float64)
-    s, p = x.shape
-    m = x.mean()
-    rows = x.mean(1)  # each seed's mean [S]
-    cols = x.mean(0)  # each prompt's mean [P]
-    ms_p = s * np.sum((cols - m) ** 2) / max(p - 1, 1)
-    if s == 1:
-        terms = [(ms_p, p - 1)]
-    else:
-        ms_s = p * np.sum((rows - m) ** 2) / (s - 1)
-        ms_e = np.sum((x - rows[:, None] - cols[None] + m) ** 2) / ((s - 1) * max(p - 1, 1))
-        terms = [(max(ms_s, ms_e), s - 1), (max(ms_p, ms_e), p - 1), (-ms_e, (s - 1) * (p - 1))]
-    var = sum(t for t, _ in terms) / (s * p)
-    if var <= 0 or p < 2:
-        return float(m), 0.0, 0.0
-    return float(m), float(var), float(sum(t for t, _ in terms) ** 2 / sum(t * t / d for t, d in terms))
-
-
-def row_stats(arrays, base_arrays):
-    """{metric: [S, P]} of a row and of the base -> {metric: (mean, ±)}, `delta`: score row − base, paired,
-    and `p`: its one-sided p-value of "beats"."""
-    diff = arrays["score"] - base_arrays["score"]
-    return {
-        **{k: mean_interval(v) for k, v in arrays.items()},
-        "delta": mean_interval(diff),
-        "p": p_above_zero(diff),
-    }
-
-
-def holm(pvalues, alpha):
-    """Holm's step-down correction (Holm 1979) -> which claims of a family hold, the chance that any of them
-    is false kept ≤ alpha: sorted ascending, the k-th p-value (from 0) of m must be ≤ alpha / (m − k), as
-    must all before it. One claim alone: p ≤ alpha."""
-    holds = [False] * len(pvalues)
-    for k, i in enumerate(np.argsort(pvalues, kind="stable")):
-        if pvalues[i] > alpha / (len(pvalues) - k):
-            break
-        holds[i] = True
-    return holds
-
-
 # === Report: the summary, the table (markdown), the picture ===
 MIN_SEEDS = 3  # fewer: no claim (one seed measures no seed noise; two, too little: docs/compare.md)
 ALPHA = 0.025  # one-sided: a lone "beats" claim holds exactly when its 95% interval lies above 0
@@ -834,20 +895,32 @@ def verdict(delta, name, seeds=MIN_SEEDS):
     return f"{word} {name} (Δ {d:+.3f} ± {h:.3f}{covers})"
 
 
-def summary(stats, costs, *, base_name, seeds):
-    """The report's first lines: which rows beat which control (the base, and the row's own), with Holm's
-    correction over every "beats" claim the table could make, and at what cost; with fewer than MIN_SEEDS
-    seeds no claim, the rows ranked by their Δ vs the base instead (candidates for a run with more seeds)."""
-    claims = [
-        (name, against, st[d], st[p])
+def claims_of(stats, base_name):
+    """Every "beats" claim the table could make: [(row, against, (Δ, ±), p)], each row against its seed's base
+    and against each of its controls (`versus`)."""
+    return [
+        (name, against, d, p)
         for name, st in stats.items()
         if name != base_name
-        for against, d, p in ((base_name, "delta", "p"), (st.get("control"), "delta_control", "p_control"))
-        if d in st
+        for against, (d, p) in [(base_name, (st["delta"], st["p"]))]
+        + [(c, (v["delta"], v["p"])) for c, v in st.get("versus", {}).items()]
     ]
+
+
+def summary(stats, costs, *, base_name, seeds):
+    """The report's first lines: which rows clear the control matched to them in information (a preference
+    row sft-chosen, a checker row rft: what "beats" needs) and which beat what else, Holm's correction over
+    every "beats" claim the table could make, and at what cost; with fewer than MIN_SEEDS seeds no claim, the
+    Δs ranked instead (candidates for a run with more seeds)."""
+    claims = claims_of(stats, base_name)
+    informed = {n: st["informed"] for n, st in stats.items() if st.get("informed")}
 
     def cost(name):
         return f"{fmt(costs[name][2], top=1e10)} FLOPs, {costs[name][3]:.0f} s"  # FLOPs as 3.30e12
+
+    def delta(name, against):
+        d, h = next(c[2] for c in claims if c[:2] == (name, against))
+        return f"{name} − {against} {d:+.3f} ± {h:.3f}"
 
     if seeds < MIN_SEEDS:
         noise = "over prompts only: seed noise is unmeasured" if seeds == 1 else "from too few seeds to trust"
@@ -857,19 +930,38 @@ def summary(stats, costs, *, base_name, seeds):
             f"(docs/compare.md), so no row is said to beat another. Δ vs {base_name}, the candidates for "
             f"`--seeds {MIN_SEEDS}`: "
             + "; ".join(f"{n} {d:+.3f} ± {h:.3f} ({cost(n)})" for n, _, (d, h), _ in ranked)
+            + (
+                ". Against the control matched in information: "
+                + "; ".join(delta(n, c) for n, c in informed.items())
+                if informed
+                else ""
+            )
         )
     holds = holm([c[3] for c in claims], ALPHA)
+    held = {c[:2] for c, ok in zip(claims, holds) if ok}
     won = {}
     for (name, against, (d, h), _), ok in zip(claims, holds):
         if ok:
             won.setdefault(name, []).append(f"{against} (Δ {d:+.3f} ± {h:.3f})")
+    cleared = [n for n, c in informed.items() if (n, c) in held]
     lines = [f"- **{n}** beats {' and '.join(w)}, at {cost(n)} a run" for n, w in won.items()]
     rest = [n for n in stats if n != base_name and n not in won]
     return "\n".join(
         [
-            f"**Summary** (greedy test score, Δ paired per prompt and seed; Holm's correction over the "
-            f'table\'s {len(claims)} "beats" claims, so the chance that any line below is false is '
-            f"≤ {ALPHA:.1%}; {base_name}: {cost(base_name)}, paid once):",
+            f"**Summary** (greedy test score, Δ paired per prompt and seed, each seed its own {base_name}; "
+            f"Holm's correction over the table's {len(claims)} \"beats\" claims, so the chance that any line "
+            f"below is false is ≤ {ALPHA:.1%}; {base_name}: {cost(base_name)} a seed):",
+            *(
+                [
+                    "- **Against the control matched in information** (a preference row must clear sft-chosen, "
+                    "a checker row rft): "
+                    + (f"cleared by {', '.join(cleared)}" if cleared else "cleared by none")
+                    + "; "
+                    + "; ".join(delta(n, c) for n, c in informed.items() if n not in cleared)
+                ]
+                if informed
+                else []
+            ),
             *lines,
             *([f"- no claim holds for {', '.join(rest)}"] if rest else []),
         ]
@@ -879,7 +971,7 @@ def summary(stats, costs, *, base_name, seeds):
 def note(name, st, base_name, base_st, *, run_metrics, on_reward_model, seeds=MIN_SEEDS):
     """One line a row: verdicts against the base and the control, then the likely why (log-probs, RM, KL)."""
     if name == base_name:
-        return "the base every other method starts from (one model, shared by every seed)"
+        return "the base: each seed trains its own, and that seed's rows start from it"
     head = verdict(st["delta"], base_name, seeds) + (
         f"; {verdict(st['delta_control'], st['control'], seeds)}" if "delta_control" in st else ""
     )
@@ -922,7 +1014,8 @@ def fmt(v, digits=3, top=None):
 
 
 def table(rows, base_name, with_rm):
-    """rows: [(name, stats or None, cost [tokens trained, generated, FLOPs, wall s], note)] -> markdown."""
+    """rows: [(name, stats or None, cost [tokens trained, generated, FLOPs, wall s], note, its FLOPs and
+    seconds over its row's (a control's) or over its control's, else '')] -> markdown."""
     rm = ["rm_score"] if with_rm else []  # the RM score column: only where a row trained on a reward model
     cols = [
         "method",
@@ -938,6 +1031,7 @@ def table(rows, base_name, with_rm):
         "tokens generated",
         "FLOPs",
         "wall time",
+        "FLOPs, s: control ÷ row",
         "notes",
     ]
     keys = ["score", "delta", "score_sampled", *rm, "win", "kl", "length"]
@@ -946,15 +1040,16 @@ def table(rows, base_name, with_rm):
         "|" + "|".join(["---"] + ["---:"] * (len(cols) - 2) + ["---"]) + "|",
     ]
     tops = np.nanmax(
-        [[np.nan if c is None else c for c in cost[:3]] for _, _, cost, _ in rows] + [[0] * 3], 0
+        [[np.nan if c is None else c for c in cost[:3]] for _, _, cost, *_ in rows] + [[0] * 3], 0
     )
-    for name, st, cost, text in rows:
+    for name, st, cost, text, ratio in rows:
         cells = [
             fmt(st[k], 2 if k in ("rm_score", "kl", "length") else 3) if st and k in st else "–" for k in keys
         ]
         against = f"{fmt(st['delta_control'])} ({st['control']})" if st and "delta_control" in st else "–"
         cells.insert(2, against)
         cells += [fmt(c, top=t) for c, t in zip(cost[:3], tops)] + [f"{cost[3]:.0f} s" if cost[3] else "–"]
+        cells.append(ratio or "–")
         lines.append("| " + " | ".join([f"**{name}**"] + cells + [text]) + " |")
     return "\n".join(lines)
 
@@ -969,7 +1064,7 @@ def seed_band(runs):
 
 def plot(curves, score_curves, stats, *, base_name, temperature, path):
     """Each row's main training metric (left; every seed: `curves`), the test scores ± intervals (middle), the
-    greedy test score against training FLOPs, SFT included (right: `score_curves`; mean over seeds, band: their
+    greedy eval score against training FLOPs, SFT included (right: `score_curves`; mean over seeds, band: their
     range)."""
     import matplotlib
 
@@ -1022,7 +1117,7 @@ def plot(curves, score_curves, stats, *, base_name, temperature, path):
         x0 = min(span)[0]
         low, high = np.array(span)[:, 1:].T
         ax.set(xlim=(0.7 * x0, None), ylim=(low.min() - 0.03, high.max() + 0.03))
-    ax.set(xlabel=FLOPS_LABEL, ylabel="greedy task score, test split (band: the seeds' range)")
+    ax.set(xlabel=FLOPS_LABEL, ylabel="greedy task score, eval split (band: the seeds' range)")
     ax.set_title("score against compute (checkpoints)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -1030,24 +1125,42 @@ def plot(curves, score_curves, stats, *, base_name, temperature, path):
     plt.close(fig)
 
 
+def matrix_md(matrix, names, seeds):
+    """The method-against-method Δ matrix (pairwise's) as markdown: row − column; bold where "row beats
+    column" holds under Holm's correction over its k(k − 1) ordered claims (with ≥ MIN_SEEDS seeds)."""
+    head = "| row − column | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names) + "\n"
+
+    def cell(a, b):
+        if a == b:
+            return "–"
+        d, h, ok = matrix[a, b]
+        text = f"{d:+.3f} ± {h:.3f}"
+        return f"**{text}**" if ok and seeds >= MIN_SEEDS else text
+
+    return head + "".join(f"| **{a}** | " + " | ".join(cell(a, b) for b in names) + " |\n" for a in names)
+
+
+def recipe_md(stages, args):
+    """The recipe section: every value a run got and where it came from (compare's flags, RECIPE's groups)."""
+    used = list(dict.fromkeys(s["recipe"] for s in stages))
+    lines = [
+        f"- every row after SFT (controls included): `--learning-rate {args.learning_rate:g}` "
+        + ("unless the sweep below chose one on the eval split" if args.sweep else "(no row tuned)"),
+        f"- budgets (compare's flags, the same for every row of a kind, not tuned): `--sft-steps {args.sft_steps}` "
+        f"(source: {PILOT}), `--steps {args.steps}`, `--reward-steps {args.reward_steps}`, `--ppo-steps "
+        f"{args.ppo_steps}`, `--grpo-steps {args.grpo_steps}`, `--rloo-steps {args.rloo_steps}`; each control: "
+        f"its row's FLOPs (within {MATCH:.0%}, matched_steps)",
+    ]
+    lines += [f"- {r}: `{flags.strip()}`: {source}" for r in used for flags, source in RECIPE[r]]
+    return "\n".join(lines)
+
+
 def write_report(
-    args,
-    output_dir,
-    *,
-    stages,
-    rows,
-    stats,
-    costs,
-    curves,
-    score_curves,
-    sweep,
-    base_name,
-    reward_acc,
-    seeds,
-    total,
+    args, output_dir, *, stages, rows, stats, costs, curves, score_curves, sweep, base_name, extras
 ):
-    """comparison.md (summary, table, sweep, protocol, commands) and comparison.png into output_dir -> the
-    summary and the table."""
+    """comparison.md (summary, table, Δ matrix, sweep, recipe, protocol, commands) and comparison.png into
+    output_dir -> the summary and the table. extras: reward_acc, seeds, total (s), matrix (markdown)."""
+    seeds = extras["seeds"]
     md = table(rows, base_name, any("rm_score" in st for st in stats.values()))
     md = summary(stats, costs, base_name=base_name, seeds=len(seeds)) + "\n\n" + md
 
@@ -1057,8 +1170,8 @@ def write_report(
     runs = "\n".join(f"    python {short(s['script'])} {shlex.join(s['flags'])}" for s in stages)
     rm_line = (
         f"- reward model (PPO's reward, trained on the same preference pairs, one per seed): held-out pair "
-        f"accuracy {reward_acc:.3f} (mean over seeds).\n"
-        if reward_acc is not None
+        f"accuracy {extras['reward_acc']:.3f} (mean over seeds).\n"
+        if extras["reward_acc"] is not None
         else ""
     )
     # sweep: {row: [{setting, stats on the eval split, kept}]} -> every setting's eval score
@@ -1081,17 +1194,19 @@ def write_report(
     text = f"""# Post-training recipes compared on `{args.model}`
 
 `python compare.py {shlex.join(sys.argv[1:])}` — {time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}, \
-{total / 60:.1f} min in all on {os.cpu_count()} CPU cores; seeds {", ".join(map(str, seeds))}.
+{extras["total"] / 60:.1f} min in all on {os.cpu_count()} CPU cores; seeds {", ".join(map(str, seeds))}.
 
 {md}
 
 - Every cell: mean over {len(seeds)} training seed(s) × the test prompts ({short(args.test_prompts)}), \
 ± the half-width of a 95% interval that treats seeds and prompts both as random draws (crossed two-way \
-random effects, Satterthwaite t; docs/compare.md). **Δ vs {base_name}**: the greedy task score minus \
-{base_name}'s, paired per prompt and per seed; "within noise" where its interval covers 0. {base_name} is \
-one model, shared by every seed.
+random effects, Satterthwaite t; docs/compare.md). Each seed trains its own {base_name} and every row of that \
+seed from it, so the base's seed noise is in every interval. **Δ vs {base_name}**: the greedy task score \
+minus its seed's {base_name}'s, paired per prompt and per seed; **Δ vs control**: minus the control run of \
+the same seed matched to the row (the one matched in information where there is one: sft-chosen for a \
+preference row, rft for a checker row); "within noise" where its interval covers 0.
 - **task score**: mean `{short(args.reward_fn)}`, greedy responses; **sampled score**: one sample per prompt \
-at T={args.temperature:g} (a seed-s model, and {base_name} against it, sampled with seed s).
+at T={args.temperature:g} (a seed-s model, and its {base_name} against it, sampled with seed s).
 - **win rate vs {base_name}**: share of prompts whose greedy answer scores higher than {base_name}'s (ties \
 count half).
 - **KL from {base_name}**: mean over prompts of Σ_t [log π(y_t) − log π_{base_name}(y_t)] on the model's own \
@@ -1101,12 +1216,25 @@ sampled responses (nats per response, float32, prompt and padding masked).
 tokens of each rollout batch, once), **tokens generated** (`charts/generated_tokens`: sampled, through each \
 EOS), **FLOPs** (`charts/flops`: 6N a trained token, 2N an extra forward — reference, value, reward model, \
 sampling; N = weights used in matmuls), **wall time** (the whole script: start-up, compilation, training, \
-saving){ppo_note}; {base_name}'s costs are paid once for every row.
-{rm_line}{sweep_md}
+saving){ppo_note}; distill includes its teacher's training; {base_name}'s costs are paid once a seed. \
+**FLOPs, s: control ÷ row**: a control's FLOPs and seconds over its row's (matched on FLOPs within \
+{MATCH:.0%}; RL's decoding is memory-bound, so seconds say what FLOPs do not).
+{rm_line}
+## Method against method (greedy test score, Δ row − column, paired per prompt and seed)
+
+{extras["matrix"]}
+Bold: "row beats column" holds under Holm's correction over the matrix's ordered claims (≥ {MIN_SEEDS} \
+seeds); only bold cells rank two methods.
+{sweep_md}
+## Recipe: every value and where it came from
+
+{recipe_md(stages, args)}
+
 ![training curves, final scores, score against compute](comparison.png)
 
-Right: the greedy test score at each run's checkpoints (`--curve-points`) and end against its training FLOPs, \
-{base_name} included (line: mean over seeds; band: their range; curves.json).
+Right: the greedy **eval** score at each run's checkpoints (`--curve-points`) and end against its training \
+FLOPs, {base_name} included (line: mean over seeds; band: their range; results.json's `curves`). The test split \
+is read once, for the table.
 
 Commands run:
 
@@ -1125,9 +1253,51 @@ Commands run:
     return md
 
 
+def run_stages(args, stages, output_dir):
+    """Run every stage once its needs have finished, --jobs at a time (1: in plan order) -> ({run: exited 0},
+    {run: wall s}): a stage whose needs failed is skipped, one finished before is kept under --keep-finished."""
+    walls_path = os.path.join(output_dir, "walls.json")
+    kept = json.load(open(walls_path)) if args.keep_finished and os.path.exists(walls_path) else {}
+    ok = {}
+    walls = {}
+    pending = list(enumerate(stages, 1))
+    running = {}  # future -> its stage
+    with concurrent.futures.ThreadPoolExecutor(args.jobs) as pool:
+        while pending or running:
+            for i, stage in [p for p in pending if all(n in ok for n in p[1]["needs"])]:
+                if len(running) >= args.jobs:
+                    break
+                pending.remove((i, stage))
+                name = stage["name"]
+                missing = [n for n in stage["needs"] if not ok[n]]
+                if missing or (args.keep_finished and os.path.isdir(os.path.join(output_dir, name, "model"))):
+                    print(
+                        f"[{i}/{len(stages)}] {name}: "
+                        + (f"skipped ({', '.join(missing)} failed)" if missing else "finished before, kept"),
+                        flush=True,
+                    )
+                    ok[name] = not missing
+                    walls[name] = kept.get(name, 0.0) if ok[name] else 0.0
+                    continue
+                run = run_stage
+                if stage["match"]:  # a control: its budget is known only now, from its row's logged FLOPs
+                    done = [s for s in stages if ok.get(s["name"])]
+                    run = functools.partial(
+                        run_control, done=done, walls=walls, curve_points=args.curve_points
+                    )
+                running[pool.submit(run, i, len(stages), stage, output_dir)] = stage
+            finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
+            for future in finished:
+                name = running.pop(future)["name"]
+                ok[name], walls[name] = future.result()
+                with open(walls_path, "w") as f:  # what --keep-finished reads
+                    json.dump(kept | walls, f)
+    return ok, walls
+
+
 def main(args):
     output_dir = args.output_dir or plumbing.default_output_dir("compare", args.model, args.seed)
-    stages, base, seeds, grid = plan(args, output_dir)
+    stages, bases, seeds, grid = plan(args, output_dir)
     check_data(args, stages, grid)  # before the task's held-out prompts stand in for those not given
     eval_prompts, test_prompts = task_prompts(args)
     args = dataclasses.replace(args, eval_prompts=eval_prompts, test_prompts=test_prompts)
@@ -1135,29 +1305,18 @@ def main(args):
     # --model resolves (no SFT stage: it is the base itself) and every held-out prompt reads
     for path, flag in ((args.eval_prompts, "--eval-prompts"), (args.test_prompts, "--test-prompts")):
         common.read_dataset(path, "prompt", common.chat_template(args.model, args.chat_template), flag)
-    prepare_output_dir(output_dir, stages, args.overwrite)
+    prepare_output_dir(output_dir, stages, args.overwrite, args.keep_finished)
     t_start = time.perf_counter()
-    ok = {}  # each run: exited 0
-    walls = {}  # each run's wall seconds
-    for i, stage in enumerate(stages, 1):
-        missing = [n for n in stage["needs"] if not ok.get(n)]
-        if missing:
-            print(f"[{i}/{len(stages)}] {stage['name']}: skipped ({', '.join(missing)} failed)", flush=True)
-            ok[stage["name"]] = False
-            walls[stage["name"]] = 0.0
-            continue
-        if stage["row"] == "sft+rl":  # its budget is known only now: the RL rows' logged FLOPs
-            steps = matched_steps(output_dir, stage)
-            stage["flags"][2:2] = ["--max-steps", str(steps)] + curve_flags(steps, args.curve_points)
-        ok[stage["name"]], walls[stage["name"]] = run_stage(i, len(stages), stage, output_dir)
-    if "sft" in ok and not ok["sft"]:
-        raise RunsFailed(f"sft failed: nothing to compare (see {output_dir}/sft.log)")
+    ok, walls = run_stages(args, stages, output_dir)  # each run: exited 0; its wall seconds
+    failed_bases = [f"sft/seed{s}" for s in seeds if ok.get(f"sft/seed{s}") is False]
+    if failed_bases:
+        raise RunsFailed(f"{', '.join(failed_bases)} failed: nothing to compare (see {output_dir}/sft/*.log)")
     md = evaluate_and_report(
-        args, output_dir, stages, base=base, seeds=seeds, grid=grid, ok=ok, walls=walls, t_start=t_start
+        args, output_dir, stages, bases=bases, seeds=seeds, grid=grid, ok=ok, walls=walls, t_start=t_start
     )
     print(
         f"\n{md}\n\ndone in {(time.perf_counter() - t_start) / 60:.1f} min: "
-        f"{output_dir}/comparison.md, comparison.png"
+        f"{output_dir}/comparison.md, comparison.png, results.json, scores.npz"
     )
     failed = [name for name, done in ok.items() if not done]
     if failed:
@@ -1177,29 +1336,36 @@ def stack(results, keys, base_keys):
 
 
 def stage_cost(output_dir, stage, walls):
-    """run_cost + [wall s] of one run; PPO on a reward model pays for that model too."""
+    """run_cost + [wall s] of one run; PPO on a reward model pays for that model too, distill for its teacher's
+    training when the teacher is a run's model/ (its logged FLOPs and training seconds; not its start-up)."""
     names = [stage["name"]] + [n for n in stage["needs"] if n.startswith("reward/")]
-    return list(np.sum([run_cost(os.path.join(output_dir, n)) + [walls.get(n, 0.0)] for n in names], 0))
+    cost = np.sum([run_cost(os.path.join(output_dir, n)) + [walls.get(n, 0.0)] for n in names], 0)
+    flags = stage.get("flags", [])
+    if "--teacher-model" in flags:
+        teacher = os.path.dirname(os.path.abspath(flags[len(flags) - flags[::-1].index("--teacher-model")]))
+        rows = [r for r in read_metrics(teacher) if r.get("charts/tokens_per_sec")]
+        seconds = sum(r["charts/tokens"] / r["charts/tokens_per_sec"] for r in rows)
+        cost = cost + np.array(run_cost(teacher)[:1] + [0.0] + run_cost(teacher)[2:] + [seconds]) * bool(rows)
+    return list(cost)
 
 
 def versus_base(res, runs, base_keys):
-    """row_stats of `runs` (one row's stages) against the base sampled with each run's seed."""
+    """row_stats of `runs` (one row's stages) against the base of each run's seed."""
     return row_stats(*stack(res, [s["name"] for s in runs], [base_keys[s["seed"]] for s in runs]))
 
 
-def choose_settings(args, grid, swept, evaluate_on, base_keys):
-    """Swept runs scored on the eval split -> ({row: kept}, {row: [{setting, stats, kept}]}): best mean."""
-    print(f"[eval] sweep: {len(swept)} runs on the eval split ({args.eval_prompts})", flush=True)
-    res = evaluate_on("eval", swept)
+def choose_settings(grid, res, runs, base_keys):
+    """Every run's scores on the eval split -> ({row: kept setting}, {row: [{setting, stats, kept}]}): the
+    setting with the best mean greedy eval score (ties: the first given)."""
 
-    def runs(row, t):
-        return [s for s in swept if s["row"] == row and s["setting"] == t]
+    def of(row, t):
+        return [s for s in runs if s["row"] == row and s["setting"] == t]
 
     sweep = {
         row: [
-            {"setting": t, "stats": versus_base(res, runs(row, t), base_keys), "kept": False}
+            {"setting": t, "stats": versus_base(res, of(row, t), base_keys), "kept": False}
             for t in dict.fromkeys(map(tag, grid[row]))
-            if runs(row, t)
+            if of(row, t)
         ]
         for row in grid
     }
@@ -1210,8 +1376,8 @@ def choose_settings(args, grid, swept, evaluate_on, base_keys):
 
 
 def score_curve(res, at, output_dir, stage, metrics, *, walls, base_keys, is_base, sft_flops):
-    """One run's [[training FLOPs, greedy test score]]: the base's point (after SFT), its checkpoints `at`
-    (the base's FLOPs, a reward model's, its own up to each), its end (the table's score)."""
+    """One run's [[training FLOPs, greedy eval score]]: its seed's base's point (after SFT), its checkpoints
+    `at` (the base's FLOPs, a reward model's, its own up to each), its end."""
     seed = stage["seed"]
     run_dir = os.path.join(output_dir, stage["name"])
     own = run_cost(run_dir)[2]
@@ -1221,22 +1387,22 @@ def score_curve(res, at, output_dir, stage, metrics, *, walls, base_keys, is_bas
     return np.array(start + [(offset + flops_at(metrics, step), v) for step, v in at.get(run_dir, [])] + end)
 
 
-def evaluate_and_report(args, output_dir, stages, *, base, seeds, grid, ok, walls, t_start):
-    """Pick swept settings on the eval split, score the kept runs and the base on the test split -> table."""
-    base_name = "sft" if "sft" in ok else "base"
+def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, walls, t_start):
+    """Every run and base on the eval split (the sweep's choice, the curves' ends), the kept runs and the bases
+    on the test split, once -> the table, the Δ matrix, results.json and scores.npz."""
+    base_name = "sft" if any(s["row"] == "sft" for s in stages) else "base"
     done = [s for s in stages if s["row"] not in ("sft", "reward") and ok[s["name"]]]
-    base_keys = {seed: f"{base_name} seed{seed}" for seed in seeds}
+    base_keys = {seed: f"sft/seed{seed}" if base_name == "sft" else f"base/seed{seed}" for seed in seeds}
 
     def reward_model(seed, split):  # the seed's reward model (PPO's), scored on the test split only
         trained = split == "test" and ok.get(f"reward/seed{seed}")
         return os.path.join(output_dir, f"reward/seed{seed}/model") if trained else None
 
-    def evaluate_on(split, runs):  # the runs, the base each seed
-        def eval_dir(key, seed):  # a run's own folder; the base's: one a seed
-            own = os.path.join(output_dir, key, f"eval_{split}")
-            return own if key in ok else os.path.join(output_dir, base_name, f"eval_{split}", f"seed{seed}")
+    def evaluate_on(split, runs):  # the runs, the base of each seed
+        def eval_dir(key, seed):
+            return os.path.join(output_dir, key, f"eval_{split}")
 
-        jobs = [(k, x, base, reward_model(x, split)) for x, k in base_keys.items()]
+        jobs = [(k, x, bases[x], reward_model(x, split)) for x, k in base_keys.items()]
         jobs += [
             (
                 s["name"],
@@ -1247,28 +1413,40 @@ def evaluate_and_report(args, output_dir, stages, *, base, seeds, grid, ok, wall
             for s in runs
         ]
         prompts = args.eval_prompts if split == "eval" else args.test_prompts
-        return evaluate_models(args, prompts, base, jobs, eval_dir)
+        return evaluate_models(args, prompts, bases, jobs, eval_dir)
 
-    swept = [s for s in done if s["row"] in grid]
-    kept, sweep = choose_settings(args, grid, swept, evaluate_on, base_keys) if swept else ({}, {})
+    print(f"[eval] {len(done)} runs and {base_name} on the eval split ({args.eval_prompts})", flush=True)
+    res_eval = evaluate_on("eval", done)
+    kept, sweep = choose_settings(grid, res_eval, [s for s in done if s["row"] in grid], base_keys)
     final = [s for s in done if s["setting"] == kept.get(s["row"], "" if s["row"] not in grid else None)]
-    print(f"[eval] {len(final)} runs and {base_name} on the test split ({args.test_prompts})", flush=True)
+    print(
+        f"[eval] {len(final)} runs and {base_name} on the test split, once ({args.test_prompts})", flush=True
+    )
     res = evaluate_on("test", final)
+    base_stages = [s for s in stages if s["row"] == "sft"]
     stats = {base_name: row_stats(*stack(res, list(base_keys.values()), list(base_keys.values())))}
     costs = {
-        base_name: stage_cost(output_dir, stages[0], walls) if base_name == "sft" else [np.nan] * 3 + [0.0]
+        base_name: list(np.mean([stage_cost(output_dir, s, walls) for s in base_stages], 0))
+        if base_stages
+        else [np.nan] * 3 + [0.0]
     }
-    scored = [
-        os.path.join(output_dir, s["name"]) for s in final + [s for s in stages[:1] if s["row"] == "sft"]
-    ]
-    at = checkpoint_scores(args, base, scored) if args.curve_points else {}  # the base's own curve too
-    sft = costs[base_name][2] if np.isfinite(costs[base_name][2]) else 0.0  # a given base: its FLOPs unknown
+    scored = [os.path.join(output_dir, s["name"]) for s in final + base_stages]
+    at = checkpoint_scores(args, bases[seeds[0]], scored) if args.curve_points else {}  # the bases' too
+    sft = {  # each seed's base's FLOPs, where its curves start (a given base: its FLOPs unknown, 0)
+        s["seed"]: run_cost(os.path.join(output_dir, s["name"]))[2] for s in base_stages
+    }
     curves = {}  # each row's main training metric, every seed: the left panels
-    score_curves = {}  # each row's greedy test score against FLOPs, every seed: the right panel
+    score_curves = {}  # each row's greedy eval score against FLOPs, every seed: the right panel
     rows = []
-    names = [base_name] + list(dict.fromkeys(s["row"] for s in stages if s["row"] not in ("sft", "reward")))
-    for name in names:
-        runs = [s for s in final if s["row"] == name] or [s for s in stages if s["name"] == name]
+    names = list(dict.fromkeys(s["row"] for s in stages if s["row"] not in ("sft", "reward")))
+    # the base, then each row followed by its controls
+    order = [base_name] + [
+        m for n in names if "@" not in n for m in [n] + [c for c in names if c.endswith(f"@{n}")]
+    ]
+    by_name = {}
+    for name in order:
+        runs = [s for s in final if s["row"] == name] or [s for s in base_stages if name == base_name]
+        by_name[name] = runs
         metrics = [read_metrics(os.path.join(output_dir, s["name"])) for s in runs]
         if name != base_name and runs:
             stats[name] = versus_base(res, runs, base_keys)
@@ -1276,35 +1454,54 @@ def evaluate_and_report(args, output_dir, stages, *, base, seeds, grid, ok, wall
         if metrics and main_curve(metrics[0])[0]:
             curves[name] = [main_curve(m) for m in metrics]
         on_rm = any("--reward-model" in s["flags"] for s in runs)
-        score = (
-            [
-                score_curve(
-                    res,
-                    at,
-                    output_dir,
-                    s,
-                    m,
-                    walls=walls,
-                    base_keys=base_keys,
-                    is_base=name == base_name,
-                    sft_flops=sft,
-                )
-                for s, m in zip(runs, metrics)
-            ]
+        score = [
+            score_curve(
+                res_eval,
+                at,
+                output_dir,
+                s,
+                m,
+                walls=walls,
+                base_keys=base_keys,
+                is_base=name == base_name,
+                sft_flops=sft.get(s["seed"], 0.0),
+            )
+            for s, m in zip(runs, metrics)
             if name in stats
-            else []
-        )
+        ]
         if score and np.isfinite(np.concatenate(score)).all():  # the base's point, the checkpoints, the end
             score_curves[name] = score
-        ctl = CONTROL.get(name, "sft+")
-        control = {s["seed"]: s["name"] for s in final if s["row"] == ctl}
-        paired = [s for s in runs if s["seed"] in control] if base_name not in (name, ctl) else []
-        if name in stats and paired:  # paired per prompt and per seed against the control of the same seed
+        rows.append((name, metrics, on_rm))
+    for name in [n for n in stats if n != base_name and "@" not in n]:  # each row against its controls
+        versus = {}
+        for ctl in [c for c in stats if c.endswith(f"@{name}")]:
+            control = {s["seed"]: s["name"] for s in by_name[ctl]}
+            paired = [s for s in by_name[name] if s["seed"] in control]
             a, c = stack(res, [s["name"] for s in paired], [control[s["seed"]] for s in paired])
             diff = a["score"] - c["score"]
-            stats[name].update(delta_control=mean_interval(diff), p_control=p_above_zero(diff), control=ctl)
-        rows.append((name, metrics, on_rm))
-    rows = [
+            versus[ctl] = {"delta": mean_interval(diff), "p": p_above_zero(diff)}
+        if versus:
+            kinds = {c.split("@")[0]: c for c in versus}
+            informed = next((kinds[k] for k in ("sft-chosen", "rft") if k in kinds), None)
+            primary = informed or next(iter(versus))
+            stats[name].update(
+                versus=versus,
+                informed=informed,
+                control=primary,
+                delta_control=versus[primary]["delta"],
+                p_control=versus[primary]["p"],
+            )
+
+    def ratio(
+        name,
+    ):  # a control's FLOPs and seconds over its row's; a row's: its primary control's over its own
+        pair = [name, name.split("@")[1]] if "@" in name else [stats.get(name, {}).get("control"), name]
+        if not all(n in costs and np.all(np.array(costs[n])[[2, 3]] > 0) for n in pair):
+            return ""  # a cost unknown (NaN fails > 0) or zero
+        f, w = np.array(costs[pair[0]])[[2, 3]] / np.array(costs[pair[1]])[[2, 3]]
+        return f"{f:.2f}×, {w:.2f}×"
+
+    table_rows = [
         (
             f"{n} (`{kept[n]}`)" if n in kept else n,
             stats.get(n),
@@ -1320,9 +1517,19 @@ def evaluate_and_report(args, output_dir, stages, *, base, seeds, grid, ok, wall
             )
             if n in stats
             else f"failed or skipped: see {n}/*.log",
+            ratio(n) if n != base_name else "",
         )
         for n, m, on_rm in rows
-    ]  # controls may come later
+    ]
+    methods = [n for n in stats if n != base_name and "@" not in n]
+    common_seeds = [x for x in seeds if all(any(s["seed"] == x for s in by_name[n]) for n in methods)]
+    tables = {
+        n: np.stack(
+            [res[next(s["name"] for s in by_name[n] if s["seed"] == x)]["score"] for x in common_seeds]
+        )
+        for n in methods
+    }
+    matrix = pairwise(tables, ALPHA) if len(methods) > 1 and common_seeds else {}
     held_out = [  # each reward model's held-out accuracies, as logged
         [
             r["eval/accuracy"]
@@ -1332,24 +1539,109 @@ def evaluate_and_report(args, output_dir, stages, *, base, seeds, grid, ok, wall
         for x in seeds
     ]
     accs = [a[-1] for a in held_out if a]  # each reward model's last held-out one
-    reward_acc = float(np.mean(accs)) if accs else None
-    with open(os.path.join(output_dir, "curves.json"), "w") as f:  # the right panel's points, to re-plot
-        json.dump({n: [c.tolist() for c in cs] for n, cs in score_curves.items()}, f)
-    return write_report(
+    extras = {
+        "reward_acc": float(np.mean(accs)) if accs else None,
+        "seeds": seeds,
+        "total": time.perf_counter() - t_start,
+        "matrix": matrix_md(matrix, methods, len(seeds)) if matrix else "(fewer than two methods)\n",
+    }
+    md = write_report(
         args,
         output_dir,
         stages=stages,
-        rows=rows,
+        rows=table_rows,
         stats=stats,
         costs=costs,
         curves=curves,
         score_curves=score_curves,
         sweep=sweep,
         base_name=base_name,
-        reward_acc=reward_acc,
-        seeds=seeds,
-        total=time.perf_counter() - t_start,
+        extras=extras,
     )
+    write_results(
+        args,
+        output_dir,
+        stages=stages,
+        stats=stats,
+        costs=costs,
+        sweep=sweep,
+        matrix=matrix,
+        extras=extras | {"kept": kept, "summary": md.split("\n\n")[0], "curves": score_curves},
+        test={k: res[k] for k in list(base_keys.values()) + [s["name"] for s in final]},
+        walls=walls,
+    )
+    return md
+
+
+def write_results(args, output_dir, *, stages, stats, costs, sweep, matrix, extras, test, walls):
+    """results.json (every number the report shows, the recipe and each value's source, every run's costs,
+    the eval curves) and scores.npz (the per-prompt test arrays each cell is computed from, `run|metric`)."""
+
+    def plain(x):  # numpy scalars and tuples -> JSON
+        return json.loads(json.dumps(x, default=lambda v: v.tolist() if hasattr(v, "tolist") else float(v)))
+
+    results = {
+        "command": "python compare.py " + shlex.join(sys.argv[1:]),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "minutes": extras["total"] / 60,
+        "cpu_cores": os.cpu_count(),
+        "seeds": extras["seeds"],
+        "summary": extras["summary"],
+        "rows": {
+            n: {
+                "stats": st,
+                "cost": dict(
+                    zip(("tokens_trained", "tokens_generated", "flops", "seconds"), costs.get(n, []))
+                ),
+            }
+            for n, st in stats.items()
+        },
+        "matrix": {f"{a} − {b}": list(v) for (a, b), v in matrix.items()},
+        "sweep": {
+            r: [
+                {"setting": t["setting"], "kept": t["kept"], **{k: t["stats"][k] for k in ("score", "delta")}}
+                for t in ts
+            ]
+            for r, ts in sweep.items()
+        },
+        "kept": extras["kept"],
+        "recipe": {
+            "learning_rate": args.learning_rate,
+            "budgets": {
+                k: getattr(args, k)
+                for k in ("sft_steps", "steps", "reward_steps", "ppo_steps", "grpo_steps", "rloo_steps")
+            },
+            "flags": {
+                r: [{"flags": f, "source": src} for f, src in RECIPE[r]]
+                for r in dict.fromkeys(s["recipe"] for s in stages)
+            },
+            "sources": {
+                "learning_rate": "--sweep's choice on the eval split (`sweep`, `kept`)"
+                if args.sweep
+                else "compare.py's --learning-rate, a stated default: the same for every row, not tuned",
+                "sft_steps": PILOT,
+                "budgets": BUDGET,
+                "controls": f"each at its row's FLOPs, within {MATCH:.0%}",
+            },
+        },
+        "runs": {
+            s["name"]: dict(
+                zip(
+                    ("tokens_trained", "tokens_generated", "flops", "seconds"),
+                    stage_cost(output_dir, s, walls),
+                )
+            )
+            | {"max_steps": json.load(open(os.path.join(output_dir, s["name"], "args.json")))["max_steps"]}
+            for s in stages
+            if os.path.exists(os.path.join(output_dir, s["name"], "args.json"))
+        },
+        "curves_eval": {n: [c.tolist() for c in cs] for n, cs in extras["curves"].items()},
+        "reward_model_accuracy": extras["reward_acc"],
+    }
+    with open(os.path.join(output_dir, "results.json"), "w") as f:
+        json.dump(plain(results), f, indent=1)
+    arrays = {f"{k}|{m}": np.asarray(v, np.float32) for k, a in test.items() for m, v in a.items()}
+    np.savez_compressed(os.path.join(output_dir, "scores.npz"), **arrays)
 
 
 if __name__ == "__main__":

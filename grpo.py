@@ -86,6 +86,9 @@ class Args(plumbing.RolloutArgs):
     """entropy bonus: L − coef × the mean entropy of the tokens that carry the policy loss (0: off)"""
     mask_truncated_completions: bool = False
     """leave completions that never stopped out of the loss (DAPO's overlong filtering)"""
+    accept_reward: float | None = None
+    """rejection-sampling fine-tuning instead of Â (RFT, Yuan et al. 2023; RAFT): Â 1 for a completion whose
+    reward reaches it, the rest out of the loss: SFT on the accepted samples; None: GRPO (compare.py's rft)"""
     # logging and outputs
     export_hf: bool = False
     """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
@@ -265,6 +268,14 @@ def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
     centred = grouped - grouped.mean(1, keepdims=True)  # [B/G, G]
     scale = {"group": std[:, None] + eps, "batch": rewards.std(ddof=1) + eps, "none": 1.0}[scale_rewards]
     return (centred / scale).reshape(-1), std
+
+
+def rft_advantages(rewards, accept_reward):
+    """Rejection sampling: rewards [B] -> (Â [B]: 1 where the reward reaches accept_reward, else 0; accepted
+    [B] bool). With the rest out of the loss, one on-policy update (ratio 1) is SFT's token-mean NLL step on
+    the accepted completions: no baseline, no negative gradient."""
+    accepted = np.asarray(rewards) >= accept_reward
+    return accepted.astype(np.float32), accepted
 
 
 def k3_kl(logps, ref_logps):
@@ -689,6 +700,9 @@ def main(args):
         advantages, group_std = jax.device_get(group_advantages(jnp.asarray(rewards), g, args.scale_rewards))
         if args.mask_truncated_completions:  # DAPO: a cut-off completion is not judged at all
             batch["response_mask"] = batch["response_mask"] & common.put_global(has_eos[:, None], on_data)
+        if args.accept_reward is not None:  # RFT: SFT on the accepted completions, the others out of the loss
+            advantages, accepted = rft_advantages(rewards, args.accept_reward)
+            batch["response_mask"] = batch["response_mask"] & common.put_global(accepted[:, None], on_data)
         batch["advantages"] = common.put_global(advantages, on_data)  # relative to the prompt's group (2)
         if off_policy or ref_params is not None:  # else neither π_old nor π_ref needs a forward
             batch.update(logps_fn(state[0] if off_policy else None, ref_params, frozen, batch))

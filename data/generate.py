@@ -24,6 +24,8 @@ toy.py's score, but with signals that differ. Its own RNG (seed 2), so the files
                            dropped digit) with probability SLIP, ranked by the checker: chosen scores higher
                            (ties drawn again)
   kto_{train,eval}.jsonl   the pairs unpaired, as above
+  chosen_{train,eval}.jsonl  each pair's chosen answer as a demonstration (prompt + completion): compare.py's
+                           sft-chosen control, the preference rows' information without the contrast
   prompts_{train,eval,test}.jsonl  prompt + answer: the RL prompts, the sweep's split, the reported split
 
 data/calculator/ holds grpo_tools.py's task (docs/grpo_tools.md; checker and tool: calculator.py): chat prompts
@@ -138,6 +140,10 @@ def compare_task():
         pairs = [ranked_pair(rng, p, a) for p, a in zip(ps, answers)]
         prefs = [{"prompt": p, "chosen": fmt(c), "rejected": fmt(r)} for p, (c, r) in zip(ps, pairs)]
         write(f"compare/prefs_{split}.jsonl", prefs)
+        write(
+            f"compare/chosen_{split}.jsonl",
+            [{"prompt": r["prompt"], "completion": r["chosen"]} for r in prefs],
+        )
         write(
             f"compare/kto_{split}.jsonl",
             [

@@ -243,6 +243,14 @@ def test_sweep_parsing_and_plan(tmp_path):
     for bad in ("sft.learning_rate=1e-3", "dpo.learning_rate=", "dpo=1", "orpo.beta=0.1", "dpo.bad-flag=1"):
         with pytest.raises(common.UsageError, match="--sweep"):
             compare.parse_sweep([bad], ["dpo", "grpo"])
+    # `all`: every row, controls included; a control's kind: each run of it
+    rows = ["dpo", "grpo", "sft-chosen@dpo", "rft@grpo"]
+    every = compare.parse_sweep(["all.learning_rate=2e-5,2e-4", "rft.beta=0.1"], rows)
+    assert list(every) == rows and every["dpo"] == [{"learning_rate": "2e-5"}, {"learning_rate": "2e-4"}]
+    assert every["rft@grpo"] == [
+        {"learning_rate": "2e-5", "beta": "0.1"},
+        {"learning_rate": "2e-4", "beta": "0.1"},
+    ]
     args = compare.Args(
         methods="sft,dpo,simpo",
         seeds=2,
@@ -250,25 +258,27 @@ def test_sweep_parsing_and_plan(tmp_path):
         sweep=("dpo.learning_rate=1e-6,5e-6",),
         dpo_args="--learning-rate 1e-5",
     )
-    stages, base, seeds, _ = compare.plan(args, str(tmp_path))
+    stages, bases, seeds, _ = compare.plan(args, str(tmp_path))
     assert seeds == [5, 6] and [s["name"] for s in stages] == [
-        "sft",
+        "sft/seed5",
         "dpo/learning_rate_1e-6/seed5",
         "dpo/learning_rate_5e-6/seed5",
         "simpo/seed5",
+        "sft/seed6",
         "dpo/learning_rate_1e-6/seed6",
         "dpo/learning_rate_5e-6/seed6",
         "simpo/seed6",
     ]
-    dpo = stages[4]["flags"]
+    dpo = stages[5]["flags"]
     assert dpo[-2:] == [
         "--learning-rate",
         "1e-6",
     ]  # the swept value comes last: it overrides the pass-through
-    assert dpo[dpo.index("--seed") + 1] == "6" and dpo[dpo.index("--model") + 1] == base
-    assert (
-        stages[0]["flags"][stages[0]["flags"].index("--seed") + 1] == "5"
-    )  # one shared SFT base, seed --seed
+    assert dpo[dpo.index("--seed") + 1] == "6" and dpo[dpo.index("--model") + 1] == bases[6]
+    # each seed its own SFT base, trained with that seed, and its rows start from it
+    assert bases == {s: str(tmp_path / "sft" / f"seed{s}" / "model") for s in (5, 6)}
+    assert [last(stages[i]["flags"], "--seed") for i in (0, 4)] == ["5", "6"]
+    assert stages[5]["needs"] == ["sft/seed6"]
     assert dpo[dpo.index("--output-dir") + 1] == str(tmp_path / "dpo" / "learning_rate_1e-6" / "seed6")
 
 
@@ -304,12 +314,18 @@ def test_run_cost_from_logged_numbers(tmp_path):
         "–",
     ]
     table = compare.table(
-        [("a", None, [55648.0, 0.0, 5e9, 1.0], ""), ("b", None, [1.1e5, 0.0, 2.5e12, 1.0], "")], "a", False
+        [
+            ("a", None, [55648.0, 0.0, 5e9, 1.0], "", ""),
+            ("b", None, [1.1e5, 0.0, 2.5e12, 1.0], "", "1.02×, 0.7×"),
+        ],
+        "a",
+        False,
     )
     assert [line.split(" | ")[8:11] for line in table.splitlines()[2:]] == [
         ["0.06M", "0", "5.00e09"],
         ["0.11M", "0", "2.50e12"],
     ]  # one unit a column: its largest value's
+    assert [line.split(" | ")[12] for line in table.splitlines()[2:]] == ["–", "1.02×, 0.7×"]
     assert compare.fmt((0.5581, 0.0312)) == "0.558 ± 0.031"
 
 
@@ -319,33 +335,66 @@ def last(flags, name):
 
 
 def test_plan_controls_and_task_data(tmp_path):
-    """--task compare: each script reads data/compare/ (its own files); sft+ runs --steps updates of twice the
-    preference batch from the base at its own rate; sft+rl waits for its seed's RL runs for its step count."""
-    args = compare.Args(methods="sft,sft+,dpo,kto,grpo,sft+rl", seeds=1, steps=7, grpo_steps=3)
+    """--task compare: each script reads data/compare/ (its own files); every control runs once per row it reads,
+    after that row (its step count comes from the row's logged FLOPs): sft-chosen, the chosen answers, reads
+    the preference rows and PPO on a reward model; rft, grpo.py --accept-reward on the prompts, the checker
+    rows; sft+, the demonstrations, every row. Every row after SFT, controls too, at --learning-rate."""
+    args = compare.Args(methods="sft,dpo,kto,ppo,grpo,sft+,sft-chosen,rft", seeds=1, steps=7, grpo_steps=3)
     stages = {s["name"]: s for s in compare.plan(args, str(tmp_path))[0]}
-    assert list(stages) == ["sft", "dpo/seed0", "kto/seed0", "sft+/seed0", "grpo/seed0", "sft+rl/seed0"]
+    assert list(stages) == [
+        "sft/seed0",
+        "reward/seed0",
+        "dpo/seed0",
+        "kto/seed0",
+        "ppo/seed0",
+        "ppo_fn/seed0",
+        "grpo/seed0",
+        "sft+@dpo/seed0",
+        "sft-chosen@dpo/seed0",
+        "sft+@kto/seed0",
+        "sft-chosen@kto/seed0",
+        "sft+@ppo/seed0",
+        "sft-chosen@ppo/seed0",
+        "sft+@ppo_fn/seed0",
+        "rft@ppo_fn/seed0",
+        "sft+@grpo/seed0",
+        "rft@grpo/seed0",
+    ]
     data = os.path.join(ROOT, "data", "compare")
     expect = {
-        "sft": "sft_train",
+        "sft/seed0": "sft_train",
         "dpo/seed0": "prefs_train",
         "kto/seed0": "kto_train",
-        "sft+/seed0": "sft_train",
         "grpo/seed0": "prompts_train",
-        "sft+rl/seed0": "sft_train",
+        "sft+@grpo/seed0": "sft_train",
+        "sft-chosen@dpo/seed0": "chosen_train",
+        "rft@grpo/seed0": "prompts_train",
     }
     for name, file in expect.items():
         assert last(stages[name]["flags"], "--dataset") == os.path.join(data, file + ".jsonl"), name
-    plus, dpo = stages["sft+/seed0"]["flags"], stages["dpo/seed0"]["flags"]
-    assert last(plus, "--max-steps") == last(dpo, "--max-steps") == "7"
-    assert int(last(plus, "--batch-size")) == 2 * int(last(dpo, "--batch-size"))  # 64 sequences each
-    assert (
-        last(plus, "--model") == str(tmp_path / "sft" / "model") and last(plus, "--learning-rate") == "1e-4"
-    )
-    assert last(dpo, "--learning-rate") == str(args.learning_rate)
-    rl = stages["sft+rl/seed0"]
-    assert "--max-steps" not in rl["flags"] and rl["needs"] == ["sft", "sft+/seed0", "grpo/seed0"]
+    chosen = [json.loads(line) for line in open(os.path.join(data, "chosen_train.jsonl"))]
+    pairs = [json.loads(line) for line in open(os.path.join(data, "prefs_train.jsonl"))]
+    assert [(c["prompt"], c["completion"]) for c in chosen] == [(p["prompt"], p["chosen"]) for p in pairs]
+    rft, ctl, dpo = stages["rft@grpo/seed0"], stages["sft-chosen@dpo/seed0"], stages["dpo/seed0"]["flags"]
+    assert rft["script"].endswith("grpo.py") and last(rft["flags"], "--accept-reward") == "1.0"
+    assert last(rft["flags"], "--reward-fn") == args.reward_fn and last(rft["flags"], "--beta") == "0.0"
+    assert ctl["script"].endswith("sft.py") and int(last(ctl["flags"], "--batch-size")) == 64
+    assert "--max-steps" not in rft["flags"] + ctl["flags"]  # known once the row has run
+    assert ctl["match"] == ["dpo/seed0"] and ctl["needs"] == ["sft/seed0", "dpo/seed0"]
+    assert stages["sft-chosen@ppo/seed0"]["match"] == ["ppo/seed0"] and rft["match"] == ["grpo/seed0"]
+    assert {s["via"] for n, s in stages.items() if "@" in n} == {
+        "--sft-args",
+        "--sft-chosen-args",
+        "--rft-args",
+    }
+    rates = {
+        last(s["flags"], "--learning-rate")
+        for n, s in stages.items()
+        if n.split("/")[0] not in ("sft", "reward")
+    }
+    assert rates == {str(args.learning_rate)} and last(dpo, "--max-steps") == "7"
     # the curves' checkpoints: every steps / (3 + 1) updates, all kept; none with --curve-points 0
-    assert [last(stages[n]["flags"], "--save-every") for n in ("sft", "dpo/seed0", "grpo/seed0")] == [
+    assert [last(stages[n]["flags"], "--save-every") for n in ("sft/seed0", "dpo/seed0", "grpo/seed0")] == [
         "250",
         "1",
         "1",
@@ -361,6 +410,8 @@ def test_plan_controls_and_task_data(tmp_path):
     assert compare.task_prompts(dataclasses.replace(args, task="toy"))[1] == os.path.join(
         ROOT, "data", "prompts_test.jsonl"
     )
+    # every value of the recipe has a source
+    assert all(flags and source for groups in compare.RECIPE.values() for flags, source in groups)
 
 
 def test_compare_never_mixes_tasks(tmp_path):
@@ -382,7 +433,7 @@ def test_compare_never_mixes_tasks(tmp_path):
         "--dpo-args: add --eval-dataset FILE or --eval-split SPLIT (--eval-dataset '' for none), else dpo is "
         f"evaluated on the task's {os.path.relpath(os.path.join(ROOT, task, 'prefs_eval.jsonl'))}; "
         "--grpo-args: add --dataset (your prompts); pass --test-prompts FILE (your held-out prompts, scored by "
-        "--reward-fn)"
+        "--reward-fn); pass --eval-prompts FILE (where --sweep chooses and the curves are scored)"
     )
     assert not (tmp_path / "cmp").exists()
     fixed = mine + [
@@ -391,6 +442,8 @@ def test_compare_never_mixes_tasks(tmp_path):
         "--grpo-args=--dataset my_prompts.jsonl",
         "--test-prompts",
         "my_test.jsonl",
+        "--eval-prompts",
+        "my_eval.jsonl",
     ]
     args = plumbing.cli(compare.Args, fixed)
     stages = compare.plan(args, str(tmp_path))[0]
@@ -400,15 +453,15 @@ def test_compare_never_mixes_tasks(tmp_path):
     ):
         assert last(s["flags"], "--dataset") == data + ".jsonl" and s["flags"][-len(s["own"]) :] == s["own"]
         assert held_out is None or last(s["flags"], "--eval-dataset") == held_out
-    with pytest.raises(plumbing.UsageError, match="--eval-prompts FILE \\(where --sweep chooses\\)"):
-        compare.check_data(args, stages, {"dpo": [{"beta": "0.1"}]})
+    with pytest.raises(plumbing.UsageError, match="--eval-prompts FILE \\(where --sweep chooses"):
+        compare.check_data(dataclasses.replace(args, eval_prompts=None), stages, {})
     real = dataclasses.replace(args, model="gemma_2b", sft_args="", dpo_args="", grpo_args="")
     with pytest.raises(
         plumbing.UsageError,
         match="^--model gemma_2b is not `tiny`, .*--sft-args: add --dataset \\(your demonstrations\\); --dpo-args: add --dataset \\(your preference pairs\\); --grpo-args: add --dataset \\(your prompts\\)$",
     ):
         compare.check_data(real, compare.plan(real, str(tmp_path))[0], {})
-    task_args = compare.Args(methods="sft,sft+,dpo,kto,ppo,grpo,rloo,sft+rl", seeds=1)
+    task_args = compare.Args(methods="sft,sft+,dpo,kto,ppo,grpo,rloo,sft-chosen,rft", seeds=1)
     compare.check_data(
         task_args, compare.plan(task_args, str(tmp_path))[0], {}
     )  # the task's data: nothing asked
@@ -421,7 +474,7 @@ def test_quick_fills_in_what_was_not_given():
 
     args = plumbing.cli(compare.Args, compare.quick_argv(["--quick", "--steps", "20", "--seeds", "3"]))
     assert (args.methods, args.seeds, args.sft_steps, args.steps, args.curve_points, args.quick) == (
-        "sft,sft+,dpo,grpo,sft+rl",
+        "sft,dpo,grpo,sft-chosen,rft",
         3,
         150,
         20,
@@ -446,63 +499,163 @@ def test_sft_plus_matches_preference_tokens():
     assert abs(64 * demo / (32 * pair) - 1) < 0.05, (demo, pair)
 
 
-def test_matched_steps_from_logged_flops(tmp_path):
-    """sft+rl's updates = mean RL FLOPs of its seed / FLOPs of one sft+ update: (2.5e9 + 3.5e9) / 2 / 1e8 = 30."""
+def test_controls_match_their_rows_flops(tmp_path, monkeypatch):
+    """A control's updates = its row's logged FLOPs (PPO's with its reward model) / one update's of a finished
+    run of its kind: (2.5e9 + 0.5e9) / (1e9 / 10) = 30. A stand-in for the script logs 1e8 FLOPs an update, then
+    1.5e8 (the estimate 50% off): the first run misses by more than MATCH and runs again at its own FLOPs a
+    step, 3e9 / 1.5e8 = 20 updates, once; a run that matches is not repeated."""
 
     def run(name, flops, steps=None):
         d = tmp_path / name
-        d.mkdir(parents=True)
+        d.mkdir(parents=True, exist_ok=True)
         (d / "metrics.jsonl").write_text(
             "".join(json.dumps({"step": i, "charts/flops": f}) + "\n" for i, f in enumerate(flops))
         )
-        if steps:
-            (d / "args.json").write_text(json.dumps({"max_steps": steps}))
+        (d / "args.json").write_text(json.dumps({"max_steps": steps or len(flops)}))
 
-    run("sft+/seed0", [4e8, 6e8], steps=10)
-    run("grpo/seed0", [1e9, 1.5e9])
-    run("rloo/seed0", [3.5e9])
-    stage = {"name": "sft+rl/seed0", "needs": ["sft", "sft+/seed0", "grpo/seed0", "rloo/seed0"]}
-    assert compare.matched_steps(str(tmp_path), stage) == (2.5e9 + 3.5e9) / 2 / (1e9 / 10) == 30
-    with pytest.raises(compare.RunsFailed, match="sft\\+rl/seed0"):
-        compare.matched_steps(str(tmp_path), {"name": "sft+rl/seed0", "needs": ["sft", "grpo/seed0"]})
+    run("sft-chosen@dpo/seed0", [4e8, 6e8], steps=10)
+    run("ppo/seed0", [1e9, 1.5e9])
+    run("reward/seed0", [0.5e9])
+    ppo = {"name": "ppo/seed0", "needs": ["sft/seed0", "reward/seed0"], "recipe": "ppo", "script": "ppo.py"}
+    ctl = {"recipe": "sft-chosen", "script": "sft.py", "needs": [], "flags": ["--batch-size", "64"]}
+    done = [dict(ctl, name="sft-chosen@dpo/seed0"), dict(ppo, flags=["--batch-size", "32"])]
+    stage = dict(ctl, name="sft-chosen@ppo/seed0", match=["ppo/seed0"])
+    assert compare.target_flops(str(tmp_path), stage, done, {}) == 3e9
+    assert compare.flops_per_step(str(tmp_path / "sft-chosen@dpo/seed0")) == 1e8
+    assert compare.matched_steps(3e9, 1e8) == 30 and compare.matched_steps(1.0, 1e8) == 1
+    with pytest.raises(compare.RunsFailed, match="sft-chosen@ppo/seed0"):
+        compare.target_flops(str(tmp_path), stage, done[:1], {})
+    ran = []
+
+    def fake(i, n, stage, output_dir):  # the script: 1.5e8 FLOPs an update
+        steps = int(last(stage["flags"], "--max-steps"))
+        ran.append(steps)
+        run(stage["name"], [1.5e8] * steps)
+        return True, 1.0
+
+    monkeypatch.setattr(compare, "run_stage", fake)
+    flags = ["--model", "base", "--batch-size", "64", "--seed", "0"]
+    ok = compare.run_control(
+        1, 1, dict(stage, flags=flags), str(tmp_path), done=done, walls={}, curve_points=0
+    )
+    assert ok == (True, 1.0) and ran == [30, 20]  # 4.5e9 is 50% over 3e9: once more, at 1.5e8 an update
+    assert compare.run_cost(str(tmp_path / "sft-chosen@ppo/seed0"))[2] == 3e9
+    ran.clear()
+    done.append(dict(ctl, name="sft-chosen@ppo/seed0"))
+    stage2 = dict(stage, name="sft-chosen@ppo/seed1", flags=flags)
+    assert compare.run_control(1, 1, stage2, str(tmp_path), done=done, walls={}, curve_points=0)[0]
+    assert ran == [20]  # its kind's last run's FLOPs a step: matched at once
+
+
+def test_distill_counts_its_teachers_training(tmp_path):
+    """distill's cost: its own logged FLOPs (2e9) and wall (10 s) plus, when its teacher is a run's model/, that
+    run's logged FLOPs (3e9 + 3e9) and training seconds (tokens / tokens per second: 100/50 + 300/100 = 5 s);
+    tokens trained add up too, tokens generated are the student's."""
+    teacher = tmp_path / "grpo/seed0"
+    (teacher / "model").mkdir(parents=True)
+    rows = [
+        {"step": 1, "charts/tokens": 100.0, "charts/tokens_per_sec": 50.0, "charts/flops": 3e9},
+        {"step": 2, "charts/tokens": 300.0, "charts/tokens_per_sec": 100.0, "charts/flops": 3e9},
+    ]
+    (teacher / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    student = tmp_path / "distill/seed0"
+    student.mkdir(parents=True)
+    (student / "metrics.jsonl").write_text(
+        json.dumps({"step": 1, "charts/tokens": 40.0, "charts/generated_tokens": 7.0, "charts/flops": 2e9})
+        + "\n"
+    )
+    stage = {"name": "distill/seed0", "needs": [], "flags": ["--teacher-model", str(teacher / "model")]}
+    walls = {"distill/seed0": 10.0}
+    assert compare.stage_cost(str(tmp_path), stage, walls) == [440.0, 7.0, 8e9, 15.0]
+    assert compare.stage_cost(str(tmp_path), dict(stage, flags=[]), walls) == [40.0, 7.0, 2e9, 10.0]
+
+
+def test_jobs_run_independent_runs_together(tmp_path, monkeypatch):
+    """--jobs 2 (the scripts replaced): dpo and grpo run at once (dpo's run waits until grpo's has started), each
+    control only after its row finished, a base before its rows; a failed row's control is skipped; under
+    --keep-finished a run whose model/ exists is kept with the seconds walls.json recorded, not run again."""
+    import threading
+
+    args = compare.Args(methods="sft,dpo,grpo,sft-chosen,rft", seeds=1, jobs=2, curve_points=0)
+    stages = compare.plan(args, str(tmp_path))[0]
+    grpo_started = threading.Event()
+    events = []
+
+    def fake(i, n, stage, output_dir):
+        name = stage["name"]
+        events.append(("start", name))
+        if name == "grpo/seed0":
+            grpo_started.set()
+        if name == "dpo/seed0":
+            assert grpo_started.wait(timeout=60), "grpo never ran beside dpo"
+        d = tmp_path / name
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "charts/flops": 1e9}) + "\n")
+        (d / "args.json").write_text(json.dumps({"max_steps": 1}))
+        events.append(("end", name))
+        return name != "grpo/seed0", 2.0  # grpo fails
+
+    monkeypatch.setattr(compare, "run_stage", fake)
+    ok, walls = compare.run_stages(args, stages, str(tmp_path))
+    assert ok == {
+        "sft/seed0": True,
+        "dpo/seed0": True,
+        "grpo/seed0": False,
+        "sft-chosen@dpo/seed0": True,
+        "rft@grpo/seed0": False,
+    }
+    at = {e: events.index(e) for e in events}
+    assert at["end", "sft/seed0"] < at["start", "dpo/seed0"] and ("start", "rft@grpo/seed0") not in at
+    assert at["end", "dpo/seed0"] < at["start", "sft-chosen@dpo/seed0"] and walls["rft@grpo/seed0"] == 0.0
+    (tmp_path / "sft/seed0/model").mkdir()
+    events.clear()
+    keep = dataclasses.replace(args, methods="sft", keep_finished=True)
+    assert compare.run_stages(keep, compare.plan(keep, str(tmp_path))[0], str(tmp_path)) == (
+        {"sft/seed0": True},
+        {"sft/seed0": 2.0},
+    )
+    assert events == []
 
 
 def test_delta_against_control_worked_example(tmp_path, monkeypatch):
-    """The report from synthetic per-prompt scores (2 seeds × 4 prompts, the evaluation replaced): dpo − sft
-    = 0.25 everywhere (± 0); dpo − sft+
-    = [0, .5, 0, 1] on both seeds -> mean 0.375; identical seeds leave the prompts' spread: var = s²/P with
-    s² = (.375² + .125² + .375² + .625²)/3, df 3 -> ± t_.975(3)·√(s²/4). grpo is read against sft+rl, sft+
-    against sft only. The score-against-FLOPs curve of a grpo seed: sft's point (its logged 5e9 FLOPs, its
-    score 0.625), a checkpoint at step 1 (5e9 + grpo's 2e9 so far, the checkpoint's 0.9), the end (8e9, 1.0).
-    The summary, Holm over the 6 "beats" claims (one-sided p: dpo − sft and grpo − sft+rl 0 (no spread), grpo − sft
-    [.25, .25, .75, .25]: t = .375 / .125 = 3 on 3 df, p = 0.029 > 0.025 / 4; dpo − sft+ 0.11; sft+ and sft+rl
-    − sft below 0): dpo beats sft, grpo beats sft+rl, nothing else; at one seed no claim."""
-    args = compare.Args(methods="sft,sft+,dpo,grpo,sft+rl", seeds=3, output_dir=str(tmp_path))
+    """The report from synthetic per-prompt scores (3 seeds × 4 prompts, the evaluation replaced): dpo − sft
+    = 0.25 everywhere (± 0); dpo − sft-chosen@dpo = [0, .5, 0, 1] on every seed -> mean 0.375; identical seeds
+    leave the prompts' spread: var = s²/P with s² = (.375² + .125² + .375² + .625²)/3, df 3 -> ± t_.975(3)·√(s²/4).
+    grpo is read against rft@grpo, the controls against sft only. The score-against-FLOPs curve of a grpo seed
+    (eval split): its base's point (logged 5e9 FLOPs, score 0.625), a checkpoint at step 1 (5e9 + grpo's 2e9 so
+    far, the checkpoint's 0.9), the end (8e9, 1.0). The summary, Holm over the 6 "beats" claims (one-sided p:
+    dpo − sft and grpo − rft 0 (no spread), grpo − sft [.25, .25, .75, .25]: t = .375 / .125 = 3 on 3 df, p =
+    0.029 > 0.025 / 4; dpo − sft-chosen 0.11; the controls − sft below 0): dpo beats sft but not sft-chosen,
+    grpo clears rft, nothing else; the Δ matrix grpo − dpo = [0, 0, .5, 0]: +0.125 ± t_.975(3)·√(.0625/4);
+    the test split read once; at one seed no claim."""
+    args = compare.Args(methods="sft,dpo,grpo,sft-chosen,rft", seeds=3, output_dir=str(tmp_path))
     args = dataclasses.replace(
         args, **dict(zip(("eval_prompts", "test_prompts"), compare.task_prompts(args)))
     )
-    stages, base, seeds, grid = compare.plan(args, str(tmp_path))
+    stages, bases, seeds, grid = compare.plan(args, str(tmp_path))
     scores = {
         "sft": [0.75, 0.75, 0.25, 0.75],
-        "sft+": [1.0, 0.5, 0.5, 0.0],
+        "sft-chosen@dpo": [1.0, 0.5, 0.5, 0.0],
         "dpo": [1.0, 1.0, 0.5, 1.0],
-        "sft+rl": [0.0, 0.0, 0.0, 0.0],
+        "rft@grpo": [0.0, 0.0, 0.0, 0.0],
         "grpo": [1.0, 1.0, 1.0, 1.0],
     }
     arrays = lambda row: {k: np.array(scores[row]) for k in ("score", "score_sampled")} | {"kl": np.zeros(4)}
+    read = []  # the prompt files evaluated, in order
+
+    def evaluate_models(a, prompts, b, jobs, d):
+        read.append(prompts)
+        return {k: arrays(k.split("/")[0]) for k, *_ in jobs}
+
+    monkeypatch.setattr(compare, "evaluate_models", evaluate_models)
     monkeypatch.setattr(
-        compare,
-        "evaluate_models",
-        lambda a, prompts, b, jobs, d: {k: arrays(k.split("/")[0].split(" ")[0]) for k, *_ in jobs},
-    )
-    monkeypatch.setattr(
-        compare, "checkpoint_scores", lambda a, b, dirs: {d: [(1, 0.9)] for d in dirs if "grpo" in d}
-    )
-    (tmp_path / "sft").mkdir()
-    (tmp_path / "sft/metrics.jsonl").write_text(
-        json.dumps({"step": 5, "train/loss": 1.0, "charts/flops": 5e9})
+        compare, "checkpoint_scores", lambda a, b, dirs: {d: [(1, 0.9)] for d in dirs if "grpo/" in d}
     )
     for seed in seeds:
+        (tmp_path / f"sft/seed{seed}").mkdir(parents=True)
+        (tmp_path / f"sft/seed{seed}/metrics.jsonl").write_text(
+            json.dumps({"step": 5, "train/loss": 1.0, "charts/flops": 5e9})
+        )
         (tmp_path / f"grpo/seed{seed}").mkdir(parents=True)
         (tmp_path / f"grpo/seed{seed}/metrics.jsonl").write_text(
             "".join(
@@ -512,8 +665,9 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
         )
     ok = {s["name"]: True for s in stages}
     md = compare.evaluate_and_report(
-        args, str(tmp_path), stages, base=base, seeds=seeds, grid=grid, ok=ok, walls={}, t_start=0.0
+        args, str(tmp_path), stages, bases=bases, seeds=seeds, grid=grid, ok=ok, walls={}, t_start=0.0
     )
+    assert read == [args.eval_prompts, args.test_prompts]  # every run on eval; test once, at the end
     cells = {
         r.split("**")[1]: [c.strip() for c in r.split("|")[2:-1]]
         for r in md.splitlines()
@@ -522,26 +676,47 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
     s2 = (0.375**2 + 0.125**2 + 0.375**2 + 0.625**2) / 3
     h = compare.t_quantile(0.975, 3) * np.sqrt(s2 / 4)
     assert abs(h - 3.182446 * np.sqrt(s2 / 4)) < 1e-5
+    assert cells["dpo"][2] == f"0.375 ± {h:.3f} (sft-chosen@dpo)" and cells["dpo"][1] == "0.250 ± 0.000"
     assert (
-        cells["dpo"][2] == f"0.375 ± {h:.3f} (sft+)" and cells["dpo"][1] == "0.250 ± 0.000"
-    )  # dpo − sft: .25
-    assert cells["grpo"][2] == "1.000 ± 0.000 (sft+rl)" and cells["sft+"][2] == "–" and cells["sft"][2] == "–"
+        cells["grpo"][2] == "1.000 ± 0.000 (rft@grpo)"
+        and cells["sft-chosen@dpo"][2] == cells["sft"][2] == "–"
+    )
+    assert list(cells) == ["sft", "dpo", "sft-chosen@dpo", "grpo", "rft@grpo"]  # each row, then its control
     assert (
         cells["dpo"][-1]
-        == f"beats sft (Δ +0.250 ± 0.000); within noise of sft+ (Δ +0.375 ± {h:.3f} covers 0)"
+        == f"beats sft (Δ +0.250 ± 0.000); within noise of sft-chosen@dpo (Δ +0.375 ± {h:.3f} covers 0)"
     )
     assert abs(compare.p_above_zero(np.tile([0.25, 0.25, 0.75, 0.25], (3, 1))) - 0.02883) < 1e-4
-    assert md.splitlines()[1:4] == [
+    assert md.splitlines()[1:5] == [
+        "- **Against the control matched in information** (a preference row must clear sft-chosen, a checker "
+        f"row rft): cleared by grpo; dpo − sft-chosen@dpo +0.375 ± {h:.3f}",
         "- **dpo** beats sft (Δ +0.250 ± 0.000), at – FLOPs, 0 s a run",
-        "- **grpo** beats sft+rl (Δ +1.000 ± 0.000), at 3.00e09 FLOPs, 0 s a run",
-        "- no claim holds for sft+, sft+rl",
+        "- **grpo** beats rft@grpo (Δ +1.000 ± 0.000), at 3.00e09 FLOPs, 0 s a run",
+        "- no claim holds for sft-chosen@dpo, rft@grpo",
     ]
     assert "Holm's correction over the table's 6 \"beats\" claims" in md.splitlines()[0]
+    report = (tmp_path / "comparison.md").read_text()
+    hm = compare.t_quantile(0.975, 3) * np.sqrt(0.0625 / 4)  # grpo − dpo: s² of [0, 0, .5, 0] = .0625
+    assert (
+        f"| **grpo** | +0.125 ± {hm:.3f} | – |" in report and f"| **dpo** | – | -0.125 ± {hm:.3f} |" in report
+    )
+    results = json.loads((tmp_path / "results.json").read_text())
+    assert (
+        results["matrix"]["grpo − dpo"][:2] == pytest.approx([0.125, hm])
+        and not results["matrix"]["grpo − dpo"][2]
+    )
+    assert results["rows"]["dpo"]["stats"]["versus"]["sft-chosen@dpo"]["delta"] == pytest.approx([0.375, h])
+    assert all(
+        f and src
+        for f, src in ((g["flags"], g["source"]) for gs in results["recipe"]["flags"].values() for g in gs)
+    )
+    npz = np.load(tmp_path / "scores.npz")
+    np.testing.assert_array_equal(npz["dpo/seed1|score"], scores["dpo"])  # each cell recomputable
     one = compare.evaluate_and_report(
         dataclasses.replace(args, seeds=1),
         str(tmp_path),
         [s for s in stages if s["seed"] == 0],
-        base=base,
+        bases=bases,
         seeds=[0],
         grid=grid,
         ok=ok,
@@ -550,12 +725,12 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
     )
     assert one.startswith("**Summary: 1 seed(s), needs ≥ 3 seeds.** The intervals are over prompts only")
     assert "beats" not in one.split("\n\n")[0] and "grpo +0.375 ± 0.398" in one  # ranked by Δ vs sft
-    assert "needs ≥ 3 seeds vs sft (Δ +0.250 ± 0.000); needs ≥ 3 seeds vs sft+ (Δ +0.375" in one
+    assert "needs ≥ 3 seeds vs sft (Δ +0.250 ± 0.000); needs ≥ 3 seeds vs sft-chosen@dpo (Δ +0.375" in one
     assert "beats" not in one and "within noise" not in one
     assert (tmp_path / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    curves = json.loads((tmp_path / "curves.json").read_text())
+    curves = json.loads((tmp_path / "results.json").read_text())["curves_eval"]
     np.testing.assert_allclose(curves["grpo"], [[[5e9, 0.625], [7e9, 0.9], [8e9, 1.0]]])
-    np.testing.assert_allclose(curves["sft"], [[[5e9, 0.625]]])  # one model, no checkpoint: its end
+    np.testing.assert_allclose(curves["sft"], [[[5e9, 0.625]]])  # seed 0's base, no checkpoint: its end
     assert "dpo" not in curves  # its FLOPs were never logged: no curve
 
 
@@ -646,17 +821,18 @@ def test_compare_plan_reward_model_for_ppo(tmp_path):
         seeds=1,
         output_dir=str(tmp_path),
     )
-    stages, base, _, _ = compare.plan(args, str(tmp_path))
+    stages, bases, _, _ = compare.plan(args, str(tmp_path))
     names = [s["name"] for s in stages]
-    assert names == ["sft", "reward/seed0", "dpo/seed0", "ppo/seed0", "ppo_fn/seed0"]
-    assert base == str(tmp_path / "sft" / "model")
+    assert names == ["sft/seed0", "reward/seed0", "dpo/seed0", "ppo/seed0", "ppo_fn/seed0"]
+    base = bases[0]
+    assert base == str(tmp_path / "sft" / "seed0" / "model")
     dpo, ppo, ppo_fn = stages[2]["flags"], stages[3]["flags"], stages[4]["flags"]
     assert dpo[dpo.index("--model") + 1] == base and dpo[dpo.index("--max-steps") + 1] == "7"
     assert dpo[-4:] == ["--beta", "0.2", "--learning-rate", "1e-5"]  # pass-through comes last: it overrides
     assert ppo[ppo.index("--reward-model") + 1] == str(tmp_path / "reward" / "seed0" / "model")
     # compare's rate, not ppo.py's real-model default (3e-6): the RL rows are not controls
     assert last(ppo, "--learning-rate") == last(ppo_fn, "--learning-rate") == str(args.learning_rate)
-    assert stages[3]["needs"] == ["sft", "reward/seed0"] and stages[4]["needs"] == ["sft"]
+    assert stages[3]["needs"] == ["sft/seed0", "reward/seed0"] and stages[4]["needs"] == ["sft/seed0"]
     assert ppo_fn[ppo_fn.index("--reward-fn") + 1] == args.reward_fn and "--reward-model" not in ppo_fn
     only_fn = compare.plan(compare.Args(methods="ppo", ppo_reward="fn", seeds=1), str(tmp_path))[0]
     assert [s["name"] for s in only_fn] == ["ppo/seed0"] and "--model" in only_fn[0]["flags"]
@@ -664,7 +840,7 @@ def test_compare_plan_reward_model_for_ppo(tmp_path):
     grpo = compare.plan(
         compare.Args(methods="sft,grpo", grpo_steps=5, grpo_args="--beta 0", seeds=1), str(tmp_path)
     )[0][1]
-    assert grpo["name"] == "grpo/seed0" and grpo["needs"] == ["sft"]
+    assert grpo["name"] == "grpo/seed0" and grpo["needs"] == ["sft/seed0"]
     assert grpo["flags"][grpo["flags"].index("--max-steps") + 1] == "5" and grpo["flags"][-2:] == [
         "--beta",
         "0",
@@ -673,7 +849,9 @@ def test_compare_plan_reward_model_for_ppo(tmp_path):
     rloo = compare.plan(
         compare.Args(methods="sft,rloo", rloo_steps=6, rloo_args="--beta 0", seeds=1), str(tmp_path)
     )[0][1]
-    assert rloo["name"] == "rloo/seed0" and rloo["needs"] == ["sft"] and rloo["script"].endswith("rloo.py")
+    assert (
+        rloo["name"] == "rloo/seed0" and rloo["needs"] == ["sft/seed0"] and rloo["script"].endswith("rloo.py")
+    )
     assert rloo["flags"][rloo["flags"].index("--max-steps") + 1] == "6" and rloo["flags"][-2:] == [
         "--beta",
         "0",
@@ -683,7 +861,7 @@ def test_compare_plan_reward_model_for_ppo(tmp_path):
 
 def test_plan_distill_row_needs_a_teacher(tmp_path):
     """distill: from the base, --steps updates on the task's prompts, graded by --teacher-model; read against
-    sft+ (same steps); without a teacher the plan refuses before anything runs."""
+    sft+ at its FLOPs; without a teacher the plan refuses before anything runs."""
     args = compare.Args(
         methods="sft,sft+,distill",
         steps=7,
@@ -692,16 +870,19 @@ def test_plan_distill_row_needs_a_teacher(tmp_path):
         distill_args="--beta 0.5",
     )
     stages = {s["name"]: s for s in compare.plan(args, str(tmp_path))[0]}
-    assert list(stages) == ["sft", "distill/seed0", "sft+/seed0"]
+    assert list(stages) == ["sft/seed0", "distill/seed0", "sft+@distill/seed0"]
     flags = stages["distill/seed0"]["flags"]
     assert stages["distill/seed0"]["script"].endswith("distill.py") and stages["distill/seed0"]["needs"] == [
-        "sft"
+        "sft/seed0"
     ]
     assert last(flags, "--teacher-model") == "runs/teacher/model" and last(flags, "--max-steps") == "7"
-    assert last(flags, "--model") == str(tmp_path / "sft" / "model") and flags[-2:] == ["--beta", "0.5"]
+    assert last(flags, "--model") == str(tmp_path / "sft" / "seed0" / "model") and flags[-2:] == [
+        "--beta",
+        "0.5",
+    ]
     assert last(flags, "--dataset") == os.path.join(ROOT, "data", "compare", "prompts_train.jsonl")
     assert "--eval-dataset" not in flags and last(flags, "--learning-rate") == str(args.learning_rate)
-    assert compare.CONTROL.get("distill", "sft+") == "sft+" and "distill" not in compare.Args().methods
+    assert "teacher" in compare.CONTROLS["sft+"] and "distill" not in compare.Args().methods
     with pytest.raises(common.UsageError, match="--teacher-model"):
         compare.plan(dataclasses.replace(args, teacher_model=None), str(tmp_path))
 
@@ -724,9 +905,9 @@ def test_compare_failed_run_ends_in_runs_failed(tmp_path, monkeypatch, capsys):
 
 
 def test_compare_end_to_end_tiny_budget(tmp_path):
-    """sft 20 steps, then a forked dpo (--extra) 4 steps with a 2-value --sweep and 2 seeds: rows with intervals
-    and costs, the setting picked on the eval split and only it scored on the test split, the image, the curves
-    from one checkpoint a run (--curve-points 1: two saves a run, not four). The runs
+    """sft 20 steps for each of 2 seeds, then a forked dpo (--extra) 4 steps with a 2-value --sweep: rows with
+    intervals and costs, the setting picked on the eval split and only it scored on the test split, the image,
+    the eval curves from one checkpoint a run (--curve-points 1: two saves a run, not four). The runs
     skip their own evaluations and the fork trains on batches of 8, by pass-through flags (they override the
     recipe): 83 -> 62 CPU-s, the comparison's steps unchanged."""
     fork = tmp_path / "mydpo.py"
@@ -790,7 +971,9 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
         result = json.loads((run / "eval_test" / "eval.json").read_text())
         assert result["num_prompts"] == 16 and result["prompts"].endswith("prompts_test.jsonl")
         assert result["seed"] == s and np.isclose(load(run / "eval_test").mean(), result["score"])
-    assert not json.loads((out / "sft" / "args.json").read_text())["eval_dataset"]  # --sft-args reached sft
+    assert not json.loads((out / "sft" / "seed0" / "args.json").read_text())[
+        "eval_dataset"
+    ]  # --sft-args reached sft
     other = "1e-5" if kept == "1e-3" else "1e-3"
     assert not (
         out / "mydpo" / f"learning_rate_{other}" / "seed0" / "eval_test"
@@ -798,7 +981,7 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     # the paired difference: mean over seeds and prompts of (mydpo − sft) on the test split
     runs = [out / "mydpo" / f"learning_rate_{kept}" / f"seed{s}" for s in (0, 1)]
     diff = np.mean(
-        [load(r / "eval_test") - load(out / "sft" / "eval_test" / f"seed{s}") for s, r in enumerate(runs)]
+        [load(r / "eval_test") - load(out / "sft" / f"seed{s}" / "eval_test") for s, r in enumerate(runs)]
     )
     assert cells["mydpo"][1].startswith(f"{diff:+.3f} ± ".lstrip("+"))
     # costs: the runs' own logged counts, mean over seeds
@@ -809,17 +992,18 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| **sft**" in proc.stdout  # the table is printed at the end
     assert re.search(r"^      step \d+/\d+, \d+ s$", proc.stdout, re.M)  # progress inside the runs
-    assert md.count("needs ≥ 3 seeds vs sft") == 1 and "beats" not in md  # 2 seeds: no claim
-    # the curves (one point: at half of each run): sft's checkpoint 10 and its end; each kept run from sft's end,
-    # its checkpoint 2, its end (the table's score), FLOPs rising
-    curves = json.loads((out / "curves.json").read_text())
-    assert [len(c) for c in curves["sft"]] == [2] and [len(c) for c in curves["mydpo"]] == [3, 3]
-    for run, curve in zip(runs, curves["mydpo"]):
-        assert curve[0] == curves["sft"][0][-1] and np.all(np.diff([x for x, _ in curve]) > 0)
-        assert curve[-1][1] == pytest.approx(load(run / "eval_test").mean())
+    claims = md.split("## Method against method")[0]  # the summary and the table (below: the matrix's legend)
+    assert md.count("needs ≥ 3 seeds vs sft") == 1 and "beats" not in claims  # 2 seeds: no claim
+    # the curves on the eval split (one point: at half of each run): each seed's sft's checkpoint 10 and its end;
+    # each kept run from its seed's sft's end, its checkpoint 2, its end (its eval score), FLOPs rising
+    curves = json.loads((out / "results.json").read_text())["curves_eval"]
+    assert [len(c) for c in curves["sft"]] == [2, 2] and [len(c) for c in curves["mydpo"]] == [3, 3]
+    for s, (run, curve) in enumerate(zip(runs, curves["mydpo"])):
+        assert curve[0] == curves["sft"][s][-1] and np.all(np.diff([x for x, _ in curve]) > 0)
+        assert curve[-1][1] == pytest.approx(load(run / "eval_eval").mean())
     # a checkpoint's weights are what is scored: sft's, on another base (tiny's random init), score the same
     copy = tmp_path / "sft_copy"
-    shutil.copytree(out / "sft", copy)
+    shutil.copytree(out / "sft" / "seed0", copy)
     (copy / "args.json").write_text(json.dumps({"max_steps": 21}))  # its last checkpoint (20) is scored too
     import orbax.checkpoint as ocp
     from ppo import PPOParams
@@ -837,7 +1021,7 @@ def test_compare_end_to_end_tiny_budget(tmp_path):
             ),
         )
     (ppo_like / "args.json").write_text(json.dumps({"max_steps": 21}))
-    args = compare.Args(num_prompts=16, test_prompts=compare.task_prompts(compare.Args())[1])
+    args = compare.Args(num_prompts=16, eval_prompts=compare.task_prompts(compare.Args())[0])
     got = compare.checkpoint_scores(args, "tiny", [str(copy), str(ppo_like)])
     assert [s for s, _ in got[str(copy)]] == [10, 20] and [s for s, _ in got[str(ppo_like)]] == [20]
     np.testing.assert_allclose([v for _, v in got[str(copy)]], [v for _, v in curves["sft"][0]], atol=1e-9)

@@ -1,10 +1,12 @@
 """The docs against the code, by reading files only (no JAX import, no subprocess): docs/code.md's
 loop is dpo.py's, the README's commands name scripts and flags that exist (and mark the lines that need
 weights or a network), nothing cites a design document outside the repository, every backticked
-`common.NAME` / `plumbing.NAME` / `interop.NAME` names something those modules define, and every
-pointer into docs/design.md names one of its sections."""
+`common.NAME` / `plumbing.NAME` / `interop.NAME` names something those modules define, every
+pointer into docs/design.md names one of its sections, and every comparison number a page quotes is one the
+committed run (docs/comparison_run/) holds."""
 
 import ast
+import json
 import os
 import re
 
@@ -233,3 +235,81 @@ def test_coming_from_trl_names_flags_that_exist():
         if not here:  # "the same, with dashes"
             assert all(t in ours for t in trl), trl
         assert all(t in ours or t[2:] in plumbing.TRL_FLAGS for t in trl), trl
+
+
+RUN = os.path.join("docs", "comparison_run")  # the comparison's committed artefacts: one run, every number
+NUMBER = re.compile(r"(?<![\w.])[+\-−]?(\d+\.\d+(?:e[+-]?\d+)?)")  # a decimal (the sign dropped)
+PAIR = re.compile(r"(?<![\w.])[+\-−]?(\d+\.\d+) ± (\d+\.\d+)")  # a value and its interval: one number
+
+
+def run_numbers():
+    """Every decimal the committed run holds as a page would quote it: the numbers of its report (compare.py's
+    comparison.md: the summary, the table, the Δ matrix), and from results.json the eval curves' scores (3
+    decimals) and each run's FLOPs (as 1.23e12); nothing else, so that a wrong digit rarely passes."""
+    report = read(RUN, "comparison.md")
+    held = set(NUMBER.findall(report)) | {" ± ".join(p) for p in PAIR.findall(report)}
+    results = json.loads(read(RUN, "results.json"))
+    held.update(f"{p[1]:.3f}" for curves in results["curves_eval"].values() for c in curves for p in c)
+    held.update(f"{r['flops']:.2e}".replace("e+", "e") for r in results["runs"].values())
+    return held
+
+
+def quoted(text):
+    """[(line number, line)] inside the page's `<!-- numbers: docs/comparison_run -->` … `<!-- end numbers -->`
+    blocks: where a page quotes the comparison."""
+    out, inside = [], False
+    for i, line in enumerate(text.splitlines(), 1):
+        if line.strip().startswith("<!-- numbers:"):
+            inside = True
+        elif line.strip().startswith("<!-- end numbers"):
+            inside = False
+        elif inside:
+            out.append((i, line))
+    return out
+
+
+def numbers(line):
+    """The decimals of a line, a value with its interval (`0.065 ± 0.015`) as one: the pair must be the run's."""
+    return [" ± ".join(p) for p in PAIR.findall(line)] + NUMBER.findall(PAIR.sub(" ", line))
+
+
+def unheld(path, text, held):
+    """["path:line: what"] for each decimal inside a numbers block that `held` lacks, and each line outside a
+    block that points at docs/comparison.md and quotes a decimal (docs/comparison.md itself: blocks only)."""
+    blocks = quoted(text)
+    inside = {i for i, _ in blocks}
+    bad = [f"{path}:{i}: {n}" for i, line in blocks for n in numbers(line) if n not in held]
+    for i, line in enumerate(text.splitlines(), 1):
+        cites = "comparison.md" in line and path != os.path.join("docs", "comparison.md")
+        if cites and i not in inside and NUMBER.search(line):
+            bad.append(f"{path}:{i}: a comparison number outside a numbers block")
+    return bad
+
+
+def test_comparison_numbers_come_from_the_committed_run():
+    """One source of numbers: every decimal that README.md or a docs page quotes from the comparison (inside a
+    numbers block) is one the committed run's artefacts hold; a line outside such a block that points at
+    docs/comparison.md does not quote a decimal; docs/comparison.md has a block; the artefacts name their
+    command."""
+    held = run_numbers()
+    results = json.loads(read(RUN, "results.json"))
+    bad = [b for path in doc_files() for b in unheld(path, read(path), held)]
+    assert quoted(read("docs", "comparison.md")), "docs/comparison.md quotes no numbers block"
+    assert results["command"].startswith("python compare.py") and results["rows"], RUN
+    assert not bad, "numbers the committed run does not hold:\n" + "\n".join(bad)
+
+
+def test_number_check_catches_a_number_the_run_lacks():
+    """The check itself: a decimal inside a block is looked up (its sign dropped; a value with its interval as
+    one pair), one outside is not, and a line outside a block that cites docs/comparison.md with a decimal is
+    flagged."""
+    page = (
+        "a 0.123 b\n<!-- numbers: docs/comparison_run -->\nΔ −0.045 ± 0.017, 3.31e12 FLOPs\n"
+        "<!-- end numbers -->\nGRPO +0.05 (docs/comparison.md)\n"
+    )
+    assert [n for _, line in quoted(page) for n in numbers(line)] == ["0.045 ± 0.017", "3.31e12"]
+    assert unheld("docs/x.md", page, {"0.045 ± 0.017", "3.31e12"}) == [
+        "docs/x.md:5: a comparison number outside a numbers block"
+    ]
+    # each half held, but not as a pair: the interval belongs to another cell
+    assert unheld("docs/x.md", page, {"0.045", "0.017", "3.31e12"})[0] == "docs/x.md:3: 0.045 ± 0.017"

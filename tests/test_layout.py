@@ -33,7 +33,10 @@ ABOUT = {
     "distill": 290,
     "evaluate": 300,
     "grpo_tools": 400,  # grpo.py's loss and update imported; tools, their formats, the multi-turn sampler
-    "compare": 660,  # + the data check, --quick, per-run progress, the summary with Holm's correction
+    # + the data check, --quick, per-run progress, the summary with Holm's correction; each seed its own base,
+    # controls matched to each row in information and FLOPs (run_control), the Δ matrix, results.json
+    "compare": 760,
+    "compare_stats": 60,  # compare.py's intervals, p-values, Holm, the pairwise matrix
 }
 SLACK = 0.02
 

@@ -20,7 +20,7 @@ import kto
 import orpo
 import simpo
 from dpo import dpo_loss
-from grpo import aggregate, group_advantages, grpo_loss, k3_kl
+from grpo import aggregate, group_advantages, grpo_loss, k3_kl, rft_advantages
 from helpers import ROOT
 from kto import kto_loss
 from orpo import orpo_loss
@@ -664,6 +664,23 @@ def test_grpo_group_advantages_numpy_float64():
     np.testing.assert_allclose(std, grouped.std(1, ddof=1), rtol=1e-5)
     # every group's advantages sum to zero: the group mean is the baseline
     np.testing.assert_allclose(np.asarray(got).reshape(6, 8).sum(1), 0, atol=1e-5)
+
+
+def test_rft_is_sft_on_the_accepted_completions():
+    """--accept-reward (compare.py's rft row): rewards 1, 0.6, 1, 0 at threshold 1 accept the first and third;
+    with the others out of the mask, GRPO's on-policy step (ratio 1, dapo: ÷ the kept tokens) has SFT's
+    gradient: −1/3 on each of the 3 accepted real tokens (2 + 1), 0 on every other token."""
+    adv, accepted = rft_advantages(np.array([1.0, 0.6, 1.0, 0.0]), 1.0)
+    np.testing.assert_array_equal(adv, [1, 0, 1, 0])
+    np.testing.assert_array_equal(accepted, [True, False, True, False])
+    mask = np.array([[1, 1, 0], [1, 1, 1], [1, 0, 0], [1, 1, 0]], bool) & accepted[:, None]
+    logps = jnp.log(jnp.array(np.random.default_rng(0).uniform(0.1, 0.9, (4, 3)), jnp.float32))
+    loss_of = lambda lp: _grpo_loss(lp, jax.lax.stop_gradient(lp), adv, mask)[0]
+    grad = jax.grad(loss_of)(logps)
+    np.testing.assert_allclose(grad, np.where(mask, -1 / 3, 0.0), rtol=1e-6)
+    # the same as SFT's token-mean NLL over those tokens, −Σ_kept log π / 3
+    nll = lambda lp: -jnp.sum(jnp.where(mask, lp, 0.0)) / mask.sum()
+    np.testing.assert_allclose(grad, jax.grad(nll)(logps), rtol=1e-6)
 
 
 def test_grpo_k3_by_hand_and_unbiased_on_samples_from_pi():
