@@ -599,6 +599,10 @@ def main(args):
     plumbing.check_flags(
         max_tool_calls=(args.max_tool_calls, 0, False), tool_timeout=(args.tool_timeout, 0, True)
     )
+    if args.accept_reward is not None:  # grpo.Args' rejection sampling: its update is grpo.py's one-turn loop
+        raise common.UsageError(
+            "--accept-reward (rejection sampling) is grpo.py's: grpo_tools.py does not take it"
+        )
     template = common.chat_template(args.model, args.chat_template)
     fmt = tool_format(template)
     tools = (

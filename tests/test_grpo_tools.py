@@ -575,6 +575,7 @@ def decode_ids(tokenizer, ids):
         (["--chat-template", "llama3"], "the chat template llama3 has no tool format here (gemma, qwen3.5"),
         (["--max-tool-calls", "-1"], "--max-tool-calls -1: must be >= 0"),
         (["--tool-timeout", "0"], "--tool-timeout 0.0: must be > 0"),
+        (["--accept-reward", "1"], "--accept-reward (rejection sampling) is grpo.py's"),
         (
             ["--tools", f"{__file__}:listing", f"{os.path.join(ROOT, 'grpo.py')}:masked_mean"],
             f"--tools masked_mean ({os.path.join(ROOT, 'grpo.py')}:",
