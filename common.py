@@ -795,8 +795,8 @@ class Scorer:
     """s(x, y) per completion, the one scoring call of ppo.py, grpo.py and evaluate.py (made by load_scorer):
     `scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)`, s the weighted sum of the parts:
     reward functions (TRL's form: reward_inputs, `messages` its multi-turn completions; or f(prompt texts,
-    texts)) on the texts cut at `end`, the turn end (`rows`: each completion's dataset row), or reward.py's model on batch["query_responses"] /
-    ["padding_mask"] [B, T]. A None or NaN leaves its function out of that sample's sum (TRL's nansum). ->
+    texts)) on the texts cut at `end`, the turn end (`rows`: each completion's dataset row), or reward.py's
+    model on batch["query_responses"] / ["padding_mask"] [B, T]. A None or NaN leaves its function out of that sample's sum (TRL's nansum). ->
     scores [B] float32 over `data`, parts {reward_names' name or "reward_model": [B] float64 on the host, NaN
     for None}; every process passes the whole batch. `model`, `head`: a reward model's (PPO's value model
     starts from them), else None."""
