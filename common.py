@@ -1119,6 +1119,12 @@ def sft_segments(row, where, template):
             "simpo.py, orpo.py or reward.py (kto.py unpairs it); sft.py takes 'text', 'prompt'+'completion' "
             "or 'messages'"
         )
+    if isinstance(row.get("label"), bool) and "completion" in row:  # TRL's unpaired preference form
+        raise UsageError(
+            f"{where}: this row looks like KTO's unpaired data (prompt, completion, label): kto.py trains on it; "
+            "sft.py would imitate the undesirable (label false) completions too (to fine-tune on the desirable "
+            "ones, keep the label-true rows without the column)"
+        )
     if "messages" in row or any(isinstance(row.get(k), list) for k in ("prompt", "completion")):
         keys = ("messages",) if "messages" in row else ("prompt", "completion")
         chats = [_messages(row.get(k), k, where, template) for k in keys]

@@ -259,6 +259,11 @@ def test_a_sample_continues_the_whole_chat_earlier_answers_included():
             json.dumps({"chosen": CHAT, "rejected": CHAT[:1]}) + "\n",
             "bad.jsonl:1: this row holds 'chosen'/'rejected', i.e. preference data",
         ),
+        (  # KTO's unpaired rows (a boolean label): said so, not trained on as demonstrations
+            '{"prompt": "a", "completion": "b", "label": true}\n{"prompt": "a", "completion": "c", "label": false}\n',
+            "bad.jsonl:1: this row looks like KTO's unpaired data (prompt, completion, label): kto.py trains on "
+            "it; sft.py would imitate the undesirable (label false) completions too",
+        ),
         ("", "bad.jsonl: no examples"),
         *[(f"{json.dumps({'messages': CHAT})}\n{json.dumps(row)}\n", message) for row, message in BAD_CHATS],
     ],
