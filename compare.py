@@ -372,6 +372,23 @@ def check_data(args, stages, grid):
         )
 
 
+def overrides(stages):
+    """What your pass-through flags replace: ["--dpo-args: --beta 0.5 replaces the recipe's 0.1", …], once a
+    flag and value, in run order (a script takes a repeated flag's last value: yours)."""
+    lines = []
+    for s in stages:
+        task = s["flags"][: len(s["flags"]) - len(s["own"])]  # compare's flags, before yours
+        yours = s["passed"]
+        for i, flag in enumerate(yours[:-1]):
+            if flag.startswith("--") and flag in task and yours[i + 1] != task[task.index(flag) + 1]:
+                line = (
+                    f"{s['via']}: {flag} {yours[i + 1]} replaces the recipe's {task[task.index(flag) + 1]!r}"
+                )
+                if line not in lines:
+                    lines.append(line)
+    return lines
+
+
 def parse_sweep(specs, rows):
     """['dpo.learning_rate=1e-6,5e-6', …] -> {row: [setting {flag: value}, …]} (the grid of a row's swept
     flags, in the order given); a spec's row: one of `rows`, a control kind (each `kind@row` of it) or `all`
@@ -511,7 +528,8 @@ def plan(args, output_dir):
             "needs": needs,
             "match": list(match),  # the runs whose FLOPs a control matches (its row's, every setting)
             "via": row.via,  # the pass-through flag its own flags came from
-            "own": shlex.split(row.extra) + swept,  # the flags you passed through: they come last
+            "own": shlex.split(row.extra) + swept,  # the flags you passed through (then --sweep's): last
+            "passed": shlex.split(row.extra),
             "flags": ["--model", model]
             + flags
             + task_flags(args.task, args.model, recipe)
@@ -1299,6 +1317,8 @@ def main(args):
     output_dir = args.output_dir or plumbing.default_output_dir("compare", args.model, args.seed)
     stages, bases, seeds, grid = plan(args, output_dir)
     check_data(args, stages, grid)  # before the task's held-out prompts stand in for those not given
+    for line in overrides(stages):  # said, not silent: the recipe's value is gone from that run
+        print(line)
     eval_prompts, test_prompts = task_prompts(args)
     args = dataclasses.replace(args, eval_prompts=eval_prompts, test_prompts=test_prompts)
     common.load_reward_fn(args.reward_fn)

@@ -829,6 +829,10 @@ def test_compare_plan_reward_model_for_ppo(tmp_path):
     dpo, ppo, ppo_fn = stages[2]["flags"], stages[3]["flags"], stages[4]["flags"]
     assert dpo[dpo.index("--model") + 1] == base and dpo[dpo.index("--max-steps") + 1] == "7"
     assert dpo[-4:] == ["--beta", "0.2", "--learning-rate", "1e-5"]  # pass-through comes last: it overrides
+    assert compare.overrides(stages) == [  # and main says what it replaced, by hand from the recipe
+        "--dpo-args: --beta 0.2 replaces the recipe's '0.1'",
+        "--dpo-args: --learning-rate 1e-5 replaces the recipe's '5e-05'",
+    ]
     assert ppo[ppo.index("--reward-model") + 1] == str(tmp_path / "reward" / "seed0" / "model")
     # compare's rate, not ppo.py's real-model default (3e-6): the RL rows are not controls
     assert last(ppo, "--learning-rate") == last(ppo_fn, "--learning-rate") == str(args.learning_rate)

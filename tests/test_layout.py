@@ -34,8 +34,9 @@ ABOUT = {
     "evaluate": 300,
     "grpo_tools": 400,  # grpo.py's loss and update imported; tools, their formats, the multi-turn sampler
     # + the data check, --quick, per-run progress, the summary with Holm's correction; each seed its own base,
-    # controls matched to each row in information and FLOPs (run_control), the Δ matrix, results.json
-    "compare": 760,
+    # controls matched to each row in information and FLOPs (run_control), the Δ matrix, results.json, and
+    # what your pass-through flags replace, said before any run (overrides)
+    "compare": 775,
     "compare_stats": 60,  # compare.py's intervals, p-values, Holm, the pairwise matrix
 }
 SLACK = 0.02
