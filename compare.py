@@ -381,9 +381,8 @@ def overrides(stages):
         yours = s["passed"]
         for i, flag in enumerate(yours[:-1]):
             if flag.startswith("--") and flag in task and yours[i + 1] != task[task.index(flag) + 1]:
-                line = (
-                    f"{s['via']}: {flag} {yours[i + 1]} replaces the recipe's {task[task.index(flag) + 1]!r}"
-                )
+                theirs = task[task.index(flag) + 1]
+                line = f"{s['via']}: {flag} {shlex.quote(yours[i + 1])} replaces the recipe's {theirs!r}"
                 if line not in lines:
                     lines.append(line)
     return lines
