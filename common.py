@@ -501,11 +501,12 @@ def token_logps(backbone, hidden, labels):
 
 
 def empty_cache(backbone, batch, length):
-    """A zero cache, one entry per layer: a KV array [B, 2, S, K, H] (call_with_cache's [B, L, 2, S, K, H] is
-    their jnp.stack(…, 1): apart, a decode step updates each in place; stacked, it copied them all); Gemma 3:
-    a (K, V) pair [B, S, K, H] each, as its call_with_cache takes it; Qwen 3.5's gated delta net layers:
-    fixed-size states (the causal conv's last k-1 inputs [B, C, k-1], the recurrent state [B, Hv, Dk, Dv] f32);
-    Gemma 4: each layer's own heads and head size, None for a layer reading an earlier one's (KV sharing)."""
+    """A zero cache, one entry per layer: a (K, V) pair [B, S, K, H] each (call_with_cache's [B, L, 2, S, K, H]
+    is their stack: apart, a decode step updates each in place; stacked, as one array a layer, its attention
+    split it into K and V copies and wrote them whole, every layer every step); Qwen 3.5's gated delta net
+    layers: fixed-size states (the causal conv's last k-1 inputs [B, C, k-1], the recurrent state
+    [B, Hv, Dk, Dv] f32); Gemma 4: a KV array [B, 2, S, K, H], each layer's own heads and head size, None for a
+    layer reading an earlier one's (KV sharing)."""
     b, dtype = backbone, backbone.compute_dtype
     head_dim = getattr(b, "head_dim", None) or b.hidden_dim // b.num_query_heads
     shape = (batch, length, b.num_key_value_heads, head_dim)
@@ -518,8 +519,6 @@ def empty_cache(backbone, batch, length):
             )
             for layer in b.transformer_layers
         )
-    if isinstance(b, keras_hub.models.Gemma3Backbone):
-        return tuple((jnp.zeros(shape, dtype),) * 2 for _ in range(b.num_layers))
     if isinstance(b, keras_hub.models.Qwen3_5Backbone):
         conv = (
             batch,
@@ -531,10 +530,10 @@ def empty_cache(backbone, batch, length):
         return tuple(
             (jnp.zeros(conv, dtype), jnp.zeros(state, jnp.float32))
             if kind == "linear_attention"
-            else jnp.zeros((batch, 2, *shape[1:]), dtype)
+            else (jnp.zeros(shape, dtype),) * 2
             for kind in b.layer_types
         )
-    return tuple(jnp.zeros((batch, 2, *shape[1:]), dtype) for _ in range(b.num_layers))
+    return tuple((jnp.zeros(shape, dtype),) * 2 for _ in range(b.num_layers))
 
 
 def cached_forward(backbone, token_ids, padding_mask, cache, index, last=False):
@@ -564,11 +563,14 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index, last=False):
                 per_layer_input=per_layer and per_layer[i],
             )
             new = None if shared is not None else new
-        elif gemma:  # Gemma 3's layer also applies its query-key norms and local / global RoPE and window
+        elif isinstance(backbone, keras_hub.models.Gemma3Backbone):  # its layer takes and returns (K, V)
+            # and also applies its query-key norms and local / global RoPE and window
             x, new = layer(x, padding_mask=padding_mask, cache=c, cache_update_index=index)
-        elif isinstance(c, tuple):  # Qwen 3.5's gated delta net: the t new inputs zeroed at the padding here
-            # (its RMS norm keeps a zero row zero); given the mask instead, the layer would take its conv
-            # state from the first real tokens' end, as if the padding were on the right
+        elif gemma:  # Gemma 1 / 2: (K, V) stacked as the layer takes them, apart again below
+            x, new = layer(x, padding_mask=padding_mask, cache=jnp.stack(c, 1), cache_update_index=index)
+        elif c[0].ndim == 3:  # Qwen 3.5's gated delta net (conv, state); the t new inputs zeroed at the
+            # padding (its RMS norm keeps a zero row zero); given the mask instead, the layer would take its
+            # conv state from the first real tokens' end, as if the padding were on the right
             here = jax.lax.dynamic_slice_in_dim(padding_mask, index, token_ids.shape[1], 1)  # [B, t]
             x, *new = layer(
                 jnp.where(here[..., None], x, 0),
@@ -580,14 +582,16 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index, last=False):
             x, new = layer(
                 x,
                 decoder_padding_mask=padding_mask,
-                self_attention_cache=c,
+                self_attention_cache=jnp.stack(c, 1),
                 self_attention_cache_update_index=index,
             )
-        if new is not None and not isinstance(
-            new, tuple
-        ):  # not Gemma 3's (K, V), updated in place, Qwen 3.5's
-            # states, nor a KV-shared layer's None: only the t new positions [B, 2, t, K, H] go back into c,
-            # which XLA updates in place (the layer's returned cache, a jnp.stack of K and V, rewrote it all)
+        if not gemma4 and not isinstance(new, tuple):  # (K, V) apart again: the layer split the stack
+            # into K and V (XLA takes them as c's own arrays: a slice of a concatenation) and updated each
+            # at the t new positions, so XLA writes those in place: no copy of the cache a step
+            new = (new[:, 0], new[:, 1])
+        elif new is not None and not isinstance(new, tuple):  # Gemma 4's [B, 2, S, K, H] (not a KV-shared
+            # layer's None): only the t new positions [B, 2, t, K, H] go back into c, in place (the layer's
+            # returned cache, a jnp.stack of its K and V copies, rewrote it all)
             new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
             new = jax.lax.dynamic_update_slice(c, new, (0, 0, index, 0, 0))
         caches.append(new)

@@ -303,10 +303,10 @@ def one_device_mesh():
 
 def keras_hub_cache(backbone, cache):
     """common.empty_cache's per-layer entries -> the cache the family's call_with_cache takes: Gemma 3's
-    per-layer (K, V) pairs as they are, the others' [B, 2, S, K, H] stacked to [B, L, 2, S, K, H] (Gemma 4:
-    each padded to the most heads and the largest head size, a KV-shared layer's all zeros); Qwen
-    3.5's (KV [B, L, 2, S, K, H], conv [B, L, C, k-1], recurrent [B, L, Hv, Dk, Dv]): every layer in each,
-    zeros where a layer has no such state (its call_with_cache passes those through)."""
+    per-layer (K, V) pairs as they are, the others' (K, V) [B, S, K, H] stacked to [B, L, 2, S, K, H] (Gemma
+    4's [B, 2, S, K, H] each padded to the most heads and the largest head size, a KV-shared layer's all
+    zeros); Qwen 3.5's (KV [B, L, 2, S, K, H], conv [B, L, C, k-1], recurrent [B, L, Hv, Dk, Dv]): every
+    layer in each, zeros where a layer has no such state (its call_with_cache passes those through)."""
     import jax.numpy as jnp
 
     if type(backbone).__name__ == "Gemma3Backbone":
@@ -318,14 +318,15 @@ def keras_hub_cache(backbone, cache):
         return jnp.stack(
             [jnp.pad(c, [(0, 0)] * 3 + [(0, k - c.shape[3]), (0, h - c.shape[4])]) for c in full], 1
         )
-    if type(backbone).__name__ != "Qwen3_5Backbone":
-        return jnp.stack(cache, 1)
-    kv = next(c for c in cache if not isinstance(c, tuple))
-    conv, state = next(c for c in cache if isinstance(c, tuple))
+    linear = [c[0].ndim == 3 for c in cache]  # Qwen 3.5's gated delta net states: (conv, recurrent)
+    if not any(linear):
+        return jnp.stack([jnp.stack(c, 1) for c in cache], 1)
+    kv = jnp.stack(next(c for c, lin in zip(cache, linear) if not lin), 1)
+    conv, state = next(c for c, lin in zip(cache, linear) if lin)
     return (
-        jnp.stack([jnp.zeros_like(kv) if isinstance(c, tuple) else c for c in cache], 1),
-        jnp.stack([c[0] if isinstance(c, tuple) else jnp.zeros_like(conv) for c in cache], 1),
-        jnp.stack([c[1] if isinstance(c, tuple) else jnp.zeros_like(state) for c in cache], 1),
+        jnp.stack([jnp.zeros_like(kv) if lin else jnp.stack(c, 1) for c, lin in zip(cache, linear)], 1),
+        jnp.stack([c[0] if lin else jnp.zeros_like(conv) for c, lin in zip(cache, linear)], 1),
+        jnp.stack([c[1] if lin else jnp.zeros_like(state) for c, lin in zip(cache, linear)], 1),
     )
 
 

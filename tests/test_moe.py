@@ -194,7 +194,8 @@ def test_sampler_forward_matches_keras_hub(moe):
     t, s, pad = ids.shape[1], ids.shape[1] + 1, 3
     cache = common.empty_cache(backbone, 1, s)
     ours, ours_cache = ours_fn(ids, jnp.ones((1, s), bool), cache, 0)
-    theirs, _, theirs_cache = theirs_fn(ids, jnp.stack(cache, 1), 0)  # its cache: [B, L, 2, S, K, H]
+    stacked = jnp.stack([jnp.stack(c, 1) for c in cache], 1)  # its cache: [B, L, 2, S, K, H]
+    theirs, _, theirs_cache = theirs_fn(ids, stacked, 0)
     np.testing.assert_allclose(ours, theirs, atol=1e-5)
     nxt = np.array([[7]], np.int32)
     step, _ = ours_fn(nxt, jnp.ones((1, s), bool), ours_cache, t)
