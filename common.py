@@ -460,10 +460,13 @@ def forward(backbone, params, frozen, token_ids, padding_mask):
     return hidden, sum((jnp.asarray(x, jnp.float32) for x in scope.losses), jnp.float32(0.0))  # f32 upcast
 
 
-def logits(backbone, hidden):
+def logits(backbone, hidden, raw=False):
     """Final hidden states [..., D] -> float32 logits [..., V] through every family's output layer (tied or
-    not; Gemma 2's final_logit_soft_cap c·tanh(z/c) is applied inside it). Inside `weights(...)`."""
-    return backbone.token_embedding(hidden, reverse=True).astype(jnp.float32)  # f32 upcast
+    not; Gemma 2's final_logit_soft_cap c·tanh(z/c) is applied inside it). Inside `weights(...)`. raw: as the
+    layer computes them, in the compute dtype (their float32 is exactly their cast: a sampler casts where it
+    reads them, and a float32 [B, V] copy beside them is never written)."""
+    out = backbone.token_embedding(hidden, reverse=True)
+    return out if raw else out.astype(jnp.float32)  # f32 upcast
 
 
 def per_token(backbone, fn, arrays):
@@ -536,13 +539,14 @@ def empty_cache(backbone, batch, length):
     return tuple((jnp.zeros(shape, dtype),) * 2 for _ in range(b.num_layers))
 
 
-def cached_forward(backbone, token_ids, padding_mask, cache, index, last=False):
+def cached_forward(backbone, token_ids, padding_mask, cache, index, last=False, raw=False):
     """The family's CausalLM.call_with_cache plus a key padding mask, for left-padded prompts: token_ids
     [B, t] go to cache positions index…index+t-1; padding_mask [B, S] masks the padding as keys (the layers
     AND it with their causal / sliding-window mask). RoPE positions count the padding, which changes
     nothing: scores depend only on query-key distance (Gemma 3's sliding window too). Qwen 3.5's gated delta
     net layers see zeros at the padding, which leave their states at zero (as KerasHub's layer masks inputs).
-    -> (logits [B, t, V] float32 (last: [B, 1, V]), cache: one entry per layer, as empty_cache)."""
+    -> (logits [B, t, V] float32 (last: [B, 1, V]; raw: in the compute dtype, see `logits`), cache: one entry
+    per layer, as empty_cache)."""
     gemma4 = isinstance(backbone, keras_hub.models.Gemma4Backbone)
     gemma = gemma4 or isinstance(backbone, (keras_hub.models.GemmaBackbone, keras_hub.models.Gemma3Backbone))
     x = backbone.token_embedding(token_ids)
@@ -599,7 +603,7 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index, last=False):
         last
     ):  # the last position's logits alone [B, 1, V]: a prefill needs no more (Gemma, B 256 × Q 64: 17 GB)
         x = x[:, -1:]
-    return logits(backbone, backbone.layer_norm(x)), tuple(caches)
+    return logits(backbone, backbone.layer_norm(x), raw), tuple(caches)
 
 
 def per_layer_inputs(backbone, token_ids, x):

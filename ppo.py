@@ -122,17 +122,21 @@ def filter_logits(logits, top_k=0, top_p=1.0, min_p=None):
 
 
 def filtered_logps(logits, tokens, temperature, *, top_k=0, top_p=1.0, min_p=None):
-    """log q(token) and q's entropy [B] for float32 logits [B, V], tokens [B]; q, what the sampler draws from:
-    softmax(filter_logits(logits / T, …)), renormalised over the kept tokens (eq. 1 of docs/design.md). The
-    token always counts as kept: only a rounding gap between the two forwards could drop it (NaN)."""
-    scaled = logits / temperature
+    """log q(token) and q's entropy [B] for logits [B, V] (float32, or the compute dtype's: computed in their
+    float32), tokens [B]; q, what the sampler draws from: softmax(filter_logits(logits / T, …)), renormalised
+    over the kept tokens (eq. 1 of docs/design.md). The token always counts as kept: only a rounding gap
+    between the two forwards could drop it (NaN)."""
+    scaled = logits.astype(jnp.float32) / temperature
     kept = filter_logits(scaled, top_k, top_p, min_p)
     kept = jnp.where(jnp.arange(kept.shape[-1]) == tokens[:, None], scaled, kept)  # [B, V], -inf: dropped
     logz = jax.nn.logsumexp(kept, -1)
     finite = jnp.isfinite(kept)
     # Σ p·logit over the kept tokens only (0 · -inf is NaN); the inner where keeps the gradient finite too
     plogp = jnp.where(finite, jax.nn.softmax(kept, -1) * jnp.where(finite, kept, 0.0), 0.0)
-    return jnp.take_along_axis(kept, tokens[:, None], -1)[:, 0] - logz, logz - plogp.sum(-1)
+    # the token's kept value is its scaled logit: gathered from `logits` themselves, no [B, V] float32 (of
+    # kept, or of the compute dtype's logits) is written for one value a row (the sampler's step)
+    token_logit = jnp.take_along_axis(logits, tokens[:, None], -1)[:, 0].astype(jnp.float32) / temperature
+    return token_logit - logz, logz - plogp.sum(-1)
 
 
 def generate(
@@ -158,11 +162,14 @@ def generate(
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     with common.weights(backbone, params, frozen):  # each weight in the dtype it is held in
-        cache = common.empty_cache(backbone, b, q + response_length)  # L arrays [B, 2, S, K, H]
-        logits, cache = common.cached_forward(backbone, queries, padding_mask, cache, 0, last=True)  # prefill
+        cache = common.empty_cache(backbone, b, q + response_length)  # L (K, V) pairs [B, S, K, H]
+        logits, cache = common.cached_forward(  # prefill; raw: compute-dtype logits (common.logits)
+            backbone, queries, padding_mask, cache, 0, last=True, raw=True
+        )
 
-        def pick(logits, key, done):  # logits [B, V] -> token [B], its log q [B]; a finished sequence pads
+        def pick(raw, key, done):  # raw logits [B, V] -> token [B], its log q [B]; a finished sequence pads
             key, sample_key = jax.random.split(key)
+            logits = raw.astype(jnp.float32)  # exactly the float32 logits, cast where they are read
             if temperature == 0:
                 token, logq = jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b,))
             else:  # jax.random.categorical's draw, argmax(gumbel + logits), written as the max and the first
@@ -173,14 +180,14 @@ def generate(
                 first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
                 token = first.min(-1).astype(jnp.int32)
                 # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
-                logq = filtered_logps(logits, token, temperature, top_k=top_k, top_p=top_p, min_p=min_p)[0]
+                logq = filtered_logps(raw, token, temperature, top_k=top_k, top_p=top_p, min_p=min_p)[0]
             token = jnp.where(done, pad_id, token)
             return token, jnp.where(done, 0.0, logq), key, done | jnp.isin(token, jnp.asarray(stop_ids))
 
         def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t (and its log q)
             tokens, logqs, cache, t, key, done = carry
             fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
-            logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1)
+            logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1, raw=True)
             token, logq, key, done = pick(logits[:, -1], key, done)
             put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new[:, None], t, 1)
             return put(tokens, token), put(logqs, logq), cache, t + 1, key, done

@@ -115,8 +115,9 @@ def count(comps, body, b, v):
                 "sort",
             }
             fused_roots["+".join(sorted(kinds)) or "elementwise"] += 1
-        if re.search(rf"\[{b},{v}\]", shape) and opcode not in ("parameter", "get-tuple-element", "tuple"):
-            bv_writes.append(f"{opcode} {shape.split('{')[0]}")
+        written = re.findall(rf"(\w+)\[{b},{v}\]", shape)  # the [B, V] arrays it writes
+        if written and opcode not in ("parameter", "get-tuple-element", "tuple", "bitcast"):
+            bv_writes.append(f"{name} ({opcode}): " + ", ".join(f"{t}[{b},{v}]" for t in written))
     return {
         "ops": dict(ops.most_common()),
         "fusions_by_content": dict(fused_roots.most_common()),

@@ -159,7 +159,9 @@ def test_early_stop_samples_the_fixed_length_tokens_and_ends_when_all_have_ended
     module = importlib.import_module(script)
     backbone, params, frozen, queries, query_mask, eos, pad = tiny
     logits = common.logits  # every sampler's logits come from common.logits (inside common.cached_forward)
-    monkeypatch.setattr(common, "logits", lambda bb, h: logits(bb, h).at[..., eos].add(EOS_BIAS))
+    monkeypatch.setattr(
+        common, "logits", lambda bb, h, raw=False: logits(bb, h, raw).at[..., eos].add(EOS_BIAS)
+    )
     r = 64
     settings = {"response_length": r, "temperature": 1.0, "stop_ids": eos, "pad_id": pad}
     new = jax.jit(lambda p, qs, qm, k: module.generate(backbone, p, frozen, qs, qm, key=k, **settings))
@@ -469,7 +471,9 @@ def test_completions_end_at_the_chats_turn_end(template, script, chat_tokenizers
     monkeypatch.setattr(
         common,
         "logits",
-        lambda bb, h: logits(bb, h).at[..., stops[1]].add(TURN_BIAS).at[..., jnp.array([0, 1])].set(-jnp.inf),
+        lambda bb, h, raw=False: (
+            logits(bb, h, raw).at[..., stops[1]].add(TURN_BIAS).at[..., jnp.array([0, 1])].set(-jnp.inf)
+        ),
     )  # never an EOS (tiny's is 1, the Qwen tokenizer's 0)
 
     @jax.jit
