@@ -332,8 +332,7 @@ def draw(logits, key, temperature, top_k=0, top_p=1.0, min_p=None):
     if temperature == 0:
         return jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros(logits.shape[:1])
     z = jax.random.gumbel(key, logits.shape) + grpo.filter_logits(logits / temperature, top_k, top_p, min_p)
-    first = jnp.where(z == z.max(-1, keepdims=True), jnp.arange(z.shape[-1]), z.shape[-1])
-    token = first.min(-1).astype(jnp.int32)  # jax.random.categorical's draw, as grpo.generate writes it
+    token = grpo.first_max(z)  # jax.random.categorical's draw, as grpo.generate writes it
     return token, grpo.filtered_logps(logits, token, temperature, top_k=top_k, top_p=top_p, min_p=min_p)[0]
 
 

@@ -250,6 +250,7 @@ def test_the_three_samplers_are_one_copy():
     names = (
         "filter_logits",
         "filtered_logps",
+        "first_max",
         "generate",
         "truncate_response",
         "response_logps",
