@@ -119,10 +119,24 @@ def count(comps, body, b, v):
         if written and opcode not in ("parameter", "get-tuple-element", "tuple", "bitcast"):
             bv_writes.append(f"{name} ({opcode}): " + ", ".join(f"{t}[{b},{v}]" for t in written))
     return {
+        "estimated_cycles": estimated_cycles(comps[body]),
         "ops": dict(ops.most_common()),
         "fusions_by_content": dict(fused_roots.most_common()),
         "bv_writes": bv_writes,
     }
+
+
+def estimated_cycles(lines):
+    """The compiler's own cost estimate (backend_config estimated_cycles) of the body's top-level ops, summed
+    by what they compute (their op_name, the decoder block's number dropped): a prediction, not a timing."""
+    out = collections.Counter()
+    for line in lines:
+        cycles = re.search(r'"estimated_cycles":"(\d+)"', line)
+        name = re.search(r'op_name="[^"]*?while/body/([^"]*)"', line)
+        if cycles:
+            where = re.sub(r"decoder_block_\d+/", "", name.group(1)) if name else "(no name)"
+            out["/".join(where.split("/")[:2])] += int(cycles.group(1))
+    return {"total": sum(out.values()), **dict(out.most_common(12))}
 
 
 def body_text(comps, body):
