@@ -39,6 +39,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 interop.fix_bpe_splits()  # keras-hub's byte-level BPE splits words as its models' tokenizers do
+interop.fix_rope_rotation()  # RoPE's rotate_half concatenated: the same values, fewer ops a decode step
 
 
 # Backbone class -> its chat template: the families cached_forward samples (Gemma 2 is a GemmaBackbone).

@@ -98,6 +98,21 @@ def fix_bpe_splits():
     cls._set_vocabulary_and_merges_tokenizers = _split_words(cls._set_vocabulary_and_merges_tokenizers)
 
 
+def fix_rope_rotation():
+    """keras-hub's RotaryEmbedding writes rotate_half(x) = [-x2, x1] as a stack and a reshape (around an XLA
+    concatenate bug, openxla/xla#7875, fixed since): compiled for a TPU, a decode step then makes two more
+    fusions and a layout copy for each query and key, every layer. The same values, concatenated (common.py
+    installs it once, as it imports keras-hub; tests/test_sampling.py checks them equal bit for bit)."""
+    from keras import ops
+    from keras_hub.src.layers.modeling import rotary_embedding
+
+    def apply(self, tensor, cos_emb, sin_emb):
+        x1, x2 = ops.split(tensor, 2, axis=-1)
+        return (tensor * cos_emb) + (ops.concatenate((-x2, x1), axis=-1) * sin_emb)
+
+    rotary_embedding.RotaryEmbedding._apply_rotary_pos_emb = apply
+
+
 # --- 3. Model hubs: a preset's files, and a failure to fetch them in one line ---
 # --model's short names -> KerasHub presets (all: keras_hub.models.CausalLM.presets; common.resolve_model
 # reads them); tests/test_families.py checks each.

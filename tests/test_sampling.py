@@ -517,3 +517,25 @@ def test_completions_end_at_the_chats_turn_end(template, script, chat_tokenizers
         assert ids[i] == list(carried[i, :n]) and lengths[i] == n  # completion_ids: the tokens before it
         assert common.turn_end(common.CHAT_TEMPLATES[template]) not in texts[i]
     assert gen._cache_size() == 1
+
+
+def test_rope_rotation_is_keras_hubs_to_the_bit():
+    """interop.fix_rope_rotation's RoPE (rotate_half concatenated) == keras-hub's own (stacked and reshaped),
+    bit for bit, in bfloat16 and float32, at positions 0 and 37."""
+    from keras_hub.src.layers.modeling.rotary_embedding import RotaryEmbedding
+
+    def keras_hubs(tensor, cos_emb, sin_emb):  # keras-hub 0.32's _apply_rotary_pos_emb
+        x1, x2 = jnp.split(tensor, 2, axis=-1)
+        half_rot_tensor = jnp.stack((-x2, x1), axis=-2).reshape(tensor.shape)
+        return (tensor * cos_emb) + (half_rot_tensor * sin_emb)
+
+    assert RotaryEmbedding._apply_rotary_pos_emb.__qualname__.startswith("fix_rope_rotation")  # installed
+    for dtype in ("bfloat16", "float32"):
+        rope = RotaryEmbedding(max_wavelength=10000, dtype=dtype)
+        x = jnp.asarray(np.random.default_rng(0).normal(size=(2, 5, 3, 16)), dtype)  # [B, T, heads, H]
+        for start in (0, 37):
+            ours = rope(x, start_index=start)
+            cos, sin = rope._compute_cos_sin_embedding(
+                x, start
+            )  # x's axes as RotaryEmbedding.call moves them
+            np.testing.assert_array_equal(ours, keras_hubs(x, cos, sin))
