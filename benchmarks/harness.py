@@ -274,9 +274,12 @@ def frozen_copy(params, dtype):
 
 def load_backbone(args, mesh, abstract=False):
     """--model through common.load_model, or at ARCHS shapes with --random-init / abstract; its log-probs
-    computed --logits-chunk positions at a time, as the scripts' (common.per_token)."""
+    computed --logits-chunk positions at a time, as the scripts' (common.per_token), its attention Splash's
+    on a TPU mesh (common.flash_attention)."""
     backbone = _backbone(args, mesh, abstract)
     backbone.logits_chunk = getattr(args, "logits_chunk", None)
+    if getattr(args, "attention", "splash") == "splash":
+        common.flash_attention(backbone, mesh)
     return backbone
 
 

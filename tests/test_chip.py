@@ -302,3 +302,45 @@ def test_the_default_chunks_only_logits_that_would_be_large():
     assert scans(256_000, 1, 1024) == 0  # 4 × 1 × 1024 × 256,000 bytes = 0.98 GiB: whole
     assert scans(256_000, 2, 1024) == 1  # 1.95 GiB: chunks
     assert scans(320, 32, 512, chunk=64) == 1 and scans(256_000, 2, 1024, chunk=0) == 0
+
+
+@pytest.mark.parametrize("gemma2", [False, True], ids=["gemma", "gemma2-softcap-window"])
+def test_splash_attention_equals_keras_hubs_at_every_real_position(gemma2):
+    """common.flash_attention on a data=2, model=4 mesh (the kernel in Pallas' interpreter, one 128-position block):
+    the hidden states at every real position and the gradient of every weight equal KerasHub's attention,
+    with left padding, right padding and a hole mid-row; Gemma 2's attention soft cap and a 40-position
+    sliding window go into the kernel. A length the block does not tile keeps KerasHub's attention."""
+    mesh = common.make_mesh("data=2,model=4")  # the suite's 8 devices; one KV head: heads whole on `model`
+    with common.distribution_for(mesh, common.keras_hub.models.GemmaBackbone).scope():
+        backbone = common.keras_hub.models.GemmaBackbone(
+            vocabulary_size=64,
+            num_layers=2,
+            num_query_heads=4,
+            num_key_value_heads=1,
+            hidden_dim=64,
+            intermediate_dim=128,
+            head_dim=32,
+            attention_logit_soft_cap=50.0 if gemma2 else None,
+            use_sliding_window_attention=gemma2,
+            sliding_window_size=40,
+            dtype="float32",
+        )
+    params, frozen = common.split_variables(backbone)
+    ids = np.random.default_rng(0).integers(1, 64, (4, 128)).astype("int32")
+    mask = np.ones((4, 128), bool)
+    mask[0, :30] = mask[1, 100:] = mask[2, 50:60] = False  # left padding, right padding, a hole
+
+    def loss(params, ids, mask):
+        hidden, _ = common.forward(backbone, params, frozen, ids, mask)
+        return (hidden * mask[..., None] * np.linspace(-1, 1, 64)).sum(), hidden
+
+    (_, keras_hidden), keras_grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, ids, mask)
+    common.flash_attention(backbone, mesh, interpret=True, block=128)
+    assert "pallas_call" in str(jax.make_jaxpr(loss)(params, ids, mask))
+    assert "pallas_call" not in str(jax.make_jaxpr(loss)(params, ids[:, :96], mask[:, :96]))
+    (_, hidden), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, ids, mask)  # traced anew
+    np.testing.assert_allclose(
+        np.where(mask[..., None], hidden, 0), np.where(mask[..., None], keras_hidden, 0), atol=2e-5
+    )
+    for g, keras_g in zip(grads, keras_grads, strict=True):
+        np.testing.assert_allclose(g, keras_g, rtol=1e-4, atol=1e-4 * np.abs(keras_g).max())
