@@ -120,6 +120,7 @@ def count(comps, body, b, v):
             bv_writes.append(f"{name} ({opcode}): " + ", ".join(f"{t}[{b},{v}]" for t in written))
     return {
         "estimated_cycles": estimated_cycles(comps[body]),
+        "async_copied_mb": async_copied_mb(comps[body]),
         "ops": dict(ops.most_common()),
         "fusions_by_content": dict(fused_roots.most_common()),
         "bv_writes": bv_writes,
@@ -137,6 +138,20 @@ def estimated_cycles(lines):
             where = re.sub(r"decoder_block_\d+/", "", name.group(1)) if name else "(no name)"
             out["/".join(where.split("/")[:2])] += int(cycles.group(1))
     return {"total": sum(out.values()), **dict(out.most_common(12))}
+
+
+def async_copied_mb(lines):
+    """MB the body's async copies and slices (copy-start, slice-start) move between memories (the compiler's
+    prefetches: weights, cache, into on-chip memory): their cost is in no op's estimated cycles, and the ops
+    that read what they move look the cheaper for it."""
+    sizes = {"bf16": 2, "f32": 4, "s32": 4, "u32": 4, "pred": 1}
+    total = 0
+    for line in lines:
+        p = parse(line)
+        if p and p[2] in ("copy-start", "slice-start"):
+            dest = re.findall(r"(\w+)\[([\d,]*)\]", p[1])[-2]  # (source, destination, context)
+            total += sizes.get(dest[0], 4) * int(np.prod([int(d) for d in dest[1].split(",") if d]))
+    return total / 1e6
 
 
 def body_text(comps, body):
