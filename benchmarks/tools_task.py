@@ -3,8 +3,8 @@ task's demonstrations), GRPO with the calculator from it (grpo_tools.py), and th
 control: `--tools` with none), each answered greedily on one split; paired differences with compare.py's
 intervals (seeds and prompts both random: compare.mean_interval).
 
-    python benchmarks/tools_task.py --output-dir runs/tools_task                       # the docs' table
-    python benchmarks/tools_task.py --output-dir runs/tools_pilot --seeds 1 --split eval  # choosing settings
+    python benchmarks/tools_task.py --output-dir runs/tools_task2                      # the docs' table
+    python benchmarks/tools_task.py --output-dir runs/pilot --first-seed 0 --split eval  # choosing settings
 
 The seeds run side by side (`--parallel` processes at a time), each its chain sft -> tools, control. Each
 grpo_tools.py run scores its start before its first step and its end after its last, prompt by prompt, into
