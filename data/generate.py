@@ -30,8 +30,8 @@ toy.py's score, but with signals that differ. Its own RNG (seed 2), so the files
 
 data/calculator/ holds grpo_tools.py's task (docs/grpo_tools.md; checker and tool: calculator.py): chat prompts
 "a * b", half of two one-digit numbers, half of two two-digit numbers; its own RNG (seed 3):
-  sft_train.jsonl          demonstrations as chat `messages`: on a share TOOL_SHARE of them (drawn whatever the
-                           numbers) the answer calls the calculator in the gemma template's tool format
+  sft_train.jsonl          demonstrations as chat `messages`: on a share TOOL_SHARE of them (80% of the two-digit
+                           products, 30% of the one-digit ones, each drawn at random) the answer calls the calculator in the gemma template's tool format
                            (grpo_tools.py's FORMATS["gemma"]: the call, the result in a user turn), then answers;
                            the others answer at once
   prompts_{train,eval,test}.jsonl  prompt (a one-turn chat) + answer; eval and test hold no two-digit product
@@ -51,7 +51,9 @@ MIN_LEN, MAX_LEN = 3, 6
 SIZES = {"train": 4000, "eval": 200, "test": 500}
 COMPARE_LEN = (3, 5)  # digits a list in the comparison task
 CALCULATOR_SIZES = {"train": 4000, "eval": 200, "test": 500}
-TOOL_SHARE = 0.3  # share of the calculator demonstrations that call the tool
+# share of the calculator demonstrations that call the tool, by the size of the numbers: most of the products
+# the model cannot know, some of those it can (docs/grpo_tools.md: 0.3 of both copied too rarely)
+TOOL_SHARE = {"one-digit": 0.3, "two-digit": 0.8}
 HABIT = 0.6  # share of the lists with a repeated digit whose demonstration writes that digit once
 SLIP = 0.5  # share of each answer of a preference pair with one random mistake besides (before ranking)
 
@@ -185,7 +187,9 @@ def calculator_task():
         demos = []
         for row, (a, b) in zip(rows, pairs):
             turns = row["prompt"][:]
-            if rng.random() < TOOL_SHARE:  # the gemma format of grpo_tools.py (tests/test_grpo_tools.py)
+            if (
+                rng.random() < TOOL_SHARE["two-digit" if a >= 10 else "one-digit"]
+            ):  # the gemma format of grpo_tools.py (tests/test_grpo_tools.py)
                 turns += [
                     {"role": "assistant", "content": f'[calculator(expression="{a} * {b}")]'},
                     {"role": "user", "content": f"```tool_output\n{a * b}\n```"},

@@ -632,7 +632,12 @@ def test_calculator_demonstrations_are_what_the_rollout_builds(tiny):
     with open(os.path.join(ROOT, "data", "calculator", "sft_train.jsonl")) as f:
         demos = [json.loads(line) for line in f]
     calling = [d for d in demos if len(d["messages"]) == 4]
-    assert 0.25 < len(calling) / len(demos) < 0.35  # TOOL_SHARE 0.3 of them call
+    for two, share in (
+        (True, 0.8),
+        (False, 0.3),
+    ):  # TOOL_SHARE: 80% of the two-digit products, 30% of the rest
+        size = [d for d in demos if calculator.two_digit(d["messages"][0]["content"]) == two]
+        assert share - 0.05 < sum(len(d["messages"]) == 4 for d in size) / len(size) < share + 0.05
     row = calling[0]["messages"]
     (ids, mask), *_ = sft.tokenize_dataset(
         [common.sft_segments(calling[0], "demo", GEMMA)], tokenizer, 512, True, "x"
