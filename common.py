@@ -527,7 +527,7 @@ def _splash(q, k, v, attention_mask, *, attention, keras_attention, mesh, interp
 
     def local(q, k, v, segments):  # one device's [b, h, T, D] q and [b, k, T, D] k, v; segments [b, T]
         ids = kernel.SegmentIds(q=segments, kv=segments)
-        return jax.vmap(splash)(q * scale, k, v, segment_ids=ids)
+        return jax.vmap(splash)(q * jnp.asarray(scale, q.dtype), k, v, segment_ids=ids)  # as KerasHub's
 
     segments = jnp.diagonal(attention_mask, axis1=1, axis2=2).astype(jnp.int32)  # [B, T]: 1 real, 0 padding
     out = jax.shard_map(
@@ -573,10 +573,36 @@ def token_logps(backbone, hidden, labels):
     `weights(...)`: the output layer reads its weights from there."""
 
     def chunk_logps(h, y):  # [B, C, D], [B, C] -> ([B, C],)
-        z = logits(backbone, h)  # [B, C, V] f32
-        return (jnp.take_along_axis(z, y[..., None], -1)[..., 0] - jax.nn.logsumexp(z, -1),)
+        return (label_logp(logits(backbone, h, raw=True), y),)  # [B, C, V] in the compute dtype
 
     return per_token(backbone, chunk_logps, (hidden, labels))[0]
+
+
+@jax.custom_vjp
+def label_logp(z, y):
+    """log softmax(z)[y] in float32 [...] from logits z [..., V] as the output layer computes them (bf16) and
+    labels y [...]: z's float32 is made inside each reduction, and the backward (label_logp_bwd) writes
+    dz = g·(onehot(y) − softmax(z)) straight in z's dtype: no float32 [..., V] array is written, forward or
+    backward (autodiff's gather, scatter and saved exp each write one). The same values as
+    take_along_axis(z32, y) − logsumexp(z32)."""
+    return label_logp_fwd(z, y)[0]
+
+
+def label_logp_fwd(z, y):
+    z32 = z.astype(jnp.float32)
+    lse = jax.nn.logsumexp(z32, -1)
+    picked = jnp.sum(jnp.where(jnp.arange(z.shape[-1]) == y[..., None], z32, 0.0), -1)  # exact: one term
+    return picked - lse, (z, y, lse)
+
+
+def label_logp_bwd(res, g):
+    z, y, lse = res
+    onehot = jnp.arange(z.shape[-1]) == y[..., None]
+    dz = g[..., None] * (onehot - jnp.exp(z.astype(jnp.float32) - lse[..., None]))
+    return dz.astype(z.dtype), None
+
+
+label_logp.defvjp(label_logp_fwd, label_logp_bwd)
 
 
 def empty_cache(backbone, batch, length):

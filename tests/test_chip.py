@@ -287,6 +287,46 @@ def test_a_model_trained_in_bfloat16_saves_a_preset_keras_hub_reads_back(tmp_pat
         np.testing.assert_array_equal(weights[path], value)
 
 
+def test_label_logp_and_its_gradient_by_hand_and_against_autodiff():
+    """common.label_logp (log softmax(z)[y], its backward written out): by hand on two positions, then on
+    random logits against a float64 NumPy re-derivation (value z_y − log Σ exp z, gradient g·(onehot − p))
+    and against autodiff of take_along_axis − logsumexp: values equal bit for bit in float32, gradients to
+    float32 rounding; bf16 logits get a bf16 gradient, their float32 one rounded."""
+    z = jnp.asarray([[0.0, 0.0, np.log(2.0)], [1.0, 1.0, 1.0]], jnp.float32)  # softmax 1/4, 1/4, 1/2; thirds
+    y = jnp.asarray([2, 0])
+    logp, grad = jax.value_and_grad(lambda z: (common.label_logp(z, y) * jnp.asarray([1.0, 3.0])).sum())(z)
+    np.testing.assert_allclose(logp, np.log(0.5) + 3 * np.log(1 / 3), rtol=1e-6)
+    np.testing.assert_allclose(grad, [[-0.25, -0.25, 0.5], [2.0, -1.0, -1.0]], atol=1e-6)  # g·(onehot − p)
+
+    rng = np.random.default_rng(0)
+    z = rng.normal(size=(3, 5, 50)).astype(np.float32) * 4
+    y = rng.integers(0, 50, size=(3, 5))
+    g = rng.normal(size=(3, 5)).astype(np.float32)
+    z64 = z.astype(np.float64)
+    lse64 = np.log(np.exp(z64).sum(-1))
+    want = np.take_along_axis(z64, y[..., None], -1)[..., 0] - lse64
+    want_grad = g[..., None] * (np.eye(50)[y] - np.exp(z64 - lse64[..., None]))
+    mine = jax.value_and_grad(lambda z: (common.label_logp(z, y) * g).sum())
+    autodiff = jax.value_and_grad(
+        lambda z: ((jnp.take_along_axis(z, y[..., None], -1)[..., 0] - jax.nn.logsumexp(z, -1)) * g).sum()
+    )
+    (value, grad), (value_ad, grad_ad) = mine(jnp.asarray(z)), autodiff(jnp.asarray(z))
+    np.testing.assert_array_equal(
+        common.label_logp(jnp.asarray(z), y),
+        jnp.take_along_axis(jnp.asarray(z), y[..., None], -1)[..., 0] - jax.nn.logsumexp(jnp.asarray(z), -1),
+    )
+    np.testing.assert_allclose(common.label_logp(jnp.asarray(z), y), want, rtol=1e-6, atol=1e-5)
+    np.testing.assert_allclose(grad, want_grad, atol=1e-6)
+    np.testing.assert_allclose(grad, grad_ad, atol=1e-6)
+    zb = jnp.asarray(z, jnp.bfloat16)
+    grad_b = jax.grad(lambda z: (common.label_logp(z, y) * g).sum())(zb)
+    assert grad_b.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(
+        grad_b,
+        jax.grad(lambda z: (common.label_logp(z, y) * g).sum())(zb.astype(jnp.float32)).astype(jnp.bfloat16),
+    )
+
+
 def test_the_default_chunks_only_logits_that_would_be_large():
     """--logits-chunk None (the default): the whole [B, T, V] where its float32 logits take at most 1 GiB
     (one call, no scan), else 64 positions a chunk (a scan over ceil(T / 64) chunks); a number is taken as given."""
@@ -338,6 +378,10 @@ def test_splash_attention_equals_keras_hubs_at_every_real_position(gemma2):
     common.flash_attention(backbone, mesh, interpret=True, block=128)
     assert "pallas_call" in str(jax.make_jaxpr(loss)(params, ids, mask))
     assert "pallas_call" not in str(jax.make_jaxpr(loss)(params, ids[:, :128], mask[:, :128]))
+    q, kv = (jax.ShapeDtypeStruct((4, 256, h, 32), jnp.bfloat16) for h in (4, 1))
+    attend = backbone.transformer_layers[0].attention._compute_attention
+    out = jax.eval_shape(lambda q, k, v: attend(q, k, v, jnp.ones((4, 256, 256), bool)), q, kv, kv)
+    assert out.dtype == jnp.bfloat16  # q scaled in its own dtype (a float64 scale made it float32)
     (_, hidden), grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, ids, mask)  # traced anew
     np.testing.assert_allclose(
         np.where(mask[..., None], hidden, 0), np.where(mask[..., None], keras_hidden, 0), atol=2e-5
