@@ -14,6 +14,8 @@
 #               LoRA GRPO update and iteration (32 x 512)
 #   decode      benchmarks/decode.py at Gemma-2B shape (prompt 64 + 128 new tokens), batch 16, 64, 256, 512,
 #               and greedy at batch $GREEDY_B (default the first): what drawing the token costs
+#   memory      benchmarks/memory.py's step (Gemma-2B, 2 blocks, LoRA r16, 8 and 32 x 1024) compiled for and
+#               run on the chip: the compiled peak, the compiler's own, and the measured one
 #   profile     jax.profiler traces of the LoRA step, the GRPO update and a decode step (into $OUT)
 # The packages the chip's image lacks travel as wheels in .whl-tpu/ (benchmarks/tpu_wheels.sh fills it here;
 # the device call carries it); they are installed under /tmp/site. Stops starting new runs at $BUDGET_S s.
@@ -36,6 +38,7 @@ if [ -n "${SMOKE:-}" ]; then  # CPU: tiny shapes, a decoder block or two, short 
   export JAX_PLATFORMS=cpu
   MODEL="--model tiny --random-init --num-layers 1"; WIDTH=""; DECODE="--model tiny --num-layers 1"
   MATMUL_N=256; SCALE=16; BATCHES="4"; STEPS="--steps 1 --warmup 1"; ROUNDS=1
+  MEMORY="--model tiny"; MEMORY_B="4"
 else
   if compgen -G ".whl-tpu/*.whl" > /dev/null; then  # the lock's packages the image lacks, under /tmp/site
     I="env PIP_CONFIG_FILE=/dev/null $PY -m pip install --isolated -q --no-deps --no-compile --no-cache-dir --target /tmp/site"
@@ -44,6 +47,7 @@ else
     export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site  # after the image's own JAX
   fi
   MODEL="--model gemma_2b --random-init"; WIDTH="--num-layers 4 --arch vocabulary_size=32000"
+  MEMORY="--model gemma_2b --num-layers 2"; MEMORY_B="8 32"
   DECODE="--model gemma_2b --arch="; MATMUL_N=8192; SCALE=1; BATCHES="16 64 256 512"; STEPS="--steps 5 --warmup 2"; ROUNDS=3
 fi
 env | grep -E "^TPU_|^JAX_|^XLA_" | sort
@@ -143,6 +147,8 @@ if want throughput; then
   record full_ft_2b_width $T --algo sft $WIDTH --batch-size 8 --max-length $(( 1024 / SCALE )) --remat off
   record lora_2b $T --algo sft --lora-rank 16 --batch-size 4 --max-length $(( 1024 / SCALE )) --remat $REMAT
   record lora_2b_b8 $T --algo sft --lora-rank 16 --batch-size 8 --max-length $(( 1024 / SCALE )) --remat $REMAT
+  record lora_2b_b8_accum2 $T --algo sft --lora-rank 16 --batch-size 8 --grad-accum-steps 2 \
+    --max-length $(( 1024 / SCALE )) --remat off  # the same batch as 2 micro-batches of 4, nothing recomputed
   record dpo_lora_2b $T --algo dpo --lora-rank 16 --batch-size 4 --max-length $(( 1024 / SCALE )) --remat $REMAT
   record grpo_update_2b $T --algo grpo --lora-rank 16 --batch-size 32 --max-length $(( 512 / SCALE )) --remat $REMAT
 fi
@@ -153,6 +159,13 @@ if want decode; then
   done
   b=${BATCHES%% *}; b=${GREEDY_B:-$b}  # greedy: the step without its draw (a Gumbel variate a vocabulary entry)
   record "greedy_2b_b$b" $PY benchmarks/decode.py $DECODE --before "" --batch-size "$b" --rounds $ROUNDS --temperature 0
+fi
+
+if want memory; then  # the compiled step's memory against the chip's measured peak, for the same program
+  M="$PY benchmarks/memory.py $MEMORY --algo sft --lora-rank 16 --max-length $(( 1024 / SCALE )) --remat off"
+  for b in $MEMORY_B; do
+    record "memory_2b_2layers_b$b" $M --mesh data=1 --batch-size "$b" --target cpu --device-memory-gib 16 --run
+  done
 fi
 
 if want profile; then  # traces for where each step's time goes (RESULTS.md): the newest .trace.json.gz each

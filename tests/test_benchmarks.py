@@ -358,8 +358,10 @@ def test_tpu_check_runs_its_commands_on_cpu(tmp_path):
     import subprocess
 
     env = {**os.environ, "SMOKE": "1", "OUT": str(tmp_path), "PY": sys.executable}
-    env["PARTS"] = "matmul flags throughput decode"
-    env["ROWS"] = "^(matmul|script_flags|lora_2b$|grpo_update|decode)"  # one process a row: the suite's time
+    env["PARTS"] = "matmul flags throughput decode memory"
+    env["ROWS"] = (
+        "^(matmul|script_flags|lora_2b$|grpo_update|decode|memory)"  # one process a row: the suite's time
+    )
     env.pop("XLA_FLAGS", None)  # one CPU device, as a lone chip
     out = subprocess.run(
         ["bash", "benchmarks/tpu_check.sh"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
@@ -367,7 +369,14 @@ def test_tpu_check_runs_its_commands_on_cpu(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     whats = [r["what"] for r in rows]
-    assert whats == ["matmul_bf16", "script_flags", "lora_2b", "grpo_update_2b", "decode_2b_b4"], whats
+    assert whats == [
+        "matmul_bf16",
+        "script_flags",
+        "lora_2b",
+        "grpo_update_2b",
+        "decode_2b_b4",
+        "memory_2b_2layers_b4",
+    ], whats
     bad = [(r["what"], r.get("error")) for r in rows if r["rc"] != 0]
     assert not bad, bad
     assert all(r["device"] == "cpu" and r["date"] and r["command"] for r in rows)
@@ -375,6 +384,9 @@ def test_tpu_check_runs_its_commands_on_cpu(tmp_path):
     assert all(0 < r["mfu"] <= 1 and r["tokens_per_sec"] > 0 for r in rows[2:4])
     assert {r["remat"] for r in rows[2:4]} == {"off"}  # auto on CPU: no memory limit
     assert rows[4]["ms_per_step"] > 0 and rows[4]["bandwidth_source"] == "probe"
+    assert (
+        rows[5]["peak_bytes_per_device"] > 0 and rows[5]["measured_peak_bytes"] is None
+    )  # CPU: none reported
 
 
 def test_chip_results_are_well_formed_and_in_results_md():
