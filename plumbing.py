@@ -935,8 +935,12 @@ REMAT_POLICIES = {
     "minimal_offloaded": "offload_dot_with_no_batch_dims",  # those outputs kept in host memory (TPU, GPU)
     "full": "nothing_saveable",  # only the block's input kept: everything recomputed (about +1/3 FLOPs)
 }
+# "off/2": nothing recomputed, each micro-batch run as two halves, accumulated (as --grad-accum-steps doubled: the
+# same update where a script's accumulation is exact, Remat.jit's `split`). One v5e, LoRA r16 at Gemma-2B,
+# 8 x 1024: 69.3% MFU as two halves, 50.3% with "full" (benchmarks/RESULTS.md, section 12).
 AUTO_ORDER = (
     "off",
+    "off/2",
     "save_dots",
     "minimal",
     "full",
@@ -1034,6 +1038,7 @@ class Remat:
         self.requested = mode
         self.mode = None if mode == "auto" else mode  # auto: set at the first call
         self.limit = limit
+        self.shards = 0  # the devices a halved batch spreads over (choose)
         self.backbones = []
         for backbone in backbones:
             self.add(backbone)
@@ -1049,20 +1054,25 @@ class Remat:
     def __str__(self):
         return self.mode or self.requested
 
-    def _resolve(self, mode, fn, jit_kwargs):
+    def _resolve(self, mode, fn, jit_kwargs, split=None):
         import jax
 
         self.mode = mode
+        policy, _, halves = mode.partition("/")
         for backbone in self.backbones:
-            backbone.remat_mode = mode
+            backbone.remat_mode = policy
+        if halves:  # "off/2": the batch argument's micro-batches cut in two
+            fn = functools.partial(halve_batch, fn, split, self.shards)
         # a new function object: jax.jit caches traces per function, and the switch is read when tracing
         return jax.jit(functools.partial(fn), **jit_kwargs)
 
-    def jit(self, fn, length=None, **jit_kwargs):
+    def jit(self, fn, length=None, split=None, **jit_kwargs):
         """jax.jit(fn, **jit_kwargs) with the remat mode applied. auto, on a device with a memory limit: at the
         first call fn is compiled ahead of time for that call's shapes and shardings, the batch (third
         argument, leaves [A, B, T, ...]) at `length` tokens (the run's longest), under each policy in turn
-        (choose_remat; one compile each, RESULTS.md), and the chosen one is logged with why."""
+        (choose_remat; one compile each, RESULTS.md), and the chosen one is logged with why. split: where the
+        script's accumulation over micro-batches is exact (a sum over equal micro-batches), the batch
+        argument's index (2 in the scripts): auto may then run each micro-batch as two halves ("off/2")."""
         import jax
 
         limit = self.limit or device_memory_limit()
@@ -1084,25 +1094,57 @@ class Remat:
                 spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), a)
                 spec = (*spec[:2], jax.tree.map(at_length, spec[2]), *spec[3:])
                 t = time.perf_counter()
-                mode, why, _ = self.choose(fn, spec, limit, **jit_kwargs)
+                mode, why, _ = self.choose(fn, spec, limit, split=split, **jit_kwargs)
                 announce(f"remat: auto -> {mode} ({why}; checked in {time.perf_counter() - t:.1f} s)")
-                resolved.append(self._resolve(mode, fn, jit_kwargs))
+                resolved.append(self._resolve(mode, fn, jit_kwargs, split))
             return resolved[0](*a)
 
         return step
 
-    def choose(self, fn, spec, limit, **jit_kwargs):
+    def choose(self, fn, spec, limit, split=None, **jit_kwargs):
         """auto's decision for jax.jit(fn, **jit_kwargs) at arguments `spec` (shapes and shardings): each policy
-        compiled in turn (choose_remat) -> (mode, why, its compiled program); the switches are left at it."""
+        compiled in turn (choose_remat; "off/2" where `split` names a batch whose micro-batches halve on every
+        device) -> (mode, why, its compiled program); the switches are left at it."""
         compiled = {}
 
         def peak_of(mode):
-            compiled[mode] = self._resolve(mode, fn, jit_kwargs).lower(*spec).compile()
+            compiled[mode] = self._resolve(mode, fn, jit_kwargs, split).lower(*spec).compile()
             return peak_bytes(compiled[mode])
 
-        mode, why = choose_remat(peak_of, limit)
-        self._resolve(mode, fn, jit_kwargs)
+        self.shards = split is not None and batch_shards(spec[split])  # B's devices; False: no halving
+        modes = [m for m in AUTO_ORDER if "/" not in m or self.shards]
+        mode, why = choose_remat(peak_of, limit, modes)
+        self._resolve(mode, fn, jit_kwargs, split)
         return mode, why, compiled[mode]
+
+
+def batch_shards(batch):
+    """The devices a batch's leaves [A, B, ...] spread B over, where each device's rows halve evenly; else 0."""
+    import jax
+
+    leaves = jax.tree.leaves(batch)
+    if any(x.ndim < 2 for x in leaves):
+        return 0
+    shards = {x.shape[1] // x.sharding.shard_shape(x.shape)[1] for x in leaves}
+    rows = {x.shape[1] for x in leaves}
+    if len(shards) != 1 or len(rows) != 1 or (rows.pop() // min(shards)) % 2:
+        return 0
+    return shards.pop()
+
+
+def halve_batch(fn, index, shards, *args):
+    """fn(*args) with args[index]'s leaves [A, B, ...] as [2A, B/2, ...]: micro-batch a becomes 2a and 2a + 1,
+    each taking the first or the second half of every device's rows (`shards` devices: no data moves)."""
+    import jax
+
+    def halve(x):
+        a, b = x.shape[:2]
+        x = x.reshape(a, shards, 2, b // shards // 2, *x.shape[2:]).swapaxes(1, 2)  # [A, 2, D, B/2D, ...]
+        return x.reshape(2 * a, b // 2, *x.shape[4:])
+
+    args = list(args)
+    args[index] = jax.tree.map(halve, args[index])
+    return fn(*args)
 
 
 def peak_bytes(compiled):

@@ -326,6 +326,7 @@ def main(args):
     step_fn = remat.jit(
         partial(train_step, backbone, optimizer, args),
         length,
+        split=2,  # auto may halve the batch's micro-batches: the same update (equal micro-batches, summed)
         donate_argnums=0,
         out_shardings=(state_shardings, common.replicated(run.mesh)),
     )

@@ -419,6 +419,7 @@ class Algo:
     setup: Callable  # (module, args, backbone, optimizer, params, frozen, rng, (A, B, T, V), mesh, abstract) -> Bench
     args: Callable  # (module, Config) -> the script's Args at the benchmark's sizes
     trained_models: float = 1  # LoRA: -2N per trained model (kto: 0.5, a backward on half its tokens)
+    halves: bool = False  # the script's accumulation is exact: --remat auto may halve micro-batches (split=)
 
 
 def script_args(module, cfg):
@@ -893,12 +894,12 @@ def grpo_rollout(module, args, backbone, mesh, rng, vocab, advantages=group_adva
 
 # --algo -> its set-up, its Args at the benchmark's sizes, and how many models it trains
 ALGOS = {
-    "sft": Algo(_sft, plain_args),
-    "dpo": Algo(functools.partial(_preference, reference=True), plain_args),  # + a reference model
-    "simpo": Algo(_preference, plain_args),
-    "orpo": Algo(_preference, plain_args),
+    "sft": Algo(_sft, plain_args, halves=True),
+    "dpo": Algo(functools.partial(_preference, reference=True), plain_args, halves=True),  # + a reference
+    "simpo": Algo(_preference, plain_args, halves=True),
+    "orpo": Algo(_preference, plain_args, halves=True),
     "kto": Algo(_kto, plain_args, trained_models=0.5),  # LoRA: no backward on half its tokens (the pairs')
-    "reward": Algo(_reward, plain_args),
+    "reward": Algo(_reward, plain_args, halves=True),
     "ppo": Algo(_ppo, ppo_args, trained_models=2),  # policy and value
     "grpo": Algo(functools.partial(_grpo, advantages=group_advantages), grpo_args),
     "rloo": Algo(functools.partial(_grpo, advantages=leave_one_out), grpo_args),  # grpo's step and rollout

@@ -154,7 +154,8 @@ def compile_step(args, mesh, limit):
     bench = harness.setup(args, backbone, mesh, abstract=True)
     spec = (bench.state, bench.batch, bench.extra)
     if args.remat == "auto":  # state donated, as in the scripts
-        mode, why, compiled = remat.choose(bench.step, spec, limit, donate_argnums=0)
+        split = 1 if harness.ALGOS[args.algo].halves else None  # the batch, as the scripts'
+        mode, why, compiled = remat.choose(bench.step, spec, limit, split=split, donate_argnums=0)
     else:
         compiled = remat.jit(bench.step, donate_argnums=0).lower(*spec).compile()
         mode, why = args.remat, "as asked"

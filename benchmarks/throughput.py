@@ -132,7 +132,10 @@ def main(args):
 
     # The state keeps its layout from step to step (as in the scripts): one compilation.
     step = remat.jit(
-        traced_step, donate_argnums=0, out_shardings=(jax.tree.map(lambda x: x.sharding, state), None)
+        traced_step,
+        split=1 if harness.ALGOS[args.algo].halves else None,  # the batch, as the scripts'
+        donate_argnums=0,
+        out_shardings=(jax.tree.map(lambda x: x.sharding, state), None),
     )
 
     t = time.perf_counter()

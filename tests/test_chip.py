@@ -4,6 +4,7 @@ hosts start jax.distributed, a failed start is one line (exit 2); --remat auto s
 out of memory and, where nothing fits, says which flags to change; frozen weights are held in the compute
 dtype."""
 
+import functools
 import os
 
 import numpy as np
@@ -93,21 +94,65 @@ def peaks(table):
 def test_auto_takes_the_first_policy_that_fits():
     limit = 16 * GIB  # 90% of it: 14.4 GiB
     assert plumbing.choose_remat(peaks({"off": 9.0}), limit)[0] == "off"
-    mode, why = plumbing.choose_remat(peaks({"off": 15.0, "save_dots": 14.0}), limit)
-    assert mode == "save_dots" and "off 15.00 GiB, save_dots 14.00 GiB" in why
+    mode, why = plumbing.choose_remat(peaks({"off": 15.0, "off/2": 14.8, "save_dots": 14.0}), limit)
+    assert mode == "save_dots" and "off 15.00 GiB, off/2 14.80 GiB, save_dots 14.00 GiB" in why
     # the no-remat compile runs out of memory itself (a TPU's compiler refuses, it reports no peak)
-    mode, why = plumbing.choose_remat(peaks({"off": "OOM", "save_dots": "OOM", "minimal": 12.0}), limit)
+    table = {"off": "OOM", "off/2": "OOM", "save_dots": "OOM", "minimal": 12.0}
+    mode, why = plumbing.choose_remat(peaks(table), limit)
     assert mode == "minimal" and "off: does not compile in the memory (RESOURCE_EXHAUSTED" in why
 
 
 def test_auto_says_which_flags_to_change_when_nothing_fits():
-    table = {"off": "OOM", "save_dots": "OOM", "minimal": "OOM", "full": 20.0}
+    table = {"off": "OOM", "off/2": "OOM", "save_dots": "OOM", "minimal": "OOM", "full": 20.0}
     with pytest.raises(plumbing.UsageError) as e:
         plumbing.choose_remat(peaks(table), 16 * GIB)
     message = str(e.value)
     assert "\n" not in message and "full 20.00 GiB" in message and "16.00 GiB" in message
     for lever in ("--batch-size", "--grad-accum-steps", "--max-length", "--lora-rank", "--mesh"):
         assert lever in message
+
+
+def test_auto_halves_the_micro_batches_before_it_recomputes():
+    """Where a script's accumulation is exact (Remat.jit's split), "off/2" (nothing recomputed, each micro-batch
+    run as two halves) comes before every recomputing policy; elsewhere it is not tried."""
+    limit = 16 * GIB
+    assert plumbing.AUTO_ORDER.index("off/2") < plumbing.AUTO_ORDER.index("save_dots")
+    mode, why = plumbing.choose_remat(peaks({"off": "OOM", "off/2": 12.0}), limit)
+    assert mode == "off/2" and "off/2 12.00 GiB" in why
+
+
+def test_halved_micro_batches_give_the_same_update_and_move_no_data():
+    """plumbing.halve_batch on sft.train_step over 8 devices: [A, B] micro-batches run as [2A, B/2] give the same
+    loss, gradient norm and weights (equal micro-batches, a token sum over the whole batch), and each half is
+    every device's own first or second half of its rows: the halving compiles without a collective."""
+    import types
+
+    import optax
+    import sft
+
+    mesh = common.make_mesh("data=8")
+    backbone = common.load_model("tiny", mesh, "float32", seed=0).backbone
+    params, frozen = common.split_variables(backbone)
+    optimizer = optax.sgd(1.0)  # the new weights: the old minus the gradient
+    state = (params, optimizer.init(params))
+    rng = np.random.default_rng(0)
+    loss_mask = rng.random((1, 16, 12)) < 0.7
+    batch = {"token_ids": rng.integers(3, 300, (1, 16, 12)).astype(np.int32), "loss_mask": loss_mask}
+    batch["padding_mask"] = np.ones((1, 16, 12), bool)
+    batch = common.shard_batch(mesh, batch)  # [A = 1, B = 16] over 8 devices: 2 rows each
+    step = functools.partial(sft.train_step, backbone, optimizer, types.SimpleNamespace(skip_nonfinite=False))
+    whole = jax.jit(step)(state, frozen, batch)
+    halved = jax.jit(functools.partial(plumbing.halve_batch, step, 2, 8))(state, frozen, batch)
+    for key in ("train/loss", "train/grad_norm", "train/num_loss_tokens"):
+        np.testing.assert_allclose(halved[1][key], whole[1][key], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(halved[0]), jax.tree.leaves(whole[0]), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    ids = batch["token_ids"]
+    split = jax.jit(lambda b: plumbing.halve_batch(lambda x: x, 0, 8, b))
+    np.testing.assert_array_equal(split(ids)[0], np.asarray(ids)[0, 0::2])  # each device's first row
+    np.testing.assert_array_equal(split(ids)[1], np.asarray(ids)[0, 1::2])
+    hlo = split.lower(ids).compile().as_text()
+    assert not any(op in hlo for op in ("all-to-all", "all-gather", "collective-permute", "all-reduce"))
 
 
 def test_auto_lets_other_errors_through():
