@@ -1122,14 +1122,12 @@ def batch_shards(batch):
     """The devices a batch's leaves [A, B, ...] spread B over, where each device's rows halve evenly; else 0."""
     import jax
 
-    leaves = jax.tree.leaves(batch)
-    if any(x.ndim < 2 for x in leaves):
-        return 0
-    shards = {x.shape[1] // x.sharding.shard_shape(x.shape)[1] for x in leaves}
-    rows = {x.shape[1] for x in leaves}
-    if len(shards) != 1 or len(rows) != 1 or (rows.pop() // min(shards)) % 2:
-        return 0
-    return shards.pop()
+    sizes = {
+        (x.shape[1], x.sharding.shard_shape(x.shape)[1]) if x.ndim > 1 else (0, 1)
+        for x in jax.tree.leaves(batch)
+    }
+    rows, local = sizes.pop() if len(sizes) == 1 else (0, 1)  # one B, one split of it, for every leaf
+    return rows // local if local % 2 == 0 else 0
 
 
 def halve_batch(fn, index, shards, *args):
@@ -1142,9 +1140,7 @@ def halve_batch(fn, index, shards, *args):
         x = x.reshape(a, shards, 2, b // shards // 2, *x.shape[2:]).swapaxes(1, 2)  # [A, 2, D, B/2D, ...]
         return x.reshape(2 * a, b // 2, *x.shape[4:])
 
-    args = list(args)
-    args[index] = jax.tree.map(halve, args[index])
-    return fn(*args)
+    return fn(*args[:index], jax.tree.map(halve, args[index]), *args[index + 1 :])
 
 
 def peak_bytes(compiled):
