@@ -3,7 +3,7 @@ task's demonstrations), GRPO with the calculator from it (grpo_tools.py), and th
 control: `--tools` with none), each answered greedily on one split; paired differences with compare.py's
 intervals (seeds and prompts both random: compare.mean_interval).
 
-    python benchmarks/tools_task.py --output-dir runs/tools_task2                      # the docs' table
+    python benchmarks/tools_task.py --output-dir runs/tools_task3                      # the docs' table
     python benchmarks/tools_task.py --output-dir runs/pilot --first-seed 0 --split eval  # choosing settings
 
 The seeds run side by side (`--parallel` processes at a time), each its chain sft -> tools, control. Each
@@ -52,8 +52,9 @@ class Args:
     """one folder a run: sft/seed{s}, tools/seed{s}, control/seed{s}; report.json"""
     seeds: int = 3
     """seeds first_seed … first_seed+seeds-1, each its own SFT start, GRPO with tools and the control"""
-    first_seed: int = 3
-    """the first seed: 3, so that the reported seeds are none of those the settings were chosen on (0, 1, 2)"""
+    first_seed: int = 6
+    """the first seed: 6, so that the reported seeds are none of those the settings were chosen on (0, 1, 2)
+    nor those an earlier design was reported on (3, 4, 5)"""
     parallel: int = 3
     """seeds run at a time"""
     split: str = "test"
@@ -61,14 +62,14 @@ class Args:
     sft_steps: int = 300
     """sft.py's updates (batch 32)"""
     grpo_steps: int = 60
-    """grpo_tools.py's updates (each 8 prompts x 8 completions), with and without tools"""
+    """grpo_tools.py's updates (each 8 prompts x 16 completions), with and without tools"""
     sft_args: str = (
         "--batch-size 32 --learning-rate 1e-3 --warmup-steps 20 --max-length 512 "
         "--lr-scheduler-type cosine_with_min_lr --min-lr-rate 0.1"
     )
     """sft.py's other flags (compare.py's recipe for `tiny`)"""
     grpo_args: str = (
-        "--batch-size 64 --num-generations 8 --max-prompt-length 64 --response-length 128 --beta 0.04 "
+        "--batch-size 128 --num-generations 16 --max-prompt-length 64 --response-length 128 --beta 0.04 "
         "--learning-rate 1e-4 --warmup-steps 5 --lr-scheduler-type constant_with_warmup --temperature 1.0"
     )
     """grpo_tools.py's other flags, the same for both GRPO rows"""
