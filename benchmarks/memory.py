@@ -165,8 +165,6 @@ def compile_step(args, mesh, limit):
 def run_once(compiled, bench):
     """The compiled step run once on zeros in the state's layout (--run) -> the largest peak_bytes_in_use of
     the local devices (None where the backend reports none, e.g. CPU)."""
-    if args_target_is_abstract(bench):
-        raise plumbing.UsageError("--run needs --target cpu: the host's own devices (a TPU host's chips)")
     zeros = jax.tree.map(
         lambda s: jax.device_put(np.zeros(s.shape, s.dtype), s.sharding),
         (bench.state, bench.batch, bench.extra),
@@ -174,11 +172,6 @@ def run_once(compiled, bench):
     jax.block_until_ready(compiled(*zeros))
     peaks = [(d.memory_stats() or {}).get("peak_bytes_in_use") for d in jax.local_devices()]
     return max(peaks) if None not in peaks else None
-
-
-def args_target_is_abstract(bench):
-    leaf = jax.tree.leaves(bench.state)[0]
-    return leaf.sharding.mesh.devices.flat[0] not in jax.local_devices()
 
 
 def state_of(bench):
@@ -201,6 +194,8 @@ def state_of(bench):
 
 
 def main(args):
+    if args.run and args.target != "cpu":  # before the compile: a target's chips are described, not here
+        raise plumbing.UsageError("--run needs --target cpu: the host's own devices (a TPU host's chips)")
     mesh = make_target_mesh(args.mesh, args.target)
     if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
         raise plumbing.UsageError(
