@@ -541,7 +541,10 @@ def make_optimizer(args, max_steps):
         min_lr_rate=args.min_lr_rate,
     )
     adamw = optax.adamw(
-        schedule, weight_decay=args.weight_decay, mask=lambda t: jax.tree.map(lambda p: p.ndim >= 2, t)
+        schedule,
+        weight_decay=args.weight_decay,
+        mask=lambda t: jax.tree.map(lambda p: p.ndim >= 2, t),
+        mu_dtype=args.adam_mu_dtype,
     )
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adamw), schedule, warmup
 

@@ -353,6 +353,10 @@ class SharedArgs:
     """AdamW weight decay, on matrices only (not norms or biases) (TRL: 0.0)"""
     max_grad_norm: float = 1.0
     """global gradient-norm clip"""
+    adam_mu_dtype: Literal["float32", "bfloat16"] = "float32"
+    """AdamW's first moment (optax's and MaxText's mu_dtype); the weights and the second moment stay float32.
+    bfloat16: 2 bytes a trained weight fewer, read and written each update (one v5e, full fine-tuning at
+    Gemma-2B width: 71.0% -> 72.4% MFU)"""
     seed: int = 0
     """seeds init (tiny), data order and sampling"""
     # logging and outputs

@@ -469,7 +469,9 @@ def make_optimizer(args, max_steps):
     decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
     optimizer = optax.chain(
         optax.clip_by_global_norm(args.max_grad_norm),
-        optax.adamw(schedule, eps=1e-5, weight_decay=args.weight_decay, mask=decay_mask),
+        optax.adamw(
+            schedule, eps=1e-5, weight_decay=args.weight_decay, mask=decay_mask, mu_dtype=args.adam_mu_dtype
+        ),
     )
     return optimizer, schedule, warmup
 

@@ -238,7 +238,7 @@ def make_optimizer(args, max_steps):
     decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
     optimizer = optax.chain(
         optax.clip_by_global_norm(args.max_grad_norm),
-        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask),
+        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask, mu_dtype=args.adam_mu_dtype),
     )
     return optimizer, schedule, warmup
 

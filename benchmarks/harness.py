@@ -182,6 +182,8 @@ class Config:
     """distill: the teacher, an ARCHS name (random weights at its shapes) or a common.load_model name"""
     frozen_dtype: str | None = None
     """what the never-updated weights are held in (LoRA's base, a reference, a teacher); None: the compute dtype"""
+    adam_mu_dtype: str = "float32"
+    """AdamW's first moment (the scripts' --adam-mu-dtype)"""
     seed: int = 0
     """the synthetic tokens"""
 
@@ -504,6 +506,7 @@ def setup(cfg, backbone, mesh, abstract=False):
     algo = ALGOS[cfg.algo]
     args = algo.args(module, cfg)
     args.frozen_dtype = frozen_dtype(cfg, backbone)  # as the scripts' run.frozen_dtype
+    args.adam_mu_dtype = cfg.adam_mu_dtype
     if abstract:
         params, frozen = abstract_variables(backbone, args.frozen_dtype)
     else:

@@ -74,6 +74,8 @@ class Args:
     frozen_dtype: Literal["bfloat16", "float32"] | None = None
     """dtype of the weights never updated (LoRA's base, a reference, a teacher), as the scripts' flag; None: the
     compute dtype"""
+    adam_mu_dtype: Literal["float32", "bfloat16"] = "float32"
+    """AdamW's first moment, as the scripts' flag"""
     # the target
     target: Literal["tpu_v5e", "tpu_v6e", "tpu_v5p", "cpu"] = "tpu_v5e"
     """compile for: tpu_v5e (16 GiB chips), tpu_v6e (32 GiB) or tpu_v5p (95 GiB) with libtpu's

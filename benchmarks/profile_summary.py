@@ -32,7 +32,8 @@ def summarize(path, top=25, by="kind", per=1):
         for (pid, tid), name in names.items()
         if pid in device and tid is not None and "Ops" in name
     }
-    kinds, examples, total = collections.Counter(), {}, 0.0
+    kinds, examples = collections.Counter(), {}
+    total = 0.0
     for e in events:
         if e.get("ph") != "X" or e["pid"] not in device:
             continue

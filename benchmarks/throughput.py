@@ -64,6 +64,8 @@ class Args:
     frozen_dtype: Literal["bfloat16", "float32"] | None = None
     """dtype of the weights never updated (LoRA's base, a reference, a teacher), as the scripts' flag; None: the
     compute dtype"""
+    adam_mu_dtype: Literal["float32", "bfloat16"] = "float32"
+    """AdamW's first moment, as the scripts' flag"""
     precompute_ref: bool = False
     """DPO, KTO: reference log-probs in the batch instead of a reference forward (DPO: 6N, not 8N)"""
     teacher_model: str = ""

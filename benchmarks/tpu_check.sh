@@ -10,7 +10,7 @@
 #               --export-hf), a few steps each, in the host's own environment (its TPU_* variables as they are)
 #   flags       the same commands' flags parsed by each script (no run): what SMOKE checks in the suite
 #   throughput  benchmarks/throughput.py at Gemma-2B shape: full fine-tuning at width (4 blocks, vocabulary
-#               32k, 8 x 1024), LoRA r16 at full depth (4 and 8 x 1024, --remat auto), a LoRA DPO step, a
+#               32k, 8 x 1024; also with --adam-mu-dtype bfloat16), LoRA r16 at full depth (4 and 8 x 1024, --remat auto), a LoRA DPO step, a
 #               LoRA GRPO update and iteration (32 x 512)
 #   decode      benchmarks/decode.py at Gemma-2B shape (prompt 64 + 128 new tokens), batch 16, 64, 256, 512,
 #               and greedy at batch $GREEDY_B (default the first): what drawing the token costs
@@ -145,6 +145,8 @@ fi
 if want throughput; then
   T="$PY benchmarks/throughput.py $MODEL $STEPS $THROUGHPUT"
   record full_ft_2b_width $T --algo sft $WIDTH --batch-size 8 --max-length $(( 1024 / SCALE )) --remat off
+  record full_ft_2b_width_mu_bf16 $T --algo sft $WIDTH --batch-size 8 --max-length $(( 1024 / SCALE )) --remat off \
+    --adam-mu-dtype bfloat16  # AdamW's first moment in bf16: 2 bytes a weight fewer through each update
   record lora_2b $T --algo sft --lora-rank 16 --batch-size 4 --max-length $(( 1024 / SCALE )) --remat $REMAT
   record lora_2b_b8 $T --algo sft --lora-rank 16 --batch-size 8 --max-length $(( 1024 / SCALE )) --remat $REMAT
   record lora_2b_b8_accum2 $T --algo sft --lora-rank 16 --batch-size 8 --grad-accum-steps 2 \

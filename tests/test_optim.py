@@ -196,6 +196,37 @@ def test_dpo_trajectory_follows_clipped_adamw_at_trls_schedule():
         assert np.max(np.abs(np.array(script_losses) - other)) > 1e-3  # 0.021 and 0.046 measured
 
 
+def test_first_moment_in_bfloat16_rounds_the_stored_moment_only():
+    """--adam-mu-dtype bfloat16 (optax's mu_dtype): the first moment is kept in bf16 between updates, each
+    update computed in float32 from it. By hand, at a constant gradient 0.3, lr 1, β1 0.9, β2 0.999, no clip
+    (|g| < 1) and no decay: update 1 is -0.3/0.3 = -1 in both; the stored m1 = bf16(0.03) = 0.030029296875
+    (0.03 = 1.92·2^-6, and 1.92 to 7 fraction bits is 1.921875). Update 2 takes β1·m1 in bf16 too (a Python
+    float times a bf16 array): 0.0270263671875 = 1.7296875·2^-6 rounds to 1.7265625·2^-6 = 0.0269775390625,
+    so m2 = 0.0269775390625 + 0.03 and update 2 = -(m2 / 0.19) / 0.3 = -0.9996059 (v̂2 = 0.09), where
+    float32's m2 = 0.057 gives -1. Every script's optimizer takes the flag; the default keeps float32."""
+    import distill, grpo, kto, orpo, ppo, reward, rloo, sft, simpo
+
+    params, g = [jnp.ones((1, 1))], [jnp.full((1, 1), 0.3)]
+    for module in (sft, dpo, simpo, orpo, kto, reward, ppo, grpo, rloo, distill):
+        for mu_dtype in ("float32", "bfloat16"):
+            state = module.make_optimizer(module.Args(adam_mu_dtype=mu_dtype), 10)[0].init(params)
+            adam = [s for s in jax.tree.leaves(state, is_leaf=lambda s: hasattr(s, "mu")) if hasattr(s, "mu")]
+            assert [(m.dtype, v.dtype) for m, v in ((a.mu[0], a.nu[0]) for a in adam)] == [
+                (jnp.dtype(mu_dtype), jnp.float32)
+            ], module.__name__
+    m2 = 0.0269775390625 + 0.1 * 0.3
+    for mu_dtype, second in (("float32", -1.0), ("bfloat16", -(m2 / 0.19) / 0.3)):
+        args = sft.Args(learning_rate=1.0, lr_scheduler_type="constant", adam_mu_dtype=mu_dtype)
+        optimizer = sft.make_optimizer(args, 10)[0]
+        state, updates = optimizer.init(params), []
+        for _ in range(2):
+            u, state = optimizer.update(g, state, params)
+            updates.append(float(u[0][0, 0]))
+        # float32's own rounding (of 0.999, 1 - 0.999^t, the square root) is 1e-5 here, the bf16 moment's 3.9e-4
+        assert updates == pytest.approx([-1.0, second], rel=3e-5), mu_dtype
+    assert -(m2 / 0.19) / 0.3 == pytest.approx(-0.9996059, rel=1e-7)  # the bf16 moment's difference: 3.9e-4
+
+
 # ---------------------------------------------------------------------------
 # LoRA: W + (α/r)·A·B on the target layers, merged so on save
 # ---------------------------------------------------------------------------
