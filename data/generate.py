@@ -30,7 +30,8 @@ toy.py's score, but with signals that differ. Its own RNG (seed 2), so the files
 
 data/calculator/ holds grpo_tools.py's task (docs/grpo_tools.md; checker and tool: calculator.py): chat prompts
 "a * b", half of two one-digit numbers, half of two two-digit numbers; its own RNG (seed 3):
-  sft_train.jsonl          demonstrations as chat `messages`: on a share TOOL_SHARE of them (80% of the two-digit
+  sft_train.jsonl          CALCULATOR_DEMOS demonstrations as chat `messages` (the first 4,000 of them are the
+                           prompts of prompts_train.jsonl): on a share TOOL_SHARE of them (80% of the two-digit
                            products, 30% of the one-digit ones, each drawn at random) the answer calls the calculator in the gemma template's tool format
                            (grpo_tools.py's FORMATS["gemma"]: the call, the result in a user turn), then answers;
                            the others answer at once
@@ -51,6 +52,9 @@ MIN_LEN, MAX_LEN = 3, 6
 SIZES = {"train": 4000, "eval": 200, "test": 500}
 COMPARE_LEN = (3, 5)  # digits a list in the comparison task
 CALCULATOR_SIZES = {"train": 4000, "eval": 200, "test": 500}
+# calculator demonstrations (sft_train.jsonl): more than the RL prompts, so that a model cannot answer them from
+# memory and learns to copy the calculator (docs/grpo_tools.md, change 5: 4,000 gave starts that rarely copied)
+CALCULATOR_DEMOS = 16000
 # share of the calculator demonstrations that call the tool, by the size of the numbers: most of the products
 # the model cannot know, some of those it can (docs/grpo_tools.md: 0.3 of both copied too rarely)
 TOOL_SHARE = {"one-digit": 0.3, "two-digit": 0.8}
@@ -173,15 +177,15 @@ def calculator_task():
     seen = set()  # the two-digit products of the splits drawn so far
     for split in ("eval", "test", "train"):
         pairs = []
-        while len(pairs) < CALCULATOR_SIZES[split]:
+        while len(pairs) < (CALCULATOR_DEMOS if split == "train" else CALCULATOR_SIZES[split]):
             a, b = product_prompt(rng)
-            if a < 10 or (a, b) not in seen or split == "train":
+            if a < 10 or (a, b) not in seen:  # train may repeat its own two-digit products, not theirs
                 pairs.append((a, b))
         seen |= {(a, b) for a, b in pairs if a >= 10}
         rows = [
             {"prompt": [{"role": "user", "content": f"{a} * {b}"}], "answer": str(a * b)} for a, b in pairs
         ]
-        write(f"calculator/prompts_{split}.jsonl", rows)
+        write(f"calculator/prompts_{split}.jsonl", rows[: CALCULATOR_SIZES[split]])
         if split != "train":
             continue
         demos = []
