@@ -854,7 +854,9 @@ SCRIPT_FAMILIES = ("gemma3", "gemma4", "mistral", "qwen3.5")
 def test_one_step_of_each_script(presets, tmp_path):
     """run_scripts for SCRIPT_FAMILIES, in one process on one device (8 simulated devices on 2 cores
     compile 2.5x slower) with XLA's CPU code generation unoptimised (compiling is most of the time
-    here: half of it so): finite losses, a model/ of the same family, eval.json with a score."""
+    here: half of it so) and JAX's persistent compilation cache, as a script's own start-up (plumbing.launch)
+    and the test processes have it (with these programs in the cache: 136 -> 55 s): finite losses, a
+    model/ of the same family, eval.json with a score."""
     import common
     from helpers import one_device_env
 
@@ -868,7 +870,8 @@ def test_one_step_of_each_script(presets, tmp_path):
         [
             sys.executable,
             "-c",
-            f"import sys; sys.path.insert(0, {ROOT!r}); from test_families import run_scripts; {calls}",
+            f"import sys; sys.path.insert(0, {ROOT!r}); import plumbing; plumbing.compilation_cache(); "
+            f"from test_families import run_scripts; {calls}",
         ],
         cwd=os.path.dirname(os.path.abspath(__file__)),
         capture_output=True,
