@@ -224,7 +224,8 @@ def run_scripts(preset, out):
 
 
 def test_one_step_of_sft_and_dpo(preset, tmp_path):
-    """run_scripts in one process on one device: finite losses, `aux_loss` logged (> 0: the router's term is
+    """run_scripts in one process on one device, with JAX's persistent compilation cache as a script's own
+    start-up (plumbing.launch) has it: finite losses, `aux_loss` logged (> 0: the router's term is
     in the loss), a model/ that is a Qwen3-MoE preset again. dpo's first step has its reference at the
     policy's weights: every margin is 0, the DPO loss −log σ(0) = log 2, so train/loss = log 2 + aux_loss:
     the policy's forward (chosen + rejected in one) adds its aux loss once, the reference's none."""
@@ -234,7 +235,7 @@ def test_one_step_of_sft_and_dpo(preset, tmp_path):
         [
             sys.executable,
             "-c",
-            f"import sys; sys.path.insert(0, {ROOT!r}); "
+            f"import sys; sys.path.insert(0, {ROOT!r}); import plumbing; plumbing.compilation_cache(); "
             f"from test_moe import run_scripts; run_scripts({preset!r}, {str(tmp_path)!r})",
         ],
         cwd=os.path.dirname(os.path.abspath(__file__)),
