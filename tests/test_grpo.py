@@ -219,7 +219,7 @@ def test_sigterm_then_resume_equals_uninterrupted(weighted):
 
 
 def test_two_processes_match_one(tmp_path):
-    """jax.distributed with 2 processes × 4 CPU devices == 1 process × 8 devices: the rollout goes
+    """jax.distributed with 2 processes × 2 CPU devices == 1 process × 4 devices: the rollout goes
     in with put_global and comes out with to_host (an allgather), the same rows are logged. β = 0: at
     step 1 the policy is the reference, the k3 KL's gradient is float noise (the two collectives round
     differently), and Adam scales noise up to full-size steps; tiny's completions that end at its turn end
@@ -250,9 +250,9 @@ def test_two_processes_match_one(tmp_path):
     ]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
     subprocess.run(
-        flags + ["--output-dir", one], check=True, capture_output=True, env=env_with_devices(8), timeout=600
+        flags + ["--output-dir", one], check=True, capture_output=True, env=env_with_devices(4), timeout=600
     )  # first: the pair then has the cores to itself
-    run_two_processes(flags, two, env_with_devices(4))
+    run_two_processes(flags, two, env_with_devices(2))
     assert_same_rows(metrics(one), metrics(two))
     assert os.path.exists(os.path.join(two, "model", "config.json"))
 

@@ -160,8 +160,9 @@ def test_nonfinite_loss_stops_naming_the_step_or_is_skipped(tmp_path):
 
 
 def test_two_processes_match_one(tmp_path):
-    """dpo.py with evaluation and --precompute-ref on 2 processes × 4 devices logs the rows of the same
-    run on 1 process × 8 devices: training, the reference pass and eval each give every process its
+    """dpo.py with evaluation and --precompute-ref on 2 processes × 2 devices logs the rows of the same
+    run on 1 process × 4 devices (each process still holds several devices; 8 simulated devices in a process
+    cost more CPU time to compile and run): training, the reference pass and eval each give every process its
     own slice of a global batch (common.per_example passed the whole batch to each on 76cc5f6: rows
     off by up to 2.1×). 24 eval pairs at batch 16: the second batch wraps around and is trimmed."""
     # optimised code (not helpers.FAST_COMPILE): under it the reduction order differs more between the
@@ -194,9 +195,9 @@ def test_two_processes_match_one(tmp_path):
     ]
     one = str(tmp_path / "one")
     optimised = lambda n: env_with_devices(n, fast_compile=False)
-    subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=optimised(8))
+    subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=optimised(4))
     two = str(tmp_path / "two")
-    run_two_processes(flags, two, optimised(4))
+    run_two_processes(flags, two, optimised(2))
     rows, rows_two = metrics(one), metrics(two)
     assert [r["step"] for r in rows if "eval/loss" in r] == [0, 3] and "rewards/margins" in rows[1]
     # Step 1 runs the initial policy, which is the reference: its rewards are float noise around 0
@@ -211,7 +212,7 @@ def test_two_processes_match_one(tmp_path):
 
 
 def test_two_processes_sft_with_eval_and_samples_exit_0(tmp_path):
-    """sft.py with evaluation and its closing samples on 2 processes × 4 devices logs the rows of 1 process × 8,
+    """sft.py with evaluation and its closing samples on 2 processes × 2 devices logs the rows of 1 process × 4,
     and both processes exit 0 (run_two_processes asserts it). Process 1 used to die with "the JAX distributed
     service detected fatal errors" once process 0 had ended and closed the coordination service, and it sampled
     from weights it no longer held whole (common.save_model kept the gathered copy on process 0 only)."""
@@ -243,8 +244,8 @@ def test_two_processes_sft_with_eval_and_samples_exit_0(tmp_path):
         str(tmp_path / "eval.jsonl"),
     ]
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=env_with_devices(8))
-    run_two_processes(flags, two, env_with_devices(4))
+    subprocess.run(flags + ["--output-dir", one], check=True, capture_output=True, env=env_with_devices(4))
+    run_two_processes(flags, two, env_with_devices(2))
     rows = metrics(one)
     assert [r["step"] for r in rows if "eval/loss" in r] == [0, 2, 3]
     assert_same_rows(rows, metrics(two))
