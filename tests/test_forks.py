@@ -18,6 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import plumbing  # noqa: E402  (light: no JAX)
+from helpers import FAST_COMPILE  # noqa: E402
 
 
 def readme_fork():
@@ -54,7 +55,7 @@ if __name__ == "__main__":
 
 def run(args, cwd, timeout=300):
     env = {**os.environ, "PYTHONPATH": ROOT, "JAX_PLATFORMS": "cpu"}
-    env.pop("XLA_FLAGS", None)  # one device: the fork's run is about its flags
+    env["XLA_FLAGS"] = FAST_COMPILE  # one device: the fork's run is about its flags (one step: compiled fast)
     return subprocess.run(
         [sys.executable, *args], cwd=cwd, capture_output=True, text=True, timeout=timeout, env=env
     )
