@@ -23,14 +23,18 @@ sys.path.insert(0, ROOT)
 
 from helpers import FAST_COMPILE, PATIENT_COLLECTIVES, learning_env  # noqa: E402  (no JAX: flags set before it)
 
-os.environ["XLA_FLAGS"] = " ".join(
-    [
-        os.environ.get("XLA_FLAGS", ""),
-        "--xla_force_host_platform_device_count=8",
-        FAST_COMPILE,
-        PATIENT_COLLECTIVES,
-    ]
-).strip()
+# Each flag once: a pytest-xdist worker inherits the controller's XLA_FLAGS, and JAX's compilation cache keys
+# hash the flag list as written (duplicates included), so a doubled list missed every program that a run
+# with -n 0 (or a script run by hand) had stored, and the other way round.
+_flags = os.environ.get("XLA_FLAGS", "").split()
+for _flag in [
+    "--xla_force_host_platform_device_count=8",
+    *FAST_COMPILE.split(),
+    *PATIENT_COLLECTIVES.split(),
+]:
+    if _flag not in _flags:
+        _flags.append(_flag)
+os.environ["XLA_FLAGS"] = " ".join(_flags)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import plumbing  # noqa: E402  (light: no JAX until called)
 
