@@ -5,11 +5,12 @@ intervals (seeds and prompts both random: compare.mean_interval).
 
     python benchmarks/tools_task.py --output-dir runs/tools_task6                      # the docs' table
     python benchmarks/tools_task.py --output-dir runs/pilot --first-seed 0 --split eval  # choosing settings
+    python benchmarks/tools_task.py --output-dir runs/tools_task6_tpu --parallel 1     # one TPU chip: 8.5 min
 
-The seeds run side by side (`--parallel` processes at a time), each its chain sft -> tools, control. Each
-grpo_tools.py run scores its start before its first step and its end after its last, prompt by prompt, into
-`eval_completions_step{N}.jsonl`: the tools run's step 0 is the SFT start with the calculator, the control's
-step 0 the same start without it. Writes `report.json` (every number the table shows) and prints the table.
+The seeds run side by side (`--parallel` processes at a time; 1 on a single accelerator, which one process
+holds), each its chain sft -> tools, control. Each grpo_tools.py run scores its start before its first step
+and its end after its last, prompt by prompt, into `eval_completions_step{N}.jsonl`: the tools run's step 0
+is the SFT start with the calculator, the control's step 0 the same start without it. Writes `report.json` (every number the table shows) and prints the table.
 `--report-only`: the report from runs already there.
 """
 
