@@ -228,18 +228,18 @@ def report(args, walls):
 
 
 def main(args):
+    if set(args.stages) - {"sft", "tools", "control"}:
+        raise plumbing.UsageError(f"--stages {' '.join(args.stages)}: expected some of sft, tools, control")
     os.makedirs(args.output_dir, exist_ok=True)
     for name in ("sft", "tools", "control"):
         os.makedirs(os.path.join(args.output_dir, name), exist_ok=True)
     walls_path = os.path.join(args.output_dir, "walls.json")  # every stage's wall s, whichever call ran it
     old = os.path.join(args.output_dir, "report.json")  # a run before walls.json kept them in its report
-    walls = (
-        json.load(open(walls_path))
-        if os.path.exists(walls_path)
-        else json.load(open(old))["walls_s"]
-        if args.report_only and os.path.exists(old)
-        else {}
-    )
+    walls = {}
+    if os.path.exists(walls_path):
+        walls = json.load(open(walls_path))
+    elif args.report_only and os.path.exists(old):
+        walls = json.load(open(old))["walls_s"]
     if not args.report_only:
         t0 = time.perf_counter()
         with concurrent.futures.ThreadPoolExecutor(args.parallel) as pool:

@@ -423,3 +423,30 @@ def test_chip_results_are_well_formed_and_in_results_md():
             assert f"`{what}`" in results or what.startswith(("script_", "matmul")), (
                 f"RESULTS.md: no `{what}`"
             )
+
+
+def test_tools_task_stages_split_a_run_across_calls(tmp_path, monkeypatch):
+    """--stages: each call runs only the stages named, in chain order, and walls.json keeps every call's wall
+    times (the SFT starts on an accelerator, the GRPO rows elsewhere, one folder); a stage not there is
+    one line, exit 2; the report waits for both GRPO rows."""
+    import plumbing
+    import tools_task
+
+    ran = []
+    monkeypatch.setattr(
+        tools_task, "run", lambda cmd, log: ran.append((cmd[1], "--tools" in cmd and cmd)) or 1.0
+    )
+    monkeypatch.setattr(tools_task, "report", lambda args, walls: ran.append(("report", dict(walls))))
+    args = lambda stages: tools_task.Args(output_dir=str(tmp_path), seeds=2, first_seed=3, stages=stages)
+    tools_task.main(args(("sft",)))
+    assert [r[0] for r in ran] == ["sft.py", "sft.py"]  # seeds 3 and 4, no GRPO, no report
+    ran.clear()
+    tools_task.main(args(("tools", "control")))
+    assert [r[0] for r in ran] == ["grpo_tools.py"] * 4 + ["report"]
+    tools_flags = [cmd[cmd.index("--tools") + 1] for _, cmd in ran[:4]]
+    assert sorted(tools_flags).count("--reward-fn") == 2  # the control: --tools given nothing
+    walls = json.load(open(tmp_path / "walls.json"))
+    assert walls["seed3"] == walls["seed4"] == {"sft": 1.0, "tools": 1.0, "control": 1.0}
+    assert ran[-1][1]["seed4"] == walls["seed4"]
+    with pytest.raises(plumbing.UsageError, match="^--stages sfft: expected some of sft, tools, control"):
+        tools_task.main(args(("sfft",)))
