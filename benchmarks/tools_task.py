@@ -10,7 +10,8 @@ intervals (seeds and prompts both random: compare.mean_interval).
 The seeds run side by side (`--parallel` processes at a time; 1 on a single accelerator, which one process
 holds), each its chain sft -> tools, control. Each grpo_tools.py run scores its start before its first step
 and its end after its last, prompt by prompt, into `eval_completions_step{N}.jsonl`: the tools run's step 0
-is the SFT start with the calculator, the control's step 0 the same start without it. Writes `report.json` (every number the table shows) and prints the table.
+is the SFT start with the calculator, the control's step 0 the same start without it. Writes `report.json`
+(every number the table shows) and prints the table, once a call has run the chain's last stage (control).
 `--report-only`: the report from runs already there.
 """
 
@@ -246,11 +247,12 @@ def main(args):
             seeds = range(args.first_seed, args.first_seed + args.seeds)
             for seed, w in zip(seeds, pool.map(lambda s: chain(args, s), seeds)):
                 walls.setdefault(f"seed{seed}", {}).update(w)
-        walls["total"] = walls.get("total", 0) + time.perf_counter() - t0
-        print(f"all runs: {(time.perf_counter() - t0) / 60:.1f} min", flush=True)
+        wall = time.perf_counter() - t0
+        walls["total"] = walls.get("total", 0) + wall  # every call's, summed
+        print(f"all runs: {wall / 60:.1f} min", flush=True)
         with open(walls_path, "w") as f:
             json.dump(walls, f, indent=1)
-    if {"tools", "control"} <= set(args.stages) or args.report_only:
+    if "control" in args.stages or args.report_only:  # the last stage: the stages left out are done
         report(args, walls)
 
 

@@ -428,7 +428,7 @@ def test_chip_results_are_well_formed_and_in_results_md():
 def test_tools_task_stages_split_a_run_across_calls(tmp_path, monkeypatch):
     """--stages: each call runs only the stages named, in chain order, and walls.json keeps every call's wall
     times (the SFT starts on an accelerator, the GRPO rows elsewhere, one folder); a stage not there is
-    one line, exit 2; the report waits for both GRPO rows."""
+    one line, exit 2; the report waits for the chain's last stage (the control)."""
     import plumbing
     import tools_task
 
@@ -440,6 +440,9 @@ def test_tools_task_stages_split_a_run_across_calls(tmp_path, monkeypatch):
     args = lambda stages: tools_task.Args(output_dir=str(tmp_path), seeds=2, first_seed=3, stages=stages)
     tools_task.main(args(("sft",)))
     assert [r[0] for r in ran] == ["sft.py", "sft.py"]  # seeds 3 and 4, no GRPO, no report
+    ran.clear()
+    tools_task.main(args(("tools",)))
+    assert [r[0] for r in ran] == ["grpo_tools.py"] * 2  # the control not yet run: no report
     ran.clear()
     tools_task.main(args(("tools", "control")))
     assert [r[0] for r in ran] == ["grpo_tools.py"] * 4 + ["report"]
