@@ -170,17 +170,24 @@ def generate(
     top_k=0,
     top_p=1.0,
     min_p=None,
+    group=1,
 ):
     """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
     [B, R]: filtered_logps, 0 if greedy or after the end). A prefill, then a `lax.while_loop` of one token a
     step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes (one compilation per bucket),
-    `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy."""
+    `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy.
+    group: the rows are B/group prompts, each `group` times in a row (G completions of a prompt): a prompt
+    is prefilled once and its cache and logits copied to its rows; group=1's tokens for a key, but for the
+    prefill's rounding (its matmuls over B/G rows, not B: a bf16 step on a TPU)."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     with common.weights(backbone, params, frozen):  # each weight in the dtype it is held in
-        cache = common.empty_cache(backbone, b, q + response_length)  # L (K, V) pairs [B, S, K, H]
-        logits, cache = common.cached_forward(  # prefill; raw: compute-dtype logits (common.logits)
-            backbone, queries, padding_mask, cache, 0, last=True, raw=True
+        cache = common.empty_cache(backbone, b // group, q + response_length)  # L (K, V) pairs [B/G, S, K, H]
+        logits, cache = jax.tree.map(  # prefill, a group's prompt once, copied to its G rows; raw: logits in
+            lambda x: jnp.repeat(x, group, 0),  # the compute dtype (common.logits)
+            common.cached_forward(
+                backbone, queries[::group], padding_mask[::group], cache, 0, last=True, raw=True
+            ),
         )
 
         def pick(raw, key, done):  # raw logits [B, V] -> token [B], its log q [B]; a finished sequence pads

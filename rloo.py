@@ -155,17 +155,24 @@ def generate(
     top_k=0,
     top_p=1.0,
     min_p=None,
+    group=1,
 ):
     """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
     [B, R]: filtered_logps, 0 if greedy or after the end). A prefill, then a `lax.while_loop` of one token a
     step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes (one compilation per bucket),
-    `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy."""
+    `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy.
+    group: the rows are B/group prompts, each `group` times in a row (G completions of a prompt): a prompt
+    is prefilled once and its cache and logits copied to its rows; group=1's tokens for a key, but for the
+    prefill's rounding (its matmuls over B/G rows, not B: a bf16 step on a TPU)."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     with common.weights(backbone, params, frozen):  # each weight in the dtype it is held in
-        cache = common.empty_cache(backbone, b, q + response_length)  # L (K, V) pairs [B, S, K, H]
-        logits, cache = common.cached_forward(  # prefill; raw: compute-dtype logits (common.logits)
-            backbone, queries, padding_mask, cache, 0, last=True, raw=True
+        cache = common.empty_cache(backbone, b // group, q + response_length)  # L (K, V) pairs [B/G, S, K, H]
+        logits, cache = jax.tree.map(  # prefill, a group's prompt once, copied to its G rows; raw: logits in
+            lambda x: jnp.repeat(x, group, 0),  # the compute dtype (common.logits)
+            common.cached_forward(
+                backbone, queries[::group], padding_mask[::group], cache, 0, last=True, raw=True
+            ),
         )
 
         def pick(raw, key, done):  # raw logits [B, V] -> token [B], its log q [B]; a finished sequence pads
@@ -574,8 +581,10 @@ def main(args):
     # q: what is sampled and scored
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     gen_fn = jax.jit(
-        functools.partial(generate, backbone, response_length=r, stop_ids=stops, pad_id=pad, **sampling)
-    )
+        functools.partial(
+            generate, backbone, response_length=r, stop_ids=stops, pad_id=pad, group=g, **sampling
+        )
+    )  # group: a prompt's G rows share its prefill
     logps_fn = jax.jit(
         lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, context_length=query_length(b), **sampling)
     )

@@ -4,7 +4,8 @@ on the same random-init Gemma, prompts and keys, alternated each round so a shar
 alike (`--before ''`: the working tree's alone).
     python benchmarks/decode.py --before HEAD~1    # hidden 512, 4 layers, V = 8192; B = 16, Q = 64, R = 128
     python benchmarks/decode.py --model gemma_2b --before '' --batch-size 64    # Gemma-2B shape, on a chip
-Each round times: the samplers (the tokens must be identical, checked every round), one prefill alone, and
+Each round times: the samplers (the tokens must be identical, checked every round; `--num-generations G`
+beside group 1: their share is reported, as the prefill over B/G rows rounds apart), each prefill alone, and
 the probes: memory bandwidth (reading 256 MiB once) and a float32 matmul's FLOP/s. Roofline step = max(bytes
 a step reads / bandwidth, 2 N B / peak FLOP/s): every weight, as it is held (--dtype: the compute dtype, as a
 frozen base or a sampled-only model is held), and the whole KV cache read once, every multiply-add done once.
@@ -54,6 +55,10 @@ class Args:
     accelerator, float32 on CPU"""
     batch_size: int = 16
     """B sequences"""
+    num_generations: int = 1
+    """G: the B rows are B/G prompts, each G times in a row, as a GRPO rollout; the working tree's sampler
+    prefills each prompt once (generate's `group`). With --before '' and G > 1, the working tree's own sampler
+    without the sharing (group 1) runs beside it as `before`: the same tokens, checked every round"""
     prompt_length: int = 64
     """Q prompt tokens (random ids, no padding)"""
     response_length: int = 128
@@ -121,27 +126,42 @@ def main(args):
     r = args.response_length
     t = args.temperature
     rng = np.random.default_rng(args.seed)
-    queries = rng.integers(3, backbone.vocabulary_size, (b, q), dtype=np.int32)
+    g = args.num_generations
+    if b % g:
+        raise plumbing.UsageError(f"--batch-size {b} must be a multiple of --num-generations {g}")
+    queries = np.repeat(rng.integers(3, backbone.vocabulary_size, (b // g, q), dtype=np.int32), g, 0)
     query_mask = np.ones((b, q), bool)
     scripts = {"after": __import__(args.script)}
+    groups = {"after": g, "before": g}  # the rows a prompt's prefill serves, per side
     if args.before:
         scripts["before"] = modules_at(args.before, ["common", args.script])[args.script]
+        if "group" not in inspect.signature(scripts["before"].generate).parameters:
+            groups["before"] = 1  # a revision before `group`: it prefills every row
+    elif g > 1:  # the working tree's own sampler, every row prefilled
+        scripts["before"], groups["before"] = scripts["after"], 1
 
-    def sampler(module):  # its generate, jitted; the stop ids were `eos_id` before they were `stop_ids`
-        stop = "stop_ids" if "stop_ids" in inspect.signature(module.generate).parameters else "eos_id"
-        settings = {"response_length": r, "temperature": t, stop: harness.EOS, "pad_id": 0}
+    def sampler(module, group):  # its generate, jitted; the stop ids were `eos_id` before `stop_ids`
+        known = inspect.signature(module.generate).parameters
+        settings = {"response_length": r, "temperature": t, "pad_id": 0}
+        settings["stop_ids" if "stop_ids" in known else "eos_id"] = harness.EOS
+        if "group" in known:
+            settings["group"] = group
         return jax.jit(functools.partial(module.generate, backbone, **settings))
 
-    gens = {side: sampler(m) for side, m in scripts.items()}
+    gens = {side: sampler(m, groups[side]) for side, m in scripts.items()}
 
-    def prefill(p, f, qs, qm):  # the working tree's prefill alone: what generate spends before step 1
-        with common.weights(backbone, p, f):
-            mask = jnp.concatenate([qm, jnp.ones((b, r), bool)], 1)
-            cache = common.empty_cache(backbone, b, q + r)
-            return common.cached_forward(backbone, qs, mask, cache, 0, last=True)[0]
+    def prefill(p, f, qs, qm, group):  # the working tree's prefill alone: what generate spends before step 1
+        with common.weights(backbone, p, f):  # (each prompt once, the cache copied to its rows, as `group`)
+            mask = jnp.concatenate([qm, jnp.ones((b, r), bool)], 1)[::group]
+            cache = common.empty_cache(backbone, b // group, q + r)
+            out = common.cached_forward(backbone, qs[::group], mask, cache, 0, last=True)
+            return jax.tree.map(lambda x: jnp.repeat(x, group, 0), out)
 
-    prefill = jax.jit(prefill)
-    times = {side: [] for side in (*gens, "prefill", "bandwidth", "matmul")}
+    prefill = jax.jit(prefill, static_argnames="group")
+    prefills = {f"prefill_{side}": functools.partial(prefill, group=groups[side]) for side in gens}
+    times = {
+        side: [] for side in (*gens, *prefills, "bandwidth", "matmul", "same_tokens", "same_first_tokens")
+    }
     for round_ in range(args.rounds + 1):  # round 0 compiles
         key = jax.random.key(args.seed + round_)
         out = {}
@@ -154,24 +174,31 @@ def main(args):
             times[side].append(time.perf_counter() - start)
             if traced:
                 jax.profiler.stop_trace()
-        if "before" in out and (
-            not (out["before"][0] == out["after"][0]).all() or out["before"][1] != out["after"][1]
-        ):
-            raise RuntimeError(f"round {round_}: the two samplers returned different tokens")
-        times["prefill"].append(_timed(prefill, params, frozen, queries, query_mask))
+        if "before" in out:  # the same tokens; G > 1 against group 1: their share (the prefill rounds apart)
+            same = out["before"][0] == out["after"][0]  # [B, R]
+            times["same_tokens"].append(float(same.mean()))
+            times["same_first_tokens"].append(float(same[:, 0].mean()))
+            if (not same.all() or out["before"][1] != out["after"][1]) and groups["before"] == g:
+                raise RuntimeError(f"round {round_}: the two samplers returned different tokens")
+        for name, fn in prefills.items():
+            times[name].append(_timed(fn, params, frozen, queries, query_mask))
         times["bandwidth"].append(bandwidth())
         times["matmul"].append(plumbing.matmul_flops_per_sec(repeats=3))
         timed = ", ".join(f"{side} {times[side][-1]:.3f} s" for side in gens)
         print(f"round {round_}: {timed}, {int(out['after'][1])} steps", file=sys.stderr, flush=True)
     cache = common.empty_cache(backbone, b, q + r)  # what a decode step reads besides the weights
-    return report(args, times, int(out["after"][1]), params + frozen, jax.tree.leaves(cache))
+    logits = [np.asarray(fn(params, frozen, queries, query_mask)[0]) for fn in prefills.values()]  # [B, 1, V]
+    delta = {"prefill_logits_max_abs": float(np.abs(logits[0]).max())}
+    if len(logits) == 2:  # the two sides' prefill logits (float32): the rounding apart, if any
+        delta["prefill_logits_max_abs_diff"] = float(np.abs(logits[0] - logits[1]).max())
+    return report(args, times, int(out["after"][1]), params + frozen, jax.tree.leaves(cache), delta)
 
 
-def report(args, times, steps, weights, cache):
+def report(args, times, steps, weights, cache, delta):
     """One JSON line: per side tokens/s (B × steps / generate s, prefill included, as the sampler's user
     sees it) and ms per decode step (prefill taken out), beside the roofline (medians of rounds 1…)."""
     b = args.batch_size
-    med = {k: statistics.median(v[1:]) for k, v in times.items()}
+    med = {k: statistics.median(v[1:]) for k, v in times.items() if v[1:]}
     weight_bytes = sum(w.size * w.dtype.itemsize for w in weights)  # as held: what a step reads
     cache_bytes = sum(c.size * c.dtype.itemsize for c in cache)  # every layer's K and V, all S positions
     matmul_params = sum(w.size for w in weights if w.ndim >= 2)  # N: every weight used in a matmul
@@ -199,7 +226,9 @@ def report(args, times, steps, weights, cache):
         "bandwidth_source": "datasheet" if bandwidth != med["bandwidth"] else "probe",
         "bandwidth_probe_gb_s": med["bandwidth"] / 1e9,
         "matmul_gflop_s": med["matmul"] / 1e9,
-        "prefill_s": med["prefill"],
+        "num_generations": args.num_generations,
+        "prefill_s": med["prefill_after"],
+        **delta,
         "roofline_ms_per_step": 1e3 * roofline_s,
         "roofline_tokens_per_sec": b / roofline_s,
     }
@@ -207,7 +236,8 @@ def report(args, times, steps, weights, cache):
         if side in med:
             out[f"{side}_generate_s"] = med[side]
             out[f"{side}_tokens_per_sec"] = b * steps / med[side]
-            out[f"{side}_ms_per_step"] = 1e3 * (med[side] - med["prefill"]) / max(steps - 1, 1)
+            out[f"{side}_prefill_s"] = med[f"prefill_{side}"]
+            out[f"{side}_ms_per_step"] = 1e3 * (med[side] - med[f"prefill_{side}"]) / max(steps - 1, 1)
     out["ms_per_step"] = out["after_ms_per_step"]  # the working tree's, under the name RESULTS.md uses
     out["tokens_per_sec"] = out["after_tokens_per_sec"]
     out["of_roofline"] = out["roofline_ms_per_step"] / out["ms_per_step"]  # 1: at the floor
@@ -217,6 +247,10 @@ def report(args, times, steps, weights, cache):
     if "before" in med:  # each round's pair: one load
         ratios = [x / y for x, y in zip(times["before"][1:], times["after"][1:])]
         out["speedup_median_of_rounds"] = statistics.median(ratios)
+        out["same_tokens"], out["same_first_tokens"] = (
+            min(times["same_tokens"]),
+            min(times["same_first_tokens"]),
+        )
     print(json.dumps(out))
     return out
 

@@ -861,11 +861,8 @@ def grpo_rollout(module, args, backbone, mesh, rng, vocab, advantages=group_adva
     tiny = common.keras_hub.models.GemmaTokenizer(proto=common.TINY_TOKENIZER)
     tokenizer = tiny if tiny.vocabulary_size() == vocab else IdsText()
     scorer = common.load_scorer(mesh, reward_fns=[GRPO_REWARD_FN])
-    gen_fn = jax.jit(
-        functools.partial(
-            module.generate, backbone, response_length=r, temperature=args.temperature, stop_ids=EOS, pad_id=0
-        )
-    )
+    settings = dict(response_length=r, temperature=args.temperature, stop_ids=EOS, pad_id=0, group=g)
+    gen_fn = jax.jit(functools.partial(module.generate, backbone, **settings))  # as the script's
     order = np.random.default_rng(0)
 
     def iteration(state, extra, step_fn, key):

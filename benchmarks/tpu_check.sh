@@ -13,7 +13,8 @@
 #               32k, 8 x 1024; also with --adam-mu-dtype bfloat16), LoRA r16 at full depth (4 and 8 x 1024, --remat auto), a LoRA DPO step, a
 #               LoRA GRPO update and iteration (32 x 512)
 #   decode      benchmarks/decode.py at Gemma-2B shape (prompt 64 + 128 new tokens), batch 16, 64, 256, 512,
-#               and greedy at batch $GREEDY_B (default the first): what drawing the token costs
+#               batch 256 as 32 prompts of 8 rows (a GRPO rollout: a prompt prefilled once), and greedy at
+#               batch $GREEDY_B (default the first): what drawing the token costs
 #   memory      benchmarks/memory.py's step (Gemma-2B, 2 blocks, LoRA r16, 8 and 32 x 1024) compiled for and
 #               run on the chip: the compiled peak, the compiler's own, and the measured one
 #   profile     jax.profiler traces of the LoRA step, the GRPO update and a decode step (into $OUT)
@@ -37,7 +38,7 @@ export PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=3 KERAS_BACKEND=jax
 if [ -n "${SMOKE:-}" ]; then  # CPU: tiny shapes, a decoder block or two, short sequences
   export JAX_PLATFORMS=cpu
   MODEL="--model tiny --random-init --num-layers 1"; WIDTH=""; DECODE="--model tiny --num-layers 1"
-  MATMUL_N=256; SCALE=16; BATCHES="4"; STEPS="--steps 1 --warmup 1"; ROUNDS=1
+  MATMUL_N=256; SCALE=16; BATCHES="4"; GROUPED="4"; G=2; STEPS="--steps 1 --warmup 1"; ROUNDS=1
   MEMORY="--model tiny"; MEMORY_B="4"
 else
   if compgen -G ".whl-tpu/*.whl" > /dev/null; then  # the lock's packages the image lacks, under /tmp/site
@@ -48,7 +49,7 @@ else
   fi
   MODEL="--model gemma_2b --random-init"; WIDTH="--num-layers 4 --arch vocabulary_size=32000"
   MEMORY="--model gemma_2b --num-layers 2"; MEMORY_B="8 32"
-  DECODE="--model gemma_2b --arch="; MATMUL_N=8192; SCALE=1; BATCHES="16 64 256 512"; STEPS="--steps 5 --warmup 2"; ROUNDS=3
+  DECODE="--model gemma_2b --arch="; MATMUL_N=8192; SCALE=1; BATCHES="16 64 256 512"; GROUPED="256"; G=8; STEPS="--steps 5 --warmup 2"; ROUNDS=3
 fi
 env | grep -E "^TPU_|^JAX_|^XLA_" | sort
 $PY -c "import jax, keras, keras_hub, optax, tyro; print('jax', jax.__version__, jax.devices(), 'keras', keras.__version__, 'keras_hub', keras_hub.__version__)" \
@@ -158,6 +159,10 @@ fi
 if want decode; then
   for b in $BATCHES; do
     record "decode_2b_b$b" $PY benchmarks/decode.py $DECODE --before "$BEFORE" --batch-size "$b" --rounds $ROUNDS
+  done
+  for b in $GROUPED; do  # a GRPO rollout: B/G prompts of G rows, each prompt prefilled once, beside every row
+    record "decode_2b_b${b}_g$G" $PY benchmarks/decode.py $DECODE --before "" --batch-size "$b" --num-generations $G \
+      --rounds $ROUNDS  # prefilled (group 1): the same tokens, checked every round
   done
   b=${BATCHES%% *}; b=${GREEDY_B:-$b}  # greedy: the step without its draw (a Gumbel variate a vocabulary entry)
   record "greedy_2b_b$b" $PY benchmarks/decode.py $DECODE --before "" --batch-size "$b" --rounds $ROUNDS --temperature 0

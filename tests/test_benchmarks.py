@@ -377,6 +377,7 @@ def test_tpu_check_runs_its_commands_on_cpu(tmp_path):
         "lora_2b",
         "grpo_update_2b",
         "decode_2b_b4",
+        "decode_2b_b4_g2",
         "memory_2b_2layers_b4",
     ], whats
     bad = [(r["what"], r.get("error")) for r in rows if r["rc"] != 0]
@@ -386,8 +387,11 @@ def test_tpu_check_runs_its_commands_on_cpu(tmp_path):
     assert all(0 < r["mfu"] <= 1 and r["tokens_per_sec"] > 0 for r in rows[2:4])
     assert {r["remat"] for r in rows[2:4]} == {"off"}  # auto on CPU: no memory limit
     assert rows[4]["ms_per_step"] > 0 and rows[4]["bandwidth_source"] == "probe"
+    # 2 prompts of 2 rows, each prefilled once, beside every row prefilled (the same tokens, or it stops)
+    assert rows[5]["num_generations"] == 2 and rows[5]["before_prefill_s"] > 0 < rows[5]["after_prefill_s"]
+    assert rows[5]["same_tokens"] == 1.0  # on CPU in float32, every token (a bf16 chip: 99.9%)
     assert (
-        rows[5]["peak_bytes_per_device"] > 0 and rows[5]["measured_peak_bytes"] is None
+        rows[6]["peak_bytes_per_device"] > 0 and rows[6]["measured_peak_bytes"] is None
     )  # CPU: none reported
 
 

@@ -180,6 +180,37 @@ def test_early_stop_samples_the_fixed_length_tokens_and_ends_when_all_have_ended
     assert new._cache_size() == 1  # ... in one compiled program
 
 
+@pytest.mark.parametrize("script", ("grpo", "rloo"))
+def test_a_group_prefills_its_prompt_once_and_samples_the_same_tokens(script, tiny, monkeypatch):
+    """generate(group=G), as the scripts call it on B/G prompts of G rows each: every prompt prefilled once,
+    its cache and logits copied to its rows, gives group=1's tokens and steps for the same rows and key, and
+    its log q to float32 rounding (the prefill's matmuls over B/G rows, not B, round apart in the last bit:
+    ≤ 2e-6 here). On the 8-device mesh, 4 prompts of 4 rows: a group spans two devices, and the 4
+    prefilled prompts do not divide over 8."""
+    module = importlib.import_module(script)
+    backbone, params, frozen, queries, query_mask, eos, pad = tiny
+    mesh = jax.tree.leaves(params)[0].sharding.mesh
+    on_data = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
+    rows = np.repeat([0, 1, 2, 3], 4)  # [16]: prompts of 4, 7, 2 and 5 tokens (left-padded), 4 rows each
+    qs, qm = common.put_global(queries[rows], on_data), common.put_global(query_mask[rows], on_data)
+    settings = {"response_length": 12, "temperature": 1.0, "stop_ids": eos, "pad_id": pad, "top_p": 0.9}
+    forward, calls = common.cached_forward, []  # the [rows, positions] of each forward, as traced
+    monkeypatch.setattr(
+        common, "cached_forward", lambda bb, x, *a, **k: calls.append(x.shape) or forward(bb, x, *a, **k)
+    )
+    out = {}
+    for g in (1, 4):
+        sample = jax.jit(functools.partial(module.generate, backbone, group=g, **settings))
+        out[g] = jax.device_get(sample(params, frozen, qs, qm, jax.random.key(3)))
+    assert calls == [(16, 16), (16, 1), (4, 16), (16, 1)]  # prefill, step; group 4: the prefill on 4 rows
+    (tokens, steps, logq), (tokens1, steps1, logq1) = out[4], out[1]  # [16, 12], (), [16, 12]
+    np.testing.assert_array_equal(tokens, tokens1)
+    assert steps == steps1 == 12
+    np.testing.assert_allclose(logq, logq1, rtol=0, atol=1e-5)
+    assert (logq1 != 0).mean() > 0.9  # sampled tokens (log q 0: after a row's end)
+    assert len({tuple(t) for t in tokens}) > 8  # a group's rows differ: its cache is copied, not its draw
+
+
 @pytest.mark.parametrize(
     "script, flags",
     [("grpo", {"top_k": 1}), ("grpo", {"top_p": 1e-6}), ("grpo", {"min_p": 1.0}), ("rloo", {"top_k": 1})],
