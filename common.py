@@ -66,10 +66,12 @@ TINY_CONFIG = dict(
 )
 
 
-# Sequence positions whose logits a chunk computes (per_token) when --logits-chunk is None (the default)
-# and the whole batch's float32 logits would take more than WHOLE_LOGITS bytes: [B, 64, V] float32 is 512 MiB
-# at B = 8 and Gemma's 256k vocabulary; under 1 GiB (small vocabularies, short batches) they stay whole
-LOGITS_CHUNK = 64
+# Tokens of the batch whose logits a chunk computes (per_token) when --logits-chunk is None (the default) and
+# the whole batch's float32 logits would take more than WHOLE_LOGITS bytes (under 1 GiB, small vocabularies and
+# short batches, they stay whole): CHUNK_TOKENS // B positions of every row, so a chunk's [B, C, V] logits
+# are one size whatever the batch (bf16 at Gemma's 256k vocabulary: 500 MiB, and a chip's share of it where
+# the vocabulary is sharded), and the output layer's weights are read once per 1,024 tokens
+CHUNK_TOKENS = 1024
 # Splash attention's query and key block (flash_attention), forward and backward: on one v5e at Gemma-2B
 # width and T = 1024, 512 took full fine-tuning from 68.1% to 69.7% MFU, where 128 (the kernel's default)
 # slowed it to 62.3% and 1024 failed to compile (benchmarks/RESULTS.md, section 12)
@@ -547,14 +549,14 @@ def logits(backbone, hidden, raw=False):
 
 def per_token(backbone, fn, arrays):
     """fn(*chunks) -> a tuple of [B, C] arrays, mapped over C positions of the [B, T, ...] `arrays` at a time,
-    C the model's --logits-chunk (load_model; None: LOGITS_CHUNK where the whole would exceed WHOLE_LOGITS;
+    C the model's --logits-chunk (load_model; None: CHUNK_TOKENS // B where the whole would exceed WHOLE_LOGITS;
     T padded to whole chunks), each chunk under jax.checkpoint: what fn makes inside (a chunk's [B, C, V]
     logits) lives only there, forward and backward (recomputed), and [B, T, V] never does. -> fn's outputs
     [B, T] each. A chunk of 0 (or ≥ T): one call on the whole."""
     b, t = arrays[0].shape[:2]
     chunk = getattr(backbone, "logits_chunk", None)
     if chunk is None:  # the default: whole where the batch's float32 logits are small
-        chunk = 0 if 4 * b * t * backbone.vocabulary_size <= WHOLE_LOGITS else LOGITS_CHUNK
+        chunk = 0 if 4 * b * t * backbone.vocabulary_size <= WHOLE_LOGITS else max(1, CHUNK_TOKENS // b)
     if not chunk or chunk >= t:
         return fn(*arrays)
     n = -(-t // chunk)  # chunks; the last is padded

@@ -307,7 +307,8 @@ class SharedArgs:
     logits_chunk: int | None = None
     """sequence positions whose [B, chunk, V] float32 logits exist at a time, in every log-prob, forward and
     backward (recomputed), so that [B, T, V] never does (Gemma's 256k vocabulary: 8 GiB at 8 × 1024); 0: whole;
-    None: 64, or whole where the batch's float32 logits take at most 1 GiB (small vocabularies, short batches)"""
+    None: 1024 // B positions (1,024 tokens of the batch), or whole where the batch's float32 logits take at
+    most 1 GiB (small vocabularies, short batches)"""
     lora_rank: int = 0
     """0 = full fine-tuning; r > 0: LoRA of rank r, only its A and B train (TRL: --use-peft --lora-r r)"""
     lora_alpha: int = 32

@@ -9,9 +9,13 @@ script's own `train_step` for the mesh, and reads XLA's memory_analysis():
         --algo dpo --model gemma_2b --mesh data=8 --batch-size 8 --max-length 1024
 """
 
+import glob
 import json
 import os
+import re
+import shutil
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -67,7 +71,7 @@ class Args:
     (plumbing.choose_remat: the first of off, save_dots, minimal, full that fits), against the target's memory"""
     logits_chunk: int | None = None
     """sequence positions whose [B, chunk, V] logits exist at a time, as the scripts' flag; 0: the whole;
-    None: 64, or whole where they take at most 1 GiB"""
+    None: 1024 // B positions, or whole where they take at most 1 GiB"""
     attention: Literal["splash", "xla"] = "splash"
     """splash: Gemma's attention through the Splash kernel on a TPU, as the scripts' (common.flash_attention);
     xla: KerasHub's own (the comparison)"""
@@ -147,9 +151,23 @@ def weight_bytes(tree):
     return total
 
 
-def compile_step(args, mesh, limit):
+def hbm_bytes(dump):
+    """The compiler's own total of the program's buffers in the chip's HBM: the default memory space (color 0:
+    arguments, outputs, temporaries) of the memory-usage report in `dump` (the compile's XLA dump folder).
+    temp_size_in_bytes also counts the on-chip VMEM (color 1: 112 MiB on a v5e), which is not HBM. None where
+    no report was written."""
+    for path in glob.glob(os.path.join(dump, "*memory-usage-report.txt")):
+        with open(path) as f:
+            found = re.search(r"Memory Space: default \(color=0\)\nTotal bytes: (\d+)", f.read())
+        if found:
+            return int(found.group(1))
+    return None
+
+
+def compile_step(args, mesh, limit, dump=None):
     """(compiled train step, Bench, backbone, seconds, the remat mode and why) for abstract weights laid out
-    on `mesh`; --remat auto: chosen as the scripts choose it, against `limit` bytes a device."""
+    on `mesh`; --remat auto: chosen as the scripts choose it, against `limit` bytes a device. dump: a folder
+    for XLA's dump of the compile (not under auto, which compiles each mode it tries)."""
     backbone = harness.load_backbone(args, mesh, abstract=True)
     remat = plumbing.Remat(args.remat, backbone)
     t = time.perf_counter()
@@ -158,8 +176,9 @@ def compile_step(args, mesh, limit):
     if args.remat == "auto":  # state donated, as in the scripts
         split = 1 if harness.ALGOS[args.algo].halves else None  # the batch, as the scripts'
         mode, why, compiled = remat.choose(bench.step, spec, limit, split=split, donate_argnums=0)
-    else:
-        compiled = remat.jit(bench.step, donate_argnums=0).lower(*spec).compile()
+    else:  # the compiler's memory-usage report, for the HBM total (hbm_bytes)
+        lowered = remat.jit(bench.step, donate_argnums=0).lower(*spec)
+        compiled = lowered.compile(compiler_options={"xla_dump_to": dump} if dump else None)
         mode, why = args.remat, "as asked"
     return compiled, bench, backbone, time.perf_counter() - t, (mode, why)
 
@@ -230,8 +249,9 @@ def main(args):
         return
     over = None
     chip_gib = args.device_memory_gib or CHIP_GIB[args.target]
+    dump = tempfile.mkdtemp()
     try:
-        compiled, bench, backbone, compile_s, remat = compile_step(args, mesh, chip_gib * GIB)
+        compiled, bench, backbone, compile_s, remat = compile_step(args, mesh, chip_gib * GIB, dump)
     except jax.errors.JaxRuntimeError as e:
         if "RESOURCE_EXHAUSTED" not in str(e) or args.target not in ("tpu_v5e", "tpu_v6e"):
             raise
@@ -240,8 +260,14 @@ def main(args):
         over = str(e).split("RESOURCE_EXHAUSTED:")[-1].strip().splitlines()[0]
         print(f"{args.target}: {over}; breakdown from a TPU v5p compile of the same step", flush=True)
         mesh = tpu_mesh("tpu_v5p", mesh.devices.shape)
-        compiled, bench, backbone, compile_s, remat = compile_step(args, mesh, CHIP_GIB["tpu_v5p"] * GIB)
+        shutil.rmtree(dump)  # the refused compile's report: the v5p one replaces it
+        os.mkdir(dump)
+        compiled, bench, backbone, compile_s, remat = compile_step(
+            args, mesh, CHIP_GIB["tpu_v5p"] * GIB, dump
+        )
     m = compiled.memory_analysis()
+    hbm = hbm_bytes(dump)
+    shutil.rmtree(dump, ignore_errors=True)
     peak = m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
     measured = run_once(compiled, bench) if args.run else None
     result = {
@@ -259,6 +285,11 @@ def main(args):
         # the compiler's own peak: arguments and every buffer live at once, no fragmentation; on a TPU the
         # formula's temp also counts on-chip VMEM scratch (memory space 1), so the truth lies between the two
         "xla_peak_bytes": m.peak_memory_in_bytes,
+        # the compiler's own HBM total (arguments, outputs, temporaries; no VMEM): the figure a chip's HBM
+        # holds; None under --remat auto, or for a program read from JAX's persistent cache (main() called
+        # in a process that has one)
+        "hbm_bytes_per_device": hbm,
+        "hbm_gib_per_device": hbm and hbm / GIB,
         "measured_peak_bytes": measured,
         **state_of(bench),
         "batch_bytes": weight_bytes(bench.batch),
@@ -274,5 +305,7 @@ def main(args):
     print(json.dumps(result))
 
 
-if __name__ == "__main__":
+if __name__ == "__main__":  # every step compiled here, none read from JAX's persistent cache: a program found
+    # there is not compiled again (compile_s would time the lookup, and no memory-usage report is written)
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = "off"
     plumbing.launch(main, Args)

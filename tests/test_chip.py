@@ -374,19 +374,28 @@ def test_label_logp_and_its_gradient_by_hand_and_against_autodiff():
 
 def test_the_default_chunks_only_logits_that_would_be_large():
     """--logits-chunk None (the default): the whole [B, T, V] where its float32 logits take at most 1 GiB
-    (one call, no scan), else 64 positions a chunk (a scan over ceil(T / 64) chunks); a number is taken as given."""
+    (one call, no scan), else 1,024 tokens of the batch a chunk, 1024 // B positions of each row (a scan over
+    ceil(T / C) chunks); a number is taken as given."""
+    import re
     import types
 
-    def scans(vocabulary, b, t, chunk=None):
+    def chunks(vocabulary, b, t, chunk=None):  # the scan's length; 0: no scan
         backbone = types.SimpleNamespace(vocabulary_size=vocabulary, logits_chunk=chunk)
         hidden = jax.ShapeDtypeStruct((b, t, 8), jnp.float32)
-        jaxpr = jax.make_jaxpr(lambda h: common.per_token(backbone, lambda x: (x.sum(-1),), (h,)))(hidden)
-        return str(jaxpr).count("scan[")
+        jaxpr = str(
+            jax.make_jaxpr(lambda h: common.per_token(backbone, lambda x: (x.sum(-1),), (h,)))(hidden)
+        )
+        lengths = re.findall(r"scan\[.*?length=(\d+)", jaxpr, re.S)
+        return int(lengths[0]) if lengths else 0
 
-    assert scans(320, 32, 512) == 0  # tiny: 21 MB
-    assert scans(256_000, 1, 1024) == 0  # 4 × 1 × 1024 × 256,000 bytes = 0.98 GiB: whole
-    assert scans(256_000, 2, 1024) == 1  # 1.95 GiB: chunks
-    assert scans(320, 32, 512, chunk=64) == 1 and scans(256_000, 2, 1024, chunk=0) == 0
+    assert chunks(320, 32, 512) == 0  # tiny: 21 MB
+    assert chunks(256_000, 1, 1024) == 0  # 4 × 1 × 1024 × 256,000 bytes = 0.98 GiB: whole
+    assert chunks(256_000, 2, 1024) == 2  # 1.95 GiB: 512 positions a chunk
+    assert chunks(256_000, 4, 1024) == 4  # 256 positions (one v5e's LoRA row, 4 × 1024)
+    assert chunks(256_000, 64, 1024) == 64  # 16 positions (a v5e-8's batch of 64, the vocabulary sharded)
+    assert chunks(256_000, 32, 500) == 16  # 32 positions, the last chunk padded (500 = 15 × 32 + 20)
+    assert chunks(256_000, 2048, 16) == 16  # at least one position
+    assert chunks(320, 32, 512, chunk=64) == 8 and chunks(256_000, 2, 1024, chunk=0) == 0
 
 
 @pytest.mark.parametrize("gemma2", [False, True], ids=["gemma", "gemma2-softcap-window"])
