@@ -58,7 +58,7 @@ class Args:
     num_generations: int = 1
     """G: the B rows are B/G prompts, each G times in a row, as a GRPO rollout; the working tree's sampler
     prefills each prompt once (generate's `group`). With --before '' and G > 1, the working tree's own sampler
-    without the sharing (group 1) runs beside it as `before`: the same tokens, checked every round"""
+    without the sharing (group 1) runs beside it as `before`: the share of equal tokens is reported"""
     prompt_length: int = 64
     """Q prompt tokens (random ids, no padding)"""
     response_length: int = 128
@@ -247,10 +247,8 @@ def report(args, times, steps, weights, cache, delta):
     if "before" in med:  # each round's pair: one load
         ratios = [x / y for x, y in zip(times["before"][1:], times["after"][1:])]
         out["speedup_median_of_rounds"] = statistics.median(ratios)
-        out["same_tokens"], out["same_first_tokens"] = (
-            min(times["same_tokens"]),
-            min(times["same_first_tokens"]),
-        )
+        out["same_tokens"] = min(times["same_tokens"])  # the share of equal tokens, its lowest round
+        out["same_first_tokens"] = min(times["same_first_tokens"])
     print(json.dumps(out))
     return out
 

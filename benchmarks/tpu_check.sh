@@ -162,7 +162,7 @@ if want decode; then
   done
   for b in $GROUPED; do  # a GRPO rollout: B/G prompts of G rows, each prompt prefilled once, beside every row
     record "decode_2b_b${b}_g$G" $PY benchmarks/decode.py $DECODE --before "" --batch-size "$b" --num-generations $G \
-      --rounds $ROUNDS  # prefilled (group 1): the same tokens, checked every round
+      --rounds $ROUNDS  # beside it every row prefilled (group 1): the share of equal tokens
   done
   b=${BATCHES%% *}; b=${GREEDY_B:-$b}  # greedy: the step without its draw (a Gumbel variate a vocabulary entry)
   record "greedy_2b_b$b" $PY benchmarks/decode.py $DECODE --before "" --batch-size "$b" --rounds $ROUNDS --temperature 0

@@ -387,12 +387,11 @@ def test_tpu_check_runs_its_commands_on_cpu(tmp_path):
     assert all(0 < r["mfu"] <= 1 and r["tokens_per_sec"] > 0 for r in rows[2:4])
     assert {r["remat"] for r in rows[2:4]} == {"off"}  # auto on CPU: no memory limit
     assert rows[4]["ms_per_step"] > 0 and rows[4]["bandwidth_source"] == "probe"
-    # 2 prompts of 2 rows, each prefilled once, beside every row prefilled (the same tokens, or it stops)
+    # 2 prompts of 2 rows, each prefilled once, beside every row prefilled: the share of equal tokens
     assert rows[5]["num_generations"] == 2 and rows[5]["before_prefill_s"] > 0 < rows[5]["after_prefill_s"]
     assert rows[5]["same_tokens"] == 1.0  # on CPU in float32, every token (a bf16 chip: 99.9%)
-    memory = rows[
-        6
-    ]  # CPU: no measured peak; the compiler's own total of the device's memory holds the arguments
+    # CPU: no measured peak; the compiler's own total of the device's memory holds the arguments
+    memory = rows[6]
     assert memory["peak_bytes_per_device"] > 0 and memory["measured_peak_bytes"] is None
     assert memory["argument_bytes"] < memory["hbm_bytes_per_device"] < 2 * memory["peak_bytes_per_device"]
 
