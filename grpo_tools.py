@@ -308,13 +308,17 @@ def read_tool_prompts(path, template, fmt, schemas, flag="--dataset", config=Non
 # ---- ALGO LOGIC: the multi-turn sampler. State: tokens, mask [B, S] (S = Q + R: prompt, then the turns, the
 # tool results between them, and holes: positions no key may see), sampled, logqs [B, R] (the policy's own
 # tokens and their log q), the KV cache, the logits of position t, t, done [B] (a row's turn has ended)
-def start(backbone, params, frozen, queries, query_mask, *, response_length, pad_id):
-    """The prompts' prefill: left-padded queries [B, Q] -> the state, t = Q, the logits of the first token."""
+def start(backbone, params, frozen, queries, query_mask, *, response_length, pad_id, group=1):
+    """The prompts' prefill: left-padded queries [B, Q] -> the state, t = Q, the logits of the first token.
+    group: the rows are B/group prompts, each `group` times in a row: each prefilled once (grpo.generate's)."""
     b, q = queries.shape
     mask = jnp.concatenate([query_mask, jnp.zeros((b, response_length), bool)], 1)  # [B, S]
     with common.weights(backbone, params, frozen):
-        cache = common.empty_cache(backbone, b, q + response_length)
-        logits, cache = common.cached_forward(backbone, queries, mask, cache, 0, last=True)
+        cache = common.empty_cache(backbone, b // group, q + response_length)
+        logits, cache = jax.tree.map(  # a group's prompt once, copied to its rows
+            lambda x: jnp.repeat(x, group, 0),
+            common.cached_forward(backbone, queries[::group], mask[::group], cache, 0, last=True),
+        )
     return {
         "tokens": jnp.concatenate([queries, jnp.full((b, response_length), pad_id, jnp.int32)], 1),
         "mask": mask,
@@ -681,12 +685,13 @@ def main(args):
     # the sampler: prefill, turns (sampled and greedy), tool results into the cache; q: what is sampled and scored
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     fns = {
-        "start": jax.jit(functools.partial(start, backbone, response_length=r, pad_id=pad)),
+        "start": jax.jit(functools.partial(start, backbone, response_length=r, pad_id=pad, group=g)),
         "turn": jax.jit(functools.partial(sample_turn, backbone, stop_ids=stops, pad_id=pad, **sampling)),
         "append": jax.jit(functools.partial(append, backbone)),
     }
-    greedy = {
+    greedy = {  # the evaluation: a prompt a row
         **fns,
+        "start": jax.jit(functools.partial(start, backbone, response_length=r, pad_id=pad)),
         "turn": jax.jit(
             functools.partial(sample_turn, backbone, temperature=0.0, stop_ids=stops, pad_id=pad)
         ),

@@ -432,6 +432,34 @@ def test_first_turn_draws_what_grpo_generate_draws(tiny):
     np.testing.assert_allclose(np.asarray(batch["sampler_logps"]), np.asarray(logqs), atol=1e-5)
 
 
+def test_start_prefills_each_prompt_once_for_its_rows(tiny):
+    """start(group=G), as the training rollouts call it (G rows a prompt): each prompt prefilled once, its cache
+    and first logits copied to its rows: group=1's state (to float32 rounding), from a prefill of B/G rows."""
+    import jax
+
+    backbone = tiny["model"].backbone
+    params, frozen = common.split_variables(backbone)
+    rows = np.repeat([0, 1, 2], 2)  # 3 prompts of the calculator task, 2 rows each
+    queries, query_mask = tiny["queries"][rows], tiny["query_mask"][rows]
+    forward, prefilled = common.cached_forward, []
+    states = {}
+    for g in (1, 2):
+        fn = functools.partial(gt.start, backbone, response_length=R, pad_id=0, group=g)
+        with pytest.MonkeyPatch.context() as mp:  # the rows of the prefill, as traced
+            mp.setattr(
+                common,
+                "cached_forward",
+                lambda bb, x, *a, **k: prefilled.append(len(x)) or forward(bb, x, *a, **k),
+            )
+            states[g] = jax.device_get(jax.jit(fn)(params, frozen, queries, query_mask))
+    assert prefilled == [6, 3]
+    for name in ("tokens", "mask", "sampled", "t", "done"):
+        np.testing.assert_array_equal(states[2][name], states[1][name])
+    np.testing.assert_allclose(states[2]["logits"], states[1]["logits"], atol=1e-5)
+    for shared, alone in zip(jax.tree.leaves(states[2]["cache"]), jax.tree.leaves(states[1]["cache"])):
+        np.testing.assert_allclose(shared, alone, atol=1e-5)
+
+
 def test_eight_devices_roll_out_as_one(tiny):
     """The scripted rollout with its batch over 8 simulated devices (params replicated) equals one device's."""
     mesh = common.make_mesh(None)  # 8 devices on `data`
