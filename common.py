@@ -643,14 +643,15 @@ def empty_cache(backbone, batch, length):
     return tuple((jnp.zeros(shape, dtype),) * 2 for _ in range(b.num_layers))
 
 
-def cached_forward(backbone, token_ids, padding_mask, cache, index, last=False, raw=False):
+def cached_forward(backbone, token_ids, padding_mask, cache, index, last=False, raw=False, hidden=False):
     """The family's CausalLM.call_with_cache plus a key padding mask, for left-padded prompts: token_ids
     [B, t] go to cache positions index…index+t-1; padding_mask [B, S] masks the padding as keys (the layers
     AND it with their causal / sliding-window mask). RoPE positions count the padding, which changes
     nothing: scores depend only on query-key distance (Gemma 3's sliding window too). Qwen 3.5's gated delta
     net layers see zeros at the padding, which leave their states at zero (as KerasHub's layer masks inputs).
-    -> (logits [B, t, V] float32 (last: [B, 1, V]; raw: in the compute dtype, see `logits`), cache: one entry
-    per layer, as empty_cache)."""
+    -> (logits [B, t, V] float32 (last: [B, 1, V]; raw: in the compute dtype, see `logits`; hidden: the final
+    norm's output [B, t, D] instead, for a sampler that computes its own), cache: one entry per layer, as
+    empty_cache)."""
     gemma4 = isinstance(backbone, keras_hub.models.Gemma4Backbone)
     gemma = gemma4 or isinstance(backbone, (keras_hub.models.GemmaBackbone, keras_hub.models.Gemma3Backbone))
     x = backbone.token_embedding(token_ids)
@@ -703,11 +704,10 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index, last=False, 
             new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
             new = jax.lax.dynamic_update_slice(c, new, (0, 0, index, 0, 0))
         caches.append(new)
-    if (
-        last
-    ):  # the last position's logits alone [B, 1, V]: a prefill needs no more (Gemma, B 256 × Q 64: 17 GB)
+    if last:  # the last position's logits alone [B, 1, V]: a prefill needs no more (B 256 × Q 64: 17 GB)
         x = x[:, -1:]
-    return logits(backbone, backbone.layer_norm(x), raw), tuple(caches)
+    x = backbone.layer_norm(x)
+    return (x if hidden else logits(backbone, x, raw)), tuple(caches)
 
 
 def per_layer_inputs(backbone, token_ids, x):

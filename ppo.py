@@ -20,6 +20,7 @@ import plumbing  # the run shell: shared flags, Run, the exit boundary (instant 
 plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, the scorer)
+import kernels  # noqa: E402  (Pallas on a TPU: the sampler's output layer and draw in one kernel)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
@@ -177,27 +178,30 @@ def generate(
     step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes (one compilation per bucket),
     `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy.
     group: the rows are B/group prompts, each `group` times in a row (G completions of a prompt): a prompt
-    is prefilled once and its cache and logits copied to its rows; group=1's tokens for a key, but for the
-    prefill's rounding (its matmuls over B/G rows, not B: a bf16 step on a TPU)."""
+    is prefilled once and its cache and last hidden state copied to its rows; group=1's tokens for a key,
+    but for the prefill's rounding (its matmuls over B/G rows, not B: a bf16 step on a TPU)."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     with common.weights(backbone, params, frozen):  # each weight in the dtype it is held in
         cache = common.empty_cache(backbone, b // group, q + response_length)  # L (K, V) pairs [B/G, S, K, H]
-        logits, cache = jax.tree.map(  # prefill, a group's prompt once, copied to its G rows; raw: logits in
-            lambda x: jnp.repeat(x, group, 0),  # the compute dtype (common.logits)
+        hidden, cache = jax.tree.map(  # prefill, a group's prompt once, copied to its G rows; the last
+            lambda x: jnp.repeat(x, group, 0),  # position's final hidden state [B, 1, D]
             common.cached_forward(
-                backbone, queries[::group], padding_mask[::group], cache, 0, last=True, raw=True
+                backbone, queries[::group], padding_mask[::group], cache, 0, last=True, hidden=True
             ),
         )
 
-        def pick(raw, key, done):  # raw logits [B, V] -> token [B], its log q [B]; a finished sequence pads
+        def pick(h, key, done):  # final hidden [B, D] -> token [B], its log q [B]; a finished sequence pads
             key, sample_key = jax.random.split(key)
-            logits = raw.astype(jnp.float32)  # exactly the float32 logits, cast where they are read
             if temperature == 0:
-                token, logq = jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros((b,))
+                token, logq = jnp.argmax(common.logits(backbone, h), -1).astype(jnp.int32), jnp.zeros((b,))
+            elif kernels.fits(backbone, b, temperature, top_k=top_k, top_p=top_p, min_p=min_p):
+                # one TPU chip, no filter: the draw below and the output layer in one kernel (kernels.py)
+                token, logq = kernels.categorical(backbone, h, sample_key, temperature)
             else:  # jax.random.categorical's draw, argmax(gumbel + logits): the first index of the max
-                z = jax.random.gumbel(sample_key, logits.shape) + filter_logits(  # [B, V]
-                    logits / temperature, top_k, top_p, min_p
+                raw = common.logits(backbone, h, raw=True)  # in the compute dtype; float32 where read
+                z = jax.random.gumbel(sample_key, raw.shape) + filter_logits(  # [B, V]
+                    raw.astype(jnp.float32) / temperature, top_k, top_p, min_p
                 )
                 token = first_max(z)  # one pass over z, never written
                 # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
@@ -208,12 +212,12 @@ def generate(
         def step(carry):  # feed token t-1 at cache position Q+t-1, pick token t (and its log q)
             tokens, logqs, cache, t, key, done = carry
             fed = jax.lax.dynamic_slice_in_dim(tokens, t - 1, 1, 1)  # [B, 1]
-            logits, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1, raw=True)
-            token, logq, key, done = pick(logits[:, -1], key, done)
+            hidden, cache = common.cached_forward(backbone, fed, padding_mask, cache, q + t - 1, hidden=True)
+            token, logq, key, done = pick(hidden[:, -1], key, done)
             put = lambda x, new: jax.lax.dynamic_update_slice_in_dim(x, new[:, None], t, 1)
             return put(tokens, token), put(logqs, logq), cache, t + 1, key, done
 
-        token, logq, key, done = pick(logits[:, -1], key, jnp.zeros((b,), bool))
+        token, logq, key, done = pick(hidden[:, -1], key, jnp.zeros((b,), bool))
         tokens = jnp.full((b, response_length), pad_id, jnp.int32).at[:, 0].set(token)  # [B, R]
         logqs = jnp.zeros((b, response_length)).at[:, 0].set(logq)  # [B, R]
         tokens, logqs, _, steps, _, _ = jax.lax.while_loop(  # while some sequence has not ended and t < R

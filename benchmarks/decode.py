@@ -5,7 +5,8 @@ alike (`--before ''`: the working tree's alone).
     python benchmarks/decode.py --before HEAD~1    # hidden 512, 4 layers, V = 8192; B = 16, Q = 64, R = 128
     python benchmarks/decode.py --model gemma_2b --before '' --batch-size 64    # Gemma-2B shape, on a chip
 Each round times: the samplers (the tokens must be identical, checked every round; `--num-generations G`
-beside group 1: their share is reported, as the prefill over B/G rows rounds apart), each prefill alone, and
+beside group 1, and `--plain-draw`'s XLA draw beside the fused kernel's (kernels.py): their share is
+reported, as the prefill over B/G rows or the kernel's matmul may round apart), each prefill alone, and
 the probes: memory bandwidth (reading 256 MiB once) and a float32 matmul's FLOP/s. Roofline step = max(bytes
 a step reads / bandwidth, 2 N B / peak FLOP/s): every weight, as it is held (--dtype: the compute dtype, as a
 frozen base or a sampled-only model is held), and the whole KV cache read once, every multiply-add done once.
@@ -33,6 +34,7 @@ plumbing.answer_help(__name__, __file__)
 
 import harness  # noqa: E402  (build_backbone; imports common)
 import common  # noqa: E402
+import kernels  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -59,6 +61,10 @@ class Args:
     """G: the B rows are B/G prompts, each G times in a row, as a GRPO rollout; the working tree's sampler
     prefills each prompt once (generate's `group`). With --before '' and G > 1, the working tree's own sampler
     without the sharing (group 1) runs beside it as `before`: the share of equal tokens is reported"""
+    plain_draw: bool = False
+    """with --before '': beside the working tree's sampler, the same with XLA's draw (kernels.FUSED_DRAW off:
+    the output layer's logits written, then the noise and arg-max) as `before`; the share of equal tokens
+    is reported"""
     prompt_length: int = 64
     """Q prompt tokens (random ids, no padding)"""
     response_length: int = 128
@@ -137,18 +143,30 @@ def main(args):
         scripts["before"] = modules_at(args.before, ["common", args.script])[args.script]
         if "group" not in inspect.signature(scripts["before"].generate).parameters:
             groups["before"] = 1  # a revision before `group`: it prefills every row
+    elif args.plain_draw:  # the working tree's own sampler, XLA's draw
+        scripts["before"] = scripts["after"]
     elif g > 1:  # the working tree's own sampler, every row prefilled
         scripts["before"], groups["before"] = scripts["after"], 1
+    fused = {"after": True, "before": not (args.plain_draw and not args.before)}
 
-    def sampler(module, group):  # its generate, jitted; the stop ids were `eos_id` before `stop_ids`
+    def sampler(module, group, fused):  # its generate, jitted; the stop ids were `eos_id` before `stop_ids`
         known = inspect.signature(module.generate).parameters
         settings = {"response_length": r, "temperature": t, "pad_id": 0}
         settings["stop_ids" if "stop_ids" in known else "eos_id"] = harness.EOS
         if "group" in known:
             settings["group"] = group
-        return jax.jit(functools.partial(module.generate, backbone, **settings))
+        generate = functools.partial(module.generate, backbone, **settings)
 
-    gens = {side: sampler(m, groups[side]) for side, m in scripts.items()}
+        def traced(*a):  # kernels.FUSED_DRAW as this side has it, while jit traces it
+            kernels.FUSED_DRAW = fused
+            try:
+                return generate(*a)
+            finally:
+                kernels.FUSED_DRAW = True
+
+        return jax.jit(traced)
+
+    gens = {side: sampler(m, groups[side], fused[side]) for side, m in scripts.items()}
 
     def prefill(p, f, qs, qm, group):  # the working tree's prefill alone: what generate spends before step 1
         with common.weights(backbone, p, f):  # (each prompt once, the cache copied to its rows, as `group`)
@@ -178,7 +196,8 @@ def main(args):
             same = out["before"][0] == out["after"][0]  # [B, R]
             times["same_tokens"].append(float(same.mean()))
             times["same_first_tokens"].append(float(same[:, 0].mean()))
-            if (not same.all() or out["before"][1] != out["after"][1]) and groups["before"] == g:
+            strict = groups["before"] == g and fused["before"]  # a revision's sampler: to the bit
+            if (not same.all() or out["before"][1] != out["after"][1]) and strict:
                 raise RuntimeError(f"round {round_}: the two samplers returned different tokens")
         for name, fn in prefills.items():
             times[name].append(_timed(fn, params, frozen, queries, query_mask))
@@ -189,6 +208,7 @@ def main(args):
     cache = common.empty_cache(backbone, b, q + r)  # what a decode step reads besides the weights
     logits = [np.asarray(fn(params, frozen, queries, query_mask)[0]) for fn in prefills.values()]  # [B, 1, V]
     delta = {"prefill_logits_max_abs": float(np.abs(logits[0]).max())}
+    delta["fused_draw"] = kernels.fits(backbone, b, t, top_k=0, top_p=1.0, min_p=None)  # the working tree's
     if len(logits) == 2:  # the two sides' prefill logits (float32): the rounding apart, if any
         delta["prefill_logits_max_abs_diff"] = float(np.abs(logits[0] - logits[1]).max())
     return report(args, times, int(out["after"][1]), params + frozen, jax.tree.leaves(cache), delta)
@@ -227,6 +247,7 @@ def report(args, times, steps, weights, cache, delta):
         "bandwidth_probe_gb_s": med["bandwidth"] / 1e9,
         "matmul_gflop_s": med["matmul"] / 1e9,
         "num_generations": args.num_generations,
+        "plain_draw": args.plain_draw,
         "prefill_s": med["prefill_after"],
         **delta,
         "roofline_ms_per_step": 1e3 * roofline_s,

@@ -353,6 +353,19 @@ def test_checkpoint_cost_is_measured_through_the_run(tmp_path, capsys):
     assert not (tmp_path / "ck").exists()  # removed after measuring
 
 
+def test_draw_times_the_fused_kernel_beside_xlas_draw(capsys):
+    """benchmarks/draw.py: one row a variant, XLA's draw first, then the kernel at each block (on CPU in
+    Pallas' interpreter), each drawing XLA's tokens."""
+    import draw
+
+    draw.main(
+        draw.Args(batch_size=4, hidden_dim=32, vocabulary_size=500, blocks=(128, 256), steps=2, repeats=1)
+    )
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines() if line.startswith("{")]
+    assert [r["variant"] for r in rows] == ["xla", "kernel_128", "kernel_256"]
+    assert all(r["ms_per_draw"] > 0 and r["same_tokens_as_xla"] == 1.0 for r in rows)
+
+
 def test_tpu_check_runs_its_commands_on_cpu(tmp_path):
     """benchmarks/tpu_check.sh with SMOKE=1: the chip's commands at `tiny` shape on the CPU (the bf16 matmul,
     the README pipeline's flags as each script parses them, the throughput rows, a decode row), each one JSON
@@ -387,6 +400,8 @@ def test_tpu_check_runs_its_commands_on_cpu(tmp_path):
     assert all(0 < r["mfu"] <= 1 and r["tokens_per_sec"] > 0 for r in rows[2:4])
     assert {r["remat"] for r in rows[2:4]} == {"off"}  # auto on CPU: no memory limit
     assert rows[4]["ms_per_step"] > 0 and rows[4]["bandwidth_source"] == "probe"
+    # beside it, the same sampler with XLA's draw (on a CPU both draw so: the fused kernel is a chip's)
+    assert rows[4]["plain_draw"] and rows[4]["fused_draw"] is False and rows[4]["same_tokens"] == 1.0
     # 2 prompts of 2 rows, each prefilled once, beside every row prefilled: the share of equal tokens
     assert rows[5]["num_generations"] == 2 and rows[5]["before_prefill_s"] > 0 < rows[5]["after_prefill_s"]
     assert rows[5]["same_tokens"] == 1.0  # on CPU in float32, every token (a bf16 chip: 99.9%)

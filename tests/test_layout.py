@@ -21,7 +21,8 @@ ALGORITHMS = ("sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rl
 # about 700 each: common + frozen weights in the compute dtype, chunked log-probs (label_logp's backward written
 # out) and Splash attention on a TPU, plumbing + remat policies, auto's halved micro-batches and the shared
 # --adam-mu-dtype flag (a field and its help: 2 statements)
-SHARED = {"common": 765, "plumbing": 767, "interop": 300}
+# kernels: the Pallas kernels (the sampler's fused output layer and draw), ~100
+SHARED = {"common": 765, "plumbing": 767, "interop": 300, "kernels": 100}
 ABOUT = {
     "dpo": 250,
     "simpo": 250,
@@ -30,7 +31,7 @@ ABOUT = {
     "sft": 220,
     "reward": 220,
     "ppo": 380,
-    "grpo": 380,
+    "grpo": 383,  # + the sampler's fused draw on a TPU chip (kernels.categorical: its `elif`)
     "rloo": 380,
     "distill": 290,
     "evaluate": 300,
