@@ -4,8 +4,8 @@
   2. Models      FAMILIES (MODEL_ALIASES: interop's), resolve_model, load_model (created sharded;
                  text_causal_lm: text only, multimodal checkpoints too; enable_lora: PEFT's LoRA),
                  check_sampler, vocabulary (a tokenizer's, no weights); forward (stateless, with the losses
-                 its layers add: a mixture of experts' router loss; flash_attention: Gemma's through the Splash
-                 kernel on a TPU); per family: logits, empty_cache, cached_forward (KV-cached or recurrent
+                 its layers add: a mixture of experts' router loss; Gemma's attention through kernels.py's
+                 Splash on a TPU); per family: logits, empty_cache, cached_forward (KV-cached or recurrent
                  states, left padding); split_variables, save_model, host_model (what --export-hf converts);
                  reward models; reward scoring: reward functions (TRL's contract: call_reward_fn) and
                  load_scorer (Scorer: a reward model or weighted reward functions, one call)
@@ -38,6 +38,7 @@ import keras_hub  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import kernels  # noqa: E402  (Pallas on a TPU: Gemma's attention through Splash)
 
 interop.fix_bpe_splits()  # keras-hub's byte-level BPE splits words as its models' tokenizers do
 interop.fix_rope_rotation()  # RoPE's rotate_half concatenated: the same values, fewer ops a decode step
@@ -72,10 +73,6 @@ TINY_CONFIG = dict(
 # are one size whatever the batch (bf16 at Gemma's 256k vocabulary: 500 MiB, and a chip's share of it where
 # the vocabulary is sharded), and the output layer's weights are read once per 1,024 tokens
 CHUNK_TOKENS = 1024
-# Splash attention's query and key block (flash_attention), forward and backward: on one v5e at Gemma-2B
-# width and T = 1024, 512 took full fine-tuning from 68.1% to 69.7% MFU, where 128 (the kernel's default)
-# slowed it to 62.3% and 1024 failed to compile (benchmarks/RESULTS.md, section 12)
-SPLASH_BLOCK = 512
 WHOLE_LOGITS = 2**30
 
 
@@ -367,7 +364,7 @@ def load_model(
             enable_lora(model.backbone, lora_rank, lora_alpha, lora_target_modules)
     ensure_start_token(getattr(model.preprocessor, "tokenizer", None), name)
     model.backbone.logits_chunk = logits_chunk
-    flash_attention(model.backbone, mesh)
+    kernels.flash_attention(model.backbone, mesh)  # Gemma's attention through Splash on a TPU
     return model
 
 
@@ -467,75 +464,6 @@ def forward(backbone, params, frozen, token_ids, padding_mask):
             inputs(backbone, token_ids, padding_mask), training=type(backbone).__name__ in ROUTER_AUX_LOSS
         )
     return hidden, sum((jnp.asarray(x, jnp.float32) for x in scope.losses), jnp.float32(0.0))  # f32 upcast
-
-
-def flash_attention(backbone, mesh, interpret=False, block=SPLASH_BLOCK):
-    """On a TPU mesh, Gemma's (1 and 2) attention without a cache (every training and scoring forward) runs
-    the Splash kernel (jax.experimental.pallas): [B, H, T, T] scores are never written, forward or backward
-    (it keeps q, k, v, the output and a log-sum-exp per query), and causal blocks above the diagonal are
-    skipped. KerasHub's own call gives the kernel up for a traced padding mask; here the padding becomes
-    Splash's segment ids: a position sees the positions of its own segment (real 1, padding 0) at or before
-    it, so every real query sees exactly the keys KerasHub's mask shows it (a padding query's output, which
-    no loss reads, differs). Gemma 2's soft cap and sliding window go into the kernel. A cached call
-    (decode, prefill), a length that `block` positions do not tile or under two blocks (measured faster at
-    T = 1024; one block skips nothing and was not measured), other families and other platforms keep
-    KerasHub's attention. interpret: Pallas' interpreter (tests on CPU)."""
-    if not interpret and (
-        mesh.devices.flat[0].platform != "tpu" or not isinstance(backbone, keras_hub.models.GemmaBackbone)
-    ):
-        return
-    for layer in backbone.transformer_layers:
-        layer.attention._compute_attention = functools.partial(
-            _splash,
-            attention=layer.attention,
-            keras_attention=layer.attention._compute_attention,
-            mesh=mesh,
-            interpret=interpret,
-            block=block,
-        )
-
-
-def _splash(q, k, v, attention_mask, *, attention, keras_attention, mesh, interpret, block, **kwargs):
-    """flash_attention's replacement for CachedGemmaAttention._compute_attention: q [B, T, H, D], k and v
-    [B, T, K, D] (K divides H), attention_mask [B, T, T] (padding and causal, as KerasHub builds it)."""
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
-    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
-
-    b, t, h, d = q.shape
-    data, model = mesh.shape["data"], mesh.shape["model"]
-    if (
-        k.shape[1] != t or t % block or t < 2 * block or b % data or attention.dropout
-    ):  # measured: T = 2 blocks
-        return keras_attention(q, k, v, attention_mask, **kwargs)
-    scale = 1 / np.sqrt(d if attention.query_head_dim_normalize else attention.hidden_dim // h)
-    heads = P("data", "model") if h % model == 0 and k.shape[2] % model == 0 else P("data")
-    local_h = h // model if len(heads) > 1 else h
-    if attention.use_sliding_window_attention:  # KerasHub's window: the key at most W - 1 positions back
-        mask = masks.LocalMask((t, t), (attention.sliding_window_size - 1, 0), offset=0)
-    else:
-        mask = masks.CausalMask((t, t))
-    splash = kernel.make_splash_mha(
-        masks.MultiHeadMask([mask] * local_h),
-        head_shards=1,
-        q_seq_shards=1,
-        attn_logits_soft_cap=attention.logit_soft_cap,
-        interpret=interpret,
-        block_sizes=kernel.BlockSizes(  # every block of the forward and of the backward's two kernels
-            **dict.fromkeys(
-                ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"), block
-            )
-        ),
-    )
-
-    def local(q, k, v, segments):  # one device's [b, h, T, D] q and [b, k, T, D] k, v; segments [b, T]
-        ids = kernel.SegmentIds(q=segments, kv=segments)
-        return jax.vmap(splash)(q * jnp.asarray(scale, q.dtype), k, v, segment_ids=ids)  # as KerasHub's
-
-    segments = jnp.diagonal(attention_mask, axis1=1, axis2=2).astype(jnp.int32)  # [B, T]: 1 real, 0 padding
-    out = jax.shard_map(
-        local, mesh=mesh, in_specs=(heads, heads, heads, P("data")), out_specs=heads, check_vma=False
-    )(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), segments)
-    return out.transpose(0, 2, 1, 3)  # [B, T, H, D]
 
 
 def logits(backbone, hidden, raw=False):

@@ -1,7 +1,10 @@
-r"""Pallas TPU kernels: where XLA's own program for a hot path leaves the chip idle, the same arithmetic as
-one kernel. Each gives the plain JAX's results (tested on CPU in Pallas' interpreter, against that JAX).
+r"""Pallas TPU kernels for hot paths where XLA's own program writes large arrays or leaves a unit of the chip
+idle, each tested on CPU (in Pallas' interpreter) against the plain JAX it replaces.
 
 Contents:
+- `flash_attention`: Gemma's attention (1 and 2) without a cache through Pallas' Splash kernel on a TPU mesh,
+  the padding as segment ids: [B, H, T, T] scores never written, forward or backward (common.load_model
+  installs it)
 - `categorical` (`fits`: where it applies): a sampler's draw from softmax(logits / T), the output layer's
   matmul and jax.random.categorical's Gumbel-max draw in one pass over the vocabulary, the logits never
   written. XLA runs them as three passes (the matmul writing [B, V] logits, then the draw's threefry noise
@@ -13,12 +16,90 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+from jax.sharding import PartitionSpec as P
+
+# Splash attention's query and key block (flash_attention), forward and backward: on one v5e at Gemma-2B
+# width and T = 1024, 512 took full fine-tuning from 68.1% to 69.7% MFU, where 128 (the kernel's default)
+# slowed it to 62.3% and 1024 failed to compile (benchmarks/RESULTS.md, section 12)
+SPLASH_BLOCK = 512
 
 FUSED_DRAW = True  # benchmarks/decode.py turns it off to time XLA's draw beside the kernel
 DRAW_BLOCK = 2048  # vocabulary rows a grid step (on a v5e at B 256: 2.43 ms a draw; 1024: 2.52, 512: 2.72)
 THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
+
+
+def flash_attention(backbone, mesh, interpret=False, block=SPLASH_BLOCK):
+    """On a TPU mesh, Gemma's (1 and 2) attention without a cache (every training and scoring forward) runs
+    the Splash kernel (jax.experimental.pallas): [B, H, T, T] scores are never written, forward or backward
+    (it keeps q, k, v, the output and a log-sum-exp per query), and causal blocks above the diagonal are
+    skipped. KerasHub's own call gives the kernel up for a traced padding mask; here the padding becomes
+    Splash's segment ids: a position sees the positions of its own segment (real 1, padding 0) at or before
+    it, so every real query sees exactly the keys KerasHub's mask shows it (a padding query's output, which
+    no loss reads, differs). Gemma 2's soft cap and sliding window go into the kernel. A cached call
+    (decode, prefill), a length that `block` positions do not tile or under two blocks (measured faster at
+    T = 1024; one block skips nothing and was not measured), other families and other platforms keep
+    KerasHub's attention. interpret: Pallas' interpreter (tests on CPU)."""
+    import keras_hub  # loaded already: common.py, which calls this, set its backend first
+
+    if not interpret and (
+        mesh.devices.flat[0].platform != "tpu" or not isinstance(backbone, keras_hub.models.GemmaBackbone)
+    ):
+        return
+    for layer in backbone.transformer_layers:
+        layer.attention._compute_attention = functools.partial(
+            _splash,
+            attention=layer.attention,
+            keras_attention=layer.attention._compute_attention,
+            mesh=mesh,
+            interpret=interpret,
+            block=block,
+        )
+
+
+def _splash(q, k, v, attention_mask, *, attention, keras_attention, mesh, interpret, block, **kwargs):
+    """flash_attention's replacement for CachedGemmaAttention._compute_attention: q [B, T, H, D], k and v
+    [B, T, K, D] (K divides H), attention_mask [B, T, T] (padding and causal, as KerasHub builds it)."""
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as kernel
+    from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
+    b, t, h, d = q.shape
+    data, model = mesh.shape["data"], mesh.shape["model"]
+    if (
+        k.shape[1] != t or t % block or t < 2 * block or b % data or attention.dropout
+    ):  # measured: T = 2 blocks
+        return keras_attention(q, k, v, attention_mask, **kwargs)
+    scale = 1 / np.sqrt(d if attention.query_head_dim_normalize else attention.hidden_dim // h)
+    heads = P("data", "model") if h % model == 0 and k.shape[2] % model == 0 else P("data")
+    local_h = h // model if len(heads) > 1 else h
+    if attention.use_sliding_window_attention:  # KerasHub's window: the key at most W - 1 positions back
+        mask = masks.LocalMask((t, t), (attention.sliding_window_size - 1, 0), offset=0)
+    else:
+        mask = masks.CausalMask((t, t))
+    splash = kernel.make_splash_mha(
+        masks.MultiHeadMask([mask] * local_h),
+        head_shards=1,
+        q_seq_shards=1,
+        attn_logits_soft_cap=attention.logit_soft_cap,
+        interpret=interpret,
+        block_sizes=kernel.BlockSizes(  # every block of the forward and of the backward's two kernels
+            **dict.fromkeys(
+                ("block_q", "block_kv", "block_q_dkv", "block_kv_dkv", "block_q_dq", "block_kv_dq"), block
+            )
+        ),
+    )
+
+    def local(q, k, v, segments):  # one device's [b, h, T, D] q and [b, k, T, D] k, v; segments [b, T]
+        ids = kernel.SegmentIds(q=segments, kv=segments)
+        return jax.vmap(splash)(q * jnp.asarray(scale, q.dtype), k, v, segment_ids=ids)  # as KerasHub's
+
+    segments = jnp.diagonal(attention_mask, axis1=1, axis2=2).astype(jnp.int32)  # [B, T]: 1 real, 0 padding
+    out = jax.shard_map(
+        local, mesh=mesh, in_specs=(heads, heads, heads, P("data")), out_specs=heads, check_vma=False
+    )(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), segments)
+    return out.transpose(0, 2, 1, 3)  # [B, T, H, D]
 
 
 def on_chip(backbone):

@@ -27,6 +27,7 @@ import common  # noqa: E402  (sets KERAS_BACKEND=jax before keras loads)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
+import kernels  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -277,11 +278,11 @@ def frozen_copy(params, dtype):
 def load_backbone(args, mesh, abstract=False):
     """--model through common.load_model, or at ARCHS shapes with --random-init / abstract; its log-probs
     computed --logits-chunk positions at a time, as the scripts' (common.per_token), its attention Splash's
-    on a TPU mesh (common.flash_attention)."""
+    on a TPU mesh (kernels.flash_attention)."""
     backbone = _backbone(args, mesh, abstract)
     backbone.logits_chunk = getattr(args, "logits_chunk", None)
     if getattr(args, "attention", "splash") == "splash":
-        common.flash_attention(backbone, mesh)
+        kernels.flash_attention(backbone, mesh)
     return backbone
 
 
