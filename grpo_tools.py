@@ -27,6 +27,7 @@ plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, the scorer)
 import grpo  # noqa: E402  (the loss, advantages, update, sampling filters: grpo.py's, imported)
+import kernels  # noqa: E402  (Pallas on a TPU: the sampler's output layer and draw in one kernel)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -307,17 +308,20 @@ def read_tool_prompts(path, template, fmt, schemas, flag="--dataset", config=Non
 
 # ---- ALGO LOGIC: the multi-turn sampler. State: tokens, mask [B, S] (S = Q + R: prompt, then the turns, the
 # tool results between them, and holes: positions no key may see), sampled, logqs [B, R] (the policy's own
-# tokens and their log q), the KV cache, the logits of position t, t, done [B] (a row's turn has ended)
+# tokens and their log q), the KV cache, the final hidden state of position t, t, done [B] (a row's turn has ended)
 def start(backbone, params, frozen, queries, query_mask, *, response_length, pad_id, group=1):
-    """The prompts' prefill: left-padded queries [B, Q] -> the state, t = Q, the logits of the first token.
+    """The prompts' prefill: left-padded queries [B, Q] -> the state, t = Q, the hidden state the first token
+    is drawn from.
     group: the rows are B/group prompts, each `group` times in a row: each prefilled once (grpo.generate's)."""
     b, q = queries.shape
     mask = jnp.concatenate([query_mask, jnp.zeros((b, response_length), bool)], 1)  # [B, S]
     with common.weights(backbone, params, frozen):
         cache = common.empty_cache(backbone, b // group, q + response_length)
-        logits, cache = jax.tree.map(  # a group's prompt once, copied to its rows
+        hidden, cache = jax.tree.map(  # a group's prompt once, copied to its rows
             lambda x: jnp.repeat(x, group, 0),
-            common.cached_forward(backbone, queries[::group], mask[::group], cache, 0, last=True),
+            common.cached_forward(
+                backbone, queries[::group], mask[::group], cache, 0, last=True, hidden=True
+            ),
         )
     return {
         "tokens": jnp.concatenate([queries, jnp.full((b, response_length), pad_id, jnp.int32)], 1),
@@ -325,19 +329,26 @@ def start(backbone, params, frozen, queries, query_mask, *, response_length, pad
         "sampled": jnp.zeros((b, response_length), bool),
         "logqs": jnp.zeros((b, response_length)),
         "cache": cache,
-        "logits": logits[:, -1],  # [B, V]
+        "hidden": hidden[:, -1],  # [B, D]
         "t": jnp.int32(q),
         "done": jnp.zeros((b,), bool),
     }
 
 
-def draw(logits, key, temperature, top_k=0, top_p=1.0, min_p=None):
-    """grpo.generate's draw: a token [B] from filter_logits(logits / T), and its log q [B]; T = 0: greedy."""
+def draw(backbone, h, key, temperature, top_k=0, top_p=1.0, min_p=None):
+    """grpo.generate's draw from final hidden states h [B, D] (inside common.weights): a token [B] from
+    filter_logits(logits / T), and its log q [B]; T = 0: greedy; on one TPU chip with no filter, the output
+    layer and the draw in one kernel (kernels.py), as grpo.generate."""
     if temperature == 0:
-        return jnp.argmax(logits, -1).astype(jnp.int32), jnp.zeros(logits.shape[:1])
-    z = jax.random.gumbel(key, logits.shape) + grpo.filter_logits(logits / temperature, top_k, top_p, min_p)
+        return jnp.argmax(common.logits(backbone, h), -1).astype(jnp.int32), jnp.zeros(h.shape[:1])
+    if kernels.fits(backbone, h.shape[0], temperature, top_k=top_k, top_p=top_p, min_p=min_p):
+        return kernels.categorical(backbone, h, key, temperature)
+    raw = common.logits(backbone, h, raw=True)  # in the compute dtype; float32 where read
+    z = jax.random.gumbel(key, raw.shape) + grpo.filter_logits(
+        raw.astype(jnp.float32) / temperature, top_k, top_p, min_p
+    )
     token = grpo.first_max(z)  # jax.random.categorical's draw, as grpo.generate writes it
-    return token, grpo.filtered_logps(logits, token, temperature, top_k=top_k, top_p=top_p, min_p=min_p)[0]
+    return token, grpo.filtered_logps(raw, token, temperature, top_k=top_k, top_p=top_p, min_p=min_p)[0]
 
 
 def sample_turn(
@@ -366,27 +377,30 @@ def sample_turn(
     def step(carry):
         st, key = carry
         key, sample_key = jax.random.split(key)
-        token, logq = draw(st["logits"], sample_key, temperature, top_k=top_k, top_p=top_p, min_p=min_p)
-        if forced is not None:  # the script's token where it has one for the row's next position
-            n = st["sampled"].sum(1)  # [B]: the completion's tokens so far
-            script = jnp.take_along_axis(forced, jnp.minimum(n, forced.shape[1] - 1)[:, None], 1)[:, 0]
-            token = jnp.where((n < forced.shape[1]) & (script >= 0), script, token)
-            if temperature:
-                logq = grpo.filtered_logps(
-                    st["logits"], token, temperature, top_k=top_k, top_p=top_p, min_p=min_p
-                )[0]
         active, t = ~st["done"], st["t"]
-        token = jnp.where(active, token, pad_id)
-        mask = put(st["mask"], active, t)  # the token is a key for later positions where a row sampled it
         with common.weights(backbone, params, frozen):
-            logits, cache = common.cached_forward(backbone, token[:, None], mask, st["cache"], t)
+            token, logq = draw(
+                backbone, st["hidden"], sample_key, temperature, top_k=top_k, top_p=top_p, min_p=min_p
+            )
+            if forced is not None:  # the script's token where it has one for the row's next position
+                n = st["sampled"].sum(1)  # [B]: the completion's tokens so far
+                script = jnp.take_along_axis(forced, jnp.minimum(n, forced.shape[1] - 1)[:, None], 1)[:, 0]
+                token = jnp.where((n < forced.shape[1]) & (script >= 0), script, token)
+                if temperature:
+                    raw = common.logits(backbone, st["hidden"], raw=True)
+                    logq = grpo.filtered_logps(
+                        raw, token, temperature, top_k=top_k, top_p=top_p, min_p=min_p
+                    )[0]
+            token = jnp.where(active, token, pad_id)
+            mask = put(st["mask"], active, t)  # the token is a key for later positions where a row sampled it
+            hidden, cache = common.cached_forward(backbone, token[:, None], mask, st["cache"], t, hidden=True)
         new = {
             "tokens": put(st["tokens"], token, t),
             "mask": mask,
             "sampled": put(st["sampled"], active, t - (s - r)),
             "logqs": put(st["logqs"], jnp.where(active, logq, 0.0), t - (s - r)),
             "cache": cache,
-            "logits": logits[:, -1],
+            "hidden": hidden[:, -1],
             "t": t + 1,
             "done": st["done"] | jnp.isin(token, jnp.asarray(stop_ids)),
         }
@@ -398,17 +412,17 @@ def sample_turn(
 def append(backbone, params, frozen, state, ids, ids_mask):
     """Tool results into the cache: ids [B, W] (each row's bridge right-aligned, pad before it; ids_mask True on
     its tokens) go to positions t…t+W-1 in one cached forward, a prefill: the context is not recomputed. Rows
-    without a bridge stay done; the others sample again from the logits of the bridge's last token."""
+    without a bridge stay done; the others sample again from the bridge's last token's hidden state."""
     t = state["t"]
     mask = jax.lax.dynamic_update_slice_in_dim(state["mask"], ids_mask, t, 1)
     with common.weights(backbone, params, frozen):
-        logits, cache = common.cached_forward(backbone, ids, mask, state["cache"], t, last=True)
+        hidden, cache = common.cached_forward(backbone, ids, mask, state["cache"], t, last=True, hidden=True)
     return {
         **state,
         "tokens": jax.lax.dynamic_update_slice_in_dim(state["tokens"], ids, t, 1),
         "mask": mask,
         "cache": cache,
-        "logits": logits[:, -1],
+        "hidden": hidden[:, -1],
         "t": t + ids.shape[1],
         "done": ~ids_mask.any(1),
     }

@@ -434,7 +434,7 @@ def test_first_turn_draws_what_grpo_generate_draws(tiny):
 
 def test_start_prefills_each_prompt_once_for_its_rows(tiny):
     """start(group=G), as the training rollouts call it (G rows a prompt): each prompt prefilled once, its cache
-    and first logits copied to its rows: group=1's state (to float32 rounding), from a prefill of B/G rows."""
+    and last hidden state copied to its rows: group=1's state (to float32 rounding), from a prefill of B/G rows."""
     import jax
 
     backbone = tiny["model"].backbone
@@ -455,7 +455,7 @@ def test_start_prefills_each_prompt_once_for_its_rows(tiny):
     assert prefilled == [6, 3]
     for name in ("tokens", "mask", "sampled", "t", "done"):
         np.testing.assert_array_equal(states[2][name], states[1][name])
-    np.testing.assert_allclose(states[2]["logits"], states[1]["logits"], atol=1e-5)
+    np.testing.assert_allclose(states[2]["hidden"], states[1]["hidden"], atol=1e-5)
     for shared, alone in zip(jax.tree.leaves(states[2]["cache"]), jax.tree.leaves(states[1]["cache"])):
         np.testing.assert_allclose(shared, alone, atol=1e-5)
 
