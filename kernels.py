@@ -9,7 +9,8 @@ Contents:
   matmul and jax.random.categorical's Gumbel-max draw in one pass over the vocabulary, the logits never
   written. XLA runs them as three passes (the matmul writing [B, V] logits, then the draw's threefry noise
   and arg-max, then a log-sum-exp), and the draw's integer work (threefry: ~130 operations a logit) waits
-  for the matmul; here it runs on the vector units while the matrix unit computes the next block.
+  for the matmul; in one pass the matrix unit's work hides mostly under the vector units' (on a v5e at batch
+  256: 2.4 ms where XLA's three passes take 3.2-3.6; benchmarks/RESULTS.md, section 12).
 """
 
 import functools
@@ -27,7 +28,9 @@ from jax.sharding import PartitionSpec as P
 SPLASH_BLOCK = 512
 
 FUSED_DRAW = True  # benchmarks/decode.py turns it off to time XLA's draw beside the kernel
-DRAW_BLOCK = 2048  # vocabulary rows a grid step (on a v5e at B 256: 2.43 ms a draw; 1024: 2.52, 512: 2.72)
+# vocabulary rows a grid step of the draw: on a v5e at B 256, 2.43 ms a draw at 2,048, 2.52 at 1,024, 2.72 at 512;
+# 4,096: 2.43 where 2,048 took 2.31 in another run (benchmarks/draw.py; RESULTS.md, section 12)
+DRAW_BLOCK = 2048
 THREEFRY_ROTATIONS = ((13, 15, 26, 6), (17, 29, 16, 24))
 
 
