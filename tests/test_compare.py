@@ -100,7 +100,7 @@ def test_evaluate_worked_example(tmp_path):
     assert (arrays["win"] == 0.5).all() and (arrays["kl"] == 0).all()
 
     # An earlier evaluation is kept unless --overwrite; several functions score as grpo.py's do:
-    # 2 × count4 + 0.5 × one, on the same responses (same seed).
+    # 2 × count4 + 0.5 × one, on the same responses (same seed; no baseline: only the policy's are read).
     before = (out / "eval.json").read_text()
     with pytest.raises(common.UsageError, match="already holds an evaluation.*--overwrite"):
         evaluate.main(evaluate.Args(reward_fn=(f"{scorer}:count4",), **flags))
@@ -110,7 +110,7 @@ def test_evaluate_worked_example(tmp_path):
             reward_fn=(f"{scorer}:count4", f"{scorer}:one"),
             reward_weights=(2.0, 0.5),
             overwrite=True,
-            **flags,
+            **{**flags, "baseline": None},
         )
     )
     weighted = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]

@@ -301,6 +301,23 @@ def one_device_mesh():
     return jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model"))
 
 
+@pytest.fixture(scope="module")
+def one_device_models(presets):
+    """family -> its preset through common.load_model on one_device_mesh() in float32, loaded once for the
+    tests that read it (the cached forward, the layout map's reference, the sampler, the chat template) and
+    change nothing in it."""
+    import common
+
+    models = {}
+
+    def load(family):
+        if family not in models:
+            models[family] = common.load_model(presets[family], one_device_mesh(), "float32")
+        return models[family]
+
+    return load
+
+
 def keras_hub_cache(backbone, cache):
     """common.empty_cache's per-layer entries -> the cache the family's call_with_cache takes: Gemma 3's
     per-layer (K, V) pairs as they are, the others' (K, V) [B, S, K, H] stacked to [B, L, 2, S, K, H] (Gemma
@@ -331,7 +348,7 @@ def keras_hub_cache(backbone, cache):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_cached_forward_matches_keras_hub(presets, family):
+def test_cached_forward_matches_keras_hub(one_device_models, family):
     """Prefill + one decode step of common.cached_forward == the family's CausalLM.call_with_cache
     (no padding) and == backbone() + common.logits; the same prompt left-padded gives the same
     logits (the key padding mask); common.logits is h·Wᵀ with the family's output matrix (tied or
@@ -342,7 +359,7 @@ def test_cached_forward_matches_keras_hub(presets, family):
     import plumbing
     import numpy as np
 
-    model = common.load_model(presets[family], one_device_mesh(), "float32")
+    model = one_device_models(family)
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     ids = np.array([[tokenizer.start_token_id] + list(tokenizer.tokenize("Sort: 3 1 2 9 0 5 7"))], np.int32)
     t, s, pad = ids.shape[1], ids.shape[1] + 1, 5
@@ -384,7 +401,7 @@ def test_cached_forward_matches_keras_hub(presets, family):
 
 
 @pytest.mark.parametrize("family", ("gemma3", "gemma4"))
-def test_gemma3_and_4_take_gemmas_layout_map(presets, family):
+def test_gemma3_and_4_take_gemmas_layout_map(presets, one_device_models, family):
     """keras-hub 0.32 has no layout map for Gemma 3 or 4; their kernels are named as Gemma's, so on a mesh
     with a `model` axis they take its map: on `data=4,model=2` the attention heads and the MLP width split
     over `model` (a single key/value head stays whole), and the forward equals one device's. On `data` alone
@@ -408,7 +425,7 @@ def test_gemma3_and_4_take_gemmas_layout_map(presets, family):
     assert {v.path: v.value.sharding.spec for v in data_only.weights}[
         "decoder_block_0/ffw_gating/kernel"
     ] == P(None, "data")
-    one = common.load_model(presets[family], one_device_mesh(), "float32").backbone
+    one = one_device_models(family).backbone
     ids = np.arange(2 * 16, dtype=np.int32).reshape(2, 16) % 300 + 1
     mask = np.ones_like(ids, bool)
 
@@ -420,7 +437,7 @@ def test_gemma3_and_4_take_gemmas_layout_map(presets, family):
 
 
 @pytest.mark.parametrize("family", ("gemma3", "gemma4", "qwen3.5"))
-def test_sampler_ignores_left_padding(presets, family):
+def test_sampler_ignores_left_padding(one_device_models, family):
     """grpo.generate (greedy, 6 tokens): a short prompt left-padded beside a long one samples the tokens
     it samples unpadded (Gemma 3's and 4's sliding windows, Gemma 4's KV sharing and Qwen 3.5's recurrent
     states included)."""
@@ -429,7 +446,7 @@ def test_sampler_ignores_left_padding(presets, family):
     import jax
     import numpy as np
 
-    model = common.load_model(presets[family], one_device_mesh(), "float32")
+    model = one_device_models(family)
     params, frozen = common.split_variables(model.backbone)
     tok = model.preprocessor.tokenizer
     ids = [[tok.start_token_id] + list(x) for x in tok.tokenize(["Sort: 3 1 2 9 0 5 7 4 8", "Sort: 1"])]
@@ -450,7 +467,7 @@ def test_sampler_ignores_left_padding(presets, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
-def test_chat_template_follows_the_family(presets, family):
+def test_chat_template_follows_the_family(presets, one_device_models, family):
     """common.chat_template reads the family from the preset's config; --chat-template overrides;
     the template's turn markers are single tokens of the family's tokenizer (where it has them)."""
     import common
@@ -461,7 +478,7 @@ def test_chat_template_follows_the_family(presets, family):
         common.UsageError, match="gemma, llama3, mistral, chatml, qwen3.5, gemma4, gemma4_large$"
     ):
         common.chat_template(presets[family], "vicuna")
-    tokenizer = common.load_model(presets[family], one_device_mesh(), "float32").preprocessor.tokenizer
+    tokenizer = one_device_models(family).preprocessor.tokenizer
     markers = {
         "gemma": ["<start_of_turn>", "<end_of_turn>"],
         "llama3": ["<|start_header_id|>", "<|eot_id|>"],

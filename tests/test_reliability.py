@@ -41,9 +41,15 @@ def cmd(script, *args):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
+    """20 steps, written with --overwrite over a stale run's metrics.jsonl (a step-99 row): the refusal of
+    an occupied dir and the overwrite are checked on this run, not on one of their own
+    (test_occupied_output_dir_is_refused_then_overwritten)."""
     out = str(tmp_path_factory.mktemp("rel") / "clean")
+    os.makedirs(out)
+    with open(os.path.join(out, "metrics.jsonl"), "w") as f:
+        f.write('{"step": 99}\n')
     subprocess.run(
-        cmd("sft.py", "--max-steps", "20", "--save-every", "5", "--output-dir", out),
+        cmd("sft.py", "--max-steps", "20", "--save-every", "5", "--output-dir", out, "--overwrite"),
         check=True,
         capture_output=True,
         env=env_with_devices(1),
@@ -94,7 +100,7 @@ def test_sigterm_checkpoints_and_exits_0(tmp_path):
     assert metrics(out)[-1]["step"] == step  # the partial interval is logged, not lost
 
 
-def test_occupied_output_dir_is_refused_then_overwritten(uninterrupted, tmp_path):
+def test_occupied_output_dir_is_refused_then_overwritten(uninterrupted):
     import sft  # in-process: the exit-2 line itself is test_lifecycle.py's test_occupied_dir_exits_2_in_one_line
 
     before = open(os.path.join(uninterrupted, "metrics.jsonl")).read()
@@ -102,16 +108,8 @@ def test_occupied_output_dir_is_refused_then_overwritten(uninterrupted, tmp_path
         sft, *cmd("sft.py", "--max-steps", "5", "--output-dir", uninterrupted)[2:]
     )
     assert open(os.path.join(uninterrupted, "metrics.jsonl")).read() == before  # untouched
-    out = str(tmp_path / "over")
-    os.makedirs(out)
-    open(os.path.join(out, "metrics.jsonl"), "w").write('{"step": 99}\n')
-    subprocess.run(
-        cmd("sft.py", "--max-steps", "5", "--output-dir", out, "--overwrite"),
-        check=True,
-        capture_output=True,
-        env=env_with_devices(1),
-    )
-    assert [r["step"] for r in metrics(out)] == [5]
+    # --overwrite (the fixture's run, over a stale step-99 row): the old rows are gone, the new run's alone
+    assert [r["step"] for r in metrics(uninterrupted)] == [5, 10, 15, 20]
 
 
 def test_nonfinite_loss_stops_naming_the_step_or_is_skipped(tmp_path):

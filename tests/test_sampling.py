@@ -154,23 +154,43 @@ EOS_BIAS = (
 )
 
 
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_early_stop_samples_the_fixed_length_tokens_and_ends_when_all_have_ended(script, tiny, monkeypatch):
-    module = importlib.import_module(script)
-    backbone, params, frozen, queries, query_mask, eos, pad = tiny
-    logits = common.logits  # every sampler's logits come from common.logits (inside common.cached_forward)
+def with_eos_bias(monkeypatch, eos):
+    """Every sampler's logits come from common.logits (inside common.cached_forward): EOS_BIAS on the EOS."""
+    logits = common.logits
     monkeypatch.setattr(
         common, "logits", lambda bb, h, raw=False: logits(bb, h, raw).at[..., eos].add(EOS_BIAS)
     )
+
+
+@pytest.fixture(scope="module")
+def fixed_length_tokens(tiny):
+    """[the fixed-length sampler's tokens [8, R] for batch k (rows rolled by k, key k) for k in 0, 1] under
+    EOS_BIAS, R = 64: the reference each script's sampler is checked against, sampled once for all three."""
+    backbone, params, frozen, queries, query_mask, eos, _ = tiny
+    old = jax.jit(lambda p, qs, qm, k: fixed_length_generate(backbone, p, frozen, qs, qm, k, 64, 1.0))
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        with_eos_bias(monkeypatch, eos)
+        return [
+            old(params, np.roll(queries, k, 0), np.roll(query_mask, k, 0), jax.random.key(k))
+            for k in range(2)
+        ]
+
+
+@pytest.mark.parametrize("script", SCRIPTS)
+def test_early_stop_samples_the_fixed_length_tokens_and_ends_when_all_have_ended(
+    script, tiny, fixed_length_tokens, monkeypatch
+):
+    module = importlib.import_module(script)
+    backbone, params, frozen, queries, query_mask, eos, pad = tiny
+    with_eos_bias(monkeypatch, eos)
     r = 64
     settings = {"response_length": r, "temperature": 1.0, "stop_ids": eos, "pad_id": pad}
     new = jax.jit(lambda p, qs, qm, k: module.generate(backbone, p, frozen, qs, qm, key=k, **settings))
-    old = jax.jit(lambda p, qs, qm, k: fixed_length_generate(backbone, p, frozen, qs, qm, k, r, 1.0))
     ends = []
     for k in range(2):  # two batches of one shape: other prompts (rows rolled), another key
         qs, qm, key = np.roll(queries, k, 0), np.roll(query_mask, k, 0), jax.random.key(k)
         tokens, steps = jax.device_get(new(params, qs, qm, key))[:2]  # grpo, ppo, rloo: and their log q
-        expected, first_eos = jax.device_get(module.truncate_response(old(params, qs, qm, key), eos, pad))
+        expected, first_eos = jax.device_get(module.truncate_response(fixed_length_tokens[k], eos, pad))
         # the same tokens up to and with each EOS, PAD after it: what truncate_response made of them before
         np.testing.assert_array_equal(tokens, expected)
         assert (tokens == eos).any(1).all() and len(set(first_eos)) > 2  # all ended, at different steps
