@@ -258,7 +258,7 @@ def test_two_processes_match_one(tmp_path):
 
 
 def test_grpo_raises_toy_reward_from_scratch(tmp_path):
-    """`python grpo.py --model tiny --max-steps 30` raises `reward` (on one device: the sharded
+    """`python grpo.py --model tiny --max-steps 40` raises `reward` (on one device: the sharded
     path is covered above, and 8 simulated devices on 2 cores take twice as long). The reward is a
     TRL-form function reading the prompts' `answer` column (data/toy.py's accuracy: the same scores
     as the default two-argument batch_score, so the numbers measured with it hold)."""
@@ -266,7 +266,7 @@ def test_grpo_raises_toy_reward_from_scratch(tmp_path):
         "--model",
         "tiny",
         "--max-steps",
-        "30",
+        "40",
         "--batch-size",
         "64",
         "--response-length",
@@ -283,8 +283,9 @@ def test_grpo_raises_toy_reward_from_scratch(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rewards = [r["reward"] for r in metrics(tmp_path)]
     assert "rewards/accuracy/mean" in metrics(tmp_path)[-1]
-    # measured (seeds 0, 1, 2 on one device): first five 0.043, 0.033, 0.033 -> last five 0.083, 0.085, 0.096
-    assert np.mean(rewards[-5:]) > max(1.5 * np.mean(rewards[:5]), np.mean(rewards[:5]) + 0.025), rewards
+    # measured (seeds 0, 1, 2 on one device): first five 0.045, 0.032, 0.034 -> last ten 0.085, 0.092, 0.137
+    # (over the bar by 0.015, 0.035, 0.078; at 30 steps the last five cleared it by 0.001, 0.029, 0.047)
+    assert np.mean(rewards[-10:]) > max(1.5 * np.mean(rewards[:5]), np.mean(rewards[:5]) + 0.025), rewards
 
 
 def test_a_failing_reward_function_stops_keeping_the_checkpoints_then_resumes(tmp_path):

@@ -188,5 +188,6 @@ def test_rloo_raises_toy_reward_from_scratch(tmp_path):
     rows = metrics(tmp_path)
     rewards = [r["reward"] for r in rows]
     assert "rewards/accuracy/mean" in rows[-1] and "kl" in rows[-1]
-    # measured (seeds 0, 1 on one device): first five 0.042, 0.034 -> last five 0.064, 0.076
-    assert np.mean(rewards[-5:]) > max(1.3 * np.mean(rewards[:5]), np.mean(rewards[:5]) + 0.015), rewards
+    # measured (seeds 0, 1, 2 on one device): first five 0.041, 0.034, 0.034 -> last ten 0.069, 0.088, 0.075
+    # (over the bar by 0.013, 0.039, 0.026; the last five: 0.012, 0.028, 0.036, noisier by √2)
+    assert np.mean(rewards[-10:]) > max(1.3 * np.mean(rewards[:5]), np.mean(rewards[:5]) + 0.015), rewards
