@@ -4,7 +4,7 @@
   2. Models      FAMILIES (MODEL_ALIASES: interop's), resolve_model, load_model (created sharded;
                  text_causal_lm: text only, multimodal checkpoints too; enable_lora: PEFT's LoRA),
                  check_sampler, vocabulary (a tokenizer's, no weights); forward (stateless, with the losses
-                 its layers add: a mixture of experts' router loss; Gemma's attention through kernels.py's
+                 its layers add: a mixture of experts' router loss; Gemma's attention through tpu_kernels.py's
                  Splash on a TPU); per family: logits, empty_cache, cached_forward (KV-cached or recurrent
                  states, left padding); split_variables, save_model, host_model (what --export-hf converts);
                  reward models; reward scoring: reward functions (TRL's contract: call_reward_fn) and
@@ -38,7 +38,7 @@ import keras_hub  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-import kernels  # noqa: E402  (Pallas on a TPU: Gemma's attention through Splash)
+import tpu_kernels  # noqa: E402  (Pallas on a TPU: Gemma's attention through Splash)
 
 interop.fix_bpe_splits()  # keras-hub's byte-level BPE splits words as its models' tokenizers do
 interop.fix_rope_rotation()  # RoPE's rotate_half concatenated: the same values, fewer ops a decode step
@@ -364,7 +364,7 @@ def load_model(
             enable_lora(model.backbone, lora_rank, lora_alpha, lora_target_modules)
     ensure_start_token(getattr(model.preprocessor, "tokenizer", None), name)
     model.backbone.logits_chunk = logits_chunk
-    kernels.flash_attention(model.backbone, mesh)  # Gemma's attention through Splash on a TPU
+    tpu_kernels.flash_attention(model.backbone, mesh)  # Gemma's attention through Splash on a TPU
     return model
 
 

@@ -21,7 +21,7 @@ import plumbing  # the run shell: shared flags, Run, the exit boundary (instant 
 plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files)
-import kernels  # noqa: E402  (Pallas on a TPU: the sampler's output layer and draw in one kernel)
+import tpu_kernels  # noqa: E402  (Pallas on a TPU: the sampler's output layer and draw in one kernel)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
@@ -254,9 +254,9 @@ def generate(
             key, sample_key = jax.random.split(key)
             if temperature == 0:
                 token, logq = jnp.argmax(common.logits(backbone, h), -1).astype(jnp.int32), jnp.zeros((b,))
-            elif kernels.fits(backbone, b, temperature, top_k=top_k, top_p=top_p, min_p=min_p):
-                # one TPU chip, no filter: the draw below and the output layer in one kernel (kernels.py)
-                token, logq = kernels.categorical(backbone, h, sample_key, temperature)
+            elif tpu_kernels.fits(backbone, b, temperature, top_k=top_k, top_p=top_p, min_p=min_p):
+                # one TPU chip, no filter: the draw below and the output layer in one kernel (tpu_kernels.py)
+                token, logq = tpu_kernels.categorical(backbone, h, sample_key, temperature)
             else:  # jax.random.categorical's draw, argmax(gumbel + logits): the first index of the max
                 raw = common.logits(backbone, h, raw=True)  # in the compute dtype; float32 where read
                 z = jax.random.gumbel(sample_key, raw.shape) + filter_logits(  # [B, V]
@@ -426,29 +426,9 @@ def check_args(args):
         )
 
 
-def make_optimizer(args, max_steps):
-    """Clip, AdamW with --weight-decay on matrices only (not norms or biases), --lr-scheduler-type over the
-    updates (one a step) -> (optimizer, schedule, warmup)"""
-    # differs from dpo.py's: the decay mask is a tree map (the same mask on a list)
-    schedule, warmup = common.lr_schedule(
-        args.lr_scheduler_type,
-        args.learning_rate,
-        max_steps,
-        warmup_steps=args.warmup_steps,
-        warmup_ratio=args.warmup_ratio,
-        min_lr_rate=args.min_lr_rate,
-    )
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(args.max_grad_norm),
-        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask, mu_dtype=args.adam_mu_dtype),
-    )
-    return optimizer, schedule, warmup
-
-
 def main(args):
     # ---- set-up: every flag, file and the teacher's vocabulary checked before the models load ----
-    run = plumbing.Run("distill", args, export_hf=args.export_hf)  # flags, --output-dir checked; none written
+    run = plumbing.Run(__file__, args, export_hf=args.export_hf)  # flags, --output-dir checked; none written
     check_args(args)
     template = common.chat_template(args.model, args.chat_template)
     prompts, _ = common.read_prompts(
@@ -487,7 +467,9 @@ def main(args):
     teacher_weights = common.split_variables(
         teacher, frozen_dtype=args.teacher_dtype or run.frozen_dtype, all_frozen=True
     )
-    optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
+    optimizer, schedule, warmup = plumbing.make_optimizer(
+        args, run.schedule_steps
+    )  # max_steps unless resumed
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)

@@ -27,7 +27,7 @@ plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, the scorer)
 import grpo  # noqa: E402  (the loss, advantages, update, sampling filters: grpo.py's, imported)
-import kernels  # noqa: E402  (Pallas on a TPU: the sampler's output layer and draw in one kernel)
+import tpu_kernels  # noqa: E402  (Pallas on a TPU: the sampler's output layer and draw in one kernel)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -338,11 +338,11 @@ def start(backbone, params, frozen, queries, query_mask, *, response_length, pad
 def draw(backbone, h, key, temperature, top_k=0, top_p=1.0, min_p=None):
     """grpo.generate's draw from final hidden states h [B, D] (inside common.weights): a token [B] from
     filter_logits(logits / T), and its log q [B]; T = 0: greedy; on one TPU chip with no filter, the output
-    layer and the draw in one kernel (kernels.py), as grpo.generate."""
+    layer and the draw in one kernel (tpu_kernels.py), as grpo.generate."""
     if temperature == 0:
         return jnp.argmax(common.logits(backbone, h), -1).astype(jnp.int32), jnp.zeros(h.shape[:1])
-    if kernels.fits(backbone, h.shape[0], temperature, top_k=top_k, top_p=top_p, min_p=min_p):
-        return kernels.categorical(backbone, h, key, temperature)
+    if tpu_kernels.fits(backbone, h.shape[0], temperature, top_k=top_k, top_p=top_p, min_p=min_p):
+        return tpu_kernels.categorical(backbone, h, key, temperature)
     raw = common.logits(backbone, h, raw=True)  # in the compute dtype; float32 where read
     z = jax.random.gumbel(key, raw.shape) + grpo.filter_logits(
         raw.astype(jnp.float32) / temperature, top_k, top_p, min_p
@@ -611,7 +611,7 @@ def evaluate(fns, params, frozen, data, scorer, *, batch_size, end, stop_ids, pa
 
 def main(args):
     # ---- set-up: every flag, file, tool and row checked before the models load ----
-    run = plumbing.Run("grpo_tools", args, eval_every=args.eval_every, export_hf=args.export_hf)
+    run = plumbing.Run(__file__, args, eval_every=args.eval_every, export_hf=args.export_hf)
     grpo.check_args(args, run.mesh)
     plumbing.check_flags(
         max_tool_calls=(args.max_tool_calls, 0, False), tool_timeout=(args.tool_timeout, 0, True)
@@ -682,7 +682,9 @@ def main(args):
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
     ref_params = common.frozen_copy(params, run.frozen_dtype) if args.beta else None
     off_policy = args.num_iterations > 1 or args.num_mini_batches > 1
-    optimizer, schedule, warmup = grpo.make_optimizer(args, run.schedule_steps)
+    optimizer, schedule, warmup = plumbing.make_optimizer(
+        args, run.schedule_steps, updates_per_step=args.num_iterations * args.num_mini_batches
+    )
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)

@@ -3,7 +3,8 @@
                    under the one boundary that turns them into exit codes 2, 0, 0, 1; cli (tyro, errors in
                    one line; check_options: unknown ones, TRL's names answered); answer_help (--help and
                    unknown options from the script's source, before its heavy imports)
-  2. Shared flags  SharedArgs (every script's Args extends it), RolloutArgs (+ the RL scripts' rollouts)
+  2. Shared flags  SharedArgs (every script's Args extends it), RolloutArgs (+ the RL scripts' rollouts);
+                   make_optimizer (AdamW and the rate schedule those flags set)
   3. The run       Run: output dir, --resume/--overwrite, --max-steps from --num-epochs, args.json,
                    metrics.jsonl + TensorBoard (+ W&B), progress, tokens/s and MFU, the non-finite stop, eval
                    and checkpoint cadence, SIGTERM/SIGINT, the final model, a summary line
@@ -413,6 +414,30 @@ class RolloutArgs(SharedArgs):
     """print a few decoded completions with their rewards every N steps (0: never)"""
 
 
+def make_optimizer(args, steps, updates_per_step=1, eps=1e-8):
+    """AdamW from the shared flags, as transformers' Trainer builds it for TRL: the gradients clipped to
+    --max-grad-norm (global norm), --weight-decay on matrices only (not norms or biases), --learning-rate on
+    --lr-scheduler-type over steps × updates_per_step optimizer updates (TRL counts updates: an RL step makes
+    μ × mini-batches) -> (optimizer, schedule of the update count, warmup updates). eps: Adam's ε (PPO: 1e-5)."""
+    import common
+    import jax
+    import optax
+
+    schedule, warmup = common.lr_schedule(
+        args.lr_scheduler_type,
+        args.learning_rate,
+        steps * updates_per_step,
+        warmup_steps=args.warmup_steps,
+        warmup_ratio=args.warmup_ratio,
+        min_lr_rate=args.min_lr_rate,
+    )
+    matrices = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norms / biases
+    adamw = optax.adamw(
+        schedule, eps=eps, weight_decay=args.weight_decay, mask=matrices, mu_dtype=args.adam_mu_dtype
+    )
+    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adamw), schedule, warmup
+
+
 # --- 3. The run's lifecycle ---
 RUN_FILES = ("args.json", "metrics.jsonl", "checkpoints", "model", "model_hf")
 # Flags a --resume may change: what the run does next, not what it computes (every other flag, and the script,
@@ -455,7 +480,8 @@ def check_flags(**flags):
 
 
 class Run:
-    """One training run's life, so that each script's loop shows only its algorithm: made in main (it starts
+    """One training run's life, so that each script's loop shows only its algorithm: made in main as
+    Run(__file__, args, ...), named by the script's file (a fork by its own), it starts
     jax.distributed where several processes take part, makes run.mesh, checks the shared flags and
     --output-dir, and writes nothing); then run.resolve_max_steps, run.resume(state), and the loop: `for step in
     run.steps(...)`: step, run.log(metrics, real, padded tokens), run.eval_due() / run.log_eval(...),
@@ -502,7 +528,7 @@ class Run:
             interop.check_export_hf(args.model, preset, common.backbone_class(preset).__name__)
         if args.track and importlib.util.find_spec("wandb") is None:
             raise UsageError("--track logs to Weights & Biases, which is not installed: pip install wandb")
-        self.script = script
+        self.script = os.path.splitext(os.path.basename(script))[0]  # a fork's own name: mydpo.py -> mydpo
         self.args = args
         self.log_every = log_every
         self.eval_every = eval_every

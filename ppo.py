@@ -20,7 +20,7 @@ import plumbing  # the run shell: shared flags, Run, the exit boundary (instant 
 plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, the scorer)
-import kernels  # noqa: E402  (Pallas on a TPU: the sampler's output layer and draw in one kernel)
+import tpu_kernels  # noqa: E402  (Pallas on a TPU: the sampler's output layer and draw in one kernel)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
@@ -195,9 +195,9 @@ def generate(
             key, sample_key = jax.random.split(key)
             if temperature == 0:
                 token, logq = jnp.argmax(common.logits(backbone, h), -1).astype(jnp.int32), jnp.zeros((b,))
-            elif kernels.fits(backbone, b, temperature, top_k=top_k, top_p=top_p, min_p=min_p):
-                # one TPU chip, no filter: the draw below and the output layer in one kernel (kernels.py)
-                token, logq = kernels.categorical(backbone, h, sample_key, temperature)
+            elif tpu_kernels.fits(backbone, b, temperature, top_k=top_k, top_p=top_p, min_p=min_p):
+                # one TPU chip, no filter: the draw below and the output layer in one kernel (tpu_kernels.py)
+                token, logq = tpu_kernels.categorical(backbone, h, sample_key, temperature)
             else:  # jax.random.categorical's draw, argmax(gumbel + logits): the first index of the max
                 raw = common.logits(backbone, h, raw=True)  # in the compute dtype; float32 where read
                 z = jax.random.gumbel(sample_key, raw.shape) + filter_logits(  # [B, V]
@@ -463,28 +463,6 @@ def train_step(models, optimizer, args, state, frozen, *, batch, context_length)
 
 
 # ---- main's pieces: optimizer, rollout, decoding, mini-batches
-def make_optimizer(args, max_steps):
-    """Clip (policy and value together), AdamW with ε = 1e-5 and --weight-decay on matrices only (not norms,
-    biases or the value head's bias), --lr-scheduler-type over all updates -> (optimizer, schedule, warmup)"""
-    # differs from dpo.py's: updates = steps × PPO epochs × mini-batches, Adam ε 1e-5 (TRL's PPO), a tree
-    # mask
-    total_updates = max_steps * args.num_ppo_epochs * args.num_mini_batches
-    schedule, warmup = common.lr_schedule(
-        args.lr_scheduler_type,
-        args.learning_rate,
-        total_updates,
-        warmup_steps=args.warmup_steps,
-        warmup_ratio=args.warmup_ratio,
-        min_lr_rate=args.min_lr_rate,
-    )
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(args.max_grad_norm),
-        optax.adamw(
-            schedule, eps=1e-5, weight_decay=args.weight_decay, mask=decay_mask, mu_dtype=args.adam_mu_dtype
-        ),
-    )
-    return optimizer, schedule, warmup
 
 
 def rollout(gen_fn, params, frozen, queries, query_mask, *, key, stop_ids, pad_id, on_data):
@@ -530,7 +508,7 @@ def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
 def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
     # flags and --output-dir checked; nothing written
-    run = plumbing.Run("ppo", args, export_hf=args.export_hf)
+    run = plumbing.Run(__file__, args, export_hf=args.export_hf)
     if args.num_mini_batches < 1 or args.num_ppo_epochs < 1 or args.temperature <= 0:
         raise common.UsageError("--num-mini-batches and --num-ppo-epochs must be ≥ 1, --temperature > 0")
     if (
@@ -596,7 +574,9 @@ def main(args):
     # Through one jit with explicit out_shardings, so the trainable values carry the mesh in their types and are
     # committed to their devices, as the updated ones will be: the sampler sees the same input types every step.
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
-    optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
+    optimizer, schedule, warmup = plumbing.make_optimizer(
+        args, run.schedule_steps, updates_per_step=args.num_ppo_epochs * args.num_mini_batches, eps=1e-5
+    )  # max_steps unless resumed
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)

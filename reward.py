@@ -193,29 +193,11 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     return (params, opt_state), metrics
 
 
-def make_optimizer(args, max_steps):
-    # differs from dpo.py's: the params are (backbone weights, head), a tree: the decay mask is a tree map
-    schedule, warmup = common.lr_schedule(
-        args.lr_scheduler_type,
-        args.learning_rate,
-        max_steps,
-        warmup_steps=args.warmup_steps,
-        warmup_ratio=args.warmup_ratio,
-        min_lr_rate=args.min_lr_rate,
-    )
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norms / biases
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(args.max_grad_norm),
-        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask, mu_dtype=args.adam_mu_dtype),
-    )
-    return optimizer, schedule, warmup
-
-
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
     # nothing written yet
     run = plumbing.Run(
-        "reward",
+        __file__,
         args,
         log_every=args.log_every,
         eval_every=args.eval_every,
@@ -256,7 +238,9 @@ def main(args):
     train_data, eval_data = pad_pairs(train, length), pad_pairs(evals, length) if evals else None
     lengths = pair_lengths(train_data)
 
-    optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
+    optimizer, schedule, warmup = plumbing.make_optimizer(
+        args, run.schedule_steps
+    )  # max_steps unless resumed
     params, frozen = common.split_variables(backbone, frozen_dtype=run.frozen_dtype)
     head = jax.tree.map(
         lambda x: common.put_global(x, common.replicated(run.mesh)), init_head(backbone, args.seed)

@@ -19,7 +19,7 @@ import plumbing  # the run shell: shared flags, Run, the exit boundary (instant 
 plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, the scorer)
-import kernels  # noqa: E402  (Pallas on a TPU: the sampler's output layer and draw in one kernel)
+import tpu_kernels  # noqa: E402  (Pallas on a TPU: the sampler's output layer and draw in one kernel)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
@@ -180,9 +180,9 @@ def generate(
             key, sample_key = jax.random.split(key)
             if temperature == 0:
                 token, logq = jnp.argmax(common.logits(backbone, h), -1).astype(jnp.int32), jnp.zeros((b,))
-            elif kernels.fits(backbone, b, temperature, top_k=top_k, top_p=top_p, min_p=min_p):
-                # one TPU chip, no filter: the draw below and the output layer in one kernel (kernels.py)
-                token, logq = kernels.categorical(backbone, h, sample_key, temperature)
+            elif tpu_kernels.fits(backbone, b, temperature, top_k=top_k, top_p=top_p, min_p=min_p):
+                # one TPU chip, no filter: the draw below and the output layer in one kernel (tpu_kernels.py)
+                token, logq = tpu_kernels.categorical(backbone, h, sample_key, temperature)
             else:  # jax.random.categorical's draw, argmax(gumbel + logits): the first index of the max
                 raw = common.logits(backbone, h, raw=True)  # in the compute dtype; float32 where read
                 z = jax.random.gumbel(sample_key, raw.shape) + filter_logits(  # [B, V]
@@ -441,27 +441,6 @@ def check_args(args, mesh):
     common.check_sampler(args.model)  # a family whose decoder layers the sampler knows
 
 
-def make_optimizer(args, max_steps):
-    """Clip, AdamW with --weight-decay on matrices only (not norms or biases), --lr-scheduler-type over all
-    updates (μ × mini-batches a step: TRL counts optimizer steps) -> (optimizer, schedule, warmup)"""
-    # differs from dpo.py's: updates = steps × μ × mini-batches (TRL counts optimizer steps)
-    updates = max_steps * args.num_iterations * args.num_mini_batches
-    schedule, warmup = common.lr_schedule(
-        args.lr_scheduler_type,
-        args.learning_rate,
-        updates,
-        warmup_steps=args.warmup_steps,
-        warmup_ratio=args.warmup_ratio,
-        min_lr_rate=args.min_lr_rate,
-    )
-    decay_mask = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(args.max_grad_norm),
-        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask, mu_dtype=args.adam_mu_dtype),
-    )
-    return optimizer, schedule, warmup
-
-
 def rollout(gen_fn, params, frozen, queries, query_mask, *, key, stop_ids, pad_id, on_data):
     """Responses to host queries [B, Q] (whole on each process), cut after their first stop token -> (batch,
     with the sampler's own log-probs, lengths [B]). The queries are cut to their last Qb columns (left padded:
@@ -522,7 +501,7 @@ def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
 def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
     # flags and --output-dir checked; nothing written
-    run = plumbing.Run("rloo", args, export_hf=args.export_hf)
+    run = plumbing.Run(__file__, args, export_hf=args.export_hf)
     check_args(args, run.mesh)
     template = common.chat_template(args.model, args.chat_template)
     # rows: the columns reward functions may read
@@ -566,7 +545,9 @@ def main(args):
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
     ref_params = common.frozen_copy(params, run.frozen_dtype) if args.beta else None
     off_policy = args.num_iterations > 1 or args.num_mini_batches > 1  # π_old differs from π_θ at some update
-    optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
+    optimizer, schedule, warmup = plumbing.make_optimizer(
+        args, run.schedule_steps, updates_per_step=args.num_iterations * args.num_mini_batches
+    )  # max_steps unless resumed
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)

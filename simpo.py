@@ -255,28 +255,11 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     return (params, opt_state), metrics
 
 
-def make_optimizer(args, max_steps):
-    schedule, warmup = common.lr_schedule(
-        args.lr_scheduler_type,
-        args.learning_rate,
-        max_steps,
-        warmup_steps=args.warmup_steps,
-        warmup_ratio=args.warmup_ratio,
-        min_lr_rate=args.min_lr_rate,
-    )
-    decay_mask = lambda params: [p.ndim >= 2 for p in params]  # no decay on norms / biases
-    optimizer = optax.chain(
-        optax.clip_by_global_norm(args.max_grad_norm),
-        optax.adamw(schedule, weight_decay=args.weight_decay, mask=decay_mask, mu_dtype=args.adam_mu_dtype),
-    )
-    return optimizer, schedule, warmup
-
-
 def main(args):
     # ---- set-up: every flag, file and row checked before the model loads ----
     # shared flags and --output-dir checked; nothing written
     run = plumbing.Run(
-        "simpo",
+        __file__,
         args,
         log_every=args.log_every,
         eval_every=args.eval_every,
@@ -316,7 +299,9 @@ def main(args):
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
     lengths, eval_lengths = pair_lengths(train_data), pair_lengths(eval_data) if evals else None
 
-    optimizer, schedule, warmup = make_optimizer(args, run.schedule_steps)  # max_steps unless resumed
+    optimizer, schedule, warmup = plumbing.make_optimizer(
+        args, run.schedule_steps
+    )  # max_steps unless resumed
     params, frozen = common.split_variables(backbone, frozen_dtype=run.frozen_dtype)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     (params, opt_state), _ = run.resume((params, opt_state))

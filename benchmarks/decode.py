@@ -5,7 +5,7 @@ alike (`--before ''`: the working tree's alone).
     python benchmarks/decode.py --before HEAD~1    # hidden 512, 4 layers, V = 8192; B = 16, Q = 64, R = 128
     python benchmarks/decode.py --model gemma_2b --before '' --batch-size 64    # Gemma-2B shape, on a chip
 Each round times: the samplers (the tokens must be identical, checked every round; `--num-generations G`
-beside group 1, and `--plain-draw`'s XLA draw beside the fused kernel's (kernels.py): their share is
+beside group 1, and `--plain-draw`'s XLA draw beside the fused kernel's (tpu_kernels.py): their share is
 reported, as the prefill over B/G rows or the kernel's matmul may round apart), each prefill alone, and
 the probes: memory bandwidth (reading 256 MiB once) and a float32 matmul's FLOP/s. Roofline step = max(bytes
 a step reads / bandwidth, 2 N B / peak FLOP/s): every weight, as it is held (--dtype: the compute dtype, as a
@@ -34,7 +34,7 @@ plumbing.answer_help(__name__, __file__)
 
 import harness  # noqa: E402  (build_backbone; imports common)
 import common  # noqa: E402
-import kernels  # noqa: E402
+import tpu_kernels  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -62,7 +62,7 @@ class Args:
     prefills each prompt once (generate's `group`). With --before '' and G > 1, the working tree's own sampler
     without the sharing (group 1) runs beside it as `before`: the share of equal tokens is reported"""
     plain_draw: bool = False
-    """with --before '': beside the working tree's sampler, the same with XLA's draw (kernels.FUSED_DRAW off:
+    """with --before '': beside the working tree's sampler, the same with XLA's draw (tpu_kernels.FUSED_DRAW off:
     the output layer's logits written, then the noise and arg-max) as `before`; the share of equal tokens
     is reported"""
     prompt_length: int = 64
@@ -157,12 +157,12 @@ def main(args):
             settings["group"] = group
         generate = functools.partial(module.generate, backbone, **settings)
 
-        def traced(*a):  # kernels.FUSED_DRAW as this side has it, while jit traces it
-            kernels.FUSED_DRAW = fused
+        def traced(*a):  # tpu_kernels.FUSED_DRAW as this side has it, while jit traces it
+            tpu_kernels.FUSED_DRAW = fused
             try:
                 return generate(*a)
             finally:
-                kernels.FUSED_DRAW = True
+                tpu_kernels.FUSED_DRAW = True
 
         return jax.jit(traced)
 
@@ -208,7 +208,9 @@ def main(args):
     cache = common.empty_cache(backbone, b, q + r)  # what a decode step reads besides the weights
     logits = [np.asarray(fn(params, frozen, queries, query_mask)[0]) for fn in prefills.values()]  # [B, 1, V]
     delta = {"prefill_logits_max_abs": float(np.abs(logits[0]).max())}
-    delta["fused_draw"] = kernels.fits(backbone, b, t, top_k=0, top_p=1.0, min_p=None)  # the working tree's
+    delta["fused_draw"] = tpu_kernels.fits(
+        backbone, b, t, top_k=0, top_p=1.0, min_p=None
+    )  # the working tree's
     if len(logits) == 2:  # the two sides' prefill logits (float32): the rounding apart, if any
         delta["prefill_logits_max_abs_diff"] = float(np.abs(logits[0] - logits[1]).max())
     return report(args, times, int(out["after"][1]), params + frozen, jax.tree.leaves(cache), delta)

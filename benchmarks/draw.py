@@ -1,4 +1,4 @@
-"""The sampler's draw alone, at Gemma-2B's output layer (D 2048, V 256k, random bf16 weights): kernels.py's
+"""The sampler's draw alone, at Gemma-2B's output layer (D 2048, V 256k, random bf16 weights): tpu_kernels.py's
 fused kernel (the output layer's matmul, the Gumbel noise, the arg-max and the log-sum-exp in one pass) at
 each --blocks size, beside XLA's draw as grpo.generate writes it (the matmul writing bf16 logits, then the
 noise and first_max, then filtered_logps' log-sum-exp). Each timed call runs --steps draws in a fori_loop,
@@ -25,7 +25,7 @@ import common  # noqa: E402, F401  (KERAS_BACKEND=jax)
 import grpo  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import kernels  # noqa: E402
+import tpu_kernels  # noqa: E402
 import numpy as np  # noqa: E402
 
 
@@ -61,7 +61,7 @@ def main(args):
     model = types.SimpleNamespace(token_embedding=layer)
     variants = {"xla": xla_draw}
     for block in args.blocks:
-        variants[f"kernel_{block}"] = lambda h, w, k, block=block: kernels.categorical(
+        variants[f"kernel_{block}"] = lambda h, w, k, block=block: tpu_kernels.categorical(
             model, h, k, 1.0, block=block
         )
     out = {}

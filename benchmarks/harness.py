@@ -1,6 +1,6 @@
 """Shared by throughput.py, memory.py, longtail.py and step_ab.py: model shapes, synthetic
-batches, and the per-algorithm set-up that calls each script's OWN train_step and
-make_optimizer (never a copy of them).
+batches, and the per-algorithm set-up that calls each script's OWN train_step (never a copy of
+it), with the optimizer every script builds (plumbing.make_optimizer).
 
 ALGOS maps each --algo to what it needs: its set-up, its Args at the benchmark's sizes, the
 models it trains. One `Bench` per algorithm: the script's Args, an un-jitted
@@ -27,7 +27,7 @@ import common  # noqa: E402  (sets KERAS_BACKEND=jax before keras loads)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
-import kernels  # noqa: E402
+import tpu_kernels  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
@@ -278,11 +278,11 @@ def frozen_copy(params, dtype):
 def load_backbone(args, mesh, abstract=False):
     """--model through common.load_model, or at ARCHS shapes with --random-init / abstract; its log-probs
     computed --logits-chunk positions at a time, as the scripts' (common.per_token), its attention Splash's
-    on a TPU mesh (kernels.flash_attention)."""
+    on a TPU mesh (tpu_kernels.flash_attention)."""
     backbone = _backbone(args, mesh, abstract)
     backbone.logits_chunk = getattr(args, "logits_chunk", None)
     if getattr(args, "attention", "splash") == "splash":
-        kernels.flash_attention(backbone, mesh)
+        tpu_kernels.flash_attention(backbone, mesh)
     return backbone
 
 
@@ -501,7 +501,7 @@ def distill_args(module, cfg):
 
 def setup(cfg, backbone, mesh, abstract=False):
     """Bench for cfg.algo (a Config, or a benchmark's Args: Config.of): the script's own optimizer
-    (make_optimizer), state and train_step on a synthetic batch."""
+    (plumbing.make_optimizer), state and train_step on a synthetic batch."""
     cfg = Config.of(cfg)
     module = import_algo(cfg.algo)
     algo = ALGOS[cfg.algo]
@@ -518,7 +518,7 @@ def setup(cfg, backbone, mesh, abstract=False):
         params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=jax.tree.map(on_mesh, params))(
             params
         )
-    optimizer = module.make_optimizer(args, args.max_steps)[0]
+    optimizer = plumbing.make_optimizer(args, args.max_steps)[0]
     a, b, t = cfg.grad_accum_steps, cfg.batch_size // cfg.grad_accum_steps, cfg.max_length
     rng = np.random.default_rng(cfg.seed)
     bench = algo.setup(

@@ -6,7 +6,7 @@ float32 matmul (plumbing.peak_flops' measurement), so MFU is a ratio of neighbou
         --arch hidden_dim=512,vocabulary_size=8192,intermediate_dim=4096,head_dim=128 --max-length 256
 Every flag of throughput.py (`python benchmarks/throughput.py --help`; --steps: timed rounds),
 plus --before; prints one JSON line last. The revision's script must take the working tree's
-harness calls (train_step, make_optimizer(args, max_steps)): compare across an API change in two steps.
+harness calls (train_step): compare across an API change in two steps.
 """
 
 import json

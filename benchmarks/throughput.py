@@ -59,7 +59,7 @@ class Args:
     """sequence positions whose [B, chunk, V] logits exist at a time, as the scripts' flag; 0: the whole;
     None: 64, or whole where they take at most 1 GiB"""
     attention: Literal["splash", "xla"] = "splash"
-    """splash: Gemma's attention through the Splash kernel on a TPU, as the scripts' (kernels.flash_attention);
+    """splash: Gemma's attention through the Splash kernel on a TPU, as the scripts' (tpu_kernels.flash_attention);
     xla: KerasHub's own (the comparison)"""
     frozen_dtype: Literal["bfloat16", "float32"] | None = None
     """dtype of the weights never updated (LoRA's base, a reference, a teacher), as the scripts' flag; None: the

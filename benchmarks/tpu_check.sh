@@ -13,7 +13,7 @@
 #               32k, 8 x 1024; also with --adam-mu-dtype bfloat16), LoRA r16 at full depth (4 and 8 x 1024, --remat auto), a LoRA DPO step, a
 #               LoRA GRPO update and iteration (32 x 512)
 #   decode      benchmarks/decode.py at Gemma-2B shape (prompt 64 + 128 new tokens), batch 16, 64, 256, 512
-#               (beside each, the same sampler with XLA's draw in place of kernels.py's fused one),
+#               (beside each, the same sampler with XLA's draw in place of tpu_kernels.py's fused one),
 #               batch 256 as 32 prompts of 8 rows (a GRPO rollout: a prompt prefilled once), and greedy at
 #               batch $GREEDY_B (default the first): what drawing the token costs
 #   memory      benchmarks/memory.py's step (Gemma-2B, 2 blocks, LoRA r16, 8 and 32 x 1024) compiled for and
@@ -158,7 +158,7 @@ if want throughput; then
 fi
 
 if want decode; then
-  PLAIN=$([ -z "$BEFORE" ] && echo --plain-draw)  # no revision: XLA's draw beside the fused one (kernels.py)
+  PLAIN=$([ -z "$BEFORE" ] && echo --plain-draw)  # no revision: XLA's draw beside the fused one (tpu_kernels.py)
   for b in $BATCHES; do
     record "decode_2b_b$b" $PY benchmarks/decode.py $DECODE --before "$BEFORE" $PLAIN --batch-size "$b" --rounds $ROUNDS
   done

@@ -13,7 +13,7 @@ import pytest
 import common  # first: KERAS_BACKEND=jax
 import jax
 import jax.numpy as jnp
-import kernels
+import tpu_kernels
 import plumbing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -401,7 +401,7 @@ def test_the_default_chunks_only_logits_that_would_be_large():
 
 @pytest.mark.parametrize("gemma2", [False, True], ids=["gemma", "gemma2-softcap-window"])
 def test_splash_attention_equals_keras_hubs_at_every_real_position(gemma2):
-    """kernels.flash_attention on a data=2, model=4 mesh (the kernel in Pallas' interpreter, 128-position blocks):
+    """tpu_kernels.flash_attention on a data=2, model=4 mesh (the kernel in Pallas' interpreter, 128-position blocks):
     the hidden states at every real position and the gradient of every weight equal KerasHub's attention,
     with left padding, right padding and a hole mid-row; Gemma 2's attention soft cap and a 40-position
     sliding window go into the kernel. A single block keeps KerasHub's attention."""
@@ -430,7 +430,7 @@ def test_splash_attention_equals_keras_hubs_at_every_real_position(gemma2):
         return (hidden * mask[..., None] * np.linspace(-1, 1, 64)).sum(), hidden
 
     (_, keras_hidden), keras_grads = jax.jit(jax.value_and_grad(loss, has_aux=True))(params, ids, mask)
-    kernels.flash_attention(backbone, mesh, interpret=True, block=128)
+    tpu_kernels.flash_attention(backbone, mesh, interpret=True, block=128)
     assert "pallas_call" in str(jax.make_jaxpr(loss)(params, ids, mask))
     assert "pallas_call" not in str(jax.make_jaxpr(loss)(params, ids[:, :128], mask[:, :128]))
     q, kv = (jax.ShapeDtypeStruct((4, 256, h, 32), jnp.bfloat16) for h in (4, 1))

@@ -15,6 +15,7 @@ import common  # noqa: F401  (first: KERAS_BACKEND=jax)
 import jax
 import jax.numpy as jnp
 import distill
+import plumbing
 import keras
 from distill import distill_loss, generalized_jsd
 from helpers import ROOT, assert_same_rows, preempt_then_resume, run_script, usage_error
@@ -235,7 +236,7 @@ def test_student_divergence_falls_on_a_fixed_batch_and_the_teacher_stays(pair):
     teacher's weights are an input only: unchanged."""
     backbone, (params, frozen), teacher, weights, batch, q = pair
     args = distill.Args(teacher_model="tiny", learning_rate=3e-3, logits_chunk=4)
-    optimizer, _, _ = distill.make_optimizer(args, 10)
+    optimizer, _, _ = plumbing.make_optimizer(args, 10)
     state = (jax.tree.map(jnp.copy, params), optimizer.init(params))
 
     @jax.jit
@@ -408,7 +409,7 @@ def test_distillation_moves_a_weak_student_toward_its_teacher_on_the_toy_task():
     sft_args = sft.Args(
         batch_size=32, learning_rate=5e-3, warmup_steps=5, lr_scheduler_type="cosine_with_min_lr"
     )
-    optimizer = sft.make_optimizer(sft_args, 30)[0]
+    optimizer = plumbing.make_optimizer(sft_args, 30)[0]
     params, frozen = common.split_variables(backbone)
     state, sft_step = (
         (params, optimizer.init(params)),
@@ -454,7 +455,7 @@ def test_distillation_moves_a_weak_student_toward_its_teacher_on_the_toy_task():
     args = distill.Args(
         teacher_model="tiny", learning_rate=2e-3, warmup_steps=0, response_length=12, logits_chunk=16
     )
-    optimizer = distill.make_optimizer(args, 12)[0]
+    optimizer = plumbing.make_optimizer(args, 12)[0]
 
     # the teacher is a `tiny` too: one backbone serves both models, the teacher's weights an input (tw)
     @jax.jit

@@ -22,7 +22,7 @@ ALGORITHMS = ("sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rl
 # written out), plumbing + remat policies, auto's halved micro-batches and the shared --adam-mu-dtype flag (a
 # field and its help: 2 statements); kernels: the Pallas kernels (Splash attention's wrapper, the sampler's
 # fused output layer and draw), ~100 each
-SHARED = {"common": 740, "plumbing": 767, "interop": 300, "kernels": 115}
+SHARED = {"common": 740, "plumbing": 767, "interop": 300, "tpu_kernels": 115}
 ABOUT = {
     "dpo": 250,
     "simpo": 250,
@@ -31,7 +31,7 @@ ABOUT = {
     "sft": 220,
     "reward": 220,
     "ppo": 380,
-    "grpo": 383,  # + the sampler's fused draw on a TPU chip (kernels.categorical: its `elif`)
+    "grpo": 383,  # + the sampler's fused draw on a TPU chip (tpu_kernels.categorical: its `elif`)
     "rloo": 380,
     "distill": 290,
     "evaluate": 300,
@@ -86,11 +86,30 @@ def test_imports_go_one_way():
     assert {"interop", "common", "plumbing"} <= set(graph), MODULES
     assert cycle(graph) is None, f"an import circle: {' -> '.join(cycle(graph))}"
     assert graph["interop"] == set(), graph["interop"]  # the bottom: nothing of ours
-    assert graph["kernels"] == set(), graph["kernels"]  # Pallas and JAX only
-    assert graph["common"] == {"interop", "kernels"}, graph["common"]  # never the shell
+    assert graph["tpu_kernels"] == set(), graph["tpu_kernels"]  # Pallas and JAX only
+    assert graph["common"] == {"interop", "tpu_kernels"}, graph["common"]  # never the shell
     assert graph["plumbing"] <= {"common", "interop"}, graph["plumbing"]
     users = [m for m in (*ALGORITHMS, "evaluate", "compare") if "interop" in graph.get(m, ())]
     assert not users, f"{', '.join(users)} import interop (reach it through common or plumbing)"
+
+
+# Top-level names that the stacks used beside this project import: transformers while it loads a model (and PEFT),
+# as listed from sys.modules after `AutoModelForCausalLM.from_pretrained` + `import peft` (transformers 5.25), plus
+# TRL, vLLM, datasets and JAX's libraries. Python finds the current folder first, so a module of ours by one of
+# these names is imported in their place from the project's root: the Pallas module was once `kernels.py`, and
+# transformers, which imports Hugging Face's `kernels` package while it builds a model, failed to load --export-hf's
+# model_hf/ from here ("Could not import module 'GemmaForCausalLM'").
+TAKEN = set(
+    "kernels transformers peft accelerate trl vllm datasets huggingface_hub tokenizers safetensors sentencepiece "
+    "torch torchgen numpy jinja2 yaml regex psutil sympy packaging filelock fsspec tqdm jax jaxlib keras keras_hub "
+    "flax orbax optax qwix chex etils ml_dtypes absl tensorflow tyro tensorboardX wandb pyarrow".split()
+)
+
+
+def test_no_module_takes_a_name_the_stacks_import():
+    taken = [f"{m}.py" for m in MODULES if m in TAKEN]
+    assert not taken, f"{', '.join(taken)}: a name transformers, PEFT, TRL, vLLM or JAX's stack imports"
+    assert "kernels" in TAKEN and "tpu_kernels" in MODULES  # the check itself: what the old name would hit
 
 
 def test_evaluate_has_no_sampler_of_its_own():

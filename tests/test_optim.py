@@ -16,6 +16,7 @@ import jax.numpy as jnp
 import keras
 import keras_hub
 import optax
+import plumbing
 
 
 # ---------------------------------------------------------------------------
@@ -104,7 +105,7 @@ def test_schedule_flags_are_checked_and_trls_extra_names_answered(tmp_path):
 
 
 # ---------------------------------------------------------------------------
-# 20 DPO steps: dpo.py's make_optimizer + train_step against clipped AdamW in float64 NumPy
+# 20 DPO steps: plumbing.make_optimizer + dpo.py's train_step against clipped AdamW in float64 NumPy
 # ---------------------------------------------------------------------------
 STEPS, LR, WD = 20, 3e-3, 0.1
 
@@ -159,7 +160,7 @@ def test_dpo_trajectory_follows_clipped_adamw_at_trls_schedule():
         dpo.get_batch(data, dpo.pair_lengths(data), t, args)[0] for t in range(STEPS)
     ]  # [1, 8, T] each
 
-    optimizer, schedule, warmup = dpo.make_optimizer(args, STEPS)
+    optimizer, schedule, warmup = plumbing.make_optimizer(args, STEPS)
     assert warmup == 2  # ceil(0.1 × 20)
     params, frozen = common.split_variables(backbone)
     params0, ref_params = [np.asarray(p) for p in params], [jnp.copy(p) for p in params]
@@ -203,21 +204,20 @@ def test_first_moment_in_bfloat16_rounds_the_stored_moment_only():
     (0.03 = 1.92·2^-6, and 1.92 to 7 fraction bits is 1.921875). Update 2 takes β1·m1 in bf16 too (a Python
     float times a bf16 array): 0.0270263671875 = 1.7296875·2^-6 rounds to 1.7265625·2^-6 = 0.0269775390625,
     so m2 = 0.0269775390625 + 0.03 and update 2 = -(m2 / 0.19) / 0.3 = -0.9996059 (v̂2 = 0.09), where
-    float32's m2 = 0.057 gives -1. Every script's optimizer takes the flag; the default keeps float32."""
-    import distill, grpo, kto, orpo, ppo, reward, rloo, sft, simpo
+    float32's m2 = 0.057 gives -1. The default keeps float32 (plumbing.make_optimizer: every script's)."""
+    import sft
 
     params, g = [jnp.ones((1, 1))], [jnp.full((1, 1), 0.3)]
-    for module in (sft, dpo, simpo, orpo, kto, reward, ppo, grpo, rloo, distill):
-        for mu_dtype in ("float32", "bfloat16"):
-            state = module.make_optimizer(module.Args(adam_mu_dtype=mu_dtype), 10)[0].init(params)
-            adam = [s for s in jax.tree.leaves(state, is_leaf=lambda s: hasattr(s, "mu")) if hasattr(s, "mu")]
-            assert [(m.dtype, v.dtype) for m, v in ((a.mu[0], a.nu[0]) for a in adam)] == [
-                (jnp.dtype(mu_dtype), jnp.float32)
-            ], module.__name__
+    for mu_dtype in ("float32", "bfloat16"):
+        state = plumbing.make_optimizer(sft.Args(adam_mu_dtype=mu_dtype), 10)[0].init(params)
+        adam = [s for s in jax.tree.leaves(state, is_leaf=lambda s: hasattr(s, "mu")) if hasattr(s, "mu")]
+        assert [(m.dtype, v.dtype) for m, v in ((a.mu[0], a.nu[0]) for a in adam)] == [
+            (jnp.dtype(mu_dtype), jnp.float32)
+        ]
     m2 = 0.0269775390625 + 0.1 * 0.3
     for mu_dtype, second in (("float32", -1.0), ("bfloat16", -(m2 / 0.19) / 0.3)):
         args = sft.Args(learning_rate=1.0, lr_scheduler_type="constant", adam_mu_dtype=mu_dtype)
-        optimizer = sft.make_optimizer(args, 10)[0]
+        optimizer = plumbing.make_optimizer(args, 10)[0]
         state, updates = optimizer.init(params), []
         for _ in range(2):
             u, state = optimizer.update(g, state, params)
@@ -320,7 +320,7 @@ def test_first_update_doubles_with_alpha():
     args = dpo.Args(learning_rate=1e-3, batch_size=8, max_steps=10, beta=1.0)  # β 1: gradients ≫ Adam's ε
     batch, optimizer = (
         dpo.get_batch(data, dpo.pair_lengths(data), 0, args)[0],
-        dpo.make_optimizer(args, 10)[0],
+        plumbing.make_optimizer(args, 10)[0],
     )
     deltas = []
     for alpha in (16, 32):

@@ -13,6 +13,7 @@ import common  # noqa: F401  (first: KERAS_BACKEND=jax)
 import jax
 import jax.numpy as jnp
 import optax
+import plumbing
 
 from helpers import assert_same_rows, learning_env, metrics, preempt_then_resume, run_script as run
 from ppo import (
@@ -89,7 +90,7 @@ def test_weight_decay_is_off_by_default_and_on_matrices_only(script):
     zeros = jax.tree.map(jnp.zeros_like, params)
 
     def one_update(**flags):
-        optimizer, schedule, _ = module.make_optimizer(module.Args(learning_rate=lr, **flags), 10)
+        optimizer, schedule, _ = plumbing.make_optimizer(module.Args(learning_rate=lr, **flags), 10)
         assert float(schedule(0)) == pytest.approx(lr)
         updates, _ = optimizer.update(zeros, optimizer.init(params), params)
         return jax.device_get(optax.apply_updates(params, updates))

@@ -232,21 +232,21 @@ def test_a_group_prefills_its_prompt_once_and_samples_the_same_tokens(script, ti
 
 
 def test_the_fused_draw_samples_the_plain_draws_tokens(tiny, monkeypatch):
-    """On one TPU chip (kernels.on_chip, made true here: the kernel runs in Pallas' interpreter) the sampler
-    draws through kernels.categorical, the output layer and the draw in one kernel, when no filter is on:
+    """On one TPU chip (tpu_kernels.on_chip, made true here: the kernel runs in Pallas' interpreter) the sampler
+    draws through tpu_kernels.categorical, the output layer and the draw in one kernel, when no filter is on:
     its tokens and steps are the plain draw's for the same key, its log q the same to float32 rounding (its
     log-sum-exp is taken block by block). With top-p on, the plain draw runs (its sort needs the logits)."""
     import grpo
-    import kernels
+    import tpu_kernels
 
     backbone, params, frozen, queries, query_mask, eos, pad = tiny
-    categorical, shapes = kernels.categorical, []
+    categorical, shapes = tpu_kernels.categorical, []
     monkeypatch.setattr(
-        kernels, "categorical", lambda *a, **k: shapes.append(a[1].shape) or categorical(*a, **k)
+        tpu_kernels, "categorical", lambda *a, **k: shapes.append(a[1].shape) or categorical(*a, **k)
     )
     out = {}
     for fused, top_p in ((False, 1.0), (True, 1.0), (True, 0.9)):
-        monkeypatch.setattr(kernels, "on_chip", lambda backbone, fused=fused: fused)
+        monkeypatch.setattr(tpu_kernels, "on_chip", lambda backbone, fused=fused: fused)
         settings = {"response_length": 12, "temperature": 0.8, "stop_ids": eos, "pad_id": pad, "top_p": top_p}
         sample = jax.jit(functools.partial(grpo.generate, backbone, **settings))
         out[fused, top_p] = jax.device_get(sample(params, frozen, queries, query_mask, jax.random.key(5)))

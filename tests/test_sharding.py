@@ -8,6 +8,7 @@ import common
 import jax
 from jax.sharding import PartitionSpec as P
 
+import plumbing
 import sft
 
 
@@ -71,7 +72,7 @@ def run_steps(model, mesh, args, steps=2):
         "padding_mask": np.ones_like(ids, bool),
         "loss_mask": rng.uniform(size=ids.shape) < 0.7,
     }
-    optimizer = sft.make_optimizer(args, args.max_steps)[0]
+    optimizer = plumbing.make_optimizer(args, args.max_steps)[0]
     params, frozen = common.split_variables(model.backbone)
     state = (params, jax.jit(optimizer.init)(params))
     step = jax.jit(lambda s, f, b: sft.train_step(model.backbone, optimizer, args, s, f, b))

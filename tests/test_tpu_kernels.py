@@ -1,4 +1,4 @@
-"""kernels.py's fused draw gives what the plain JAX it replaces gives: threefry_bits and gumbel are
+"""tpu_kernels.py's fused draw gives what the plain JAX it replaces gives: threefry_bits and gumbel are
 jax.random.bits' and jax.random.gumbel's to the bit (and threefry2x32's published known answer), and
 `categorical` draws jax.random.categorical's tokens from the output layer's logits, tied or not, with log q
 to a float64 NumPy re-derivation. On CPU the kernel runs in Pallas' interpreter; on a TPU chip
@@ -14,14 +14,14 @@ import jax
 import jax.numpy as jnp
 import keras_hub
 
-import kernels
+import tpu_kernels
 
 
 def test_threefry_gives_the_published_known_answer():
     """Random123's known answer for threefry2x32 (20 rounds): key (0, 0), counter (0, 0) -> words
     0x6b200159 and 0x99ba4efe; jax.random.bits' 32-bit word is their xor, 0xf29a4fa7."""
     zero = jnp.int32(0)
-    bits = kernels.threefry_bits(zero, zero, jnp.zeros((1,), jnp.int32))
+    bits = tpu_kernels.threefry_bits(zero, zero, jnp.zeros((1,), jnp.int32))
     assert int(jax.lax.bitcast_convert_type(bits, jnp.uint32)[0]) == 0x6B200159 ^ 0x99BA4EFE == 0xF29A4FA7
 
 
@@ -31,9 +31,9 @@ def test_threefry_bits_and_gumbel_are_jax_randoms(shape, seed):
     key = jax.random.key(seed)
     words = jax.lax.bitcast_convert_type(jax.random.key_data(key), jnp.int32)
     counter = jnp.arange(np.prod(shape), dtype=jnp.int32).reshape(shape)
-    bits = kernels.threefry_bits(words[0], words[1], counter)
+    bits = tpu_kernels.threefry_bits(words[0], words[1], counter)
     np.testing.assert_array_equal(jax.lax.bitcast_convert_type(bits, jnp.uint32), jax.random.bits(key, shape))
-    np.testing.assert_array_equal(kernels.gumbel(bits), jax.random.gumbel(key, shape))
+    np.testing.assert_array_equal(tpu_kernels.gumbel(bits), jax.random.gumbel(key, shape))
 
 
 def output_layer(vocab, dim, tied, seed=0):
@@ -54,7 +54,7 @@ def test_categorical_draws_jax_random_categoricals_tokens(tied, vocab, temperatu
     model = output_layer(vocab, 32, tied)
     hidden = jax.random.normal(jax.random.key(7), (5, 32))
     logits = model.token_embedding(hidden, reverse=True)  # [5, V] float32
-    draw = jax.jit(lambda h, k: kernels.categorical(model, h, k, temperature, block=256))
+    draw = jax.jit(lambda h, k: tpu_kernels.categorical(model, h, k, temperature, block=256))
     z = np.asarray(logits, np.float64) / temperature
     for seed in range(4):
         key = jax.random.key(seed)
@@ -72,7 +72,9 @@ def test_categorical_of_equal_logits_is_uniform_by_hand():
     model = output_layer(300, 16, tied=True)
     tokens = []
     for seed in range(4):
-        token, logq = kernels.categorical(model, jnp.zeros((64, 16)), jax.random.key(seed), 1.0, block=128)
+        token, logq = tpu_kernels.categorical(
+            model, jnp.zeros((64, 16)), jax.random.key(seed), 1.0, block=128
+        )
         np.testing.assert_allclose(logq, -np.log(300), rtol=0, atol=1e-6)
         assert -5.7039 < float(logq[0]) < -5.7037
         tokens += list(np.asarray(token))
@@ -84,15 +86,15 @@ def test_the_fused_draw_fits_only_an_unfiltered_draw_on_one_chip(monkeypatch):
     layer without a soft cap; greedy, a filter, Gemma 2's soft cap or the switch off keep XLA's draw."""
     model = output_layer(1000, 32, tied=True)
     off = {"top_k": 0, "top_p": 1.0, "min_p": None}
-    assert not kernels.fits(model, 8, 1.0, **off)  # this CPU
-    monkeypatch.setattr(kernels, "on_chip", lambda backbone: True)
-    assert kernels.fits(model, 8, 1.0, **off) and kernels.fits(model, 8, 0.7, **off)
-    assert not kernels.fits(model, 8, 0.0, **off)  # greedy: an arg-max of the logits, no noise
+    assert not tpu_kernels.fits(model, 8, 1.0, **off)  # this CPU
+    monkeypatch.setattr(tpu_kernels, "on_chip", lambda backbone: True)
+    assert tpu_kernels.fits(model, 8, 1.0, **off) and tpu_kernels.fits(model, 8, 0.7, **off)
+    assert not tpu_kernels.fits(model, 8, 0.0, **off)  # greedy: an arg-max of the logits, no noise
     for flag, value in (("top_k", 20), ("top_p", 0.9), ("min_p", 0.1)):
-        assert not kernels.fits(model, 8, 1.0, **{**off, flag: value}), flag
-    assert not kernels.fits(model, 2**23, 1.0, **off)  # B · V ≥ 2^32: the counter's high word
+        assert not tpu_kernels.fits(model, 8, 1.0, **{**off, flag: value}), flag
+    assert not tpu_kernels.fits(model, 2**23, 1.0, **off)  # B · V ≥ 2^32: the counter's high word
     monkeypatch.setattr(model.token_embedding, "logit_soft_cap", 30.0)
-    assert not kernels.fits(model, 8, 1.0, **off)
+    assert not tpu_kernels.fits(model, 8, 1.0, **off)
     monkeypatch.setattr(model.token_embedding, "logit_soft_cap", None)
-    monkeypatch.setattr(kernels, "FUSED_DRAW", False)
-    assert not kernels.fits(model, 8, 1.0, **off)
+    monkeypatch.setattr(tpu_kernels, "FUSED_DRAW", False)
+    assert not tpu_kernels.fits(model, 8, 1.0, **off)
