@@ -5,7 +5,8 @@
                  text_causal_lm: text only, multimodal checkpoints too; enable_lora: PEFT's LoRA),
                  check_sampler, vocabulary (a tokenizer's, no weights); forward (stateless, with the losses
                  its layers add: a mixture of experts' router loss; Gemma's attention through tpu_kernels.py's
-                 Splash on a TPU); per family: logits, empty_cache, cached_forward (KV-cached or recurrent
+                 Splash on a TPU); per family: logits, categorical (a sampler's draw: jax.random.categorical's,
+                 on one TPU chip the fused kernel), empty_cache, cached_forward (KV-cached or recurrent
                  states, left padding); split_variables, save_model, host_model (what --export-hf converts);
                  reward models; reward scoring: reward functions (TRL's contract: call_reward_fn) and
                  load_scorer (Scorer: a reward model or weighted reward functions, one call)
@@ -38,7 +39,7 @@ import keras_hub  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
-import tpu_kernels  # noqa: E402  (Pallas on a TPU: Gemma's attention through Splash)
+import tpu_kernels  # noqa: E402  (Pallas on a TPU: Gemma's attention through Splash, the sampler's fused draw)
 
 interop.fix_bpe_splits()  # keras-hub's byte-level BPE splits words as its models' tokenizers do
 interop.fix_rope_rotation()  # RoPE's rotate_half concatenated: the same values, fewer ops a decode step
@@ -473,6 +474,39 @@ def logits(backbone, hidden, raw=False):
     reads them, and a float32 [B, V] copy beside them is never written)."""
     out = backbone.token_embedding(hidden, reverse=True)
     return out if raw else out.astype(jnp.float32)  # f32 upcast
+
+
+def categorical(backbone, hidden, key, temperature, keep=None):
+    """A token from q = softmax(keep(logits / T)) for final hidden states [B, D] (inside `weights(...)`) -> (token
+    [B] int32, log q(token) [B] float32): jax.random.categorical(key, keep(logits / T))'s draw, the first index
+    of argmax(gumbel + logits / T), so the same tokens for a key. keep: a sampler's filter ([B, V] -> [B, V],
+    dropped tokens -inf: top-k, top-p, min-p), None for none. Below the samplers, how: on one TPU chip without a
+    filter, the output layer and the draw as one Pallas kernel (tpu_kernels.categorical, where tpu_kernels.fits),
+    the logits never written; else XLA's, the noised logits reduced in one pass (first_max), never written."""
+    if keep is None and tpu_kernels.fits(backbone, hidden.shape[0], temperature):
+        return tpu_kernels.categorical(backbone, hidden, key, temperature)
+    raw = logits(backbone, hidden, raw=True)  # [B, V] in the compute dtype; float32 where read
+    scaled = raw.astype(jnp.float32) / temperature
+    kept = scaled if keep is None else keep(scaled)  # the same [B, V] computed once by XLA for both reads
+    token = first_max(jax.random.gumbel(key, raw.shape) + kept)
+    # log q: the token's scaled logit, gathered from `raw` (no [B, V] float32 written for one value a row)
+    token_logit = jnp.take_along_axis(raw, token[:, None], -1)[:, 0].astype(jnp.float32) / temperature
+    return token, token_logit - jax.nn.logsumexp(kept, -1)
+
+
+def first_max(z):
+    """The first index of each row's max, z [B, V] -> [B] int32 (jnp.argmax's), in ONE pass over z: a (value,
+    index) reduce, where the max and then the first index at it read z twice (and z, the noised logits, was
+    written in between). Ties: the smallest index; a row with a NaN gives V."""
+    v = z.shape[-1]
+    index = jnp.where(jnp.isnan(z), v, jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1))
+
+    def better(a, b):  # of two (value, index): the larger value; at a tie the smaller index; a NaN first
+        take = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] < a[1])) | (jnp.isnan(b[0]) & ~jnp.isnan(a[0]))
+        return jnp.where(take, b[0], a[0]), jnp.where(take, b[1], a[1])
+
+    init = (jnp.asarray(-jnp.inf, z.dtype), jnp.int32(v))
+    return jax.lax.reduce((z, index), init, better, (z.ndim - 1,))[1]
 
 
 def per_token(backbone, fn, arrays):

@@ -20,7 +20,6 @@ import plumbing  # the run shell: shared flags, Run, the exit boundary (instant 
 plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, the scorer)
-import tpu_kernels  # noqa: E402  (Pallas on a TPU: the sampler's output layer and draw in one kernel)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import keras  # noqa: E402
@@ -144,22 +143,6 @@ def filtered_logps(logits, tokens, temperature, *, top_k=0, top_p=1.0, min_p=Non
     return token_logit - logz, logz - plogp.sum(-1)
 
 
-def first_max(z):
-    """The first index of each row's max, z [B, V] -> [B] int32, in ONE pass over z: a (value, index) reduce,
-    where the max and then the first index at it read z twice (and z, the Gumbel-noised logits, was written
-    in between). The same index, ties included (the smallest); a row with a NaN gives V, as the max (NaN),
-    which no value equals, gave."""
-    v = z.shape[-1]
-    index = jnp.where(jnp.isnan(z), v, jax.lax.broadcasted_iota(jnp.int32, z.shape, z.ndim - 1))
-
-    def better(a, b):  # of two (value, index): the larger value; at a tie the smaller index; a NaN first
-        take = (b[0] > a[0]) | ((b[0] == a[0]) & (b[1] < a[1])) | (jnp.isnan(b[0]) & ~jnp.isnan(a[0]))
-        return jnp.where(take, b[0], a[0]), jnp.where(take, b[1], a[1])
-
-    init = (jnp.asarray(-jnp.inf, z.dtype), jnp.int32(v))
-    return jax.lax.reduce((z, index), init, better, (z.ndim - 1,))[1]
-
-
 def generate(
     backbone,
     params,
@@ -178,7 +161,7 @@ def generate(
     group=1,
 ):
     """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
-    [B, R]: filtered_logps, 0 if greedy or after the end). A prefill, then a `lax.while_loop` of one token a
+    [B, R] of softmax(filter_logits(logits / T)), 0 if greedy or after the end). A prefill, then a `lax.while_loop` of one token a
     step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes (one compilation per bucket),
     `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy.
     group: the rows are B/group prompts, each `group` times in a row (G completions of a prompt): a prompt
@@ -186,6 +169,8 @@ def generate(
     but for the prefill's rounding (its matmuls over B/G rows, not B: a bf16 step on a TPU)."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
+    filtered = top_k or top_p < 1.0 or min_p is not None  # else q is softmax(logits / T) itself
+    keep = functools.partial(filter_logits, top_k=top_k, top_p=top_p, min_p=min_p) if filtered else None
     with common.weights(backbone, params, frozen):  # each weight in the dtype it is held in
         cache = common.empty_cache(backbone, b // group, q + response_length)  # L (K, V) pairs [B/G, S, K, H]
         hidden, cache = jax.tree.map(  # prefill, a group's prompt once, copied to its G rows; the last
@@ -197,19 +182,10 @@ def generate(
 
         def pick(h, key, done):  # final hidden [B, D] -> token [B], its log q [B]; a finished sequence pads
             key, sample_key = jax.random.split(key)
-            if temperature == 0:
+            if temperature == 0:  # greedy: the arg-max of the logits
                 token, logq = jnp.argmax(common.logits(backbone, h), -1).astype(jnp.int32), jnp.zeros((b,))
-            elif tpu_kernels.fits(backbone, b, temperature, top_k=top_k, top_p=top_p, min_p=min_p):
-                # one TPU chip, no filter: the draw below and the output layer in one kernel (tpu_kernels.py)
-                token, logq = tpu_kernels.categorical(backbone, h, sample_key, temperature)
-            else:  # jax.random.categorical's draw, argmax(gumbel + logits): the first index of the max
-                raw = common.logits(backbone, h, raw=True)  # in the compute dtype; float32 where read
-                z = jax.random.gumbel(sample_key, raw.shape) + filter_logits(  # [B, V]
-                    raw.astype(jnp.float32) / temperature, top_k, top_p, min_p
-                )
-                token = first_max(z)  # one pass over z, never written
-                # its filter_logits is the one above: XLA computes it once (one sort a step at top-p < 1)
-                logq = filtered_logps(raw, token, temperature, top_k=top_k, top_p=top_p, min_p=min_p)[0]
+            else:  # q = softmax(filter_logits(logits / T)): jax.random.categorical's draw, and its log q
+                token, logq = common.categorical(backbone, h, sample_key, temperature, keep)
             token = jnp.where(done, pad_id, token)
             return token, jnp.where(done, 0.0, logq), key, done | jnp.isin(token, jnp.asarray(stop_ids))
 

@@ -27,7 +27,6 @@ plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, the scorer)
 import grpo  # noqa: E402  (the loss, advantages, update, sampling filters: grpo.py's, imported)
-import tpu_kernels  # noqa: E402  (Pallas on a TPU: the sampler's output layer and draw in one kernel)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
@@ -337,18 +336,12 @@ def start(backbone, params, frozen, queries, query_mask, *, response_length, pad
 
 def draw(backbone, h, key, temperature, top_k=0, top_p=1.0, min_p=None):
     """grpo.generate's draw from final hidden states h [B, D] (inside common.weights): a token [B] from
-    filter_logits(logits / T), and its log q [B]; T = 0: greedy; on one TPU chip with no filter, the output
-    layer and the draw in one kernel (tpu_kernels.py), as grpo.generate."""
+    softmax(filter_logits(logits / T)) and its log q [B] (common.categorical); T = 0: greedy."""
     if temperature == 0:
         return jnp.argmax(common.logits(backbone, h), -1).astype(jnp.int32), jnp.zeros(h.shape[:1])
-    if tpu_kernels.fits(backbone, h.shape[0], temperature, top_k=top_k, top_p=top_p, min_p=min_p):
-        return tpu_kernels.categorical(backbone, h, key, temperature)
-    raw = common.logits(backbone, h, raw=True)  # in the compute dtype; float32 where read
-    z = jax.random.gumbel(key, raw.shape) + grpo.filter_logits(
-        raw.astype(jnp.float32) / temperature, top_k, top_p, min_p
-    )
-    token = grpo.first_max(z)  # jax.random.categorical's draw, as grpo.generate writes it
-    return token, grpo.filtered_logps(raw, token, temperature, top_k=top_k, top_p=top_p, min_p=min_p)[0]
+    filtered = top_k or top_p < 1.0 or min_p is not None  # else q is softmax(logits / T) itself
+    keep = functools.partial(grpo.filter_logits, top_k=top_k, top_p=top_p, min_p=min_p) if filtered else None
+    return common.categorical(backbone, h, key, temperature, keep)
 
 
 def sample_turn(

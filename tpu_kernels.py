@@ -111,18 +111,15 @@ def on_chip(backbone):
     return jax.device_count() == 1 and jax.default_backend() == "tpu" and backbone.compute_dtype == "bfloat16"
 
 
-def fits(backbone, batch, temperature, *, top_k, top_p, min_p):
-    """Whether `categorical` draws for these settings: on_chip, T > 0 and no filter (top-k, top-p, min-p), an
-    output layer with no soft cap (Gemma 2's) or cast of its own, JAX's default keys (threefry,
+def fits(backbone, batch, temperature):
+    """Whether `categorical` draws an unfiltered sample at these settings (common.categorical asks): on_chip,
+    T > 0, an output layer with no soft cap (Gemma 2's) or cast of its own, JAX's default keys (threefry,
     partitionable: the bits `threefry_bits` computes), B · V < 2^32 (the counter's high word is 0)."""
     layer = backbone.token_embedding
     return (
         FUSED_DRAW
         and on_chip(backbone)
         and temperature > 0
-        and not top_k
-        and top_p >= 1.0
-        and min_p is None
         and getattr(layer, "logit_soft_cap", None) is None
         and getattr(layer, "reverse_dtype", None) is None
         and jax.config.jax_default_prng_impl == "threefry2x32"

@@ -108,6 +108,31 @@ def test_filter_logits_matches_a_float64_numpy_rederivation(top_k, top_p, min_p)
     )  # every row filtered, none empty
 
 
+@pytest.mark.parametrize("filters", [{}, {"top_k": 3}, {"top_p": 0.7}])
+def test_the_draw_is_jax_random_categoricals(filters):
+    """common.categorical, every sampler's draw: for final hidden states and a key, the tokens
+    jax.random.categorical(key, filter(logits / T)) draws (ties at the max: the first index, as its arg-max), and
+    log q = log softmax(filter(logits / T))[token], against a float64 NumPy log-softmax."""
+    import grpo
+
+    model = common.load_model("tiny", common.make_mesh(None), "float32", seed=0)
+    backbone, (params, frozen) = model.backbone, common.split_variables(model.backbone)
+    hidden = jax.random.normal(jax.random.key(3), (64, backbone.hidden_dim))
+    keep = functools.partial(grpo.filter_logits, **filters) if filters else None
+    with common.weights(backbone, params, frozen):
+        kept = (keep or (lambda x: x))(common.logits(backbone, hidden) / 0.7)  # [B, V]
+        for seed in range(3):
+            key = jax.random.key(seed)
+            token, logq = jax.jit(lambda h, k: common.categorical(backbone, h, k, 0.7, keep))(hidden, key)
+            np.testing.assert_array_equal(token, jax.random.categorical(key, kept))
+            z = np.asarray(kept, np.float64)
+            log_softmax = z - (np.log(np.exp(z - z.max(-1, keepdims=True)).sum(-1)) + z.max(-1))[:, None]
+            np.testing.assert_allclose(logq, log_softmax[np.arange(64), np.asarray(token)], atol=2e-6)
+    assert len(set(np.asarray(token).tolist())) > 5  # sampled, not one token
+    tie = jnp.array([[0.0, 3.0, 3.0, 1.0], [jnp.nan, 0.0, 5.0, 5.0], [2.0, 2.0, 2.0, 2.0]])
+    np.testing.assert_array_equal(common.first_max(tie), [1, 4, 0])  # the first max; a NaN row: V
+
+
 # ---------------------------------------------------------------------------
 # generate: stops early, same tokens as the fixed-length sampler, compiled once
 # ---------------------------------------------------------------------------
@@ -328,7 +353,6 @@ def test_the_three_samplers_are_one_copy():
     names = (
         "filter_logits",
         "filtered_logps",
-        "first_max",
         "generate",
         "truncate_response",
         "response_logps",
