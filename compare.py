@@ -25,7 +25,6 @@ import shutil
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from typing import Annotated, Literal, NamedTuple
 
 import plumbing  # the run shell: the exit boundary, --help from this file's source (instant to import)
@@ -53,7 +52,6 @@ METHODS = (
     "rft",
 )
 PREFERENCE = ("dpo", "simpo", "orpo", "kto")  # started from the SFT model on the same preference data
-RL = ("ppo", "ppo_fn", "grpo", "rloo")  # rows that sample
 # The controls, each run once per row it is read against (`kind@row`), from that seed's base, for as many
 # updates as match that row's logged FLOPs (matched_steps); which rows each reads: a row's signal
 CONTROLS = {
@@ -65,14 +63,13 @@ INFORMATION = {"prefs": "sft-chosen", "checker": "rft"}  # the control a row mus
 MATCH = 0.10  # a control whose FLOPs miss its row's by more runs again once, at its own measured FLOPs a step
 RepeatedStr = Annotated[tuple[str, ...], tyro.conf.UseAppendAction]  # `--flag a --flag b` -> ("a", "b")
 MAIN_METRIC = ("objective/scores", "reward", "train/loss")  # the curve plotted per run: the first one logged
-FLOPS_LABEL = 'training FLOPs (SFT included; docs/design.md, "FLOPs")'  # the score-against-compute x axis
 
 
 class RunsFailed(plumbing.RunFailed):
     """A script exited non-zero (or was skipped for one that did): exit 1, after the report of the rest."""
 
 
-@dataclass
+@dataclasses.dataclass
 class Args:
     # what to run
     model: str = "tiny"
@@ -266,11 +263,6 @@ RECIPE = {
 }
 
 
-def recipe_flags(recipe):
-    """A RECIPE key's flags, in order."""
-    return [x for flags, _ in RECIPE[recipe] for x in shlex.split(flags)]
-
-
 # --task compare: data/compare/{kind}_train.jsonl (+ _eval but for prompts), before the recipe
 TASK_DATA = {
     "sft": "sft",
@@ -298,10 +290,8 @@ DATA_KIND = {
 
 def task_flags(task, model, recipe):
     """The data flags of one script under --task (its recipe key names it; a fork reads dpo's)."""
-    if task == "toy" and recipe == "sft-chosen":  # the toy pairs' chosen answers are the demonstrations
-        recipe = "sft"
     if task == "toy" or not plumbing.is_toy_model(model):
-        return []
+        return []  # each script's own data (toy: sft.py's demonstrations are the pairs' chosen answers)
     kind = TASK_DATA[recipe]
 
     def path(split):
@@ -334,9 +324,7 @@ QUICK = dict(
 def quick_argv(argv):
     """--quick: QUICK's flags put ahead of the command line, whose own flags come later and so win (tyro keeps
     a repeated flag's last value); a command line without --quick as it is."""
-    if "--quick" not in argv:
-        return argv
-    return [f"--{k.replace('_', '-')}={v}" for k, v in QUICK.items()] + argv
+    return ([f"--{k.replace('_', '-')}={v}" for k, v in QUICK.items()] if "--quick" in argv else []) + argv
 
 
 def check_data(args, stages, grid):
@@ -354,10 +342,10 @@ def check_data(args, stages, grid):
         if "--dataset" not in s["own"]:
             problems[via] = f"{via}: add --dataset (your {DATA_KIND[TASK_DATA[s['recipe']]]})"
         elif "--eval-dataset" in task and not {"--eval-dataset", "--eval-split"} & set(s["own"]):
-            held_out = os.path.relpath(task[task.index("--eval-dataset") + 1])
             problems[via] = (
                 f"{via}: add --eval-dataset FILE or --eval-split SPLIT (--eval-dataset '' for none), else "
-                f"{s['row']} is evaluated on the task's {held_out}"
+                f"{s['row']} is evaluated on the task's "
+                + os.path.relpath(task[task.index("--eval-dataset") + 1])
             )
     if args.test_prompts is None:
         problems["test"] = "pass --test-prompts FILE (your held-out prompts, scored by --reward-fn)"
@@ -378,14 +366,12 @@ def overrides(stages):
     lines = []
     for s in stages:
         task = s["flags"][: len(s["flags"]) - len(s["own"])]  # compare's flags, before yours
-        yours = s["passed"]
-        for i, flag in enumerate(yours[:-1]):
-            if flag.startswith("--") and flag in task and yours[i + 1] != task[task.index(flag) + 1]:
-                theirs = task[task.index(flag) + 1]
-                line = f"{s['via']}: {flag} {shlex.quote(yours[i + 1])} replaces the recipe's {theirs!r}"
-                if line not in lines:
-                    lines.append(line)
-    return lines
+        lines += [
+            f"{s['via']}: {flag} {shlex.quote(value)} replaces the recipe's {task[task.index(flag) + 1]!r}"
+            for flag, value in zip(s["passed"], s["passed"][1:])
+            if flag.startswith("--") and flag in task and value != task[task.index(flag) + 1]
+        ]
+    return list(dict.fromkeys(lines))
 
 
 def parse_sweep(specs, rows):
@@ -444,7 +430,6 @@ def plan(args, output_dir):
     seeds = [args.seed + k for k in range(args.seeds)]
     sft = "sft" in methods
     bases = {s: os.path.join(output_dir, f"sft/seed{s}", "model") if sft else args.model for s in seeds}
-    lr = ["--learning-rate", str(args.learning_rate)]
     fn = ["--reward-fn", args.reward_fn]
 
     def budget(steps):
@@ -481,30 +466,31 @@ def plan(args, output_dir):
             raise plumbing.UsageError(
                 "--methods distill needs --teacher-model (a model of the base's vocabulary)"
             )
-        teacher = ["--teacher-model", args.teacher_model]
-        rows.append(row("distill", steps=args.steps, flags=teacher, signal="teacher"))
-    for name, on_rm in (("ppo", True), ("ppo_fn" if args.ppo_reward == "both" else "ppo", False)):
-        if "ppo" in methods and args.ppo_reward in ("both", "model" if on_rm else "fn"):
-            signal = "prefs" if on_rm else "checker"  # a reward model learnt from the pairs, or the checker
-            rows.append(
-                row(
-                    name,
-                    recipe="ppo",
-                    steps=args.ppo_steps,
-                    flags=[] if on_rm else fn,
-                    on_rm=on_rm,
-                    signal=signal,
-                )
-            )
-    for m in ("grpo", "rloo"):  # a verifiable reward: the task score itself, like ppo_fn
-        if m in methods:
-            rows.append(row(m, steps=getattr(args, f"{m}_steps"), flags=fn, signal="checker"))
-    accept = fn + ["--accept-reward", str(args.accept_reward)]
+        rows.append(
+            row("distill", steps=args.steps, flags=["--teacher-model", args.teacher_model], signal="teacher")
+        )
+    rows += [  # PPO on a reward model learnt from the pairs, or on the checker (--ppo-reward: either or both)
+        row(
+            name,
+            recipe="ppo",
+            steps=args.ppo_steps,
+            flags=[] if on_rm else fn,
+            on_rm=on_rm,
+            signal="prefs" if on_rm else "checker",
+        )
+        for name, on_rm in (("ppo", True), ("ppo_fn" if args.ppo_reward == "both" else "ppo", False))
+        if "ppo" in methods and args.ppo_reward in ("both", "model" if on_rm else "fn")
+    ]
+    rows += [  # a verifiable reward: the task score itself, like ppo_fn
+        row(m, steps=getattr(args, f"{m}_steps"), flags=fn, signal="checker")
+        for m in ("grpo", "rloo")
+        if m in methods
+    ]
     controls = [  # steps: matched_steps, once the row read has run; rft: grpo.py --accept-reward
         row(
             f"{kind}@{r.name}",
             recipe=kind,
-            flags=accept if kind == "rft" else [],
+            flags=(fn + ["--accept-reward", str(args.accept_reward)]) if kind == "rft" else [],
             signal=r.name,
             path=script("grpo" if kind == "rft" else "sft"),
         )
@@ -513,14 +499,13 @@ def plan(args, output_dir):
         if kind in methods and r.signal in reads
     ]
     grid = parse_sweep(args.sweep, [r.name for r in rows + controls])
-    template = ["--chat-template", args.chat_template] if args.chat_template else []
 
-    def stage(name, *, row, recipe, model, flags, seed, needs, setting, match=()):
+    def stage(name, *, row, model, flags, seed, needs, setting, match=()):
         swept = [x for k, v in setting.items() for x in ("--" + k.replace("_", "-"), v)]
         return {
             "name": name,
             "row": row.name,
-            "recipe": recipe,
+            "recipe": row.recipe,
             "setting": tag(setting),
             "seed": seed,
             "script": row.script,
@@ -531,28 +516,25 @@ def plan(args, output_dir):
             "passed": shlex.split(row.extra),
             "flags": ["--model", model]
             + flags
-            + task_flags(args.task, args.model, recipe)
-            + recipe_flags(recipe)
+            + task_flags(args.task, args.model, row.recipe)
+            + [x for flags, _ in RECIPE[row.recipe] for x in shlex.split(flags)]  # the recipe's, in order
             + ["--seed", str(seed)]
-            + template
+            + (["--chat-template", args.chat_template] if args.chat_template else [])
             + ["--output-dir", os.path.join(output_dir, name)]
             + shlex.split(row.extra)
             + swept,
         }
 
     stages = []
-    base_row = row("sft", signal="base")
     for seed in seeds:
         base = [f"sft/seed{seed}"] if sft else []
         if sft:  # this seed's base: its noise is in every interval of the seed's rows
-            flags = budget(args.sft_steps)
             stages.append(
                 stage(
                     base[0],
-                    row=base_row,
-                    recipe="sft",
+                    row=row("sft", signal="base"),
                     model=args.model,
-                    flags=flags,
+                    flags=budget(args.sft_steps),
                     seed=seed,
                     needs=[],
                     setting={},
@@ -560,21 +542,21 @@ def plan(args, output_dir):
             )
         rm = f"reward/seed{seed}"
         if any(r.on_rm for r in rows):
-            flags = ["--max-steps", str(args.reward_steps)]
             stages.append(
                 stage(
                     rm,
                     row=row("reward"),
-                    recipe="reward",
                     model=bases[seed],
-                    flags=flags,
+                    flags=["--max-steps", str(args.reward_steps)],
                     seed=seed,
                     needs=base,
                     setting={},
                 )
             )
         for r in rows + controls:
-            flags = (budget(r.steps) if r.steps else []) + lr + r.flags
+            flags = (
+                (budget(r.steps) if r.steps else []) + ["--learning-rate", str(args.learning_rate)] + r.flags
+            )
             flags += ["--reward-model", os.path.join(output_dir, rm, "model")] if r.on_rm else []
             match = [
                 s["name"] for s in stages if s["seed"] == seed and s["row"] == r.signal and "@" in r.name
@@ -585,7 +567,6 @@ def plan(args, output_dir):
                     stage(
                         name,
                         row=r,
-                        recipe=r.recipe,
                         model=bases[seed],
                         flags=flags,
                         seed=seed,
@@ -658,9 +639,13 @@ def prepare_output_dir(output_dir, stages, overwrite, keep=False):
     held = sorted(
         {s["name"].split("/")[0] for s in stages if os.path.exists(os.path.join(output_dir, s["name"]))}
     )
-    if keep:
-        held = [s["name"] for s in stages if os.path.exists(os.path.join(output_dir, s["name"]))]
-        held = [n for n in held if not os.path.isdir(os.path.join(output_dir, n, "model"))]
+    if keep:  # the unfinished runs: no model/
+        held = [
+            s["name"]
+            for s in stages
+            if os.path.exists(os.path.join(output_dir, s["name"]))
+            and not os.path.isdir(os.path.join(output_dir, s["name"], "model"))
+        ]
     elif held and not overwrite:
         raise plumbing.UsageError(
             f"--output-dir {output_dir} already holds runs ({', '.join(held)}); "
@@ -823,16 +808,20 @@ def evaluate_models(args, prompts_path, bases, jobs, eval_dir):
             outs = evaluate.evaluate_policy(policy, data, scorers[rm], ea, mesh, baseline=base_policy)
         results[key] = evaluate.per_prompt(outs, b)
         m = evaluate.summarize(outs, b)
-        meta = {
-            "model": model_dir,
-            "baseline": bases[seed],
-            "prompts": prompts_path,
-            "num_prompts": len(data["prompts"]),
-            "seed": seed,
-            "temperature": args.temperature,
-            **m,
-        }
-        evaluate.write_outputs(eval_dir(key, seed), meta, evaluate.examples(outs, data, 8, b), results[key])
+        evaluate.write_outputs(
+            eval_dir(key, seed),
+            {
+                "model": model_dir,
+                "baseline": bases[seed],
+                "prompts": prompts_path,
+                "num_prompts": len(data["prompts"]),
+                "seed": seed,
+                "temperature": args.temperature,
+                **m,
+            },
+            evaluate.examples(outs, data, 8, b),
+            results[key],
+        )
         print(
             f"      {key} (seed {seed}): task score {m['score']:.3f}, KL {m['kl']:.3f} "
             f"({time.perf_counter() - t0:.0f} s)",
@@ -954,15 +943,14 @@ def summary(stats, costs, *, base_name, seeds):
                 else ""
             )
         )
-    holds = holm([c[3] for c in claims], ALPHA)
-    held = {c[:2] for c, ok in zip(claims, holds) if ok}
-    won = {}
-    for (name, against, (d, h), _), ok in zip(claims, holds):
-        if ok:
-            won.setdefault(name, []).append(f"{against} (Δ {d:+.3f} ± {h:.3f})")
+    held = {c[:2] for c, ok in zip(claims, holm([c[3] for c in claims], ALPHA)) if ok}
+    won = {  # each row's claims that hold, if any
+        n: [f"{a} (Δ {d:+.3f} ± {h:.3f})" for m, a, (d, h), _ in claims if (m, a) in held and m == n]
+        for n in stats
+        if n != base_name
+    }
     cleared = [n for n, c in informed.items() if (n, c) in held]
-    lines = [f"- **{n}** beats {' and '.join(w)}, at {cost(n)} a run" for n, w in won.items()]
-    rest = [n for n in stats if n != base_name and n not in won]
+    rest = [n for n, w in won.items() if not w]
     return "\n".join(
         [
             f"**Summary** (greedy test score, Δ paired per prompt and seed, each seed its own {base_name}; "
@@ -979,7 +967,7 @@ def summary(stats, costs, *, base_name, seeds):
                 if informed
                 else []
             ),
-            *lines,
+            *[f"- **{n}** beats {' and '.join(w)}, at {cost(n)} a run" for n, w in won.items() if w],
             *([f"- no claim holds for {', '.join(rest)}"] if rest else []),
         ]
     )
@@ -999,8 +987,11 @@ def note(name, st, base_name, base_st, *, run_metrics, on_reward_model, seeds=MI
     def mean(k, b=st):  # a metric's mean: this row's, or b's
         return b[k][0]
 
-    chosen = [[r["eval/logps/chosen"] for r in rows if "eval/logps/chosen" in r] for rows in run_metrics]
-    chosen = [c for c in chosen if len(c) >= 2]
+    chosen = [  # each seed's held-out chosen log-probs, where it logged two or more
+        c
+        for c in ([r["eval/logps/chosen"] for r in rows if "eval/logps/chosen" in r] for rows in run_metrics)
+        if len(c) >= 2
+    ]
     first, last = (np.mean([c[0] for c in chosen]), np.mean([c[-1] for c in chosen])) if chosen else (0, 0)
     if chosen and last < first:
         longer = "; greedy answers got longer" if mean("length") > mean("length", base_st) + 0.5 else ""
@@ -1063,11 +1054,11 @@ def table(rows, base_name, with_rm):
         cells = [
             fmt(st[k], 2 if k in ("rm_score", "kl", "length") else 3) if st and k in st else "–" for k in keys
         ]
-        against = f"{fmt(st['delta_control'])} ({st['control']})" if st and "delta_control" in st else "–"
-        cells.insert(2, against)
+        cells.insert(
+            2, f"{fmt(st['delta_control'])} ({st['control']})" if st and "delta_control" in st else "–"
+        )
         cells += [fmt(c, top=t) for c, t in zip(cost[:3], tops)] + [f"{cost[3]:.0f} s" if cost[3] else "–"]
-        cells.append(ratio or "–")
-        lines.append("| " + " | ".join([f"**{name}**"] + cells + [text]) + " |")
+        lines.append("| " + " | ".join([f"**{name}**", *cells, ratio or "–", text]) + " |")
     return "\n".join(lines)
 
 
@@ -1098,7 +1089,7 @@ def plot(curves, score_curves, stats, *, base_name, temperature, path):
         ax.set_title(f"{name}: {runs[0][0]}", fontsize=9)
         ax.set_xlabel("step", fontsize=8)
         ax.tick_params(labelsize=7)
-    ax = fig.add_subplot(grid[:, cols])
+    ax = fig.add_subplot(grid[:, cols], ylim=(0, 1.05), ylabel="test task score (mean ± 95% interval)")
     names = list(stats)
     x = np.arange(len(stats))
     for dx, key, label in ((-0.2, "score", "greedy"), (0.2, "score_sampled", f"sampled (T={temperature:g})")):
@@ -1114,9 +1105,12 @@ def plot(curves, score_curves, stats, *, base_name, temperature, path):
         ax.axhline(stats[base_name]["score"][0], ls="--", lw=1, color="gray", label=f"{base_name} greedy")
     ax.set_xticks(x, names, rotation=30, fontsize=8)
     ax.legend(fontsize=8, loc="upper right")
-    ax.set(ylim=(0, 1.05), ylabel="test task score (mean ± 95% interval)")
     ax.set_title("final scores (evaluate.py protocol, test split)", fontsize=10)
-    ax = fig.add_subplot(grid[:, cols + 1])
+    ax = fig.add_subplot(
+        grid[:, cols + 1],
+        xlabel='training FLOPs (SFT included; docs/design.md, "FLOPs")',
+        ylabel="greedy task score, eval split (band: the seeds' range)",
+    )
     span = []  # (first FLOPs, lowest, highest) of each row drawn in full: the zoom
     top = score_curves[base_name][0][-1, 1] if base_name in score_curves else np.nan  # the base's end score
     for i, (n, runs) in enumerate(score_curves.items()):
@@ -1131,10 +1125,8 @@ def plot(curves, score_curves, stats, *, base_name, temperature, path):
             span.append((x[0], low.min(), high.max()))
     # zoomed on the post-training range: the base climbs in from the left, rows far below leave (legend)
     if span:
-        x0 = min(span)[0]
         low, high = np.array(span)[:, 1:].T
-        ax.set(xlim=(0.7 * x0, None), ylim=(low.min() - 0.03, high.max() + 0.03))
-    ax.set(xlabel=FLOPS_LABEL, ylabel="greedy task score, eval split (band: the seeds' range)")
+        ax.set(xlim=(0.7 * min(span)[0], None), ylim=(low.min() - 0.03, high.max() + 0.03))
     ax.set_title("score against compute (checkpoints)", fontsize=10)
     ax.legend(fontsize=8)
     fig.tight_layout()
@@ -1159,7 +1151,6 @@ def matrix_md(matrix, names, seeds):
 
 def recipe_md(stages, args):
     """The recipe section: every value a run got and where it came from (compare's flags, RECIPE's groups)."""
-    used = list(dict.fromkeys(s["recipe"] for s in stages))
     lines = [
         f"- every row after SFT (controls included): `--learning-rate {args.learning_rate:g}` "
         + ("unless the sweep below chose one on the eval split" if args.sweep else "(no row tuned)"),
@@ -1168,8 +1159,8 @@ def recipe_md(stages, args):
         f"{args.ppo_steps}`, `--grpo-steps {args.grpo_steps}`, `--rloo-steps {args.rloo_steps}`; each control: "
         f"its row's FLOPs (within {MATCH:.0%}, matched_steps)",
     ]
-    lines += [f"- {r}: `{flags.strip()}`: {source}" for r in used for flags, source in RECIPE[r]]
-    return "\n".join(lines)
+    used = dict.fromkeys(s["recipe"] for s in stages)  # each recipe a run got, in run order
+    return "\n".join(lines + [f"- {r}: `{f.strip()}`: {source}" for r in used for f, source in RECIPE[r]])
 
 
 def write_report(
@@ -1178,8 +1169,11 @@ def write_report(
     """comparison.md (summary, table, Δ matrix, sweep, recipe, protocol, commands) and comparison.png into
     output_dir -> the summary and the table. extras: reward_acc, seeds, total (s), matrix (markdown)."""
     seeds = extras["seeds"]
-    md = table(rows, base_name, any("rm_score" in st for st in stats.values()))
-    md = summary(stats, costs, base_name=base_name, seeds=len(seeds)) + "\n\n" + md
+    md = (
+        summary(stats, costs, base_name=base_name, seeds=len(seeds))
+        + "\n\n"
+        + table(rows, base_name, any("rm_score" in st for st in stats.values()))
+    )
 
     def short(p):  # relative to the working directory, unless outside it
         return p if os.path.relpath(p).startswith("..") else os.path.relpath(p)
@@ -1296,12 +1290,16 @@ def run_stages(args, stages, output_dir):
                     ok[name] = not missing
                     walls[name] = kept.get(name, 0.0) if ok[name] else 0.0
                     continue
-                run = run_stage
-                if stage["match"]:  # a control: its budget is known only now, from its row's logged FLOPs
-                    done = [s for s in stages if ok.get(s["name"])]
-                    run = functools.partial(
-                        run_control, done=done, walls=walls, curve_points=args.curve_points
+                run = (  # a control: its budget is known only now, from its row's logged FLOPs
+                    functools.partial(
+                        run_control,
+                        done=[s for s in stages if ok.get(s["name"])],
+                        walls=walls,
+                        curve_points=args.curve_points,
                     )
+                    if stage["match"]
+                    else run_stage
+                )
                 running[pool.submit(run, i, len(stages), stage, output_dir)] = stage
             finished, _ = concurrent.futures.wait(running, return_when=concurrent.futures.FIRST_COMPLETED)
             for future in finished:
@@ -1318,8 +1316,7 @@ def main(args):
     check_data(args, stages, grid)  # before the task's held-out prompts stand in for those not given
     for line in overrides(stages):  # said, not silent: the recipe's value is gone from that run
         print(line)
-    eval_prompts, test_prompts = task_prompts(args)
-    args = dataclasses.replace(args, eval_prompts=eval_prompts, test_prompts=test_prompts)
+    args = dataclasses.replace(args, **dict(zip(("eval_prompts", "test_prompts"), task_prompts(args))))
     common.load_reward_fn(args.reward_fn)
     # --model resolves (no SFT stage: it is the base itself) and every held-out prompt reads
     for path, flag in ((args.eval_prompts, "--eval-prompts"), (args.test_prompts, "--test-prompts")):
@@ -1368,9 +1365,11 @@ def stage_cost(output_dir, stage, walls):
     return list(cost)
 
 
-def versus_base(res, runs, base_keys):
-    """row_stats of `runs` (one row's stages) against the base of each run's seed."""
-    return row_stats(*stack(res, [s["name"] for s in runs], [base_keys[s["seed"]] for s in runs]))
+def paired_stats(res, runs, against):
+    """row_stats of `runs` (one row's stages) against the run of each one's seed in `against` {seed: run}: its
+    base's, or a control's (a seed without one: that run left out)."""
+    runs = [s for s in runs if s["seed"] in against]
+    return row_stats(*stack(res, [s["name"] for s in runs], [against[s["seed"]] for s in runs]))
 
 
 def choose_settings(grid, res, runs, base_keys):
@@ -1382,7 +1381,7 @@ def choose_settings(grid, res, runs, base_keys):
 
     sweep = {
         row: [
-            {"setting": t, "stats": versus_base(res, of(row, t), base_keys), "kept": False}
+            {"setting": t, "stats": paired_stats(res, of(row, t), base_keys), "kept": False}
             for t in dict.fromkeys(map(tag, grid[row]))
             if of(row, t)
         ]
@@ -1411,37 +1410,30 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
     on the test split, once -> the table, the Δ matrix, results.json and scores.npz."""
     base_name = "sft" if any(s["row"] == "sft" for s in stages) else "base"
     done = [s for s in stages if s["row"] not in ("sft", "reward") and ok[s["name"]]]
-    base_keys = {seed: f"sft/seed{seed}" if base_name == "sft" else f"base/seed{seed}" for seed in seeds}
+    base_keys = {seed: f"{base_name}/seed{seed}" for seed in seeds}
 
-    def reward_model(seed, split):  # the seed's reward model (PPO's), scored on the test split only
-        trained = split == "test" and ok.get(f"reward/seed{seed}")
-        return os.path.join(output_dir, f"reward/seed{seed}/model") if trained else None
-
-    def evaluate_on(split, runs):  # the runs, the base of each seed
-        def eval_dir(key, seed):
-            return os.path.join(output_dir, key, f"eval_{split}")
-
-        jobs = [(k, x, bases[x], reward_model(x, split)) for x, k in base_keys.items()]
-        jobs += [
-            (
-                s["name"],
-                s["seed"],
-                os.path.join(output_dir, s["name"], "model"),
-                reward_model(s["seed"], split),
-            )
-            for s in runs
+    def evaluate_on(split, runs, prompts):  # the runs, the base of each seed
+        rms = {  # each seed's reward model (PPO's), scored on the test split only
+            x: os.path.join(output_dir, f"reward/seed{x}/model")
+            if split == "test" and ok.get(f"reward/seed{x}")
+            else None
+            for x in bases
+        }
+        jobs = [(k, x, bases[x], rms[x]) for x, k in base_keys.items()] + [
+            (s["name"], s["seed"], os.path.join(output_dir, s["name"], "model"), rms[s["seed"]]) for s in runs
         ]
-        prompts = args.eval_prompts if split == "eval" else args.test_prompts
-        return evaluate_models(args, prompts, bases, jobs, eval_dir)
+        return evaluate_models(
+            args, prompts, bases, jobs, lambda key, seed: os.path.join(output_dir, key, f"eval_{split}")
+        )
 
     print(f"[eval] {len(done)} runs and {base_name} on the eval split ({args.eval_prompts})", flush=True)
-    res_eval = evaluate_on("eval", done)
+    res_eval = evaluate_on("eval", done, args.eval_prompts)
     kept, sweep = choose_settings(grid, res_eval, [s for s in done if s["row"] in grid], base_keys)
     final = [s for s in done if s["setting"] == kept.get(s["row"], "" if s["row"] not in grid else None)]
     print(
         f"[eval] {len(final)} runs and {base_name} on the test split, once ({args.test_prompts})", flush=True
     )
-    res = evaluate_on("test", final)
+    res = evaluate_on("test", final, args.test_prompts)
     base_stages = [s for s in stages if s["row"] == "sft"]
     stats = {base_name: row_stats(*stack(res, list(base_keys.values()), list(base_keys.values())))}
     costs = {
@@ -1449,30 +1441,39 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
         if base_stages
         else [np.nan] * 3 + [0.0]
     }
-    scored = [os.path.join(output_dir, s["name"]) for s in final + base_stages]
-    at = checkpoint_scores(args, bases[seeds[0]], scored) if args.curve_points else {}  # the bases' too
+    at = (  # the kept runs' checkpoints, the bases' too
+        checkpoint_scores(
+            args, bases[seeds[0]], [os.path.join(output_dir, s["name"]) for s in final + base_stages]
+        )
+        if args.curve_points
+        else {}
+    )
     sft = {  # each seed's base's FLOPs, where its curves start (a given base: its FLOPs unknown, 0)
         s["seed"]: run_cost(os.path.join(output_dir, s["name"]))[2] for s in base_stages
     }
-    curves = {}  # each row's main training metric, every seed: the left panels
     score_curves = {}  # each row's greedy eval score against FLOPs, every seed: the right panel
-    rows = []
     names = list(dict.fromkeys(s["row"] for s in stages if s["row"] not in ("sft", "reward")))
     # the base, then each row followed by its controls
     order = [base_name] + [
         m for n in names if "@" not in n for m in [n] + [c for c in names if c.endswith(f"@{n}")]
     ]
-    by_name = {}
-    for name in order:
-        runs = [s for s in final if s["row"] == name] or [s for s in base_stages if name == base_name]
-        by_name[name] = runs
-        metrics = [read_metrics(os.path.join(output_dir, s["name"])) for s in runs]
+    by_name = {  # each row's kept runs, the base's: its stages
+        name: [s for s in final if s["row"] == name] or [s for s in base_stages if name == base_name]
+        for name in order
+    }
+    logs = {  # each run's metrics.jsonl, by row
+        name: [read_metrics(os.path.join(output_dir, s["name"])) for s in runs]
+        for name, runs in by_name.items()
+    }
+    curves = {  # each row's main training metric, every seed: the left panels
+        name: [main_curve(m) for m in metrics]
+        for name, metrics in logs.items()
+        if metrics and main_curve(metrics[0])[0]
+    }
+    for name, runs in by_name.items():
         if name != base_name and runs:
-            stats[name] = versus_base(res, runs, base_keys)
+            stats[name] = paired_stats(res, runs, base_keys)
             costs[name] = list(np.mean([stage_cost(output_dir, s, walls) for s in runs], 0))
-        if metrics and main_curve(metrics[0])[0]:
-            curves[name] = [main_curve(m) for m in metrics]
-        on_rm = any("--reward-model" in s["flags"] for s in runs)
         score = [
             score_curve(
                 res_eval,
@@ -1485,23 +1486,19 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
                 is_base=name == base_name,
                 sft_flops=sft.get(s["seed"], 0.0),
             )
-            for s, m in zip(runs, metrics)
+            for s, m in zip(runs, logs[name])
             if name in stats
         ]
         if score and np.isfinite(np.concatenate(score)).all():  # the base's point, the checkpoints, the end
             score_curves[name] = score
-        rows.append((name, metrics, on_rm))
-    for name in [n for n in stats if n != base_name and "@" not in n]:  # each row against its controls
+    methods = [n for n in stats if n != base_name and "@" not in n]
+    for name in methods:  # each row against its controls, paired by seed
         versus = {}
         for ctl in [c for c in stats if c.endswith(f"@{name}")]:
-            control = {s["seed"]: s["name"] for s in by_name[ctl]}
-            paired = [s for s in by_name[name] if s["seed"] in control]
-            a, c = stack(res, [s["name"] for s in paired], [control[s["seed"]] for s in paired])
-            diff = a["score"] - c["score"]
-            versus[ctl] = {"delta": mean_interval(diff), "p": p_above_zero(diff)}
+            st = paired_stats(res, by_name[name], {s["seed"]: s["name"] for s in by_name[ctl]})
+            versus[ctl] = {"delta": st["delta"], "p": st["p"]}
         if versus:
-            kinds = {c.split("@")[0]: c for c in versus}
-            informed = next((kinds[k] for k in ("sft-chosen", "rft") if k in kinds), None)
+            informed = next((c for k in INFORMATION.values() for c in versus if c.startswith(f"{k}@")), None)
             primary = informed or next(iter(versus))
             stats[name].update(
                 versus=versus,
@@ -1511,9 +1508,8 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
                 p_control=versus[primary]["p"],
             )
 
-    def ratio(
-        name,
-    ):  # a control's FLOPs and seconds over its row's; a row's: its primary control's over its own
+    def ratio(name):
+        # a control's FLOPs and seconds over its row's; a row's: its primary control's over its own
         pair = [name, name.split("@")[1]] if "@" in name else [stats.get(name, {}).get("control"), name]
         if not all(n in costs and np.all(np.array(costs[n])[[2, 3]] > 0) for n in pair):
             return ""  # a cost unknown (NaN fails > 0) or zero
@@ -1530,17 +1526,16 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
                 stats[n],
                 base_name,
                 stats[base_name],
-                run_metrics=m,
-                on_reward_model=on_rm,
+                run_metrics=logs[n],
+                on_reward_model=any("--reward-model" in s["flags"] for s in runs),
                 seeds=len(seeds),
             )
             if n in stats
             else f"failed or skipped: see {n}/*.log",
             ratio(n) if n != base_name else "",
         )
-        for n, m, on_rm in rows
+        for n, runs in by_name.items()
     ]
-    methods = [n for n in stats if n != base_name and "@" not in n]
     common_seeds = [x for x in seeds if all(any(s["seed"] == x for s in by_name[n]) for n in methods)]
     tables = {
         n: np.stack(
@@ -1549,15 +1544,18 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
         for n in methods
     }
     matrix = pairwise(tables, ALPHA) if len(methods) > 1 and common_seeds else {}
-    held_out = [  # each reward model's held-out accuracies, as logged
-        [
-            r["eval/accuracy"]
-            for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
-            if "eval/accuracy" in r
-        ]
-        for x in seeds
+    accs = [  # each reward model's last held-out accuracy, as logged
+        a[-1]
+        for a in (
+            [
+                r["eval/accuracy"]
+                for r in read_metrics(os.path.join(output_dir, f"reward/seed{x}"))
+                if "eval/accuracy" in r
+            ]
+            for x in seeds
+        )
+        if a
     ]
-    accs = [a[-1] for a in held_out if a]  # each reward model's last held-out one
     extras = {
         "reward_acc": float(np.mean(accs)) if accs else None,
         "seeds": seeds,
@@ -1595,10 +1593,6 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
 def write_results(args, output_dir, *, stages, stats, costs, sweep, matrix, extras, test, walls):
     """results.json (every number the report shows, the recipe and each value's source, every run's costs,
     the eval curves) and scores.npz (the per-prompt test arrays each cell is computed from, `run|metric`)."""
-
-    def plain(x):  # numpy scalars and tuples -> JSON
-        return json.loads(json.dumps(x, default=lambda v: v.tolist() if hasattr(v, "tolist") else float(v)))
-
     results = {
         "command": "python compare.py " + shlex.join(sys.argv[1:]),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -1658,9 +1652,12 @@ def write_results(args, output_dir, *, stages, stats, costs, sweep, matrix, extr
         "reward_model_accuracy": extras["reward_acc"],
     }
     with open(os.path.join(output_dir, "results.json"), "w") as f:
-        json.dump(plain(results), f, indent=1)
-    arrays = {f"{k}|{m}": np.asarray(v, np.float32) for k, a in test.items() for m, v in a.items()}
-    np.savez_compressed(os.path.join(output_dir, "scores.npz"), **arrays)
+        # numpy scalars and arrays -> JSON
+        json.dump(results, f, indent=1, default=lambda v: v.tolist() if hasattr(v, "tolist") else float(v))
+    np.savez_compressed(
+        os.path.join(output_dir, "scores.npz"),
+        **{f"{k}|{m}": np.asarray(v, np.float32) for k, a in test.items() for m, v in a.items()},
+    )
 
 
 if __name__ == "__main__":
