@@ -16,6 +16,7 @@ The top of the chain interop <- common <- plumbing: it may call both (common: th
 them: `import plumbing` is instant, and `python dpo.py --help` answers before the script's own imports."""
 
 import ast
+import collections
 import contextlib
 import dataclasses
 import functools
@@ -23,12 +24,12 @@ import importlib.util
 import json
 import math
 import os
+import pathlib
 import shutil
 import signal
 import sys
 import textwrap
 import time
-import types
 from typing import Literal
 
 import interop  # the outside world (standard library only at import): --export-hf, the `tiny` vocabulary
@@ -52,19 +53,19 @@ class NonFiniteLoss(RunFailed):
     """train/loss became NaN or inf: the message on stderr, exit code 1 (the checkpoints stay)."""
 
 
-def _end(code, message=None, stream=None):
+def _end(code, message, stream=None):
     """Print `message` on a line of its own (an open progress bar closed first) and end the process (answer_help's
     and launch's exit, nowhere else). os._exit skips teardown, which can wait on JAX's or orbax's threads."""
     for bar in list(getattr(getattr(sys.modules.get("tqdm"), "tqdm", None), "_instances", ())):
         bar.close()
-    if message is not None:
-        with contextlib.suppress(BrokenPipeError):  # `--help | head`
-            print(message, file=stream or sys.stdout)
+    with contextlib.suppress(BrokenPipeError):  # `--help | head`
+        print(message, file=stream or sys.stdout)
     sys.stdout.flush()
     sys.stderr.flush()
-    if "jax" in sys.modules:  # a pod's processes leave the coordination service together: one that found it
-        with contextlib.suppress(Exception):  # closed by process 0 would die with a fatal error
-            sys.modules["jax"].distributed.shutdown()
+    # where JAX is loaded (else a KeyError), a pod's processes leave the coordination service together: one that
+    # found it closed by process 0 would die with a fatal error
+    with contextlib.suppress(Exception):
+        sys.modules["jax"].distributed.shutdown()
     os._exit(code)
 
 
@@ -117,9 +118,10 @@ def cli(args_class, argv=None):
     import tyro
 
     err, argv = io.StringIO(), sys.argv[1:] if argv is None else list(argv)
-    ours = {f"--{no}{f.name.replace('_', '-')}" for f in dataclasses.fields(args_class) for no in ("", "no-")}
     check_options(
-        argv, ours, os.path.basename(getattr(sys.modules.get(args_class.__module__), "__file__", ""))
+        argv,
+        {f"--{no}{f.name.replace('_', '-')}" for f in dataclasses.fields(args_class) for no in ("", "no-")},
+        os.path.basename(getattr(sys.modules.get(args_class.__module__), "__file__", "")),
     )
     try:
         with contextlib.redirect_stderr(err):
@@ -159,20 +161,15 @@ def check_defaults(args, argv):
 
 def is_toy_model(model):
     """`tiny`, or a model dir trained from it (its tokenizer is the bundled one: KerasHub's or HF's file)."""
-    with open(interop.TINY_TOKENIZER, "rb") as f:
-        tiny = f.read()
     for name in ("assets/tokenizer/vocabulary.spm", "tokenizer.model"):
         if os.path.isfile(os.path.join(model, name)):
-            with open(os.path.join(model, name), "rb") as f:
-                return f.read() == tiny
+            return pathlib.Path(model, name).read_bytes() == pathlib.Path(interop.TINY_TOKENIZER).read_bytes()
     return model == "tiny"
 
 
 def answer_help(module_name, path):
     """`python <script> --help`: the help read from its `Args` source, exit 0; an option it lacks: cli's line
     (check_options), exit 2; both before its heavy imports (seconds). Does nothing on `import <script>`."""
-    import re
-
     if module_name != "__main__" or not (fields := _fields(path, "Args")):
         return
     if {"-h", "--help"} & set(argv := sys.argv[1:]):
@@ -180,7 +177,7 @@ def answer_help(module_name, path):
     try:  # what tyro would refuse, after the imports
         check_options(
             argv,
-            set(re.findall(r"--[\w-]+", " ".join(f[1] for f in fields.values()))),
+            {word.rstrip(",") for f in fields.values() for word in f[1].split() if word[:2] == "--"},
             os.path.basename(path),
         )
     except UsageError as e:
@@ -192,47 +189,37 @@ def _fields(path, name):
     (one redefined keeps its place); a `# comment` between fields opens a section. None: no such class, or a
     base whose source cannot be found (then answer_help leaves the command line to tyro)."""
     source = open(path).read()
-    lines, tree = source.splitlines(), ast.parse(source)
-    cls = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == name), None)
+    cls = next((n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == name), None)
     if cls is None:
         return None
-    fields = {}
-    for base in cls.bases:
-        inherited = _base_fields(ast.unparse(base), tree, path)
-        if inherited is None:
-            return None
-        fields.update(inherited)
+    inherited = [_base_fields(ast.unparse(base), path) for base in cls.bases]
+    if None in inherited:
+        return None
+    fields = {k: v for base in inherited for k, v in base.items()}
     section = None
-    previous = cls.lineno
-    names = {
-        "os": os,
-        "HERE": HERE,
-        "common": types.SimpleNamespace(HERE=HERE),
-        "plumbing": sys.modules[__name__],
-    }
-    for i, node in enumerate(cls.body):
+    # what a default may name: `common.HERE` is interop's (common takes it from there)
+    names = {"os": os, "HERE": HERE, "common": interop, "plumbing": sys.modules[__name__]}
+    # each field with what comes before it (the class line, for the first) and after it (its docstring)
+    for before, node, after in zip([cls, *cls.body], cls.body, [*cls.body[1:], None]):
         if not isinstance(node, ast.AnnAssign):
             continue
-        section = next(
+        section = next(  # the last comment line since the line `before` starts on
             (
                 x.strip("# ").rstrip()
-                for x in lines[previous : node.lineno - 1][::-1]
+                for x in source.splitlines()[before.lineno : node.lineno - 1][::-1]
                 if x.strip().startswith("#")
             ),
             section,
         )
-        previous, nxt = node.end_lineno, cls.body[i + 1] if i + 1 < len(cls.body) else None
-        doc = nxt.value.value if isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant) else ""
+        doc = (
+            after.value.value if isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant) else ""
+        )
         flag, kind = "--" + node.target.id.replace("_", "-"), ast.unparse(node.annotation)
         if kind == "bool":
             flag = f"{flag}, --no-{flag[2:]}"
         elif "Literal[" in kind:  # Literal[...] or Literal[...] | None: list the choices
-            literal = next(n for n in ast.walk(node.annotation) if isinstance(n, ast.Subscript))
-            flag += (
-                " {"
-                + ",".join(str(c.value) for c in ast.walk(literal.slice) if isinstance(c, ast.Constant))
-                + "}"
-            )
+            choices = (c.value for c in ast.walk(node.annotation) if isinstance(c, ast.Constant))
+            flag += " {" + ",".join(str(c) for c in choices if c is not None) + "}"
         else:
             flag += " " + kind.replace(" | None", "").upper()
         try:
@@ -244,47 +231,50 @@ def _fields(path, name):
     return fields
 
 
-def _base_fields(base, tree, path):
+def _base_fields(base, path):
     """The fields of a base class `base` (its source text: `SharedArgs`, `plumbing.RolloutArgs`, `grpo.Args`,
     `Args` of the same file) of a class in `path`, read from its module's source; None where it cannot be
     found without importing anything (a module in a package, a name imported under another name)."""
     module, _, name = base.rpartition(".")
     if base == "object":
         return {}
-    if module == "plumbing" or (not module and name in ("SharedArgs", "RolloutArgs")):
-        return _fields(__file__, name)
-    if not module:
-        return (
-            _fields(path, name)
-            if any(isinstance(n, ast.ClassDef) and n.name == name for n in tree.body)
-            else None
-        )
-    if "." in module:
-        return None
-    try:  # the module as `import module` would find it (the script's folder first), not executed
-        spec = importlib.util.find_spec(module)
+    if not module:  # plumbing's (`from plumbing import SharedArgs`), else the same file's (None: not there)
+        return _fields(__file__ if name in ("SharedArgs", "RolloutArgs") else path, name)
+    # the module as `import module` would find it (the script's folder first), not executed; none in a package
+    # (finding it would import the package)
+    try:
+        spec = None if "." in module else importlib.util.find_spec(module)
     except (ImportError, ValueError):
         return None
-    origin = getattr(spec, "origin", None)
-    return _fields(origin, name) if origin and origin.endswith(".py") else None
+    return _fields(spec.origin, name) if spec and (spec.origin or "").endswith(".py") else None
 
 
 def help_from_source(path, width=100):
     """--help of the script at `path` from its `class Args` source (no import, so it is instant): every
     flag in its section (the outputs' sections last), with its choices, doc and default."""
-    sections = {}
-    for section, *rest in _fields(path, "Args").values():
-        sections.setdefault(section, []).append(rest)
-    last = ("logging and outputs", "multi-host (TPU pods and clusters are detected without these)")
-    doc = ast.get_docstring(ast.parse(open(path).read())) or ""
-    out = [f"usage: {os.path.basename(path)} [OPTIONS]", "", doc]
-    for section in sorted(sections, key=lambda s: s in last):
+    fields = _fields(path, "Args").values()
+    out = [
+        f"usage: {os.path.basename(path)} [OPTIONS]",
+        "",
+        ast.get_docstring(ast.parse(open(path).read())) or "",
+    ]
+    for section in sorted(  # the sections as they first come, the outputs' last
+        dict.fromkeys(s for s, *_ in fields),
+        key=lambda s: (
+            s in ("logging and outputs", "multi-host (TPU pods and clusters are detected without these)")
+        ),
+    ):
         out += ["", f"{section}:"]
-        for flag, doc, default in sections[section]:
-            text = " ".join(doc.split()) + f" (default: {default if default != '' else repr(default)})"
-            out += [f"  {flag}"] + textwrap.wrap(
-                text, width, initial_indent=" " * 6, subsequent_indent=" " * 6
-            )
+        for _, flag, doc, default in [f for f in fields if f[0] == section]:
+            out += [
+                f"  {flag}",
+                *textwrap.wrap(
+                    " ".join(doc.split()) + f" (default: {default if default != '' else repr(default)})",
+                    width,
+                    initial_indent=" " * 6,
+                    subsequent_indent=" " * 6,
+                ),
+            ]
     return "\n".join(out)
 
 
@@ -431,9 +421,12 @@ def make_optimizer(args, steps, updates_per_step=1, eps=1e-8):
         warmup_ratio=args.warmup_ratio,
         min_lr_rate=args.min_lr_rate,
     )
-    matrices = lambda params: jax.tree.map(lambda p: p.ndim >= 2, params)  # no decay on norms / biases
-    adamw = optax.adamw(
-        schedule, eps=eps, weight_decay=args.weight_decay, mask=matrices, mu_dtype=args.adam_mu_dtype
+    adamw = optax.adamw(  # the weight decay on matrices only: not on norms or biases
+        schedule,
+        eps=eps,
+        weight_decay=args.weight_decay,
+        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+        mu_dtype=args.adam_mu_dtype,
     )
     return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adamw), schedule, warmup
 
@@ -537,65 +530,57 @@ class Run:
         self.resolved = {}  # what main and the Run resolve, for args.json
         self.dtype = args.dtype or common.default_dtype()
         self.frozen_dtype = args.frozen_dtype or self.dtype  # common.split_variables' frozen_dtype
-        self.dir = args.output_dir or default_output_dir(script, args.model, args.seed)
+        self.dir = args.output_dir or default_output_dir(self.script, args.model, args.seed)
         self.model_dir = os.path.join(self.dir, "model")
         self.max_steps = args.max_steps
         self.mesh = common.make_mesh(args.mesh)
         self.main = common.jax.process_index() == 0  # process 0 writes the outputs
         if args.batch_size % (self.mesh.shape["data"] * grad_accum_steps):
-            accum = f" × --grad-accum-steps ({grad_accum_steps})" if grad_accum_steps > 1 else ""
             raise UsageError(
-                f"--batch-size {args.batch_size} must divide by data axis ({self.mesh.shape['data']}){accum}"
+                f"--batch-size {args.batch_size} must divide by data axis ({self.mesh.shape['data']})"
+                + (f" × --grad-accum-steps ({grad_accum_steps})" if grad_accum_steps > 1 else "")
             )
         self.start = self._check_output_dir()  # 0, or the checkpoint --resume continues from
         self.step = self.start
         self.stop_signal = None  # the name of a signal that asked to stop
         self.last_train = {}  # the last logged rows, for the summary line
         self.last_eval = {}
-        self._handlers = {}  # the signal handlers from before the loop
+        self._handlers = {}  # the signal handlers from before the loop, set when the outputs open (first step)
         self._new_interval()
         self._shapes = set()  # the padded sizes met: a step's compilations
-        self._opened = False  # outputs created (after the first step)
-        self._buffered = []  # rows logged before that
-        self._manager = None  # orbax's, made at the first checkpoint
+        self._buffered = []  # rows logged before the outputs open
+        self._closing = contextlib.ExitStack()  # the logs close() closes, once open
         self._started = time.perf_counter()
         self._eval_started = None
 
     def _check_output_dir(self):
         """The step to start from; refuses to touch a previous run unless asked, or a place that cannot hold one
         (a file, or under one; not writable): exit 2 now, not after the model loads and the first step."""
-        d = self.dir
-        held = [f for f in RUN_FILES if os.path.exists(os.path.join(d, f))]
-        steps = []
-        existing = os.path.abspath(d)
+        held = [f for f in RUN_FILES if os.path.exists(os.path.join(self.dir, f))]
+        existing = os.path.abspath(self.dir)
         while not os.path.exists(existing):
             existing = os.path.dirname(existing)
         if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
-            what = "not writable" if os.path.isdir(existing) else "a file"
-            raise UsageError(f"--output-dir {d}: {existing} is {what}")
-        if os.path.isdir(os.path.join(d, "checkpoints")):  # a step's dir appears (renamed) once complete
-            steps = sorted(int(s) for s in os.listdir(os.path.join(d, "checkpoints")) if s.isdigit())
-        last, finished = steps[-1] if steps else None, os.path.isdir(self.model_dir)
-        self._done = None  # a finished run's last step
-        self._no_checkpoint = None  # why --resume cannot continue
-        self._scheduled = None  # the steps the resumed run's schedule spans
+            raise UsageError(
+                f"--output-dir {self.dir}: {existing} is {'not writable' if os.path.isdir(existing) else 'a file'}"
+            )
+        checkpoints = os.path.join(self.dir, "checkpoints")  # a step's dir appears (renamed) once complete
+        steps = [int(s) for s in os.listdir(checkpoints) if s.isdigit()] if os.path.isdir(checkpoints) else []
+        last, finished = max(steps, default=None), os.path.isdir(self.model_dir)
+        recorded = self._check_same_run() if self.args.resume and "args.json" in held else {}
+        # the steps the resumed run's schedule spans; a finished run's last step; why --resume cannot continue
+        self._scheduled = recorded.get("schedule_steps", recorded.get("max_steps"))
+        self._done = max(last or 0, recorded.get("max_steps") or 0) if finished and recorded else None
+        self._no_checkpoint = None
         if self.args.resume:
-            if "args.json" in held:
-                recorded = self._check_same_run()
-                self._scheduled = recorded.get("schedule_steps", recorded.get("max_steps"))  # its schedule's
-                self._done = max(last or 0, recorded.get("max_steps") or 0) if finished else None
             if last is None:
-                self._no_checkpoint = f"--resume: {d} holds no checkpoint to continue from" + (
+                self._no_checkpoint = f"--resume: {self.dir} holds no checkpoint to continue from" + (
                     "" if held else " (no run there)"
                 )
             elif (self._done or 0) > last:  # a finished run extends from its final state, or not at all
                 self._no_checkpoint = (
-                    f"--resume: the newest checkpoint in {d} (step {last}) is older than its "
+                    f"--resume: the newest checkpoint in {self.dir} (step {last}) is older than its "
                     f"finished model/ (step {self._done}), which continuing from it would replace"
-                )
-            if self._no_checkpoint:
-                self._no_checkpoint += "; checkpoints are written by --save-every N and on SIGTERM/SIGINT" + (
-                    f"; to train on, start a new run from --model {self.model_dir}" if finished else ""
                 )
             self._check_resumable()  # with --max-steps None: in resolve_max_steps, once it is derived
             return last or 0
@@ -613,19 +598,17 @@ class Run:
                 if unfinished
                 else "--overwrite to replace it, or choose another --output-dir"
             )
-            raise UsageError(f"--output-dir {d} already holds {what}; pass {hint}")
+            raise UsageError(f"--output-dir {self.dir} already holds {what}; pass {hint}")
         return 0
 
     def _check_same_run(self):
         """args.json's record (its resumes applied); a UsageError listing each run-defining flag that differs."""
-        with open(os.path.join(self.dir, "args.json")) as f:
-            recorded = json.load(f)
+        recorded = json.loads(pathlib.Path(self.dir, "args.json").read_text())
         for resumed in recorded.get("resumes", []):
             recorded.update(resumed)
-        now = json.loads(json.dumps(self._record(), default=str))
-        diff = [
+        diff = [  # this run's record as JSON holds it, against args.json's
             f"{'--' + k.replace('_', '-') if k != 'script' else 'the script'} {recorded[k]!r} -> {v!r}"
-            for k, v in now.items()
+            for k, v in json.loads(json.dumps(self._record(), default=str)).items()
             if k not in RESUMABLE and k in recorded and recorded[k] != v
         ]
         if diff:
@@ -655,7 +638,15 @@ class Run:
                 f"{self.dir}: this run is complete ({self._done} steps, model/ saved); nothing to resume"
             )
         if self.max_steps is not None and self._no_checkpoint:
-            raise UsageError(self._no_checkpoint)
+            raise UsageError(
+                self._no_checkpoint
+                + "; checkpoints are written by --save-every N and on SIGTERM/SIGINT"
+                + (
+                    f"; to train on, start a new run from --model {self.model_dir}"
+                    if os.path.isdir(self.model_dir)  # finished (nothing is written before the first step)
+                    else ""
+                )
+            )
 
     def resolve_max_steps(self, num_rows, rows_per_step=None):
         """--max-steps, or ceil(--num-epochs × num_rows / rows_per_step (default --batch-size)). Also sets
@@ -663,19 +654,19 @@ class Run:
         if self.max_steps is None:
             per_step = rows_per_step or self.args.batch_size
             self.max_steps = max(1, math.ceil(self.args.num_epochs * num_rows / per_step))
-            if self.main:
-                print(
-                    f"--max-steps {self.max_steps}: {self.args.num_epochs:g} epochs of {num_rows} rows, "
-                    f"{per_step} a step"
-                )
+            announce(
+                f"--max-steps {self.max_steps}: {self.args.num_epochs:g} epochs of {num_rows} rows, "
+                f"{per_step} a step"
+            )
         self._check_resumable()
-        keep = self._scheduled if self.args.resume_schedule == "keep" and self._scheduled else self.max_steps
-        self.schedule_steps = keep
-        self.resolved["schedule_steps"] = keep
-        if keep != self.max_steps and self.main and self.args.lr_scheduler_type != "constant":
-            print(
-                f"--resume: the learning-rate schedule stays the run's, over {keep} steps, then its last rate "
-                "(--resume-schedule stretch: over all steps, as transformers does; the rate can rise)"
+        self.schedule_steps = (  # keep: the resumed run's own
+            self._scheduled if self.args.resume_schedule == "keep" and self._scheduled else self.max_steps
+        )
+        self.resolved["schedule_steps"] = self.schedule_steps
+        if self.schedule_steps != self.max_steps and self.args.lr_scheduler_type != "constant":
+            announce(
+                f"--resume: the learning-rate schedule stays the run's, over {self.schedule_steps} steps, then "
+                "its last rate (--resume-schedule stretch: over all steps, as transformers does; the rate can rise)"
             )
         return self.max_steps
 
@@ -696,80 +687,82 @@ class Run:
 
     def _open(self):
         """After the first step: signals now checkpoint; the outputs are created (process 0)."""
-        if self._opened:
+        if self._handlers:  # opened already
             return
-        self._opened = True
-        args = self.args
         self._handlers = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         if not self.main:
             return
-        if args.overwrite and not args.resume and os.path.isdir(self.dir):
-            for f in os.listdir(self.dir):
-                if f in RUN_FILES or f.startswith("events.out.tfevents"):
-                    path = os.path.join(self.dir, f)
-                    shutil.rmtree(path) if os.path.isdir(path) else os.remove(path)
         os.makedirs(self.dir, exist_ok=True)
+        if self.args.overwrite and not self.args.resume:  # the run there goes
+            for path in pathlib.Path(self.dir).iterdir():
+                if path.name in RUN_FILES or path.name.startswith("events.out.tfevents"):
+                    shutil.rmtree(path) if path.is_dir() else path.unlink()
         record = self._record()
-        if args.resume and os.path.exists(
-            os.path.join(self.dir, "args.json")
-        ):  # the first part's record stays;
-            with open(os.path.join(self.dir, "args.json")) as f:  # each resume appends its own
-                first = json.load(f)
-            first.setdefault("resumes", []).append(
-                {"resumed_at_step": self.start, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **record}
+        args_json = pathlib.Path(self.dir, "args.json")
+        # the first part's record stays; each resume appends its own
+        if self.args.resume and args_json.exists():
+            first = json.loads(args_json.read_text())
+            record = {
+                **first,
+                "resumes": [
+                    *first.get("resumes", []),
+                    {"resumed_at_step": self.start, "time": time.strftime("%Y-%m-%dT%H:%M:%S"), **record},
+                ],
+            }
+        pathlib.Path(self.dir, "args.json.tmp").write_text(json.dumps(record, indent=2, default=str))
+        os.replace(os.path.join(self.dir, "args.json.tmp"), args_json)
+        path = pathlib.Path(self.dir, "metrics.jsonl")
+        if self.args.resume and path.exists():  # keep the whole rows up to the checkpoint
+            rows = path.read_text().splitlines(keepends=True)
+            path.write_text(
+                "".join(x for x in rows if x.endswith("\n") and json.loads(x)["step"] <= self.start)
             )
-            record = first
-        with open(os.path.join(self.dir, "args.json.tmp"), "w") as f:
-            json.dump(record, f, indent=2, default=str)
-        os.replace(os.path.join(self.dir, "args.json.tmp"), os.path.join(self.dir, "args.json"))
-        path = os.path.join(self.dir, "metrics.jsonl")
-        if args.resume and os.path.exists(path):  # drop rows logged past the checkpoint
-            with open(path) as f:
-                kept = [line for line in f if line.endswith("\n") and json.loads(line)["step"] <= self.start]
-            with open(path, "w") as f:
-                f.writelines(kept)
         from tensorboardX import SummaryWriter
 
-        self._metrics = open(path, "a")
-        self._tb = SummaryWriter(self.dir)
+        # line-buffered: each row is in the file once written
+        self._metrics = self._closing.enter_context(open(path, "a", buffering=1))
+        self._tb = self._closing.enter_context(SummaryWriter(self.dir))
         self._wandb = None
-        if args.track:
+        if self.args.track:
             import wandb
 
-            self._wandb = wandb.init(config=self._record(), name=os.path.basename(self.dir))
+            self._wandb = self._closing.enter_context(
+                wandb.init(config=self._record(), name=os.path.basename(self.dir))
+            )
         for step, row in self._buffered:
             self._write(step, row)
 
     def _write(self, step, row):
-        if not self._opened:
+        if not self._handlers:  # the outputs are not open yet
             self._buffered.append((step, row))
         elif self.main:
             self._metrics.write(json.dumps({"step": int(step), **row}) + "\n")
-            self._metrics.flush()
             for k, v in row.items():
                 self._tb.add_scalar(k, v, step)
             if self._wandb:
                 self._wandb.log(row, step=step)
 
-    def _checkpoints(self):
-        """(orbax, its manager): each process writes its shards, a step appears once complete, the newest kept."""
+    @functools.cached_property
+    def _manager(self):
+        """orbax's, made at the first use: each process writes its shards, a step appears once complete (when
+        save returns: synchronous), the newest kept."""
         import orbax.checkpoint as ocp
 
-        options = ocp.CheckpointManagerOptions(
-            max_to_keep=self.args.save_total_limit or None, enable_async_checkpointing=False
+        return ocp.CheckpointManager(
+            os.path.abspath(os.path.join(self.dir, "checkpoints")),
+            options=ocp.CheckpointManagerOptions(
+                max_to_keep=self.args.save_total_limit or None, enable_async_checkpointing=False
+            ),
         )
-        path = os.path.abspath(os.path.join(self.dir, "checkpoints"))
-        self._manager = self._manager or ocp.CheckpointManager(path, options=options)
-        return ocp, self._manager
 
     def resume(self, state, meta=None):
         """--resume: (state, meta) of the newest checkpoint, laid out as `state` (data position = step)."""
         if not self.start:
             return state, meta
         import jax
+        import orbax.checkpoint as ocp
 
-        ocp, manager = self._checkpoints()
-        restored = manager.restore(
+        restored = self._manager.restore(
             self.start,
             args=ocp.args.Composite(
                 meta=ocp.args.JsonRestore(),
@@ -792,31 +785,31 @@ class Run:
         self._show = show
         self._summed = summed
         self._counted = counted or {}
-        self._peak = peak_flops()
         self._new_interval()
-        self._bar = tqdm(
+        with tqdm(
             total=self.max_steps,
             initial=self.start,
             desc=self.script,
             dynamic_ncols=True,
             disable=not self.main,
-        )
-        for step in range(self.start, self.max_steps):
-            self.step = step + 1  # updates done once this step's body has run
-            yield step  # the body's run.log opens the outputs after the first step
-            self._bar.update(1)
-        self._bar.close()
+        ) as self._bar:  # closed after the last step
+            for step in range(self.start, self.max_steps):
+                self.step = step + 1  # updates done once this step's body has run
+                yield step  # the body's run.log opens the outputs after the first step
+                self._bar.update(1)
 
     def log(self, metrics, tokens=0, padded=None, flops=None):
         """Keep one step's metrics (device arrays: no host sync), real and padded tokens (tokens/s, MFU,
         padding). Every log_every steps and at the last: one sync, NonFiniteLoss on a non-finite train/loss."""
         self._open()  # the first step is compiled and dispatched: from here on a signal checkpoints
         self._pending.append(metrics)
-        self._tokens += tokens
+        self._sums.update(
+            tokens=tokens,
+            padded=padded or 0,
+            flops=tokens * self._flops_per_token if flops is None else flops,
+        )
         if padded:
-            self._padded += padded
             self._shapes.add(padded)  # a fixed --batch-size: one padded size per length bucket
-        self._flops += tokens * self._flops_per_token if flops is None else flops
         if self.step % self.log_every == 0 or self.step == self.max_steps:
             self._flush()
 
@@ -824,12 +817,16 @@ class Run:
         import jax
         import numpy as np
 
+        self._open()  # where a checkpoint or the end comes first
         if not self._pending:
             return
         fetched = jax.device_get(self._pending)
-        elapsed = time.perf_counter() - self._t0 - self._paused  # after the fetch: dispatch is async
-        first = self.step - len(fetched) + 1
-        bad = [first + i for i, m in enumerate(fetched) if not np.isfinite(m.get("train/loss", 0.0))]
+        elapsed = time.perf_counter() - self._t0  # after the fetch: dispatch is async
+        bad = [  # the steps of a non-finite loss (fetched[0]'s: the first of the interval)
+            step
+            for step, m in enumerate(fetched, self.step - len(fetched) + 1)
+            if not np.isfinite(m.get("train/loss", 0.0))
+        ]
         if bad and not self.skip_nonfinite:
             self.close()
             raise NonFiniteLoss(
@@ -845,33 +842,35 @@ class Run:
             row[k] = float(np.dot([float(m[k]) for m in fetched], w) / w.sum()) if w.sum() else 0.0
         if self._lr is not None:
             row["charts/learning_rate"] = float(self._lr(self.step - 1))
-        row["charts/tokens_per_sec"], row["charts/mfu"] = (
-            self._tokens / elapsed,
-            self._flops / elapsed / self._peak,
+        row.update(
+            {
+                "charts/tokens_per_sec": self._sums["tokens"] / elapsed,
+                "charts/mfu": self._sums["flops"] / elapsed / peak_flops(),
+                "charts/tokens": float(self._sums["tokens"]),  # the interval's (sums)
+                "charts/flops": float(self._sums["flops"]),
+            }
         )
-        # the interval's (sums)
-        row["charts/tokens"], row["charts/flops"] = (
-            float(self._tokens),
-            float(self._flops),
-        )
-        if self._padded:
-            row["charts/padding_fraction"] = 1.0 - self._tokens / self._padded
-            row["charts/compilations"] = float(len(self._shapes))
+        if self._sums["padded"]:
+            row.update(
+                {
+                    "charts/padding_fraction": 1.0 - self._sums["tokens"] / self._sums["padded"],
+                    "charts/compilations": float(len(self._shapes)),
+                }
+            )
         self.last_train = row
         self._write(self.step, row)
-        shown = {k.split("/")[-1]: f"{row[k]:.4g}" for k in ("train/loss", *self._show) if k in row}
-        self._bar.set_postfix(**shown, tok_s=f"{row['charts/tokens_per_sec']:.0f}")
+        self._bar.set_postfix(
+            **{k.split("/")[-1]: f"{row[k]:.4g}" for k in ("train/loss", *self._show) if k in row},
+            tok_s=f"{row['charts/tokens_per_sec']:.0f}",
+        )
         self._new_interval()
 
     def _new_interval(self):
         """Start what the next log row sums: metrics (device arrays), real and padded tokens, FLOPs, and the
-        time, less what evaluation and checkpoints take (kept out of tokens/s)."""
+        time, less what evaluation and checkpoints take (kept out of tokens/s: they move its start)."""
         self._pending = []
-        self._tokens = 0
-        self._padded = 0
-        self._flops = 0.0
+        self._sums = collections.Counter()  # tokens, padded, flops
         self._t0 = time.perf_counter()
-        self._paused = 0.0
 
     def eval_due(self):
         """True every eval_every steps and at the last (eval time is kept out of tokens/s)."""
@@ -881,12 +880,13 @@ class Run:
 
     def log_eval(self, row):
         """Log eval metrics (host floats, names prefixed eval/) at the current step, and print them."""
-        row = {k: float(v) for k, v in row.items()}
-        self.last_eval = row
-        self._write(self.step, row)
-        announce(f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(row.items())[:3]))
+        self.last_eval = {k: float(v) for k, v in row.items()}
+        self._write(self.step, self.last_eval)
+        announce(
+            f"step {self.step}: " + ", ".join(f"{k} {v:.4f}" for k, v in list(self.last_eval.items())[:3])
+        )
         if self._eval_started is not None:
-            self._paused += time.perf_counter() - self._eval_started
+            self._t0 += time.perf_counter() - self._eval_started
             self._eval_started = None
 
     def checkpoint(self, state, meta=None):
@@ -896,11 +896,11 @@ class Run:
         last = self.step == self.max_steps and self.max_steps >= every
         if not (stopping or (every and (self.step % every == 0 or last))):
             return
-        self._open()
         self._flush()
+        import orbax.checkpoint as ocp
+
         t = time.perf_counter()
-        ocp, manager = self._checkpoints()
-        manager.save(
+        self._manager.save(
             self.step,
             force=True,
             args=ocp.args.Composite(
@@ -908,8 +908,7 @@ class Run:
                 meta=ocp.args.JsonSave({"step": self.step, **(meta or {})}),
             ),
         )
-        manager.wait_until_finished()
-        self._paused += time.perf_counter() - t
+        self._t0 += time.perf_counter() - t
         if stopping:
             self.close()
             raise Preempted(f"{stopping}: checkpoint saved at step {self.step}; continue with --resume")
@@ -918,7 +917,6 @@ class Run:
         """save(path) writes model.tmp/, renamed model/ once whole (+ model_hf/: export_hf); then a summary."""
         import common
 
-        self._open()
         self._flush()
         tmp = self.model_dir + ".tmp"
         if self.main:
@@ -934,12 +932,11 @@ class Run:
                     self.args.chat_template or common.family_template(self.model_dir),
                 )
         self.close()
-        shown = {k: self.last_train[k] for k in ("train/loss", *self._show) if k in self.last_train}
-        shown.update(list(self.last_eval.items())[:2])
+        train = [(k, self.last_train[k]) for k in ("train/loss", *self._show) if k in self.last_train]
         took = time.perf_counter() - self._started
         print(
             f"done: {self.max_steps} steps in {took // 60:.0f}m{took % 60:02.0f}s; "
-            + ", ".join(f"{k} {v:.4g}" for k, v in shown.items())
+            + ", ".join(f"{k} {v:.4g}" for k, v in train + list(self.last_eval.items())[:2])
             + f"; outputs in {self.dir} (model/{', model_hf/' if self.export_hf else ''}"
             + ", metrics.jsonl, args.json)",
             flush=True,
@@ -949,11 +946,7 @@ class Run:
         """Close the logs; SIGINT/SIGTERM get back their handlers from before the loop."""
         for sig, handler in self._handlers.items():
             signal.signal(sig, handler)
-        if self._opened and self.main:
-            self._metrics.close()
-            self._tb.close()
-            if self._wandb:
-                self._wandb.finish()
+        self._closing.close()
 
 
 # --- 4. Remat: activation checkpointing per decoder block, --remat {auto,off,full,minimal,save_dots,...} ---
@@ -1001,13 +994,14 @@ def enable_remat(backbone, mode="full"):
     for layer in [] if hasattr(backbone, "_remat_layers") else getattr(backbone, "transformer_layers", []):
 
         def call(*args, _call=layer.call, **kwargs):
-            cached = any(v is not None for k, v in kwargs.items() if "cache" in k and "index" not in k)
-            if backbone.remat_mode == "off" or cached:
+            # a call with a KV cache (generation) is left alone
+            if backbone.remat_mode == "off" or any(
+                v is not None for k, v in kwargs.items() if "cache" in k and "index" not in k
+            ):
                 return _call(*args, **kwargs)
             arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
             rest = {k: v for k, v in kwargs.items() if k not in arrays}
-            scope = get_stateless_scope()
-            losses = scope.losses if scope is not None else []
+            losses = getattr(get_stateless_scope(), "losses", [])  # none outside a stateless scope
 
             def block(a, kw):  # a loss added inside, left in the scope, would be a leaked tracer
                 n = len(losses)
@@ -1016,8 +1010,7 @@ def enable_remat(backbone, mode="full"):
                 del losses[n:]
                 return out, added
 
-            policy = checkpoint_policy(backbone.remat_mode)
-            out, added = jax.checkpoint(block, policy=policy)(args, arrays)
+            out, added = jax.checkpoint(block, policy=checkpoint_policy(backbone.remat_mode))(args, arrays)
             losses.extend(added)
             return out
 
@@ -1048,10 +1041,10 @@ def choose_remat(peak_of, limit, modes=AUTO_ORDER):
                 raise
             found = [x for x in str(e).splitlines() if "exceeds" in x or "RESOURCE_EXHAUSTED" in x]
             needs.append(f"{mode}: does not compile in the memory ({(found or [str(e)])[0].strip()[:160]})")
-            continue
-        needs.append(f"{mode} {peak / 2**30:.2f} GiB")
-        if peak <= 0.9 * limit:
-            return mode, f"compiled peak per device: {', '.join(needs)}; of {limit / 2**30:.2f} GiB"
+        else:
+            needs.append(f"{mode} {peak / 2**30:.2f} GiB")
+            if peak <= 0.9 * limit:
+                return mode, f"compiled peak per device: {', '.join(needs)}; of {limit / 2**30:.2f} GiB"
     raise UsageError(
         f"the train step does not fit a device's {limit / 2**30:.2f} GiB with any remat policy "
         f"({'; '.join(needs)}): lower --batch-size (--grad-accum-steps keeps the batch: the micro-batch is "
@@ -1069,7 +1062,6 @@ class Remat:
         self.requested = mode
         self.mode = None if mode == "auto" else mode  # auto: set at the first call
         self.limit = limit
-        self.shards = 0  # the devices a halved batch spreads over (choose)
         self.backbones = []
         for backbone in backbones:
             self.add(backbone)
@@ -1142,9 +1134,9 @@ class Remat:
             compiled[mode] = self._resolve(mode, fn, jit_kwargs, split).lower(*spec).compile()
             return peak_bytes(compiled[mode])
 
-        self.shards = split is not None and batch_shards(spec[split])  # B's devices; False: no halving
-        modes = [m for m in AUTO_ORDER if "/" not in m or self.shards]
-        mode, why = choose_remat(peak_of, limit, modes)
+        # the devices a halved batch spreads over (B's; False: no halving), for _resolve's "off/2"
+        self.shards = split is not None and batch_shards(spec[split])
+        mode, why = choose_remat(peak_of, limit, [m for m in AUTO_ORDER if "/" not in m or self.shards])
         self._resolve(mode, fn, jit_kwargs, split)
         return mode, why, compiled[mode]
 
@@ -1217,7 +1209,6 @@ PEAK_BANDWIDTH = {
     "H200": 4800e9,
     "A100": 2039e9,
 }
-_measured_peak = {}
 
 
 def datasheet(table, kind):
@@ -1228,41 +1219,37 @@ def datasheet(table, kind):
 def count_params(backbone):
     """N for FLOP accounting (docs/design.md, "FLOPs"): the weights used in matmuls, a tied embedding (Gemma,
     Qwen) as the output's; an untied one (Llama 3, Mistral) or Gemma 4 E2B / E4B's per-layer one is a lookup."""
-    import numpy as np
-
     embedding = backbone.token_embedding
     lookups = [] if embedding.tie_weights else [embedding.embeddings]
     lookups += [layer.embeddings for layer in [getattr(backbone, "per_layer_token_embedding", None)] if layer]
     return int(
         sum(
-            np.prod(v.shape)
+            math.prod(v.shape)
             for v in backbone.weights
             if "lora" not in v.path and not any(v is x for x in lookups)
         )
     )
 
 
+@functools.cache
 def peak_flops():
     """Peak FLOP/s of all devices together: the table above per chip, or on CPU (and unknown kinds) a
     measured float32 matmul, once per process: simulated CPU devices share the host's cores."""
     import jax
 
-    kind = jax.devices()[0].device_kind
-    if datasheet(PEAK_FLOPS, kind):
-        return datasheet(PEAK_FLOPS, kind) * jax.device_count()
-    _measured_peak[kind] = _measured_peak.get(kind) or matmul_flops_per_sec()
-    return _measured_peak[kind] * jax.process_count()
+    per_chip = datasheet(PEAK_FLOPS, jax.devices()[0].device_kind)
+    if per_chip:
+        return per_chip * jax.device_count()
+    return matmul_flops_per_sec() * jax.process_count()
 
 
 def matmul_flops_per_sec(n=1024, repeats=5):
     """FLOP/s of a float32 n × n matmul on this process's first device, best of `repeats` (measured now)."""
     import jax
-    import numpy as np
     import timeit
 
-    x = jax.device_put(np.ones((n, n), np.float32), jax.local_devices()[0])
-    f = jax.jit(lambda a: a @ a)
-    f(x).block_until_ready()  # compiled before the timing
+    x = jax.device_put(jax.numpy.ones((n, n), "float32"), jax.local_devices()[0])
+    f = jax.jit(lambda a: a @ a).lower(x).compile()  # compiled before the timing
     return 2 * n**3 / min(timeit.repeat(lambda: f(x).block_until_ready(), number=1, repeat=repeats))
 
 
@@ -1301,10 +1288,10 @@ def compilation_cache():
     path = os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "posttrain-jax"
     )
-    if path == "off":
-        jax.config.update("jax_compilation_cache_dir", None)
-        return None
+    path = None if path == "off" else path
     jax.config.update("jax_compilation_cache_dir", path)
-    min_seconds = float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 0.5))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", min_seconds)
+    jax.config.update(
+        "jax_persistent_cache_min_compile_time_secs",
+        float(os.environ.get("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", 0.5)),
+    )
     return path

@@ -552,3 +552,15 @@ def test_flags_as_trl_names_them_and_the_toy_task_are_answered(tmp_path):
     (tmp_path / "model" / "config.json").write_text("{}")
     shutil.copy(os.path.join(ROOT, "data", "tiny_tokenizer.model"), trained / "vocabulary.spm")
     assert plumbing.cli(dpo.Args, ["--model", str(tmp_path / "model")]).dataset == dpo.Args().dataset
+
+
+def test_a_run_is_named_by_its_scripts_file(tmp_path, monkeypatch):
+    """Run(__file__, ...): the script's file names the run (a fork's its own: args.json's `script`, the progress
+    bar), and without --output-dir it goes to runs/<file's stem>__<model>__<seed>__<time>, under the folder
+    the command runs in."""
+    import plumbing
+    import sft
+
+    monkeypatch.chdir(tmp_path)
+    run = plumbing.Run(os.path.join(ROOT, "forks", "mysft.py"), sft.Args(seed=3))
+    assert run.script == "mysft" and run.dir.startswith(os.path.join("runs", "mysft__tiny__3__")), run.dir
