@@ -9,12 +9,14 @@
                  on one TPU chip the fused kernel), empty_cache, cached_forward (KV-cached or recurrent
                  states, left padding); split_variables, save_model, host_model (what --export-hf converts);
                  reward models; reward scoring: reward functions (TRL's contract: call_reward_fn) and
-                 load_scorer (Scorer: a reward model or weighted reward functions, one call)
+                 load_scorer (Scorer: a reward model or weighted reward functions, one call) of a rollout's
+                 decode_completions; reward_metrics
   3. Files       read_rows (.jsonl/.json/.parquet, saved folders, Hub ids), TRL's row formats -> text and chat
                  rendering: CHAT_TEMPLATES / chat_template / render, sft_segments, preference_triple,
                  unpaired_example, prompt_text; read_dataset, eval_source (--eval-split), read_prompts
   4. Data order  the batch order: length_batch (padded to a length bucket, optionally grouped by length; a
-                 pure function of the step: resume is exact), bucket_length, per_example
+                 pure function of the step: resume is exact), bucket_length, per_example (every example
+                 once: its values, or a loss summed exactly); an RL step's: query_length, mini_batches
 The middle of the chain interop <- common <- plumbing, the algorithm-facing layer: the outside world (model
 hubs, Hub datasets, keras-hub's BPE fix) comes through interop.py; the run shell plumbing.py (flags, Run, exits,
 remat, FLOPs) is built on it. Mesh axes are ("data", "model"): batch over `data`, parameters over both
@@ -25,7 +27,6 @@ import collections
 import contextlib
 import functools
 import json
-import math
 import os
 import sys
 
@@ -39,6 +40,7 @@ import keras_hub  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+from keras_hub.src.utils.preset_utils import find_subclass, get_preset_loader  # noqa: E402
 import tpu_kernels  # noqa: E402  (Pallas on a TPU: Gemma's attention through Splash, the sampler's fused draw)
 
 interop.fix_bpe_splits()  # keras-hub's byte-level BPE splits words as its models' tokenizers do
@@ -99,12 +101,10 @@ def cluster_size():
     (1, None): a TPU host list counts its comma-separated hosts, SLURM and Open MPI give a number."""
     for name in CLUSTER_VARIABLES:
         value = os.environ.get(name, "").strip()
-        if name == "TPU_WORKER_HOSTNAMES":
-            size = len([host for host in value.split(",") if host.strip()])
-        else:
-            size = int(value) if value.isdigit() else 1
-        if size > 1:
-            return size, name
+        if name == "TPU_WORKER_HOSTNAMES":  # its hosts, counted
+            value = str(len([host for host in value.split(",") if host.strip()]))
+        if value.isdigit() and int(value) > 1:
+            return int(value), name
     return 1, None
 
 
@@ -118,13 +118,12 @@ def init_distributed(coordinator_address=None, num_processes=None, process_id=No
         return
     if os.environ.get("JAX_PLATFORMS") == "cpu":  # CPU collectives across processes need gloo
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    if by_flags:
-        tried = (
-            f"--coordinator-address {coordinator_address} --num-processes {num_processes} "
-            f"--process-id {process_id}"
-        )
-    else:
-        tried = f"{variable}={os.environ[variable]!r} ({size} processes; the rest found by JAX)"
+    tried = (
+        f"--coordinator-address {coordinator_address} --num-processes {num_processes} "
+        f"--process-id {process_id}"
+        if by_flags
+        else f"{variable}={os.environ[variable]!r} ({size} processes; the rest found by JAX)"
+    )
     try:
         jax.distributed.initialize(coordinator_address, num_processes, process_id)
     except Exception as e:  # one line: the first of the error's, and what to do
@@ -136,27 +135,21 @@ def init_distributed(coordinator_address=None, num_processes=None, process_id=No
         ) from None
 
 
-def parse_mesh(spec):
-    """'data=4,model=2' -> {'data': 4, 'model': 2}; default: every device on `data`."""
+def make_mesh(spec=None):
+    """A `jax.sharding.Mesh` with axes ("data", "model") over all devices (all hosts), sized by --mesh
+    ('data=4,model=2'; an axis not named: 1; None: every device on `data`)."""
     n = jax.device_count()
-    if not spec:
-        return {"data": n, "model": 1}
     sizes = {"data": 1, "model": 1}
-    for part in spec.split(","):
+    for part in (spec or f"data={n}").split(","):
         name, _, size = part.partition("=")
         if name.strip() not in sizes or not size.strip().isdigit():
             raise UsageError(f"--mesh {spec!r}: expected e.g. 'data=4,model=2' (axes: data, model)")
         sizes[name.strip()] = int(size)
     if sizes["data"] * sizes["model"] != n:
         raise UsageError(f"--mesh {spec!r} has {sizes['data'] * sizes['model']} devices, but {n} are present")
-    return sizes
-
-
-def make_mesh(spec=None):
-    """A `jax.sharding.Mesh` with axes ("data", "model") over all devices (all hosts)."""
-    sizes = parse_mesh(spec)
-    devices = np.asarray(jax.devices()).reshape(sizes["data"], sizes["model"])
-    return jax.sharding.Mesh(devices, ("data", "model"))
+    return jax.sharding.Mesh(
+        np.asarray(jax.devices()).reshape(sizes["data"], sizes["model"]), ("data", "model")
+    )
 
 
 class ShardedParallel(keras.distribution.ModelParallel):
@@ -165,14 +158,11 @@ class ShardedParallel(keras.distribution.ModelParallel):
     An axis that does not divide its dim is dropped (replicated): e.g. Gemma-2B's one KV head on `model=2`."""
 
     def get_variable_layout(self, variable):
-        layout = super().get_variable_layout(variable)
-        axes = list(layout.axes) if layout is not None else [None] * len(variable.shape)
+        axes = list(super().get_variable_layout(variable).axes)  # the map's, else replicated: [None] * rank
         mesh = dict(zip(self.device_mesh.axis_names, self.device_mesh.shape))
-        if all(a is None for a in axes) and len(variable.shape) >= 2 and mesh["data"] > 1:
-            for i in np.argsort(variable.shape)[::-1]:
-                if variable.shape[i] % mesh["data"] == 0:
-                    axes[i] = "data"
-                    break
+        divisible = [i for i in np.argsort(variable.shape)[::-1] if variable.shape[i] % mesh["data"] == 0]
+        if all(a is None for a in axes) and len(variable.shape) >= 2 and mesh["data"] > 1 and divisible:
+            axes[divisible[0]] = "data"  # the largest
         axes = [a if a is None or variable.shape[i] % mesh[a] == 0 else None for i, a in enumerate(axes)]
         return keras.distribution.TensorLayout(axes, self.device_mesh)
 
@@ -190,20 +180,19 @@ def distribution_for(mesh, backbone_cls):
     device_mesh = keras.distribution.DeviceMesh(
         tuple(mesh.devices.shape), mesh.axis_names, devices=mesh.devices.flatten()
     )
-    source = getattr(keras_hub.models, LAYOUT_OF.get(backbone_cls.__name__, ""), backbone_cls)
     layout_map = keras.distribution.LayoutMap(device_mesh)  # empty: the generic rule for every weight
     if mesh.shape["model"] > 1:
         with contextlib.suppress(AttributeError, NotImplementedError, TypeError):  # no map: the generic rule
-            layout_map = source.get_layout_map(device_mesh, "model", "data")
+            layout_map = getattr(  # its own, or LAYOUT_OF's
+                keras_hub.models, LAYOUT_OF.get(backbone_cls.__name__, ""), backbone_cls
+            ).get_layout_map(device_mesh, "model", "data")
     return ShardedParallel(layout_map=layout_map, batch_dim_name="data")
 
 
 def shard_batch(mesh, batch):
     """Place a dict of host arrays [A, B, ...] (A = accumulation steps) with B split over `data`.
     Multi-host: each process passes its own slice [A, B / processes, ...] of the global batch."""
-    sharding = NamedSharding(mesh, P(None, "data"))
-    if jax.process_count() == 1:
-        return {k: jax.device_put(v, sharding) for k, v in batch.items()}
+    sharding = NamedSharding(mesh, P(None, "data"))  # one process: jax.device_put's
     return {k: jax.make_array_from_process_local_data(sharding, v) for k, v in batch.items()}
 
 
@@ -219,9 +208,8 @@ def put_global(x, sharding):
 
 
 def to_host(x):
-    """A global array -> the whole NumPy array on every process (allgather across processes)."""
-    if jax.process_count() == 1:
-        return np.asarray(jax.device_get(x))
+    """A global array -> the whole NumPy array on every process (allgather across processes; one process:
+    np.asarray's)."""
     from jax.experimental import multihost_utils
 
     return np.asarray(multihost_utils.process_allgather(x, tiled=True))
@@ -234,8 +222,7 @@ def shardings(tree):
 def init_optimizer(optimizer, params, mesh):
     """(optimizer.init(params), its shardings): moments follow their parameter, scalars are replicated.
     Pinned as the train step's out_shardings, the state's layout is fixed: the step compiles once."""
-    structure = jax.tree.structure(params)
-    like_params = lambda x: jax.tree.structure(x) == structure
+    like_params = lambda x: jax.tree.structure(x) == jax.tree.structure(params)
     out = jax.tree.map(
         lambda sub: shardings(params) if like_params(sub) else replicated(mesh),
         jax.eval_shape(optimizer.init, params),
@@ -250,7 +237,7 @@ def lr_schedule(kind, peak, total_steps, warmup_steps=0, warmup_ratio=0.0, min_l
     warmup = --warmup-steps, or ceil(--warmup-ratio × total_steps) when that is 0 (get_warmup_steps);
     `constant` has none. Past the last update (a run extended by --resume, plumbing.Run.schedule_steps):
     the last update's rate, held."""
-    warmup = 0 if kind == "constant" else warmup_steps or math.ceil(warmup_ratio * total_steps)
+    warmup = 0 if kind == "constant" else warmup_steps or int(np.ceil(warmup_ratio * total_steps))
     decay_steps = max(1, total_steps - warmup)
 
     def schedule(count):
@@ -271,17 +258,13 @@ def lr_schedule(kind, peak, total_steps, warmup_steps=0, warmup_ratio=0.0, min_l
 # --- 2. Models ---
 def resolve_model(name):
     """--model -> what `CausalLM.from_preset` takes (or 'tiny'); unknown names raise."""
-    if name in MODEL_ALIASES:
-        return MODEL_ALIASES[name]
-    if name == "tiny" or "://" in name:  # kaggle://, hf://, modelscope:// handles
-        return name
-    if os.path.isdir(name):
-        if not any(os.path.exists(os.path.join(name, f)) for f in ("config.json", "metadata.json")):
-            raise UsageError(
-                f"--model {name}: directory has neither config.json (KerasHub/HF) nor metadata.json"
-            )
-        return name
-    if name in keras_hub.models.CausalLM.presets:
+    if name in MODEL_ALIASES or name == "tiny" or "://" in name:  # kaggle://, hf://, modelscope:// handles
+        return MODEL_ALIASES.get(name, name)
+    if os.path.isdir(name) and not any(
+        os.path.exists(os.path.join(name, f)) for f in ("config.json", "metadata.json")
+    ):
+        raise UsageError(f"--model {name}: directory has neither config.json (KerasHub/HF) nor metadata.json")
+    if os.path.isdir(name) or name in keras_hub.models.CausalLM.presets:
         return name
     if name.count("/") == 1 and not name.startswith(("/", ".", "~")):  # a Hub repo id, as TRL takes it
         raise UsageError(
@@ -302,11 +285,12 @@ def tiny_causal_lm(seed, dtype):
     """The offline `tiny` Gemma: random init from `seed`, the bundled SentencePiece vocab."""
     keras.utils.set_random_seed(seed)
     tokenizer = keras_hub.models.GemmaTokenizer(proto=TINY_TOKENIZER)
-    backbone = keras_hub.models.GemmaBackbone(
-        vocabulary_size=tokenizer.vocabulary_size(), dtype=dtype_policy(dtype), **TINY_CONFIG
+    return keras_hub.models.GemmaCausalLM(
+        backbone=keras_hub.models.GemmaBackbone(
+            vocabulary_size=tokenizer.vocabulary_size(), dtype=dtype_policy(dtype), **TINY_CONFIG
+        ),
+        preprocessor=keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=128),
     )
-    preprocessor = keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=128)
-    return keras_hub.models.GemmaCausalLM(backbone=backbone, preprocessor=preprocessor)
 
 
 @functools.cache  # asked by the chat template, load_model, the sampler and --export-hf checks
@@ -314,8 +298,6 @@ def backbone_class(preset):
     """The preset's backbone class, from its config.json (the first hub contact), once per process."""
     if preset == "tiny":
         return keras_hub.models.GemmaBackbone
-    from keras_hub.src.utils.preset_utils import get_preset_loader
-
     interop.model_config(preset)  # a hub failure stops here, in one line; it is not a fallback
     try:
         return get_preset_loader(preset).check_backbone_class()
@@ -374,8 +356,6 @@ def text_causal_lm(preset, dtype=None):
     KerasHub preset's backbone config, an HF config.json's vision_config / audio_config) loads its decoder
     alone (the encoders' weights stay in the file): the model/ saved from it is text-only. Gemma 3's and 4's
     preprocessors need TensorFlow (tf.data, text too): each becomes KerasHub's generic one, same ids."""
-    from keras_hub.src.utils.preset_utils import find_subclass
-
     config, cls = interop.model_config(preset), backbone_class(preset)
     encoders = {
         k: None
@@ -385,13 +365,15 @@ def text_causal_lm(preset, dtype=None):
     needs_tf = cls.__name__ in ("Gemma3Backbone", "Gemma4Backbone")
     if not encoders and not needs_tf:
         return keras_hub.models.CausalLM.from_preset(preset, dtype=dtype)
-    backbone = keras_hub.models.Backbone.from_preset(preset, dtype=dtype, **encoders)
     # Gemma 4's draft-model task, Gemma4AssistantCausalLM, has it too
     task = getattr(keras_hub.models, cls.__name__.replace("Backbone", "CausalLM"), None) or find_subclass(
         preset, keras_hub.models.CausalLM, cls
     )
     preprocessor = keras_hub.models.CausalLMPreprocessor if needs_tf else task.preprocessor_cls
-    return task(backbone=backbone, preprocessor=preprocessor(keras_hub.models.Tokenizer.from_preset(preset)))
+    return task(
+        backbone=keras_hub.models.Backbone.from_preset(preset, dtype=dtype, **encoders),
+        preprocessor=preprocessor(keras_hub.models.Tokenizer.from_preset(preset)),
+    )
 
 
 def enable_lora(backbone, rank, alpha=None, target_modules=None):
@@ -406,8 +388,8 @@ def enable_lora(backbone, rank, alpha=None, target_modules=None):
     ]
     names = {n for m in target_modules or backbone.default_lora_layer_names() for n in m.split(",") if n}
     chosen = linear if "all-linear" in names else [layer for layer in linear if layer.name in names]
-    unknown = names - {"all-linear"} - {layer.name for layer in linear} if target_modules else set()
-    if unknown or not chosen:
+    # none, or a name it lacks (KerasHub's defaults are its own)
+    if not chosen or target_modules and names - {"all-linear"} - {layer.name for layer in linear}:
         raise UsageError(
             f"--lora-target-modules {' '.join(target_modules or [])}: not this model's; "
             f"all-linear or its layers {', '.join(sorted({layer.name for layer in linear}))}"
@@ -439,21 +421,20 @@ def inputs(backbone, token_ids, padding_mask):
     return x
 
 
-class _Weights(keras.StatelessScope):
-    """keras.StatelessScope that takes each value in the dtype it is held in: StatelessScope itself converts
-    every value to its variable's dtype (float32 under the mixed policy), which would turn the frozen weights
-    held in bfloat16 (split_variables) back into a float32 copy of the model at every forward."""
-
-    def __init__(self, state_mapping, collect_losses=False):
-        super().__init__(collect_losses=collect_losses)
-        self.state_mapping = {id(variable): value for variable, value in state_mapping}
-
-
 def weights(backbone, params, frozen, collect_losses=False):
     """The scope inside which `backbone`'s layers read `params` (its trainable values) and `frozen` (the rest,
-    split_variables' order) as their weights, each in its own dtype (a layer casts to its compute dtype)."""
-    variables = backbone.trainable_variables + backbone.non_trainable_variables
-    return _Weights(zip(variables, params + frozen, strict=True), collect_losses)
+    split_variables' order) as their weights, each in its own dtype (a layer casts to its compute dtype): a
+    keras.StatelessScope whose mapping is set once it is made, since passed to StatelessScope(...) every value
+    would be converted to its variable's dtype (float32 under the mixed policy), which would turn the frozen
+    weights held in bfloat16 (split_variables) back into a float32 copy of the model at every forward."""
+    scope = keras.StatelessScope(collect_losses=collect_losses)
+    scope.state_mapping = {
+        id(v): value
+        for v, value in zip(
+            backbone.trainable_variables + backbone.non_trainable_variables, params + frozen, strict=True
+        )
+    }
+    return scope
 
 
 def forward(backbone, params, frozen, token_ids, padding_mask):
@@ -527,8 +508,10 @@ def per_token(backbone, fn, arrays):
         x = jnp.pad(x, [(0, 0), (0, n * chunk - t)] + [(0, 0)] * (x.ndim - 2))
         return x.reshape(b, n, chunk, *x.shape[2:]).swapaxes(0, 1)
 
-    outs = jax.lax.map(lambda xs: jax.checkpoint(fn)(*xs), tuple(split(x) for x in arrays))
-    return tuple(y.swapaxes(0, 1).reshape(b, n * chunk)[:, :t] for y in outs)  # [n, B, C] -> [B, T]
+    return tuple(  # [n, B, C] -> [B, T]
+        y.swapaxes(0, 1).reshape(b, n * chunk)[:, :t]
+        for y in jax.lax.map(lambda xs: jax.checkpoint(fn)(*xs), tuple(split(x) for x in arrays))
+    )
 
 
 def token_logps(backbone, hidden, labels):
@@ -562,8 +545,7 @@ def label_logp_fwd(z, y):
 def label_logp_bwd(res, g):
     z, y, lse = res
     onehot = jnp.arange(z.shape[-1]) == y[..., None]
-    dz = g[..., None] * (onehot - jnp.exp(z.astype(jnp.float32) - lse[..., None]))
-    return dz.astype(z.dtype), None
+    return (g[..., None] * (onehot - jnp.exp(z.astype(jnp.float32) - lse[..., None]))).astype(z.dtype), None
 
 
 label_logp.defvjp(label_logp_fwd, label_logp_bwd)
@@ -577,8 +559,12 @@ def empty_cache(backbone, batch, length):
     [B, Hv, Dk, Dv] f32); Gemma 4: a KV array [B, 2, S, K, H], each layer's own heads and head size, None for a
     layer reading an earlier one's (KV sharing)."""
     b, dtype = backbone, backbone.compute_dtype
-    head_dim = getattr(b, "head_dim", None) or b.hidden_dim // b.num_query_heads
-    shape = (batch, length, b.num_key_value_heads, head_dim)
+    shape = (
+        batch,
+        length,
+        b.num_key_value_heads,
+        getattr(b, "head_dim", None) or b.hidden_dim // b.num_query_heads,
+    )
     if isinstance(b, keras_hub.models.Gemma4Backbone):
         return tuple(
             None
@@ -605,15 +591,14 @@ def empty_cache(backbone, batch, length):
     return tuple((jnp.zeros(shape, dtype),) * 2 for _ in range(b.num_layers))
 
 
-def cached_forward(backbone, token_ids, padding_mask, cache, index, last=False, raw=False, hidden=False):
+def cached_forward(backbone, token_ids, padding_mask, cache, index, last=False, hidden=False):
     """The family's CausalLM.call_with_cache plus a key padding mask, for left-padded prompts: token_ids
     [B, t] go to cache positions index…index+t-1; padding_mask [B, S] masks the padding as keys (the layers
     AND it with their causal / sliding-window mask). RoPE positions count the padding, which changes
     nothing: scores depend only on query-key distance (Gemma 3's sliding window too). Qwen 3.5's gated delta
     net layers see zeros at the padding, which leave their states at zero (as KerasHub's layer masks inputs).
-    -> (logits [B, t, V] float32 (last: [B, 1, V]; raw: in the compute dtype, see `logits`; hidden: the final
-    norm's output [B, t, D] instead, for a sampler that computes its own), cache: one entry per layer, as
-    empty_cache)."""
+    -> (logits [B, t, V] float32 (last: [B, 1, V]; hidden: the final norm's output [B, t, D] instead, for a
+    sampler that computes its own), cache: one entry per layer, as empty_cache)."""
     gemma4 = isinstance(backbone, keras_hub.models.Gemma4Backbone)
     gemma = gemma4 or isinstance(backbone, (keras_hub.models.GemmaBackbone, keras_hub.models.Gemma3Backbone))
     x = backbone.token_embedding(token_ids)
@@ -633,12 +618,23 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index, last=False, 
                 shared_kv=shared,
                 per_layer_input=per_layer and per_layer[i],
             )
-            new = None if shared is not None else new
-        elif isinstance(backbone, keras_hub.models.Gemma3Backbone):  # its layer takes and returns (K, V)
-            # and also applies its query-key norms and local / global RoPE and window
-            x, new = layer(x, padding_mask=padding_mask, cache=c, cache_update_index=index)
-        elif gemma:  # Gemma 1 / 2: (K, V) stacked as the layer takes them, apart again below
-            x, new = layer(x, padding_mask=padding_mask, cache=jnp.stack(c, 1), cache_update_index=index)
+            # another layer's [B, 2, S, K, H]: only the t new positions [B, 2, t, K, H] go back into c, in
+            # place (the layer's returned cache, a jnp.stack of its K and V copies, rewrote it all)
+            new = (
+                None
+                if shared is not None
+                else jax.lax.dynamic_update_slice(
+                    c, jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2), (0, 0, index, 0, 0)
+                )
+            )
+        elif gemma:  # Gemma 3's layer takes and returns (K, V) (and applies its query-key norms and local /
+            # global RoPE and window); Gemma 1 / 2's takes them stacked, apart again below
+            x, new = layer(
+                x,
+                padding_mask=padding_mask,
+                cache=c if isinstance(backbone, keras_hub.models.Gemma3Backbone) else jnp.stack(c, 1),
+                cache_update_index=index,
+            )
         elif c[0].ndim == 3:  # Qwen 3.5's gated delta net (conv, state); the t new inputs zeroed at the
             # padding (its RMS norm keeps a zero row zero); given the mask instead, the layer would take its
             # conv state from the first real tokens' end, as if the padding were on the right
@@ -660,16 +656,10 @@ def cached_forward(backbone, token_ids, padding_mask, cache, index, last=False, 
             # into K and V (XLA takes them as c's own arrays: a slice of a concatenation) and updated each
             # at the t new positions, so XLA writes those in place: no copy of the cache a step
             new = (new[:, 0], new[:, 1])
-        elif new is not None and not isinstance(new, tuple):  # Gemma 4's [B, 2, S, K, H] (not a KV-shared
-            # layer's None): only the t new positions [B, 2, t, K, H] go back into c, in place (the layer's
-            # returned cache, a jnp.stack of its K and V copies, rewrote it all)
-            new = jax.lax.dynamic_slice_in_dim(new, index, token_ids.shape[1], 2)
-            new = jax.lax.dynamic_update_slice(c, new, (0, 0, index, 0, 0))
         caches.append(new)
-    if last:  # the last position's logits alone [B, 1, V]: a prefill needs no more (B 256 × Q 64: 17 GB)
-        x = x[:, -1:]
-    x = backbone.layer_norm(x)
-    return (x if hidden else logits(backbone, x, raw)), tuple(caches)
+    # last: the last position's logits alone [B, 1, V]: a prefill needs no more (B 256 × Q 64: 17 GB)
+    x = backbone.layer_norm(x[:, -1:] if last else x)
+    return (x if hidden else logits(backbone, x)), tuple(caches)
 
 
 def per_layer_inputs(backbone, token_ids, x):
@@ -694,8 +684,7 @@ def split_variables(backbone, frozen_dtype=None, all_frozen=False):
     the model takes half the memory: a weight that is never updated needs no float32 master copy, and the
     bfloat16 policy casts every weight as a layer reads it anyway. None or float32: as loaded."""
     if frozen_dtype not in (None, "float32"):
-        held = backbone.weights if all_frozen else backbone.non_trainable_variables
-        for variable in held:
+        for variable in backbone.weights if all_frozen else backbone.non_trainable_variables:
             if variable.dtype == "float32":  # keras 3.15 internals, as save_model's: the value, recast
                 variable._value = jax.jit(lambda x: x.astype(frozen_dtype))(variable.value)
     return (
@@ -718,13 +707,11 @@ def save_model(model, params, path):
     if jax.process_count() > 1:
         # Keras saves host copies of the weights, and arrays spanning other hosts' devices have none: every
         # process gathers every weight and keeps the copy (sft.py samples from it after saving); 0 writes alone.
-        gathered = [to_host(v.value) for v in model.weights]
-        for var, value in zip(model.weights, gathered):
-            var._value = jnp.asarray(value)  # keras 3.15 internals: a whole local copy
+        for var in model.weights:
+            var._value = jnp.asarray(to_host(var.value))  # keras 3.15 internals: a whole local copy
         if jax.process_index() != 0:
             return
-    os.makedirs(path, exist_ok=True)
-    model.save_to_preset(path)
+    model.save_to_preset(path)  # makes the directory
     interop.plain_saved_dtype(path)  # mixed_bfloat16, which keras-hub's from_preset cannot read back
 
 
@@ -760,10 +747,10 @@ def load_reward_model(path, mesh, dtype=None, lora_rank=0, flag="--reward-model"
     """-> (CausalLM, head {weight [D, 1], bias []}, float32) from a reward.py `model/` directory (`lora`:
     load_model's lora_alpha, lora_target_modules)."""
     check_reward_model(path, flag)
-    model = load_model(path, mesh, dtype, 0, lora_rank, **lora)
-    with np.load(os.path.join(path, HEAD_FILE)) as f:
-        head = {"weight": np.asarray(f["weight"], np.float32), "bias": np.asarray(f["bias"], np.float32)}
-    return model, jax.tree.map(lambda x: put_global(x, replicated(mesh)), head)
+    with np.load(os.path.join(path, HEAD_FILE)) as f:  # the head: float32, replicated
+        return load_model(path, mesh, dtype, 0, lora_rank, **lora), {
+            k: put_global(np.asarray(f[k], np.float32), replicated(mesh)) for k in ("weight", "bias")
+        }
 
 
 def load_reward_fn(spec, flag="--reward-fn"):
@@ -781,6 +768,8 @@ def load_reward_fn(spec, flag="--reward-fn"):
     return getattr(module, name)
 
 
+# the weights are jit arguments (closed over, they would be baked in as constants); the backbone is static
+@functools.partial(jax.jit, static_argnums=0)
 def reward_model_scores(backbone, params, frozen, head, token_ids, padding_mask):
     """reward.py's r_φ(x, y) = w·h + b, h the final hidden state at the padding mask's last True: [B] float32."""
     with weights(backbone, params, frozen):
@@ -809,17 +798,27 @@ def described(fn):
     return f"{fn.__name__} ({code.co_filename}:{code.co_firstlineno})" if code else fn.__name__
 
 
-def call_reward_fn(fn, n, args=(), kwargs=None, columns=()):
-    """fn(*args, **kwargs) -> ([n] float64 scores, NaN where it returned None or NaN; [n] bool: it returned
-    NaN itself); a UsageError naming fn when it raises (a KeyError: with the rows' `columns`, what it could
-    have read) or returns anything else."""
+def call_reward_fn(fn, signature, prompts, texts, inputs, rows=()):
+    """fn on the n completions `texts` in its form (`signature`: reward_fn_signature's): f(prompts, texts), or
+    TRL's keyword arguments from `inputs` (reward_inputs) -> ([n] float64 scores, NaN where it returned None
+    or NaN; [n] bool: it returned NaN itself); a UsageError naming fn when it raises (a KeyError: with the
+    columns of the dataset `rows`, what it could have read) or returns anything else."""
     import traceback
 
     try:
-        out = fn(*args, **(kwargs or {}))
+        # f(prompts, responses), or TRL's keywords: those it names ([1]), or all where it takes **kwargs ([2])
+        out = (
+            fn(prompts, texts)
+            if signature is None
+            else fn(**{k: v for k, v in inputs.items() if signature[2] or k in signature[1]})
+        )
     except Exception as e:
         where = traceback.extract_tb(e.__traceback__)[-1]  # the innermost frame: where in its code
-        has = f"; the rows' columns: {', '.join(columns)}" if isinstance(e, KeyError) and columns else ""
+        has = (
+            f"; the rows' columns: {', '.join(sorted({k for r in rows for k in r}))}"
+            if isinstance(e, KeyError) and any(rows)  # a row with a column
+            else ""
+        )
         raise UsageError(
             f"reward function {described(fn)} raised {type(e).__name__}: {e} "
             f"(at {where.filename}:{where.lineno}{has})"
@@ -831,8 +830,10 @@ def call_reward_fn(fn, n, args=(), kwargs=None, columns=()):
             f"reward function {described(fn)} returned {str(out)[:80]!r}: expected one float "
             f"(or None) per completion"
         ) from None
-    if len(scores) != n:
-        raise UsageError(f"reward function {described(fn)} returned {len(scores)} scores for {n} completions")
+    if len(scores) != len(texts):
+        raise UsageError(
+            f"reward function {described(fn)} returned {len(scores)} scores for {len(texts)} completions"
+        )
     values = np.array([np.nan if v is None else v for v in scores], np.float64)
     return values, np.array([v is not None for v in scores], bool) & np.isnan(values)
 
@@ -856,12 +857,47 @@ def reward_inputs(prompts, texts, rows, completion_ids, messages=None):
     "content": text}], or its `messages`: a multi-turn completion's turns), completion_ids, every other column."""
     chat = [isinstance(r.get("prompt"), list) for r in rows]
     messages = messages or [[{"role": "assistant", "content": t}] for t in texts]
-    columns = {k for r in rows for k in r} - {"prompt", "completion", *TRL_INPUTS}
     return {
         "prompts": [r["prompt"] if c else p for r, p, c in zip(rows, prompts, chat)],
         "completions": [m if c else t for t, m, c in zip(texts, messages, chat)],
         "completion_ids": [list(map(int, x)) for x in completion_ids],
-        **{k: [r.get(k) for r in rows] for k in sorted(columns)},
+        **{
+            k: [r.get(k) for r in rows]
+            for k in sorted({k for r in rows for k in r} - {"prompt", "completion", *TRL_INPUTS})
+        },
+    }
+
+
+def decode_completions(tokenizer, batch, sequence_lengths, context_length, stop_ids):
+    """A rollout batch's responses cut before their stop token -> (texts, their token ids, lengths [B]: tokens
+    before it (all R without one), has_eos [B]: ended by a stop token, EOS or another), on the host, whole:
+    what the reward functions read (sequence_lengths [B]: the index of each response's stop token, or R-1)."""
+    responses = to_host(batch["query_responses"][:, context_length:])
+    has_eos = np.isin(responses, stop_ids).any(1)
+    lengths = to_host(sequence_lengths) + 1 - has_eos
+    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
+    return (
+        [t.decode() if isinstance(t, bytes) else str(t) for t in tokenizer.detokenize(ids)],
+        ids,
+        lengths,
+        has_eos,
+    )
+
+
+def reward_metrics(rewards, parts, lengths, has_eos):
+    """TRL's reward and completion metrics of a rollout: the summed reward, each reward function's (or the
+    reward model's) mean and std (a function's None, NaN here, left out of them as TRL does), the lengths."""
+    return {
+        "reward": float(rewards.mean()),
+        **{
+            f"rewards/{k}/{s}": float(f(v))
+            for k, v in parts.items()
+            for s, f in (("mean", np.nanmean), ("std", np.nanstd))
+        },
+        "completions/mean_length": float(lengths.mean()),
+        "completions/min_length": float(lengths.min()),
+        "completions/max_length": float(lengths.max()),
+        "completions/clipped_ratio": float(1.0 - has_eos.mean()),
     }
 
 
@@ -870,10 +906,11 @@ class Scorer:
     `scores, parts = scorer(prompts, texts, batch, rows, completion_ids, end)`, s the weighted sum of the parts:
     reward functions (TRL's form: reward_inputs, `messages` its multi-turn completions; or f(prompt texts,
     texts)) on the texts cut at `end`, the turn end (`rows`: each completion's dataset row), or reward.py's
-    model on batch["query_responses"] / ["padding_mask"] [B, T]. A None or NaN leaves its function out of that sample's sum (TRL's nansum). ->
-    scores [B] float32 over `data`, parts {reward_names' name or "reward_model": [B] float64 on the host, NaN
-    for None}; every process passes the whole batch. `model`, `head`: a reward model's (PPO's value model
-    starts from them), else None."""
+    model on batch["query_responses"] / ["padding_mask"] [B, T]. A None or NaN leaves its function out of that
+    sample's sum (TRL's nansum). -> scores [B] float32 over `data`, parts {reward_names' name or
+    "reward_model": [B] float64 on the host, NaN for None}; every process passes the whole batch. `model`,
+    `head`, `values`: a reward model's, its head and its weights (PPO's value model starts from the first
+    two), else None."""
 
     def __init__(self, mesh, fns=(), weights=(), model=None, head=None, name=None, values=None):
         self.model = model
@@ -885,20 +922,13 @@ class Scorer:
             for f, w, n in zip(fns, weights or [1.0] * len(fns), reward_names(fns), strict=True)
         ]  # by position
         self.warned = set()  # the functions told once that their NaN counts as None
-        if (
-            model is not None
-        ):  # the weights are jit arguments: closed over, they would be baked in as constants
-            forward = jax.jit(functools.partial(reward_model_scores, model.backbone))
-            self.forward = lambda batch: to_host(
-                forward(*values, head, batch["query_responses"], batch["padding_mask"])
-            )
+        self.values = values  # (trainable, frozen): split_variables'
 
     def check_columns(self, rows, flag="--dataset"):
         """Before the model loads: each TRL-form function's required parameters are inputs or columns."""
         have = {k for r in rows for k in r} | set(TRL_INPUTS)
         for f, _, signature, _ in self.fns:
-            missing = [k for k in (signature[0] if signature else []) if k not in have]
-            if missing:
+            if missing := [k for k in (signature[0] if signature else []) if k not in have]:
                 raise UsageError(
                     f"reward function {described(f)} takes {missing[0]!r}, which is not a "
                     f"column of {flag} (its columns: {', '.join(sorted(have - set(TRL_INPUTS)))})"
@@ -906,16 +936,15 @@ class Scorer:
 
     def __call__(self, prompts, texts, batch, rows, completion_ids, end=None, messages=None):
         texts = [t.split(end)[0] for t in texts] if end else list(texts)
-        fns = any(f[2] for f in self.fns)
-        inputs = reward_inputs(prompts, texts, rows, completion_ids, messages) if fns else None
-        columns = sorted({k for r in rows for k in r})  # named when a function's KeyError stops the run
+        # TRL's keyword arguments, where a function takes them
+        inputs = (
+            reward_inputs(prompts, texts, rows, completion_ids, messages)
+            if any(f[2] for f in self.fns)
+            else None
+        )
         parts, nan = {}, {}
         for f, _, signature, name in self.fns:
-            if signature is None:  # f(prompts, responses)
-                parts[name], nan[name] = call_reward_fn(f, len(texts), (prompts, texts), columns=columns)
-            else:  # TRL's keywords: those it names (signature[1]), or all where it takes **kwargs ([2])
-                kwargs = {k: v for k, v in inputs.items() if signature[2] or k in signature[1]}
-                parts[name], nan[name] = call_reward_fn(f, len(texts), kwargs=kwargs, columns=columns)
+            parts[name], nan[name] = call_reward_fn(f, signature, prompts, texts, inputs, rows=rows)
             if nan[name].any() and name not in self.warned:  # TRL's nansum takes a NaN as a None
                 self.warned.add(name)
                 from tqdm import tqdm  # on a line of its own, above the progress bar
@@ -925,11 +954,14 @@ class Scorer:
                     f"{len(texts)} completions: taken as None (does not apply), as TRL does",
                     sys.stderr,
                 )
-        weighted = [w * parts[name] for _, w, _, name in self.fns]  # w_k × s_k, by position
-        if self.model is not None:
-            parts["reward_model"] = np.asarray(self.forward(batch), np.float64)
-            weighted.append(parts["reward_model"])
-        weighted = np.stack(weighted)  # [parts, B], NaN where a function returned None or NaN
+        if self.model is not None:  # the last part
+            scores = reward_model_scores(
+                self.model.backbone, *self.values, self.head, batch["query_responses"], batch["padding_mask"]
+            )
+            parts["reward_model"] = np.asarray(to_host(scores), np.float64)
+        # w_k × s_k by position, the reward model's × 1: [parts, B], NaN where a function returned None or NaN
+        weights = [w for _, w, _, _ in self.fns] + [1.0]
+        weighted = np.stack([w * part for w, part in zip(weights, parts.values())])
         none = np.isnan(weighted).all(0)
         if none.any():
             i = int(np.argmax(none))
@@ -940,13 +972,13 @@ class Scorer:
                 f"every reward function returned None or NaN for completion {i} of the batch "
                 f"(prompt {prompts[i][:80]!r}): {said}; at least one must score each completion"
             )
-        total = np.nansum(weighted, 0)
-        return put_global(np.asarray(total, np.float32), self.on_data), parts
+        return put_global(np.asarray(np.nansum(weighted, 0), np.float32), self.on_data), parts
 
     def check_tokenizer(self, tokenizer):
         """The reward model scores the policy's token ids as they are: refuse another vocabulary."""
-        ours = self.model.preprocessor.tokenizer if self.model is not None else None
-        if ours is not None and ours.vocabulary_size() != tokenizer.vocabulary_size():
+        if self.model is not None and (
+            self.model.preprocessor.tokenizer.vocabulary_size() != tokenizer.vocabulary_size()
+        ):
             raise UsageError(
                 f"--reward-model {self.name}: its tokenizer differs from the policy's "
                 "(it scores the policy's token ids directly)"
@@ -968,14 +1000,22 @@ def load_scorer(
     see split_variables), else of --reward-fn weighted by --reward-weights (empty: all 1); called before the
     policy loads. value_model (PPO's, which starts from the reward model; `lora_rank`, `lora`: its LoRA): the
     model's own weights stay as loaded for it, and the scorer holds its own copy in `frozen_dtype`."""
+    if weights and len(weights) != len(reward_fns):
+        raise UsageError(
+            f"--reward-weights: {len(weights)} weights for {len(reward_fns)} --reward-fn functions"
+        )
     if not reward_model:
         return Scorer(mesh, [load_reward_fn(spec) for spec in reward_fns], weights)
     model, head = load_reward_model(reward_model, mesh, dtype, lora_rank, **lora)
-    if value_model:
-        values = tuple(frozen_copy(v, frozen_dtype) for v in split_variables(model.backbone))
-    else:
-        values = split_variables(model.backbone, frozen_dtype=frozen_dtype, all_frozen=True)
-    return Scorer(mesh, model=model, head=head, name=reward_model, values=values)
+    return Scorer(
+        mesh,
+        model=model,
+        head=head,
+        name=reward_model,
+        values=tuple(frozen_copy(v, frozen_dtype) for v in split_variables(model.backbone))
+        if value_model  # the value model trains the loaded weights: the scorer's own copy
+        else split_variables(model.backbone, frozen_dtype=frozen_dtype, all_frozen=True),
+    )
 
 
 # --- 3. File formats: dataset files and TRL's row formats -> text ---
@@ -983,8 +1023,7 @@ def read_rows(path, flag="--dataset", config=None, split="train"):
     """[(row, line number)] of split `split` (None: the only one) of a .jsonl, a .json (JSON, or JSON Lines as
     `Dataset.to_json` writes them), or through `datasets`: a .parquet, a `save_to_disk` folder, a Hub id
     (`gsm8k`, `org/name`) or a local copy of a Hub repo, in configuration `config`. A file is one split, `train`."""
-    local = os.path.exists(path) or path.endswith((".jsonl", ".json", ".parquet")) or path[:1] in "./~"
-    if local and not os.path.exists(path):
+    if not os.path.exists(path) and (path.endswith((".jsonl", ".json", ".parquet")) or path[:1] in "./~"):
         raise UsageError(f"{flag} {path}: no such file")
     if path.endswith((".jsonl", ".json")):
         with open(path, "rb") as f:
@@ -1014,15 +1053,16 @@ def read_rows(path, flag="--dataset", config=None, split="train"):
                         raise UsageError(f"{path}:{i}: invalid JSON ({e.msg})")
         splits = {"train": rows}
     else:
-        splits = interop.load_splits(path, config, flag)
+        splits = {  # each split's (row, its number from 1), read when taken
+            name: ((r, i) for i, r in enumerate(dataset, 1))
+            for name, dataset in interop.load_splits(path, config, flag).items()
+        }
     split = split or (next(iter(splits)) if len(splits) == 1 else None)
     if split not in splits:
         split_flag = interop.DATA_FLAGS.get(flag, (None, None))[1]
         which = f"no split {split!r}" if split else "name a split" + f" ({split_flag})" * bool(split_flag)
         raise UsageError(f"{flag} {path}: {which}; its splits: {', '.join(splits)}")
-    rows = splits[split]
-    rows = rows if isinstance(rows, list) else [(r, i) for i, r in enumerate(rows, 1)]
-    if not rows:
+    if not (rows := list(splits[split])):
         raise UsageError(f"{path}: no examples")
     for row, line in rows:  # TRL's vision-language rows: their images would be dropped silently
         if isinstance(row, dict) and {"image", "images"} & row.keys():
@@ -1084,12 +1124,9 @@ CHAT_TEMPLATES = {
 def chat_template(model_name, name=None):
     """The template `name` (--chat-template), else the one of --model's family, known from its config
     before any weight loads; None for a family not in FAMILIES (a chat then stops with a UsageError)."""
-    if name is not None:
-        if name not in CHAT_TEMPLATES:
-            raise UsageError(f"--chat-template {name!r}: expected one of {', '.join(CHAT_TEMPLATES)}")
-        return CHAT_TEMPLATES[name]
-    family = family_template(resolve_model(model_name))
-    return CHAT_TEMPLATES[family] if family else None
+    if name is not None and name not in CHAT_TEMPLATES:
+        raise UsageError(f"--chat-template {name!r}: expected one of {', '.join(CHAT_TEMPLATES)}")
+    return CHAT_TEMPLATES.get(name or family_template(resolve_model(model_name)))
 
 
 def family_template(preset):
@@ -1169,8 +1206,12 @@ def _messages(value, key, where, template):
                 f"{where}: field {key!r}, turn {i + 1}: unknown role {m['role']!r} "
                 "(expected 'system', 'user' or 'assistant')"
             )
-        folded = m["role"] == "system" and template.system is None  # no system role: opens the next user turn
-        if folded and (i or [t["role"] for t in value[:2]] != ["system", "user"]):
+        # no system role: a system turn opens the next user turn
+        if (
+            m["role"] == "system"
+            and template.system is None
+            and (i or [t["role"] for t in value[:2]] != ["system", "user"])
+        ):
             raise UsageError(f"{where}: field {key!r}: a system turn must come first, then a user turn")
     return value
 
@@ -1205,8 +1246,8 @@ def sft_segments(row, where, template):
         if not any(m["role"] == "assistant" and m["content"].strip() for m in chats[-1]):
             raise UsageError(f"{where}: no assistant turn with text in {keys[-1]!r}: nothing to train on")
         turns = [(*turn, chat is chats[-1]) for chat in chats for turn in _fold(chat, template)]
-        while turns[-1][0] != "assistant":  # turns after the last answer train nothing: the EOS follows it
-            turns.pop()
+        # up to the last answer: the turns after it train nothing (the EOS follows it)
+        turns = turns[: max(i for i, turn in enumerate(turns) if turn[0] == "assistant") + 1]
         end, segments = template.end, []
         for role, start, content, trained in turns:
             if role == "assistant":
@@ -1244,7 +1285,6 @@ def preference_triple(row, where, template, names=("chosen", "rejected")):
             f"{where}: missing field {missing[0]!r} (need 'chosen', 'rejected', optional 'prompt')"
             + (f"; this row looks like {other} trains on it" if other else "")
         )
-    keys = [k for k in ("prompt", *names) if k in row]
     if isinstance(row[names[0]], list):  # conversational: message lists
         prompt, chosen, rejected = (
             _messages(row[k], k, where, template) if k in row else [] for k in ("prompt", *names)
@@ -1257,21 +1297,21 @@ def preference_triple(row, where, template, names=("chosen", "rejected")):
             )
             prompt = chosen[:n]
             chosen, rejected = chosen[n:], rejected[n:]
-        model, end = template.model, template.end
-        responses = []
         for name, msgs in zip(names, (chosen, rejected)):
             if not msgs or msgs[0]["role"] != "assistant" or not msgs[0]["content"].strip():
                 raise UsageError(
                     f"{where}: {name!r} must continue the prompt with an assistant turn with text"
                 )
-            text = render(msgs, template)
-            responses.append(text[len(model) : len(text) - len(end)] + end.rstrip("\n"))  # EOS follows
-        return (render(prompt, template) + model, *responses)
-    for k in keys:
-        _text(row, k, where)
-    chosen, rejected = row[names[0]], row[names[1]]
-    if "prompt" in row:
-        return row["prompt"], chosen, rejected
+        # each response: its turns without the first one's prefix and the last one's end (the EOS follows)
+        responses = [
+            render(msgs, template)[len(template.model) :].removesuffix(template.end)
+            + template.end.rstrip("\n")
+            for msgs in (chosen, rejected)
+        ]
+        return (render(prompt, template) + template.model, *responses)
+    if "prompt" in row:  # each a non-empty string
+        return _text(row, "prompt", where), _text(row, names[0], where), _text(row, names[1], where)
+    chosen, rejected = _text(row, names[0], where), _text(row, names[1], where)
     n = len(os.path.commonprefix([chosen, rejected]))
     n -= n > 0 and chosen[n - 1] == " "  # " 2 8 9" vs " 2 5 9": the responses keep their leading space
     if n == 0 or not chosen[n:].strip() or not rejected[n:].strip():
@@ -1337,13 +1377,12 @@ GROUP_WINDOW = 50  # --group-by-length: batches per length-sorted window (HF's m
 
 def _stream(n, start, count, seed):
     """Positions [start, start + count) of an endless stream over n examples, reshuffled per epoch."""
-    idx = np.concatenate(
+    return np.concatenate(
         [
             np.random.default_rng([seed, e]).permutation(n)
             for e in range(start // n, (start + count - 1) // n + 1)
         ]
-    )
-    return idx[start % n :][:count]
+    )[start % n :][:count]
 
 
 def _local(idx):
@@ -1378,10 +1417,26 @@ def length_batch(lengths, step, batch_size, seed, max_length, group=False):
     return _local(idx), bucket_length(int(lengths[idx].max()), max_length), int(lengths[idx].sum())
 
 
+def query_length(batch):
+    """Qb, the width of a rollout batch's queries: query_responses [B, Qb+R] less response_mask [B, R]."""
+    return batch["query_responses"].shape[1] - batch["response_mask"].shape[1]
+
+
+def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
+    """An RL step's update order: index arrays [B / num_mini_batches] over its rollout batch, num_epochs passes
+    (μ), each reshuffled by the host `rng` (a numpy Generator, checkpointed with the run)."""
+    for _ in range(num_epochs):
+        for part in np.split(rng.permutation(batch_size), num_mini_batches):  # equal parts: checked at start
+            yield put_global(part, on_data)
+
+
 def per_example(fn, data, batch_size, mesh, lengths=None, max_length=None):
-    """fn(batch [1, B, ...]) -> tuple of [B] arrays, over every example once in global batches of B (the last
-    wraps around, then is trimmed; each process passes its own slice). With lengths (as length_batch):
-    examples go in length order, each batch cut to its bucket (at most one compilation per bucket)."""
+    """fn(batch [1, B, ...]) -> a pytree of [B] arrays (one value an example) or scalars (a batch's sum), over
+    every example once in global batches of B (each process passes its own slice) -> that pytree, the arrays
+    [N] in the data's order, the scalars summed over the batches. The last batch wraps around: its repeats
+    are trimmed from the arrays and carry no loss tokens (their `*loss_mask` rows are False), so a loss summed
+    over the batches, each normalised by the whole set's count, is the whole set's. With lengths (as
+    length_batch): examples go in length order, each batch cut to its bucket (one compilation per bucket)."""
     n = len(next(iter(data.values())))
     longest = None if lengths is None else np.asarray(lengths).reshape(n, -1).max(-1)
     order = np.arange(n) if lengths is None else np.argsort(longest, kind="stable")
@@ -1390,7 +1445,11 @@ def per_example(fn, data, batch_size, mesh, lengths=None, max_length=None):
         idx = order[np.arange(i, i + batch_size) % n]
         t = None if lengths is None else bucket_length(int(longest[idx].max()), max_length)
         mine = _local(idx)  # shard_batch takes this process's slice of the global batch
+        first = _local(np.arange(i, i + batch_size) < n)[None, :, None]  # [1, B, 1]: not a repeat
         batch = {k: v[None, mine, :t] if v.ndim > 1 else v[None, mine] for k, v in data.items()}
-        outs.append([to_host(x) for x in fn(shard_batch(mesh, batch))])
-    inverse = np.argsort(order)  # outputs come in `order`; put them back in the data's
-    return tuple(np.concatenate(o)[:n][inverse] for o in zip(*outs))
+        batch.update({k: v & first for k, v in batch.items() if k.endswith("loss_mask")})
+        outs.append(jax.tree.map(to_host, fn(shard_batch(mesh, batch))))
+    # the arrays come in `order`: put back in the data's
+    return jax.tree.map(
+        lambda *o: np.sum(o) if o[0].ndim == 0 else np.concatenate(o)[:n][np.argsort(order)], *outs
+    )

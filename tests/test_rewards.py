@@ -179,6 +179,16 @@ def test_a_misbehaving_function_is_a_usage_error_naming_it(tmp_path, body, messa
         scored([judge], ["p"] * 8, ["x"] * 8, [{"prompt": "p"}] * 8)
 
 
+def test_weights_that_do_not_match_the_functions_are_refused():
+    """--reward-weights: one weight per --reward-fn (grpo, rloo, grpo_tools, evaluate: common.load_scorer), else
+    one line before anything loads; none: all 1."""
+    fn = os.path.join(ROOT, "data", "toy.py") + ":batch_score"
+    with pytest.raises(common.UsageError, match="--reward-weights: 2 weights for 1 --reward-fn functions"):
+        common.load_scorer(None, reward_fns=(fn,), weights=(1.0, 2.0))
+    scorer = common.load_scorer(common.make_mesh(None), reward_fns=(fn, fn))
+    assert [w for _, w, _, _ in scorer.fns] == [1.0, 1.0]
+
+
 def test_columns_a_function_needs_are_checked_against_the_dataset():
     """Before any model loads (grpo.py, ppo.py and evaluate.py call check_columns after reading the
     data): a required parameter that is neither an input nor a column is refused, naming both."""
