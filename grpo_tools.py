@@ -1,6 +1,8 @@
 r"""GRPO with tools: the policy calls Python functions mid-completion, over several turns (TRL's GRPOTrainer(tools=…)).
 
-grpo.py's loss, advantages and update, imported; here: the tools, their chat format and the multi-turn sampler.
+Shao et al. 2024 (DeepSeekMath), with DAPO's (Yu et al. 2025) and Dr. GRPO's (Liu et al. 2025) aggregations; the
+tools, their chat format and the multi-turn sampler. A whole file: the loss, advantages and update are grpo.py's,
+copied (tests/test_layout.py pins each copy to grpo.py's), so that a fork of this file needs no other algorithm.
     python grpo_tools.py --model runs/sft…/model --dataset tasks.jsonl --tools my_tools.py:search my_tools.py:lookup \
         --reward-fn my_checks.py:correct --max-tool-calls 4
 Offline, the calculator task (data/calculator.py) from an SFT start (docs/grpo_tools.md has that command):
@@ -11,6 +13,7 @@ Offline, the calculator task (data/calculator.py) from an SFT start (docs/grpo_t
 import functools
 import inspect
 import json
+import math
 import os
 import re
 import signal
@@ -18,7 +21,7 @@ import sys
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import Callable, Literal, NamedTuple, get_origin, get_type_hints
 
 import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
 
@@ -26,15 +29,16 @@ import plumbing  # the run shell: shared flags, Run, the exit boundary (instant 
 plumbing.answer_help(__name__, __file__)
 
 import common  # noqa: E402  (mesh, models, data files, the scorer)
-import grpo  # noqa: E402  (the loss, advantages, update, sampling filters: grpo.py's, imported)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 
 @dataclass
-class Args(grpo.Args):
-    """grpo.py's flags (its loss, sampling, rewards) plus the tools'; the bundled calculator task by default."""
+class Args(plumbing.RolloutArgs):
+    """The shared flags (plumbing.RolloutArgs: model, dtype, mesh, prompts, lengths, outputs, …) plus GRPO's
+    and the tools'; the bundled calculator task by default."""
 
     # data
     dataset: str = os.path.join(common.HERE, "data", "calculator", "prompts_train.jsonl")
@@ -54,6 +58,13 @@ class Args(grpo.Args):
     completion's messages (assistant turns with their tool_calls, tool results), as TRL passes them"""
     reward_weights: tuple[float, ...] = (1.0, 0.0)
     """weight of each --reward-fn in the summed reward (the bundled useful_call: 0, a metric only)"""
+    reward_model: str | None = None
+    """reward.py's `model/` dir: its score on the last real token is the reward"""
+    # rollouts
+    num_generations: int = 8
+    """G: completions sampled per prompt (one group); --batch-size counts completions: B/G prompts a step"""
+    stop_token: tuple[str, ...] = ()
+    """more tokens a completion ends at (a token's text or id), besides EOS and the chat's turn end"""
     # tools
     tools: tuple[str, ...] = (os.path.join(common.HERE, "data", "calculator.py") + ":calculator",)
     """`path.py:function` each (TRL's tools=[…]): described to the model by its signature and docstring;
@@ -63,6 +74,28 @@ class Args(grpo.Args):
     default None: until a turn calls nothing or --response-length is spent)"""
     tool_timeout: float = 10.0
     """seconds a call may run; past them it is stopped and the model gets an error result"""
+    # optimisation
+    num_iterations: int = 1
+    """μ: optimisation passes over each generation batch (>1 keeps the rollout log-probs as π_old)"""
+    num_mini_batches: int = 1
+    """mini-batches per pass (each a whole number of groups is not required: advantages are fixed first)"""
+    # algorithm
+    beta: float = 0.0
+    """β: weight of the k3 KL to the reference (TRL: 0.0, DeepSeekMath: 0.04); 0: no reference model"""
+    epsilon: float = 0.2
+    """ε: ratio clip, lower side (and upper side unless --epsilon-high is given)"""
+    epsilon_high: float | None = None
+    """ε_high: upper ratio clip (DAPO's clip-higher: 0.28)"""
+    scale_rewards: Literal["group", "batch", "none"] = "group"
+    """advantage scale: `group` (÷ group std, GRPO), `batch` (÷ batch std), `none` (Dr. GRPO: no division)"""
+    loss_type: Literal["dapo", "grpo", "dr_grpo"] = "dapo"
+    """aggregation of the per-token loss, docs/grpo.md (5): `dapo` ÷ the batch's tokens, `grpo` sequence means'
+    mean, `dr_grpo` ÷ B × response_length (grpo.py's other objectives: one function each there to copy)"""
+    mask_truncated_completions: bool = False
+    """leave completions that never stopped out of the loss (DAPO's overlong filtering)"""
+    # logging and outputs
+    export_hf: bool = False
+    """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
 
 
 # ---- Tools: loaded by path, described by their signatures, run on the host with a time limit
@@ -73,26 +106,25 @@ def tool_schema(fn, flag="--tools"):
     """{"type": "function", "function": {name, description, parameters}}: what transformers' get_json_schema
     makes of fn (the docstring's text before `Args:` and its `name: text` lines, the type hints; parameters
     without a default are required) and chat templates render; a UsageError without docstring or hints."""
-    import typing
-
-    doc = inspect.getdoc(fn) or ""
-    summary, _, documented = doc.partition("\nArgs:")
+    summary, _, documented = (inspect.getdoc(fn) or "").partition("\nArgs:")
     if not summary.strip():
         raise common.UsageError(f"{flag} {common.described(fn)}: no docstring, the model's description of it")
-    hints = typing.get_type_hints(fn)
+    hints = get_type_hints(fn)
     notes = dict(re.findall(r"^\s*(\w+)(?:\s*\(.*?\))?:\s*(.+)$", documented.split("\nReturns:")[0], re.M))
     properties, required = {}, []
     for p in inspect.signature(fn).parameters.values():
         if p.name not in hints:
             raise common.UsageError(f"{flag} {common.described(fn)}: parameter {p.name!r} has no type hint")
-        kind = typing.get_origin(hints[p.name]) or hints[p.name]
-        properties[p.name] = {"type": JSON_TYPES.get(kind, "string")}
-        properties[p.name].update({"description": notes[p.name]} if p.name in notes else {})
+        kind = JSON_TYPES.get(get_origin(hints[p.name]) or hints[p.name], "string")
+        properties[p.name] = {"type": kind, **({"description": notes[p.name]} if p.name in notes else {})}
         required += [p.name] if p.default is p.empty else []
-    parameters = {"type": "object", "properties": properties, "required": required}
     return {
         "type": "function",
-        "function": {"name": fn.__name__, "description": summary.strip(), "parameters": parameters},
+        "function": {
+            "name": fn.__name__,
+            "description": summary.strip(),
+            "parameters": {"type": "object", "properties": properties, "required": required},
+        },
     }
 
 
@@ -138,18 +170,20 @@ class Toolbox:
         self.reported = set()
 
     def __call__(self, name, arguments):
-        fn = self.fns.get(name)
-        if fn is None:  # TRL's message for a name it does not know
+        if name not in self.fns:  # TRL's message for a name it does not know
             return self.failed(name, f"Tool {name} not found.", "was called but is not a --tools function")
         try:
-            result = call_with_time_limit(fn, arguments, self.timeout)
+            result = call_with_time_limit(self.fns[name], arguments, self.timeout)
         except (Exception, ToolTimeout) as e:
             import traceback
 
             where = traceback.extract_tb(e.__traceback__)[-1]  # the innermost frame: where in the tool
-            said = f"ran past --tool-timeout {self.timeout:g} s" if isinstance(e, ToolTimeout) else "raised"
-            message = str(e) if isinstance(e, ToolTimeout) else f"{type(e).__name__}: {e}"
-            return self.failed(name, str(e), f"{said} {message} (at {where.filename}:{where.lineno})")
+            said = (
+                f"ran past --tool-timeout {self.timeout:g} s {e}"
+                if isinstance(e, ToolTimeout)
+                else f"raised {type(e).__name__}: {e}"
+            )
+            return self.failed(name, str(e), f"{said} (at {where.filename}:{where.lineno})")
         if not isinstance(
             result, (str, int, float)
         ):  # TRL passes str(result); here a None, list, … is caught
@@ -163,21 +197,19 @@ class Toolbox:
             from tqdm import tqdm  # on a line of its own, above the progress bar
 
             self.reported.add(name)
-            fn = self.fns.get(name)
             tqdm.write(
-                f"warning: tool {common.described(fn) if fn else repr(name)} {report}: the model gets "
-                f"{str({'error': error})!r} and the run goes on; failures are counted in tools/failure_frequency "
-                "(each tool's first is reported)",
+                f"warning: tool {common.described(self.fns[name]) if name in self.fns else repr(name)} {report}: "
+                f"the model gets {str({'error': error})!r} and the run goes on; failures are counted in "
+                "tools/failure_frequency (each tool's first is reported)",
                 sys.stderr,
             )
         return str({"error": error}), True
 
 
-# ---- How a chat template writes tools: their description, a call, the results (ToolFormat per template)
+# ---- How a chat template writes tools: their description, a call read, the results (ToolFormat per template)
 class ToolFormat(NamedTuple):
     system: Callable  # schemas -> the text of the system turn that describes the tools (None: the template has none)
     parse: Callable  # (a model turn's text, {tool: parameter types}) -> [(name, arguments)] ([]: no call; None: malformed)
-    call: Callable  # (name, arguments) -> the text of one call, as the model writes it
     results: Callable  # [result texts] -> the turn that carries them back, between the model's turns
 
 
@@ -185,11 +217,10 @@ def parse_python_calls(text, types):
     """Gemma's form, `[name(key=value, …), …]` with literal values -> [(name, {key: value})]."""
     import ast
 
-    text = text.strip()
-    if not re.match(r"\[\s*[A-Za-z_]\w*\(", text):
+    if not re.match(r"\s*\[\s*[A-Za-z_]\w*\(", text):
         return []
     try:
-        node = ast.parse(text, mode="eval").body
+        node = ast.parse(text.strip(), mode="eval").body
         return [
             (c.func.id, {k.arg: ast.literal_eval(k.value) for k in c.keywords})
             for c in node.elts
@@ -197,12 +228,6 @@ def parse_python_calls(text, types):
         ] or None
     except (SyntaxError, ValueError, AttributeError):
         return None
-
-
-def python_call(name, arguments):
-    """The text of a call in Gemma's form: strings in double quotes, other literals as Python writes them."""
-    values = [f"{k}={json.dumps(v) if isinstance(v, str) else repr(v)}" for k, v in arguments.items()]
-    return f"[{name}({', '.join(values)})]"
 
 
 def parse_xml_calls(text, types):
@@ -220,14 +245,6 @@ def parse_xml_calls(text, types):
                 arguments[key] = value
         calls.append((name, arguments))
     return calls or (None if "<tool_call>" in text else [])
-
-
-def xml_call(name, arguments):
-    parameters = "".join(
-        f"<parameter={k}>\n{v if isinstance(v, str) else json.dumps(v)}\n</parameter>\n"
-        for k, v in arguments.items()
-    )
-    return f"<tool_call>\n<function={name}>\n{parameters}</function>\n</tool_call>"
 
 
 # Qwen 3.5's chat template: the system turn that describes the tools, word for word (its tokenizer_config.json)
@@ -249,7 +266,6 @@ FORMATS = {
     "gemma": ToolFormat(
         system=lambda schemas: None,
         parse=parse_python_calls,
-        call=python_call,
         results=lambda texts: (
             "<start_of_turn>user\n"
             + "\n".join(f"```tool_output\n{t}\n```" for t in texts)
@@ -263,7 +279,6 @@ FORMATS = {
             "".join("\n" + json.dumps(s, ensure_ascii=False) for s in schemas)
         ),
         parse=parse_xml_calls,
-        call=xml_call,
         results=lambda texts: (
             "<|im_start|>user"
             + "".join(f"\n<tool_response>\n{t}\n</tool_response>" for t in texts)
@@ -295,14 +310,28 @@ def read_tool_prompts(path, template, fmt, schemas, flag="--dataset", config=Non
             raise common.UsageError(
                 f"{path}:{line}: with --tools, 'prompt' must be a chat (a list of {{role, content}})"
             )
-        if system and messages and messages[0].get("role") == "system":
+        if system:  # the tools' system turn, a given one's text after it
+            given = messages[:1] if messages and messages[0].get("role") == "system" else []
             messages = [
-                {"role": "system", "content": system + "\n\n" + str(messages[0]["content"]).strip()}
-            ] + messages[1:]
-        elif system:
-            messages = [{"role": "system", "content": system}] + messages
+                {
+                    "role": "system",
+                    "content": "\n\n".join([system] + [str(m["content"]).strip() for m in given]),
+                }
+            ] + messages[len(given) :]
         prompts.append(common.prompt_text({"prompt": messages}, f"{path}:{line}", template))
     return prompts, [row for row, _ in rows]
+
+
+# ---- Data: prompt texts -> left-padded query ids [N, Q] (grpo.py's)
+def tokenize_prompts(prompts, tokenizer, max_prompt_length):
+    """-> (queries [N, Q] left-padded, query_mask [N, Q]), Q a multiple of 8."""
+    ids = [[tokenizer.start_token_id] + list(x) for x in tokenizer.tokenize(prompts)]
+    ids = [x[:1] + x[1:][-(max_prompt_length - 1) :] for x in ids]  # cut from the left, BOS kept
+    q = min(max_prompt_length, 8 * math.ceil(max(len(x) for x in ids) / 8))
+    queries, mask = np.zeros((len(ids), q), np.int32), np.zeros((len(ids), q), bool)
+    for i, x in enumerate(ids):  # left padding: every prompt ends at column Q-1, responses start at Q
+        queries[i, q - len(x) :], mask[i, q - len(x) :] = x, True
+    return queries, mask
 
 
 # ---- ALGO LOGIC: the multi-turn sampler. State: tokens, mask [B, S] (S = Q + R: prompt, then the turns, the
@@ -334,36 +363,18 @@ def start(backbone, params, frozen, queries, query_mask, *, response_length, pad
     }
 
 
-def draw(backbone, h, key, temperature, top_k=0, top_p=1.0, min_p=None):
-    """grpo.generate's draw from final hidden states h [B, D] (inside common.weights): a token [B] from
-    softmax(filter_logits(logits / T)) and its log q [B] (common.categorical); T = 0: greedy."""
+def draw(backbone, h, key, temperature):
+    """A token [B] from final hidden states h [B, D] (inside common.weights) and its log q [B]: q = softmax(logits /
+    T), jax.random.categorical's draw (common.categorical: grpo.generate's); T = 0: the arg-max (log q 0)."""
     if temperature == 0:
         return jnp.argmax(common.logits(backbone, h), -1).astype(jnp.int32), jnp.zeros(h.shape[:1])
-    filtered = top_k or top_p < 1.0 or min_p is not None  # else q is softmax(logits / T) itself
-    keep = functools.partial(grpo.filter_logits, top_k=top_k, top_p=top_p, min_p=min_p) if filtered else None
-    return common.categorical(backbone, h, key, temperature, keep)
+    return common.categorical(backbone, h, key, temperature)
 
 
-def sample_turn(
-    backbone,
-    params,
-    frozen,
-    state,
-    key,
-    *,
-    temperature,
-    stop_ids,
-    pad_id,
-    top_k=0,
-    top_p=1.0,
-    min_p=None,
-    forced=None,
-):
+def sample_turn(backbone, params, frozen, state, key, *, temperature, stop_ids, pad_id):
     """One model turn of each row not done: a token a step, fed through the model at once (its key and value
     join the cache), until every row has sampled a stop token or S is reached; a done row writes a hole (pad,
-    masked) -> the state. A key split a step, as grpo.generate: its tokens for a key, in the first turn.
-    forced [B, K]: a row's n-th token of the completion is forced[row, n] where that is ≥ 0 (a scripted call:
-    the tests), with its log q as drawn."""
+    masked) -> the state. A key split a step, as grpo.generate: its tokens for a key, in the first turn."""
     s, r = state["tokens"].shape[1], state["sampled"].shape[1]
     put = lambda x, new, at: jax.lax.dynamic_update_slice_in_dim(x, new[:, None].astype(x.dtype), at, 1)
 
@@ -372,22 +383,11 @@ def sample_turn(
         key, sample_key = jax.random.split(key)
         active, t = ~st["done"], st["t"]
         with common.weights(backbone, params, frozen):
-            token, logq = draw(
-                backbone, st["hidden"], sample_key, temperature, top_k=top_k, top_p=top_p, min_p=min_p
-            )
-            if forced is not None:  # the script's token where it has one for the row's next position
-                n = st["sampled"].sum(1)  # [B]: the completion's tokens so far
-                script = jnp.take_along_axis(forced, jnp.minimum(n, forced.shape[1] - 1)[:, None], 1)[:, 0]
-                token = jnp.where((n < forced.shape[1]) & (script >= 0), script, token)
-                if temperature:
-                    raw = common.logits(backbone, st["hidden"], raw=True)
-                    logq = grpo.filtered_logps(
-                        raw, token, temperature, top_k=top_k, top_p=top_p, min_p=min_p
-                    )[0]
+            token, logq = draw(backbone, st["hidden"], sample_key, temperature)
             token = jnp.where(active, token, pad_id)
             mask = put(st["mask"], active, t)  # the token is a key for later positions where a row sampled it
             hidden, cache = common.cached_forward(backbone, token[:, None], mask, st["cache"], t, hidden=True)
-        new = {
+        return {
             "tokens": put(st["tokens"], token, t),
             "mask": mask,
             "sampled": put(st["sampled"], active, t - (s - r)),
@@ -396,8 +396,7 @@ def sample_turn(
             "hidden": hidden[:, -1],
             "t": t + 1,
             "done": st["done"] | jnp.isin(token, jnp.asarray(stop_ids)),
-        }
-        return new, key
+        }, key
 
     return jax.lax.while_loop(lambda c: (c[0]["t"] < s) & ~c[0]["done"].all(), step, (state, key))[0]
 
@@ -423,9 +422,7 @@ def append(backbone, params, frozen, state, ids, ids_mask):
 
 class Transcript(NamedTuple):
     messages: list  # each completion's turns: TRL's assistant messages (with tool_calls) and tool messages
-    calls: np.ndarray  # [B] tool calls made
-    failures: np.ndarray  # [B] of them failed
-    turns: np.ndarray  # [B] model turns
+    failures: np.ndarray  # [B] tool calls that failed (the calls: the assistant messages' tool_calls)
 
 
 def rollout(
@@ -445,96 +442,296 @@ def rollout(
     on_data,
 ):
     """Multi-turn completions of host queries [B, Q]: a turn (fns["turn"]), then on the host each turn that ended at
-    the template's turn end is parsed; its calls run (`tools`, None: no tools), their results go into the cache
+    the template's turn end is parsed; its calls run (`tools`; none: a call is text), their results go into the cache
     (fns["append"], `bridge`: results -> text) and the rows sample again; until no row calls, --max-tool-calls
     rounds, or R is spent (a result that does not fit is dropped, as TRL drops it) -> (batch, Transcript)."""
+    # differs from grpo.py's: turns with tool calls between them; the batch marks the policy's own tokens
     qb = common.bucket_length(int(query_mask.sum(1).max()), queries.shape[1])
     qs, qm = common.put_global(queries[:, -qb:], on_data), common.put_global(query_mask[:, -qb:], on_data)
     state = fns["start"](params, frozen, qs, qm)
     b, s = queries.shape[0], qb + state["sampled"].shape[1]
     begin = np.full(b, qb)  # where each row's current turn starts
-    live = np.ones(b, bool)  # rows whose turn is being sampled
+    rows = np.arange(b)  # the rows whose turn is being sampled
     messages = [[] for _ in range(b)]
-    calls = np.zeros(b, int)  # [B] tool calls made
-    failures = np.zeros(b, int)  # [B] of them failed
-    turns = np.ones(b, int)  # [B] model turns
+    failures = np.zeros(b, int)  # [B] failed tool calls
     for rounds in range(s):
         key, turn_key = jax.random.split(key)
         state = fns["turn"](params, frozen, state, turn_key)
         t = int(state["t"])
-        tokens = common.to_host(state["tokens"])
-        sampled = common.to_host(state["sampled"])
-        rows = np.flatnonzero(live)
+        tokens, sampled = (common.to_host(state[k]) for k in ("tokens", "sampled"))
         ids = [tokens[i, begin[i] : t][sampled[i, begin[i] - qb : t - qb]] for i in rows]  # the turn's tokens
         ended = [len(x) > 0 and x[-1] == turn_end_id for x in ids]
         texts = decode(tokenizer, [x[:-1] if e else x for x, e in zip(ids, ended)])
-        bridges = {}  # row -> the ids that carry its results back, and how many results
+        room = s - 1 - t  # positions left for a bridge and at least one token after it
+        bridges = {}  # row -> the ids that carry its results back
         for i, text, e in zip(rows, texts, ended):
-            found = fmt.parse(text, tools.types) if tools and e else []
+            found = fmt.parse(text, tools.types) if tools.fns and e else []
             if found == [] or (max_tool_calls is not None and rounds >= max_tool_calls):
                 messages[i].append({"role": "assistant", "content": text})
-                continue
-            found = found or [("(malformed)", None)]  # None: the turn opened a call it did not close
-            results = [
-                tools(n, a) if a is not None else tools.failed(n, "could not parse the call", "was malformed")
-                for n, a in found
-            ]
-            calls[i] += len(found)
-            failures[i] += sum(failed for _, failed in results)
-            asked = [{"type": "function", "function": {"name": n, "arguments": a}} for n, a in found]
-            messages[i].append({"role": "assistant", "content": text, "tool_calls": asked})
-            messages[i] += [
-                {"role": "tool", "name": n, "content": r} for (n, _), (r, _) in zip(found, results)
-            ]
-            bridges[i] = (list(tokenizer.tokenize(bridge([r for r, _ in results]))), len(results))
-        room = s - 1 - t  # positions left for a bridge and at least one token after it
-        for i in [i for i, (x, _) in bridges.items() if len(x) > room]:  # does not fit: TRL drops the results
-            del messages[i][-bridges.pop(i)[1] :]
-        live[:] = False
+            else:
+                found = found or [("(malformed)", None)]  # None: the turn opened a call it did not close
+                results = [
+                    tools(n, a)
+                    if a is not None
+                    else tools.failed(n, "could not parse the call", "was malformed")
+                    for n, a in found
+                ]
+                failures[i] += sum(failed for _, failed in results)
+                messages[i].append(
+                    {
+                        "role": "assistant",
+                        "content": text,
+                        "tool_calls": [
+                            {"type": "function", "function": {"name": n, "arguments": a}} for n, a in found
+                        ],
+                    }
+                )
+                x = list(tokenizer.tokenize(bridge([r for r, _ in results])))
+                if len(x) <= room:  # else TRL drops the results: the completion ends with its call
+                    messages[i] += [
+                        {"role": "tool", "name": n, "content": r} for (n, _), (r, _) in zip(found, results)
+                    ]
+                    bridges[i] = x
+        rows = list(bridges)
         if not bridges:
             break
-        w = min(
-            8 * -(-max(len(x) for x, _ in bridges.values()) // 8), room
-        )  # a multiple of 8: few compilations
+        w = min(8 * -(-max(map(len, bridges.values())) // 8), room)  # a multiple of 8: few compilations
         ids, ids_mask = np.zeros((b, w), np.int32), np.zeros((b, w), bool)
-        for i, (x, _) in bridges.items():  # right-aligned: every row's next token goes to position t + w
+        for i, x in bridges.items():  # right-aligned: every row's next token goes to position t + w
             ids[i, w - len(x) :] = x
             ids_mask[i, w - len(x) :] = True
-        ids, ids_mask = common.put_global(ids, on_data), common.put_global(ids_mask, on_data)
-        state = fns["append"](params, frozen, state, ids, ids_mask)
-        live[list(bridges)] = True
-        begin[list(bridges)] = t + w
-        turns[list(bridges)] += 1
-    batch = {
+        state = fns["append"](
+            params, frozen, state, common.put_global(ids, on_data), common.put_global(ids_mask, on_data)
+        )
+        begin[rows] = t + w
+    return {
         "query_responses": state["tokens"],
         "padding_mask": state["mask"],
         "response_mask": state["sampled"],  # the policy's own tokens: the loss, KL, entropy and meter's
         "sampled_mask": state["sampled"],
         "sampler_logps": state["logqs"],
-    }
-    return batch, Transcript(messages, calls, failures, turns)
+    }, Transcript(messages, failures)
 
 
 def decode(tokenizer, ids):
     """Token id arrays -> their texts (an empty one: "")."""
-    texts = iter(
-        tokenizer.detokenize([list(map(int, x)) for x in ids if len(x)]) if any(len(x) for x in ids) else []
-    )
+    # differs from grpo.py's: any id arrays (a turn's, before its parse), not a batch's responses
     return [
-        (lambda t: t.decode() if isinstance(t, bytes) else str(t))(next(texts)) if len(x) else "" for x in ids
+        t.decode() if isinstance(t, bytes) else str(t)
+        for t in tokenizer.detokenize([list(map(int, x)) for x in ids])
     ]
 
 
-# ---- main's pieces: what a completion is for the rewards and metrics, the greedy evaluation
+# ---- ALGO LOGIC: the update's log-probs (a forward on query + response), Â, the k3 KL, the objective
+def response_logps(backbone, params, frozen, token_ids, padding_mask, *, context_length, temperature):
+    """log q(response token) and q's entropy, q = softmax(logits / T), [B, R] each, float32, and the forward's
+    aux_loss (a mixture of experts' router loss, common.forward; 0.0 dense). Position t predicts t+1:
+    response token Q+i is scored by hidden[Q+i-1]; the [B, R, V] logits come --logits-chunk positions at a
+    time (common.per_token), never whole."""
+    # differs from grpo.py's: no sampling filters (grpo.py's filtered_logps without them, written out)
+    hidden, aux_loss = common.forward(backbone, params, frozen, token_ids, padding_mask)  # [B, T, D], scalar
+
+    def chunk(h, y):  # [B, C, D], [B, C] -> log q [B, C], entropy [B, C]
+        scaled = common.logits(backbone, h) / temperature  # [B, C, V], float32
+        logz = jax.nn.logsumexp(scaled, -1)
+        token_logit = jnp.take_along_axis(scaled, y[..., None], -1)[..., 0]
+        return token_logit - logz, logz - jnp.sum(jax.nn.softmax(scaled, -1) * scaled, -1)
+
+    with common.weights(backbone, params, frozen):  # the output layer's weights, from `params`
+        logps, entropy = common.per_token(  # hidden [B, R, D], labels [B, R]
+            backbone, chunk, (hidden[:, context_length - 1 : -1], token_ids[:, context_length:])
+        )
+    return logps, entropy, aux_loss
+
+
+def masked_mean(x, mask):
+    return jnp.sum(jnp.where(mask, x, 0.0)) / jnp.maximum(mask.sum(), 1)
+
+
+def mismatch(logps, sampler_logps, mask):
+    """The meter: ρ = π_trainer / q_sampler on the sampled tokens (mask [B, R]), the first forward of the
+    weights that sampled against the sampler's own log q: 1 to float rounding (unfiltered: the kept mass)."""
+    ratio = jnp.exp(logps - sampler_logps)  # [B, R]
+    real = lambda x: jnp.where(mask, x, 1.0)  # padding as a ratio of 1: out of the max and the min
+    return {
+        "mismatch/ratio_mean": masked_mean(ratio, mask),
+        "mismatch/ratio_max": real(ratio).max(),
+        "mismatch/ratio_min": real(ratio).min(),
+        "mismatch/frac_outside_10pct": masked_mean(abs(ratio - 1.0) > 0.1, mask),
+    }  # outside [0.9, 1.1]
+
+
+def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
+    """Â_i = (r_i − mean(group)) / (std(group) + ε) (eq. 2), rewards [B]: B/G groups of G consecutive rows;
+    std with Bessel's correction (TRL's); `batch`: ÷ all B's std, `none`: no division (Dr. GRPO) -> (Â [B],
+    std [B/G]); an all-equal group gets Â = 0."""
+    grouped = rewards.reshape(-1, num_generations)  # [B/G, G]
+    std = grouped.std(1, ddof=1)  # [B/G]
+    centred = grouped - grouped.mean(1, keepdims=True)  # [B/G, G]
+    scale = {"group": std[:, None] + eps, "batch": rewards.std(ddof=1) + eps, "none": 1.0}[scale_rewards]
+    return (centred / scale).reshape(-1), std
+
+
+def k3_kl(logps, ref_logps):
+    """Per-token KL(π ‖ π_ref) estimate k3 = π_ref/π − log(π_ref/π) − 1 (Schulman 2020; eq. 4): ≥ 0,
+    unbiased on tokens sampled from π, lower variance than k1 = log π − log π_ref."""
+    log_ratio = ref_logps - logps  # log(π_ref / π)
+    return jnp.expm1(log_ratio) - log_ratio
+
+
+def share(x, mask):
+    """The share of real tokens where x holds (x [B, R]), or of the B completions at sequence level (x [B, 1])."""
+    return masked_mean(x, mask) if x.shape == mask.shape else jnp.mean(x)  # TRL counts all B completions
+
+
+def clipped_surrogate(ratio, advantages, mask, epsilon, epsilon_high):
+    """GRPO's policy term (eq. 3), PPO's pessimistic clip: −min(ρÂ, clip(ρ, 1 − ε, 1 + ε_high)Â) per token [B, R]
+    (per completion [B, 1] at GSPO's sequence level: its real tokens share it) -> (the term, clip shares)."""
+    per_token = -jnp.minimum(
+        ratio * advantages, jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * advantages
+    )
+    low = (ratio < 1.0 - epsilon) & (advantages < 0)  # clipped from below: the clip only removes gradient
+    high = (ratio > 1.0 + epsilon_high) & (advantages > 0)  # clipped from above
+    metrics = {"clip_ratio/low_mean": share(low, mask), "clip_ratio/high_mean": share(high, mask)}
+    return per_token, {**metrics, "clip_ratio": share(low | high, mask)}
+
+
+def sequence_mean(per_token, mask):
+    """GRPO's aggregation (eq. 5): each completion's mean over its real tokens, then the mean over completions."""
+    return jnp.mean(jnp.where(mask, per_token, 0.0).sum(1) / jnp.maximum(mask.sum(1), 1))
+
+
+def grpo_loss(
+    logps, old_logps, ref_logps, advantages, mask, *, epsilon, epsilon_high, beta, loss_type="grpo"
+):
+    """GRPO's objective (Shao et al. 2024) -> (loss, metrics): on each real token of completion i, the clipped
+    surrogate of ρ = π_θ/π_old times Â_i (eq. 3) plus β × the k3 estimate of KL(π_θ ‖ π_ref) (eq. 4), aggregated
+    by loss_type (AGGREGATIONS: eq. 5, DAPO's, Dr. GRPO's). logps, old_logps, ref_logps (None: β 0), mask [B, R];
+    advantages [B]."""
+    # differs from grpo.py's: the paper's policy term and three aggregations only (grpo.py's CISPO, SAPO, VESPO,
+    # LUSPO, GSPO's sequence level and the entropy options are each one function there)
+    log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # log ρ [B, R]; padding may hold anything
+    # one update a batch: π_old = sg(π_θ), ratio 1; Â [B, 1]: every token of a completion shares it
+    per_token, metrics = clipped_surrogate(
+        jnp.exp(log_ratio), advantages[:, None], mask, epsilon, epsilon_high
+    )
+    if beta:  # on every real token
+        kl = k3_kl(logps, ref_logps)  # [B, R]
+        per_token = per_token + beta * kl
+        metrics["kl"] = masked_mean(kl, mask)
+    return AGGREGATIONS.get(loss_type, token_mean)(per_token, mask), metrics
+
+
+def token_mean(per_token, mask):
+    """DAPO (Yu et al. 2025, eq. 5): every real token of the batch weighs the same (BNPO, CISPO, VESPO too)."""
+    return jnp.where(mask, per_token, 0.0).sum() / jnp.maximum(mask.sum(), 1)
+
+
+AGGREGATIONS = {  # per-token losses [B, R] -> the loss; masked tokens never count; the rest (dapo): token_mean
+    "grpo": sequence_mean,
+    "dr_grpo": lambda x, mask: jnp.where(mask, x, 0.0).sum() / mask.size,  # Dr. GRPO (Liu et al. 2025): ÷ B·R
+}
+
+
+def rollout_logps(backbone, params, ref_params, frozen, batch, *, context_length, temperature):
+    """π_old's and π_ref's log-probs of a finished generation batch, of logits / T; an entry is left out where
+    its params are None."""
+    # differs from grpo.py's: no sampling filters, so π_old and π_ref are one call
+    given = {"old_logps": params, "ref_logps": ref_params}
+    return {
+        k: response_logps(
+            backbone,
+            p,
+            frozen,
+            batch["query_responses"],
+            batch["padding_mask"],
+            context_length=context_length,
+            temperature=temperature,
+        )[0]
+        for k, p in given.items()
+        if p is not None
+    }
+
+
+# ---- train_step: one update of the policy on a (mini-)batch of completions
+def train_step(backbone, optimizer, args, state, frozen, *, batch, context_length):
+    """state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask [B, R] (the loss's
+    tokens), advantages [B]; old_logps / ref_logps [B, R] if made at rollout; sampler_logps and sampled_mask
+    [B, R] (the policy's own tokens) if its weights'."""
+    # differs from grpo.py's: the mismatch meter over sampled_mask (the tool results in the context are not sampled)
+    params, opt_state = state
+
+    def loss_fn(p):
+        logps, entropy, aux_loss = response_logps(
+            backbone,
+            p,
+            frozen,
+            batch["query_responses"],
+            batch["padding_mask"],
+            context_length=context_length,
+            temperature=args.temperature,
+        )
+        loss, metrics = grpo_loss(
+            logps,
+            batch.get("old_logps", jax.lax.stop_gradient(logps)),  # μ = 1: π_old = sg(π_θ), ratio 1
+            batch.get("ref_logps"),
+            batch["advantages"],
+            batch["response_mask"],
+            epsilon=args.epsilon,
+            epsilon_high=args.epsilon if args.epsilon_high is None else args.epsilon_high,
+            beta=args.beta,
+            loss_type=args.loss_type,
+        )
+        if "sampler_logps" in batch:  # mismatch/*, over the policy's own tokens
+            metrics.update(mismatch(logps, batch["sampler_logps"], batch["sampled_mask"]))
+        # + the router load-balancing loss (a mixture of experts; 0.0 dense)
+        return loss + aux_loss, {
+            **metrics,
+            "entropy": masked_mean(entropy, batch["response_mask"]),
+            "aux_loss": aux_loss,
+        }
+
+    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    params = optax.apply_updates(params, updates)
+    return (params, opt_state), {**metrics, "train/loss": loss, "train/grad_norm": optax.global_norm(grads)}
+
+
+# ---- main's pieces: flag checks, what a completion is for the rewards and metrics, the greedy evaluation
+def check_args(args, mesh):
+    """Inconsistent sizes, unsupported choices, weights that do not match the functions: stop before the model loads."""
+    plumbing.check_flags(
+        num_mini_batches=(args.num_mini_batches, 1, False),
+        num_iterations=(args.num_iterations, 1, False),
+        temperature=(args.temperature, 0, True),
+        max_tool_calls=(args.max_tool_calls, 0, False),
+        tool_timeout=(args.tool_timeout, 0, True),
+    )
+    if args.num_generations < 2 or args.batch_size % args.num_generations:
+        raise common.UsageError(
+            f"--batch-size {args.batch_size} must be a multiple of --num-generations {args.num_generations} "
+            "(≥ 2: a group of one has no relative advantage)"
+        )
+    if (
+        args.batch_size % args.num_mini_batches
+        or args.batch_size // args.num_mini_batches % mesh.shape["data"]
+    ):
+        raise common.UsageError(
+            f"--batch-size {args.batch_size} must split into --num-mini-batches {args.num_mini_batches} "
+            f"each divisible by the data axis ({mesh.shape['data']})"
+        )
+    common.check_sampler(args.model)  # a family whose decoder layers the sampler knows
+
+
 def completions(batch, transcript, stop_ids):
     """On the host: (final answers: each completion's last assistant text, completion_ids: its real tokens, tool
     results included, before the final stop, lengths [B]: the policy's tokens less that stop, has_eos [B]:
     the last turn ended at a stop token)."""
     sampled = common.to_host(batch["response_mask"])
-    r = sampled.shape[1]
-    tokens = common.to_host(batch["query_responses"])[:, -r:]
-    real = common.to_host(batch["padding_mask"])[:, -r:]
-    last = r - 1 - np.argmax(sampled[:, ::-1], 1)  # the policy's last token
+    tokens, real = (
+        common.to_host(batch[k])[:, common.query_length(batch) :] for k in ("query_responses", "padding_mask")
+    )
+    last = sampled.shape[1] - 1 - np.argmax(sampled[:, ::-1], 1)  # the policy's last token
     has_eos = sampled.any(1) & np.isin(tokens[np.arange(len(tokens)), last], stop_ids)
     ids = [x[m][: m.sum() - e] for x, m, e in zip(tokens, real, has_eos)]
     texts = [
@@ -546,30 +743,29 @@ def completions(batch, transcript, stop_ids):
 
 def tool_metrics(transcript, prefix=""):
     """TRL's tools/call_frequency (calls per completion) and tools/failure_frequency (failed ÷ calls), turns."""
-    calls = transcript.calls.sum()
+    called = [m for ms in transcript.messages for m in ms if m["role"] == "assistant"]  # the model's turns
+    calls = sum(len(m.get("tool_calls", ())) for m in called)
     return {
-        f"{prefix}tools/call_frequency": float(calls / len(transcript.calls)),
+        f"{prefix}tools/call_frequency": calls / len(transcript.messages),
         f"{prefix}tools/failure_frequency": float(transcript.failures.sum() / calls) if calls else 0.0,
-        f"{prefix}completions/mean_turns": float(transcript.turns.mean()),
+        f"{prefix}completions/mean_turns": len(called) / len(transcript.messages),
     }
 
 
-def evaluate(fns, params, frozen, data, scorer, *, batch_size, end, stop_ids, path=None, **rollout_kwargs):
+def evaluate(fns, params, frozen, data, scorer, *, batch_size, end, stop_ids, path, **rollout_kwargs):
     """Greedy multi-turn completions of every eval prompt (batches of batch_size, the last padded with repeats),
-    scored -> eval/reward, eval/rewards/<fn>/mean, the tool metrics and lengths; with a path, each prompt's
-    row there too (its columns, the completion's messages, each reward function's score: paired comparisons)."""
+    scored -> eval/reward, eval/rewards/<fn>/mean, the tool metrics and lengths; each prompt's row in `path`
+    too (its columns, the completion's messages, each reward function's score: paired comparisons)."""
     prompts, rows, queries, query_mask = data
     n = len(prompts)
-    parts, kept = {}, []
-    messages = []  # each prompt's completion (TRL's messages)
+    done = []  # each batch's (transcript, lengths, scores)
     for begin in range(0, n, batch_size):
         idx = np.minimum(np.arange(begin, begin + batch_size), n - 1)
         batch, transcript = rollout(
             fns, params, frozen, queries[idx], query_mask[idx], key=jax.random.key(0), **rollout_kwargs
         )
         texts, ids, length, _ = completions(batch, transcript, stop_ids)
-        m = min(batch_size, n - begin)  # the repeats are not scored
-        _, scored = scorer(
+        scores, parts = scorer(
             [prompts[i] for i in idx],
             texts,
             batch,
@@ -578,54 +774,38 @@ def evaluate(fns, params, frozen, data, scorer, *, batch_size, end, stop_ids, pa
             end=end,
             messages=transcript.messages,
         )
-        scored = {k: v[:m] for k, v in scored.items()}
-        for k, v in scored.items():
-            parts.setdefault(k, []).append(v)
-        kept.append((transcript.calls[:m], transcript.failures[:m], transcript.turns[:m], length[:m]))
-        messages += transcript.messages[:m]
-    parts = {k: np.concatenate(v) for k, v in parts.items()}
-    if path:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w") as f:
-            for i, (row, completion) in enumerate(zip(rows, messages)):
-                scores = {k: None if np.isnan(v[i]) else float(v[i]) for k, v in parts.items()}
-                f.write(json.dumps({**row, "completion": completion, "scores": scores}) + "\n")
-    weighted = np.nansum([w * parts[name] for _, w, _, name in scorer.fns], 0) + parts.get(
-        "reward_model", 0.0
-    )
-    calls, failures, turns, lengths = (np.concatenate(x) for x in zip(*kept))
+        done.append((transcript, length, common.to_host(scores), parts))
+    transcripts, lengths, rewards, scored = zip(*done)  # the repeats are not scored: each cut at n below
+    messages = [ms for t in transcripts for ms in t.messages][:n]  # each prompt's completion (TRL's messages)
+    parts = {k: np.concatenate([x[k] for x in scored])[:n] for k in scored[0]}
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    scores = [{k: None if np.isnan(v[i]) else float(v[i]) for k, v in parts.items()} for i in range(n)]
+    with open(path, "w") as f:
+        f.writelines(
+            json.dumps({**row, "completion": c, "scores": s}) + "\n"
+            for row, c, s in zip(rows, messages, scores)
+        )
+    failures = np.concatenate([t.failures for t in transcripts])[:n]
     return {
-        "eval/reward": float(weighted.mean()),
+        "eval/reward": float(np.concatenate(rewards)[:n].mean()),
         **{f"eval/rewards/{k}/mean": float(np.nanmean(v)) for k, v in parts.items()},
-        **tool_metrics(Transcript([], calls, failures, turns), "eval/"),
-        "eval/completions/mean_length": float(lengths.mean()),
+        **tool_metrics(Transcript(messages, failures), "eval/"),
+        "eval/completions/mean_length": float(np.concatenate(lengths)[:n].mean()),
     }
 
 
 def main(args):
     # ---- set-up: every flag, file, tool and row checked before the models load ----
     run = plumbing.Run(__file__, args, eval_every=args.eval_every, export_hf=args.export_hf)
-    grpo.check_args(args, run.mesh)
-    plumbing.check_flags(
-        max_tool_calls=(args.max_tool_calls, 0, False), tool_timeout=(args.tool_timeout, 0, True)
-    )
-    if args.accept_reward is not None:  # grpo.Args' rejection sampling: its update is grpo.py's one-turn loop
-        raise common.UsageError(
-            "--accept-reward (rejection sampling) is grpo.py's: grpo_tools.py does not take it"
-        )
+    check_args(args, run.mesh)
     template = common.chat_template(args.model, args.chat_template)
     fmt = tool_format(template)
-    tools = (
-        Toolbox([common.load_reward_fn(spec, "--tools") for spec in args.tools], args.tool_timeout)
-        if args.tools
-        else None
-    )
-    schemas = tools.schemas if tools else []
+    tools = Toolbox([common.load_reward_fn(spec, "--tools") for spec in args.tools], args.tool_timeout)
     prompts, rows = read_tool_prompts(
         args.dataset,
         template,
         fmt,
-        schemas,
+        tools.schemas,
         "--dataset",
         config=args.dataset_config,
         split=args.dataset_split,
@@ -634,7 +814,7 @@ def main(args):
         args.dataset, args.eval_dataset, None, (Args.dataset, Args.eval_dataset)
     )
     evals = (
-        read_tool_prompts(eval_path, template, fmt, schemas, eval_flag, split=eval_split)
+        read_tool_prompts(eval_path, template, fmt, tools.schemas, eval_flag, split=eval_split)
         if eval_path
         else None
     )
@@ -654,10 +834,8 @@ def main(args):
     backbone, tokenizer = model.backbone, model.preprocessor.tokenizer
     scorer.check_tokenizer(tokenizer)
     remat = plumbing.Remat(args.remat, backbone)
-    queries, query_mask = grpo.tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    eval_data = (
-        (*evals, *grpo.tokenize_prompts(evals[0], tokenizer, args.max_prompt_length)) if evals else None
-    )
+    queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
+    eval_data = (*evals, *tokenize_prompts(evals[0], tokenizer, args.max_prompt_length)) if evals else None
     r, pad = args.response_length, tokenizer.pad_token_id
     stops = common.stop_token_ids(tokenizer, template, args.stop_token)  # EOS, the turn end, --stop-token
     end = common.turn_end(template)
@@ -667,7 +845,7 @@ def main(args):
     print(
         f"data: {len(prompts)} prompts, queries padded to ≤ {queries.shape[1]} tokens; {n_prompts} prompts × G={g} "
         f"completions of ≤ {r} positions a step (tool results included); {len(evals[0]) if evals else 0} eval "
-        f"prompts; tools: {', '.join(tools.fns) if tools else 'none'}"
+        f"prompts; tools: {', '.join(tools.fns) or 'none'}"
         + (f", ≤ {args.max_tool_calls} tool turns each" if args.max_tool_calls is not None else "")
     )
 
@@ -691,14 +869,15 @@ def main(args):
     rng.bit_generator.state = meta["rng"]
     state = jax.device_put((params, opt_state), state_shardings)
 
-    # the sampler: prefill, turns (sampled and greedy), tool results into the cache; q: what is sampled and scored
-    sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
+    # the sampler: prefill, turns (sampled at --temperature, and greedy), tool results into the cache
     fns = {
         "start": jax.jit(functools.partial(start, backbone, response_length=r, pad_id=pad, group=g)),
-        "turn": jax.jit(functools.partial(sample_turn, backbone, stop_ids=stops, pad_id=pad, **sampling)),
+        "turn": jax.jit(
+            functools.partial(sample_turn, backbone, temperature=args.temperature, stop_ids=stops, pad_id=pad)
+        ),
         "append": jax.jit(functools.partial(append, backbone)),
     }
-    greedy = {  # the evaluation: a prompt a row
+    greedy = {  # the evaluation: a prompt a row, the arg-max
         **fns,
         "start": jax.jit(functools.partial(start, backbone, response_length=r, pad_id=pad)),
         "turn": jax.jit(
@@ -706,13 +885,13 @@ def main(args):
         ),
     }
     logps_fn = jax.jit(
-        lambda p, rp, f, b: grpo.rollout_logps(
-            backbone, p, rp, f, b, context_length=grpo.query_length(b), **sampling
+        lambda p, rp, f, b: rollout_logps(
+            backbone, p, rp, f, b, context_length=common.query_length(b), temperature=args.temperature
         )
     )
     step_fn = remat.jit(
-        lambda s, f, b: grpo.train_step(
-            backbone, optimizer, args, s, f, batch=b, context_length=grpo.query_length(b)
+        lambda s, f, b: train_step(
+            backbone, optimizer, args, s, f, batch=b, context_length=common.query_length(b)
         ),
         donate_argnums=0,
         out_shardings=(state_shardings, common.replicated(run.mesh)),
@@ -729,7 +908,6 @@ def main(args):
         on_data=on_data,
     )
     n, n_rm = (plumbing.count_params(m.backbone) if m is not None else 0 for m in (model, scorer.model))
-    flops_per_token = 2 * n * (1 + off_policy + (args.beta > 0)) + 2 * n_rm + args.num_iterations * 6 * n
     score = lambda params: evaluate(
         greedy,
         params,
@@ -746,7 +924,9 @@ def main(args):
         run.log_eval(score(state[0]))  # step 0: the start, for the comparison
 
     # ---- the loop: rollout (turns, tool calls) -> rewards -> advantages -> update ----
+    # FLOPs a token: 2N a forward (sampler, π_old, π_ref, reward model), 6N an update pass (docs/design.md)
     for step in run.steps(
+        flops_per_token=2 * n * (1 + off_policy + (args.beta > 0)) + 2 * n_rm + args.num_iterations * 6 * n,
         learning_rate=lambda s: schedule(s * args.num_iterations * args.num_mini_batches),
         summed=("charts/generated_tokens",),
         show=("reward", "tools/call_frequency"),
@@ -757,7 +937,6 @@ def main(args):
         batch, transcript = rollout(
             fns, state[0], frozen, queries[idx], query_mask[idx], key=gen_key, **turns
         )
-        qb = grpo.query_length(batch)
         ticks.append(plumbing.synced(batch))
         texts, ids, lengths, has_eos = completions(batch, transcript, stops)  # rewards: the whole completion
         scores, parts = scorer(
@@ -770,50 +949,45 @@ def main(args):
             messages=transcript.messages,
         )
         rewards = common.to_host(scores)
-        advantages, group_std = jax.device_get(
-            grpo.group_advantages(jnp.asarray(rewards), g, args.scale_rewards)
-        )
+        advantages, group_std = jax.device_get(group_advantages(jnp.asarray(rewards), g, args.scale_rewards))
         if args.mask_truncated_completions:  # DAPO: a cut-off completion is not judged at all
             batch["response_mask"] = batch["response_mask"] & common.put_global(has_eos[:, None], on_data)
         batch["advantages"] = common.put_global(advantages, on_data)
-        if off_policy or ref_params is not None:
-            batch.update(logps_fn(state[0] if off_policy else None, ref_params, frozen, batch))
-        meter = {}  # mismatch/*, over the policy's own tokens: here, or in train_step
-        if "old_logps" in batch:
-            meter = grpo.mismatch(batch["old_logps"], batch.pop("sampler_logps"), batch["sampled_mask"])
+        batch.update(logps_fn(state[0] if off_policy else None, ref_params, frozen, batch))  # π_old, π_ref
+        meter = (  # mismatch/*, over the policy's own tokens: here, or in train_step
+            mismatch(batch["old_logps"], batch.pop("sampler_logps"), batch["sampled_mask"])
+            if "old_logps" in batch
+            else {}
+        )
         ticks.append(plumbing.synced(batch))
         updates = []
-        for mb_idx in grpo.mini_batches(
+        for mb_idx in common.mini_batches(
             rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data
         ):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
-        real = int(query_mask[idx].sum() + sum(len(x) for x in ids) + has_eos.sum())
-        sampled_tokens = int((lengths + has_eos).sum())
         run.log(
             {
-                **plumbing.phase_metrics(updates, ticks, sampled_tokens),
+                **plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())),
                 **meter,
-                **grpo.reward_metrics(rewards, parts, lengths, has_eos),
+                **common.reward_metrics(rewards, parts, lengths, has_eos),
                 **tool_metrics(transcript),
                 "reward_std": float(np.mean(group_std)),
                 "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
                 "charts/generate_compilations": float(fns["turn"]._cache_size()),
             },
-            tokens=real,
-            padded=len(idx) * (qb + r),
-            flops=real * flops_per_token,
+            tokens=int(query_mask[idx].sum() + sum(len(x) for x in ids) + has_eos.sum()),
+            padded=len(idx) * (common.query_length(batch) + r),
         )
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
             print(
                 f"step {step + 1} sample (reward {rewards[0]:.3f}): {prompts[idx[0]]!r} -> {json.dumps(transcript.messages[0])}"
             )
-        if run.eval_due() and eval_data is not None and step + 1 < max_steps:
+        if eval_data is not None and (
+            run.eval_due() or step + 1 == max_steps
+        ):  # --eval-every 0: the end only
             run.log_eval(score(state[0]))
         run.checkpoint((state[0], state[1], jax.random.key_data(key)), {"rng": rng.bit_generator.state})
-    if eval_data is not None and run.step > run.start:
-        run._eval_started = time.perf_counter()
-        run.log_eval(score(state[0]))
 
     # ---- outputs: the policy (LoRA merged) as a KerasHub preset ----
     run.finish(lambda path: common.save_model(model, state[0], path))

@@ -1,9 +1,10 @@
-"""grpo_tools.py: tools described from their signatures, the template formats (gemma's, Qwen 3.5's) rendered
-and parsed, failing tools (raising, hanging, non-text, unknown) answered with an error and counted, and the
-multi-turn rollout on `tiny` with scripted calls: the transcript, the policy's tokens against the tool results
-(the trainer's log-probs equal the sampler's over the policy's tokens; the loss's gradient through every other
-position is exactly zero), tool results prefilled into the cache (never the context again), the first turn as
-grpo.py's sampler draws it, 8 devices as 1, and the CLI end to end."""
+"""grpo_tools.py: tools described from their signatures, the template formats (gemma's, Qwen 3.5's) parsed,
+failing tools (raising, hanging, non-text, unknown) answered with an error and counted, and the multi-turn
+rollout on `tiny` with scripted calls (grpo_tools.draw patched): the transcript, the policy's tokens against
+the tool results (the trainer's log-probs equal the sampler's over the policy's tokens; the loss's gradient
+through every other position is exactly zero), tool results prefilled into the cache (never the context
+again), the first turn as grpo.py's sampler draws it, 8 devices as 1; its copy of the objective equal to
+grpo.py's; grpo.py's flags it does not take refused; and the CLI end to end."""
 
 import functools
 import json
@@ -16,9 +17,9 @@ import pytest
 
 import common  # noqa: F401  (first: KERAS_BACKEND=jax)
 
-import grpo
+import grpo  # an independent cross-check only: grpo.generate's draw, grpo.grpo_loss's values
 import grpo_tools as gt
-from helpers import ROOT, metrics, usage_error
+from helpers import ROOT, metrics, run_script, usage_error
 
 sys.path.insert(0, os.path.join(ROOT, "data"))
 import calculator  # noqa: E402
@@ -73,23 +74,23 @@ def test_schema_comes_from_the_signature_and_docstring():
         gt.tool_schema(unhinted)
 
 
-def test_gemma_format_renders_and_parses_calls():
+def test_gemma_format_parses_calls():
     fmt = gt.FORMATS["gemma"]
-    text = fmt.call("calculator", {"expression": "37 * 58"})
-    assert text == '[calculator(expression="37 * 58")]'
-    assert fmt.parse(text, {}) == [("calculator", {"expression": "37 * 58"})]
+    assert fmt.parse('[calculator(expression="37 * 58")]', {}) == [("calculator", {"expression": "37 * 58"})]
+    assert fmt.parse(' [calculator(expression="37 * 58")]\n', {}) == [
+        ("calculator", {"expression": "37 * 58"})
+    ]
     assert fmt.parse("[f(a=1, b='x'), g()]", {}) == [("f", {"a": 1, "b": "x"}), ("g", {})]
     assert fmt.parse("2146", {}) == [] and fmt.parse("[1, 2]", {}) == []  # answers, not calls
     assert fmt.parse("[f(a=open('x'))]", {}) is None  # a call whose values are not literals: malformed
     assert fmt.results(["12"]) == "<start_of_turn>user\n```tool_output\n12\n```<end_of_turn>\n"
 
 
-def test_qwen3_5_format_renders_and_parses_calls():
+def test_qwen3_5_format_parses_calls():
     """Qwen 3.5's XML calls, values read by the parameter's JSON type; results as <tool_response> blocks; the
     tools described in the system turn as its chat template writes them."""
     fmt = gt.FORMATS["qwen3.5"]
-    text = fmt.call("lookup", {"key": "a b", "limit": 2})
-    assert text == (
+    text = (  # a call as Qwen 3.5's template writes one
         "<tool_call>\n<function=lookup>\n<parameter=key>\na b\n</parameter>\n<parameter=limit>\n2\n</parameter>\n"
         "</function>\n</tool_call>"
     )
@@ -197,7 +198,7 @@ def tiny():
     tools = gt.Toolbox([calculator.calculator, listing], timeout=1.0)
     path = os.path.join(ROOT, "data", "calculator", "prompts_eval.jsonl")
     prompts, rows = gt.read_tool_prompts(path, GEMMA, gt.FORMATS["gemma"], tools.schemas)
-    queries, query_mask = grpo.tokenize_prompts(prompts[:8], tokenizer, 64)
+    queries, query_mask = gt.tokenize_prompts(prompts[:8], tokenizer, 64)
     return dict(model=model, mesh=mesh, tools=tools, queries=queries, query_mask=query_mask, rows=rows[:8])
 
 
@@ -210,9 +211,49 @@ SCRIPTS = [
 ] + [[5 + i] for i in range(5)]  # n: n tokens drawn, then the turn end
 
 
+def calls_of(transcript):
+    """Each completion's tool calls (its assistant messages' tool_calls)."""
+    return [sum(len(m.get("tool_calls", ())) for m in ms) for ms in transcript.messages]
+
+
+def turns_of(transcript):
+    """Each completion's model turns (its assistant messages)."""
+    return [sum(m["role"] == "assistant" for m in ms) for ms in transcript.messages]
+
+
+def scripted_turn(backbone, params, frozen, state, key, *, script, **sampling):
+    """gt.sample_turn with its draw scripted (gt.draw patched while it traces): a row's n-th token of the
+    completion is script[row, n] where that is ≥ 0 (a scripted call), else the model's draw; either way its log q
+    is log softmax(logits / T)[token], as the trainer scores it. n: the row's tokens before this turn
+    (state["sampled"]) + the step within it, the index of the step's key among the turn's (sample_turn splits
+    its key once a step)."""
+    import jax
+    import jax.numpy as jnp
+
+    def split(k, _):
+        k, step_key = jax.random.split(k)
+        return k, jax.random.key_data(step_key)
+
+    keys = jax.lax.scan(split, key, None, length=state["tokens"].shape[1])[1]  # [S, 2]: each step's key
+    before = state["sampled"].sum(1)  # [B]
+    model_draw = gt.draw
+
+    def draw(backbone, h, step_key, temperature):
+        token, _ = model_draw(backbone, h, step_key, temperature)
+        n = before + jnp.argmax((keys == jax.random.key_data(step_key)).all(-1))  # [B]
+        given = jnp.take_along_axis(script, jnp.minimum(n, script.shape[1] - 1)[:, None], 1)[:, 0]
+        token = jnp.where((n < script.shape[1]) & (given >= 0), given, token)
+        scaled = common.logits(backbone, h) / temperature  # [B, V], float32
+        return token, jnp.take_along_axis(scaled, token[:, None], -1)[:, 0] - jax.nn.logsumexp(scaled, -1)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(gt, "draw", draw)
+        return gt.sample_turn(backbone, params, frozen, state, key, **sampling)
+
+
 def scripted_rollout(setup, mesh=None, forced=True, max_tool_calls=None, spy=None, rows=4, scripts=SCRIPTS):
-    """The rollout of the first `rows` prompts, `scripts` forced (or all drawn), on `mesh` (default: one
-    device), in setup's template (default gemma's) -> (batch, transcript, params, frozen)."""
+    """The rollout of the first `rows` prompts, `scripts` forced (scripted_turn; or all drawn), on `mesh`
+    (default: one device), in setup's template (default gemma's) -> (batch, transcript, params, frozen)."""
     import jax
     import jax.numpy as jnp
 
@@ -236,18 +277,10 @@ def scripted_rollout(setup, mesh=None, forced=True, max_tool_calls=None, spy=Non
             )
         ]
         script[i, : len(ids)] = ids
+    turn = functools.partial(scripted_turn, script=jnp.asarray(script)) if forced else gt.sample_turn
     fns = {
         "start": jax.jit(functools.partial(gt.start, backbone, response_length=R, pad_id=0)),
-        "turn": jax.jit(
-            functools.partial(
-                gt.sample_turn,
-                backbone,
-                temperature=1.0,
-                stop_ids=stops,
-                pad_id=0,
-                forced=jnp.asarray(script),
-            )
-        ),
+        "turn": jax.jit(functools.partial(turn, backbone, temperature=1.0, stop_ids=stops, pad_id=0)),
         "append": jax.jit(functools.partial(gt.append, backbone)),
     }
     if spy is not None:
@@ -296,8 +329,8 @@ def test_multi_turn_transcript(rolled):
     }
     assert transcript.messages[1][2] == {"role": "assistant", "content": "7"}
     assert transcript.messages[2] == [{"role": "assistant", "content": "42"}]
-    assert list(transcript.calls) == [2, 1, 0, 0] and list(transcript.failures) == [0, 1, 0, 0]
-    assert list(transcript.turns) == [3, 2, 1, 1]
+    assert calls_of(transcript) == [2, 1, 0, 0] and list(transcript.failures) == [0, 1, 0, 0]
+    assert turns_of(transcript) == [3, 2, 1, 1]
     scores = calculator.correct([m for m in transcript.messages[:3]], ["13", "7", "41"])
     assert scores == [1.0, 1.0, 0.0]
     assert calculator.useful_call(transcript.messages[:3], ["13", "7", "42"]) == [1.0, 0.0, 0.0]
@@ -313,7 +346,7 @@ def test_max_tool_calls_ends_the_completion_at_the_next_call(tiny):
     _, transcript, _, _ = scripted_rollout(tiny, max_tool_calls=1)
     assert [m["role"] for m in transcript.messages[0]] == ["assistant", "tool", "assistant"]
     assert transcript.messages[0][-1] == {"role": "assistant", "content": '[calculator(expression="12 + 1")]'}
-    assert list(transcript.calls) == [1, 1, 0, 0]
+    assert calls_of(transcript) == [1, 1, 0, 0]
 
 
 def test_tool_tokens_are_context_not_policy(tiny, rolled):
@@ -323,7 +356,7 @@ def test_tool_tokens_are_context_not_policy(tiny, rolled):
     sequence sees them, holes and all)."""
     batch, _, params, frozen = rolled
     tokenizer = tiny["model"].preprocessor.tokenizer
-    qb = grpo.query_length(batch)
+    qb = common.query_length(batch)
     tokens = np.asarray(batch["query_responses"])[:, qb:]
     policy, context = np.asarray(batch["response_mask"]), np.asarray(batch["padding_mask"])[:, qb:]
     results = [["12", "13"], ["{'error': 'returned list, not text'}"], []]
@@ -338,25 +371,23 @@ def test_tool_tokens_are_context_not_policy(tiny, rolled):
 
 
 def test_the_loss_gradient_through_tool_tokens_is_exactly_zero(tiny, rolled):
-    """d loss / d logits [B, R, V] of grpo.py's objective on a multi-turn batch, with the k3 KL, an entropy
-    bonus and the 80/20 entropy mask on: exactly 0 at every position whose label is not the policy's (the tool
-    results, the template's turns around them, the holes, the padding); non-zero at each of the policy's."""
+    """d loss / d logits [B, R, V] of grpo_tools' objective on a multi-turn batch, with the k3 KL, under each
+    --loss-type: exactly 0 at every position whose label is not the policy's (the tool results, the template's
+    turns around them, the holes, the padding); non-zero at each of the policy's."""
     import jax
     import jax.numpy as jnp
 
     batch, _, params, frozen = rolled
     backbone = tiny["model"].backbone
-    qb = grpo.query_length(batch)
+    qb = common.query_length(batch)
     ids, policy = batch["query_responses"], batch["response_mask"]
     hidden, _ = common.forward(backbone, params, frozen, ids, batch["padding_mask"])
     with common.weights(backbone, params, frozen):
         logits = common.logits(backbone, hidden[:, qb - 1 : -1])  # [B, R, V]: position t predicts t + 1
 
-    def loss(logits):
-        b, r, v = logits.shape
-        logps, entropy = grpo.filtered_logps(logits.reshape(b * r, v), ids[:, qb:].reshape(-1), 1.0)
-        logps = logps.reshape(b, r)
-        return grpo.grpo_loss(
+    def loss(logits, loss_type):
+        logps = jnp.take_along_axis(jax.nn.log_softmax(logits), ids[:, qb:, None], -1)[..., 0]  # T = 1
+        return gt.grpo_loss(
             logps,
             jax.lax.stop_gradient(logps),
             jax.lax.stop_gradient(logps) - 0.3,  # a reference apart: the KL has a gradient
@@ -365,18 +396,46 @@ def test_the_loss_gradient_through_tool_tokens_is_exactly_zero(tiny, rolled):
             epsilon=0.2,
             epsilon_high=0.28,
             beta=0.04,
-            loss_type="dapo",
-            importance_sampling_level="token",
-            entropy=entropy.reshape(b, r),
-            top_entropy_quantile=0.5,
-            entropy_coef=0.01,
+            loss_type=loss_type,
         )[0]
 
-    grads = np.asarray(jax.grad(loss)(logits))  # [B, R, V]
     policy = np.asarray(policy)
     context = np.asarray(batch["padding_mask"])[:, qb:] & ~policy
-    assert context[:2].sum() > 0 and (grads[~policy] == 0.0).all()
-    assert (np.abs(grads[policy]).sum(-1) > 0).all()
+    assert context[:2].sum() > 0
+    for loss_type in ("dapo", "grpo", "dr_grpo"):
+        grads = np.asarray(jax.grad(loss)(logits, loss_type))  # [B, R, V]
+        assert (grads[~policy] == 0.0).all(), loss_type
+        assert (np.abs(grads[policy]).sum(-1) > 0).all(), loss_type
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.04])
+@pytest.mark.parametrize("loss_type", ["grpo", "dapo", "dr_grpo"])
+def test_the_objective_is_grpo_py_s(loss_type, beta):
+    """grpo_tools' copy of the objective gives grpo.py's loss, metrics and gradient for every setting both
+    take: random log-probs, π_old and π_ref apart (ratios past both clips), advantages of both signs, ragged
+    completions."""
+    import jax
+    import jax.numpy as jnp
+
+    rng = np.random.default_rng(0)
+    b, r = 6, 12
+    logps = jnp.asarray(rng.normal(-2.0, 0.5, (b, r)), jnp.float32)
+    old = logps + jnp.asarray(rng.normal(0.0, 0.3, (b, r)), jnp.float32)
+    ref = logps + jnp.asarray(rng.normal(0.0, 0.3, (b, r)), jnp.float32)
+    advantages = jnp.asarray(rng.normal(size=b), jnp.float32)
+    mask = jnp.arange(r)[None] < jnp.asarray(rng.integers(1, r + 1, b))[:, None]
+    kw = dict(epsilon=0.2, epsilon_high=0.28, beta=beta, loss_type=loss_type)
+    got, want = (
+        jax.value_and_grad(lambda x, f=f: f(x, old, ref, advantages, mask, **kw), has_aux=True)(logps)
+        for f in (gt.grpo_loss, grpo.grpo_loss)
+    )
+    (loss, metrics), grads = got
+    (want_loss, want_metrics), want_grads = want
+    assert float(loss) == float(want_loss) and metrics.keys() == want_metrics.keys()
+    assert ("kl" in metrics) == bool(beta) and float(metrics["clip_ratio"]) > 0
+    for k in metrics:
+        assert float(metrics[k]) == float(want_metrics[k]), k
+    np.testing.assert_array_equal(np.asarray(grads), np.asarray(want_grads))
 
 
 def test_tool_results_are_prefilled_into_the_cache_not_recomputed(tiny, monkeypatch):
@@ -403,7 +462,7 @@ def test_tool_results_are_prefilled_into_the_cache_not_recomputed(tiny, monkeypa
         8 * -(-longest // 8),
         8 * -(-len(tokenizer.tokenize("\n" + gt.FORMATS["gemma"].results(["13"]) + GEMMA.model)) // 8),
     ]
-    assert widths == [grpo.query_length(batch), 1, *dict.fromkeys(appended)]  # each traced once
+    assert widths == [common.query_length(batch), 1, *dict.fromkeys(appended)]  # each traced once
 
 
 def test_first_turn_draws_what_grpo_generate_draws(tiny):
@@ -414,7 +473,7 @@ def test_first_turn_draws_what_grpo_generate_draws(tiny):
     batch, transcript, params, frozen = scripted_rollout(tiny, forced=False)
     backbone = tiny["model"].backbone
     stops = common.stop_token_ids(tiny["model"].preprocessor.tokenizer, GEMMA)
-    qb = grpo.query_length(batch)
+    qb = common.query_length(batch)
     tokens, _, logqs = grpo.generate(
         backbone,
         params,
@@ -427,7 +486,7 @@ def test_first_turn_draws_what_grpo_generate_draws(tiny):
         stop_ids=stops,
         pad_id=0,
     )
-    assert list(transcript.turns) == [1, 1, 1, 1]
+    assert turns_of(transcript) == [1, 1, 1, 1]
     np.testing.assert_array_equal(np.asarray(batch["query_responses"])[:, qb:], np.asarray(tokens))
     np.testing.assert_allclose(np.asarray(batch["sampler_logps"]), np.asarray(logqs), atol=1e-5)
 
@@ -471,7 +530,7 @@ def test_eight_devices_roll_out_as_one(tiny):
     np.testing.assert_allclose(
         np.asarray(one["sampler_logps"]), np.asarray(eight["sampler_logps"]), atol=1e-5
     )
-    assert list(transcript.calls) == [2, 1, 0, 0, 0, 0, 0, 0]
+    assert calls_of(transcript) == [2, 1, 0, 0, 0, 0, 0, 0]
 
 
 def test_qwen3_5_tool_calls_on_a_small_random_model(tmp_path):
@@ -529,7 +588,7 @@ def test_qwen3_5_tool_calls_on_a_small_random_model(tmp_path):
         prompts[1].startswith("<|im_start|>system\n# Tools\n")
         and "</IMPORTANT><|im_end|>\n<|im_start|>user" in prompts[1]
     )
-    queries, query_mask = grpo.tokenize_prompts(prompts, tokenizer, 2048)
+    queries, query_mask = gt.tokenize_prompts(prompts, tokenizer, 2048)
     setup = dict(
         model=m.Qwen3_5CausalLM(backbone, m.Qwen3_5CausalLMPreprocessor(tokenizer)),
         mesh=jax.sharding.Mesh(np.array(jax.devices()[:1]).reshape(1, 1), ("data", "model")),
@@ -539,7 +598,7 @@ def test_qwen3_5_tool_calls_on_a_small_random_model(tmp_path):
         template=template,
         fmt=fmt,
     )
-    call = fmt.call("calculator", {"expression": "3 * 4"})
+    call = "<tool_call>\n<function=calculator>\n<parameter=expression>\n3 * 4\n</parameter>\n</function>\n</tool_call>"
     batch, transcript, params, frozen = scripted_rollout(setup, rows=2, scripts=[[call, "12"], ["12"]])
     assert transcript.messages[0] == [
         {
@@ -552,7 +611,7 @@ def test_qwen3_5_tool_calls_on_a_small_random_model(tmp_path):
         {"role": "tool", "name": "calculator", "content": "12"},
         {"role": "assistant", "content": "12"},
     ]
-    qb = grpo.query_length(batch)
+    qb = common.query_length(batch)
     tokens = np.asarray(batch["query_responses"])[0, qb:]
     policy, context = np.asarray(batch["response_mask"])[0], np.asarray(batch["padding_mask"])[0, qb:]
     assert decode_ids(tokenizer, tokens[context & ~policy]) == (
@@ -564,9 +623,9 @@ def test_qwen3_5_tool_calls_on_a_small_random_model(tmp_path):
 
 
 def assert_sampler_is_trainer(backbone, params, frozen, batch, qb):
-    """grpo.py's mismatch meter over the sampled tokens (sampled_mask): the sampler's log q and the trainer's
-    log p agree to float32 (every ratio 1 within 1e-4)."""
-    logps, _, _ = grpo.response_logps(
+    """The mismatch meter over the sampled tokens (sampled_mask): the sampler's log q and the trainer's log p
+    agree to float32 (every ratio 1 within 1e-4)."""
+    logps, _, _ = gt.response_logps(
         backbone,
         params,
         frozen,
@@ -575,7 +634,7 @@ def assert_sampler_is_trainer(backbone, params, frozen, batch, qb):
         context_length=qb,
         temperature=1.0,
     )
-    meter = grpo.mismatch(logps, batch["sampler_logps"], batch["sampled_mask"])
+    meter = gt.mismatch(logps, batch["sampler_logps"], batch["sampled_mask"])
     assert abs(float(meter["mismatch/ratio_max"]) - 1) < 1e-4, meter
     assert abs(float(meter["mismatch/ratio_min"]) - 1) < 1e-4, meter
 
@@ -594,16 +653,28 @@ def decode_ids(tokenizer, ids):
         (["--chat-template", "llama3"], "the chat template llama3 has no tool format here (gemma, qwen3.5"),
         (["--max-tool-calls", "-1"], "--max-tool-calls -1: must be >= 0"),
         (["--tool-timeout", "0"], "--tool-timeout 0.0: must be > 0"),
-        (["--accept-reward", "1"], "--accept-reward (rejection sampling) is grpo.py's"),
+        (["--loss-type", "cispo"], "invalid choice 'cispo' for argument '--loss-type'"),
+        (["--batch-size", "16", "--num-generations", "3"], "--batch-size 16 must be a multiple of"),
         (
-            ["--tools", f"{__file__}:listing", f"{os.path.join(ROOT, 'grpo.py')}:masked_mean"],
-            f"--tools masked_mean ({os.path.join(ROOT, 'grpo.py')}:",
+            ["--tools", f"{__file__}:listing", f"{os.path.join(ROOT, 'grpo_tools.py')}:masked_mean"],
+            f"--tools masked_mean ({os.path.join(ROOT, 'grpo_tools.py')}:",
         ),
     ],
 )
 def test_bad_tool_flags_are_refused_before_the_model_loads(flags, message, tmp_path):
     got = usage_error(gt, "--output-dir", str(tmp_path / "out"), *flags)
     assert message in got, got
+    assert not (tmp_path / "out").exists()
+
+
+def test_grpo_py_s_flags_it_does_not_take_are_refused(tmp_path):
+    """grpo.py's sampling filters, other objectives and rejection sampling are not grpo_tools.py's flags:
+    through the CLI, one line on stderr, exit 2, before the heavy imports."""
+    for flag, value in (("--top-p", "0.9"), ("--entropy-coef", "0.01"), ("--accept-reward", "1")):
+        out = run_script("grpo_tools.py", flag, value, "--output-dir", str(tmp_path / "out"), timeout=120)
+        lines = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
+        assert lines[0].startswith(f"error: Unrecognized options: {flag}"), lines
     assert not (tmp_path / "out").exists()
 
 
@@ -670,7 +741,7 @@ def test_calculator_splits_share_no_two_digit_product():
 
 def test_calculator_demonstrations_are_what_the_rollout_builds(tiny):
     """A demonstration that calls the tool (data/calculator/sft_train.jsonl), tokenised as sft.py trains on it,
-    is token for token what a rollout holds for the same completion: the prompt as grpo.py tokenises it, the
+    is token for token what a rollout holds for the same completion: the prompt as grpo_tools.py tokenises it, the
     call and its turn end, the gemma bridge around the result, the answer; the call parses, the tool agrees."""
     import sft
 
@@ -689,7 +760,7 @@ def test_calculator_demonstrations_are_what_the_rollout_builds(tiny):
         [common.sft_segments(calling[0], "demo", GEMMA)], tokenizer, 512, True, "x"
     )[0]
     prompt = common.prompt_text({"prompt": row[:1]}, "x", GEMMA)
-    query = list(grpo.tokenize_prompts([prompt], tokenizer, 64)[0][0])
+    query = list(gt.tokenize_prompts([prompt], tokenizer, 64)[0][0])
     query = query[query.index(tokenizer.start_token_id) :]
     (name, arguments), *_ = gt.FORMATS["gemma"].parse(row[1]["content"], {})
     result = calculator.calculator(**arguments)
