@@ -23,7 +23,6 @@ plumbing.answer_help(__name__, __file__)
 import common  # noqa: E402  (mesh, models, data files)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -306,22 +305,6 @@ def rollout(gen_fn, params, frozen, queries, query_mask, *, key, stop_ids, pad_i
     }, sequence_lengths
 
 
-def query_length(batch):
-    """Qb, the width of a rollout batch's queries: query_responses [B, Qb+R] less response_mask [B, R]."""
-    return batch["query_responses"].shape[1] - batch["response_mask"].shape[1]
-
-
-def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
-    """The responses cut before their stop token -> (texts, their token ids, lengths [B]: tokens before it
-    (all R without one), has_eos [B]: ended by a stop token, EOS or another), on the host, whole."""
-    responses = common.to_host(batch["query_responses"][:, context_length:])
-    has_eos = np.isin(responses, stop_ids).any(1)
-    lengths = common.to_host(sequence_lengths) + 1 - has_eos
-    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
-    texts = tokenizer.detokenize(ids)
-    return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
-
-
 # ---- train_step: one update of the student on a batch of its own completions
 def train_step(backbone, optimizer, args, state, frozen, *, batch, context_length, teacher, teacher_weights):
     """state = (params, opt_state); batch: query_responses / padding_mask [B, Q+R], response_mask [B, R],
@@ -443,9 +426,8 @@ def main(args):
     teacher_weights = common.split_variables(
         teacher, frozen_dtype=args.teacher_dtype or run.frozen_dtype, all_frozen=True
     )
-    optimizer, schedule, warmup = plumbing.make_optimizer(
-        args, run.schedule_steps
-    )  # max_steps unless resumed
+    # over max_steps, unless resumed (run.schedule_steps)
+    optimizer, schedule, warmup = plumbing.make_optimizer(args, run.schedule_steps)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
@@ -465,7 +447,7 @@ def main(args):
     def update(
         state, frozen, batch, teacher_weights
     ):  # the batch's own query width: a compilation per bucket
-        context_length = query_length(batch)
+        context_length = common.query_length(batch)
         return train_step(
             backbone,
             optimizer,
@@ -506,7 +488,7 @@ def main(args):
         ticks += [plumbing.synced(batch)] * 2  # generated; "scored" too: the teacher runs inside the update
         state, metrics = step_fn(state, frozen, batch, teacher_weights)
         lengths = common.to_host(sequence_lengths) + 1  # completion tokens through each stop (R without one)
-        qb = query_length(batch)
+        qb = common.query_length(batch)
         real = int(query_mask[idx].sum() + lengths.sum())
         logged = plumbing.phase_metrics([metrics], ticks, int(lengths.sum()))
         del logged["charts/score_time"]  # no phase of its own: the teacher's forward is inside the update's
@@ -523,7 +505,9 @@ def main(args):
             flops=real * flops_per_token,
         )
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
-            texts = decode(tokenizer, batch, sequence_lengths, qb, stops)[0]  # each cut before its stop token
+            texts = common.decode_completions(tokenizer, batch, sequence_lengths, qb, stops)[
+                0
+            ]  # each cut before its stop token
             for i in range(2):
                 print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r}")
         run.checkpoint((state[0], state[1], jax.random.key_data(key)))

@@ -24,7 +24,6 @@ import common  # noqa: E402  (mesh, models, data files, the scorer)
 from grpo import generate, response_logps, tokenize_prompts, truncate_response  # noqa: E402  (the RL scripts')
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 

@@ -12,7 +12,7 @@ import math
 import os
 import time
 from dataclasses import dataclass
-from typing import Literal, get_args
+from typing import Literal
 
 import plumbing  # the run shell: shared flags, Run, the exit boundary (instant to import)
 
@@ -22,7 +22,6 @@ plumbing.answer_help(__name__, __file__)
 import common  # noqa: E402  (mesh, models, data files, the scorer)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -293,13 +292,26 @@ def k3_kl(logps, ref_logps):
     return jnp.expm1(log_ratio) - log_ratio
 
 
-def aggregate(per_token, mask, loss_type):
-    """Per-token losses [B, R] -> scalar, by --loss-type (eq. 5, LUSPO's 9); masked tokens never count."""
-    x = jnp.where(mask, per_token, 0.0)
-    if loss_type in ("grpo", "sapo"):  # mean over each completion's tokens, then over completions
-        return jnp.mean(x.sum(1) / jnp.maximum(mask.sum(1), 1))
-    # dr_grpo: ÷ a constant; luspo: terms × |o_i|, ÷ B; dapo, bnpo, cispo, vespo: every token the same
-    return x.sum() / {"dr_grpo": x.size, "luspo": x.shape[0]}.get(loss_type, jnp.maximum(mask.sum(), 1))
+def share(x, mask):
+    """The share of real tokens where x holds (x [B, R]), or of the B completions at sequence level (x [B, 1])."""
+    return masked_mean(x, mask) if x.shape == mask.shape else jnp.mean(x)  # TRL counts all B completions
+
+
+def clipped_surrogate(ratio, advantages, mask, epsilon, epsilon_high):
+    """GRPO's policy term (eq. 3), PPO's pessimistic clip: −min(ρÂ, clip(ρ, 1 − ε, 1 + ε_high)Â) per token [B, R]
+    (per completion [B, 1] at GSPO's sequence level: its real tokens share it) -> (the term, clip shares)."""
+    per_token = -jnp.minimum(
+        ratio * advantages, jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * advantages
+    )
+    low = (ratio < 1.0 - epsilon) & (advantages < 0)  # clipped from below: the clip only removes gradient
+    high = (ratio > 1.0 + epsilon_high) & (advantages > 0)  # clipped from above
+    metrics = {"clip_ratio/low_mean": share(low, mask), "clip_ratio/high_mean": share(high, mask)}
+    return per_token, {**metrics, "clip_ratio": share(low | high, mask)}
+
+
+def sequence_mean(per_token, mask):
+    """GRPO's aggregation (eq. 5): each completion's mean over its real tokens, then the mean over completions."""
+    return jnp.mean(jnp.where(mask, per_token, 0.0).sum(1) / jnp.maximum(mask.sum(1), 1))
 
 
 def grpo_loss(
@@ -312,111 +324,110 @@ def grpo_loss(
     epsilon,
     epsilon_high,
     beta,
-    loss_type,
-    importance_sampling_level,
+    loss_type="grpo",
+    importance_sampling_level="token",
     entropy=None,
     top_entropy_quantile=1.0,
     entropy_coef=0.0,
-    sapo_temperature_pos=1.0,
-    sapo_temperature_neg=1.05,
-    vespo_k_pos=2.0,
-    vespo_lambda_pos=3.0,
-    vespo_k_neg=3.0,
-    vespo_lambda_neg=2.0,
+    **constants,
 ):
-    """The policy term of `loss_type` (eq. 3, GSPO's 6, CISPO 7, SAPO 8, VESPO 10) on the tokens ρ keeps (11),
-    + β·k3 KL (4), aggregated (5, 9), − entropy_coef × entropy (12). logps, old_logps, ref_logps (None: β 0),
-    entropy, mask [B, R], advantages [B]; the keywords are Args' fields of the same names (TRL's defaults)."""
-    token_log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # [B, R]; padding may hold anything
-    log_ratio = token_log_ratio
-    if importance_sampling_level == "sequence":  # GSPO (eq. 6): log s_i = (1/|o_i|) Σ_t log ρ_{i,t}, [B, 1]
-        # differentiated through the mean (as TRL's GRPOTrainer): ∂ s_i / ∂ log π_{i,t} = s_i / |o_i|
-        log_ratio = log_ratio.sum(1, keepdims=True) / jnp.maximum(mask.sum(1, keepdims=True), 1)
-    ratio = jnp.exp(log_ratio)  # ρ or s; one update a batch: old = sg(π_θ), ratio 1
-    a = advantages[:, None]  # Â [B, 1]
-    # shares over real tokens, or at sequence level over the B completions (TRL counts all B)
-    share = lambda x: masked_mean(x, mask if importance_sampling_level == "token" else jnp.ones_like(x))
-    real_logps = jnp.where(mask, logps, 0.0)  # cispo and vespo weigh log π itself: padding's must not count
-    metrics = {}
-    if loss_type == "cispo":  # the importance weight capped at ε_high, held constant, times Â log π
-        per_token = -jax.lax.stop_gradient(jnp.minimum(ratio, epsilon_high)) * a * real_logps
-        metrics["cispo_clip_ratio"] = share((ratio > epsilon_high) & (a > 0))
-    elif loss_type == "sapo":  # a sigmoid gate for the clip: gradient weight 1 at ratio 1, fading off it
-        tau = jnp.where(a > 0, sapo_temperature_pos, sapo_temperature_neg)
-        per_token = -jax.nn.sigmoid(tau * (ratio - 1.0)) * 4.0 / tau * a
-    elif loss_type == "vespo":  # φ(w) = w^k e^(λ(1−w)) of the whole sequence's ratio w [B, 1], held constant,
-        # times Â log π; (k, λ) by the sign of Â; in log space with TRL's clamps
-        log_w = jnp.clip(jnp.clip(token_log_ratio, -20.0, 20.0).sum(1, keepdims=True), math.log(1e-8), 20.0)
-        k = jnp.where(a >= 0, vespo_k_pos, vespo_k_neg)  # (k, λ) by the sign of Â
-        lam = jnp.where(a >= 0, vespo_lambda_pos, vespo_lambda_neg)
-        phi = jax.lax.stop_gradient(jnp.exp(jnp.maximum(lam, 1e-4) * (1.0 - jnp.exp(log_w)) + k * log_w))
-        per_token = -phi * a * real_logps
-        metrics["vespo/phi_seq_mean"] = jnp.mean(phi)
-    else:  # pessimistic: the clip only removes gradient. [B, 1] at sequence level: o_i's real tokens share it
-        per_token = -jnp.minimum(ratio * a, jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * a)
-        low = (ratio < 1.0 - epsilon) & (a < 0)  # clipped from below: pushing further down is blocked
-        high = (ratio > 1.0 + epsilon_high) & (a > 0)  # clipped from above
-        metrics.update(
-            {
-                "clip_ratio/low_mean": share(low),
-                "clip_ratio/high_mean": share(high),
-                "clip_ratio": share(low | high),
-            }
+    """GRPO's objective (Shao et al. 2024) -> (loss, metrics): on each real token of completion i, the clipped
+    surrogate of ρ = π_θ/π_old times Â_i (eq. 3) plus β × the k3 estimate of KL(π_θ ‖ π_ref) (eq. 4); each
+    completion's tokens averaged, then the completions (eq. 5). logps, old_logps, ref_logps (None: β 0), entropy,
+    mask [B, R]; advantages [B]. A variant (the keywords after β, Args' fields of those names) swaps one part,
+    each a function below: --loss-type's policy term (POLICY_TERMS; `constants`: their --sapo-* and --vespo-*
+    settings) and aggregation (AGGREGATIONS), GSPO's sequence-level ratio, the 80/20 rule's high-entropy tokens,
+    an entropy bonus."""
+    log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # log ρ [B, R]; padding may hold anything
+    if importance_sampling_level == "sequence":
+        log_ratio = gspo_log_ratio(log_ratio, mask)  # GSPO (eq. 6): one ratio per completion, [B, 1]
+    advantages = advantages[:, None]  # Â [B, 1]: every token of a completion shares it
+    if loss_type in POLICY_TERMS:  # CISPO, SAPO, VESPO (eq. 7, 8, 10)
+        per_token, metrics = POLICY_TERMS[loss_type](
+            log_ratio, advantages, logps, mask, epsilon_high=epsilon_high, constants=constants
         )
+    else:  # the paper's; one update a batch: π_old = sg(π_θ), ratio 1
+        per_token, metrics = clipped_surrogate(jnp.exp(log_ratio), advantages, mask, epsilon, epsilon_high)
     kept = mask  # the tokens that carry the policy term
-    if top_entropy_quantile < 1.0:  # eq. 11: entropy ≥ its (1 − ρ)-quantile over the batch's real tokens
-        real = jnp.where(mask, jax.lax.stop_gradient(entropy), jnp.nan)  # [B, R]; padding left out
-        cut = jnp.nanquantile(real, 1.0 - top_entropy_quantile)  # linear interpolation: TRL's torch.quantile
-        kept = (entropy >= cut) & mask
+    if top_entropy_quantile < 1.0:
+        kept = high_entropy_tokens(entropy, mask, top_entropy_quantile)  # eq. 11
         per_token = jnp.where(kept, per_token, 0.0)
     if beta:  # on every real token, kept or not (as TRL)
         kl = k3_kl(logps, ref_logps)  # [B, R]
         per_token = per_token + beta * kl
         metrics["kl"] = masked_mean(kl, mask)
-    loss = aggregate(per_token, mask, loss_type)
-    if entropy_coef:  # TRL's bonus: the kept tokens' mean entropy, whatever the aggregation
+    loss = AGGREGATIONS.get(loss_type, token_mean)(per_token, mask)  # eq. 5; DAPO's and the others' (5, 9)
+    if entropy_coef:  # TRL's bonus (eq. 12): the kept tokens' mean entropy, whatever the aggregation
         metrics.update({"policy_loss": loss, "entropy_coef": jnp.float32(entropy_coef)})
         loss = loss - entropy_coef * masked_mean(entropy, kept)
     return loss, metrics
 
 
-def rollout_logps(
-    backbone,
-    params,
-    ref_params,
-    frozen,
-    batch,
-    *,
-    context_length,
-    temperature,
-    top_k=0,
-    top_p=1.0,
-    min_p=None,
-):
-    """π_old's log-probs of a finished generation batch, of the distribution sampled from (temperature, top-k,
-    top-p, min-p), and π_ref's of logits / T only; an entry is left out where its params are None."""
-    # differs from rloo.py's: π_old only when params are given (one update a batch needs none: π_old =
-    # sg(π_θ))
+# The variants, each the part of grpo_loss that it changes (docs/grpo.md (5)-(12); TRL's GRPOTrainer semantics)
+def gspo_log_ratio(log_ratio, mask):
+    """GSPO (Zheng et al. 2025, eq. 6): log s_i = (1/|o_i|) Σ_t log ρ_{i,t}, [B, R] -> [B, 1]; differentiated
+    through the mean (as TRL's GRPOTrainer): ∂ s_i / ∂ log π_{i,t} = s_i / |o_i|."""
+    return log_ratio.sum(1, keepdims=True) / jnp.maximum(mask.sum(1, keepdims=True), 1)
+
+
+def cispo_term(log_ratio, advantages, logps, mask, epsilon_high, constants):
+    """CISPO (MiniMax-M1 2025, eq. 7): the importance weight capped at ε_high and held constant, times Â log π:
+    a capped token keeps its gradient (PPO's clip drops it)."""
+    ratio = jnp.exp(log_ratio)
+    per_token = (
+        -jax.lax.stop_gradient(jnp.minimum(ratio, epsilon_high)) * advantages * jnp.where(mask, logps, 0.0)
+    )
+    return per_token, {"cispo_clip_ratio": share((ratio > epsilon_high) & (advantages > 0), mask)}
+
+
+def sapo_term(log_ratio, advantages, logps, mask, epsilon_high, constants):
+    """SAPO (Soft Adaptive Policy Optimization 2025, eq. 8): a sigmoid gate for the clip, −σ(τ(ρ − 1))·4/τ·Â,
+    gradient weight 1 at ratio 1 and fading off it; τ by the sign of Â (τ_neg > τ_pos: negatives fade faster)."""
+    tau = jnp.where(advantages > 0, constants["sapo_temperature_pos"], constants["sapo_temperature_neg"])
+    return -jax.nn.sigmoid(tau * (jnp.exp(log_ratio) - 1.0)) * 4.0 / tau * advantages, {}
+
+
+def vespo_term(log_ratio, advantages, logps, mask, epsilon_high, constants):
+    """VESPO (2026, eq. 10): φ(w) = w^k e^(λ(1−w)) of the whole sequence's ratio w = Π_t ρ_t [B, 1], held
+    constant, times Â log π; (k, λ) by the sign of Â; in log space with TRL's clamps."""
+    log_w = jnp.clip(jnp.clip(log_ratio, -20.0, 20.0).sum(1, keepdims=True), math.log(1e-8), 20.0)
+    k = jnp.where(advantages >= 0, constants["vespo_k_pos"], constants["vespo_k_neg"])
+    lam = jnp.where(advantages >= 0, constants["vespo_lambda_pos"], constants["vespo_lambda_neg"])
+    phi = jax.lax.stop_gradient(jnp.exp(jnp.maximum(lam, 1e-4) * (1.0 - jnp.exp(log_w)) + k * log_w))
+    return -phi * advantages * jnp.where(mask, logps, 0.0), {"vespo/phi_seq_mean": jnp.mean(phi)}
+
+
+POLICY_TERMS = {"cispo": cispo_term, "sapo": sapo_term, "vespo": vespo_term}  # the rest: clipped_surrogate
+
+
+def token_mean(per_token, mask):
+    """DAPO (Yu et al. 2025, eq. 5): every real token of the batch weighs the same (BNPO, CISPO, VESPO too)."""
+    return jnp.where(mask, per_token, 0.0).sum() / jnp.maximum(mask.sum(), 1)
+
+
+AGGREGATIONS = {  # per-token losses [B, R] -> the loss; masked tokens never count; the rest: token_mean
+    "grpo": sequence_mean,
+    "sapo": sequence_mean,  # as TRL
+    "dr_grpo": lambda x, mask: jnp.where(mask, x, 0.0).sum() / mask.size,  # Dr. GRPO (Liu et al. 2025): ÷ B·R
+    "luspo": lambda x, mask: jnp.where(mask, x, 0.0).sum() / mask.shape[0],  # LUSPO (eq. 9): Σ |o_i| ℓ_i / B
+}
+
+
+def high_entropy_tokens(entropy, mask, top_entropy_quantile):
+    """The 80/20 rule (Wang et al. 2025, eq. 11): the real tokens whose entropy reaches its (1 − ρ)-quantile over
+    the batch's real tokens (linear interpolation: TRL's torch.quantile) carry the policy term, [B, R] bool."""
+    real = jnp.where(mask, jax.lax.stop_gradient(entropy), jnp.nan)  # [B, R]; padding left out
+    return (entropy >= jnp.nanquantile(real, 1.0 - top_entropy_quantile)) & mask
+
+
+def rollout_logps(backbone, params, frozen, batch, **settings):
+    """[B, R] log-probs of a finished generation batch's responses under `params`: π_old's of the distribution
+    sampled from (settings: temperature, top-k, top-p, min-p), π_ref's of logits / T alone (temperature)."""
+    # differs from rloo.py's: one model's, called for π_old only where it is not π_θ (off-policy updates)
     ids, mask = batch["query_responses"], batch["padding_mask"]
-    out = {}
-    if params is not None:
-        out["old_logps"] = response_logps(
-            backbone,
-            params,
-            frozen,
-            ids,
-            mask,
-            context_length=context_length,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-        )[0]
-    if ref_params is not None:
-        out["ref_logps"] = response_logps(
-            backbone, ref_params, frozen, ids, mask, context_length=context_length, temperature=temperature
-        )[0]
-    return out
+    return response_logps(
+        backbone, params, frozen, ids, mask, context_length=common.query_length(batch), **settings
+    )[0]
 
 
 # ---- train_step: one update of the policy on a (mini-)batch of completions
@@ -462,10 +473,8 @@ def train_step(backbone, optimizer, args, state, frozen, *, batch, context_lengt
             vespo_lambda_neg=args.vespo_lambda_neg,
         )
         loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
-        if "sampler_logps" in batch:  # mismatch/*, over every sampled token (padding_mask's response part;
-            # grpo_tools.py's sampled_mask: the policy's own, the tool results in the context are not sampled)
-            sampled = batch.get("sampled_mask", mask[:, context_length:])
-            metrics.update(mismatch(logps, batch["sampler_logps"], sampled))
+        if "sampler_logps" in batch:  # mismatch/*, over every sampled token (padding_mask's response part)
+            metrics.update(mismatch(logps, batch["sampler_logps"], mask[:, context_length:]))
         return loss, {
             **metrics,
             "entropy": masked_mean(entropy, batch["response_mask"]),
@@ -482,10 +491,16 @@ def train_step(backbone, optimizer, args, state, frozen, *, batch, context_lengt
 def check_args(args, mesh):
     """Inconsistent sizes, unsupported choices, weights that do not match the functions: stop before the model loads."""
     g, b = args.num_generations, args.batch_size
-    if args.num_mini_batches < 1 or args.num_iterations < 1 or args.temperature <= 0:
-        raise common.UsageError("--num-mini-batches and --num-iterations must be ≥ 1, --temperature > 0")
-    if not 0 < args.top_p <= 1 or args.top_k < 0 or not 0 <= (args.min_p or 0) <= 1:
-        raise common.UsageError("--top-p must be in (0, 1], --top-k ≥ 0 (0: off), --min-p in [0, 1]")
+    plumbing.check_flags(
+        num_mini_batches=(args.num_mini_batches, 1, False),
+        num_iterations=(args.num_iterations, 1, False),
+        temperature=(args.temperature, 0, True),
+        top_k=(args.top_k, 0, False),
+        sapo_temperature_pos=(args.sapo_temperature_pos, 0, True),
+        sapo_temperature_neg=(args.sapo_temperature_neg, 0, True),
+    )
+    if not 0 < args.top_p <= 1 or not 0 <= (args.min_p or 0) <= 1 or not 0 <= args.top_entropy_quantile <= 1:
+        raise common.UsageError("--top-p must be in (0, 1], --min-p and --top-entropy-quantile in [0, 1]")
     if g < 2 or b % g:
         raise common.UsageError(
             f"--batch-size {b} must be a multiple of --num-generations {g} (≥ 2: a group "
@@ -496,21 +511,8 @@ def check_args(args, mesh):
             f"--batch-size {b} must split into --num-mini-batches {args.num_mini_batches} "
             f"each divisible by the data axis ({mesh.shape['data']})"
         )
-    losses = get_args(Args.__annotations__["loss_type"])
-    if args.scale_rewards not in ("group", "batch", "none") or args.loss_type not in losses:
-        raise common.UsageError(f"--scale-rewards: group, batch or none; --loss-type: {', '.join(losses)}")
-    if args.importance_sampling_level not in ("token",) + ("sequence",) * (args.loss_type != "vespo"):
-        raise common.UsageError("--importance-sampling-level: token or sequence (vespo: token; w is its own)")
-    if (
-        not 0 <= args.top_entropy_quantile <= 1
-        or min(args.sapo_temperature_pos, args.sapo_temperature_neg) <= 0
-    ):
-        raise common.UsageError("--top-entropy-quantile must be in [0, 1], --sapo-temperature-pos/-neg > 0")
-    if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
-        raise common.UsageError(
-            f"--reward-weights: {len(args.reward_weights)} weights for "
-            f"{len(args.reward_fn)} --reward-fn functions"
-        )
+    if args.loss_type == "vespo" and args.importance_sampling_level == "sequence":
+        raise common.UsageError("--importance-sampling-level sequence: not with vespo (its w is its own)")
     common.check_sampler(args.model)  # a family whose decoder layers the sampler knows
 
 
@@ -529,48 +531,6 @@ def rollout(gen_fn, params, frozen, queries, query_mask, *, key, stop_ids, pad_i
         "padding_mask": jnp.concatenate([qm, response_mask], 1),
         "sampler_logps": sampler_logps,
     }, sequence_lengths
-
-
-def query_length(batch):
-    """Qb, the width of a rollout batch's queries: query_responses [B, Qb+R] less response_mask [B, R]."""
-    return batch["query_responses"].shape[1] - batch["response_mask"].shape[1]
-
-
-def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
-    """The responses cut before their stop token -> (texts, their token ids, lengths [B]: tokens before it
-    (all R without one), has_eos [B]: ended by a stop token, EOS or another), on the host, whole."""
-    responses = common.to_host(batch["query_responses"][:, context_length:])
-    has_eos = np.isin(responses, stop_ids).any(1)
-    lengths = common.to_host(sequence_lengths) + 1 - has_eos
-    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
-    texts = tokenizer.detokenize(ids)
-    return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
-
-
-def reward_metrics(rewards, parts, lengths, has_eos):
-    """The summed reward, each reward function's (or the reward model's) mean and std (a function's None,
-    NaN here, left out of them as TRL does), completion lengths."""
-    # differs from rloo.py's: no reward_std here (main logs the groups' mean std under that name, as
-    # TRL's GRPO)
-    return {
-        "reward": float(rewards.mean()),
-        **{
-            f"rewards/{k}/{s}": float(f(v))
-            for k, v in parts.items()
-            for s, f in (("mean", np.nanmean), ("std", np.nanstd))
-        },
-        "completions/mean_length": float(lengths.mean()),
-        "completions/min_length": float(lengths.min()),
-        "completions/max_length": float(lengths.max()),
-        "completions/clipped_ratio": float(1.0 - has_eos.mean()),
-    }
-
-
-def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
-    """Index arrays [B / num_mini_batches]: num_epochs passes over the batch, reshuffled for each."""
-    for _ in range(num_epochs):
-        for part in np.split(rng.permutation(batch_size), num_mini_batches):  # equal parts: checked at start
-            yield common.put_global(part, on_data)
 
 
 def main(args):
@@ -602,13 +562,10 @@ def main(args):
     # --remat: a checkpoint switch on each block (not the sampler's calls)
     remat = plumbing.Remat(args.remat, backbone)
     queries, query_mask = tokenize_prompts(prompts, tokenizer, args.max_prompt_length)
-    q = queries.shape[1]
-    r = args.response_length
-    pad = tokenizer.pad_token_id
     stops = common.stop_token_ids(tokenizer, template, args.stop_token)  # EOS, the turn end, --stop-token
     print(
-        f"data: {len(prompts)} prompts, queries padded to ≤ {q} tokens (a batch: its bucket); "
-        f"{n_prompts} prompts × G={g} completions of ≤ {r} tokens per step, ended by ids {stops}; "
+        f"data: {len(prompts)} prompts, queries padded to ≤ {queries.shape[1]} tokens (a batch: its bucket); "
+        f"{n_prompts} prompts × G={g} completions of ≤ {args.response_length} tokens per step, ended by ids {stops}; "
         f"reward: {args.reward_model or ', '.join(args.reward_fn)}"
     )
 
@@ -619,9 +576,10 @@ def main(args):
         common.frozen_copy(params, run.frozen_dtype) if args.beta else None
     )  # the initial values (LoRA: the base)
     off_policy = args.num_iterations > 1 or args.num_mini_batches > 1  # π_old differs from π_θ at some update
+    # over max_steps (unless resumed) × μ × mini-batches optimizer updates (TRL counts optimizer steps)
     optimizer, schedule, warmup = plumbing.make_optimizer(
         args, run.schedule_steps, updates_per_step=args.num_iterations * args.num_mini_batches
-    )  # max_steps unless resumed
+    )
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
@@ -640,14 +598,21 @@ def main(args):
     sampling = dict(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p)
     gen_fn = jax.jit(
         functools.partial(
-            generate, backbone, response_length=r, stop_ids=stops, pad_id=pad, group=g, **sampling
+            generate,
+            backbone,
+            response_length=args.response_length,
+            stop_ids=stops,
+            pad_id=tokenizer.pad_token_id,
+            group=g,
+            **sampling,
         )
     )  # group: a prompt's G rows share its prefill
-    logps_fn = jax.jit(
-        lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, context_length=query_length(b), **sampling)
-    )
+    old_logps_fn = jax.jit(functools.partial(rollout_logps, backbone, **sampling))  # π_old: q, as sampled
+    ref_logps_fn = jax.jit(functools.partial(rollout_logps, backbone, temperature=args.temperature))
     step_fn = remat.jit(
-        lambda s, f, b: train_step(backbone, optimizer, args, s, f, batch=b, context_length=query_length(b)),
+        lambda s, f, b: train_step(
+            backbone, optimizer, args, s, f, batch=b, context_length=common.query_length(b)
+        ),
         donate_argnums=0,
         out_shardings=(state_shardings, common.replicated(run.mesh)),
     )
@@ -675,12 +640,14 @@ def main(args):
             query_mask[idx],
             key=gen_key,
             stop_ids=stops,
-            pad_id=pad,
+            pad_id=tokenizer.pad_token_id,
             on_data=on_data,
         )
-        qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
+        qb = common.query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
-        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb, stops)  # rewards: (1)
+        texts, ids, lengths, has_eos = common.decode_completions(
+            tokenizer, batch, sequence_lengths, qb, stops
+        )  # rewards: (1)
         scores, parts = scorer(
             [prompts[i] for i in idx],
             texts,
@@ -697,14 +664,20 @@ def main(args):
             advantages, accepted = rft_advantages(rewards, args.accept_reward)
             batch["response_mask"] = batch["response_mask"] & common.put_global(accepted[:, None], on_data)
         batch["advantages"] = common.put_global(advantages, on_data)  # relative to the prompt's group (2)
-        if off_policy or ref_params is not None:  # else neither π_old nor π_ref needs a forward
-            batch.update(logps_fn(state[0] if off_policy else None, ref_params, frozen, batch))
-        meter = {}  # mismatch/*: here, or in train_step
+        if off_policy:  # π_old, the rollout's weights (a single update needs none: π_old = sg(π_θ))
+            batch["old_logps"] = old_logps_fn(state[0], frozen, batch)
+        if ref_params is not None:  # π_ref, β > 0
+            batch["ref_logps"] = ref_logps_fn(ref_params, frozen, batch)
+        # mismatch/*: the sampler against the first forward of the weights that sampled: π_old's here, if made
+        # (the sampler's log-probs then leave the batch), else train_step's
+        meter = {}
         if "old_logps" in batch:
             meter = mismatch(batch["old_logps"], batch.pop("sampler_logps"), batch["padding_mask"][:, qb:])
         ticks.append(plumbing.synced(batch))
         updates = []  # update: num_iterations passes, each over num_mini_batches shuffled mini-batches
-        for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data):
+        for mb_idx in common.mini_batches(
+            rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data
+        ):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
         # tokens sampled: through each stop (R without one); tokens/s, MFU: those + prompts' (of B·(Qb+R))
@@ -713,22 +686,24 @@ def main(args):
             {
                 **plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())),
                 **meter,
-                **reward_metrics(rewards, parts, lengths, has_eos),
+                **common.reward_metrics(rewards, parts, lengths, has_eos),
                 "reward_std": float(np.mean(group_std)),
                 "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
                 "charts/generate_compilations": float(gen_fn._cache_size()),
                 "charts/query_padding_fraction": float(1 - query_mask[idx].sum() / (len(idx) * qb)),
             },
             tokens=real,
-            padded=len(idx) * (qb + r),
+            padded=len(idx) * (qb + args.response_length),
             flops=real * flops_per_token,
         )
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
-            for i in range(min(4, g)):  # the first group: one prompt, its completions, their advantages
-                print(
+            print(  # the first group: one prompt, its completions, their advantages
+                "\n".join(
                     f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r} reward {rewards[i]:.3f} "
                     f"advantage {float(advantages[i]):+.2f}"
+                    for i in range(min(4, g))
                 )
+            )
         run.checkpoint((state[0], state[1], jax.random.key_data(key)), {"rng": rng.bit_generator.state})
 
     # ---- outputs: the policy (LoRA merged) as a KerasHub preset ----

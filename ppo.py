@@ -22,7 +22,6 @@ plumbing.answer_help(__name__, __file__)
 import common  # noqa: E402  (mesh, models, data files, the scorer)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -458,29 +457,6 @@ def rollout(gen_fn, params, frozen, queries, query_mask, *, key, stop_ids, pad_i
     }, sequence_lengths
 
 
-def query_length(batch):
-    """Qb, the width of a rollout batch's queries: query_responses [B, Qb+R] less response_mask [B, R]."""
-    return batch["query_responses"].shape[1] - batch["response_mask"].shape[1]
-
-
-def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
-    """The responses cut before their stop token -> (texts, their token ids, lengths [B]: tokens before it
-    (all R without one), has_eos [B]: ended by a stop token, EOS or another), on the host, whole."""
-    responses = common.to_host(batch["query_responses"][:, context_length:])
-    has_eos = np.isin(responses, stop_ids).any(1)
-    lengths = common.to_host(sequence_lengths) + 1 - has_eos
-    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
-    texts = tokenizer.detokenize(ids)
-    return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
-
-
-def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
-    """Index arrays [B / num_mini_batches]: num_epochs passes over the batch, reshuffled for each."""
-    for _ in range(num_epochs):
-        for part in np.split(rng.permutation(batch_size), num_mini_batches):  # equal parts: checked at start
-            yield common.put_global(part, on_data)
-
-
 def main(args):
     # ---- set-up: every flag, file and row checked before the models load ----
     # flags and --output-dir checked; nothing written
@@ -550,9 +526,10 @@ def main(args):
     # Through one jit with explicit out_shardings, so the trainable values carry the mesh in their types and are
     # committed to their devices, as the updated ones will be: the sampler sees the same input types every step.
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
+    # over max_steps (unless resumed) × epochs × mini-batches optimizer updates; Adam's ε as TRL's PPO
     optimizer, schedule, warmup = plumbing.make_optimizer(
         args, run.schedule_steps, updates_per_step=args.num_ppo_epochs * args.num_mini_batches, eps=1e-5
-    )  # max_steps unless resumed
+    )
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
@@ -576,7 +553,7 @@ def main(args):
 
     @jax.jit
     def stats_fn(params, ref_params, frozen, batch):  # the batch's own query width: a compilation per bucket
-        context_length = query_length(batch)
+        context_length = common.query_length(batch)
         return rollout_stats(
             models,
             params,
@@ -589,7 +566,9 @@ def main(args):
 
     adv_fn = jax.jit(functools.partial(advantages_of, args=args))
     step_fn = remat.jit(
-        lambda s, f, b: train_step(models, optimizer, args, s, f, batch=b, context_length=query_length(b)),
+        lambda s, f, b: train_step(
+            models, optimizer, args, s, f, batch=b, context_length=common.query_length(b)
+        ),
         donate_argnums=0,
         out_shardings=(state_shardings, common.replicated(run.mesh)),
     )
@@ -628,10 +607,12 @@ def main(args):
             pad_id=pad,
             on_data=on_data,
         )
-        qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
+        qb = common.query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
         # rewards: a score per response (1), minus the missing-EOS penalty; log-probs of policy and reference; values
-        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb, stops)
+        texts, ids, lengths, has_eos = common.decode_completions(
+            tokenizer, batch, sequence_lengths, qb, stops
+        )
         scores, _ = scorer(
             [prompts[i] for i in idx],
             texts,
@@ -651,7 +632,9 @@ def main(args):
         ticks.append(plumbing.synced(batch))
         # update: num_ppo_epochs passes, each over num_mini_batches shuffled mini-batches
         updates = []
-        for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_ppo_epochs, on_data):
+        for mb_idx in common.mini_batches(
+            rng, args.batch_size, args.num_mini_batches, args.num_ppo_epochs, on_data
+        ):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
         # generate tokens/s: the tokens sampled, through each stop token (all R without one); tokens/s and

@@ -21,7 +21,6 @@ plumbing.answer_help(__name__, __file__)
 import common  # noqa: E402  (mesh, models, data files, the scorer)
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import keras  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -409,11 +408,6 @@ def check_args(args, mesh):
     if args.reward_clip_range is not None and not args.reward_clip_range[0] < args.reward_clip_range[1]:
         low, high = args.reward_clip_range
         raise common.UsageError(f"--reward-clip-range {low} {high}: expected MIN < MAX")
-    if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
-        raise common.UsageError(
-            f"--reward-weights: {len(args.reward_weights)} weights for "
-            f"{len(args.reward_fn)} --reward-fn functions"
-        )
     common.check_sampler(args.model)  # a family whose decoder layers the sampler knows
 
 
@@ -432,46 +426,6 @@ def rollout(gen_fn, params, frozen, queries, query_mask, *, key, stop_ids, pad_i
         "padding_mask": jnp.concatenate([qm, response_mask], 1),
         "sampler_logps": sampler_logps,
     }, sequence_lengths
-
-
-def query_length(batch):
-    """Qb, the width of a rollout batch's queries: query_responses [B, Qb+R] less response_mask [B, R]."""
-    return batch["query_responses"].shape[1] - batch["response_mask"].shape[1]
-
-
-def decode(tokenizer, batch, sequence_lengths, context_length, stop_ids):
-    """The responses cut before their stop token -> (texts, their token ids, lengths [B]: tokens before it
-    (all R without one), has_eos [B]: ended by a stop token, EOS or another), on the host, whole."""
-    responses = common.to_host(batch["query_responses"][:, context_length:])
-    has_eos = np.isin(responses, stop_ids).any(1)
-    lengths = common.to_host(sequence_lengths) + 1 - has_eos
-    ids = [list(x[:n]) for x, n in zip(responses, lengths)]
-    texts = tokenizer.detokenize(ids)
-    return [t.decode() if isinstance(t, bytes) else str(t) for t in texts], ids, lengths, has_eos
-
-
-def reward_metrics(rewards, parts, lengths, has_eos):
-    """The summed reward (before the KL) and its std over the batch, each reward function's (or the reward
-    model's) mean and std, completion lengths."""
-    # a function's None (NaN here) is left out of its mean and std, as TRL does
-    # differs from grpo.py's: reward_std is here, the batch's (grpo.py's main logs its groups' mean std)
-    return {
-        "reward": float(rewards.mean()),
-        "reward_std": float(rewards.std(ddof=1)),
-        **{f"rewards/{k}/mean": float(np.nanmean(v)) for k, v in parts.items()},
-        **{f"rewards/{k}/std": float(np.nanstd(v)) for k, v in parts.items()},
-        "completions/mean_length": float(lengths.mean()),
-        "completions/min_length": float(lengths.min()),
-        "completions/max_length": float(lengths.max()),
-        "completions/clipped_ratio": float(1.0 - has_eos.mean()),
-    }
-
-
-def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
-    """Index arrays [B / num_mini_batches]: num_epochs passes over the batch, reshuffled for each."""
-    for _ in range(num_epochs):
-        for part in np.split(rng.permutation(batch_size), num_mini_batches):  # equal parts: checked at start
-            yield common.put_global(part, on_data)
 
 
 def main(args):
@@ -521,9 +475,10 @@ def main(args):
     params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), out_shardings=common.shardings(params))(params)
     ref_params = common.frozen_copy(params, run.frozen_dtype) if args.beta else None
     off_policy = args.num_iterations > 1 or args.num_mini_batches > 1  # π_old differs from π_θ at some update
+    # over max_steps (unless resumed) × μ × mini-batches optimizer updates (TRL counts optimizer steps)
     optimizer, schedule, warmup = plumbing.make_optimizer(
         args, run.schedule_steps, updates_per_step=args.num_iterations * args.num_mini_batches
-    )  # max_steps unless resumed
+    )
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)  # scalars replicated
     state_shardings = (common.shardings(params), opt_shardings)
     key, rng = jax.random.key(args.seed), np.random.default_rng(args.seed)
@@ -547,10 +502,14 @@ def main(args):
         )
     )  # group: a prompt's G rows share its prefill
     logps_fn = jax.jit(
-        lambda p, rp, f, b: rollout_logps(backbone, p, rp, f, b, context_length=query_length(b), **sampling)
+        lambda p, rp, f, b: rollout_logps(
+            backbone, p, rp, f, b, context_length=common.query_length(b), **sampling
+        )
     )
     step_fn = remat.jit(
-        lambda s, f, b: train_step(backbone, optimizer, args, s, f, batch=b, context_length=query_length(b)),
+        lambda s, f, b: train_step(
+            backbone, optimizer, args, s, f, batch=b, context_length=common.query_length(b)
+        ),
         donate_argnums=0,
         out_shardings=(state_shardings, common.replicated(run.mesh)),
     )
@@ -586,10 +545,12 @@ def main(args):
             pad_id=pad,
             on_data=on_data,
         )
-        qb = query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
+        qb = common.query_length(batch)  # the width of this batch's queries: the bucket of its longest prompt
         ticks.append(plumbing.synced(batch))
         # rewards: one scalar per completion (1), a weighted sum over the reward functions (or the RM score)
-        texts, ids, lengths, has_eos = decode(tokenizer, batch, sequence_lengths, qb, stops)
+        texts, ids, lengths, has_eos = common.decode_completions(
+            tokenizer, batch, sequence_lengths, qb, stops
+        )
         scores, parts = scorer(
             [prompts[i] for i in idx],
             texts,
@@ -629,7 +590,9 @@ def main(args):
         ticks.append(plumbing.synced(batch))
         # update: num_iterations passes, each over num_mini_batches shuffled mini-batches
         updates = []
-        for mb_idx in mini_batches(rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data):
+        for mb_idx in common.mini_batches(
+            rng, args.batch_size, args.num_mini_batches, args.num_iterations, on_data
+        ):
             state, metrics = step_fn(state, frozen, jax.tree.map(lambda x: x[mb_idx], batch))
             updates.append(metrics)
         # generate tokens/s: the tokens sampled, through each stop token (all R without one); tokens/s and
@@ -639,7 +602,8 @@ def main(args):
             {
                 **plumbing.phase_metrics(updates, ticks, int((lengths + has_eos).sum())),
                 **meter,
-                **reward_metrics(rewards, parts, lengths, has_eos),
+                **common.reward_metrics(rewards, parts, lengths, has_eos),
+                "reward_std": float(rewards.std(ddof=1)),  # the batch's (grpo.py logs its groups' mean std)
                 **kl_log,
                 "frac_reward_zero_std": float(np.mean(np.isclose(group_std, 0.0))),
                 "charts/generate_compilations": float(gen_fn._cache_size()),

@@ -208,9 +208,7 @@ def main(args):
     cache = common.empty_cache(backbone, b, q + r)  # what a decode step reads besides the weights
     logits = [np.asarray(fn(params, frozen, queries, query_mask)[0]) for fn in prefills.values()]  # [B, 1, V]
     delta = {"prefill_logits_max_abs": float(np.abs(logits[0]).max())}
-    delta["fused_draw"] = tpu_kernels.fits(
-        backbone, b, t, top_k=0, top_p=1.0, min_p=None
-    )  # the working tree's
+    delta["fused_draw"] = tpu_kernels.fits(backbone, b, t)  # the working tree's (common.categorical asks it)
     if len(logits) == 2:  # the two sides' prefill logits (float32): the rounding apart, if any
         delta["prefill_logits_max_abs_diff"] = float(np.abs(logits[0] - logits[1]).max())
     return report(args, times, int(out["after"][1]), params + frozen, jax.tree.leaves(cache), delta)

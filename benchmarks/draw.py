@@ -1,6 +1,6 @@
 """The sampler's draw alone, at Gemma-2B's output layer (D 2048, V 256k, random bf16 weights): tpu_kernels.py's
 fused kernel (the output layer's matmul, the Gumbel noise, the arg-max and the log-sum-exp in one pass) at
-each --blocks size, beside XLA's draw as grpo.generate writes it (the matmul writing bf16 logits, then the
+each --blocks size, beside XLA's draw as common.categorical runs it off the chip (the matmul writing bf16 logits, then the
 noise and first_max, then filtered_logps' log-sum-exp). Each timed call runs --steps draws in a fori_loop,
 the hidden states scaled a little each step (so the matmul cannot be hoisted out of it), each with its own
 key; the share of tokens equal to XLA's is reported.
@@ -21,7 +21,7 @@ import plumbing  # noqa: E402  (instant: `--help` below answers before the heavy
 
 plumbing.answer_help(__name__, __file__)
 
-import common  # noqa: E402, F401  (KERAS_BACKEND=jax)
+import common  # noqa: E402  (KERAS_BACKEND=jax; first_max: XLA's one-pass arg-max)
 import grpo  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -46,10 +46,10 @@ class Args:
 
 
 def xla_draw(hidden, w, key):
-    """grpo.generate's draw without the kernel, for a tied output layer w [V, D] at T = 1."""
+    """common.categorical's draw without the kernel (XLA's), for a tied output layer w [V, D] at T = 1."""
     raw = hidden @ w.T
-    z = jax.random.gumbel(key, raw.shape) + grpo.filter_logits(raw.astype(jnp.float32))
-    token = grpo.first_max(z)
+    z = jax.random.gumbel(key, raw.shape) + raw.astype(jnp.float32)
+    token = common.first_max(z)
     return token, grpo.filtered_logps(raw, token, 1.0)[0]
 
 

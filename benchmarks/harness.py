@@ -744,7 +744,7 @@ def ppo_rollout(module, args, models, mesh, rng, vocab, ref_params):
         advantages, returns, _ = adv_fn(scores, logprobs, ref_logprobs, values, lengths)
         batch.update(logprobs=logprobs, values=values, advantages=advantages, returns=returns)
         t2 = plumbing.synced(batch)
-        for idx in module.mini_batches(order, b, args.num_mini_batches, args.num_ppo_epochs, on_data):
+        for idx in common.mini_batches(order, b, args.num_mini_batches, args.num_ppo_epochs, on_data):
             state, metrics = step_fn(state, jax.tree.map(lambda x: x[idx], batch), extra)
         return state, (t1 - t0, t2 - t1, plumbing.synced((state, metrics)) - t2)
 
@@ -880,13 +880,13 @@ def grpo_rollout(module, args, backbone, mesh, rng, vocab, advantages=group_adva
             on_data=on_data,
         )
         t1 = plumbing.synced(batch)
-        texts, ids = module.decode(tokenizer, batch, lengths, q, (EOS,))[:2]
+        texts, ids = common.decode_completions(tokenizer, batch, lengths, q, (EOS,))[:2]
         rewards = common.to_host(scorer(prompts, texts, batch, [{"prompt": p} for p in prompts], ids)[0])
         batch["advantages"] = common.put_global(
             jax.device_get(advantages(module, jnp.asarray(rewards), args)), on_data
         )
         t2 = plumbing.synced(batch)
-        for idx in module.mini_batches(order, b, args.num_mini_batches, args.num_iterations, on_data):
+        for idx in common.mini_batches(order, b, args.num_mini_batches, args.num_iterations, on_data):
             state, metrics = step_fn(state, jax.tree.map(lambda x: x[idx], batch), extra)
         return state, (t1 - t0, t2 - t1, plumbing.synced((state, metrics)) - t2)
 

@@ -344,7 +344,7 @@ def test_a_batch_cut_to_its_bucket_samples_and_scores_as_at_the_full_width():
         pad_id=pad,
         on_data=on_data,
     )[0]
-    assert queries.shape[1] == 128 and grpo.query_length(full) == 32  # rollout cut the batch to its bucket
+    assert queries.shape[1] == 128 and common.query_length(full) == 32  # rollout cut the batch to its bucket
     full = jax.device_get(full)  # on the host: the reference below runs on the same (unsharded) inputs
     # the unbucketed reference: the same batch at the full width, through the sampler directly
     tokens = gen(params, frozen, jnp.asarray(queries), jnp.asarray(query_mask), jax.random.key(0))[0]

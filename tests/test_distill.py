@@ -449,7 +449,7 @@ def test_distillation_moves_a_weak_student_toward_its_teacher_on_the_toy_task():
             pad_id=pad,
             on_data=on_data,
         )
-        texts = distill.decode(tokenizer, batch, lengths, distill.query_length(batch), stops)[0]
+        texts = common.decode_completions(tokenizer, batch, lengths, common.query_length(batch), stops)[0]
         return float(np.mean(batch_score(test_prompts, texts)))
 
     args = distill.Args(
@@ -467,7 +467,7 @@ def test_distillation_moves_a_weak_student_toward_its_teacher_on_the_toy_task():
             s,
             f,
             batch=b,
-            context_length=distill.query_length(b),
+            context_length=common.query_length(b),
             teacher=backbone,
             teacher_weights=tw,
         )

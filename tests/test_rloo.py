@@ -41,7 +41,6 @@ TINY = [
         ({"batch_size": 16, "num_mini_batches": 4}, "divisible by the data axis"),
         ({"num_iterations": 0}, "--num-iterations"),
         ({"reward_clip_range": (1.0, -1.0)}, "--reward-clip-range 1.0 -1.0: expected MIN < MAX"),
-        ({"reward_weights": (1.0, 2.0)}, "2 weights for 1 --reward-fn"),
         ({"top_p": 0.0}, "--top-p must be in"),
     ],
 )

@@ -358,7 +358,6 @@ def test_the_three_samplers_are_one_copy():
         "response_logps",
         "mismatch",
         "rollout",
-        "decode",
     )
     grpo, rloo, ppo, distill = (importlib.import_module(s) for s in RL + ("distill",))
     for name in names:
@@ -564,9 +563,7 @@ def test_completions_end_at_the_chats_turn_end(template, script, chat_tokenizers
     """A tiny model that writes the turn end and carries on: stopped at EOS only (main before), every
     completion runs to R; stopped at the template's turn end too, each ends there: the same tokens up to it,
     PAD after, the loss mask through it, completion_ids and the text before it, clipped_ratio 0."""
-    import grpo
-
-    sampler = importlib.import_module(script)  # generate, rollout, decode: the script's own copy
+    sampler = importlib.import_module(script)  # generate, rollout: the script's own copy
     backbone, params, frozen, queries, query_mask, _, pad = tiny
     tok, r = chat_tokenizers[template], 32
     stops = common.stop_token_ids(tok, common.CHAT_TEMPLATES[template])  # (EOS, the turn end)
@@ -599,19 +596,19 @@ def test_completions_end_at_the_chats_turn_end(template, script, chat_tokenizers
             pad_id=pad,
             on_data=on_data,
         )
-        qb = sampler.query_length(batch)
-        out[kind] = (jax.device_get(batch), *sampler.decode(tok, batch, lengths, qb, ids))
+        qb = common.query_length(batch)
+        out[kind] = (jax.device_get(batch), *common.decode_completions(tok, batch, lengths, qb, ids))
     turn, (batch, texts, ids, lengths, ended) = stops[1], out["turn end"]
     carried = out["eos only"][0]["query_responses"][:, qb:]
     assert (carried[:, : r // 2] == turn).any(1).all() and (carried != pad).all()  # wrote it, and went on
     assert (
-        grpo.reward_metrics(np.zeros(8), {}, out["eos only"][3], out["eos only"][4])[
+        common.reward_metrics(np.zeros(8), {}, out["eos only"][3], out["eos only"][4])[
             "completions/clipped_ratio"
         ]
         == 1.0
     )
     responses, mask = batch["query_responses"][:, qb:], batch["response_mask"]
-    assert grpo.reward_metrics(np.zeros(8), {}, lengths, ended)["completions/clipped_ratio"] == 0.0
+    assert common.reward_metrics(np.zeros(8), {}, lengths, ended)["completions/clipped_ratio"] == 0.0
     for i in range(8):
         n = int(np.argmax(carried[i] == turn))  # the first turn end
         np.testing.assert_array_equal(responses[i, : n + 1], carried[i, : n + 1])  # the same tokens up to it
