@@ -174,8 +174,8 @@ def sequence_logps(logps, loss_mask, average=False):
 def concatenated_forward(backbone, params, frozen, batch, average=False):
     """Chosen and rejected through the model in ONE forward pass (stacked on the batch axis).
 
-    batch: {chosen,rejected}_{ids,padding_mask,loss_mask}, each [B, T] -> (chosen, rejected) logps, [B] each,
-    the chosen responses' summed NLL, [B] (--sft-weight's), and the forward's aux_loss (token_logps).
+    batch: {chosen,rejected}_{ids,padding_mask,loss_mask}, each [B, T] -> ({chosen_logps, rejected_logps, nll:
+    the chosen responses' summed NLL (--sft-weight's)}, [B] each; the forward's aux_loss (token_logps)).
     """
     both = {
         k: jnp.concatenate([batch[f"chosen_{k}"], batch[f"rejected_{k}"]])  # [2B, T]
@@ -185,7 +185,7 @@ def concatenated_forward(backbone, params, frozen, batch, average=False):
     seq = sequence_logps(logps, both["loss_mask"], average)
     b = batch["chosen_ids"].shape[0]
     nll = -sequence_logps(logps[:b], batch["chosen_loss_mask"])  # summed, also under `average`
-    return seq[:b], seq[b:], nll, aux_loss
+    return {"chosen_logps": seq[:b], "rejected_logps": seq[b:], "nll": nll}, aux_loss
 
 
 def dpo_loss(
@@ -236,12 +236,31 @@ def dpo_loss(
 
 
 def reference_logps(backbone, ref_params, frozen, batch, average=False):
-    """πref log-probs: precomputed ones from the batch, else a forward with the reference params."""
+    """πref's {ref_chosen_logps, ref_rejected_logps}, [B] each: precomputed ones from the batch, else a forward
+    with the reference params."""
     if "ref_chosen_logps" in batch:
-        return batch["ref_chosen_logps"], batch["ref_rejected_logps"]
+        return {k: batch[k] for k in ("ref_chosen_logps", "ref_rejected_logps")}
     # stop_gradient: the reference is frozen (no gradient flows into the shared `frozen` weights); so is its
     # router: its aux_loss is not trained (TRL's reference forward returns none)
-    return jax.lax.stop_gradient(concatenated_forward(backbone, ref_params, frozen, batch, average)[:2])
+    logps = jax.lax.stop_gradient(concatenated_forward(backbone, ref_params, frozen, batch, average)[0])
+    return {"ref_chosen_logps": logps["chosen_logps"], "ref_rejected_logps": logps["rejected_logps"]}
+
+
+def compute_loss(logps, args, num_chosen_tokens):
+    """This run's loss on a batch's log-probs (concatenated_forward's and reference_logps') -> (loss, metrics):
+    dpo_loss with the run's flags, the chosen NLL a token mean over num_chosen_tokens. The training step and
+    the evaluation both call it, so a term added here is trained and evaluated alike."""
+    return dpo_loss(
+        logps["chosen_logps"],
+        logps["rejected_logps"],
+        logps["ref_chosen_logps"],
+        logps["ref_rejected_logps"],
+        beta=args.beta,
+        loss_type=args.loss_type,
+        label_smoothing=args.label_smoothing,
+        nll_loss=logps["nll"].sum() / num_chosen_tokens,
+        sft_weight=args.sft_weight,
+    )
 
 
 def lora_off(backbone, params):
@@ -262,9 +281,9 @@ def precompute_reference_logps(backbone, ref_params, frozen, data, lengths, *, a
     @jax.jit
     def forward(ref_params, frozen, batch):
         batch = jax.tree.map(lambda x: x[0], batch)  # [1, B, ...] -> [B, ...]
-        return concatenated_forward(backbone, ref_params, frozen, batch, average)[:2]
+        return reference_logps(backbone, ref_params, frozen, batch, average)
 
-    ref_chosen, ref_rejected = common.per_example(
+    return common.per_example(
         partial(forward, ref_params, frozen),
         data,
         args.batch_size,
@@ -272,7 +291,6 @@ def precompute_reference_logps(backbone, ref_params, frozen, data, lengths, *, a
         lengths=lengths,
         max_length=args.max_length,
     )
-    return {"ref_chosen_logps": ref_chosen, "ref_rejected_logps": ref_rejected}
 
 
 # ---------------------------------------------------------------------------
@@ -290,19 +308,10 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
     num_chosen_tokens = jnp.maximum(batch["chosen_loss_mask"][:, :, 1:].sum(), 1)  # whole update
 
     def micro_loss(p, micro):
-        chosen, rejected, nll, aux_loss = concatenated_forward(backbone, p, frozen, micro, average)
-        ref_chosen, ref_rejected = reference_logps(backbone, ref_params, frozen, micro, average)
-        loss, metrics = dpo_loss(
-            chosen,
-            rejected,
-            ref_chosen,
-            ref_rejected,
-            beta=args.beta,
-            loss_type=args.loss_type,
-            label_smoothing=args.label_smoothing,
-            nll_loss=nll.sum() / num_chosen_tokens * accum,
-            sft_weight=args.sft_weight,
-        )
+        logps, aux_loss = concatenated_forward(backbone, p, frozen, micro, average)
+        logps.update(reference_logps(backbone, ref_params, frozen, micro, average))
+        # ÷ accum below: the chosen NLL stays a token mean over the whole update
+        loss, metrics = compute_loss(logps, args, num_chosen_tokens / accum)
         loss = loss + aux_loss  # + the policy's router load-balancing loss (a mixture of experts; 0.0 dense)
         return loss / accum, {"train/loss": loss, "aux_loss": aux_loss, **metrics}  # equal micro-batches
 
@@ -362,9 +371,8 @@ def main(args):
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
     lengths, eval_lengths = pair_lengths(train_data), pair_lengths(eval_data) if evals else None
 
-    optimizer, schedule, warmup = plumbing.make_optimizer(
-        args, run.schedule_steps
-    )  # max_steps unless resumed
+    # over max_steps, unless resumed (run.schedule_steps)
+    optimizer, schedule, warmup = plumbing.make_optimizer(args, run.schedule_steps)
     params, frozen = common.split_variables(backbone, frozen_dtype=run.frozen_dtype)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     average = args.loss_type == "ipo"
@@ -400,13 +408,13 @@ def main(args):
 
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     @jax.jit
-    def eval_fn(params, ref_params, frozen, batch):
-        batch = jax.tree.map(lambda x: x[0], batch)  # [1, B, ...] -> [B, ...]
-        chosen, rejected, nll, _ = concatenated_forward(backbone, params, frozen, batch, average)
-        return chosen, rejected, nll, *reference_logps(backbone, ref_params, frozen, batch, average)
+    def eval_fn(params, ref_params, frozen, batch):  # [1, B, ...] -> what compute_loss reads, [B] each
+        batch = jax.tree.map(lambda x: x[0], batch)
+        logps = concatenated_forward(backbone, params, frozen, batch, average)[0]
+        return {**logps, **reference_logps(backbone, ref_params, frozen, batch, average)}
 
-    def evaluate(params):
-        chosen, rejected, nll, ref_chosen, ref_rejected = common.per_example(
+    def evaluate(params):  # every eval pair's log-probs, then the loss over all of them at once
+        logps = common.per_example(
             partial(eval_fn, params, ref_params, frozen),
             {**eval_data, **eval_ref_logps},  # with --precompute-ref, its log-probs ride along
             args.batch_size,
@@ -414,19 +422,9 @@ def main(args):
             lengths=eval_lengths,
             max_length=args.max_length,
         )
-        loss, metrics = dpo_loss(
-            chosen,
-            rejected,
-            ref_chosen,
-            ref_rejected,
-            beta=args.beta,
-            loss_type=args.loss_type,
-            label_smoothing=args.label_smoothing,
-            nll_loss=nll.sum() / eval_data["chosen_loss_mask"][:, 1:].sum(),
-            sft_weight=args.sft_weight,
-        )
-        metrics = {f"eval/{k}": v for k, v in metrics.items()}  # accuracy and margin first: Run prints those
-        return {**metrics, "eval/loss": loss}
+        loss, metrics = compute_loss(logps, args, eval_data["chosen_loss_mask"][:, 1:].sum())
+        # accuracy and margin first: Run prints the first three
+        return {**{f"eval/{k}": v for k, v in metrics.items()}, "eval/loss": loss}
 
     # ---- the loop: batch -> step -> log -> eval -> checkpoint ----
     # FLOPs per token: 6N (forward + backward) + 2N for the online reference forward (docs/design.md);

@@ -265,6 +265,24 @@ def kto_loss(
     return (weights * losses).mean(), {"rewards/margins": margins, "kl": kl, **metrics}
 
 
+def compute_loss(logps, args):
+    """This run's loss on examples' log-probs -> (loss, metrics): kto_loss with the run's flags on
+    {completion_logps, ref_completion_logps, label}, [B] each, with z₀ from {KL_logps, ref_KL_logps} (the whole
+    batch's mismatched pairs; none for apo_zero_unpaired). The training step (each micro-batch's loss, the whole
+    batch's metrics) and the evaluation call it, so a term added here is trained and evaluated alike."""
+    return kto_loss(
+        logps["completion_logps"],
+        logps["ref_completion_logps"],
+        logps.get("KL_logps"),
+        logps.get("ref_KL_logps"),
+        logps["label"],
+        beta=args.beta,
+        desirable_weight=args.desirable_weight,
+        undesirable_weight=args.undesirable_weight,
+        loss_type=args.loss_type,
+    )
+
+
 # Means over one kind of example, and the counts that weight each step's value in a --log-every interval's
 # average (plumbing.Run's `counted`); margins: by the step's desirable × undesirable.
 COUNTED = {
@@ -327,46 +345,38 @@ def train_step(backbone, optimizer, args, state, frozen, batch, ref_params):
     any micro-batch's gradient (A changes nothing)."""
     params, opt_state = state
     accum = batch["completion_ids"].shape[0]
-    loss_fn = partial(
-        kto_loss,
-        beta=args.beta,
-        desirable_weight=args.desirable_weight,
-        undesirable_weight=args.undesirable_weight,
-        loss_type=args.loss_type,
-    )
 
     def mismatched_logps(micro):  # π and πref log-probs of the mismatched pairs, [B/A] each: no gradients
-        return (
-            jax.lax.stop_gradient(concatenated_forward(backbone, params, frozen, micro, ("KL",))[0]),
-            reference_logps(backbone, ref_params, frozen, micro, ("KL",))[0],
-        )
+        return {
+            "KL_logps": jax.lax.stop_gradient(
+                concatenated_forward(backbone, params, frozen, micro, ("KL",))[0]
+            ),
+            "ref_KL_logps": reference_logps(backbone, ref_params, frozen, micro, ("KL",))[0],
+        }
 
-    # [A, B/A] each (apo_zero_unpaired reads none)
-    kl_logps, ref_kl_logps = (
-        jax.lax.map(mismatched_logps, batch)
-        if args.loss_type == "kto"
-        else (jnp.zeros((accum, 1)), jnp.zeros((accum, 1)))
-    )
-    kl_logps, ref_kl_logps = kl_logps.reshape(-1), ref_kl_logps.reshape(-1)  # the whole batch, [B]
+    # z₀'s sample, the whole batch's [B] (apo_zero_unpaired reads none)
+    z0 = jax.tree.map(jnp.ravel, jax.lax.map(mismatched_logps, batch)) if args.loss_type == "kto" else {}
 
     def micro_loss(p, micro):
         logps, aux_loss = concatenated_forward(backbone, p, frozen, micro, ("completion",))  # [B/A], scalar
-        ref_logps = reference_logps(backbone, ref_params, frozen, micro, ("completion",))[0]
-        loss, _ = loss_fn(logps, ref_logps, kl_logps, ref_kl_logps, micro["label"])
+        examples = {
+            "completion_logps": logps,
+            "ref_completion_logps": reference_logps(backbone, ref_params, frozen, micro, ("completion",))[0],
+            "label": micro["label"],
+        }
+        loss, _ = compute_loss({**examples, **z0}, args)
         loss = loss + aux_loss  # + the policy's router load-balancing loss (a mixture of experts; 0.0 dense)
-        return loss / accum, (jax.lax.stop_gradient(logps), ref_logps, aux_loss)  # equal micro-batches
+        return loss / accum, (jax.lax.stop_gradient(examples), aux_loss)  # equal micro-batches
 
     def accumulate(grads, micro):
-        (_, logps), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
-        return jax.tree.map(jnp.add, grads, g), logps
+        (_, out), g = jax.value_and_grad(micro_loss, has_aux=True)(params, micro)
+        return jax.tree.map(jnp.add, grads, g), out
 
-    grads, (logps, ref_logps, aux_loss) = jax.lax.scan(
-        accumulate, jax.tree.map(jnp.zeros_like, params), batch
-    )
+    grads, (examples, aux_loss) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
     # The loss and metrics of the whole batch, [A, B/A] -> [B] (the loss: the sum of the micro-batches')
-    loss, metrics = loss_fn(logps.ravel(), ref_logps.ravel(), kl_logps, ref_kl_logps, batch["label"].ravel())
+    loss, metrics = compute_loss({**jax.tree.map(jnp.ravel, examples), **z0}, args)
     return (params, opt_state), {
         "train/loss": loss + aux_loss.mean(),
         "aux_loss": aux_loss.mean(),
@@ -424,9 +434,8 @@ def main(args):
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
     lengths, eval_lengths = example_lengths(train_data), example_lengths(eval_data) if evals else None
 
-    optimizer, schedule, warmup = plumbing.make_optimizer(
-        args, run.schedule_steps
-    )  # max_steps unless resumed
+    # over max_steps, unless resumed (run.schedule_steps)
+    optimizer, schedule, warmup = plumbing.make_optimizer(args, run.schedule_steps)
     params, frozen = common.split_variables(backbone, frozen_dtype=run.frozen_dtype)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     # The reference πref = the initial policy, three ways: LoRA-off base (no copy), a frozen copy,
@@ -459,12 +468,16 @@ def main(args):
 
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     @jax.jit
-    def eval_fn(params, ref_params, frozen, batch):
-        batch = jax.tree.map(lambda x: x[0], batch)  # [1, B, ...] -> [B, ...]
-        logps = concatenated_forward(backbone, params, frozen, batch, names)[:-1]  # less the aux_loss
-        return *logps, *reference_logps(backbone, ref_params, frozen, batch, names)
+    def eval_fn(params, ref_params, frozen, batch):  # [1, B, ...] -> what compute_loss reads, [B] each
+        batch = jax.tree.map(lambda x: x[0], batch)
+        policy = concatenated_forward(backbone, params, frozen, batch, names)[:-1]  # less the aux_loss
+        ref = reference_logps(backbone, ref_params, frozen, batch, names)
+        logps = {f"{name}_logps": x for name, x in zip(names, policy)}
+        return {**logps, **{f"ref_{name}_logps": x for name, x in zip(names, ref)}, "label": batch["label"]}
 
-    def evaluate(params):  # z₀ from every eval example's mismatched pair; [-1]: the KL sequences, if any
+    def evaluate(
+        params,
+    ):  # every eval example's log-probs, then the loss over all (z₀: every mismatched pair)
         logps = common.per_example(
             partial(eval_fn, params, ref_params, frozen),
             eval_data,
@@ -473,18 +486,7 @@ def main(args):
             lengths=eval_lengths,
             max_length=args.max_length,
         )
-        policy, ref = logps[: len(names)], logps[len(names) :]
-        loss, metrics = kto_loss(
-            policy[0],
-            ref[0],
-            policy[-1],
-            ref[-1],
-            eval_data["label"],
-            beta=args.beta,
-            desirable_weight=args.desirable_weight,
-            undesirable_weight=args.undesirable_weight,
-            loss_type=args.loss_type,
-        )
+        loss, metrics = compute_loss(logps, args)
         return {"eval/loss": loss, **{f"eval/{k}": v for k, v in metrics.items()}}  # Run prints the first 3
 
     # ---- the loop: batch -> step -> log -> eval -> checkpoint ----

@@ -163,10 +163,10 @@ def sequence_logps(logps, loss_mask, average=False):
 def concatenated_forward(backbone, params, frozen, batch, prompt_nll=True):
     """Chosen and rejected through the model in ONE forward pass (stacked on the batch axis).
 
-    batch: {chosen,rejected}_{ids,padding_mask,loss_mask}, each [B, T] -> four [B] arrays:
-    per-token mean log-probs of chosen and rejected responses, and the chosen NLL sum and token
-    count (over prompt + response tokens if `prompt_nll`, else the response only; BOS and padding never);
-    and the forward's aux_loss (token_logps).
+    batch: {chosen,rejected}_{ids,padding_mask,loss_mask}, each [B, T] -> ({chosen_logps, rejected_logps:
+    per-token mean log-probs of the responses, nll, nll_tokens: the chosen NLL sum and its token count (over
+    prompt + response tokens if `prompt_nll`, else the response only; BOS and padding never)}, [B] each; the
+    forward's aux_loss (token_logps)).
     """
     # differs from dpo.py's: per-token mean log-probs (ORPO's odds), and the NLL over prompt + response
     # by default (TRL's)
@@ -180,7 +180,9 @@ def concatenated_forward(backbone, params, frozen, batch, prompt_nll=True):
     avg = total / jnp.maximum(count, 1)  # log P(y|x) as a per-token mean (Eq. 1)
     b = batch["chosen_ids"].shape[0]
     nll_mask = both["padding_mask" if prompt_nll else "loss_mask"][:b]  # [B, T]: tokens the NLL covers
-    return avg[:b], avg[b:], -sequence_logps(logps[:b], nll_mask), nll_mask[:, 1:].sum(-1), aux_loss
+    nll = -sequence_logps(logps[:b], nll_mask)
+    pairs = {"chosen_logps": avg[:b], "rejected_logps": avg[b:]}
+    return {**pairs, "nll": nll, "nll_tokens": nll_mask[:, 1:].sum(-1)}, aux_loss
 
 
 def log1mexp(x):
@@ -215,6 +217,14 @@ def orpo_loss(chosen_logps, rejected_logps, nll_loss, beta=0.1):
     return nll_loss - beta * ratio.mean(), metrics
 
 
+def compute_loss(logps, args, num_nll_tokens):
+    """This run's loss on a batch's log-probs (concatenated_forward's) -> (loss, metrics): orpo_loss with the
+    run's λ, the NLL a token mean over num_nll_tokens. The training step and the evaluation both call it, so a
+    term added here is trained and evaluated alike."""
+    nll = logps["nll"].sum() / num_nll_tokens
+    return orpo_loss(logps["chosen_logps"], logps["rejected_logps"], nll, args.beta)
+
+
 # ---------------------------------------------------------------------------
 # train_step: one optimizer update over `A` accumulated micro-batches
 # ---------------------------------------------------------------------------
@@ -230,9 +240,9 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     num_nll_tokens = jnp.maximum(batch[nll_key][:, :, 1:].sum(), 1)  # the whole update
 
     def micro_loss(p, micro):
-        chosen, rejected, nll, _, aux_loss = concatenated_forward(backbone, p, frozen, micro, args.prompt_nll)
-        # × accum, then ÷ accum below: the NLL stays a token mean over the whole update
-        loss, metrics = orpo_loss(chosen, rejected, nll.sum() / num_nll_tokens * accum, args.beta)
+        logps, aux_loss = concatenated_forward(backbone, p, frozen, micro, args.prompt_nll)
+        # ÷ accum below: the NLL stays a token mean over the whole update
+        loss, metrics = compute_loss(logps, args, num_nll_tokens / accum)
         loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
         return loss / accum, {"train/loss": loss, "aux_loss": aux_loss, **metrics}  # equal micro-batches
 
@@ -292,9 +302,8 @@ def main(args):
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
     lengths, eval_lengths = pair_lengths(train_data), pair_lengths(eval_data) if evals else None
 
-    optimizer, schedule, warmup = plumbing.make_optimizer(
-        args, run.schedule_steps
-    )  # max_steps unless resumed
+    # over max_steps, unless resumed (run.schedule_steps)
+    optimizer, schedule, warmup = plumbing.make_optimizer(args, run.schedule_steps)
     params, frozen = common.split_variables(backbone, frozen_dtype=run.frozen_dtype)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     (params, opt_state), _ = run.resume((params, opt_state))
@@ -312,10 +321,10 @@ def main(args):
     run.record(remat=remat, num_warmup_steps=warmup)
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
-    eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), args.prompt_nll)[:4])
+    eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b), args.prompt_nll)[0])
 
-    def evaluate(params):
-        chosen, rejected, nll, count = common.per_example(
+    def evaluate(params):  # every eval pair's log-probs, then the loss over all of them at once
+        logps = common.per_example(
             lambda b: eval_fn(params, frozen, b),
             eval_data,
             args.batch_size,
@@ -323,9 +332,9 @@ def main(args):
             lengths=eval_lengths,
             max_length=args.max_length,
         )
-        loss, metrics = orpo_loss(chosen, rejected, nll.sum() / count.sum(), args.beta)
-        metrics = {f"eval/{k}": v for k, v in metrics.items()}  # accuracy and margin first: Run prints those
-        return {**metrics, "eval/loss": loss}
+        loss, metrics = compute_loss(logps, args, logps["nll_tokens"].sum())
+        # accuracy and margin first: Run prints the first three
+        return {**{f"eval/{k}": v for k, v in metrics.items()}, "eval/loss": loss}
 
     # ---- the loop: batch -> step -> log -> eval -> checkpoint ----
     # FLOPs per token: 6N (forward + backward; no reference model), N = all matmul weights incl.

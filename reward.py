@@ -155,12 +155,20 @@ def reward_loss(chosen_scores, rejected_scores):
     return loss, metrics
 
 
-def pair_scores(backbone, params, frozen, head, micro):
-    """Chosen and rejected in one forward, concatenated on the batch axis: ([B], [B], its aux_loss)."""
-    ids = jnp.concatenate([micro["chosen_token_ids"], micro["rejected_token_ids"]])  # [2B, T]
-    mask = jnp.concatenate([micro["chosen_padding_mask"], micro["rejected_padding_mask"]])
+def pair_scores(backbone, params, frozen, head, batch):
+    """Chosen and rejected in one forward, concatenated on the batch axis -> ({chosen_scores, rejected_scores},
+    [B] each; its aux_loss)."""
+    ids = jnp.concatenate([batch["chosen_token_ids"], batch["rejected_token_ids"]])  # [2B, T]
+    mask = jnp.concatenate([batch["chosen_padding_mask"], batch["rejected_padding_mask"]])
     scores, aux_loss = sequence_scores(backbone, params, frozen, head, token_ids=ids, padding_mask=mask)
-    return (*jnp.split(scores, 2), aux_loss)
+    chosen, rejected = jnp.split(scores, 2)
+    return {"chosen_scores": chosen, "rejected_scores": rejected}, aux_loss
+
+
+def compute_loss(scores):
+    """This run's loss on a batch's pair_scores -> (loss, metrics): the Bradley–Terry reward_loss. The training
+    step and the evaluation both call it, so a term added here is trained and evaluated alike."""
+    return reward_loss(scores["chosen_scores"], scores["rejected_scores"])
 
 
 # ---------------------------------------------------------------------------
@@ -176,8 +184,8 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     accum = batch["chosen_token_ids"].shape[0]
 
     def micro_loss(p, micro):
-        chosen, rejected, aux_loss = pair_scores(backbone, p[0], frozen, p[1], micro)
-        loss, metrics = reward_loss(chosen, rejected)
+        scores, aux_loss = pair_scores(backbone, p[0], frozen, p[1], micro)
+        loss, metrics = compute_loss(scores)
         loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
         return loss / accum, {**metrics, "aux_loss": aux_loss}  # mean over micro-batches = over the batch
 
@@ -238,9 +246,8 @@ def main(args):
     train_data, eval_data = pad_pairs(train, length), pad_pairs(evals, length) if evals else None
     lengths = pair_lengths(train_data)
 
-    optimizer, schedule, warmup = plumbing.make_optimizer(
-        args, run.schedule_steps
-    )  # max_steps unless resumed
+    # over max_steps, unless resumed (run.schedule_steps)
+    optimizer, schedule, warmup = plumbing.make_optimizer(args, run.schedule_steps)
     params, frozen = common.split_variables(backbone, frozen_dtype=run.frozen_dtype)
     head = jax.tree.map(
         lambda x: common.put_global(x, common.replicated(run.mesh)), init_head(backbone, args.seed)
@@ -260,29 +267,28 @@ def main(args):
     # args.json: the mode --remat auto chose, the warmup steps
     run.record(remat=remat, num_warmup_steps=warmup)
 
-    @jax.jit
-    def score_fn(params, frozen, batch):  # [1, B, T] -> ([B],): the scores without the aux_loss
-        backbone_params, head = params
-        scores, _ = sequence_scores(
-            backbone, backbone_params, frozen, head, token_ids=batch["ids"][0], padding_mask=batch["mask"][0]
-        )
-        return (scores,)
+    eval_fn = jax.jit(
+        lambda p, f, b: pair_scores(backbone, p[0], f, p[1], jax.tree.map(lambda x: x[0], b))[0]
+    )
 
-    def scores_of(params, data, side):
-        """r(x, y) of every `side` sequence of padded pairs, in length-bucketed batches: [N]."""
-        seqs = {"ids": data[f"{side}_token_ids"], "mask": data[f"{side}_padding_mask"]}
+    def scores_of(params, data):  # every pair's {chosen_scores, rejected_scores}, [N] each
         return common.per_example(
-            partial(score_fn, params, frozen),
-            seqs,
+            lambda b: eval_fn(params, frozen, b),
+            data,
             args.batch_size,
             run.mesh,
-            lengths=seqs["mask"].sum(-1),
+            lengths=pair_lengths(data),
             max_length=args.max_length,
-        )[0]
+        )
 
-    def evaluate(params):
-        chosen, rejected = scores_of(params, eval_data, "chosen"), scores_of(params, eval_data, "rejected")
-        return {"eval/accuracy": np.mean(chosen > rejected), "eval/margins": np.mean(chosen - rejected)}
+    def evaluate(params):  # every eval pair's scores, then the loss over all of them at once
+        loss, metrics = compute_loss(scores_of(params, eval_data))
+        # TRL's eval/accuracy first (Run prints the first three): the share of pairs ranked right
+        return {
+            "eval/accuracy": metrics["rewards/accuracies"],
+            "eval/margins": metrics["rewards/margins"],
+            "eval/loss": loss,
+        }
 
     # ---- the loop: batch -> step -> log -> eval -> checkpoint ----
     # FLOPs per token: 6N (forward + backward) on chosen and rejected tokens alike (docs/design.md).
@@ -299,7 +305,7 @@ def main(args):
     info = {"normalized": args.normalize}
     if args.normalize:  # reference set: chosen responses of the first N training pairs
         first = {k: v[: args.normalize_samples] for k, v in train_data.items()}
-        ref = scores_of(state[0], first, "chosen")
+        ref = scores_of(state[0], first)["chosen_scores"]
         head = {"weight": head["weight"], "bias": head["bias"] - float(ref.mean())}
         info.update(
             {

@@ -170,6 +170,15 @@ def sft_loss(logps, loss_mask, num_loss_tokens):
     return nll / num_loss_tokens, {"nll_sum": nll, "num_tokens": mask.sum()}
 
 
+def compute_loss(backbone, params, frozen, batch, num_loss_tokens):
+    """This run's loss on a batch [B, T] -> (loss, the forward's aux_loss): sft_loss over its loss tokens ÷
+    num_loss_tokens, the count of a whole update (the training step sums its micro-batches') or of the whole
+    eval set (the evaluation sums its batches'). Both call it, so a term added here is trained and evaluated
+    alike."""
+    logps, aux_loss = token_logps(backbone, params, frozen, batch["token_ids"], batch["padding_mask"])
+    return sft_loss(logps, batch["loss_mask"], num_loss_tokens)[0], aux_loss
+
+
 # ---------------------------------------------------------------------------
 # train_step: one optimizer update over `A` accumulated micro-batches
 # ---------------------------------------------------------------------------
@@ -184,8 +193,7 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     num_loss_tokens = jnp.maximum(batch["loss_mask"][:, :, 1:].sum(), 1)
 
     def micro_loss(p, micro):
-        logps, aux_loss = token_logps(backbone, p, frozen, micro["token_ids"], micro["padding_mask"])
-        loss, _ = sft_loss(logps, micro["loss_mask"], num_loss_tokens)
+        loss, aux_loss = compute_loss(backbone, p, frozen, micro, num_loss_tokens)
         # + the router load-balancing loss (a mixture of experts; 0.0 dense), per forward: ÷ A, its mean
         return loss + aux_loss / accum, aux_loss
 
@@ -210,14 +218,6 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
         "aux_loss": aux_losses.mean(),
     }
     return (new_params, new_opt_state), metrics
-
-
-def eval_nll(backbone, params, frozen, batch):
-    """Per-example NLL summed over loss tokens, and their count: ([B], [B]) for one eval batch
-    [1, B, T], summed over every example afterwards (a token mean over the whole eval set)."""
-    logps, _ = token_logps(backbone, params, frozen, batch["token_ids"][0], batch["padding_mask"][0])  # NLL
-    mask = batch["loss_mask"][0][:, 1:]  # [B, T-1]: is token t+1 a loss token (as in sft_loss)
-    return -jnp.sum(jnp.where(mask, logps, 0.0), -1), mask.sum(-1)
 
 
 def sample_prompt(segments):
@@ -278,9 +278,8 @@ def main(args):
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
     lengths = train_data["padding_mask"].sum(-1)
 
-    optimizer, schedule, warmup = plumbing.make_optimizer(
-        args, run.schedule_steps
-    )  # max_steps unless resumed
+    # over max_steps, unless resumed (run.schedule_steps)
+    optimizer, schedule, warmup = plumbing.make_optimizer(args, run.schedule_steps)
     params, frozen = common.split_variables(backbone, frozen_dtype=run.frozen_dtype)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     (params, opt_state), _ = run.resume((params, opt_state))
@@ -296,18 +295,21 @@ def main(args):
     )
     # args.json: the mode --remat auto chose, the warmup steps
     run.record(remat=remat, num_warmup_steps=warmup)
-    eval_fn = jax.jit(partial(eval_nll, backbone))
+    eval_fn = jax.jit(lambda p, f, b, n: compute_loss(backbone, p, f, jax.tree.map(lambda x: x[0], b), n)[0])
 
-    def evaluate(params):  # every eval example once (the last batch wraps around, then is trimmed)
-        nll, n = common.per_example(
-            lambda b: eval_fn(params, frozen, b),
+    def evaluate(
+        params,
+    ):  # the loss summed over eval batches [1, B, T] (each example once, ÷ all their tokens)
+        num_loss_tokens = max(eval_data["loss_mask"][:, 1:].sum(), 1)
+        loss = common.per_example(
+            lambda b: eval_fn(params, frozen, b, num_loss_tokens),
             eval_data,
             args.batch_size,
             run.mesh,
             lengths=eval_data["padding_mask"].sum(-1),
             max_length=args.max_length,
         )
-        return {"eval/loss": float(nll.sum() / max(n.sum(), 1))}
+        return {"eval/loss": float(loss)}
 
     # ---- the loop: batch -> step -> log -> eval -> checkpoint ----
     # FLOPs per token: 6N (forward + backward), N = all matmul weights incl. embedding (docs/design.md).

@@ -176,9 +176,9 @@ def sequence_logps(logps, loss_mask, average=False):
 def concatenated_forward(backbone, params, frozen, batch):
     """Chosen and rejected through the model in ONE forward pass (stacked on the batch axis).
 
-    batch: {chosen,rejected}_{ids,padding_mask,loss_mask}, each [B, T] -> four [B] arrays:
-    per-token mean log-probs of chosen and rejected responses, and the chosen NLL sum and token count;
-    and the forward's aux_loss (token_logps).
+    batch: {chosen,rejected}_{ids,padding_mask,loss_mask}, each [B, T] -> ({chosen_logps, rejected_logps:
+    per-token mean log-probs of the responses, nll, nll_tokens: the chosen NLL sum and its token count}, [B]
+    each; the forward's aux_loss (token_logps)).
     """
     # differs from dpo.py's: SimPO's log-probs are per-token means (length-normalised), and the chosen
     # NLL comes with its token count
@@ -191,7 +191,8 @@ def concatenated_forward(backbone, params, frozen, batch):
     count = both["loss_mask"][:, 1:].sum(-1)  # response tokens (EOS included), [2B]
     avg = total / jnp.maximum(count, 1)  # length normalisation (Eq. 1)
     b = batch["chosen_ids"].shape[0]
-    return avg[:b], avg[b:], -total[:b], count[:b], aux_loss
+    pairs = {"chosen_logps": avg[:b], "rejected_logps": avg[b:]}
+    return {**pairs, "nll": -total[:b], "nll_tokens": count[:b]}, aux_loss
 
 
 def simpo_loss(chosen_logps, rejected_logps, nll_loss=0.0, *, beta=2.0, gamma=0.5, sft_weight=0.0):
@@ -216,6 +217,21 @@ def simpo_loss(chosen_logps, rejected_logps, nll_loss=0.0, *, beta=2.0, gamma=0.
     return losses.mean() + sft_weight * nll_loss, metrics
 
 
+def compute_loss(logps, args, num_chosen_tokens):
+    """This run's loss on a batch's log-probs (concatenated_forward's) -> (loss, metrics): simpo_loss with the
+    run's flags, the chosen NLL a token mean over num_chosen_tokens. The training step and the evaluation both
+    call it, so a term added here is trained and evaluated alike."""
+    nll = logps["nll"].sum() / num_chosen_tokens
+    return simpo_loss(
+        logps["chosen_logps"],
+        logps["rejected_logps"],
+        nll,
+        beta=args.beta,
+        gamma=args.gamma,
+        sft_weight=args.sft_weight,
+    )
+
+
 # ---------------------------------------------------------------------------
 # train_step: one optimizer update over `A` accumulated micro-batches
 # ---------------------------------------------------------------------------
@@ -230,16 +246,9 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     num_chosen_tokens = jnp.maximum(batch["chosen_loss_mask"][:, :, 1:].sum(), 1)  # whole update
 
     def micro_loss(p, micro):
-        chosen, rejected, nll, _, aux_loss = concatenated_forward(backbone, p, frozen, micro)
-        # × accum, then ÷ accum below: the NLL stays a token mean over the whole update
-        loss, metrics = simpo_loss(
-            chosen,
-            rejected,
-            nll.sum() / num_chosen_tokens * accum,
-            beta=args.beta,
-            gamma=args.gamma,
-            sft_weight=args.sft_weight,
-        )
+        logps, aux_loss = concatenated_forward(backbone, p, frozen, micro)
+        # ÷ accum below: the chosen NLL stays a token mean over the whole update
+        loss, metrics = compute_loss(logps, args, num_chosen_tokens / accum)
         loss = loss + aux_loss  # + the router load-balancing loss (a mixture of experts; 0.0 dense)
         return loss / accum, {"train/loss": loss, "aux_loss": aux_loss, **metrics}  # equal micro-batches
 
@@ -299,9 +308,8 @@ def main(args):
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
     lengths, eval_lengths = pair_lengths(train_data), pair_lengths(eval_data) if evals else None
 
-    optimizer, schedule, warmup = plumbing.make_optimizer(
-        args, run.schedule_steps
-    )  # max_steps unless resumed
+    # over max_steps, unless resumed (run.schedule_steps)
+    optimizer, schedule, warmup = plumbing.make_optimizer(args, run.schedule_steps)
     params, frozen = common.split_variables(backbone, frozen_dtype=run.frozen_dtype)
     opt_state, opt_shardings = common.init_optimizer(optimizer, params, run.mesh)
     (params, opt_state), _ = run.resume((params, opt_state))
@@ -319,10 +327,10 @@ def main(args):
     run.record(remat=remat, num_warmup_steps=warmup)
     # Weights are jit arguments, never closed over (that would bake them into the program as constants).
     first = lambda b: jax.tree.map(lambda x: x[0], b)  # [1, B, ...] -> [B, ...]
-    eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b))[:4])
+    eval_fn = jax.jit(lambda p, f, b: concatenated_forward(backbone, p, f, first(b))[0])
 
-    def evaluate(params):
-        chosen, rejected, nll, count = common.per_example(
+    def evaluate(params):  # every eval pair's log-probs, then the loss over all of them at once
+        logps = common.per_example(
             lambda b: eval_fn(params, frozen, b),
             eval_data,
             args.batch_size,
@@ -330,16 +338,9 @@ def main(args):
             lengths=eval_lengths,
             max_length=args.max_length,
         )
-        loss, metrics = simpo_loss(
-            chosen,
-            rejected,
-            nll.sum() / count.sum(),
-            beta=args.beta,
-            gamma=args.gamma,
-            sft_weight=args.sft_weight,
-        )
-        metrics = {f"eval/{k}": v for k, v in metrics.items()}  # accuracy and margin first: Run prints those
-        return {**metrics, "eval/loss": loss}
+        loss, metrics = compute_loss(logps, args, logps["nll_tokens"].sum())
+        # accuracy and margin first: Run prints the first three
+        return {**{f"eval/{k}": v for k, v in metrics.items()}, "eval/loss": loss}
 
     # ---- the loop: batch -> step -> log -> eval -> checkpoint ----
     # FLOPs per token: 6N (forward + backward; no reference model), N = all matmul weights incl.

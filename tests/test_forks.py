@@ -6,6 +6,7 @@ itself a subclass of throughput.py's Args, runs from its docstring's command."""
 
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -158,3 +159,43 @@ def test_step_ab_runs_from_its_docstring_command():
     assert out.returncode == 0, out.stderr[-2000:]
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert row, out.stdout
+
+
+# A copy's own term, added where a fork adds one: around the one loss function that the training step and the
+# evaluation both call (compute_loss), placed before the copy's `if __name__ == "__main__":` line
+NEW_TERM = '''
+_dpo_loss_of_the_original = compute_loss
+
+
+def compute_loss(logps, args, num_chosen_tokens):
+    """The original loss + 0.05 × the mean chosen NLL (a fork's idea)."""
+    loss, metrics = _dpo_loss_of_the_original(logps, args, num_chosen_tokens)
+    return loss + 0.05 * logps["nll"].mean(), metrics
+
+
+'''
+
+
+def test_a_copy_that_adds_a_loss_term_evaluates_with_it_and_names_itself(tmp_path):
+    """dpo.py copied to mydpo.py with a term added to its loss: at step 0 (policy == reference) dpo.py's eval/loss
+    is ln 2 and the copy's is ln 2 + the term, which it trains with too (train/loss of the first batch, the
+    pre-update forward's); the copy's args.json, progress bar and summary call it mydpo, not dpo."""
+    source = open(os.path.join(ROOT, "dpo.py")).read()
+    guard = 'if __name__ == "__main__":'
+    (tmp_path / "mydpo.py").write_text(source.replace(guard, NEW_TERM.lstrip() + guard))
+    shutil.copy(os.path.join(ROOT, "dpo.py"), tmp_path / "dpo.py")
+    flags = ["--model", "tiny", "--max-steps", "1", "--batch-size", "8", "--max-length", "64"]
+    rows = {}
+    for script in ("dpo", "mydpo"):
+        out = run([f"{script}.py", *flags, "--output-dir", script, "--log-every", "1"], tmp_path)
+        assert out.returncode == 0, out.stderr[-2000:]
+        with open(tmp_path / script / "metrics.jsonl") as f:
+            rows[script] = [json.loads(line) for line in f]
+        assert json.loads((tmp_path / script / "args.json").read_text())["script"] == script
+        assert f"{script}: 100%" in out.stderr and f"outputs in {script}" in out.stdout
+    plain, fork = ({r["step"]: r for r in rows[s] if "eval/loss" in r} for s in ("dpo", "mydpo"))
+    assert plain[0]["eval/loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert fork[0]["eval/loss"] > plain[0]["eval/loss"] + 0.05  # the chosen NLL is several nats a pair
+    assert fork[0]["eval/nll_loss"] == pytest.approx(plain[0]["eval/nll_loss"], rel=1e-6)  # the same model
+    first = [next(r for r in rows[s] if "train/loss" in r) for s in ("dpo", "mydpo")]
+    assert first[1]["train/loss"] > first[0]["train/loss"] + 0.05

@@ -20,7 +20,7 @@ import kto
 import orpo
 import simpo
 from dpo import dpo_loss
-from grpo import aggregate, group_advantages, grpo_loss, k3_kl, rft_advantages
+from grpo import AGGREGATIONS, group_advantages, grpo_loss, k3_kl, rft_advantages, token_mean
 from helpers import ROOT
 from kto import kto_loss
 from orpo import orpo_loss
@@ -797,8 +797,9 @@ def test_grpo_loss_direction_and_clipped_tokens_have_no_gradient():
 def test_grpo_aggregate_ignores_padding_values():
     x = jnp.array([[1.0, 2.0, 5.0]])
     mask = jnp.array([[True, True, False]])
-    for mode in ("dapo", "grpo", "dr_grpo"):
-        assert aggregate(x, mask, mode) == aggregate(x.at[0, 2].set(1e9), mask, mode)
+    for mode in ("dapo", "grpo", "dr_grpo", "luspo"):
+        aggregate = AGGREGATIONS.get(mode, token_mean)
+        assert aggregate(x, mask) == aggregate(x.at[0, 2].set(1e9), mask)
 
 
 # GSPO (--importance-sampling-level sequence): one length-normalised ratio per completion (docs/grpo.md eq. 6)
@@ -1085,18 +1086,19 @@ def test_sequence_logps_shift_and_padding(module):
 def test_padding_invariance_of_sequence_logps_through_the_model(prefs):
     mesh, model, pairs = prefs
     params, frozen = common.split_variables(model.backbone)
-    fwd = jax.jit(lambda b: dpo.concatenated_forward(model.backbone, params, frozen, b))
+    fwd = jax.jit(lambda b: dpo.concatenated_forward(model.backbone, params, frozen, b)[0])
     short = fwd(dpo.pad_examples(pairs, 32))
     long = fwd(dpo.pad_examples(pairs, 48))
-    for a, b in zip(short, long):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-4)
-    assert np.all(np.asarray(short[0]) < 0) and not np.allclose(short[0], short[1])
+    for k in short:
+        np.testing.assert_allclose(np.asarray(short[k]), np.asarray(long[k]), rtol=1e-5, atol=1e-4)
+    chosen = np.asarray(short["chosen_logps"])
+    assert np.all(chosen < 0) and not np.allclose(chosen, short["rejected_logps"])
     # --sft-weight's NLL: the chosen sums negated, also when IPO averages the log-probs
-    mean = jax.jit(lambda b: dpo.concatenated_forward(model.backbone, params, frozen, b, average=True))
+    mean = jax.jit(lambda b: dpo.concatenated_forward(model.backbone, params, frozen, b, average=True)[0])
     averaged = mean(dpo.pad_examples(pairs, 32))
-    np.testing.assert_allclose(np.asarray(short[2]), -np.asarray(short[0]), rtol=1e-6)
-    np.testing.assert_allclose(np.asarray(averaged[2]), np.asarray(short[2]), rtol=1e-5)
-    assert np.all(np.asarray(averaged[0]) > np.asarray(short[0]))  # means of negative sums: larger
+    np.testing.assert_allclose(np.asarray(short["nll"]), -chosen, rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(averaged["nll"]), np.asarray(short["nll"]), rtol=1e-5)
+    assert np.all(np.asarray(averaged["chosen_logps"]) > chosen)  # means of negative sums: larger
 
 
 def test_kto_padding_invariance_through_the_model(prefs):

@@ -172,11 +172,10 @@ def test_dpo_trajectory_follows_clipped_adamw_at_trls_schedule():
 
     def loss(p, batch):  # DPO (Eq. 1) of the batch's pairs against the initial weights, β = 1 (a dense model:
         b = jax.tree.map(lambda x: x[0], batch)  # no router loss)
-        logps = (
-            *dpo.concatenated_forward(backbone, p, frozen, b)[:2],
-            *dpo.concatenated_forward(backbone, ref_params, frozen, b)[:2],
-        )
-        return dpo.dpo_loss(*logps, beta=1.0)[0]
+        policy = dpo.concatenated_forward(backbone, p, frozen, b)[0]
+        ref = dpo.concatenated_forward(backbone, ref_params, frozen, b)[0]
+        sides = ("chosen_logps", "rejected_logps")
+        return dpo.dpo_loss(*(policy[k] for k in sides), *(ref[k] for k in sides), beta=1.0)[0]
 
     grad_fn = jax.jit(jax.value_and_grad(loss))
     linear = lambda t: (

@@ -47,22 +47,20 @@ def test_reference_logps_agree_three_ways(prefs):
         p + 0.5 * rng.standard_normal(p.shape).astype(np.float32) if v.path.endswith("lora_kernel_b") else p
         for v, p in zip(model.backbone.trainable_variables, lora_params)
     ]
-    policy = jax.jit(lambda p, d: dpo.concatenated_forward(model.backbone, p, frozen, d))(trained, data)
+    policy = jax.jit(lambda p, d: dpo.concatenated_forward(model.backbone, p, frozen, d)[0])(trained, data)
     bb = model.backbone
     lora_ref = jax.jit(lambda p, d: dpo.reference_logps(bb, dpo.lora_off(bb, p), frozen, d))
     lora = lora_ref(trained, data)
     fwd = jax.jit(
-        lambda p, b: dpo.concatenated_forward(
-            plain.backbone, p, full_frozen, jax.tree.map(lambda x: x[0], b)
-        )[:2]
+        lambda p, b: dpo.reference_logps(plain.backbone, p, full_frozen, jax.tree.map(lambda x: x[0], b))
     )
     pre = common.per_example(lambda b: fwd(full_params, b), data, 8, mesh)
-    batch = {**data, "ref_chosen_logps": pre[0], "ref_rejected_logps": pre[1]}
-    precomputed = dpo.reference_logps(None, None, None, batch)
-    for i in range(2):
-        np.testing.assert_allclose(np.asarray(lora[i]), np.asarray(copy[i]), rtol=1e-5, atol=1e-4)
-        np.testing.assert_allclose(np.asarray(precomputed[i]), np.asarray(copy[i]), rtol=1e-5, atol=1e-4)
-        assert np.abs(np.asarray(policy[i]) - np.asarray(copy[i])).max() > 1e-2  # the test can fail
+    precomputed = dpo.reference_logps(None, None, None, {**data, **pre})
+    for side in ("chosen", "rejected"):
+        k = f"ref_{side}_logps"
+        np.testing.assert_allclose(np.asarray(lora[k]), np.asarray(copy[k]), rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(np.asarray(precomputed[k]), np.asarray(copy[k]), rtol=1e-5, atol=1e-4)
+        assert np.abs(np.asarray(policy[f"{side}_logps"]) - np.asarray(copy[k])).max() > 1e-2  # it can fail
 
 
 def test_dpo_step_precomputed_and_accumulated_equals_online(prefs):
@@ -85,18 +83,18 @@ def test_dpo_step_precomputed_and_accumulated_equals_online(prefs):
     (online, _), m1 = step(
         (params, optimizer.init(params)), frozen, {k: v[None] for k, v in data.items()}, ref
     )
-    ref_chosen, ref_rejected = jax.jit(lambda p, f, b: dpo.concatenated_forward(backbone, p, f, b)[:2])(
-        ref, frozen, data
+    ref_logps = jax.device_get(
+        jax.jit(lambda p, f, b: dpo.reference_logps(backbone, p, f, b))(ref, frozen, data)
     )
-    pre = {**data, "ref_chosen_logps": np.asarray(ref_chosen), "ref_rejected_logps": np.asarray(ref_rejected)}
-    pre = {k: v.reshape(2, 4, *v.shape[1:]) for k, v in pre.items()}  # [A=2, 4, ...]
+    pre = {k: v.reshape(2, 4, *v.shape[1:]) for k, v in {**data, **ref_logps}.items()}  # [A=2, 4, ...]
     (accumulated, _), m2 = step((params, optimizer.init(params)), frozen, pre, None)
     assert float(m1["rewards/margins"]) != 0 and float(m1["train/grad_norm"]) > 0
     # the NLL is the token mean over the whole update (not a mean of micro-batch means), inside the loss
-    policy = jax.jit(lambda p, f, b: dpo.concatenated_forward(backbone, p, f, b)[:2])(params, frozen, data)
-    nll = -float(np.asarray(policy[0]).sum()) / data["chosen_loss_mask"][:, 1:].sum()
+    policy = jax.jit(lambda p, f, b: dpo.concatenated_forward(backbone, p, f, b)[0])(params, frozen, data)
+    nll = -float(np.asarray(policy["chosen_logps"]).sum()) / data["chosen_loss_mask"][:, 1:].sum()
     assert float(m1["nll_loss"]) == pytest.approx(nll, rel=1e-5)
-    dpo_part = dpo_loss(*policy, ref_chosen, ref_rejected, beta=0.5)[0]
+    sides = ("chosen_logps", "rejected_logps")
+    dpo_part = dpo_loss(*(policy[k] for k in sides), *(ref_logps[f"ref_{k}"] for k in sides), beta=0.5)[0]
     assert float(m1["train/loss"]) == pytest.approx(float(dpo_part) + 0.7 * nll, rel=1e-5)
     for k in m1:
         assert float(m2[k]) == pytest.approx(float(m1[k]), rel=1e-4, abs=1e-6), k
@@ -219,15 +217,20 @@ def hf_checkpoint(tmp_path_factory):
 def expected_metrics(module, model, pairs):
     """The loss and metrics of `pairs` under the initial model, computed here in-process."""
     params, frozen = common.split_variables(model.backbone)  # LoRA B = 0: the plain initial model
-    forward = jax.jit(lambda b: module.concatenated_forward(model.backbone, params, frozen, b))
+    forward = jax.jit(lambda b: module.concatenated_forward(model.backbone, params, frozen, b)[0])
     data = dpo.pad_examples(pairs, 32)
     logps = forward(data)
+    chosen, rejected = logps["chosen_logps"], logps["rejected_logps"]
     if module is dpo:  # policy == reference; the NLL is logged at --sft-weight 0 too
         return dpo_loss(
-            *logps[:2], *logps[:2], nll_loss=logps[2].sum() / data["chosen_loss_mask"][:, 1:].sum()
+            chosen,
+            rejected,
+            chosen,
+            rejected,
+            nll_loss=logps["nll"].sum() / data["chosen_loss_mask"][:, 1:].sum(),
         )
-    nll = logps[2].sum() / logps[3].sum()
-    return simpo_loss(logps[0], logps[1], nll) if module is simpo else orpo_loss(logps[0], logps[1], nll)
+    nll = logps["nll"].sum() / logps["nll_tokens"].sum()
+    return simpo_loss(chosen, rejected, nll) if module is simpo else orpo_loss(chosen, rejected, nll)
 
 
 def assert_logged(row, loss, metrics, script):
