@@ -15,34 +15,31 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MODULES = sorted(f[:-3] for f in os.listdir(ROOT) if f.endswith(".py"))
-ALGORITHMS = ("sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rloo", "distill")
-# Statements (ast.stmt) per file: what the file holds, however the formatter lays it out. The shared modules'
-# budgets are their roles' (each has a table of contents); a script's is "about" (SLACK over it at most).
-# about 700 each: common + frozen weights in the compute dtype and chunked log-probs (label_logp's backward
-# written out), plumbing + remat policies, auto's halved micro-batches and the shared --adam-mu-dtype flag (a
-# field and its help: 2 statements); kernels: the Pallas kernels (Splash attention's wrapper, the sampler's
-# fused output layer and draw), ~100 each
-SHARED = {"common": 740, "plumbing": 767, "interop": 300, "tpu_kernels": 115}
-ABOUT = {
-    "dpo": 250,
-    "simpo": 250,
-    "orpo": 250,
-    "kto": 250,
-    "sft": 220,
-    "reward": 220,
-    "ppo": 380,
-    "grpo": 383,  # + the sampler's fused draw on a TPU chip (tpu_kernels.categorical: its `elif`)
-    "rloo": 380,
-    "distill": 290,
-    "evaluate": 300,
-    "grpo_tools": 400,  # grpo.py's loss and update imported; tools, their formats, the multi-turn sampler
-    # + the data check, --quick, per-run progress, the summary with Holm's correction; each seed its own base,
-    # controls matched to each row in information and FLOPs (run_control), the Δ matrix, results.json, and
-    # what your pass-through flags replace, said before any run (overrides)
-    "compare": 775,
-    "compare_stats": 60,  # compare.py's intervals, p-values, Holm, the pairwise matrix
+ALGORITHMS = ("sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rloo", "distill", "grpo_tools")
+# Statements (ast.stmt) per file, a ceiling each: what the file holds, however the formatter lays it out. Set once,
+# when each algorithm file went back to reading as its paper with the fast paths, the kernel dispatch and the
+# plumbing below it: the shared modules at their roles' budgets (each has a table of contents), every other
+# file at its count of that day. A later feature makes room under its file's ceiling; it does not raise it.
+CEILINGS = {
+    "common": 700,
+    "plumbing": 700,
+    "interop": 247,
+    "tpu_kernels": 110,
+    "compare": 720,
+    "compare_stats": 51,
+    "evaluate": 284,
+    "sft": 187,
+    "dpo": 223,
+    "simpo": 188,
+    "orpo": 184,
+    "kto": 241,
+    "reward": 177,
+    "ppo": 344,
+    "grpo": 350,
+    "rloo": 328,
+    "distill": 274,
+    "grpo_tools": 470,  # it stands alone: its own copies of grpo.py's loss and update, and the tools
 }
-SLACK = 0.02
 
 
 def imports(module):
@@ -112,6 +109,57 @@ def test_no_module_takes_a_name_the_stacks_import():
     assert "kernels" in TAKEN and "tpu_kernels" in MODULES  # the check itself: what the old name would hit
 
 
+def test_no_algorithm_file_imports_another():
+    """CleanRL's rule: an algorithm file (grpo_tools.py too) is forked alone, so the project's modules it imports
+    are `common` and `plumbing` only, never another algorithm file. evaluate.py, not an algorithm, imports
+    grpo.py's sampler: the check sees that import (it can fail)."""
+    found = {m: sorted(imports(m) - {"common", "plumbing"}) for m in ALGORITHMS}
+    assert not any(found.values()), {m: v for m, v in found.items() if v}
+    assert "grpo" in imports("evaluate")
+
+
+def loss_calls(source):
+    """(the script's loss: its first top-level `*_loss` function, the paper's; the calls of it in the file;
+    {function: whether its body, nested functions included, calls compute_loss} for train_step and main)."""
+    tree = ast.parse(source)
+    top = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef)}
+    loss = next(name for name in top if name.endswith("_loss"))
+    called = lambda node, name: [
+        c for c in ast.walk(node) if isinstance(c, ast.Call) and getattr(c.func, "id", None) == name
+    ]
+    reach = {f: bool(called(top[f], "compute_loss")) for f in ("train_step", "main") if "compute_loss" in top}
+    return loss, called(tree, loss), reach
+
+
+@pytest.mark.parametrize("module", ALGORITHMS)
+def test_the_loss_is_called_in_one_place(module):
+    """One function computes the loss, so a fork's edit to it reaches everything that reports it: the paper's
+    loss is called once; where a script evaluates a loss too, both train_step and main (its evaluation) call
+    compute_loss, the run's loss, which calls the paper's."""
+    with open(os.path.join(ROOT, module + ".py")) as f:
+        loss, calls, reach = loss_calls(f.read())
+    assert len(calls) == 1, (
+        f"{module}.py calls {loss} in {len(calls)} places (lines {[c.lineno for c in calls]})"
+    )
+    assert all(reach.values()), (
+        f"{module}.py: compute_loss is not called by {[f for f, r in reach.items() if not r]}"
+    )
+
+
+def test_the_loss_check_counts_calls_and_reach():
+    """The check itself, on a script that writes its loss call twice (once in train_step, once in main's
+    evaluation, as the scripts once did) and on one whose evaluation skips compute_loss."""
+    twice = "def a_loss(x):\n    return x\n\ndef train_step(b):\n    return a_loss(b)\n\ndef main():\n    a_loss(1)\n"
+    assert [c.lineno for c in loss_calls(twice)[1]] == [5, 8]
+    skipped = twice.replace("a_loss(1)", "pass") + "\ndef compute_loss(b):\n    return a_loss(b)\n"
+    assert loss_calls(skipped.replace("return a_loss(b)\n\ndef main", "return compute_loss(b)\n\ndef main"))[
+        2
+    ] == {
+        "train_step": True,
+        "main": False,
+    }
+
+
 def test_evaluate_has_no_sampler_of_its_own():
     """evaluate.py samples with grpo.py's sampler, imported; it defines none of those functions."""
     with open(os.path.join(ROOT, "evaluate.py")) as f:
@@ -142,13 +190,18 @@ def test_statements_count_nested_statements_not_lines(tmp_path):
     assert statements(packed) == statements(unfolded) == 3
 
 
-@pytest.mark.parametrize("module", sorted(SHARED) + sorted(ABOUT))
-def test_statement_budget(module):
+@pytest.mark.parametrize("module", sorted(CEILINGS))
+def test_statement_ceiling(module):
     path = os.path.join(ROOT, module + ".py")
     if not os.path.exists(path):
         pytest.skip(f"no {module}.py")
-    limit = SHARED[module] if module in SHARED else int(ABOUT[module] * (1 + SLACK))
-    assert statements(path) <= limit, f"{module}.py: {statements(path)} statements, budget {limit}"
+    assert statements(path) <= CEILINGS[module], (
+        f"{module}.py: {statements(path)} statements, ceiling {CEILINGS[module]}"
+    )
+
+
+def test_every_module_has_a_ceiling():
+    assert set(MODULES) <= set(CEILINGS), f"no statement ceiling for {sorted(set(MODULES) - set(CEILINGS))}"
 
 
 def test_repository_is_formatted():
@@ -163,7 +216,7 @@ def test_repository_is_formatted():
 
 
 # Files held to STYLE's habits below: the algorithm files, evaluate.py, compare.py, the shared modules
-CHECKED = (*ALGORITHMS, "grpo_tools", "evaluate", "compare", "common", "plumbing", "interop")
+CHECKED = (*ALGORITHMS, "evaluate", "compare", "common", "plumbing", "interop")
 
 
 def packing(source):
@@ -208,8 +261,9 @@ def test_calls_name_their_arguments_and_nothing_is_packed(module):
     assert not found, "\n".join(f"{module}.py:{line}: {what}" for line, what in found)
 
 
-# Functions each script defines for itself by nature, whatever their names share
-OWN = {"main", "train_step", "check_args"}
+# Functions each script defines for itself by nature, whatever their names share (compute_loss: the run's flags
+# on its own paper's loss)
+OWN = {"main", "train_step", "check_args", "compute_loss"}
 
 
 def copies():
