@@ -75,15 +75,12 @@ def launch(main, args_class):
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, signal.SIG_DFL)
     try:
-        args = cli(args_class)
         compilation_cache()
-        main(args)
-    except UsageError as e:
-        _end(2, f"error: {e}", sys.stderr)
+        main(cli(args_class))
     except (RunComplete, Preempted) as e:
         _end(0, str(e))
-    except RunFailed as e:
-        _end(1, f"error: {e}", sys.stderr)
+    except (UsageError, RunFailed) as e:
+        _end(2 if isinstance(e, UsageError) else 1, f"error: {e}", sys.stderr)
 
 
 def check_options(argv, ours, script):
@@ -113,7 +110,8 @@ def check_options(argv, ours, script):
 
 def cli(args_class, argv=None):
     """tyro.cli(Args) on argv (None: sys.argv), with tyro's boxed parse errors as one UsageError (an unknown
-    option: check_options' line, hint included). Then check_defaults."""
+    option: check_options' line, hint included). Then check_defaults; or, with --resume and an --output-dir that
+    holds a run, that run's flags (args.json) as the defaults: `--resume --output-dir DIR` alone continues it."""
     import io
     import tyro
 
@@ -123,17 +121,49 @@ def cli(args_class, argv=None):
         {f"--{no}{f.name.replace('_', '-')}" for f in dataclasses.fields(args_class) for no in ("", "no-")},
         os.path.basename(getattr(sys.modules.get(args_class.__module__), "__file__", "")),
     )
-    try:
-        with contextlib.redirect_stderr(err):
-            args = tyro.cli(args_class, args=argv)
-    except SystemExit as e:
-        if not e.code:
-            raise
-        lines = [line.strip("│╭╮╰╯ \n") for line in err.getvalue().splitlines()[1:]]  # [0]: the box's title
-        text = " ".join(lines[: next((i for i, x in enumerate(lines) if set(x) <= {"─"}), len(lines))])
-        raise UsageError(text or err.getvalue().strip()) from None
-    check_defaults(args, argv)
+
+    def parse(default=None):
+        try:
+            with contextlib.redirect_stderr(err):
+                return tyro.cli(args_class, args=argv, default=default)
+        except SystemExit as e:
+            if not e.code:
+                raise
+            # the box's lines ([0]: its title) up to its first rule
+            lines = [line.strip("│╭╮╰╯ \n") for line in err.getvalue().splitlines()[1:]]
+            raise UsageError(
+                " ".join(lines[: next((i for i, x in enumerate(lines) if set(x) <= {"─"}), len(lines))])
+                or err.getvalue().strip()
+            ) from None
+
+    args = parse()
+    recorded = recorded_run(args.output_dir) if isinstance(args, SharedArgs) and args.resume else {}
+    if not recorded:
+        check_defaults(args, argv)
+        return args
+    # --resume: the run's own flags are the defaults, what this command line gives changes them (the Run refuses
+    # what may not change); --remat is decided again (args.json holds the mode a run chose, not the flag)
+    taken = {f.name for f in dataclasses.fields(args_class)} - {"resume", "overwrite", "remat"}
+    args = parse(args_class(**{k: v for k, v in recorded.items() if k in taken}))
+    changed = [
+        f"--{k.replace('_', '-')} {v} (was {recorded[k]})"
+        for k, v in vars(args).items()
+        if k in taken and k in recorded and json.loads(json.dumps(v, default=str)) != recorded[k]
+    ]
+    print(
+        f"--resume: the run's flags from {args.output_dir}/args.json"
+        + ("; changed here: " + ", ".join(changed) if changed else "")
+    )
     return args
+
+
+def recorded_run(output_dir):
+    """args.json's record of the run in output_dir (its resumes applied: the latest values), {} without one."""
+    path = pathlib.Path(output_dir or "", "args.json")
+    recorded = json.loads(path.read_text()) if output_dir and path.is_file() else {}
+    for resumed in recorded.get("resumes", []):
+        recorded.update(resumed)
+    return recorded
 
 
 def check_defaults(args, argv):
@@ -155,12 +185,22 @@ def check_defaults(args, argv):
         raise UsageError(
             f"--model {args.model} would use the bundled toy task (data/): pass "
             + ", ".join({"--reward-fn": "--reward-fn path.py:function"}.get(f, f + " DATA") for f in toy)
-            + "; DATA: a .jsonl/.json/.parquet file, a saved dataset dir or a Hub dataset id"
+            + (
+                "; DATA: a .jsonl/.json/.parquet/.csv file, a saved dataset dir or a Hub dataset id"
+                if toy != ["--reward-fn"]
+                else ""
+            )
         )
 
 
 def is_toy_model(model):
-    """`tiny`, or a model dir trained from it (its tokenizer is the bundled one: KerasHub's or HF's file)."""
+    """`tiny`, or a model dir trained from it (its tokenizer is the bundled one: KerasHub's or HF's file) on the
+    toy task: a run's model/ whose args.json names a --dataset of your own is not (its task is yours)."""
+    record = pathlib.Path(model).parent / "args.json"
+    if record.is_file() and not json.loads(record.read_text())["dataset"].startswith(
+        os.path.join(HERE, "data")
+    ):
+        return False
     for name in ("assets/tokenizer/vocabulary.spm", "tokenizer.model"):
         if os.path.isfile(os.path.join(model, name)):
             return pathlib.Path(model, name).read_bytes() == pathlib.Path(interop.TINY_TOKENIZER).read_bytes()
@@ -190,10 +230,7 @@ def _fields(path, name):
     base whose source cannot be found (then answer_help leaves the command line to tyro)."""
     source = open(path).read()
     cls = next((n for n in ast.parse(source).body if isinstance(n, ast.ClassDef) and n.name == name), None)
-    if cls is None:
-        return None
-    inherited = [_base_fields(ast.unparse(base), path) for base in cls.bases]
-    if None in inherited:
+    if cls is None or None in (inherited := [_base_fields(ast.unparse(base), path) for base in cls.bases]):
         return None
     fields = {k: v for base in inherited for k, v in base.items()}
     section = None
@@ -557,16 +594,18 @@ class Run:
         """The step to start from; refuses to touch a previous run unless asked, or a place that cannot hold one
         (a file, or under one; not writable): exit 2 now, not after the model loads and the first step."""
         held = [f for f in RUN_FILES if os.path.exists(os.path.join(self.dir, f))]
-        existing = os.path.abspath(self.dir)
-        while not os.path.exists(existing):
-            existing = os.path.dirname(existing)
+        path = pathlib.Path(os.path.abspath(self.dir))
+        existing = next(p for p in [path, *path.parents] if p.exists())  # the nearest that exists
         if not os.path.isdir(existing) or not os.access(existing, os.W_OK | os.X_OK):
             raise UsageError(
                 f"--output-dir {self.dir}: {existing} is {'not writable' if os.path.isdir(existing) else 'a file'}"
             )
-        checkpoints = os.path.join(self.dir, "checkpoints")  # a step's dir appears (renamed) once complete
-        steps = [int(s) for s in os.listdir(checkpoints) if s.isdigit()] if os.path.isdir(checkpoints) else []
-        last, finished = max(steps, default=None), os.path.isdir(self.model_dir)
+        # the newest checkpoint (a step's dir appears, renamed, once complete); None: none, or no such dir
+        last = max(
+            (int(p.name) for p in pathlib.Path(self.dir, "checkpoints").glob("*") if p.name.isdigit()),
+            default=None,
+        )
+        finished = os.path.isdir(self.model_dir)
         recorded = self._check_same_run() if self.args.resume and "args.json" in held else {}
         # the steps the resumed run's schedule spans; a finished run's last step; why --resume cannot continue
         self._scheduled = recorded.get("schedule_steps", recorded.get("max_steps"))
@@ -603,9 +642,7 @@ class Run:
 
     def _check_same_run(self):
         """args.json's record (its resumes applied); a UsageError listing each run-defining flag that differs."""
-        recorded = json.loads(pathlib.Path(self.dir, "args.json").read_text())
-        for resumed in recorded.get("resumes", []):
-            recorded.update(resumed)
+        recorded = recorded_run(self.dir)
         diff = [  # this run's record as JSON holds it, against args.json's
             f"{'--' + k.replace('_', '-') if k != 'script' else 'the script'} {recorded[k]!r} -> {v!r}"
             for k, v in json.loads(json.dumps(self._record(), default=str)).items()
@@ -713,9 +750,12 @@ class Run:
         os.replace(os.path.join(self.dir, "args.json.tmp"), args_json)
         path = pathlib.Path(self.dir, "metrics.jsonl")
         if self.args.resume and path.exists():  # keep the whole rows up to the checkpoint
-            rows = path.read_text().splitlines(keepends=True)
             path.write_text(
-                "".join(x for x in rows if x.endswith("\n") and json.loads(x)["step"] <= self.start)
+                "".join(
+                    x
+                    for x in path.read_text().splitlines(keepends=True)
+                    if x.endswith("\n") and json.loads(x)["step"] <= self.start
+                )
             )
         from tensorboardX import SummaryWriter
 
@@ -834,7 +874,7 @@ class Run:
                 "state (rerun with --resume and a lower --learning-rate"
                 + (", or --skip-nonfinite)" if self.skip_nonfinite is not None else ")")
             )
-        row = {
+        row = self.last_train = {
             k: float((np.sum if k in self._summed else np.mean)([m[k] for m in fetched])) for k in fetched[0]
         }
         for k, counts in self._counted.items():  # each step weighted by how many examples its mean covers
@@ -857,7 +897,6 @@ class Run:
                     "charts/compilations": float(len(self._shapes)),
                 }
             )
-        self.last_train = row
         self._write(self.step, row)
         self._bar.set_postfix(
             **{k.split("/")[-1]: f"{row[k]:.4g}" for k in ("train/loss", *self._show) if k in row},
@@ -893,8 +932,8 @@ class Run:
         """Every --save-every steps (and at the last, where the run is that long: a finished run extends from
         its final state) and after a SIGTERM/SIGINT: save `state` (pytree), meta (JSON), step; then Preempted"""
         stopping, every = self.stop_signal, self.args.save_every  # a later signal: at the next step
-        last = self.step == self.max_steps and self.max_steps >= every
-        if not (stopping or (every and (self.step % every == 0 or last))):
+        # every N steps, and the last where the run is at least N long
+        if not (stopping or (every and (self.step % every == 0 or self.step == self.max_steps >= every))):
             return
         self._flush()
         import orbax.checkpoint as ocp
@@ -911,7 +950,11 @@ class Run:
         self._t0 += time.perf_counter() - t
         if stopping:
             self.close()
-            raise Preempted(f"{stopping}: checkpoint saved at step {self.step}; continue with --resume")
+            raise Preempted(
+                f"{stopping}: checkpoint saved at step {self.step}; continue with: python "
+                + (sys.argv[0] if sys.argv[0].endswith(".py") else f"{self.script}.py")
+                + f" --resume --output-dir {self.dir}"
+            )
 
     def finish(self, save):
         """save(path) writes model.tmp/, renamed model/ once whole (+ model_hf/: export_hf); then a summary."""
@@ -1220,8 +1263,14 @@ def count_params(backbone):
     """N for FLOP accounting (docs/design.md, "FLOPs"): the weights used in matmuls, a tied embedding (Gemma,
     Qwen) as the output's; an untied one (Llama 3, Mistral) or Gemma 4 E2B / E4B's per-layer one is a lookup."""
     embedding = backbone.token_embedding
-    lookups = [] if embedding.tie_weights else [embedding.embeddings]
-    lookups += [layer.embeddings for layer in [getattr(backbone, "per_layer_token_embedding", None)] if layer]
+    lookups = [  # an untied token embedding, a per-layer one
+        layer.embeddings
+        for layer in (
+            None if embedding.tie_weights else embedding,
+            getattr(backbone, "per_layer_token_embedding", None),
+        )
+        if layer
+    ]
     return int(
         sum(
             math.prod(v.shape)
@@ -1238,9 +1287,7 @@ def peak_flops():
     import jax
 
     per_chip = datasheet(PEAK_FLOPS, jax.devices()[0].device_kind)
-    if per_chip:
-        return per_chip * jax.device_count()
-    return matmul_flops_per_sec() * jax.process_count()
+    return per_chip * jax.device_count() if per_chip else matmul_flops_per_sec() * jax.process_count()
 
 
 def matmul_flops_per_sec(n=1024, repeats=5):

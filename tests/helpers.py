@@ -170,9 +170,10 @@ def coordinator_address():
 
 def preempt_then_resume(script, flags, first_checkpoint, tmp_path, env=None):
     """Runs `flags` uninterrupted and (concurrently) a copy that gets SIGTERM once checkpoint
-    `first_checkpoint` exists, then resumes the copy; -> (clean rows, resumed rows, stop step, the
-    clean run's stdout), the rows without timing metrics. The clean run is <tmp_path>/clean: other
-    tests of the same flags check it too, instead of training their own."""
+    `first_checkpoint` exists, then resumes the copy with the command its message gives (`--resume --output-dir`
+    alone: the run's flags come from its args.json); -> (clean rows, resumed rows, stop step, the clean run's
+    stdout), the rows without timing metrics. The clean run is <tmp_path>/clean: other tests of the same
+    flags check it too, instead of training their own."""
     clean, cut = str(tmp_path / "clean"), str(tmp_path / "cut")
     argv = lambda out: [sys.executable, os.path.join(ROOT, script), *flags, "--output-dir", out]
     env = env or one_device_env()
@@ -191,10 +192,17 @@ def preempt_then_resume(script, flags, first_checkpoint, tmp_path, env=None):
     outs = [p.communicate(timeout=600) for p in runs]
     assert [p.returncode for p in runs] == [0, 0], outs[1][1][-2000:] + outs[0][1][-2000:]
     line = [s for s in outs[1][0].splitlines() if s.startswith("SIGTERM: checkpoint saved at step ")]
-    assert line and line[0].endswith("continue with --resume"), outs[1][0][-2000:]
+    command = f"continue with: python {os.path.join(ROOT, script)} --resume --output-dir {cut}"
+    assert line and line[0].endswith(command), outs[1][0][-2000:]
     stopped = int(line[0].split("step ")[1].split(";")[0])
     assert not os.path.exists(os.path.join(cut, "model"))  # stopped early, nothing final written
-    res = subprocess.run(argv(cut) + ["--resume"], cwd=ROOT, capture_output=True, text=True, env=env)
+    res = subprocess.run(
+        [sys.executable, os.path.join(ROOT, script), "--resume", "--output-dir", cut],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=env,
+    )
     assert res.returncode == 0, res.stderr[-2000:]
     assert f"resumed from step {stopped}" in res.stdout
     return without_timing(metrics(clean)), without_timing(metrics(cut)), stopped, outs[0][0]

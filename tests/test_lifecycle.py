@@ -526,15 +526,15 @@ def test_flags_as_trl_names_them_and_the_toy_task_are_answered(tmp_path):
         r"--dataset DATA; DATA: a .jsonl",
     ):
         plumbing.cli(dpo.Args, ["--model", "gemma_2b"])
-    with pytest.raises(plumbing.UsageError, match="toy task .*: pass --reward-fn path.py:function;"):
-        plumbing.cli(grpo.Args, ["--model", "gemma2_2b_it", "--dataset", "my_gsm8k.jsonl"])
+    with pytest.raises(plumbing.UsageError, match="toy task .*: pass --reward-fn path.py:function$"):
+        plumbing.cli(grpo.Args, ["--model", "gemma2_2b_it", "--dataset", "my_gsm8k.jsonl"])  # no DATA clause
     with pytest.raises(plumbing.UsageError, match="toy task .*: pass --prompts DATA, --reward-fn"):
         plumbing.cli(evaluate.Args, ["--model", "qwen3_8b"])
     with pytest.raises(plumbing.UsageError, match="unknown --model 'gemma_3b_typo'"):
         plumbing.cli(dpo.Args, ["--model", "gemma_3b_typo"])
     with pytest.raises(
         plumbing.UsageError,
-        match="^--model google/gemma-3-1b-it: no such directory; as a Hugging "
+        match=r"^--model google/gemma-3-1b-it: no such folder \(the nearest that exists: .*\); as a Hugging "
         "Face Hub repo id it is --model hf://google/gemma-3-1b-it$",
     ):
         plumbing.cli(grpo.Args, ["--model", "google/gemma-3-1b-it"])  # TRL's form: the hub id, bare
@@ -564,3 +564,25 @@ def test_a_run_is_named_by_its_scripts_file(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     run = plumbing.Run(os.path.join(ROOT, "forks", "mysft.py"), sft.Args(seed=3))
     assert run.script == "mysft" and run.dir.startswith(os.path.join("runs", "mysft__tiny__3__")), run.dir
+
+
+def test_resume_takes_the_runs_flags_from_args_json(tmp_path, capsys):
+    """`--resume --output-dir DIR` alone: the run's own flags (args.json) are the defaults, so it needs nothing
+    else (as TRL's resume_from_checkpoint); a flag given beside them is named in one line with the value it
+    replaces; --remat is not taken (args.json holds the mode a run chose). Without a run there: the script's
+    own defaults, and no such line."""
+    import plumbing
+    import sft
+
+    out = tmp_path / "run"
+    out.mkdir()
+    recorded = {"script": "sft", "model": "tiny", "batch_size": 16, "learning_rate": 1e-3, "max_steps": 3}
+    (out / "args.json").write_text(json.dumps({**recorded, "remat": "off/2", "dataset": "mine.jsonl"}))
+    args = plumbing.cli(sft.Args, ["--resume", "--output-dir", str(out), "--max-steps", "5"])
+    assert (args.batch_size, args.learning_rate, args.max_steps, args.dataset) == (16, 1e-3, 5, "mine.jsonl")
+    assert args.remat == "auto" and args.resume
+    assert capsys.readouterr().out.splitlines() == [
+        f"--resume: the run's flags from {out}/args.json; changed here: --max-steps 5 (was 3)"
+    ]
+    args = plumbing.cli(sft.Args, ["--resume", "--output-dir", str(tmp_path / "none")])
+    assert args.batch_size == sft.Args().batch_size and capsys.readouterr().out == ""

@@ -94,7 +94,9 @@ def test_sigterm_checkpoints_and_exits_0(tmp_path):
     stdout, _ = proc.communicate(timeout=120)
     assert proc.returncode == 0
     line = [s for s in stdout.splitlines() if s.startswith("SIGTERM: checkpoint saved")]
-    assert line and "continue with --resume" in line[0]
+    assert line and line[0].endswith(
+        f"; continue with: python {os.path.join(ROOT, 'sft.py')} --resume --output-dir {out}"
+    )
     step = int(line[0].split("step ")[1].split(";")[0])
     assert os.listdir(os.path.join(out, "checkpoints")) == [str(step)]
     assert metrics(out)[-1]["step"] == step  # the partial interval is logged, not lost
