@@ -266,14 +266,19 @@ def resolve_model(name):
         raise UsageError(f"--model {name}: directory has neither config.json (KerasHub/HF) nor metadata.json")
     if os.path.isdir(name) or name in keras_hub.models.CausalLM.presets:
         return name
-    if name.count("/") == 1 and not name.startswith(("/", ".", "~")):  # a Hub repo id, as TRL takes it
+    if "/" in name or name.startswith((".", "~")):  # a folder's path that is not there (or TRL's `org/name`)
+        parent = os.path.abspath(os.path.expanduser(name))
+        while not os.path.isdir(parent):
+            parent = os.path.dirname(parent)
         raise UsageError(
-            f"--model {name}: no such directory; as a Hugging Face Hub repo id it is --model hf://{name}"
+            f"--model {name}: no such folder (the nearest that exists: {parent})"
+            + (f"; as a Hugging Face Hub repo id it is --model hf://{name}" if name.count("/") == 1 else "")
         )
     import difflib
 
     names = ["tiny", *sorted(MODEL_ALIASES)]
-    close = difflib.get_close_matches(name, names + sorted(keras_hub.models.CausalLM.presets), n=3)
+    known = dict.fromkeys(names + sorted(keras_hub.models.CausalLM.presets))  # an alias may name a preset too
+    close = difflib.get_close_matches(name, list(known), n=3)
     known = f"did you mean {', '.join(close)}?" if close else f"the aliases: {', '.join(names)}."
     raise UsageError(
         f"unknown --model {name!r}: {known} --model also takes any KerasHub preset, a kaggle:// or hf:// "
@@ -732,17 +737,6 @@ def check_reward_model(path, flag="--reward-model"):
         raise UsageError(f"{flag} {path}: no {HEAD_FILE} here; expected the model/ dir written by reward.py")
 
 
-def save_reward_model(model, params, head, info, path):
-    """The backbone as a KerasHub preset (see save_model) + the scalar head {weight [D, 1], bias []}."""
-    save_model(model, params, path)
-    if jax.process_index() == 0:
-        np.savez(
-            os.path.join(path, HEAD_FILE), weight=np.asarray(head["weight"]), bias=np.asarray(head["bias"])
-        )
-        with open(os.path.join(path, HEAD_INFO), "w") as f:
-            json.dump(info, f, indent=2)
-
-
 def load_reward_model(path, mesh, dtype=None, lora_rank=0, flag="--reward-model", **lora):
     """-> (CausalLM, head {weight [D, 1], bias []}, float32) from a reward.py `model/` directory (`lora`:
     load_model's lora_alpha, lora_target_modules)."""
@@ -1021,10 +1015,16 @@ def load_scorer(
 # --- 3. File formats: dataset files and TRL's row formats -> text ---
 def read_rows(path, flag="--dataset", config=None, split="train"):
     """[(row, line number)] of split `split` (None: the only one) of a .jsonl, a .json (JSON, or JSON Lines as
-    `Dataset.to_json` writes them), or through `datasets`: a .parquet, a `save_to_disk` folder, a Hub id
+    `Dataset.to_json` writes them), or through `datasets`: a .parquet or .csv, a `save_to_disk` folder, a Hub id
     (`gsm8k`, `org/name`) or a local copy of a Hub repo, in configuration `config`. A file is one split, `train`."""
-    if not os.path.exists(path) and (path.endswith((".jsonl", ".json", ".parquet")) or path[:1] in "./~"):
+    formats = (".jsonl", ".json", ".parquet", ".csv")
+    if not os.path.exists(path) and (path.endswith(formats) or path[:1] in "./~"):
         raise UsageError(f"{flag} {path}: no such file")
+    if os.path.isfile(path) and not path.endswith(formats):
+        raise UsageError(
+            f"{flag} {path}: not a format read here; a data file is {', '.join(formats)} (or a saved dataset "
+            "folder, or a Hub dataset id)"
+        )
     if path.endswith((".jsonl", ".json")):
         with open(path, "rb") as f:
             raw = f.read()

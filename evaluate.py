@@ -353,11 +353,6 @@ def check_args(args, mesh):
         )
     if not args.reward_fn and not args.reward_model:
         raise common.UsageError("give --reward-fn and/or --reward-model: nothing to score with")
-    if args.reward_weights and len(args.reward_weights) != len(args.reward_fn):
-        raise common.UsageError(
-            f"--reward-weights has {len(args.reward_weights)} values for "
-            f"{len(args.reward_fn)} --reward-fn functions"
-        )
     common.check_sampler(args.model, "--model")
     if args.baseline:
         common.check_sampler(args.baseline, "--baseline")
@@ -374,7 +369,14 @@ def check_args(args, mesh):
     )
     if reward_fn is not None:
         reward_fn.check_columns(rows, "--prompts")  # before any model loads
-    n = args.num_prompts or len(prompts)
+    n = min(args.num_prompts or len(prompts), len(prompts))
+    scored_by = args.reward_fn + ((f"the reward model {args.reward_model}",) if args.reward_model else ())
+    print(  # the first line: what is scored, and by what
+        f"eval: the first {n} of {len(prompts)} prompts in --prompts {args.prompts}"
+        + (f" (split {args.prompts_split})" if args.prompts_split else "")
+        + f", scored by {' + '.join(scored_by)}; greedy and sampled (T={args.temperature}, seed {args.seed}), "
+        f"{args.max_new_tokens} new tokens; baseline: {args.baseline}"
+    )
     return prompts[:n], rows[:n], reward_fn
 
 
@@ -469,10 +471,6 @@ def main(args):
     if args.baseline:
         baseline = load_policy(args.baseline, mesh, args, like=policy, flag="--baseline")
         check_same_tokens(args.baseline, baseline.model, data, args, "--baseline")
-    print(
-        f"eval: {len(data['prompts'])} prompts, {args.max_new_tokens} new tokens, greedy and "
-        f"sampled (T={args.temperature}, seed {args.seed}); baseline: {args.baseline}"
-    )
     outs = evaluate_policy(policy, data, scorer, args, mesh, baseline=baseline)
     base_outs = evaluate_policy(baseline, data, scorer, args, mesh) if baseline is not None else None
     metrics = {

@@ -8,7 +8,8 @@
                   hub_errors / hub_error (a Kaggle or Hugging Face failure in one line saying what to do),
                   NETWORK_ERRORS, hub_unreachable; plain_saved_dtype (a bf16-trained preset that keras-hub
                   can read back)
-  4. Datasets     load_splits (a Hub id, a local copy of a Hub repo, a saved folder, a .parquet), DATA_FLAGS
+  4. Datasets     load_splits (a Hub id, a local copy of a Hub repo, a saved folder, a .parquet or .csv),
+                  DATA_FLAGS
   5. --export-hf  check_export_hf (refused at start-up), hf_tokenizer (tokenizer.json), export_hf
                   (model.safetensors, config.json, tokenizer files), HF_CHAT_TEMPLATES (Jinja)
   6. TRL's flags  TRL_FLAGS (TRL's flag names spelled otherwise here -> this project's)
@@ -328,22 +329,26 @@ def load_splits(path, config, flag):
         ds = (
             datasets.load_from_disk(path)
             if saved
-            else datasets.load_dataset("parquet", data_files=path)
-            if path.endswith(".parquet")
+            else datasets.load_dataset(path.rsplit(".", 1)[1], data_files=path)  # the builder named so
+            if path.endswith((".parquet", ".csv"))
             else datasets.load_dataset(path, config, cache_dir=local_cache(hub))
         )
     except Exception as e:
         if hub and {c.__name__ for c in type(e).__mro__} & NETWORK_ERRORS:
-            why = hub_unreachable(offline, "it") + (
-                "" if offline else ", or set HF_HUB_OFFLINE=1 to use a cached copy"
-            )
-            raise UsageError(f"{flag} {path}: no such local file or folder, and {why}") from None
-        if not isinstance(e, (ValueError, FileNotFoundError)):  # else datasets' words: config, data, dataset
+            raise UsageError(
+                f"{flag} {path}: no such local file or folder, and {hub_unreachable(offline, 'it')}"
+                + ("" if offline else ", or set HF_HUB_OFFLINE=1 to use a cached copy")
+            ) from None
+        if hub and not isinstance(e, (ValueError, FileNotFoundError)):  # else datasets' words, on one line
             raise
-        text = " ".join(str(e).split("Example of usage")[0].split())  # on one line
+        # on one line; a folder datasets could not build: its cause (the columns that do not match)
+        text = " ".join(str(e.__cause__ or e).split("Example of usage")[0].split())
         config_flag = DATA_FLAGS.get(flag, (None, None))[0]
-        hint = f" ({config_flag})" if config_flag and "onfig" in text else ""
-        raise UsageError(f"{flag} {path}: {text}{hint}") from None
+        if os.path.isdir(path) and e.__cause__ is not None:  # a folder whose files could not make one dataset
+            text += "; datasets reads a folder's data files as one dataset: each needs the same columns"
+        raise UsageError(
+            f"{flag} {path}: {text}" + (f" ({config_flag})" if config_flag and "onfig" in text else "")
+        ) from None
     return ds if isinstance(ds, dict) else {"train": ds}
 
 

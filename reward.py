@@ -7,6 +7,7 @@ Offline, minutes on a laptop CPU (the defaults are for real models; `tiny` from 
         --warmup-steps 10 --max-length 512
 """
 
+import json
 import math
 import os
 from dataclasses import dataclass
@@ -196,9 +197,12 @@ def train_step(backbone, optimizer, args, state, frozen, batch):
     grads, (losses, metrics) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, params), batch)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     params = optax.apply_updates(params, updates)
-    metrics = {k: v.mean() for k, v in metrics.items()}
-    metrics.update({"train/loss": losses.sum(), "train/grad_norm": optax.global_norm(grads)})
-    return (params, opt_state), metrics
+    metrics = {k: v.mean() for k, v in metrics.items()}  # [A] -> the whole batch
+    return (params, opt_state), {
+        **metrics,
+        "train/loss": losses.sum(),
+        "train/grad_norm": optax.global_norm(grads),
+    }
 
 
 def main(args):
@@ -314,7 +318,20 @@ def main(args):
                 "std": float(ref.std()),
             }
         )
-    run.finish(lambda path: common.save_reward_model(model, params, head, info, path))
+
+    # model/: the backbone as a KerasHub preset (LoRA merged), the scalar head beside it (common.HEAD_FILE)
+    def save(path):
+        common.save_model(model, params, path)
+        if jax.process_index() == 0:
+            np.savez(  # weight [D, 1], bias []
+                os.path.join(path, common.HEAD_FILE),
+                weight=np.asarray(head["weight"]),
+                bias=np.asarray(head["bias"]),
+            )
+            with open(os.path.join(path, common.HEAD_INFO), "w") as f:  # how it was normalised
+                json.dump(info, f, indent=2)
+
+    run.finish(save)
 
 
 if __name__ == "__main__":

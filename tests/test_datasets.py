@@ -253,3 +253,74 @@ def test_a_hub_id_offline_exits_2_in_one_line(tmp_path):
         "unset it"
     ]
     assert not out.exists()
+
+
+# ---------------------------------------------------------------------------
+# Your own files: a .csv is read, and what cannot be read is one line naming the fix
+# ---------------------------------------------------------------------------
+def test_a_csv_file_is_read_as_a_split_of_rows(tmp_path):
+    """TRL's CSV datasets (`load_dataset("csv", ...)`): a .csv is one split, `train`, a row per line."""
+    (tmp_path / "prefs.csv").write_text(
+        "prompt,chosen,rejected\n" + "".join(f"{r['prompt']},{r['chosen']},{r['rejected']}\n" for r in PAIRS)
+    )
+    assert common.read_rows(str(tmp_path / "prefs.csv")) == rows_of(PAIRS)
+
+
+def test_a_file_of_another_format_names_the_ones_read(tmp_path):
+    (tmp_path / "notes.txt").write_text("Sort: 2 1\n")
+    with pytest.raises(common.UsageError) as e:
+        common.read_rows(str(tmp_path / "notes.txt"))
+    assert str(e.value) == (
+        f"--dataset {tmp_path / 'notes.txt'}: not a format read here; a data file is .jsonl, .json, .parquet, "
+        ".csv (or a saved dataset folder, or a Hub dataset id)"
+    )
+
+
+def test_a_folder_of_files_with_different_columns_is_one_line(tmp_path):
+    """datasets reads a folder of data files as one dataset; files whose columns differ stopped the run with a
+    67-line DatasetGenerationError traceback. Now: one line, the columns that differ, and the fix."""
+    folder = tmp_path / "mixed"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text('{"prompt": "Sort: 2 1", "completion": " 1 2"}\n')
+    (folder / "b.jsonl").write_text('{"text": "Sort: 3 1 -> 1 3", "source": 7}\n')
+    message = usage_error(__import__("sft"), "--dataset", str(folder), "--eval-dataset", "")
+    assert "\n" not in message and message.startswith(f"--dataset {folder}: Couldn't cast")
+    assert "because column names don't match" in message
+    assert message.endswith(
+        "datasets reads a folder's data files as one dataset: each needs the same columns"
+    )
+
+
+def test_evaluate_refuses_your_model_on_the_toy_prompts_and_says_what_it_scores(tmp_path, capsys):
+    """A model trained on a --dataset of your own (its run's args.json says so), left to the bundled prompts
+    and checker, is refused in one line naming --prompts and --reward-fn (it scored an arithmetic model on the
+    sorting prompts: every response empty, 0). Given them, the first line says the file, its size, the scorer."""
+    import json
+
+    import evaluate
+    import plumbing
+
+    model = tmp_path / "my_dpo" / "model"  # a run's model/, from `tiny` (its tokenizer), on your data
+    tiny = common.load_model("tiny", common.make_mesh(None), "float32")
+    common.save_model(tiny, common.split_variables(tiny.backbone)[0], str(model))
+    (tmp_path / "my_dpo" / "args.json").write_text(json.dumps({"dataset": str(tmp_path / "mine.jsonl")}))
+    with pytest.raises(common.UsageError) as e:
+        plumbing.cli(evaluate.Args, ["--model", str(model)])
+    assert str(e.value) == (
+        f"--model {model} would use the bundled toy task (data/): pass --prompts DATA, --reward-fn "
+        "path.py:function; DATA: a .jsonl/.json/.parquet/.csv file, a saved dataset dir or a Hub dataset id"
+    )
+    with pytest.raises(common.UsageError) as e:  # a reward function is asked for alone: no DATA clause
+        plumbing.cli(evaluate.Args, ["--model", str(model), "--prompts", "mine.jsonl"])
+    assert str(e.value).endswith("would use the bundled toy task (data/): pass --reward-fn path.py:function")
+    prompts = tmp_path / "mine.jsonl"
+    prompts.write_text(
+        "".join(json.dumps({"prompt": f"Sort: {i} 1", "answer": f"1 {i}"}) + "\n" for i in range(5))
+    )
+    checker = os.path.join(ROOT, "data", "toy.py") + ":accuracy"
+    flags = ["--model", str(model), "--prompts", str(prompts), "--reward-fn", checker, "--num-prompts", "3"]
+    evaluate.check_args(plumbing.cli(evaluate.Args, flags), common.make_mesh(None))
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"eval: the first 3 of 5 prompts in --prompts {prompts}, scored by {checker}; greedy and sampled "
+        "(T=1.0, seed 0), 256 new tokens; baseline: None"
+    )

@@ -79,3 +79,25 @@ def test_lora_is_merged_on_save(tiny):
     loaded = keras_hub.models.CausalLM.from_preset(str(tmp / "lora"))
     assert not any("lora" in v.path for v in loaded.backbone.weights)  # a plain preset
     np.testing.assert_allclose(np.asarray(loaded(inputs)), adapted, rtol=1e-4, atol=1e-4)
+
+
+def test_a_model_folder_that_is_not_there_names_the_nearest_that_is(tmp_path, monkeypatch):
+    """A path that names no folder is a missing folder, said as such with the nearest parent that exists (it
+    listed ~50 aliases); TRL's `org/name` is also offered as a Hub id. Suggestions name each model once
+    (`gemma2b` offered gemma4_2b twice: an alias and a preset of one name)."""
+    (tmp_path / "runs").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(common.UsageError) as e:
+        common.resolve_model("runs/my_sft/model")
+    assert (
+        str(e.value)
+        == f"--model runs/my_sft/model: no such folder (the nearest that exists: {tmp_path / 'runs'})"
+    )
+    with pytest.raises(
+        common.UsageError, match=r"\(the nearest that exists: .*\); as a Hugging Face Hub repo id"
+    ):
+        common.resolve_model("google/gemma-2b")
+    with pytest.raises(common.UsageError) as e:
+        common.resolve_model("gemma2b")
+    close = str(e.value).split("did you mean ")[1].split("?")[0].split(", ")
+    assert "gemma_2b" in close and len(close) == len(set(close)) == 3
