@@ -6,9 +6,9 @@ trains its own SFT base, and each row is read against it and against controls ma
 claim and a method-against-method Δ matrix. --sweep chooses on the eval split (the curves are scored there
 too); the test split is read once, at the end. Writes comparison.md, comparison.png, results.json (every
 cell, the recipe and where each value came from, costs, curves) and scores.npz (the per-prompt test scores).
-    python compare.py --model gemma_2b --methods sft,dpo --test-prompts test.jsonl --reward-fn f.py:score \
-        --sft-args="--dataset sft.jsonl --eval-dataset sft_eval.jsonl" \
-        --dpo-args="--dataset prefs.jsonl --eval-dataset prefs_eval.jsonl"
+Your own task: your preference pairs (every run's data derived from them), held-out prompts and checker:
+    python compare.py --model gemma_2b --dataset pairs.jsonl --eval-prompts eval.jsonl --test-prompts test.jsonl \
+        --reward-fn checker.py:score
 Offline, a first look in minutes (`--quick`), and the bundled comparison task (data/compare/):
     python compare.py --model tiny --quick
     python compare.py --model tiny --seeds 3 --sweep all.learning_rate=2e-5,2e-4   # docs/comparison.md
@@ -81,6 +81,10 @@ class Args:
     at 26B-A4B / 31B, Llama 3: llama3, Mistral: mistral, Qwen 2.5 / 3: chatml, Qwen 3.5: qwen3.5)"""
     task: Literal["compare", "toy"] = "compare"
     """every script's data on a `tiny`-based --model: `compare`, data/compare/ (docs/compare.md); `toy`"""
+    dataset: str = ""
+    """your preference pairs (TRL's prompt/chosen/rejected: strings or message lists, or an implicit prompt; any
+    --dataset form): each run's data derived from them into <output-dir>/data/ (derive); you bring --reward-fn,
+    --eval-prompts, --test-prompts, and the RL rows' prompts if the pairs have no `prompt` field"""
     methods: str = "sft,dpo,simpo,orpo,kto,ppo,grpo,rloo,sft-chosen,rft"
     """comma-separated subset of METHODS (ppo: --ppo-reward; grpo, rloo: --reward-fn); the controls, one run
     per row they read, at its FLOPs: sft-chosen (SFT on the pairs' chosen answers) reads the preference rows
@@ -124,7 +128,7 @@ class Args:
     sft_args: str = ""
     """extra flags for sft.py, e.g. --sft-args="--learning-rate 5e-4" (the bases and the sft+ controls)"""
     sft_chosen_args: str = ""
-    """extra flags for the sft-chosen controls (sft.py), e.g. your chosen answers: --dataset chosen.jsonl"""
+    """extra flags for the sft-chosen controls (sft.py); their data: --dataset's chosen answers, or --dataset FILE"""
     rft_args: str = ""
     """extra flags for the rft controls (grpo.py --accept-reward)"""
     dpo_args: str = ""
@@ -279,18 +283,19 @@ TASK_DATA = {
     "rft": "prompts",
     "distill": "prompts",
 }
-DATA_KIND = {
-    "sft": "demonstrations",
-    "chosen": "chosen answers, as prompt + completion",
-    "prefs": "preference pairs",
-    "kto": "KTO rows",
-    "prompts": "prompts",
+DATA_KIND = {  # what a run's `--<row>-args="--dataset NAME"` holds where compare has no data for it
+    "sft": ("DEMOS", "demonstrations"),
+    "chosen": ("CHOSEN", "chosen answers, as prompt + completion"),
+    "prefs": ("PAIRS", "preference pairs"),
+    "kto": ("ROWS", "KTO rows or preference pairs"),
+    "prompts": ("PROMPTS", "prompts"),
 }
 
 
-def task_flags(task, model, recipe):
-    """The data flags of one script under --task (its recipe key names it; a fork reads dpo's)."""
-    if task == "toy" or not plumbing.is_toy_model(model):
+def task_flags(args, recipe):
+    """The data flags of one script under --task (its recipe key names it; a fork reads dpo's); none with
+    --dataset (derive puts each run's data ahead of its pass-through flags)."""
+    if args.task == "toy" or args.dataset or not plumbing.is_toy_model(args.model):
         return []  # each script's own data (toy: sft.py's demonstrations are the pairs' chosen answers)
     kind = TASK_DATA[recipe]
 
@@ -307,6 +312,49 @@ def task_prompts(args):
         args.eval_prompts or os.path.join(folder, "prompts_eval.jsonl"),
         args.test_prompts or os.path.join(folder, "prompts_test.jsonl"),
     )
+
+
+def derive(args, output_dir):
+    """--dataset PAIRS -> (args with each run's data put ahead of its --<row>-args, where a --dataset of its own
+    still wins; {file under <output-dir>/data/: its rows}, written before any run): the chosen answers as
+    prompt + completion (the SFT bases', sft+'s, sft-chosen's data), the pairs as given (dpo, simpo, orpo, reward,
+    a fork; kto.py unpairs them) and, where every pair has a `prompt`, the RL rows' prompts (ppo, grpo, rloo,
+    rft, distill): each row's columns but chosen/rejected, the prompt as given (reward functions read the
+    columns, as TRL passes them). Each with `--eval-dataset ''`: the held-out scores are compare's own."""
+    template = common.chat_template(args.model, args.chat_template)
+    pairs = common.read_rows(args.dataset)
+    chosen = os.path.join(output_dir, "data", "chosen.jsonl")
+    prompts = os.path.join(output_dir, "data", "prompts.jsonl")
+    files = {
+        chosen: [
+            dict(
+                zip(
+                    ("prompt", "completion"),
+                    common.preference_triple(row, f"{args.dataset}:{line}", template),
+                )
+            )
+            for row, line in pairs
+        ]
+    } | (
+        {prompts: [{k: v for k, v in row.items() if k not in ("chosen", "rejected")} for row, _ in pairs]}
+        if all("prompt" in row for row, _ in pairs)
+        else {}
+    )
+    data = {  # each pass-through flag's (the bases and sft+ share --sft-args; a fork reads dpo's)
+        "sft": chosen,
+        "sft_chosen": chosen,
+        **dict.fromkeys(("dpo", "simpo", "orpo", "reward", "kto", "extra"), args.dataset),
+        **dict.fromkeys(("ppo", "grpo", "rloo", "rft", "distill"), prompts if prompts in files else None),
+    }
+    return dataclasses.replace(
+        args,
+        **{
+            f"{row}_args": shlex.join(["--dataset", path] + ["--eval-dataset", ""] * (path != prompts))
+            + f" {getattr(args, f'{row}_args')}"
+            for row, path in data.items()
+            if path
+        },
+    ), files
 
 
 # --quick: SFT's 150 updates; dpo against sft-chosen, grpo (the checker) against rft (docs/compare.md)
@@ -327,50 +375,97 @@ def quick_argv(argv):
     return ([f"--{k.replace('_', '-')}={v}" for k, v in QUICK.items()] if "--quick" in argv else []) + argv
 
 
-def check_data(args, stages, grid):
-    """compare.py never mixes tasks. Once a run trains on your data (--dataset in its --<row>-args), or
-    --model is not `tiny`-based, every run does, each with its eval set named beside it where the task would
-    pass its own, and every row is scored on your held-out prompts; else UsageError, one line naming what to
-    pass."""
+def check_data(args, stages):
+    """compare.py never mixes tasks. Once a run trains on your data (--dataset PAIRS, or --dataset in its
+    --<row>-args), or --model is not `tiny`-based, every run does, each with its eval set named beside it where
+    the task would pass its own, and every row is scored on your held-out prompts by your --reward-fn; else
+    UsageError, one line naming what to pass."""
     yours = [s for s in stages if "--dataset" in s["own"]]
     if not yours and plumbing.is_toy_model(args.model):
         return  # the task's data throughout
-    problems = {}  # one a pass-through flag (the bases and sft+ share --sft-args), in run order
-    for s in stages:
-        via = s["via"]
-        task = s["flags"][: len(s["flags"]) - len(s["own"])]  # compare's flags, before yours
-        if "--dataset" not in s["own"]:
-            problems[via] = f"{via}: add --dataset (your {DATA_KIND[TASK_DATA[s['recipe']]]})"
-        elif "--eval-dataset" in task and not {"--eval-dataset", "--eval-split"} & set(s["own"]):
-            problems[via] = (
-                f"{via}: add --eval-dataset FILE or --eval-split SPLIT (--eval-dataset '' for none), else "
+    problems = {  # what no --dataset gives (every row is scored on them), then each pass-through flag's
+        name: f"pass --{name.replace('_', '-')} {what}"
+        for name, what in (
+            ("test_prompts", "FILE (your held-out prompts, scored by --reward-fn)"),
+            ("eval_prompts", "FILE (where --sweep chooses and the curves are scored)"),
+            ("reward_fn", "path.py:function (your task's score; the default scores the bundled task)"),
+        )
+        if getattr(args, name) == getattr(Args, name)
+    }
+    for s in stages:  # in run order (the bases and sft+ share --sft-args)
+        if "--dataset" not in s["own"]:  # neither yours nor derived from --dataset's pairs
+            problems[s["via"]] = '{}="--dataset {}" (your {})'.format(
+                s["via"], *DATA_KIND[TASK_DATA[s["recipe"]]]
+            ) + (f": {args.dataset}'s pairs have no `prompt` field" if args.dataset else "")
+        elif "--eval-dataset" in s["flags"] and not {"--eval-dataset", "--eval-split"} & set(s["own"]):
+            problems[s["via"]] = (  # the --eval-dataset compare passed: the task's
+                f"{s['via']}: add --eval-dataset FILE or --eval-split SPLIT (--eval-dataset '' for none), else "
                 f"{s['row']} is evaluated on the task's "
-                + os.path.relpath(task[task.index("--eval-dataset") + 1])
+                + os.path.relpath(last(s["flags"], "--eval-dataset"))
             )
-    if args.test_prompts is None:
-        problems["test"] = "pass --test-prompts FILE (your held-out prompts, scored by --reward-fn)"
-    if args.eval_prompts is None:  # every run is scored there: the sweep's choice, the curves
-        problems["eval"] = "pass --eval-prompts FILE (where --sweep chooses and the curves are scored)"
     if problems:
-        why = (
-            f"{yours[0]['row']} trains on your --dataset" if yours else f"--model {args.model} is not `tiny`"
-        )
         raise plumbing.UsageError(
-            f"{why}, so every run trains and is scored on your data: " + "; ".join(problems.values())
+            (
+                f"{yours[0]['row']} trains on your --dataset"
+                if yours
+                else f"--model {args.model} is not `tiny` (--dataset PAIRS derives each run's data)"
+            )
+            + ", so every run trains and is scored on your data: "
+            + "; ".join(problems.values())
         )
 
 
-def overrides(stages):
-    """What your pass-through flags replace: ["--dpo-args: --beta 0.5 replaces the recipe's 0.1", …], once a
-    flag and value, in run order (a script takes a repeated flag's last value: yours)."""
+def last(flags, name):
+    """The value a script takes for `name` from `flags` (a repeated flag's last), None where it is absent."""
+    return flags[len(flags) - flags[::-1].index(name)] if name in flags else None
+
+
+def short(path):
+    """A path relative to the working directory, unless outside it."""
+    return path if os.path.relpath(path).startswith("..") else os.path.relpath(path)
+
+
+def before_running(stages):
+    """What compare says before any run, once a line, in run order: what your pass-through flags replace
+    ("--dpo-args: --beta 0.5 replaces the recipe's '0.1'": a script takes a repeated flag's last value, yours),
+    and the epochs each run's steps make over its training rows where a --dataset file holds them (yours, derived,
+    the task's; a control's steps are known once its row has run), with a `warning:` past 10 epochs."""
     lines = []
     for s in stages:
-        task = s["flags"][: len(s["flags"]) - len(s["own"])]  # compare's flags, before yours
+        flags = s["flags"]
+        task = flags[: len(flags) - len(s["own"])]  # compare's flags, before yours
         lines += [
-            f"{s['via']}: {flag} {shlex.quote(value)} replaces the recipe's {task[task.index(flag) + 1]!r}"
+            f"{s['via']}: {flag} {shlex.quote(value)} replaces the recipe's {last(task, flag)!r}"
             for flag, value in zip(s["passed"], s["passed"][1:])
-            if flag.startswith("--") and flag in task and value != task[task.index(flag) + 1]
+            if flag.startswith("--") and flag in task and value != last(task, flag)
         ]
+        path = last(flags, "--dataset") or ""
+        rows = common.read_rows(path) if "--max-steps" in flags and os.path.isfile(path) else []
+        if rows:  # kto.py unpairs preference pairs: two examples each
+            n = len(rows) * (
+                1 + (s["recipe"] == "kto" and isinstance(rows[0][0], dict) and "chosen" in rows[0][0])
+            )
+            # rows a step: grpo.py's and rloo.py's --batch-size counts completions, --num-generations a prompt
+            per = int(last(flags, "--batch-size")) // int(last(flags, "--num-generations") or 1)
+            steps = int(last(flags, "--max-steps"))
+            epochs = steps * per / n
+            lines.append(
+                f"{s['row']}: {steps} steps × {per} rows = {steps * per:,} rows over the {n:,} "
+                + ("(its pairs unpaired, 2 each) " if n > len(rows) else "")
+                + f"of {short(path)}: "
+                + (f"{epochs:,.0f}" if epochs >= 10 else f"{epochs:.2g}")
+                + " epochs"
+            )
+            if epochs > 10:
+                lines.append(
+                    f"warning: {s['row']}: {epochs:,.0f} epochs over {n:,} rows, which it may memorise: lower "
+                    + (
+                        f"--{s['recipe']}-steps"
+                        if s["recipe"] in ("sft", "reward", "ppo", "grpo", "rloo")
+                        else "--steps"
+                    )
+                    + " or give more rows"
+                )
     return list(dict.fromkeys(lines))
 
 
@@ -435,15 +530,15 @@ def plan(args, output_dir):
     def budget(steps):
         return ["--max-steps", str(steps)] + curve_flags(steps, args.curve_points)
 
-    def script(name):
-        return os.path.join(common.HERE, f"{name}.py")
-
     def row(name, *, recipe=None, steps=None, flags=(), on_rm=False, signal="prefs", path=None, fork=False):
         recipe = recipe or name
         own = "extra" if fork else recipe.rstrip("+").replace("-", "_")  # its pass-through flag: --{own}-args
         return Row(
             name=name,
-            script=path or script(recipe),
+            script=path  # a control runs sft.py, rft grpo.py --accept-reward
+            or os.path.join(
+                common.HERE, {"rft": "grpo", "sft+": "sft", "sft-chosen": "sft"}.get(recipe, recipe) + ".py"
+            ),
             recipe=recipe,
             steps=steps,
             flags=list(flags),
@@ -492,7 +587,6 @@ def plan(args, output_dir):
             recipe=kind,
             flags=(fn + ["--accept-reward", str(args.accept_reward)]) if kind == "rft" else [],
             signal=r.name,
-            path=script("grpo" if kind == "rft" else "sft"),
         )
         for r in rows
         for kind, reads in CONTROLS.items()
@@ -516,7 +610,7 @@ def plan(args, output_dir):
             "passed": shlex.split(row.extra),
             "flags": ["--model", model]
             + flags
-            + task_flags(args.task, args.model, row.recipe)
+            + task_flags(args, row.recipe)
             + [x for flags, _ in RECIPE[row.recipe] for x in shlex.split(flags)]  # the recipe's, in order
             + ["--seed", str(seed)]
             + (["--chat-template", args.chat_template] if args.chat_template else [])
@@ -555,9 +649,11 @@ def plan(args, output_dir):
             )
         for r in rows + controls:
             flags = (
-                (budget(r.steps) if r.steps else []) + ["--learning-rate", str(args.learning_rate)] + r.flags
+                (budget(r.steps) if r.steps else [])
+                + ["--learning-rate", str(args.learning_rate)]
+                + r.flags
+                + (["--reward-model", os.path.join(output_dir, rm, "model")] if r.on_rm else [])
             )
-            flags += ["--reward-model", os.path.join(output_dir, rm, "model")] if r.on_rm else []
             match = [
                 s["name"] for s in stages if s["seed"] == seed and s["row"] == r.signal and "@" in r.name
             ]
@@ -594,8 +690,7 @@ def target_flops(output_dir, stage, done, walls):
 
 def flops_per_step(run_dir):
     """A finished run's logged FLOPs over its --max-steps."""
-    with open(os.path.join(run_dir, "args.json")) as f:
-        return run_cost(run_dir)[2] / json.load(f)["max_steps"]
+    return run_cost(run_dir)[2] / json.load(open(os.path.join(run_dir, "args.json")))["max_steps"]
 
 
 def matched_steps(target, per_step):
@@ -613,11 +708,11 @@ def run_control(i, n, stage, output_dir, *, done, walls, curve_points):
         or [s for s in done if s["script"] == stage["script"]]
         or [s for s in done if s["name"] in stage["match"]]
     )[-1]
-
-    def batch(s):  # the last --batch-size a run was given
-        return float(s["flags"][len(s["flags"]) - s["flags"][::-1].index("--batch-size")])
-
-    per_step = flops_per_step(os.path.join(output_dir, like["name"])) * batch(stage) / batch(like)
+    per_step = (  # scaled by the --batch-size each was given
+        flops_per_step(os.path.join(output_dir, like["name"]))
+        * float(last(stage["flags"], "--batch-size"))
+        / float(last(like["flags"], "--batch-size"))
+    )
     flags = list(stage["flags"])
     for attempt in range(2):
         steps = matched_steps(target, per_step)
@@ -636,22 +731,18 @@ def run_control(i, n, stage, output_dir, *, done, walls, curve_points):
 def prepare_output_dir(output_dir, stages, overwrite, keep=False):
     """Refuse to mix with an earlier comparison unless --overwrite (which removes its runs) or --keep-finished
     (which removes only the unfinished ones)."""
-    held = sorted(
-        {s["name"].split("/")[0] for s in stages if os.path.exists(os.path.join(output_dir, s["name"]))}
-    )
-    if keep:  # the unfinished runs: no model/
-        held = [
-            s["name"]
-            for s in stages
-            if os.path.exists(os.path.join(output_dir, s["name"]))
-            and not os.path.isdir(os.path.join(output_dir, s["name"], "model"))
-        ]
-    elif held and not overwrite:
+    held = [  # --keep-finished: the unfinished ones (no model/)
+        s["name"]
+        for s in stages
+        if os.path.exists(os.path.join(output_dir, s["name"]))
+        and not (keep and os.path.isdir(os.path.join(output_dir, s["name"], "model")))
+    ]
+    folders = sorted({name.split("/")[0] for name in held})  # --overwrite: each one's row's whole folder
+    if held and not (keep or overwrite):
         raise plumbing.UsageError(
-            f"--output-dir {output_dir} already holds runs ({', '.join(held)}); "
-            "pass --overwrite to replace them"
+            f"--output-dir {output_dir} already holds runs ({', '.join(folders)}); pass --overwrite to replace them"
         )
-    for name in held:
+    for name in held if keep else folders:
         shutil.rmtree(os.path.join(output_dir, name))
     os.makedirs(output_dir, exist_ok=True)
 
@@ -716,12 +807,11 @@ def run_stage(i, n, stage, output_dir):
         rc = watch(proc, os.path.join(output_dir, stage["name"]), t0)
     wall = time.perf_counter() - t0
     if rc != 0:
-        with open(log_path) as f:
-            print(
-                f"      FAILED (exit {rc}) after {wall:.0f} s; last lines of {log_path}:\n"
-                + "".join(f.readlines()[-10:]),
-                flush=True,
-            )
+        print(
+            f"      FAILED (exit {rc}) after {wall:.0f} s; last lines of {log_path}:\n"
+            + "".join(open(log_path).readlines()[-10:]),
+            flush=True,
+        )
         return False, wall
     name, _, values = main_curve(read_metrics(os.path.join(output_dir, stage["name"])))
     print(
@@ -734,8 +824,7 @@ def run_stage(i, n, stage, output_dir):
 def progress(run_dir):
     """(the last step a running script logged, its --max-steps), or None before its first step is logged."""
     try:
-        with open(os.path.join(run_dir, "args.json")) as f:
-            total = json.load(f)["max_steps"]
+        total = json.load(open(os.path.join(run_dir, "args.json")))["max_steps"]
         with open(os.path.join(run_dir, "metrics.jsonl")) as f:
             steps = [json.loads(line)["step"] for line in f if line.endswith("\n")]  # whole lines only
     except (OSError, ValueError, KeyError):  # not written yet, or being written
@@ -856,10 +945,9 @@ def checkpoint_scores(args, base, run_dirs):
     for run_dir in run_dirs:
         folder = os.path.abspath(os.path.join(run_dir, "checkpoints"))
         curves[run_dir] = []
-        with open(os.path.join(run_dir, "args.json")) as f:
-            last = json.load(f)["max_steps"]  # its end: model/, scored in the table
+        end = json.load(open(os.path.join(run_dir, "args.json")))["max_steps"]  # model/, scored in the table
         steps = (
-            [s for s in sorted(map(int, filter(str.isdigit, os.listdir(folder)))) if s < last]
+            [s for s in sorted(map(int, filter(str.isdigit, os.listdir(folder)))) if s < end]
             if os.path.isdir(folder)
             else []
         )
@@ -895,9 +983,15 @@ def verdict(delta, name, seeds=MIN_SEEDS):
     """(Δ, ±) against `name` -> 'beats name (Δ …)', 'within noise of name (… covers 0)' or 'below …'; with
     fewer than MIN_SEEDS seeds no claim: 'needs ≥ 3 seeds vs name (Δ …)'."""
     d, h = delta
-    word, covers = ("beats", "") if d > h else ("within noise of", " covers 0") if d >= -h else ("below", "")
-    if seeds < MIN_SEEDS:
-        word, covers = (f"needs ≥ {MIN_SEEDS} seeds vs", "")
+    word, covers = (
+        (f"needs ≥ {MIN_SEEDS} seeds vs", "")
+        if seeds < MIN_SEEDS
+        else ("beats", "")
+        if d > h
+        else ("within noise of", " covers 0")
+        if d >= -h
+        else ("below", "")
+    )
     return f"{word} {name} (Δ {d:+.3f} ± {h:.3f}{covers})"
 
 
@@ -924,9 +1018,10 @@ def summary(stats, costs, *, base_name, seeds):
     def cost(name):
         return f"{fmt(costs[name][2], top=1e10)} FLOPs, {costs[name][3]:.0f} s"  # FLOPs as 3.30e12
 
-    def delta(name, against):
-        d, h = next(c[2] for c in claims if c[:2] == (name, against))
-        return f"{name} − {against} {d:+.3f} ± {h:.3f}"
+    def delta(name, against):  # 'dpo − sft-chosen@dpo +0.375 ± 0.398'
+        return f"{name} − {against} " + "{:+.3f} ± {:.3f}".format(
+            *next(c[2] for c in claims if c[:2] == (name, against))
+        )
 
     if seeds < MIN_SEEDS:
         noise = "over prompts only: seed noise is unmeasured" if seeds == 1 else "from too few seeds to trust"
@@ -1175,9 +1270,6 @@ def write_report(
         + table(rows, base_name, any("rm_score" in st for st in stats.values()))
     )
 
-    def short(p):  # relative to the working directory, unless outside it
-        return p if os.path.relpath(p).startswith("..") else os.path.relpath(p)
-
     runs = "\n".join(f"    python {short(s['script'])} {shlex.join(s['flags'])}" for s in stages)
     rm_line = (
         f"- reward model (PPO's reward, trained on the same preference pairs, one per seed): held-out pair "
@@ -1312,16 +1404,21 @@ def run_stages(args, stages, output_dir):
 
 def main(args):
     output_dir = args.output_dir or plumbing.default_output_dir("compare", args.model, args.seed)
+    args, files = derive(args, output_dir) if args.dataset else (args, {})  # written below, before any run
     stages, bases, seeds, grid = plan(args, output_dir)
-    check_data(args, stages, grid)  # before the task's held-out prompts stand in for those not given
-    for line in overrides(stages):  # said, not silent: the recipe's value is gone from that run
-        print(line)
+    check_data(args, stages)  # before the task's held-out prompts stand in for those not given
     args = dataclasses.replace(args, **dict(zip(("eval_prompts", "test_prompts"), task_prompts(args))))
     common.load_reward_fn(args.reward_fn)
     # --model resolves (no SFT stage: it is the base itself) and every held-out prompt reads
     for path, flag in ((args.eval_prompts, "--eval-prompts"), (args.test_prompts, "--test-prompts")):
         common.read_dataset(path, "prompt", common.chat_template(args.model, args.chat_template), flag)
     prepare_output_dir(output_dir, stages, args.overwrite, args.keep_finished)
+    for path, rows in files.items():
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w") as f:
+            f.writelines(json.dumps(row) + "\n" for row in rows)
+    for line in before_running(stages):  # said, not silent: a recipe's value replaced, a run's epochs
+        print(line)
     t_start = time.perf_counter()
     ok, walls = run_stages(args, stages, output_dir)  # each run: exited 0; its wall seconds
     failed_bases = [f"sft/seed{s}" for s in seeds if ok.get(f"sft/seed{s}") is False]
@@ -1358,7 +1455,7 @@ def stage_cost(output_dir, stage, walls):
     cost = np.sum([run_cost(os.path.join(output_dir, n)) + [walls.get(n, 0.0)] for n in names], 0)
     flags = stage.get("flags", [])
     if "--teacher-model" in flags:
-        teacher = os.path.dirname(os.path.abspath(flags[len(flags) - flags[::-1].index("--teacher-model")]))
+        teacher = os.path.dirname(os.path.abspath(last(flags, "--teacher-model")))
         rows = [r for r in read_metrics(teacher) if r.get("charts/tokens_per_sec")]
         seconds = sum(r["charts/tokens"] / r["charts/tokens_per_sec"] for r in rows)
         cost = cost + np.array(run_cost(teacher)[:1] + [0.0] + run_cost(teacher)[2:] + [seconds]) * bool(rows)
@@ -1413,6 +1510,12 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
     base_keys = {seed: f"{base_name}/seed{seed}" for seed in seeds}
 
     def evaluate_on(split, runs, prompts):  # the runs, the base of each seed
+        print(
+            f"[eval] {len(runs)} runs and {base_name} on the {split} split"
+            + (", once" if split == "test" else "")
+            + f" ({prompts})",
+            flush=True,
+        )
         rms = {  # each seed's reward model (PPO's), scored on the test split only
             x: os.path.join(output_dir, f"reward/seed{x}/model")
             if split == "test" and ok.get(f"reward/seed{x}")
@@ -1426,13 +1529,9 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
             args, prompts, bases, jobs, lambda key, seed: os.path.join(output_dir, key, f"eval_{split}")
         )
 
-    print(f"[eval] {len(done)} runs and {base_name} on the eval split ({args.eval_prompts})", flush=True)
     res_eval = evaluate_on("eval", done, args.eval_prompts)
     kept, sweep = choose_settings(grid, res_eval, [s for s in done if s["row"] in grid], base_keys)
     final = [s for s in done if s["setting"] == kept.get(s["row"], "" if s["row"] not in grid else None)]
-    print(
-        f"[eval] {len(final)} runs and {base_name} on the test split, once ({args.test_prompts})", flush=True
-    )
     res = evaluate_on("test", final, args.test_prompts)
     base_stages = [s for s in stages if s["row"] == "sft"]
     stats = {base_name: row_stats(*stack(res, list(base_keys.values()), list(base_keys.values())))}
@@ -1493,10 +1592,17 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
             score_curves[name] = score
     methods = [n for n in stats if n != base_name and "@" not in n]
     for name in methods:  # each row against its controls, paired by seed
-        versus = {}
-        for ctl in [c for c in stats if c.endswith(f"@{name}")]:
-            st = paired_stats(res, by_name[name], {s["seed"]: s["name"] for s in by_name[ctl]})
-            versus[ctl] = {"delta": st["delta"], "p": st["p"]}
+        versus = {  # paired by seed: each control's Δ and p
+            ctl: {
+                k: v
+                for k, v in paired_stats(
+                    res, by_name[name], {s["seed"]: s["name"] for s in by_name[ctl]}
+                ).items()
+                if k in ("delta", "p")
+            }
+            for ctl in stats
+            if ctl.endswith(f"@{name}")
+        }
         if versus:
             informed = next((c for k in INFORMATION.values() for c in versus if c.startswith(f"{k}@")), None)
             primary = informed or next(iter(versus))

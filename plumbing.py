@@ -144,7 +144,10 @@ def cli(args_class, argv=None):
     # --resume: the run's own flags are the defaults, what this command line gives changes them (the Run refuses
     # what may not change); --remat is decided again (args.json holds the mode a run chose, not the flag)
     taken = {f.name for f in dataclasses.fields(args_class)} - {"resume", "overwrite", "remat"}
-    args = parse(args_class(**{k: v for k, v in recorded.items() if k in taken}))
+    # (JSON holds a tuple flag as a list)
+    args = parse(
+        args_class(**{k: tuple(v) if isinstance(v, list) else v for k, v in recorded.items() if k in taken})
+    )
     changed = [
         f"--{k.replace('_', '-')} {v} (was {recorded[k]})"
         for k, v in vars(args).items()
@@ -874,7 +877,7 @@ class Run:
                 "state (rerun with --resume and a lower --learning-rate"
                 + (", or --skip-nonfinite)" if self.skip_nonfinite is not None else ")")
             )
-        row = self.last_train = {
+        row = {
             k: float((np.sum if k in self._summed else np.mean)([m[k] for m in fetched])) for k in fetched[0]
         }
         for k, counts in self._counted.items():  # each step weighted by how many examples its mean covers
@@ -882,6 +885,7 @@ class Run:
             row[k] = float(np.dot([float(m[k]) for m in fetched], w) / w.sum()) if w.sum() else 0.0
         if self._lr is not None:
             row["charts/learning_rate"] = float(self._lr(self.step - 1))
+        self.last_train = row  # for the summary line (the same dict: the rows below are in it too)
         row.update(
             {
                 "charts/tokens_per_sec": self._sums["tokens"] / elapsed,

@@ -416,9 +416,9 @@ def test_plan_controls_and_task_data(tmp_path):
 
 def test_compare_never_mixes_tasks(tmp_path):
     """The issue's command, your sft and dpo data through --sft-args / --dpo-args: it stops before any run (nothing
-    written), one line naming each flag to pass: your eval sets beside your data (else the task's held-out sets
-    would score models trained on yours), your grpo prompts, your test prompts. Given them, every run reads
-    yours; a real model without data is stopped the same way; the task's own data needs nothing."""
+    written), one line naming each flag to pass: your test prompts, eval prompts and checker, your eval sets beside
+    your data (else the task's held-out sets would score models trained on yours), your grpo prompts. Given them,
+    every run reads yours; a real model without data is stopped the same way; the task's own data needs nothing."""
     import plumbing
 
     mine = ["--model", "tiny", "--methods", "sft,dpo,grpo", "--output-dir", str(tmp_path / "cmp")]
@@ -428,12 +428,14 @@ def test_compare_never_mixes_tasks(tmp_path):
     task = os.path.join("data", "compare")
     assert str(e.value) == (
         "sft trains on your --dataset, so every run trains and is scored on your data: "
+        "pass --test-prompts FILE (your held-out prompts, scored by --reward-fn); "
+        "pass --eval-prompts FILE (where --sweep chooses and the curves are scored); "
+        "pass --reward-fn path.py:function (your task's score; the default scores the bundled task); "
         "--sft-args: add --eval-dataset FILE or --eval-split SPLIT (--eval-dataset '' for none), else sft is "
         f"evaluated on the task's {os.path.relpath(os.path.join(ROOT, task, 'sft_eval.jsonl'))}; "
         "--dpo-args: add --eval-dataset FILE or --eval-split SPLIT (--eval-dataset '' for none), else dpo is "
         f"evaluated on the task's {os.path.relpath(os.path.join(ROOT, task, 'prefs_eval.jsonl'))}; "
-        "--grpo-args: add --dataset (your prompts); pass --test-prompts FILE (your held-out prompts, scored by "
-        "--reward-fn); pass --eval-prompts FILE (where --sweep chooses and the curves are scored)"
+        '--grpo-args="--dataset PROMPTS" (your prompts)'
     )
     assert not (tmp_path / "cmp").exists()
     fixed = mine + [
@@ -444,27 +446,199 @@ def test_compare_never_mixes_tasks(tmp_path):
         "my_test.jsonl",
         "--eval-prompts",
         "my_eval.jsonl",
+        "--reward-fn",
+        "my_checker.py:score",
     ]
     args = plumbing.cli(compare.Args, fixed)
     stages = compare.plan(args, str(tmp_path))[0]
-    compare.check_data(args, stages, {})
+    compare.check_data(args, stages)
     for s, (data, held_out) in zip(
         stages, [("my_sft", "my_sft_eval.jsonl"), ("my_prefs", None), ("my_prompts", None)]
     ):
         assert last(s["flags"], "--dataset") == data + ".jsonl" and s["flags"][-len(s["own"]) :] == s["own"]
         assert held_out is None or last(s["flags"], "--eval-dataset") == held_out
     with pytest.raises(plumbing.UsageError, match="--eval-prompts FILE \\(where --sweep chooses"):
-        compare.check_data(dataclasses.replace(args, eval_prompts=None), stages, {})
+        compare.check_data(dataclasses.replace(args, eval_prompts=None), stages)
     real = dataclasses.replace(args, model="gemma_2b", sft_args="", dpo_args="", grpo_args="")
-    with pytest.raises(
-        plumbing.UsageError,
-        match="^--model gemma_2b is not `tiny`, .*--sft-args: add --dataset \\(your demonstrations\\); --dpo-args: add --dataset \\(your preference pairs\\); --grpo-args: add --dataset \\(your prompts\\)$",
-    ):
-        compare.check_data(real, compare.plan(real, str(tmp_path))[0], {})
+    with pytest.raises(plumbing.UsageError) as e:
+        compare.check_data(real, compare.plan(real, str(tmp_path))[0])
+    assert str(e.value) == (
+        "--model gemma_2b is not `tiny` (--dataset PAIRS derives each run's data), so every run trains and is "
+        'scored on your data: --sft-args="--dataset DEMOS" (your demonstrations); --dpo-args="--dataset PAIRS" '
+        '(your preference pairs); --grpo-args="--dataset PROMPTS" (your prompts)'
+    )
     task_args = compare.Args(methods="sft,sft+,dpo,kto,ppo,grpo,rloo,sft-chosen,rft", seeds=1)
-    compare.check_data(
-        task_args, compare.plan(task_args, str(tmp_path))[0], {}
-    )  # the task's data: nothing asked
+    compare.check_data(task_args, compare.plan(task_args, str(tmp_path))[0])  # the task's data: nothing asked
+
+
+def arithmetic_task(folder, n=40):
+    """A task of the user's, unlike the bundled one: sums (`What is 17 + 25?`, an `answer` column), n preference
+    pairs (the sum chosen, one more rejected), 16 held-out prompts a split and a checker of the `answer` column
+    (TRL passes a row's columns to reward functions) -> {name: path}."""
+    rng = np.random.default_rng(0)
+    sums = [(int(a), int(b)) for a, b in rng.integers(10, 50, (n + 32, 2))]
+    rows = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)} for a, b in sums]
+    pairs = [dict(r, chosen=f" {r['answer']}", rejected=f" {int(r['answer']) + 1}") for r in rows[:n]]
+    paths = {name: folder / f"{name}.jsonl" for name in ("pairs", "eval", "test")}
+    for name, data in (("pairs", pairs), ("eval", rows[n : n + 16]), ("test", rows[n + 16 :])):
+        paths[name].write_text("".join(json.dumps(r) + "\n" for r in data))
+    paths["checker"] = folder / "checker.py"
+    paths["checker"].write_text(
+        "def score(prompts, completions, answer, **kwargs):\n"
+        "    return [float(c.strip() == a) for c, a in zip(completions, answer)]\n"
+    )
+    return {name: str(path) for name, path in paths.items()}
+
+
+def test_compare_on_your_own_pairs(tmp_path):
+    """--dataset PAIRS: `--quick` given only the pairs, the held-out prompts and a checker runs sft, dpo and
+    sft-chosen on them: each run's data derived once into <output-dir>/data/ (the chosen answers as prompt +
+    completion; the prompts with their other columns, for the RL rows), each run's args.json naming its file
+    (the pairs themselves for dpo) and no held-out set of its own; said before any run, the epochs each run's
+    steps make over its rows (sft: 20 × 32 over 40 = 16, past 10: a warning naming --sft-steps; dpo: 4 × 32 over
+    40 = 3.2, none); the report, scored on the user's test prompts by the user's checker."""
+    task = arithmetic_task(tmp_path)
+    out = tmp_path / "cmp"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "compare.py"),
+            "--quick",
+            "--model",
+            "tiny",
+            "--dataset",
+            task["pairs"],
+            "--test-prompts",
+            task["test"],
+            "--eval-prompts",
+            task["eval"],
+            "--reward-fn",
+            task["checker"] + ":score",
+            "--methods",
+            "sft,dpo,sft-chosen",
+            "--sft-steps",
+            "20",
+            "--steps",
+            "4",
+            "--num-prompts",
+            "8",
+            "--output-dir",
+            str(out),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=1200,
+        env=learning_env(),
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    read = lambda path: [json.loads(line) for line in open(path)]
+    pairs, chosen = read(task["pairs"]), out / "data" / "chosen.jsonl"
+    assert read(chosen) == [{"prompt": p["prompt"], "completion": p["chosen"]} for p in pairs]
+    assert read(out / "data" / "prompts.jsonl") == [
+        {"prompt": p["prompt"], "answer": p["answer"]} for p in pairs
+    ]
+    for run, data in (("sft", chosen), ("dpo", task["pairs"]), ("sft-chosen@dpo", chosen)):
+        run_args = json.loads((out / run / "seed0" / "args.json").read_text())
+        assert run_args["dataset"] == str(data) and run_args["eval_dataset"] == "", run
+    lines = proc.stdout.splitlines()
+    said = [
+        f"sft: 20 steps × 32 rows = 640 rows over the 40 of {chosen}: 16 epochs",
+        "warning: sft: 16 epochs over 40 rows, which it may memorise: lower --sft-steps or give more rows",
+        f"dpo: 4 steps × 32 rows = 128 rows over the 40 of {task['pairs']}: 3.2 epochs",
+    ]
+    assert [line for line in lines if " epochs" in line] == said, proc.stdout[:3000]
+    assert lines.index(said[-1]) < next(i for i, line in enumerate(lines) if line.startswith("[1/"))
+    md = (out / "comparison.md").read_text()
+    assert [r.split("**")[1] for r in md.splitlines() if r.startswith("| **")] == [
+        "sft",
+        "dpo",
+        "sft-chosen@dpo",
+    ]
+    result = json.loads((out / "dpo" / "seed0" / "eval_test" / "eval.json").read_text())
+    assert result["prompts"] == task["test"] and result["num_prompts"] == 8
+
+
+def test_own_pairs_ask_for_what_they_cannot_give(tmp_path):
+    """--dataset PAIRS with an implicit prompt (no `prompt` field), grpo asked for too, and no held-out prompts
+    or checker: one line naming each, the RL row's prompts as --grpo-args="--dataset PROMPTS", before anything
+    is written. With a `prompt` field and the three given, every run has its data: the chosen answers (a chat's
+    rendered as the pairs are), the pairs, the prompts with their columns (a chat's as given), `--eval-dataset
+    ''` beside all but the RL rows' (which take none), and a run's own --dataset still wins."""
+    implicit = tmp_path / "implicit.jsonl"
+    implicit.write_text(
+        "".join(
+            json.dumps({"chosen": f"{a} + 1 = {a + 1}", "rejected": f"{a} + 1 = {a}"}) + "\n"
+            for a in range(40)
+        )
+    )
+    args = compare.Args(
+        dataset=str(implicit), methods="sft,dpo,grpo,sft-chosen", output_dir=str(tmp_path / "cmp")
+    )
+    with pytest.raises(common.UsageError) as e:
+        compare.main(args)
+    assert str(e.value) == (
+        "sft trains on your --dataset, so every run trains and is scored on your data: "
+        "pass --test-prompts FILE (your held-out prompts, scored by --reward-fn); "
+        "pass --eval-prompts FILE (where --sweep chooses and the curves are scored); "
+        "pass --reward-fn path.py:function (your task's score; the default scores the bundled task); "
+        f'--grpo-args="--dataset PROMPTS" (your prompts): {implicit}\'s pairs have no `prompt` field'
+    )
+    assert not (tmp_path / "cmp").exists()
+
+    task = arithmetic_task(tmp_path)
+    chat = tmp_path / "chat.jsonl"  # TRL's conversational form
+    chat.write_text(
+        json.dumps(
+            {
+                "prompt": [{"role": "user", "content": "What is 2 + 3?"}],
+                "chosen": [{"role": "assistant", "content": "5"}],
+                "rejected": [{"role": "assistant", "content": "6"}],
+                "answer": "5",
+            }
+        )
+        + "\n"
+    )
+    for pairs in (task["pairs"], str(chat)):
+        args = compare.Args(
+            dataset=pairs,
+            methods="sft,dpo,kto,grpo,sft-chosen,rft",
+            seeds=1,
+            test_prompts=task["test"],
+            eval_prompts=task["eval"],
+            reward_fn=task["checker"] + ":score",
+            rloo_args="--beta 0",
+            grpo_args="--dataset mine.jsonl",
+        )
+        mine, files = compare.derive(args, str(tmp_path / "cmp"))
+        stages = {s["name"]: s for s in compare.plan(mine, str(tmp_path / "cmp"))[0]}
+        compare.check_data(mine, list(stages.values()))
+        chosen, prompts = (str(tmp_path / "cmp" / "data" / f) for f in ("chosen.jsonl", "prompts.jsonl"))
+        assert list(files) == [chosen, prompts] and mine.rloo_args.endswith(" --beta 0")
+        data = {
+            "sft/seed0": chosen,
+            "dpo/seed0": pairs,
+            "kto/seed0": pairs,
+            "grpo/seed0": "mine.jsonl",
+            "sft-chosen@dpo/seed0": chosen,
+            "rft@grpo/seed0": prompts,
+        }
+        for name, path in data.items():
+            flags = stages[name]["flags"]
+            assert last(flags, "--dataset") == path, name
+            assert ("--eval-dataset" in flags) == ("grpo" not in name) and "data/compare" not in " ".join(
+                flags
+            )
+            assert "--eval-dataset" not in flags or last(flags, "--eval-dataset") == "", name
+    template = common.chat_template("tiny")
+    assert files[chosen] == [
+        {
+            "prompt": common.render([{"role": "user", "content": "What is 2 + 3?"}], template)
+            + template.model,
+            "completion": "5" + template.end.rstrip("\n"),
+        }
+    ]
+    assert files[prompts] == [{"prompt": [{"role": "user", "content": "What is 2 + 3?"}], "answer": "5"}]
 
 
 def test_quick_fills_in_what_was_not_given():
@@ -829,8 +1003,8 @@ def test_compare_plan_reward_model_for_ppo(tmp_path):
     dpo, ppo, ppo_fn = stages[2]["flags"], stages[3]["flags"], stages[4]["flags"]
     assert dpo[dpo.index("--model") + 1] == base and dpo[dpo.index("--max-steps") + 1] == "7"
     assert dpo[-4:] == ["--beta", "0.2", "--learning-rate", "1e-5"]  # pass-through comes last: it overrides
-    assert compare.overrides(stages) == [  # and main says what it replaced, by hand from the recipe
-        "--dpo-args: --beta 0.2 replaces the recipe's '0.1'",
+    assert [line for line in compare.before_running(stages) if "replaces" in line] == [  # and main says what
+        "--dpo-args: --beta 0.2 replaces the recipe's '0.1'",  # it replaced, by hand from the recipe
         "--dpo-args: --learning-rate 1e-5 replaces the recipe's '5e-05'",
     ]
     assert ppo[ppo.index("--reward-model") + 1] == str(tmp_path / "reward" / "seed0" / "model")
