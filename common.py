@@ -463,12 +463,13 @@ def logits(backbone, hidden, raw=False):
 
 
 def categorical(backbone, hidden, key, temperature, keep=None):
-    """A token from q = softmax(keep(logits / T)) for final hidden states [B, D] (inside `weights(...)`) -> (token
-    [B] int32, log q(token) [B] float32): jax.random.categorical(key, keep(logits / T))'s draw, the first index
-    of argmax(gumbel + logits / T), so the same tokens for a key. keep: a sampler's filter ([B, V] -> [B, V],
-    dropped tokens -inf: top-k, top-p, min-p), None for none. Below the samplers, how: on one TPU chip without a
-    filter, the output layer and the draw as one Pallas kernel (tpu_kernels.categorical, where tpu_kernels.fits),
-    the logits never written; else XLA's, the noised logits reduced in one pass (first_max), never written."""
+    """A token from q = softmax(keep(logits / T)) for final hidden states [B, D] (inside `weights(...)`) ->
+    (token [B] int32, log q(token) [B] float32): jax.random.categorical(key, keep(logits / T))'s draw, the
+    first index of argmax(gumbel + logits / T), so the same tokens for a key. keep: a sampler's filter,
+    [B, V] -> [B, V] with the dropped tokens -inf (top-k, top-p, min-p), or None. Below the samplers, how: on
+    one TPU chip without a filter, the output layer and the draw as one Pallas kernel (tpu_kernels.categorical
+    where tpu_kernels.fits), the logits never written; else XLA's, the noised logits reduced in one pass
+    (first_max), never written."""
     if keep is None and tpu_kernels.fits(backbone, hidden.shape[0], temperature):
         return tpu_kernels.categorical(backbone, hidden, key, temperature)
     raw = logits(backbone, hidden, raw=True)  # [B, V] in the compute dtype; float32 where read
@@ -1423,8 +1424,8 @@ def query_length(batch):
 
 
 def mini_batches(rng, batch_size, num_mini_batches, num_epochs, on_data):
-    """An RL step's update order: index arrays [B / num_mini_batches] over its rollout batch, num_epochs passes
-    (μ), each reshuffled by the host `rng` (a numpy Generator, checkpointed with the run)."""
+    """An RL step's update order: index arrays [B / num_mini_batches] over its rollout batch, num_epochs
+    passes (μ), each reshuffled by the host `rng` (a numpy Generator, checkpointed with the run)."""
     for _ in range(num_epochs):
         for part in np.split(rng.permutation(batch_size), num_mini_batches):  # equal parts: checked at start
             yield put_global(part, on_data)

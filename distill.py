@@ -215,12 +215,13 @@ def generate(
     group=1,
 ):
     """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
-    [B, R] of softmax(filter_logits(logits / T)), 0 if greedy or after the end). A prefill, then a `lax.while_loop` of one token a
-    step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes (one compilation per bucket),
-    `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy.
-    group: the rows are B/group prompts, each `group` times in a row (G completions of a prompt): a prompt
-    is prefilled once and its cache and last hidden state copied to its rows; group=1's tokens for a key,
-    but for the prefill's rounding (its matmuls over B/G rows, not B: a bf16 step on a TPU)."""
+    [B, R] of softmax(filter_logits(logits / T)), 0 if greedy or after the end). A prefill, then a
+    `lax.while_loop` of one token a step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes
+    (one compilation per bucket), `pad_id` after the end; a key split a step, as a scan over R: the same
+    tokens for a key. T = 0: greedy. group: the rows are B/group prompts, each `group` times in a row (G
+    completions of a prompt): a prompt is prefilled once and its cache and last hidden state copied to its
+    rows; group=1's tokens for a key, but for the prefill's rounding (its matmuls over B/G rows, not B: a bf16
+    step on a TPU)."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     filtered = top_k or top_p < 1.0 or min_p is not None  # else q is softmax(logits / T) itself
@@ -349,7 +350,7 @@ def train_step(backbone, optimizer, args, state, frozen, *, batch, context_lengt
     return (params, opt_state), {**metrics, "train/grad_norm": optax.global_norm(grads)}
 
 
-# ---- main's pieces: flag checks, the teacher's checks (before any weights load), optimizer
+# ---- main's pieces: flag checks, the teacher's checks (before any weights load)
 def check_args(args):
     """Flags out of range, a teacher that cannot grade the student's tokens: stop before the models load."""
     if not 0 <= args.beta <= 1 or args.temperature <= 0:
@@ -505,9 +506,8 @@ def main(args):
             flops=real * flops_per_token,
         )
         if args.sample_every and (step % args.sample_every == 0 or step + 1 == max_steps):
-            texts = common.decode_completions(tokenizer, batch, sequence_lengths, qb, stops)[
-                0
-            ]  # each cut before its stop token
+            # each cut before its stop token
+            texts = common.decode_completions(tokenizer, batch, sequence_lengths, qb, stops)[0]
             for i in range(2):
                 print(f"step {step + 1} sample: {prompts[idx[i]]!r} -> {texts[i]!r}")
         run.checkpoint((state[0], state[1], jax.random.key_data(key)))

@@ -236,8 +236,8 @@ def dpo_loss(
 
 
 def reference_logps(backbone, ref_params, frozen, batch, average=False):
-    """πref's {ref_chosen_logps, ref_rejected_logps}, [B] each: precomputed ones from the batch, else a forward
-    with the reference params."""
+    """πref's {ref_chosen_logps, ref_rejected_logps}, [B] each: precomputed ones from the batch, else a
+    forward with the reference params."""
     if "ref_chosen_logps" in batch:
         return {k: batch[k] for k in ("ref_chosen_logps", "ref_rejected_logps")}
     # stop_gradient: the reference is frozen (no gradient flows into the shared `frozen` weights); so is its
@@ -247,9 +247,9 @@ def reference_logps(backbone, ref_params, frozen, batch, average=False):
 
 
 def compute_loss(logps, args, num_chosen_tokens):
-    """This run's loss on a batch's log-probs (concatenated_forward's and reference_logps') -> (loss, metrics):
-    dpo_loss with the run's flags, the chosen NLL a token mean over num_chosen_tokens. The training step and
-    the evaluation both call it, so a term added here is trained and evaluated alike."""
+    """This run's loss on a batch's log-probs (concatenated_forward's and reference_logps') -> (loss,
+    metrics): dpo_loss with the run's flags, the chosen NLL a token mean over num_chosen_tokens. The training
+    step and the evaluation both call it, so a term added here is trained and evaluated alike."""
     return dpo_loss(
         logps["chosen_logps"],
         logps["rejected_logps"],

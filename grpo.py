@@ -160,12 +160,13 @@ def generate(
     group=1,
 ):
     """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
-    [B, R] of softmax(filter_logits(logits / T)), 0 if greedy or after the end). A prefill, then a `lax.while_loop` of one token a
-    step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes (one compilation per bucket),
-    `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy.
-    group: the rows are B/group prompts, each `group` times in a row (G completions of a prompt): a prompt
-    is prefilled once and its cache and last hidden state copied to its rows; group=1's tokens for a key,
-    but for the prefill's rounding (its matmuls over B/G rows, not B: a bf16 step on a TPU)."""
+    [B, R] of softmax(filter_logits(logits / T)), 0 if greedy or after the end). A prefill, then a
+    `lax.while_loop` of one token a step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes
+    (one compilation per bucket), `pad_id` after the end; a key split a step, as a scan over R: the same
+    tokens for a key. T = 0: greedy. group: the rows are B/group prompts, each `group` times in a row (G
+    completions of a prompt): a prompt is prefilled once and its cache and last hidden state copied to its
+    rows; group=1's tokens for a key, but for the prefill's rounding (its matmuls over B/G rows, not B: a bf16
+    step on a TPU)."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     filtered = top_k or top_p < 1.0 or min_p is not None  # else q is softmax(logits / T) itself
@@ -293,13 +294,15 @@ def k3_kl(logps, ref_logps):
 
 
 def share(x, mask):
-    """The share of real tokens where x holds (x [B, R]), or of the B completions at sequence level (x [B, 1])."""
+    """The share of real tokens where x holds (x [B, R]), or at sequence level (x [B, 1]) of the B
+    completions."""
     return masked_mean(x, mask) if x.shape == mask.shape else jnp.mean(x)  # TRL counts all B completions
 
 
 def clipped_surrogate(ratio, advantages, mask, epsilon, epsilon_high):
-    """GRPO's policy term (eq. 3), PPO's pessimistic clip: −min(ρÂ, clip(ρ, 1 − ε, 1 + ε_high)Â) per token [B, R]
-    (per completion [B, 1] at GSPO's sequence level: its real tokens share it) -> (the term, clip shares)."""
+    """GRPO's policy term (eq. 3), PPO's pessimistic clip: −min(ρÂ, clip(ρ, 1 − ε, 1 + ε_high)Â) per token
+    [B, R] (per completion [B, 1] at GSPO's sequence level: its real tokens share it) -> (the term, clip
+    shares)."""
     per_token = -jnp.minimum(
         ratio * advantages, jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * advantages
     )
@@ -310,7 +313,8 @@ def clipped_surrogate(ratio, advantages, mask, epsilon, epsilon_high):
 
 
 def sequence_mean(per_token, mask):
-    """GRPO's aggregation (eq. 5): each completion's mean over its real tokens, then the mean over completions."""
+    """GRPO's aggregation (eq. 5): each completion's mean over its real tokens, then the mean over
+    completions."""
     return jnp.mean(jnp.where(mask, per_token, 0.0).sum(1) / jnp.maximum(mask.sum(1), 1))
 
 
@@ -333,11 +337,11 @@ def grpo_loss(
 ):
     """GRPO's objective (Shao et al. 2024) -> (loss, metrics): on each real token of completion i, the clipped
     surrogate of ρ = π_θ/π_old times Â_i (eq. 3) plus β × the k3 estimate of KL(π_θ ‖ π_ref) (eq. 4); each
-    completion's tokens averaged, then the completions (eq. 5). logps, old_logps, ref_logps (None: β 0), entropy,
-    mask [B, R]; advantages [B]. A variant (the keywords after β, Args' fields of those names) swaps one part,
-    each a function below: --loss-type's policy term (POLICY_TERMS; `constants`: their --sapo-* and --vespo-*
-    settings) and aggregation (AGGREGATIONS), GSPO's sequence-level ratio, the 80/20 rule's high-entropy tokens,
-    an entropy bonus."""
+    completion's tokens averaged, then the completions (eq. 5). logps, old_logps, ref_logps (None: β 0),
+    entropy, mask [B, R]; advantages [B]. A variant (the keywords after β, Args' fields of those names) swaps
+    one part, each a function below: --loss-type's policy term (POLICY_TERMS; `constants`: their --sapo-* and
+    --vespo-* settings) and aggregation (AGGREGATIONS), GSPO's sequence-level ratio, the 80/20 rule's
+    high-entropy tokens, an entropy bonus."""
     log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # log ρ [B, R]; padding may hold anything
     if importance_sampling_level == "sequence":
         log_ratio = gspo_log_ratio(log_ratio, mask)  # GSPO (eq. 6): one ratio per completion, [B, 1]
@@ -363,7 +367,7 @@ def grpo_loss(
     return loss, metrics
 
 
-# The variants, each the part of grpo_loss that it changes (docs/grpo.md (5)-(12); TRL's GRPOTrainer semantics)
+# The variants, each the part of grpo_loss that it changes (docs/grpo.md (5)-(12); TRL's GRPOTrainer's)
 def gspo_log_ratio(log_ratio, mask):
     """GSPO (Zheng et al. 2025, eq. 6): log s_i = (1/|o_i|) Σ_t log ρ_{i,t}, [B, R] -> [B, 1]; differentiated
     through the mean (as TRL's GRPOTrainer): ∂ s_i / ∂ log π_{i,t} = s_i / |o_i|."""
@@ -371,8 +375,8 @@ def gspo_log_ratio(log_ratio, mask):
 
 
 def cispo_term(log_ratio, advantages, logps, mask, epsilon_high, constants):
-    """CISPO (MiniMax-M1 2025, eq. 7): the importance weight capped at ε_high and held constant, times Â log π:
-    a capped token keeps its gradient (PPO's clip drops it)."""
+    """CISPO (MiniMax-M1 2025, eq. 7): the importance weight capped at ε_high and held constant, times
+    Â log π: a capped token keeps its gradient (PPO's clip drops it)."""
     ratio = jnp.exp(log_ratio)
     per_token = (
         -jax.lax.stop_gradient(jnp.minimum(ratio, epsilon_high)) * advantages * jnp.where(mask, logps, 0.0)
@@ -382,7 +386,8 @@ def cispo_term(log_ratio, advantages, logps, mask, epsilon_high, constants):
 
 def sapo_term(log_ratio, advantages, logps, mask, epsilon_high, constants):
     """SAPO (Soft Adaptive Policy Optimization 2025, eq. 8): a sigmoid gate for the clip, −σ(τ(ρ − 1))·4/τ·Â,
-    gradient weight 1 at ratio 1 and fading off it; τ by the sign of Â (τ_neg > τ_pos: negatives fade faster)."""
+    gradient weight 1 at ratio 1 and fading off it; τ by the sign of Â (τ_neg > τ_pos: negatives fade
+    faster)."""
     tau = jnp.where(advantages > 0, constants["sapo_temperature_pos"], constants["sapo_temperature_neg"])
     return -jax.nn.sigmoid(tau * (jnp.exp(log_ratio) - 1.0)) * 4.0 / tau * advantages, {}
 
@@ -414,8 +419,9 @@ AGGREGATIONS = {  # per-token losses [B, R] -> the loss; masked tokens never cou
 
 
 def high_entropy_tokens(entropy, mask, top_entropy_quantile):
-    """The 80/20 rule (Wang et al. 2025, eq. 11): the real tokens whose entropy reaches its (1 − ρ)-quantile over
-    the batch's real tokens (linear interpolation: TRL's torch.quantile) carry the policy term, [B, R] bool."""
+    """The 80/20 rule (Wang et al. 2025, eq. 11): the real tokens whose entropy reaches its (1 − ρ)-quantile
+    over the batch's real tokens (linear interpolation: TRL's torch.quantile) carry the policy term:
+    [B, R] bool."""
     real = jnp.where(mask, jax.lax.stop_gradient(entropy), jnp.nan)  # [B, R]; padding left out
     return (entropy >= jnp.nanquantile(real, 1.0 - top_entropy_quantile)) & mask
 
@@ -487,9 +493,10 @@ def train_step(backbone, optimizer, args, state, frozen, *, batch, context_lengt
     return (params, opt_state), {**metrics, "train/loss": loss, "train/grad_norm": optax.global_norm(grads)}
 
 
-# ---- main's pieces: flag checks, optimizer, rollout, decoding, reward metrics, mini-batches
+# ---- main's pieces: flag checks, rollout
 def check_args(args, mesh):
-    """Inconsistent sizes, unsupported choices, weights that do not match the functions: stop before the model loads."""
+    """Inconsistent sizes, unsupported choices: stop before the model loads (--reward-weights against
+    --reward-fn: common.load_scorer)."""
     g, b = args.num_generations, args.batch_size
     plumbing.check_flags(
         num_mini_batches=(args.num_mini_batches, 1, False),
@@ -565,7 +572,8 @@ def main(args):
     stops = common.stop_token_ids(tokenizer, template, args.stop_token)  # EOS, the turn end, --stop-token
     print(
         f"data: {len(prompts)} prompts, queries padded to ≤ {queries.shape[1]} tokens (a batch: its bucket); "
-        f"{n_prompts} prompts × G={g} completions of ≤ {args.response_length} tokens per step, ended by ids {stops}; "
+        f"{n_prompts} prompts × G={g} completions of ≤ {args.response_length} tokens per step, "
+        f"ended by ids {stops}; "
         f"reward: {args.reward_model or ', '.join(args.reward_fn)}"
     )
 

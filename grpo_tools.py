@@ -364,8 +364,9 @@ def start(backbone, params, frozen, queries, query_mask, *, response_length, pad
 
 
 def draw(backbone, h, key, temperature):
-    """A token [B] from final hidden states h [B, D] (inside common.weights) and its log q [B]: q = softmax(logits /
-    T), jax.random.categorical's draw (common.categorical: grpo.generate's); T = 0: the arg-max (log q 0)."""
+    """A token [B] from final hidden states h [B, D] (inside common.weights) and its log q [B]:
+    q = softmax(logits / T), jax.random.categorical's draw (common.categorical: grpo.generate's); T = 0: the
+    arg-max (log q 0)."""
     if temperature == 0:
         return jnp.argmax(common.logits(backbone, h), -1).astype(jnp.int32), jnp.zeros(h.shape[:1])
     return common.categorical(backbone, h, key, temperature)
@@ -580,13 +581,15 @@ def k3_kl(logps, ref_logps):
 
 
 def share(x, mask):
-    """The share of real tokens where x holds (x [B, R]), or of the B completions at sequence level (x [B, 1])."""
+    """The share of real tokens where x holds (x [B, R]), or at sequence level (x [B, 1]) of the B
+    completions."""
     return masked_mean(x, mask) if x.shape == mask.shape else jnp.mean(x)  # TRL counts all B completions
 
 
 def clipped_surrogate(ratio, advantages, mask, epsilon, epsilon_high):
-    """GRPO's policy term (eq. 3), PPO's pessimistic clip: −min(ρÂ, clip(ρ, 1 − ε, 1 + ε_high)Â) per token [B, R]
-    (per completion [B, 1] at GSPO's sequence level: its real tokens share it) -> (the term, clip shares)."""
+    """GRPO's policy term (eq. 3), PPO's pessimistic clip: −min(ρÂ, clip(ρ, 1 − ε, 1 + ε_high)Â) per token
+    [B, R] (per completion [B, 1] at GSPO's sequence level: its real tokens share it) -> (the term, clip
+    shares)."""
     per_token = -jnp.minimum(
         ratio * advantages, jnp.clip(ratio, 1.0 - epsilon, 1.0 + epsilon_high) * advantages
     )
@@ -597,7 +600,8 @@ def clipped_surrogate(ratio, advantages, mask, epsilon, epsilon_high):
 
 
 def sequence_mean(per_token, mask):
-    """GRPO's aggregation (eq. 5): each completion's mean over its real tokens, then the mean over completions."""
+    """GRPO's aggregation (eq. 5): each completion's mean over its real tokens, then the mean over
+    completions."""
     return jnp.mean(jnp.where(mask, per_token, 0.0).sum(1) / jnp.maximum(mask.sum(1), 1))
 
 
@@ -605,9 +609,9 @@ def grpo_loss(
     logps, old_logps, ref_logps, advantages, mask, *, epsilon, epsilon_high, beta, loss_type="grpo"
 ):
     """GRPO's objective (Shao et al. 2024) -> (loss, metrics): on each real token of completion i, the clipped
-    surrogate of ρ = π_θ/π_old times Â_i (eq. 3) plus β × the k3 estimate of KL(π_θ ‖ π_ref) (eq. 4), aggregated
-    by loss_type (AGGREGATIONS: eq. 5, DAPO's, Dr. GRPO's). logps, old_logps, ref_logps (None: β 0), mask [B, R];
-    advantages [B]."""
+    surrogate of ρ = π_θ/π_old times Â_i (eq. 3) plus β × the k3 estimate of KL(π_θ ‖ π_ref) (eq. 4),
+    aggregated by loss_type (AGGREGATIONS: eq. 5, DAPO's, Dr. GRPO's). logps, old_logps, ref_logps
+    (None: β 0), mask [B, R]; advantages [B]."""
     # differs from grpo.py's: the paper's policy term and three aggregations only (grpo.py's CISPO, SAPO, VESPO,
     # LUSPO, GSPO's sequence level and the entropy options are each one function there)
     log_ratio = jnp.where(mask, logps - old_logps, 0.0)  # log ρ [B, R]; padding may hold anything
@@ -699,7 +703,8 @@ def train_step(backbone, optimizer, args, state, frozen, *, batch, context_lengt
 
 # ---- main's pieces: flag checks, what a completion is for the rewards and metrics, the greedy evaluation
 def check_args(args, mesh):
-    """Inconsistent sizes, unsupported choices, weights that do not match the functions: stop before the model loads."""
+    """Inconsistent sizes, unsupported choices: stop before the model loads (--reward-weights against
+    --reward-fn: common.load_scorer)."""
     plumbing.check_flags(
         num_mini_batches=(args.num_mini_batches, 1, False),
         num_iterations=(args.num_iterations, 1, False),

@@ -267,9 +267,10 @@ def kto_loss(
 
 def compute_loss(logps, args):
     """This run's loss on examples' log-probs -> (loss, metrics): kto_loss with the run's flags on
-    {completion_logps, ref_completion_logps, label}, [B] each, with z₀ from {KL_logps, ref_KL_logps} (the whole
-    batch's mismatched pairs; none for apo_zero_unpaired). The training step (each micro-batch's loss, the whole
-    batch's metrics) and the evaluation call it, so a term added here is trained and evaluated alike."""
+    {completion_logps, ref_completion_logps, label}, [B] each, with z₀ from {KL_logps, ref_KL_logps} (the
+    whole batch's mismatched pairs; none for apo_zero_unpaired). The training step (each micro-batch's loss,
+    the whole batch's metrics) and the evaluation call it, so a term added here is trained and evaluated
+    alike."""
     return kto_loss(
         logps["completion_logps"],
         logps["ref_completion_logps"],
@@ -475,9 +476,8 @@ def main(args):
         logps = {f"{name}_logps": x for name, x in zip(names, policy)}
         return {**logps, **{f"ref_{name}_logps": x for name, x in zip(names, ref)}, "label": batch["label"]}
 
-    def evaluate(
-        params,
-    ):  # every eval example's log-probs, then the loss over all (z₀: every mismatched pair)
+    # every eval example's log-probs, then the loss over all of them (z₀: every mismatched pair)
+    def evaluate(params):
         logps = common.per_example(
             partial(eval_fn, params, ref_params, frozen),
             eval_data,

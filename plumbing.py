@@ -199,9 +199,12 @@ def check_defaults(args, argv):
 def is_toy_model(model):
     """`tiny`, or a model dir trained from it (its tokenizer is the bundled one: KerasHub's or HF's file) on the
     toy task: a run's model/ whose args.json names a --dataset of your own is not (its task is yours)."""
-    record = pathlib.Path(model).parent / "args.json"
-    if record.is_file() and not json.loads(record.read_text())["dataset"].startswith(
-        os.path.join(HERE, "data")
+    record = pathlib.Path(model).parent / "args.json"  # a model folder's run (not the working folder's)
+    toy_data = os.path.join(HERE, "data")  # a record without a --dataset: the tokenizer decides
+    if (
+        os.path.isdir(model)
+        and record.is_file()
+        and not json.loads(record.read_text()).get("dataset", toy_data).startswith(toy_data)
     ):
         return False
     for name in ("assets/tokenizer/vocabulary.spm", "tokenizer.model"):

@@ -156,12 +156,13 @@ def generate(
     group=1,
 ):
     """Sample ≤ R tokens after left-padded queries [B, Q] -> (responses [B, R], steps, the sampler's own log q
-    [B, R] of softmax(filter_logits(logits / T)), 0 if greedy or after the end). A prefill, then a `lax.while_loop` of one token a
-    step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes (one compilation per bucket),
-    `pad_id` after the end; a key split a step, as a scan over R: the same tokens for a key. T = 0: greedy.
-    group: the rows are B/group prompts, each `group` times in a row (G completions of a prompt): a prompt
-    is prefilled once and its cache and last hidden state copied to its rows; group=1's tokens for a key,
-    but for the prefill's rounding (its matmuls over B/G rows, not B: a bf16 step on a TPU)."""
+    [B, R] of softmax(filter_logits(logits / T)), 0 if greedy or after the end). A prefill, then a
+    `lax.while_loop` of one token a step until every sequence has one of `stop_ids` (steps ≤ R); fixed shapes
+    (one compilation per bucket), `pad_id` after the end; a key split a step, as a scan over R: the same
+    tokens for a key. T = 0: greedy. group: the rows are B/group prompts, each `group` times in a row (G
+    completions of a prompt): a prompt is prefilled once and its cache and last hidden state copied to its
+    rows; group=1's tokens for a key, but for the prefill's rounding (its matmuls over B/G rows, not B: a bf16
+    step on a TPU)."""
     b, q = queries.shape
     padding_mask = jnp.concatenate([query_mask, jnp.ones((b, response_length), bool)], 1)  # [B, S]
     filtered = top_k or top_p < 1.0 or min_p is not None  # else q is softmax(logits / T) itself
@@ -437,9 +438,7 @@ def train_step(models, optimizer, args, state, frozen, *, batch, context_length)
     return (params, opt_state), {**metrics, "train/loss": loss, "train/grad_norm": optax.global_norm(grads)}
 
 
-# ---- main's pieces: optimizer, rollout, decoding, mini-batches
-
-
+# ---- main's pieces: the rollout
 def rollout(gen_fn, params, frozen, queries, query_mask, *, key, stop_ids, pad_id, on_data):
     """Responses to host queries [B, Q] (whole on each process), cut after their first stop token -> (batch,
     with the sampler's own log-probs, lengths [B]). The queries are cut to their last Qb columns (left padded:

@@ -157,8 +157,8 @@ def reward_loss(chosen_scores, rejected_scores):
 
 
 def pair_scores(backbone, params, frozen, head, batch):
-    """Chosen and rejected in one forward, concatenated on the batch axis -> ({chosen_scores, rejected_scores},
-    [B] each; its aux_loss)."""
+    """Chosen and rejected in one forward, concatenated on the batch axis -> ({chosen_scores,
+    rejected_scores}, [B] each; its aux_loss)."""
     ids = jnp.concatenate([batch["chosen_token_ids"], batch["rejected_token_ids"]])  # [2B, T]
     mask = jnp.concatenate([batch["chosen_padding_mask"], batch["rejected_padding_mask"]])
     scores, aux_loss = sequence_scores(backbone, params, frozen, head, token_ids=ids, padding_mask=mask)
@@ -167,8 +167,8 @@ def pair_scores(backbone, params, frozen, head, batch):
 
 
 def compute_loss(scores):
-    """This run's loss on a batch's pair_scores -> (loss, metrics): the Bradley–Terry reward_loss. The training
-    step and the evaluation both call it, so a term added here is trained and evaluated alike."""
+    """This run's loss on a batch's pair_scores -> (loss, metrics): the Bradley–Terry reward_loss. The
+    training step and the evaluation both call it, so a term added here is trained and evaluated alike."""
     return reward_loss(scores["chosen_scores"], scores["rejected_scores"])
 
 

@@ -297,9 +297,8 @@ def main(args):
     run.record(remat=remat, num_warmup_steps=warmup)
     eval_fn = jax.jit(lambda p, f, b, n: compute_loss(backbone, p, f, jax.tree.map(lambda x: x[0], b), n)[0])
 
-    def evaluate(
-        params,
-    ):  # the loss summed over eval batches [1, B, T] (each example once, ÷ all their tokens)
+    # the loss summed over eval batches [1, B, T] (each example once, ÷ all their tokens)
+    def evaluate(params):
         num_loss_tokens = max(eval_data["loss_mask"][:, 1:].sum(), 1)
         loss = common.per_example(
             lambda b: eval_fn(params, frozen, b, num_loss_tokens),

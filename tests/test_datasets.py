@@ -291,7 +291,9 @@ def test_a_folder_of_files_with_different_columns_is_one_line(tmp_path):
     )
 
 
-def test_evaluate_refuses_your_model_on_the_toy_prompts_and_says_what_it_scores(tmp_path, capsys):
+def test_evaluate_refuses_your_model_on_the_toy_prompts_and_says_what_it_scores(
+    tmp_path, capsys, monkeypatch
+):
     """A model trained on a --dataset of your own (its run's args.json says so), left to the bundled prompts
     and checker, is refused in one line naming --prompts and --reward-fn (it scored an arithmetic model on the
     sorting prompts: every response empty, 0). Given them, the first line says the file, its size, the scorer."""
@@ -313,6 +315,12 @@ def test_evaluate_refuses_your_model_on_the_toy_prompts_and_says_what_it_scores(
     with pytest.raises(common.UsageError) as e:  # a reward function is asked for alone: no DATA clause
         plumbing.cli(evaluate.Args, ["--model", str(model), "--prompts", "mine.jsonl"])
     assert str(e.value).endswith("would use the bundled toy task (data/): pass --reward-fn path.py:function")
+    # Only a model folder's own run counts: `tiny` run from inside that run's folder is still the demo, and a
+    # record without a --dataset (another tool's args.json above a model) leaves the tokenizer to decide
+    monkeypatch.chdir(tmp_path / "my_dpo")
+    assert plumbing.is_toy_model("tiny")
+    (tmp_path / "my_dpo" / "args.json").write_text(json.dumps({"lr": 1e-4}))
+    assert plumbing.is_toy_model(str(model))
     prompts = tmp_path / "mine.jsonl"
     prompts.write_text(
         "".join(json.dumps({"prompt": f"Sort: {i} 1", "answer": f"1 {i}"}) + "\n" for i in range(5))
