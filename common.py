@@ -42,6 +42,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from keras_hub.src.utils.preset_utils import find_subclass, get_preset_loader  # noqa: E402
 import tpu_kernels  # noqa: E402  (Pallas on a TPU: Gemma's attention through Splash, the sampler's fused draw)
+import lora  # noqa: E402  (the layers LoRA adapts; QLoRA's quantized base)
 
 interop.fix_bpe_splits()  # keras-hub's byte-level BPE splits words as its models' tokenizers do
 interop.fix_rope_rotation()  # RoPE's rotate_half concatenated: the same values, fewer ops a decode step
@@ -159,6 +160,9 @@ class ShardedParallel(keras.distribution.ModelParallel):
 
     def get_variable_layout(self, variable):
         axes = list(super().get_variable_layout(variable).axes)  # the map's, else replicated: [None] * rank
+        axes = (
+            axes if len(axes) == len(variable.shape) else [None] * len(variable.shape)
+        )  # an int4 kernel: 2-D
         mesh = dict(zip(self.device_mesh.axis_names, self.device_mesh.shape))
         divisible = [i for i in np.argsort(variable.shape)[::-1] if variable.shape[i] % mesh["data"] == 0]
         if all(a is None for a in axes) and len(variable.shape) >= 2 and mesh["data"] > 1 and divisible:
@@ -286,13 +290,13 @@ def resolve_model(name):
     )
 
 
-def tiny_causal_lm(seed, dtype):
+def tiny_causal_lm(seed, policy):
     """The offline `tiny` Gemma: random init from `seed`, the bundled SentencePiece vocab."""
     keras.utils.set_random_seed(seed)
     tokenizer = keras_hub.models.GemmaTokenizer(proto=TINY_TOKENIZER)
     return keras_hub.models.GemmaCausalLM(
         backbone=keras_hub.models.GemmaBackbone(
-            vocabulary_size=tokenizer.vocabulary_size(), dtype=dtype_policy(dtype), **TINY_CONFIG
+            vocabulary_size=tokenizer.vocabulary_size(), dtype=policy, **TINY_CONFIG
         ),
         preprocessor=keras_hub.models.GemmaCausalLMPreprocessor(tokenizer, sequence_length=128),
     )
@@ -338,18 +342,45 @@ def load_model(
     lora_rank=0,
     lora_alpha=None,
     lora_target_modules=None,
+    quantize=None,
+    lora_adapter=None,
     logits_chunk=None,
 ):
     """--model -> its KerasHub CausalLM (backbone + preprocessor), every weight created sharded and float32
     whatever the checkpoint holds (`dtype`: the compute dtype); lora_rank > 0: only LoRA weights train;
-    logits_chunk: --logits-chunk, the positions whose logits per_token computes at a time."""
-    preset = resolve_model(name)
-    with interop.hub_errors(preset), distribution_for(mesh, backbone_class(preset)).scope():
-        model = (
-            tiny_causal_lm(seed, dtype) if preset == "tiny" else text_causal_lm(preset, dtype_policy(dtype))
+    quantize: --quantize, LoRA's frozen base in int8 / int4 (lora.quantize_base); lora_adapter: --lora-adapter,
+    PEFT's adapter files LoRA starts from (lora.read_adapter); logits_chunk: --logits-chunk, the positions whose
+    logits per_token computes at a time."""
+    preset, policy = resolve_model(name), dtype_policy(dtype)
+    distribution = distribution_for(mesh, backbone_class(preset))
+    if (quantize or lora_adapter) and not lora_rank:  # LoRA's own flags
+        raise UsageError(
+            f"--quantize {quantize} quantizes the frozen base of a LoRA run: add --lora-rank"
+            if quantize
+            else f"--lora-adapter {lora_adapter} continues a LoRA run: add --lora-rank (its ranks are the adapter's)"
         )
+    # quantized: made on the host, a checkpoint in the compute dtype (an 8B's bfloat16 weights alone fill a
+    # 16 GiB chip); `tiny` in float32, its random init the same as unquantized
+    place = jax.default_device(jax.local_devices(backend="cpu")[0]) if quantize else distribution.scope()
+    with interop.hub_errors(preset), place:
+        policy = policy.removeprefix("mixed_") if quantize and preset != "tiny" else policy
+        model = tiny_causal_lm(seed, policy) if preset == "tiny" else text_causal_lm(preset, policy)
+        if quantize:
+            lora.quantize_base(model.backbone, quantize, distribution)  # then laid out on the mesh
+    with distribution.scope():
         if lora_rank:
-            enable_lora(model.backbone, lora_rank, lora_alpha, lora_target_modules)
+            lora.enable_lora(model.backbone, lora_rank, lora_alpha, lora_target_modules, lora_adapter)
+    # what save_model merges the adapters into: the base unquantized (on the host: a mesh of one CPU device)
+    model.unquantized = quantize and functools.partial(
+        load_model,
+        name,
+        dtype=dtype,
+        seed=seed,
+        lora_rank=lora_rank,
+        lora_alpha=lora_alpha,
+        lora_target_modules=lora_target_modules,
+        lora_adapter=lora_adapter,
+    )
     ensure_start_token(getattr(model.preprocessor, "tokenizer", None), name)
     model.backbone.logits_chunk = logits_chunk
     tpu_kernels.flash_attention(model.backbone, mesh)  # Gemma's attention through Splash on a TPU
@@ -379,34 +410,6 @@ def text_causal_lm(preset, dtype=None):
         backbone=keras_hub.models.Backbone.from_preset(preset, dtype=dtype, **encoders),
         preprocessor=preprocessor(keras_hub.models.Tokenizer.from_preset(preset)),
     )
-
-
-def enable_lora(backbone, rank, alpha=None, target_modules=None):
-    """LoRA as PEFT's LoraConfig: W + (alpha / rank)·A·B (alpha None: rank) on the Dense / EinsumDense layers
-    named in `target_modules` (maybe comma-separated; None: KerasHub's default, query and value, PEFT's for
-    these families; `all-linear`: attention q/k/v/o and the MLP, as PEFT's: all but the output head, here the
-    embedding). Only A and B train: biases stay frozen (PEFT's bias="none")."""
-    linear = [
-        layer
-        for layer in backbone._flatten_layers(include_self=False)  # as KerasHub's enable_lora
-        if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
-    ]
-    names = {n for m in target_modules or backbone.default_lora_layer_names() for n in m.split(",") if n}
-    chosen = linear if "all-linear" in names else [layer for layer in linear if layer.name in names]
-    # none, or a name it lacks (KerasHub's defaults are its own)
-    if not chosen or target_modules and names - {"all-linear"} - {layer.name for layer in linear}:
-        raise UsageError(
-            f"--lora-target-modules {' '.join(target_modules or [])}: not this model's; "
-            f"all-linear or its layers {', '.join(sorted({layer.name for layer in linear}))}"
-        )
-    backbone.trainable = True
-    for layer in backbone._flatten_layers(include_self=False):
-        layer.trainable = False
-    for layer in chosen:
-        layer.trainable = True
-        layer.enable_lora(rank, lora_alpha=alpha)  # freezes the kernel; A [..., r]: he_uniform, B [r, out]: 0
-        if layer.bias is not None:
-            layer.bias.trainable = False
 
 
 def ensure_start_token(tokenizer, name):
@@ -691,7 +694,8 @@ def split_variables(backbone, frozen_dtype=None, all_frozen=False):
     bfloat16 policy casts every weight as a layer reads it anyway. None or float32: as loaded."""
     if frozen_dtype not in (None, "float32"):
         for variable in backbone.weights if all_frozen else backbone.non_trainable_variables:
-            if variable.dtype == "float32":  # keras 3.15 internals, as save_model's: the value, recast
+            # keras 3.15 internals, as save_model's: the value, recast; a quantized kernel's scales stay
+            if variable.dtype == "float32" and not variable.path.endswith(("kernel_scale", "g_idx")):
                 variable._value = jax.jit(lambda x: x.astype(frozen_dtype))(variable.value)
     return (
         [v.value for v in backbone.trainable_variables],
@@ -707,18 +711,28 @@ def frozen_copy(params, dtype):
 
 
 def save_model(model, params, path):
-    """Write trained values back and save a KerasHub preset (LoRA merged into kernels)."""
+    """Write trained values back and save a KerasHub preset (LoRA merged into kernels; the adapters beside, in
+    PEFT's files: lora.save_adapter). A run on a quantized base (--quantize) saves its LoRA merged into the base
+    reloaded unquantized on the host, as PEFT merges a QLoRA adapter into the base in its own precision:
+    merged into the int8 kernels, the update would round away."""
     for var, value in zip(model.backbone.trainable_variables, params):
         var.assign(value)
-    if jax.process_count() > 1:
+    if getattr(model, "unquantized", None):  # every process, on its host
+        model = model.unquantized(
+            jax.sharding.Mesh(np.reshape(jax.local_devices(backend="cpu")[:1], (1, 1)), ("data", "model"))
+        )
+        for var, value in zip(model.backbone.trainable_variables, params):
+            var.assign(to_host(value))
+    elif jax.process_count() > 1:
         # Keras saves host copies of the weights, and arrays spanning other hosts' devices have none: every
         # process gathers every weight and keeps the copy (sft.py samples from it after saving); 0 writes alone.
         for var in model.weights:
             var._value = jnp.asarray(to_host(var.value))  # keras 3.15 internals: a whole local copy
-        if jax.process_index() != 0:
-            return
+    if jax.process_index() != 0:
+        return
     model.save_to_preset(path)  # makes the directory
     interop.plain_saved_dtype(path)  # mixed_bfloat16, which keras-hub's from_preset cannot read back
+    lora.save_adapter(model.backbone, path)  # LoRA: its adapters beside, as PEFT writes them
 
 
 def host_model(path):

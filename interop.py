@@ -593,6 +593,8 @@ TRL_FLAGS = {
     "max-new-tokens": "--response-length",
     "lora-r": "--lora-rank",
     "use-peft": "--lora-rank N",
+    "load-in-8bit": "--quantize int8 (with --lora-rank)",
+    "load-in-4bit": "--quantize int4 (with --lora-rank)",
     "model-name-or-path": "--model",
     "dataset-name": "--dataset | --prompts",
     "save-steps": "--save-every",

@@ -172,14 +172,13 @@ def recorded_run(output_dir):
 def check_defaults(args, argv):
     """A model other than the `tiny` demo (or a model trained from it) never silently trains or scores with
     the bundled toy task: each data or reward flag left at its data/ default must be given."""
-    given = {a.split("=")[0] for a in argv}
-    # no eval: no toy eval
-    given |= {"--eval-dataset"} | ({"--reward-fn"} if "--reward-model" in given else set())
+    given = {a.split("=")[0] for a in argv} | {"--eval-dataset"}  # no eval: no toy eval
     toy = [
         flag
         for f in dataclasses.fields(args)
         if os.path.join(HERE, "data") in str(f.default)
         and (flag := "--" + f.name.replace("_", "-")) not in given
+        and not (flag == "--reward-fn" and "--reward-model" in given)  # a reward model: no toy checker
     ]
     if toy and not is_toy_model(args.model):
         import common
@@ -350,6 +349,14 @@ class SharedArgs:
     lora_target_modules: tuple[str, ...] | None = None
     """the layers LoRA adapts: `all-linear` (attention q/k/v/o and the MLP; not the embedding / output head),
     or KerasHub layer names, e.g. `query value`; None: query and value (PEFT's default for these families)"""
+    lora_adapter: str | None = None
+    """a folder of PEFT's adapter files (adapter_config.json, adapter_model.safetensors: PEFT's or TRL's, or a LoRA
+    run's model/) for --model's Hugging Face form: LoRA starts from it, on its modules at its ranks (PeftModel's
+    from_pretrained, trainable). Needs --lora-rank (any: the adapter's ranks are used)"""
+    quantize: Literal["int8", "int4"] | None = None
+    """QLoRA: LoRA's frozen base held quantized (TRL: --load-in-8bit / --load-in-4bit): the attention and MLP
+    weights in int8 per output channel or int4 in blocks of 64, computing in the compute dtype; the embedding,
+    output head and norms stay; the adapters train in float32. Needs --lora-rank"""
     mesh: str | None = None
     """device mesh, e.g. `data=4,model=2`; None: every device on `data`"""
     remat: Literal["auto", "off", "on", "full", "minimal", "save_dots", "minimal_offloaded"] = "auto"
@@ -418,13 +425,15 @@ class SharedArgs:
     process_id: int | None = None
     """this process's index"""
 
+    # common.load_model's LoRA keywords: --lora-rank, --lora-alpha, --lora-target-modules, --quantize, --lora-adapter
     @property
     def lora(self):
-        """common.load_model's LoRA keywords from --lora-rank, --lora-alpha and --lora-target-modules."""
         return {
             "lora_rank": self.lora_rank,
             "lora_alpha": self.lora_alpha,
             "lora_target_modules": self.lora_target_modules,
+            "quantize": self.quantize,
+            "lora_adapter": self.lora_adapter,
         }
 
 
@@ -464,14 +473,20 @@ def make_optimizer(args, steps, updates_per_step=1, eps=1e-8):
         warmup_ratio=args.warmup_ratio,
         min_lr_rate=args.min_lr_rate,
     )
-    adamw = optax.adamw(  # the weight decay on matrices only: not on norms or biases
+    return (
+        optax.chain(
+            optax.clip_by_global_norm(args.max_grad_norm),
+            optax.adamw(  # the weight decay on matrices only: not on norms or biases
+                schedule,
+                eps=eps,
+                weight_decay=args.weight_decay,
+                mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
+                mu_dtype=args.adam_mu_dtype,
+            ),
+        ),
         schedule,
-        eps=eps,
-        weight_decay=args.weight_decay,
-        mask=lambda params: jax.tree.map(lambda p: p.ndim >= 2, params),
-        mu_dtype=args.adam_mu_dtype,
+        warmup,
     )
-    return optax.chain(optax.clip_by_global_norm(args.max_grad_norm), adamw), schedule, warmup
 
 
 # --- 3. The run's lifecycle ---
@@ -504,8 +519,10 @@ RESUMABLE = {
 
 
 def default_output_dir(script, model, seed):
-    tag = os.path.basename(os.path.normpath(model))
-    return os.path.join("runs", f"{script}__{tag}__{seed}__{time.strftime('%Y%m%d-%H%M%S')}")
+    return os.path.join(
+        "runs",
+        f"{script}__{os.path.basename(os.path.normpath(model))}__{seed}__{time.strftime('%Y%m%d-%H%M%S')}",
+    )
 
 
 def check_flags(**flags):

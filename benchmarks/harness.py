@@ -23,6 +23,7 @@ sys.path.insert(0, ROOT)
 
 import plumbing  # noqa: E402
 import common  # noqa: E402  (sets KERAS_BACKEND=jax before keras loads)
+import lora  # noqa: E402
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -155,8 +156,20 @@ ARCHS = {
         num_experts_per_token=8,
         **GEMMA4,
     ),
+    # meta-llama/Meta-Llama-3-8B config.json: 8.030B weights (an untied 128256-token embedding and output)
+    "llama3_8b": dict(
+        vocabulary_size=128256,
+        num_layers=32,
+        num_query_heads=32,
+        num_key_value_heads=8,
+        hidden_dim=4096,
+        intermediate_dim=14336,
+        rope_max_wavelength=500000,
+        layer_norm_epsilon=1e-5,
+    ),
 }
 BACKBONES = {
+    "llama3_8b": "Llama3Backbone",
     "gemma3_1b": "Gemma3Backbone",
     "gemma3_4b": "Gemma3Backbone",
     "gemma3_12b": "Gemma3Backbone",
@@ -213,10 +226,19 @@ def import_algo(name):
 # Models: random init at published shapes, or abstract (shapes + shardings only)
 # ---------------------------------------------------------------------------
 def build_backbone(
-    name, mesh, dtype, lora_rank=0, seed=0, abstract=False, overrides=None, lora_target_modules=None
+    name,
+    mesh,
+    dtype,
+    lora_rank=0,
+    seed=0,
+    abstract=False,
+    overrides=None,
+    lora_target_modules=None,
+    quantize=None,
 ):
     """The backbone (BACKBONES, else GemmaBackbone) at `ARCHS[name]` shapes, created inside the distribution
-    scope: float32 weights computing in `dtype`, as common.load_model builds them.
+    scope: float32 weights computing in `dtype`, as common.load_model builds them. quantize (--quantize): as
+    common.load_model too, made on the host in `dtype`, quantized there, then laid out on the mesh.
 
     abstract=True: variables are created under a StatelessScope that defers their
     initialisation (nothing is allocated); `abstract_variables` then gives their
@@ -228,10 +250,15 @@ def build_backbone(
     cls = getattr(common.keras_hub.models, BACKBONES.get(name, "GemmaBackbone"))
     distribution = common.distribution_for(mesh, cls)
     scope = keras.StatelessScope(initialize_variables=False) if abstract else _nullcontext()
+    if quantize:
+        with jax.default_device(jax.local_devices(backend="cpu")[0]):
+            backbone = cls(dtype=dtype, **{**ARCHS[name], **(overrides or {})})  # bfloat16 weights
+            lora.quantize_base(backbone, quantize, distribution)
     with distribution.scope(), scope:
-        backbone = cls(dtype=common.dtype_policy(dtype), **{**ARCHS[name], **(overrides or {})})
+        if not quantize:
+            backbone = cls(dtype=common.dtype_policy(dtype), **{**ARCHS[name], **(overrides or {})})
         if lora_rank:
-            common.enable_lora(backbone, lora_rank, target_modules=lora_target_modules)  # as the scripts
+            lora.enable_lora(backbone, lora_rank, target_modules=lora_target_modules)  # as the scripts
     if abstract:
         from keras.src.backend.common import global_state
 
@@ -305,8 +332,11 @@ def _backbone(args, mesh, abstract):
             abstract,
             overrides,
             getattr(args, "lora_target_modules", None),
+            getattr(args, "quantize", None),
         )
-    return common.load_model(args.model, mesh, args.dtype, args.seed, args.lora_rank).backbone
+    return common.load_model(
+        args.model, mesh, args.dtype, args.seed, args.lora_rank, quantize=getattr(args, "quantize", None)
+    ).backbone
 
 
 # ---------------------------------------------------------------------------

@@ -55,6 +55,9 @@ class Args:
     """micro-batches per step"""
     lora_rank: int = 0
     """0 = full fine-tuning; >0 = LoRA of this rank"""
+    quantize: Literal["int8", "int4"] | None = None
+    """LoRA's frozen base quantized, as the scripts' --quantize (N, the FLOPs' count, is int8's exact: its
+    kernels keep their shapes)"""
     logits_chunk: int | None = None
     """sequence positions whose [B, chunk, V] logits exist at a time, as the scripts' flag; 0: the whole;
     None: 64, or whole where they take at most 1 GiB"""
@@ -112,6 +115,7 @@ def ppo_split(bench, state, step, args):
 
 
 def main(args):
+    started = time.perf_counter()
     mesh = common.make_mesh(args.mesh)
     if args.batch_size % (mesh.shape["data"] * args.grad_accum_steps):
         raise plumbing.UsageError(
@@ -141,9 +145,10 @@ def main(args):
     )
 
     t = time.perf_counter()
-    for _ in range(args.warmup):
+    for i in range(args.warmup):
         state, metrics = step(state, bench.batch, bench.extra)
         jax.block_until_ready((state, metrics))
+        first_step_s = first_step_s if i else time.perf_counter() - started  # model, remat, compile, step
     warmup_s, warm_traces = time.perf_counter() - t, len(traces)
     times = []
     if args.profile:
@@ -175,6 +180,7 @@ def main(args):
                 "batch_size": args.batch_size,
                 "max_length": args.max_length,
                 "lora_rank": args.lora_rank,
+                "quantize": args.quantize,
                 "remat": str(remat),
                 "tokens_per_step": bench.tokens_per_step,
                 "steps": args.steps,
@@ -183,6 +189,7 @@ def main(args):
                 "step_time_min_s": min(times),
                 "step_time_max_s": max(times),
                 "warmup_s": warmup_s,
+                "first_step_s": first_step_s,
                 "timed_retraces": retraces,
                 "mfu": tokens_per_sec * flops_per_token / peak,
                 "flops_per_token": flops_per_token,

@@ -16,6 +16,8 @@
 #               (beside each, the same sampler with XLA's draw in place of tpu_kernels.py's fused one),
 #               batch 256 as 32 prompts of 8 rows (a GRPO rollout: a prompt prefilled once), and greedy at
 #               batch $GREEDY_B (default the first): what drawing the token costs
+#   qlora       LoRA r16 on a frozen int8 base (--quantize int8), 4 x 1024: an SFT step at Llama 3 8B shape, Gemma-2B's
+#               beside its bf16 base, a DPO step at Llama 3 8B and an SFT step at Gemma 7B (8B rows: --remat $REMAT_8B)
 #   memory      benchmarks/memory.py's step (Gemma-2B, 2 blocks, LoRA r16, 8 and 32 x 1024) compiled for and
 #               run on the chip: the compiled peak, the compiler's own, and the measured one
 #   profile     jax.profiler traces of the LoRA step, the GRPO update and a decode step (into $OUT)
@@ -27,6 +29,7 @@ BUDGET_S=${BUDGET_S:-560}
 PY=${PY:-python3}
 PARTS=${PARTS:-matmul scripts throughput decode}
 ROWS=${ROWS:-.}  # a regular expression: only the measurements whose `what` matches it
+REMAT_8B=${REMAT_8B:-full}  # the 8B-shape rows': only the block inputs fit beside the 9 GiB of int8 weights
 REMAT=${REMAT:-auto}  # the LoRA rows' --remat (auto: the scripts' default; it compiles each policy it tries)
 BEFORE=${BEFORE:-}  # decode rows: a git revision whose sampler runs beside the working tree's (decode.py --before)
 THROUGHPUT=${THROUGHPUT:-}  # more flags for every throughput row (e.g. --logits-chunk 256)
@@ -41,6 +44,7 @@ if [ -n "${SMOKE:-}" ]; then  # CPU: tiny shapes, a decoder block or two, short 
   MODEL="--model tiny --random-init --num-layers 1"; WIDTH=""; DECODE="--model tiny --num-layers 1"
   MATMUL_N=256; SCALE=16; BATCHES="4"; GROUPED="4"; G=2; STEPS="--steps 1 --warmup 1"; ROUNDS=1
   MEMORY="--model tiny"; MEMORY_B="4"
+  SHAPE="--num-layers 1 --arch hidden_dim=256,intermediate_dim=512,vocabulary_size=1000,num_query_heads=4,num_key_value_heads=2"
 else
   if compgen -G ".whl-tpu/*.whl" > /dev/null; then  # the lock's packages the image lacks, under /tmp/site
     I="env PIP_CONFIG_FILE=/dev/null $PY -m pip install --isolated -q --no-deps --no-compile --no-cache-dir --target /tmp/site"
@@ -49,7 +53,7 @@ else
     export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}/tmp/site  # after the image's own JAX
   fi
   MODEL="--model gemma_2b --random-init"; WIDTH="--num-layers 4 --arch vocabulary_size=32000"
-  MEMORY="--model gemma_2b --num-layers 2"; MEMORY_B="8 32"
+  MEMORY="--model gemma_2b --num-layers 2"; MEMORY_B="8 32"; SHAPE=""
   DECODE="--model gemma_2b --arch="; MATMUL_N=8192; SCALE=1; BATCHES="16 64 256 512"; GROUPED="256"; G=8; STEPS="--steps 5 --warmup 2"; ROUNDS=3
 fi
 env | grep -E "^TPU_|^JAX_|^XLA_" | sort
@@ -155,6 +159,15 @@ if want throughput; then
     --max-length $(( 1024 / SCALE )) --remat off  # the same batch as 2 micro-batches of 4, nothing recomputed
   record dpo_lora_2b $T --algo dpo --lora-rank 16 --batch-size 4 --max-length $(( 1024 / SCALE )) --remat $REMAT
   record grpo_update_2b $T --algo grpo --lora-rank 16 --batch-size 32 --max-length $(( 512 / SCALE )) --remat $REMAT
+fi
+
+if want qlora; then  # an 8B model on one chip: its int8 weights (~9 GiB with the embeddings) made on the host
+  T="$PY benchmarks/throughput.py --random-init $SHAPE $STEPS --lora-rank 16 --max-length $(( 1024 / SCALE ))"
+  record qlora_llama3_8b_sft_int8 $T --model llama3_8b --algo sft --batch-size 4 --quantize int8 --remat $REMAT_8B
+  record qlora_2b_sft_bf16 $T --model gemma_2b --algo sft --batch-size 4 --remat $REMAT
+  record qlora_2b_sft_int8 $T --model gemma_2b --algo sft --batch-size 4 --quantize int8 --remat $REMAT
+  record qlora_llama3_8b_dpo_int8 $T --model llama3_8b --algo dpo --batch-size 4 --quantize int8 --remat $REMAT_8B
+  record qlora_gemma_7b_sft_int8 $T --model gemma_7b --algo sft --batch-size 4 --quantize int8 --remat $REMAT_8B
 fi
 
 if want decode; then

@@ -254,3 +254,18 @@ def test_one_step_of_sft_and_dpo(preset, tmp_path):
     assert row["rewards/margins"] == 0 and row["train/loss"] == pytest.approx(
         math.log(2) + row["aux_loss"], rel=1e-6
     )
+
+
+def test_quantize_refuses_the_experts():
+    """--quantize: the experts' stacked weights are no Dense / EinsumDense layer, which is all Keras
+    quantizes; the run stops in one line rather than train on a base that is mostly unquantized."""
+    import common
+    import keras_hub.models as m
+    import lora
+
+    backbone = m.Qwen3MoeBackbone(vocabulary_size=64, **SIZE)
+    with pytest.raises(common.UsageError) as e:
+        lora.quantize_base(backbone, "int8", None)
+    assert str(e.value).startswith("--quantize int8: Qwen3MoeBackbone's ") and "without --quantize" in str(
+        e.value
+    )

@@ -11,6 +11,7 @@ import pytest
 
 import common  # first: KERAS_BACKEND=jax
 import dpo
+import lora
 import jax
 import jax.numpy as jnp
 import keras
@@ -260,7 +261,7 @@ def test_all_linear_adapts_attention_and_mlp_at_alpha_over_rank(family, tmp_path
     layers = linear_layers(backbone)
     base = [np.asarray(layer.kernel) for layer in layers]
     rank, alpha = 4, 32
-    common.enable_lora(backbone, rank, alpha, ("all-linear",))
+    lora.enable_lora(backbone, rank, alpha, ("all-linear",))
     assert sorted(layer.name for layer in layers if layer.lora_enabled) == sorted(
         ["query", "key", "value", "attention_output"] + mlp
     )
@@ -295,7 +296,7 @@ def test_default_targets_are_query_and_value_with_biases_frozen():
     """None: KerasHub's and PEFT's default (q_proj, v_proj); Qwen's query / value biases stay frozen
     (PEFT's bias="none"; KerasHub's own enable_lora trains them, so a LoRA-off reference would drift)."""
     backbone = keras_hub.models.QwenBackbone(vocabulary_size=64, dtype="float32", **SMALL)
-    common.enable_lora(backbone, 2)
+    lora.enable_lora(backbone, 2)
     assert sorted(v.path for v in backbone.trainable_variables) == sorted(
         f"transformer_layer_0/self_attention/{n}/lora_kernel_{x}" for n in ("query", "value") for x in "ab"
     )
@@ -303,7 +304,7 @@ def test_default_targets_are_query_and_value_with_biases_frozen():
         common.UsageError,
         match="q_proj: not this model's; all-linear or its layers attention_output, feedforward_gate_dense",
     ):
-        common.enable_lora(keras_hub.models.QwenBackbone(vocabulary_size=64, **SMALL), 2, 16, ("q_proj",))
+        lora.enable_lora(keras_hub.models.QwenBackbone(vocabulary_size=64, **SMALL), 2, 16, ("q_proj",))
 
 
 def test_first_update_doubles_with_alpha():
@@ -327,7 +328,7 @@ def test_first_update_doubles_with_alpha():
         backbone = keras_hub.models.GemmaBackbone(
             vocabulary_size=tokenizer.vocabulary_size(), head_dim=8, dtype="float32", **SMALL
         )
-        common.enable_lora(backbone, 4, alpha, ("all-linear",))
+        lora.enable_lora(backbone, 4, alpha, ("all-linear",))
         layers = linear_layers(backbone)
         before = [np.asarray(layer.kernel) for layer in layers]
         params, frozen = common.split_variables(backbone)
@@ -373,7 +374,7 @@ def test_all_linear_on_qwen3_moe_leaves_the_stacked_experts():
         num_experts=4,
         top_k=2,
     )
-    common.enable_lora(backbone, 2, 4, ("all-linear",))
+    lora.enable_lora(backbone, 2, 4, ("all-linear",))
     assert {v.path.split("/")[-2] for v in backbone.trainable_variables} == {
         "query",
         "key",
