@@ -30,9 +30,9 @@ def enable_lora(backbone, rank, alpha=None, target_modules=None, adapter=None):
         if isinstance(layer, (keras.layers.Dense, keras.layers.EinsumDense))
     ]
     names = {n for m in target_modules or backbone.default_lora_layer_names() for n in m.split(",") if n}
-    chosen = linear if "all-linear" in names else [layer for layer in linear if layer.name in names]
     peft = adapter and read_adapter(adapter, linear)  # {layer: (rank, alpha, A, B)} in Keras's form
-    chosen = list(peft) if adapter else chosen
+    named = linear if "all-linear" in names else [layer for layer in linear if layer.name in names]
+    chosen = list(peft) if adapter else named
     # none, or a name it lacks (KerasHub's defaults are its own)
     if not chosen or target_modules and names - {"all-linear"} - {layer.name for layer in linear}:
         raise UsageError(

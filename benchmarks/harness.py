@@ -250,13 +250,14 @@ def build_backbone(
     cls = getattr(common.keras_hub.models, BACKBONES.get(name, "GemmaBackbone"))
     distribution = common.distribution_for(mesh, cls)
     scope = keras.StatelessScope(initialize_variables=False) if abstract else _nullcontext()
+    config = {**ARCHS[name], **(overrides or {})}
     if quantize:
         with jax.default_device(jax.local_devices(backend="cpu")[0]):
-            backbone = cls(dtype=dtype, **{**ARCHS[name], **(overrides or {})})  # bfloat16 weights
+            backbone = cls(dtype=dtype, **config)  # in the compute dtype: bfloat16 weights on the host
             lora.quantize_base(backbone, quantize, distribution)
     with distribution.scope(), scope:
         if not quantize:
-            backbone = cls(dtype=common.dtype_policy(dtype), **{**ARCHS[name], **(overrides or {})})
+            backbone = cls(dtype=common.dtype_policy(dtype), **config)
         if lora_rank:
             lora.enable_lora(backbone, lora_rank, target_modules=lora_target_modules)  # as the scripts
     if abstract:

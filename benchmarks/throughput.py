@@ -148,7 +148,8 @@ def main(args):
     for i in range(args.warmup):
         state, metrics = step(state, bench.batch, bench.extra)
         jax.block_until_ready((state, metrics))
-        first_step_s = first_step_s if i else time.perf_counter() - started  # model, remat, compile, step
+        if i == 0:  # from the start: the model, --remat's choice, the compile and the step
+            first_step_s = time.perf_counter() - started
     warmup_s, warm_traces = time.perf_counter() - t, len(traces)
     times = []
     if args.profile:

@@ -22,11 +22,17 @@ from test_sharding import run_steps, single_device_mesh
 IDS = np.random.default_rng(0).integers(3, 300, (4, 24)).astype(np.int32)
 
 
-def logits_of(model):
+def logits_of(model, ids=IDS):
     params, frozen = common.split_variables(model.backbone)
-    hidden, _ = common.forward(model.backbone, params, frozen, IDS, np.ones_like(IDS, bool))
+    hidden, _ = common.forward(model.backbone, params, frozen, ids, np.ones_like(ids, bool))
     with common.weights(model.backbone, params, frozen):
         return np.asarray(common.logits(model.backbone, hidden), np.float64)
+
+
+def kl_and_greedy_agreement(base, quant):
+    """KL(base ‖ quantized) a token, float64, and the share of positions whose arg-max token is the same."""
+    p, r = (jax.nn.softmax(z) for z in (logits_of(base), logits_of(quant)))
+    return float((p * (np.log(p) - np.log(r))).sum(-1).mean()), float((p.argmax(-1) == r.argmax(-1)).mean())
 
 
 def weight(model, path):
@@ -52,10 +58,9 @@ def test_int8_base_is_the_abs_max_rounding_of_the_base():
     np.testing.assert_array_equal(weight(quant, q + "kernel"), np.round(w * scale))
     np.testing.assert_allclose(weight(quant, q + "kernel_scale").reshape(4, 48), scale[:, 0], rtol=1e-6)
     # what the model computes: the base's logits to int8 rounding (random weights: about 3e-5 nats)
-    p, r = (jax.nn.softmax(z) for z in (logits_of(base), logits_of(quant)))
-    kl = float((p * (np.log(p) - np.log(r))).sum(-1).mean())
+    kl, same = kl_and_greedy_agreement(base, quant)
     assert 0 < kl < 2e-4, kl
-    assert (p.argmax(-1) == r.argmax(-1)).mean() >= 0.98
+    assert same >= 0.98
 
 
 def test_int4_base_in_blocks_of_64():
@@ -66,10 +71,9 @@ def test_int4_base_in_blocks_of_64():
     q = "decoder_block_0/ffw_gating/"
     assert weight(quant, q + "kernel").shape == (192, 512 // 2)  # [in 192, out 512]
     assert weight(quant, q + "kernel_scale").shape == (3, 512)
-    p, r = (jax.nn.softmax(z) for z in (logits_of(base), logits_of(quant)))
-    kl = float((p * (np.log(p) - np.log(r))).sum(-1).mean())
+    kl, same = kl_and_greedy_agreement(base, quant)
     assert 2e-4 < kl < 0.05, kl  # coarser than int8's (about 7e-3 here), still the same model
-    assert (p.argmax(-1) == r.argmax(-1)).mean() >= 0.7
+    assert same >= 0.7
 
 
 def test_quantized_sharded_step_equals_one_device():
@@ -109,7 +113,7 @@ def test_saved_model_is_the_adapters_merged_into_the_unquantized_base(tmp_path):
     names = [v.path for v in model.backbone.trainable_variables]
     a, b = (np.asarray(params[names.index(q + n)], np.float64) for n in ("lora_kernel_a", "lora_kernel_b"))
     w = weight(common.load_model("tiny", mesh, "float32"), q + "kernel")
-    got = next(np.asarray(v.value) for v in saved.backbone.weights if v.path.endswith(q + "kernel"))
+    got = weight(saved, q + "kernel")
     np.testing.assert_allclose(got, w + 8 / 4 * np.einsum("ndr,rh->ndh", a, b), rtol=1e-5, atol=1e-7)
 
 
@@ -188,12 +192,10 @@ def test_a_peft_adapter_is_where_lora_starts(tmp_path):
     with open(os.path.join(fixture, "expected_logits.json")) as f:
         expected = json.load(f)
     ids = np.asarray([expected["token_ids"]], np.int32)
-    params, frozen = common.split_variables(model.backbone)
-    hidden, _ = common.forward(model.backbone, params, frozen, ids, np.ones_like(ids, bool))
-    with common.weights(model.backbone, params, frozen):
-        logits = np.asarray(common.logits(model.backbone, hidden))[0]
+    logits = logits_of(model, ids)[0]
     np.testing.assert_allclose(logits, expected["logits"], atol=1e-4)
-    assert np.abs(logits - logits_of_plain_tiny(ids)).max() > 0.1  # the adapter moves them
+    plain = logits_of(common.load_model("tiny", common.make_mesh(), "float32"), ids)[0]
+    assert np.abs(logits - plain).max() > 0.1  # the adapter moves them
     lora.save_adapter(model.backbone, str(tmp_path))
     written, original = (
         load_file(str(tmp_path / "adapter_model.safetensors")),
@@ -236,11 +238,3 @@ def test_a_peft_adapter_is_where_lora_starts(tmp_path):
     assert usage_error(sft, "--lora-adapter", fixture, "--output-dir", str(tmp_path / "o")) == (
         f"--lora-adapter {fixture} continues a LoRA run: add --lora-rank (its ranks are the adapter's)"
     )
-
-
-def logits_of_plain_tiny(ids):
-    model = common.load_model("tiny", common.make_mesh(), "float32")
-    params, frozen = common.split_variables(model.backbone)
-    hidden, _ = common.forward(model.backbone, params, frozen, ids, np.ones_like(ids, bool))
-    with common.weights(model.backbone, params, frozen):
-        return np.asarray(common.logits(model.backbone, hidden))[0]
