@@ -43,6 +43,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from keras_hub.src.utils.preset_utils import find_subclass, get_preset_loader  # noqa: E402
 import tpu_kernels  # noqa: E402  (Pallas on a TPU: Gemma's attention through Splash, the sampler's fused draw)
 import lora  # noqa: E402  (the layers LoRA adapts; QLoRA's quantized base)
+import blocks  # noqa: E402  (packed rows: each example's attention and positions its own)
 
 interop.fix_bpe_splits()  # keras-hub's byte-level BPE splits words as its models' tokenizers do
 interop.fix_rope_rotation()  # RoPE's rotate_half concatenated: the same values, fewer ops a decode step
@@ -422,11 +423,15 @@ def ensure_start_token(tokenizer, name):
 
 
 def inputs(backbone, token_ids, padding_mask):
-    """The backbone's inputs; Gemma 4's also take RoPE positions 0…T-1, as the others count them."""
-    x = {"token_ids": jnp.asarray(token_ids), "padding_mask": jnp.asarray(padding_mask)}
-    if "position_ids" in backbone.input:
-        x["position_ids"] = jnp.broadcast_to(jnp.arange(token_ids.shape[1]), token_ids.shape)
-    return x
+    """The backbone's inputs; Gemma 4's also take RoPE positions 0…T-1, as the others count them (packed rows:
+    padding_mask holds segment ids, blocks.packed; the positions then restart at each example)."""
+    padding_mask = jnp.asarray(padding_mask)
+    x = {"token_ids": jnp.asarray(token_ids), "padding_mask": padding_mask > 0}
+    return (
+        {**x, "position_ids": blocks.example_positions(padding_mask)}
+        if "position_ids" in backbone.input
+        else x
+    )
 
 
 def weights(backbone, params, frozen, collect_losses=False):
@@ -448,8 +453,12 @@ def weights(backbone, params, frozen, collect_losses=False):
 def forward(backbone, params, frozen, token_ids, padding_mask):
     """The backbone's stateless forward (weights passed as values) -> (final-norm hidden states [B, T, D],
     aux_loss: the sum of the losses its layers add, which a stateless call drops unless its scope collects
-    them: a mixture of experts' router loss per MoE layer, × its coefficient (ROUTER_AUX_LOSS); dense: 0.0)."""
-    with weights(backbone, params, frozen, collect_losses=True) as scope:
+    them: a mixture of experts' router loss per MoE layer, × its coefficient (ROUTER_AUX_LOSS); dense: 0.0).
+    padding_mask: [B, T] bool, or segment ids for rows that pack several examples (blocks.packed)."""
+    with (
+        weights(backbone, params, frozen, collect_losses=True) as scope,
+        blocks.packed(backbone, padding_mask),
+    ):
         hidden = backbone(
             inputs(backbone, token_ids, padding_mask), training=type(backbone).__name__ in ROUTER_AUX_LOSS
         )

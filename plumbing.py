@@ -8,7 +8,7 @@
   3. The run       Run: output dir, --resume/--overwrite, --max-steps from --num-epochs, args.json,
                    metrics.jsonl + TensorBoard (+ W&B), progress, tokens/s and MFU, the non-finite stop, eval
                    and checkpoint cadence, SIGTERM/SIGINT, the final model, a summary line
-  4. Remat         enable_remat (a switch per decoder block), Remat (--remat auto: by compiled memory)
+  4. Remat         Remat: blocks.py's --remat switch on each decoder block, its decision announced
   5. Accounting    count_params, peak_flops (docs/design.md, "FLOPs"); synced, phase_metrics (RL phase times);
                    compilation_cache (JAX's persistent cache, on by default)
 The top of the chain interop <- common <- plumbing: it may call both (common: the mesh and the model; interop:
@@ -32,7 +32,9 @@ import textwrap
 import time
 from typing import Literal
 
+import blocks  # what is done to each decoder block: remat, packing (imports interop alone)
 import interop  # the outside world (standard library only at import): --export-hf, the `tiny` vocabulary
+from blocks import AUTO_ORDER, choose_remat, enable_remat, halve_batch, pack, peak_bytes  # noqa: F401
 from interop import HERE, TRL_FLAGS, UsageError  # noqa: F401  (UsageError: bad input, exit 2)
 
 
@@ -1016,229 +1018,6 @@ class Run:
         self._closing.close()
 
 
-# --- 4. Remat: activation checkpointing per decoder block, --remat {auto,off,full,minimal,save_dots,...} ---
-# What a decoder block keeps for the backward pass, by --remat (MaxText's names where they mean the same), from
-# the least recompute (fastest, most memory) to the most; `auto` takes the first whose compiled step fits.
-REMAT_POLICIES = {
-    "off": None,  # no checkpoint: every activation kept
-    "save_dots": "dots_saveable",  # every matmul's output kept (attention's too), the rest recomputed
-    "minimal": "checkpoint_dots_with_no_batch_dims",  # the weight projections' outputs kept; attention recomputed
-    "minimal_offloaded": "offload_dot_with_no_batch_dims",  # those outputs kept in host memory (TPU, GPU)
-    "full": "nothing_saveable",  # only the block's input kept: everything recomputed (about +1/3 FLOPs)
-}
-# "off/2": nothing recomputed, each micro-batch run as two halves, accumulated (as --grad-accum-steps doubled: the
-# same update where a script's accumulation is exact, Remat.jit's `split`). One v5e, LoRA r16 at Gemma-2B,
-# 8 x 1024: 69.3% MFU as two halves, 50.3% with "full" (benchmarks/RESULTS.md, section 12).
-AUTO_ORDER = (
-    "off",
-    "off/2",
-    "save_dots",
-    "minimal",
-    "full",
-)  # offloading waits on the host link: asked for by name only
-
-
-def checkpoint_policy(mode):
-    """--remat's mode ("on": "full") -> the jax.checkpoint policy of a decoder block; None for "off"."""
-    import jax
-
-    name = REMAT_POLICIES["full" if mode == "on" else mode]
-    if name == "offload_dot_with_no_batch_dims":
-        return jax.checkpoint_policies.offload_dot_with_no_batch_dims("device", "pinned_host")
-    return getattr(jax.checkpoint_policies, name) if name else None
-
-
-def enable_remat(backbone, mode="full"):
-    """Activation checkpointing per decoder block, by `backbone.remat_mode` (a REMAT_POLICIES key, "on" for
-    "full"; read when a step is traced, so Remat's auto can switch it): "full" keeps only the block inputs
-    [B, T, D] between forward and backward (Gemma-2B DPO fits 16 GiB chips), "minimal" and "save_dots" keep
-    more and recompute less. Calls with a KV cache (generation) are left alone. A block's added losses (MoE
-    router loss) leave the checkpoint as outputs."""
-    import jax
-    from keras.src.backend.common.stateless_scope import get_stateless_scope
-
-    backbone.remat_mode = mode
-    for layer in [] if hasattr(backbone, "_remat_layers") else getattr(backbone, "transformer_layers", []):
-
-        def call(*args, _call=layer.call, **kwargs):
-            # a call with a KV cache (generation) is left alone
-            if backbone.remat_mode == "off" or any(
-                v is not None for k, v in kwargs.items() if "cache" in k and "index" not in k
-            ):
-                return _call(*args, **kwargs)
-            arrays = {k: v for k, v in kwargs.items() if hasattr(v, "shape")}
-            rest = {k: v for k, v in kwargs.items() if k not in arrays}
-            losses = getattr(get_stateless_scope(), "losses", [])  # none outside a stateless scope
-
-            def block(a, kw):  # a loss added inside, left in the scope, would be a leaked tracer
-                n = len(losses)
-                out = _call(*a, **kw, **rest)
-                added = losses[n:]  # taken out of the scope, returned instead
-                del losses[n:]
-                return out, added
-
-            out, added = jax.checkpoint(block, policy=checkpoint_policy(backbone.remat_mode))(args, arrays)
-            losses.extend(added)
-            return out
-
-        layer.call = call
-    backbone._remat_layers = True
-    return backbone
-
-
-def device_memory_limit():
-    """Bytes one device may allocate; None where the backend sets no limit (CPU)."""
-    import jax
-
-    return (jax.local_devices()[0].memory_stats() or {}).get("bytes_limit")
-
-
-def choose_remat(peak_of, limit, modes=AUTO_ORDER):
-    """--remat auto's decision: the first of `modes` (the least recompute first) whose step fits 90% of
-    `limit` bytes a device (the 10%: what the compiler's analysis leaves out: fragmentation, runtime buffers,
-    the next batch). peak_of(mode) -> the compiled peak in bytes, or raises where the compile itself runs out
-    of memory (that mode does not fit). -> (mode, why: each mode's need, for the log). None fits: a
-    UsageError with the need of the last and the flags that lower it."""
-    needs = []
-    for mode in modes:
-        try:
-            peak = peak_of(mode)
-        except Exception as e:  # XLA's RESOURCE_EXHAUSTED: the compile (or its program) did not fit
-            if "RESOURCE_EXHAUSTED" not in str(e) and "Out of memory" not in str(e):
-                raise
-            found = [x for x in str(e).splitlines() if "exceeds" in x or "RESOURCE_EXHAUSTED" in x]
-            needs.append(f"{mode}: does not compile in the memory ({(found or [str(e)])[0].strip()[:160]})")
-        else:
-            needs.append(f"{mode} {peak / 2**30:.2f} GiB")
-            if peak <= 0.9 * limit:
-                return mode, f"compiled peak per device: {', '.join(needs)}; of {limit / 2**30:.2f} GiB"
-    raise UsageError(
-        f"the train step does not fit a device's {limit / 2**30:.2f} GiB with any remat policy "
-        f"({'; '.join(needs)}): lower --batch-size (--grad-accum-steps keeps the batch: the micro-batch is "
-        "what counts), --max-length, train LoRA (--lora-rank 16), or spread over more devices (--mesh)"
-    )
-
-
-class Remat:
-    """--remat for `backbones`: "off" leaves them untouched; else each decoder block gets a switch
-    (enable_remat) that `jit` sets: the policy asked for; auto: off where the device sets no memory limit
-    (CPU: remat is pure cost), else decided at the first call by compiling (choose_remat). `limit`: the
-    device's bytes (None: the device's own; benchmarks/memory.py passes a target's). str(remat): the mode."""
-
-    def __init__(self, mode, *backbones, limit=None):
-        self.requested = mode
-        self.mode = None if mode == "auto" else mode  # auto: set at the first call
-        self.limit = limit
-        self.backbones = []
-        for backbone in backbones:
-            self.add(backbone)
-
-    def add(self, backbone):
-        """Put one more backbone (e.g. PPO's value model) under the same switch."""
-        if self.requested != "off":
-            self.backbones.append(
-                enable_remat(backbone, "off" if self.requested == "auto" else self.requested)
-            )
-        return backbone
-
-    def __str__(self):
-        return self.mode or self.requested
-
-    def _resolve(self, mode, fn, jit_kwargs, split=None):
-        import jax
-
-        self.mode = mode
-        policy, _, halves = mode.partition("/")
-        for backbone in self.backbones:
-            backbone.remat_mode = policy
-        if halves:  # "off/2": the batch argument's micro-batches cut in two
-            fn = functools.partial(halve_batch, fn, split, self.shards)
-        # a new function object: jax.jit caches traces per function, and the switch is read when tracing
-        return jax.jit(functools.partial(fn), **jit_kwargs)
-
-    def jit(self, fn, length=None, split=None, **jit_kwargs):
-        """jax.jit(fn, **jit_kwargs) with the remat mode applied. auto, on a device with a memory limit: at the
-        first call fn is compiled ahead of time for that call's shapes and shardings, the batch (third
-        argument, leaves [A, B, T, ...]) at `length` tokens (the run's longest), under each policy in turn
-        (choose_remat; one compile each, RESULTS.md), and the chosen one is logged with why. split: where the
-        script's accumulation over micro-batches is exact (a sum over equal micro-batches), the batch
-        argument's index (2 in the scripts): auto may then run each micro-batch as two halves ("off/2")."""
-        import jax
-
-        limit = self.limit or device_memory_limit()
-        if self.requested != "auto" or limit is None:
-            if self.requested == "auto":
-                announce(f"remat: auto -> off ({jax.devices()[0].platform}: no device memory limit)")
-            return self._resolve("off" if self.requested == "auto" else self.requested, fn, jit_kwargs)
-        resolved = []  # the step compiled with the mode chosen at the first call
-
-        def at_length(spec):  # a batch leaf [A, B, T, ...] at the run's longest length
-            return (
-                spec.update(shape=spec.shape[:2] + (length,) + spec.shape[3:])
-                if length and spec.ndim >= 3
-                else spec
-            )
-
-        def step(*a):
-            if not resolved:
-                spec = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), a)
-                spec = (*spec[:2], jax.tree.map(at_length, spec[2]), *spec[3:])
-                t = time.perf_counter()
-                mode, why, _ = self.choose(fn, spec, limit, split=split, **jit_kwargs)
-                announce(f"remat: auto -> {mode} ({why}; checked in {time.perf_counter() - t:.1f} s)")
-                resolved.append(self._resolve(mode, fn, jit_kwargs, split))
-            return resolved[0](*a)
-
-        return step
-
-    def choose(self, fn, spec, limit, split=None, **jit_kwargs):
-        """auto's decision for jax.jit(fn, **jit_kwargs) at arguments `spec` (shapes and shardings): each policy
-        compiled in turn (choose_remat; "off/2" where `split` names a batch whose micro-batches halve on every
-        device) -> (mode, why, its compiled program); the switches are left at it."""
-        compiled = {}
-
-        def peak_of(mode):
-            compiled[mode] = self._resolve(mode, fn, jit_kwargs, split).lower(*spec).compile()
-            return peak_bytes(compiled[mode])
-
-        # the devices a halved batch spreads over (B's; False: no halving), for _resolve's "off/2"
-        self.shards = split is not None and batch_shards(spec[split])
-        mode, why = choose_remat(peak_of, limit, [m for m in AUTO_ORDER if "/" not in m or self.shards])
-        self._resolve(mode, fn, jit_kwargs, split)
-        return mode, why, compiled[mode]
-
-
-def batch_shards(batch):
-    """The devices a batch's leaves [A, B, ...] spread B over, where each device's rows halve evenly; else 0."""
-    import jax
-
-    sizes = {
-        (x.shape[1], x.sharding.shard_shape(x.shape)[1]) if x.ndim > 1 else (0, 1)
-        for x in jax.tree.leaves(batch)
-    }
-    rows, local = sizes.pop() if len(sizes) == 1 else (0, 1)  # one B, one split of it, for every leaf
-    return rows // local if local % 2 == 0 else 0
-
-
-def halve_batch(fn, index, shards, *args):
-    """fn(*args) with args[index]'s leaves [A, B, ...] as [2A, B/2, ...]: micro-batch a becomes 2a and 2a + 1,
-    each taking the first or the second half of every device's rows (`shards` devices: no data moves)."""
-    import jax
-
-    def halve(x):
-        a, b = x.shape[:2]
-        x = x.reshape(a, shards, 2, b // shards // 2, *x.shape[2:]).swapaxes(1, 2)  # [A, 2, D, B/2D, ...]
-        return x.reshape(2 * a, b // 2, *x.shape[4:])
-
-    return fn(*args[:index], jax.tree.map(halve, args[index]), *args[index + 1 :])
-
-
-def peak_bytes(compiled):
-    """Bytes a device needs for a compiled program, from the compiler (argument + output + temp − alias)."""
-    m = compiled.memory_analysis()
-    return m.argument_size_in_bytes + m.output_size_in_bytes + m.temp_size_in_bytes - m.alias_size_in_bytes
-
-
 def announce(line):
     """One line on process 0, above a progress bar if one is open."""
     import jax
@@ -1247,6 +1026,10 @@ def announce(line):
         from tqdm import tqdm
 
         tqdm.write(line)
+
+
+# --remat's switch on each decoder block (blocks.py), its decision told in the run's first lines
+Remat = functools.partial(blocks.Remat, say=announce)
 
 
 # --- 5. Accounting: FLOPs, peak, phase times; the compilation cache ---

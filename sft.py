@@ -37,6 +37,9 @@ class Args(plumbing.SharedArgs):
     """evaluate on this split (e.g. `test`) of --dataset, or of --eval-dataset if given (TRL's dataset_test_split)"""
     max_length: int = 1024
     """tokens per example (TRL SFTConfig: 1024); longer prompts are cut from the left, then whole examples dropped"""
+    packing: bool = False
+    """several examples a row of --max-length (TRL's packing, best fit; --batch-size counts rows): none sees
+    another's tokens, positions restart at each, the loss the same token mean; no padding paid for"""
     group_by_length: bool = False
     """batches of similar lengths (less padding): each window of 50 batches is sorted by length and dealt
     out in a seeded order (TRL/HF group_by_length)"""
@@ -117,16 +120,17 @@ def print_examples(rows, tokenizer, args):
 
 
 def pad_examples(examples, length):
-    """-> token_ids, padding_mask, loss_mask, each [N, length] (right padding)."""
-    # differs from dpo.py's: one sequence per example
+    """-> token_ids, padding_mask, loss_mask, each [N, length] (right padding). Packed rows (ids, mask,
+    segment ids): padding_mask holds the segment ids (1, 2, … an example, 0 padding), which the forward reads."""
+    # differs from dpo.py's: one sequence per example, or a packed row
     n = len(examples)
     token_ids = np.zeros((n, length), np.int32)
     loss_mask = np.zeros((n, length), bool)
-    padding_mask = np.zeros((n, length), bool)
-    for i, (ids, mask) in enumerate(examples):
+    padding_mask = np.zeros((n, length), np.int32 if len(examples[0]) == 3 else bool)
+    for i, (ids, mask, *segments) in enumerate(examples):
         token_ids[i, : len(ids)] = ids
         loss_mask[i, : len(ids)] = mask
-        padding_mask[i, : len(ids)] = True
+        padding_mask[i, : len(ids)] = segments[0] if segments else True
     return {"token_ids": token_ids, "padding_mask": padding_mask, "loss_mask": loss_mask}
 
 
@@ -255,7 +259,6 @@ def main(args):
     if args.print_example:  # the rows as the model sees them, and no run
         model = common.load_model(args.model, run.mesh, run.dtype, args.seed)
         return print_examples(train_rows[: args.print_example], model.preprocessor.tokenizer, args)
-    max_steps = run.resolve_max_steps(len(train_rows))  # --max-steps, or --num-epochs' worth of rows
     model = common.load_model(
         args.model, run.mesh, run.dtype, args.seed, logits_chunk=args.logits_chunk, **args.lora
     )
@@ -269,14 +272,18 @@ def main(args):
         if eval_rows
         else []
     )
+    train = plumbing.pack(train, args.max_length) if args.packing else train  # rows of several examples
     print(
         f"data: {counts['examples']} examples ({counts['truncated']} prompt-truncated, "
-        f"{counts['dropped']} dropped as too long); {len(evals)} eval examples"
+        f"{counts['dropped']} dropped as too long{f'; packed into {len(train)} rows' if args.packing else ''}); "
+        f"{len(evals)} eval examples"
     )
+    # --max-steps, or --num-epochs' worth of rows (packed: of packed rows, as TRL counts them)
+    max_steps = run.resolve_max_steps(len(train) if args.packing else len(train_rows))
     # Host arrays at the run's longest bucket; each batch is cut to its own (common.bucket_length).
     length = common.bucket_length(max(len(x[0]) for x in train + evals), args.max_length)
     train_data, eval_data = pad_examples(train, length), pad_examples(evals, length) if evals else None
-    lengths = train_data["padding_mask"].sum(-1)
+    lengths = (train_data["padding_mask"] > 0).sum(-1)
 
     # over max_steps, unless resumed (run.schedule_steps)
     optimizer, schedule, warmup = plumbing.make_optimizer(args, run.schedule_steps)

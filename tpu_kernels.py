@@ -98,7 +98,10 @@ def _splash(q, k, v, attention_mask, *, attention, keras_attention, mesh, interp
         ids = kernel.SegmentIds(q=segments, kv=segments)
         return jax.vmap(splash)(q * jnp.asarray(scale, q.dtype), k, v, segment_ids=ids)  # as KerasHub's
 
-    segments = jnp.diagonal(attention_mask, axis1=1, axis2=2).astype(jnp.int32)  # [B, T]: 1 real, 0 padding
+    # [B, T]: 1 + the first key a query sees (its example's start: one id an example, packed rows too), 0 padding
+    segments = jnp.where(
+        jnp.diagonal(attention_mask, axis1=1, axis2=2), jnp.argmax(attention_mask, axis=-1) + 1, 0
+    ).astype(jnp.int32)
     out = jax.shard_map(
         local, mesh=mesh, in_specs=(heads, heads, heads, P("data")), out_specs=heads, check_vma=False
     )(*(x.transpose(0, 2, 1, 3) for x in (q, k, v)), segments)

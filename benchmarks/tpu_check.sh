@@ -16,6 +16,8 @@
 #               (beside each, the same sampler with XLA's draw in place of tpu_kernels.py's fused one),
 #               batch 256 as 32 prompts of 8 rows (a GRPO rollout: a prompt prefilled once), and greedy at
 #               batch $GREEDY_B (default the first): what drawing the token costs
+#   first       --remat auto's start: the DPO LoRA step and the GRPO update at Gemma-2B shape from a fresh
+#               compilation cache, then both again (the decision remembered, the programs cached)
 #   qlora       LoRA r16 on a frozen int8 base (--quantize int8), 4 x 1024: an SFT step at Llama 3 8B shape, Gemma-2B's
 #               beside its bf16 base, a DPO step at Llama 3 8B and an SFT step at Gemma 7B (8B rows: --remat $REMAT_8B)
 #   memory      benchmarks/memory.py's step (Gemma-2B, 2 blocks, LoRA r16, 8 and 32 x 1024) compiled for and
@@ -159,6 +161,18 @@ if want throughput; then
     --max-length $(( 1024 / SCALE )) --remat off  # the same batch as 2 micro-batches of 4, nothing recomputed
   record dpo_lora_2b $T --algo dpo --lora-rank 16 --batch-size 4 --max-length $(( 1024 / SCALE )) --remat $REMAT
   record grpo_update_2b $T --algo grpo --lora-rank 16 --batch-size 32 --max-length $(( 512 / SCALE )) --remat $REMAT
+fi
+
+# --remat auto's time to the first step: a fresh compilation cache (cold), then the same commands again on it
+if want first; then
+  export JAX_COMPILATION_CACHE_DIR=/tmp/first_step_cache_$start
+  T="$PY benchmarks/throughput.py $MODEL $STEPS $THROUGHPUT"
+  for run in cold again; do
+    record first_dpo_lora_2b_$run $T --algo dpo --lora-rank 16 --batch-size 4 --max-length $(( 1024 / SCALE )) --remat auto
+    record first_grpo_update_2b_$run $T --algo grpo --lora-rank 16 --batch-size 32 --max-length $(( 512 / SCALE )) \
+      --remat auto
+  done
+  unset JAX_COMPILATION_CACHE_DIR
 fi
 
 if want qlora; then  # an 8B model on one chip: its int8 weights (~9 GiB with the embeddings) made on the host

@@ -280,15 +280,17 @@ def test_remat_policies_and_auto_resolve_by_compiled_memory(monkeypatch, capsys)
     each one's need, and the step then is --remat save_dots's, number for number (to float32 rounding).
     str(remat) is the resolved mode (what args.json records). Remat changes memory, not the math: full's
     compiled step (run once) gives off's loss and gradient norm, as save_dots' does."""
+    import blocks
     import harness
     import jax
     import numpy as np
     import plumbing
 
     mesh, out, peaks = harness.common.make_mesh("data=8"), {}, {}
+    monkeypatch.setattr(blocks, "remembered", lambda key, mode=None: None)  # decided afresh (test_chip: kept)
 
     def make(mode, limit):
-        monkeypatch.setattr(plumbing, "device_memory_limit", lambda: limit)
+        monkeypatch.setattr(blocks, "device_memory_limit", lambda: limit)
         cfg = throughput.Args(
             algo="sft", model="tiny", random_init=True, batch_size=16, max_length=128, remat=mode
         )  # long enough that activations, not weights, set the peak

@@ -5,6 +5,7 @@ out of memory and, where nothing fits, says which flags to change; frozen weight
 dtype."""
 
 import functools
+import json
 import os
 
 import numpy as np
@@ -154,6 +155,47 @@ def test_halved_micro_batches_give_the_same_update_and_move_no_data():
     np.testing.assert_array_equal(split(ids)[1], np.asarray(ids)[0, 1::2])
     hlo = split.lower(ids).compile().as_text()
     assert not any(op in hlo for op in ("all-to-all", "all-gather", "collective-permute", "all-reduce"))
+
+
+def test_auto_compiles_every_policy_at_once_takes_the_first_that_fits_and_remembers_it(monkeypatch, tmp_path):
+    """Remat.choose compiles each policy of AUTO_ORDER (in threads, started as each trace ends) and takes the
+    first in that order whose peak fits 90%, as compiling them in turn did; the decision is stored beside the
+    compilation cache, and the next run of the same step (a new Remat, as a rerun or --resume makes) compiles
+    that one policy alone and says so. A step whose memory grows as its policy keeps more (a stand-in switch:
+    no model) shows it: off and save_dots are over, minimal fits. The step's first call runs the compiled
+    program itself: no second trace."""
+    import types
+
+    import blocks
+
+    monkeypatch.setattr(blocks, "remembered", functools.partial(blocks.remembered, folder=str(tmp_path)))
+    compiled, traces = [], []
+    real = jax.stages.Lowered.compile
+    monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self: compiled.append(1) or real(self))
+    switch = types.SimpleNamespace()  # what enable_remat sets on a backbone: remat_mode, read while tracing
+    kept = {"off": 4096, "save_dots": 2048, "minimal": 1024, "full": 512}  # rows of a [n, 1024] f32 buffer
+
+    def step(state, frozen, batch):
+        traces.append(switch.remat_mode)
+        n = kept[switch.remat_mode]
+        buffer = jnp.cumsum(jnp.broadcast_to(batch.sum() + state, (n, 1024)), axis=0)  # made, not folded
+        return state + buffer.sum(), frozen
+
+    args = (jnp.float32(0), jnp.float32(1), jnp.ones((1, 4, 8)))
+    limit = 12 * 2**20 / 0.9  # a 4 MiB buffer fits 90% of it, an 8 MiB one does not
+    for run in ("first", "again"):
+        compiled.clear()
+        remat = blocks.Remat("auto", switch, limit=limit, say=lambda line, run=run: said.update({run: line}))
+        said = {} if run == "first" else said
+        fn = remat.jit(step)
+        traces.clear()
+        out = fn(*args)
+        assert str(remat) == "minimal" and float(out[0]) > 0
+        assert traces.count("minimal") == 1, traces  # traced for its compile, not again for the call
+        assert len(compiled) == (4 if run == "first" else 1), (run, compiled)
+    assert "remat: auto -> minimal (compiled peak per device: off " in said["first"]
+    assert "as decided here before" in said["again"] and "--remat minimal" in said["again"]
+    assert list(json.load(open(tmp_path / "remat-auto.json")).values()) == ["minimal"]
 
 
 def test_auto_lets_other_errors_through():

@@ -467,6 +467,37 @@ def test_sampler_ignores_left_padding(one_device_models, family):
 
 
 @pytest.mark.parametrize("family", FAMILIES)
+def test_packed_rows_give_each_example_its_log_probs_alone(one_device_models, family):
+    """sft.py --packing in every family: three examples packed into rows of 16 (blocks.pack: 9 + 6, then 4)
+    give each token the log-prob it has alone, right-padded: the block's attention mask (Gemma's
+    _compute_attention_mask, the others' _compute_self_attention_mask) is cut at each example's end and the
+    rotary positions restart (Gemma 4: its position_ids). Qwen 3.5's linear attention, whose state runs
+    along the row, is refused in one line. (The hooks do nothing to an unpacked forward.)"""
+    import blocks
+    import common
+    import numpy as np
+    import sft
+
+    model = one_device_models(family)
+    params, frozen = common.split_variables(model.backbone)
+    rng = np.random.default_rng(0)
+    examples = [(rng.integers(3, 200, n).astype(np.int32), np.ones(n, bool)) for n in (9, 4, 6)]
+    rows = blocks.pack(examples, 16)
+    alone, packed = sft.pad_examples(examples, 9), sft.pad_examples(rows, 16)
+    logps = lambda d: np.asarray(  # noqa: E731
+        sft.token_logps(model.backbone, params, frozen, d["token_ids"], d["padding_mask"])[0]
+    )
+    if family == "qwen3.5":
+        with pytest.raises(common.UsageError, match="--packing: .* not packed here"):
+            logps(packed)
+        return
+    a, p = logps(alone), logps(packed)
+    np.testing.assert_allclose(p[0, :8], a[0, :8], rtol=1e-5, atol=2e-5)  # 9 tokens: row 0 from 0
+    np.testing.assert_allclose(p[0, 9:14], a[2, :5], rtol=1e-5, atol=2e-5)  # 6 tokens: row 0 from 9
+    np.testing.assert_allclose(p[1, :3], a[1, :3], rtol=1e-5, atol=2e-5)  # 4 tokens: row 1
+
+
+@pytest.mark.parametrize("family", FAMILIES)
 def test_chat_template_follows_the_family(presets, one_device_models, family):
     """common.chat_template reads the family from the preset's config; --chat-template overrides;
     the template's turn markers are single tokens of the family's tokenizer (where it has them)."""

@@ -22,7 +22,11 @@ ALGORITHMS = ("sft", "dpo", "simpo", "orpo", "kto", "reward", "ppo", "grpo", "rl
 # file at its count of that day. A later feature makes room under its file's ceiling; it does not raise it.
 CEILINGS = {
     "common": 700,
-    "plumbing": 700,
+    # blocks.py took plumbing's remat section (122 statements: plumbing's ceiling went down by it) and added
+    # --remat auto's parallel compile and remembered decision, and packing; the room came from the ceilings
+    # of ppo, rloo and distill, set down to their counts: the sum of all ceilings did not rise
+    "plumbing": 578,
+    "blocks": 221,
     "interop": 247,
     "tpu_kernels": 110,
     "lora": 104,
@@ -35,10 +39,10 @@ CEILINGS = {
     "orpo": 184,
     "kto": 241,
     "reward": 177,
-    "ppo": 344,
+    "ppo": 307,
     "grpo": 350,
-    "rloo": 328,
-    "distill": 274,
+    "rloo": 286,
+    "distill": 243,
     "grpo_tools": 470,  # it stands alone: its own copies of grpo.py's loss and update, and the tools
 }
 
@@ -86,8 +90,9 @@ def test_imports_go_one_way():
     assert graph["interop"] == set(), graph["interop"]  # the bottom: nothing of ours
     assert graph["tpu_kernels"] == set(), graph["tpu_kernels"]  # Pallas and JAX only
     assert graph["lora"] == {"interop"}, graph["lora"]  # Keras's layers; UsageError
-    assert graph["common"] == {"interop", "tpu_kernels", "lora"}, graph["common"]  # never the shell
-    assert graph["plumbing"] <= {"common", "interop"}, graph["plumbing"]
+    assert graph["blocks"] == {"interop"}, graph["blocks"]  # remat and packing hooks; UsageError
+    assert graph["common"] == {"interop", "tpu_kernels", "lora", "blocks"}, graph["common"]  # never the shell
+    assert graph["plumbing"] <= {"common", "interop", "blocks"}, graph["plumbing"]
     users = [m for m in (*ALGORITHMS, "evaluate", "compare") if "interop" in graph.get(m, ())]
     assert not users, f"{', '.join(users)} import interop (reach it through common or plumbing)"
 
