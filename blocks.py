@@ -173,7 +173,9 @@ class Remat:
                 self.say(f"remat: auto -> off ({jax.devices()[0].platform}: no device memory limit)")
             return self._resolve("off" if self.requested == "auto" else self.requested, fn, jit_kwargs)
         resolved = []  # the jitted step at the chosen mode, the batch shapes compiled for, that program
-        shapes = lambda args: [(x.shape, x.dtype) for x in jax.tree.leaves(args[2:])]
+
+        def shapes(args):  # what a compiled program takes: the tree, each leaf's shape, dtype and layout
+            return jax.tree.structure(args), [(x.shape, x.dtype, x.sharding) for x in jax.tree.leaves(args)]
 
         def at_length(spec):  # a batch leaf [A, B, T, ...] at the run's longest length
             return (
