@@ -5,6 +5,8 @@ run side by side (step i of every mode before step i+1 of any, so load drift hit
   run_wide  every batch padded to the bucket of the dataset's longest example (before buckets)
   buckets   each batch padded to the bucket of its own longest sequence (the scripts' default)
   grouped   buckets + --group-by-length (50-batch windows sorted by length)
+  packed    sft.py --packing: the examples packed into rows of --max-length (blocks.pack, best fit), each
+            batch --batch-size rows (more examples a step than the others: real tokens/s compares them)
 Batches come from the script's own pad_examples / get_batch and go through its own train_step.
 Each mode jits its own step, so its compilations (one per bucket it meets) are its own; the first
 step of each shape is timed apart (compile + run) and each shape is run once more afterwards, so
@@ -72,12 +74,12 @@ class Args:
     steps: int = 20
     """steps timed in every mode (the same step indices: the data stream is the same)"""
     modes: tuple[str, ...] = ("run_wide", "buckets", "grouped")
-    """which of run_wide, buckets, grouped to run"""
+    """which of run_wide, buckets, grouped, packed (sft) to run"""
     seed: int = 0
     """seeds the random weights, the lengths, the synthetic tokens and the data order"""
 
 
-MODES = Args.modes
+MODES = (*Args.modes, "packed")
 
 
 # ---------------------------------------------------------------------------
@@ -150,6 +152,9 @@ def make_data(args, module, vocab, tokenizer):
         "longest": int(longest),
         "mean_length": float(seq_lengths.mean()),
     }
+    if args.algo == "sft":  # --packing's rows, and their lengths as sft.py's main counts them
+        data["packed"] = module.pad_examples(plumbing.pack(examples, args.max_length), args.max_length)
+        data["packed_lengths"] = (data["packed"]["padding_mask"] > 0).sum(-1)
     return data, lengths, described
 
 
@@ -167,7 +172,11 @@ def pad_to(batch, length):
 def mode_batch(module, data, lengths, step, script_args, mode, run_length):
     """(host batch, real tokens, padded tokens) of `step` under `mode`, from the script's get_batch."""
     cfg = dataclasses.replace(script_args, group_by_length=(mode == "grouped"))
-    batch, (real, padded) = module.get_batch(data, lengths, step, cfg)
+    if mode == "packed":
+        data, lengths = data["packed"], data["packed_lengths"]
+    batch, (real, padded) = module.get_batch(
+        {k: v for k, v in data.items() if "packed" not in k}, lengths, step, cfg
+    )
     if mode == "run_wide":
         length = next(v.shape[-1] for v in batch.values() if v.ndim == 3)
         batch, padded = pad_to(batch, run_length), padded * run_length // length
@@ -206,8 +215,8 @@ def summarise(mode, rows, again, compilations, flops_per_token, peak):
 
 
 def main(args):
-    if args.algo not in ("sft", "dpo"):
-        raise plumbing.UsageError(f"--algo {args.algo}: sft or dpo")
+    if args.algo not in ("sft", "dpo") or ("packed" in args.modes and args.algo != "sft"):
+        raise plumbing.UsageError(f"--algo {args.algo}: sft or dpo (--modes packed: sft)")
     unknown = [m for m in args.modes if m not in MODES]
     if unknown or args.steps < 1:
         raise plumbing.UsageError(f"--modes: some of {', '.join(MODES)}; --steps >= 1")

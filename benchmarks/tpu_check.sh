@@ -18,6 +18,7 @@
 #               batch $GREEDY_B (default the first): what drawing the token costs
 #   first       --remat auto's start: the DPO LoRA step and the GRPO update at Gemma-2B shape from a fresh
 #               compilation cache, then both again (the decision remembered, the programs cached)
+#   packing     benchmarks/longtail.py: sft.py --packing beside length buckets on long-tailed lengths, real tokens/s
 #   qlora       LoRA r16 on a frozen int8 base (--quantize int8), 4 x 1024: an SFT step at Llama 3 8B shape, Gemma-2B's
 #               beside its bf16 base, a DPO step at Llama 3 8B and an SFT step at Gemma 7B (8B rows: --remat $REMAT_8B)
 #   memory      benchmarks/memory.py's step (Gemma-2B, 2 blocks, LoRA r16, 8 and 32 x 1024) compiled for and
@@ -173,6 +174,16 @@ if want first; then
       --remat auto
   done
   unset JAX_COMPILATION_CACHE_DIR
+fi
+
+# sft.py --packing against length buckets on long-tailed lengths (median 128, p99 1024), real tokens/s: Gemma-2B
+# width at 4 blocks (the compiles of every bucket a mode meets fit the call), LoRA r16, 8 rows of 1024
+if want packing; then
+  for mode in buckets packed; do  # a process each: record keeps a command's last line
+    record packing_2b_4blocks_$mode $PY benchmarks/longtail.py $MODEL --num-layers $(( SCALE > 1 ? 1 : 4 )) \
+      --lora-rank 16 --algo sft --lengths lognormal:$(( 128 / SCALE )),$(( 1024 / SCALE )) \
+      --max-length $(( 1024 / SCALE )) --batch-size 8 --steps 12 --modes $mode --remat off
+  done
 fi
 
 if want qlora; then  # an 8B model on one chip: its int8 weights (~9 GiB with the embeddings) made on the host
