@@ -212,7 +212,14 @@ class Remat:
         # the devices a halved batch spreads over (B's; False: no halving), for _resolve's "off/2"
         self.shards = split is not None and batch_shards(spec[split])
         modes = [m for m in AUTO_ORDER if "/" not in m or self.shards]
-        step = (getattr(fn, "func", fn).__qualname__, jax.tree.map(repr, spec), jax.devices()[0].device_kind)
+        named = getattr(fn, "func", fn)  # a script's train_step: its module too (dpo's and simpo's differ)
+        step = (
+            named.__module__,
+            named.__qualname__,
+            [getattr(b, "logits_chunk", None) for b in self.backbones],  # memory, not shapes
+            jax.tree.map(repr, spec),
+            jax.devices()[0].device_kind,
+        )
         key = hashlib.sha256(f"{step} {limit} {jax.__version__}".encode()).hexdigest()[:24]
         if (before := remembered(key)) in modes:
             compiled = self._resolve(before, fn, jit_kwargs, split).lower(*spec).compile()
