@@ -123,17 +123,20 @@ def test_a_packed_step_on_8_devices_is_one_devices():
 
 
 def test_sft_packing_learns_and_says_how_it_packed(tmp_path, capsys):
-    """sft.py --packing on the bundled data: the rows are packed (said in the data line), --num-epochs counts
-    packed rows, and the held-out loss falls."""
+    """sft.py --packing on the bundled data's first 1,000 rows: the rows are packed (said in the data line),
+    --num-epochs counts packed rows, and the held-out loss falls."""
     import plumbing
     import sft
 
-    out = tmp_path / "run"
+    out, data = tmp_path / "run", tmp_path / "train.jsonl"
+    data.write_text("".join(open(os.path.join(ROOT, "data", "sft_train.jsonl")).readlines()[:1000]))
+    (tmp_path / "eval.jsonl").write_text(open(os.path.join(ROOT, "data", "sft_eval.jsonl")).read())
     sft.main(
         plumbing.cli(
             sft.Args,
             [
-                *("--model", "tiny", "--packing", "--max-length", "256", "--batch-size", "8"),
+                *("--model", "tiny", "--dataset", str(data), "--packing", "--max-length", "256"),
+                *("--eval-dataset", str(tmp_path / "eval.jsonl"), "--batch-size", "8"),
                 *("--num-epochs", "1", "--learning-rate", "1e-3", "--warmup-steps", "2"),
                 *("--eval-every", "1000", "--num-samples", "0", "--output-dir", str(out)),
             ],
