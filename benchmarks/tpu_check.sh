@@ -18,6 +18,7 @@
 #               batch $GREEDY_B (default the first): what drawing the token costs
 #   first       --remat auto's start: the DPO LoRA step and the GRPO update at Gemma-2B shape from a fresh
 #               compilation cache, then both again (the decision remembered, the programs cached)
+#   phases      benchmarks/first_step.py: the DPO LoRA step's make, trace, lowering and compile timed apart
 #   packing     benchmarks/longtail.py: sft.py --packing beside length buckets on long-tailed lengths, real tokens/s
 #   qlora       LoRA r16 on a frozen int8 base (--quantize int8), 4 x 1024: an SFT step at Llama 3 8B shape, Gemma-2B's
 #               beside its bf16 base, a DPO step at Llama 3 8B and an SFT step at Gemma 7B (8B rows: --remat $REMAT_8B)
@@ -174,6 +175,12 @@ if want first; then
       --remat auto
   done
   unset JAX_COMPILATION_CACHE_DIR
+fi
+
+# the time before a first step, phase by phase: the model's making, then the step's trace, lowering and compile
+if want phases; then
+  record phases_dpo_lora_2b $PY benchmarks/first_step.py $MODEL --algo dpo --lora-rank 16 --batch-size 4 \
+    --max-length $(( 1024 / SCALE )) --policies off/2
 fi
 
 # sft.py --packing against length buckets on long-tailed lengths (median 128, p99 1024), real tokens/s: Gemma-2B

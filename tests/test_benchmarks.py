@@ -220,8 +220,9 @@ def test_throughput_distill_times_the_student_update_with_the_teacher_forward(ca
 
 
 def test_longtail_modes(capsys):
-    """longtail.py on tiny: the three modes see the same stream (run_wide and buckets the same examples),
-    run-wide pads every batch to the dataset's longest bucket and compiles once, buckets pad less."""
+    """longtail.py on tiny: the modes see the same stream (run_wide and buckets the same examples),
+    run-wide pads every batch to the dataset's longest bucket and compiles once, buckets pad less; packed
+    (sft.py --packing's rows) pads least, at --max-length, and carries more real tokens a step."""
     import longtail
 
     rows = longtail.main(
@@ -237,11 +238,14 @@ def test_longtail_modes(capsys):
             max_length=48,
             steps=2,
             remat="off",
+            modes=("run_wide", "buckets", "grouped", "packed"),
         )
     )
-    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()[-3:]]
-    wide, buckets, grouped = rows
-    assert [x["mode"] for x in lines] == ["run_wide", "buckets", "grouped"]
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()[-4:]]
+    wide, buckets, grouped, packed = rows
+    assert [x["mode"] for x in lines] == ["run_wide", "buckets", "grouped", "packed"]
+    assert packed["shapes"] == [48] and packed["padding_fraction"] < buckets["padding_fraction"]
+    assert packed["real_tokens"] > buckets["real_tokens"]
     assert (
         32 < lines[0]["longest"] <= 48 and lines[0]["run_wide_length"] == 48
     )  # the longest example's bucket
