@@ -222,10 +222,16 @@ class Remat:
         )
         key = hashlib.sha256(f"{step} {limit} {jax.__version__}".encode()).hexdigest()[:24]
         if (before := remembered(key)) in modes:
-            compiled = self._resolve(before, fn, jit_kwargs, split).lower(*spec).compile()
+            compiled = {}  # compiled inside choose_remat, which reads a compile running out of memory as a no
             with contextlib.suppress(UsageError):  # it no longer fits: decided afresh below
-                mode, why = choose_remat(lambda _: peak_bytes(compiled), limit, [before])
-                return mode, f"{why}; as decided here before for this step", compiled
+                mode, why = choose_remat(
+                    lambda m: peak_bytes(
+                        compiled.setdefault(m, self._resolve(m, fn, jit_kwargs, split).lower(*spec).compile())
+                    ),
+                    limit,
+                    [before],
+                )
+                return mode, f"{why}; as decided here before for this step", compiled[mode]
         pool = concurrent.futures.ThreadPoolExecutor(len(modes))
         compiling = {
             m: pool.submit(self._resolve(m, fn, jit_kwargs, split).lower(*spec).compile) for m in modes

@@ -163,17 +163,25 @@ def test_auto_compiles_every_policy_at_once_takes_the_first_that_fits_and_rememb
     compilation cache, and the next run of the same step (a new Remat, as a rerun or --resume makes) compiles
     that one policy alone and says so. A step whose memory grows as its policy keeps more (a stand-in switch:
     no model) shows it: off and save_dots are over, minimal fits. The step's first call runs the compiled
-    program itself: no second trace."""
+    program itself: no second trace. A remembered policy whose compile now runs out of memory (a stale
+    entry: off, the compile raising as XLA:TPU does) is decided afresh, not raised."""
     import types
 
     import blocks
 
     monkeypatch.setattr(blocks, "remembered", functools.partial(blocks.remembered, folder=str(tmp_path)))
-    compiled, traces = [], []
+    compiled, traces, ran_out = [], [], []
     real = jax.stages.Lowered.compile
     monkeypatch.setattr(jax.stages.Lowered, "compile", lambda self: compiled.append(1) or real(self))
     switch = types.SimpleNamespace()  # what enable_remat sets on a backbone: remat_mode, read while tracing
     kept = {"off": 4096, "save_dots": 2048, "minimal": 1024, "full": 512}  # rows of a [n, 1024] f32 buffer
+
+    def out_of_memory_once(self):  # the first compile after it is set (the remembered off) runs out of memory
+        if not ran_out:
+            ran_out.append(1)
+            raise RuntimeError(OOM)
+        compiled.append(1)
+        return real(self)
 
     def step(state, frozen, batch):
         traces.append(switch.remat_mode)
@@ -183,7 +191,11 @@ def test_auto_compiles_every_policy_at_once_takes_the_first_that_fits_and_rememb
 
     args = (jnp.float32(0), jnp.float32(1), jnp.ones((1, 4, 8)))
     limit = 12 * 2**20 / 0.9  # a 4 MiB buffer fits 90% of it, an 8 MiB one does not
-    for run in ("first", "again"):
+    for run in ("first", "again", "stale"):
+        if run == "stale":
+            stored = tmp_path / "remat-auto.json"
+            stored.write_text(json.dumps(dict.fromkeys(json.loads(stored.read_text()), "off")))
+            monkeypatch.setattr(jax.stages.Lowered, "compile", out_of_memory_once)
         compiled.clear()
         remat = blocks.Remat("auto", switch, limit=limit, say=lambda line, run=run: said.update({run: line}))
         said = {} if run == "first" else said
@@ -192,9 +204,10 @@ def test_auto_compiles_every_policy_at_once_takes_the_first_that_fits_and_rememb
         out = fn(*args)
         assert str(remat) == "minimal" and float(out[0]) > 0
         assert traces.count("minimal") == 1, traces  # traced for its compile, not again for the call
-        assert len(compiled) == (4 if run == "first" else 1), (run, compiled)
+        assert len(compiled) == {"first": 4, "again": 1, "stale": 4}[run], (run, compiled)
     assert "remat: auto -> minimal (compiled peak per device: off " in said["first"]
     assert "as decided here before" in said["again"] and "--remat minimal" in said["again"]
+    assert "as decided here before" not in said["stale"]
     assert list(json.load(open(tmp_path / "remat-auto.json")).values()) == ["minimal"]
 
 
