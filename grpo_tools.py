@@ -93,6 +93,9 @@ class Args(plumbing.RolloutArgs):
     mean, `dr_grpo` ÷ B × response_length (grpo.py's other objectives: one function each there to copy)"""
     mask_truncated_completions: bool = False
     """leave completions that never stopped out of the loss (DAPO's overlong filtering)"""
+    accept_reward: float | None = None
+    """rejection-sampling fine-tuning instead of Â (RFT, Yuan et al. 2023; RAFT): Â 1 for a completion whose
+    reward reaches it, the rest out of the loss: SFT on the accepted transcripts' own tokens; None: GRPO"""
     # logging and outputs
     export_hf: bool = False
     """also write the final model as a Hugging Face checkpoint, tokenizer and chat template in <output-dir>/model_hf/"""
@@ -573,6 +576,14 @@ def group_advantages(rewards, num_generations, scale_rewards="group", eps=1e-4):
     return (centred / scale).reshape(-1), std
 
 
+def rft_advantages(rewards, accept_reward):
+    """Rejection sampling: rewards [B] -> (Â [B]: 1 where the reward reaches accept_reward, else 0; accepted
+    [B] bool). With the rest out of the loss, one on-policy update (ratio 1) is SFT's token-mean NLL step on
+    the accepted completions: no baseline, no negative gradient."""
+    accepted = np.asarray(rewards) >= accept_reward
+    return accepted.astype(np.float32), accepted
+
+
 def k3_kl(logps, ref_logps):
     """Per-token KL(π ‖ π_ref) estimate k3 = π_ref/π − log(π_ref/π) − 1 (Schulman 2020; eq. 4): ≥ 0,
     unbiased on tokens sampled from π, lower variance than k1 = log π − log π_ref."""
@@ -957,6 +968,9 @@ def main(args):
         advantages, group_std = jax.device_get(group_advantages(jnp.asarray(rewards), g, args.scale_rewards))
         if args.mask_truncated_completions:  # DAPO: a cut-off completion is not judged at all
             batch["response_mask"] = batch["response_mask"] & common.put_global(has_eos[:, None], on_data)
+        if args.accept_reward is not None:  # RFT: SFT on the accepted transcripts, the others out of the loss
+            advantages, accepted = rft_advantages(rewards, args.accept_reward)
+            batch["response_mask"] = batch["response_mask"] & common.put_global(accepted[:, None], on_data)
         batch["advantages"] = common.put_global(advantages, on_data)
         batch.update(logps_fn(state[0] if off_policy else None, ref_params, frozen, batch))  # π_old, π_ref
         meter = (  # mismatch/*, over the policy's own tokens: here, or in train_step

@@ -1,17 +1,20 @@
 """The calculator task's comparison (docs/grpo_tools.md, "Results"): at each seed, the SFT start (sft.py on the
-task's demonstrations), GRPO with the calculator from it (grpo_tools.py), and the same GRPO without tools (the
-control: `--tools` with none), each answered greedily on one split; paired differences with compare.py's
-intervals (seeds and prompts both random: compare.mean_interval).
+task's demonstrations), GRPO with the calculator from it (grpo_tools.py), the same GRPO without tools (the
+control: `--tools` with none), and rejection sampling with the calculator (rft: the same sampler, updates and
+batch, SFT on its own transcripts that answer right, `--accept-reward 1`: the same FLOPs as the GRPO row), each
+answered greedily on one split; paired differences with compare.py's intervals (seeds and prompts both random:
+compare.mean_interval).
 
-    python benchmarks/tools_task.py --output-dir runs/tools_task6                      # the docs' table
-    python benchmarks/tools_task.py --output-dir runs/pilot --first-seed 0 --split eval  # choosing settings
-    python benchmarks/tools_task.py --output-dir runs/tools_task6_tpu --parallel 1     # one TPU chip: 8.5 min
+    python benchmarks/tools_task.py --output-dir runs/tools_task7 --parallel 1  # the docs' table: one TPU chip
+    python benchmarks/tools_task.py --output-dir runs/pilot --first-seed 0 --seeds 3 --split eval  # settings
 
 The seeds run side by side (`--parallel` processes at a time; 1 on a single accelerator, which one process
-holds), each its chain sft -> tools, control. Each grpo_tools.py run scores its start before its first step
+holds), each its chain sft -> tools, control, rft. Each grpo_tools.py run scores its start before its first step
 and its end after its last, prompt by prompt, into `eval_completions_step{N}.jsonl`: the tools run's step 0
 is the SFT start with the calculator, the control's step 0 the same start without it. Writes `report.json`
-(every number the table shows) and prints the table, once a call has run the chain's last stage (control).
+(every number the table shows, each run's FLOPs) and `scores.npz` (every row's per-prompt scores, [seeds,
+prompts] each: the report's intervals recomputed from them), and prints the table, once a call has run the
+chain's last stage (rft).
 `--report-only`: the report from runs already there.
 """
 
@@ -46,23 +49,26 @@ METRICS = (
     "calls_one_digit",
     "calls_two_digit",
 )
+STAGES = ("sft", "tools", "control", "rft")
 
 
 @dataclass
 class Args:
     output_dir: str = os.path.join("runs", "tools_task")
-    """one folder a run: sft/seed{s}, tools/seed{s}, control/seed{s}; report.json"""
-    seeds: int = 3
-    """seeds first_seed … first_seed+seeds-1, each its own SFT start, GRPO with tools and the control"""
-    first_seed: int = 15
-    """the first seed: 15, so that the reported seeds are none of those the settings were chosen on (0, 1, 2)
-    nor those an earlier run was reported on (3-5, 6-8, 9-11, 12-14: the fifth run, `--first-seed 12
-    --grpo-steps 60`; the fourth, `--first-seed 9 --sft-steps 300 --grpo-steps 120` on the 4,000
-    demonstrations of `git show d5c516b:data/calculator/sft_train.jsonl`)"""
+    """one folder a run: sft/seed{s}, tools/seed{s}, control/seed{s}, rft/seed{s}; report.json, scores.npz"""
+    seeds: int = 5
+    """seeds first_seed … first_seed+seeds-1, each its own SFT start, GRPO with tools, the control and rft"""
+    first_seed: int = 18
+    """the first seed: 18, so that the reported seeds are none of those the settings were chosen on (0, 1, 2)
+    nor those an earlier run was reported on (3-5, 6-8, 9-11, 12-14, 15-17: the sixth run, `--first-seed 15
+    --seeds 3 --split test`; the fifth, `--first-seed 12 --grpo-steps 60`; the fourth, `--first-seed 9
+    --sft-steps 300 --grpo-steps 120` on the 4,000 demonstrations of `git show
+    d5c516b:data/calculator/sft_train.jsonl`)"""
     parallel: int = 3
     """seeds run at a time"""
-    split: str = "test"
-    """the calculator split answered: test (reported) or eval (settings are chosen on it)"""
+    split: str = "fresh"
+    """the calculator split answered: fresh (reported: no run read it before the five-seed one), test (the
+    split the six earlier runs were judged on), or eval (settings are chosen on it)"""
     sft_steps: int = 1200
     """sft.py's updates (batch 32): 2.4 passes over the 16,000 demonstrations"""
     grpo_steps: int = 120
@@ -77,9 +83,9 @@ class Args:
         "--learning-rate 1e-4 --warmup-steps 5 --lr-scheduler-type constant_with_warmup --temperature 1.0"
     )
     """grpo_tools.py's other flags, the same for both GRPO rows"""
-    stages: tuple[str, ...] = ("sft", "tools", "control")
+    stages: tuple[str, ...] = STAGES
     """the stages run, each seed's in this order; a stage left out is taken as done in --output-dir (e.g.
-    `--stages sft --parallel 1` on an accelerator, then `--stages tools control` elsewhere, same folder)"""
+    `--stages sft --parallel 1` on an accelerator, then `--stages tools control rft` elsewhere, same folder)"""
     report_only: bool = False
     """the report from the runs already in --output-dir"""
 
@@ -95,7 +101,7 @@ def run(cmd, log):
 
 
 def chain(args, seed):
-    """sft -> GRPO with tools, GRPO without: {run: wall s}."""
+    """sft -> GRPO with tools, GRPO without, rft with tools: {run: wall s}."""
     d = lambda name: os.path.join(args.output_dir, name, f"seed{seed}")
     py, walls = sys.executable, {}
     rewards = ["--reward-fn", *(f"{CALC}:{m}" for m in METRICS), "--reward-weights", "1", *["0"] * 5]
@@ -123,13 +129,14 @@ def chain(args, seed):
             + shlex.split(args.sft_args),
             d("sft") + ".log",
         )
-    for name, tools in (("tools", [f"{CALC}:calculator"]), ("control", [])):
+    calc, rft = [f"{CALC}:calculator"], ["--accept-reward", "1"]  # rft: the transcripts scoring 1 (right)
+    for name, tools, extra in (("tools", calc, []), ("control", [], []), ("rft", calc, rft)):
         if name not in args.stages:
             continue
         walls[name] = run(
             [py, "grpo_tools.py", "--model", os.path.join(d("sft"), "model"), "--seed", str(seed)]
             + ["--max-steps", str(args.grpo_steps), "--output-dir", d(name), "--eval-dataset", split]
-            + ["--tools", *tools, *rewards]
+            + ["--tools", *tools, *rewards, *extra]
             + shlex.split(args.grpo_args),
             d(name) + ".log",
         )
@@ -156,6 +163,12 @@ def copied(rows):
     return float(np.mean(hits)) if hits else None
 
 
+def flops(folder):
+    """A grpo_tools.py run's training FLOPs: its metrics lines' charts/flops (each a log interval's), summed."""
+    rows = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+    return float(sum(r.get("charts/flops", 0.0) for r in rows))
+
+
 def report(args, walls):
     """The table's numbers: each row's means and intervals over [seeds, prompts], each paired Δ."""
     end = lambda name, s: os.path.join(
@@ -167,6 +180,7 @@ def report(args, walls):
         "sft (no tools)": lambda s: start("control", s),
         "grpo + tools": lambda s: end("tools", s),
         "grpo, no tools (control)": lambda s: end("control", s),
+        "rft + tools": lambda s: end("rft", s),
     }
     seeds = range(args.first_seed, args.first_seed + args.seeds)
     table = {k: [scores(f(s))[0] for s in seeds] for k, f in sources.items()}
@@ -208,9 +222,19 @@ def report(args, walls):
             ("grpo + tools", "sft"),
             ("grpo + tools", "grpo, no tools (control)"),
             ("grpo, no tools (control)", "sft (no tools)"),
+            ("grpo + tools", "rft + tools"),
+            ("rft + tools", "sft"),
         )
     }
+    out["flops"] = {  # each trained row's logged FLOPs (its last metrics line's charts/flops), per seed
+        row: [flops(os.path.join(args.output_dir, row, f"seed{s}")) for s in seeds]
+        for row in ("tools", "control", "rft")
+    }
     out["walls_s"] = walls
+    np.savez(  # every number above from these: {row}/{metric} [seeds, prompts] (nan: not that size's metric)
+        os.path.join(args.output_dir, "scores.npz"),
+        **{f"{row}/{m}": np.stack([t[m] for t in table[row]]) for row in sources for m in METRICS},
+    )
     with open(os.path.join(args.output_dir, "report.json"), "w") as f:
         json.dump(out, f, indent=1)
     fmt = lambda v: f"{v[0]:.3f} ± {v[1]:.3f}"
@@ -229,10 +253,10 @@ def report(args, walls):
 
 
 def main(args):
-    if set(args.stages) - {"sft", "tools", "control"}:
-        raise plumbing.UsageError(f"--stages {' '.join(args.stages)}: expected some of sft, tools, control")
+    if set(args.stages) - set(STAGES):
+        raise plumbing.UsageError(f"--stages {' '.join(args.stages)}: expected some of {', '.join(STAGES)}")
     os.makedirs(args.output_dir, exist_ok=True)
-    for name in ("sft", "tools", "control"):
+    for name in STAGES:
         os.makedirs(os.path.join(args.output_dir, name), exist_ok=True)
     walls_path = os.path.join(args.output_dir, "walls.json")  # every stage's wall s, whichever call ran it
     old = os.path.join(args.output_dir, "report.json")  # a run before walls.json kept them in its report
@@ -252,7 +276,7 @@ def main(args):
         print(f"all runs: {wall / 60:.1f} min", flush=True)
         with open(walls_path, "w") as f:
             json.dump(walls, f, indent=1)
-    if "control" in args.stages or args.report_only:  # the last stage: the stages left out are done
+    if STAGES[-1] in args.stages or args.report_only:  # the last stage: the stages left out are done
         report(args, walls)
 
 

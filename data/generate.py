@@ -37,6 +37,7 @@ data/calculator/ holds grpo_tools.py's task (docs/grpo_tools.md; checker and too
                            the others answer at once
   prompts_{train,eval,test}.jsonl  prompt (a one-turn chat) + answer; eval and test hold no two-digit product
                            of train (the one-digit table has only 81 products: every split holds them)
+  prompts_fresh.jsonl      500 more, drawn last, half of each size: no two-digit product of any split above
 """
 
 import json
@@ -51,7 +52,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MIN_LEN, MAX_LEN = 3, 6
 SIZES = {"train": 4000, "eval": 200, "test": 500}
 COMPARE_LEN = (3, 5)  # digits a list in the comparison task
-CALCULATOR_SIZES = {"train": 4000, "eval": 200, "test": 500}
+CALCULATOR_SIZES = {"train": 4000, "eval": 200, "test": 500, "fresh": 500}
 # calculator demonstrations (sft_train.jsonl): more than the RL prompts, so that a model cannot answer them from
 # memory and learns to copy the calculator (docs/grpo_tools.md, change 5: 4,000 gave starts that rarely copied)
 CALCULATOR_DEMOS = 16000
@@ -200,6 +201,17 @@ def calculator_task():
                 ]
             demos.append({"messages": turns + [{"role": "assistant", "content": str(a * b)}]})
         write("calculator/sft_train.jsonl", demos)
+    # fresh: a second test split, drawn last (the files above are unchanged by it), that no recipe was chosen
+    # or judged on before the tools comparison at five seeds (docs/grpo_tools.md)
+    pairs, size = [], CALCULATOR_SIZES["fresh"]
+    while len(pairs) < size:  # half of each size, as drawn (a two-digit product is rarely unseen by now)
+        a, b = product_prompt(rng)
+        one = sum(x < 10 for x, _ in pairs)
+        if (a < 10 and one < size // 2) or (a >= 10 and len(pairs) - one < size // 2 and (a, b) not in seen):
+            pairs.append((a, b))
+            seen |= {(a, b)} if a >= 10 else set()
+    rows = [{"prompt": [{"role": "user", "content": f"{a} * {b}"}], "answer": str(a * b)} for a, b in pairs]
+    write("calculator/prompts_fresh.jsonl", rows)
 
 
 def main():

@@ -444,7 +444,7 @@ def test_chip_results_are_well_formed_and_in_results_md():
 def test_tools_task_stages_split_a_run_across_calls(tmp_path, monkeypatch):
     """--stages: each call runs only the stages named, in chain order, and walls.json keeps every call's wall
     times (the SFT starts on an accelerator, the GRPO rows elsewhere, one folder); a stage not there is
-    one line, exit 2; the report waits for the chain's last stage (the control)."""
+    one line, exit 2; the report waits for the chain's last stage (rft, the rejection-sampling control)."""
     import plumbing
     import tools_task
 
@@ -461,11 +461,18 @@ def test_tools_task_stages_split_a_run_across_calls(tmp_path, monkeypatch):
     assert [r[0] for r in ran] == ["grpo_tools.py"] * 2  # the control not yet run: no report
     ran.clear()
     tools_task.main(args(("tools", "control")))
-    assert [r[0] for r in ran] == ["grpo_tools.py"] * 4 + ["report"]
+    assert [r[0] for r in ran] == ["grpo_tools.py"] * 4  # rft not yet run: no report
     tools_flags = [cmd[cmd.index("--tools") + 1] for _, cmd in ran[:4]]
     assert sorted(tools_flags).count("--reward-fn") == 2  # the control: --tools given nothing
+    ran.clear()
+    tools_task.main(args(("rft",)))
+    assert [r[0] for r in ran] == ["grpo_tools.py"] * 2 + ["report"]
+    cmds = [cmd for _, cmd in ran[:2]]
+    assert all(cmd[cmd.index("--accept-reward") + 1] == "1" and "--tools" in cmd for cmd in cmds)
     walls = json.load(open(tmp_path / "walls.json"))
-    assert walls["seed3"] == walls["seed4"] == {"sft": 1.0, "tools": 1.0, "control": 1.0}
+    assert walls["seed3"] == walls["seed4"] == {"sft": 1.0, "tools": 1.0, "control": 1.0, "rft": 1.0}
     assert ran[-1][1]["seed4"] == walls["seed4"]
-    with pytest.raises(plumbing.UsageError, match="^--stages sfft: expected some of sft, tools, control"):
+    with pytest.raises(
+        plumbing.UsageError, match="^--stages sfft: expected some of sft, tools, control, rft"
+    ):
         tools_task.main(args(("sfft",)))

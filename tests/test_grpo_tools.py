@@ -668,9 +668,9 @@ def test_bad_tool_flags_are_refused_before_the_model_loads(flags, message, tmp_p
 
 
 def test_grpo_py_s_flags_it_does_not_take_are_refused(tmp_path):
-    """grpo.py's sampling filters, other objectives and rejection sampling are not grpo_tools.py's flags:
-    through the CLI, one line on stderr, exit 2, before the heavy imports."""
-    for flag, value in (("--top-p", "0.9"), ("--entropy-coef", "0.01"), ("--accept-reward", "1")):
+    """grpo.py's sampling filters and other objectives are not grpo_tools.py's flags: through the CLI, one
+    line on stderr, exit 2, before the heavy imports."""
+    for flag, value in (("--top-p", "0.9"), ("--entropy-coef", "0.01"), ("--min-p", "0.1")):
         out = run_script("grpo_tools.py", flag, value, "--output-dir", str(tmp_path / "out"), timeout=120)
         lines = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(lines) == 1, out.stderr[-2000:]
@@ -721,18 +721,42 @@ def test_end_to_end_with_tools_and_the_control(tmp_path):
     ] == 0
 
 
+def test_rejection_sampling_on_tool_transcripts(tmp_path):
+    """--accept-reward (the tools task's rft control): every transcript accepted (reward 0 ≥ 0), one update
+    at ratio 1 has Â = 1 on each policy token: the surrogate −ρÂ is −1 at every token, so the loss is −1.0
+    and the gradient is SFT's (non-zero); none accepted (`tiny` answers nothing right: reward 0 < 1), every
+    token leaves the loss: loss 0.0, gradient exactly 0."""
+    import plumbing
+
+    small = ["--model", "tiny", "--batch-size", "8", "--num-generations", "4", "--response-length", "24"]
+    small += ["--eval-dataset", "", "--max-steps", "1", "--learning-rate", "1e-4"]
+    got = {}
+    for accept in ("0", "1"):
+        out = tmp_path / f"accept{accept}"
+        gt.main(plumbing.cli(gt.Args, small + ["--accept-reward", accept, "--output-dir", str(out)]))
+        (row,) = [r for r in metrics(out) if "train/loss" in r]
+        got[accept] = row["train/loss"], row["train/grad_norm"]
+    assert got["0"][0] == -1.0 and got["0"][1] > 0
+    assert got["1"] == (0.0, 0.0)
+
+
 def test_calculator_splits_share_no_two_digit_product():
     """The reported split measures the copy, not memory: no two-digit product of eval or test is in the RL
     prompts or the demonstrations (before the fifth run, 52 of test's 224 were in train); the first 4,000
     demonstrations are the RL prompts."""
     read = lambda name: [json.loads(line) for line in open(os.path.join(ROOT, "data", "calculator", name))]
     question = lambda row: (row.get("prompt") or row.get("messages"))[0]["content"]
+    names = ("prompts_train.jsonl", "sft_train.jsonl", "prompts_eval.jsonl", "prompts_test.jsonl")
     two = {
-        name: {question(r) for r in read(name) if calculator.two_digit(question(r))}
-        for name in ("prompts_train.jsonl", "sft_train.jsonl", "prompts_eval.jsonl", "prompts_test.jsonl")
+        name: [question(r) for r in read(name) if calculator.two_digit(question(r))]
+        for name in (*names, "prompts_fresh.jsonl")
     }
-    held_out = two["prompts_eval.jsonl"] | two["prompts_test.jsonl"]
-    assert len(held_out) > 300 and not held_out & (two["prompts_train.jsonl"] | two["sft_train.jsonl"])
+    held_out = set(two["prompts_eval.jsonl"]) | set(two["prompts_test.jsonl"])
+    assert len(held_out) > 300 and not held_out & set(two["prompts_train.jsonl"] + two["sft_train.jsonl"])
+    # fresh (the five-seed comparison's test split): none of any other split's, none repeated
+    fresh = two["prompts_fresh.jsonl"]
+    assert len(read("prompts_fresh.jsonl")) == 500 and len(fresh) > 200 and len(set(fresh)) == len(fresh)
+    assert not set(fresh) & set().union(*map(set, (two[n] for n in names)))
     demos = read("sft_train.jsonl")
     assert len(demos) == 16000 and [question(r) for r in read("prompts_train.jsonl")] == [
         question(r) for r in demos[:4000]
