@@ -12,7 +12,8 @@ The seeds run side by side (`--parallel` processes at a time; 1 on a single acce
 holds), each its chain sft -> tools, control, rft. Each grpo_tools.py run scores its start before its first step
 and its end after its last, prompt by prompt, into `eval_completions_step{N}.jsonl`: the tools run's step 0
 is the SFT start with the calculator, the control's step 0 the same start without it. Writes `report.json`
-(every number the table shows, each run's FLOPs) and `scores.npz` (every row's per-prompt scores, [seeds,
+(every number the table shows, each run's FLOPs, every claim's p and whether it holds under Holm), `report.md`
+(its tables, the cells a page quotes) and `scores.npz` (every row's per-prompt scores, [seeds,
 prompts] each: the report's intervals recomputed from them), and prints the table, once a call has run the
 chain's last stage (rft).
 `--report-only`: the report from runs already there.
@@ -36,6 +37,7 @@ plumbing.answer_help(__name__, __file__)
 import numpy as np  # noqa: E402
 
 import compare  # noqa: E402  (its paired intervals: seeds and prompts random)
+from compare_stats import holm, p_above_zero  # noqa: E402
 
 sys.path.insert(0, os.path.join(ROOT, "data"))
 import calculator  # noqa: E402  (the task's checker)
@@ -208,6 +210,13 @@ def report(args, walls):
         }
         for row in sources
     }
+    pairs = (
+        ("grpo + tools", "sft"),
+        ("grpo + tools", "grpo, no tools (control)"),
+        ("grpo, no tools (control)", "sft (no tools)"),
+        ("grpo + tools", "rft + tools"),
+        ("rft + tools", "sft"),
+    )
     out["deltas"] = {
         f"{a} - {b}": {
             **{
@@ -218,13 +227,18 @@ def report(args, walls):
                 stack(a, "useful_call", "all") - stack(b, "useful_call", "all")
             ),
         }
-        for a, b in (
-            ("grpo + tools", "sft"),
-            ("grpo + tools", "grpo, no tools (control)"),
-            ("grpo, no tools (control)", "sft (no tools)"),
-            ("grpo + tools", "rft + tools"),
-            ("rft + tools", "sft"),
-        )
+        for a, b in pairs
+    }
+    # every claim the page may make of a Δ's `correct`, "above" and "below" 0 alike, under one Holm
+    # correction (the chance that any claim said to hold is false ≤ 2.5%; one-sided p: compare's)
+    diffs = {f"{a} - {b}": stack(a, "correct", "all") - stack(b, "correct", "all") for a, b in pairs}
+    claims = {
+        f"{d} {side}": p_above_zero(x if side == "above" else -x)
+        for d, x in diffs.items()
+        for side in ("above", "below")
+    }
+    out["claims"] = {
+        c: {"p": p, "holds": ok} for (c, p), ok in zip(claims.items(), holm(list(claims.values()), 0.025))
     }
     out["flops"] = {  # each trained row's logged FLOPs (its last metrics line's charts/flops), per seed
         row: [flops(os.path.join(args.output_dir, row, f"seed{s}")) for s in seeds]
@@ -238,17 +252,38 @@ def report(args, walls):
     with open(os.path.join(args.output_dir, "report.json"), "w") as f:
         json.dump(out, f, indent=1)
     fmt = lambda v: f"{v[0]:.3f} ± {v[1]:.3f}"
-    print(f"\n{args.split} split, seeds {list(seeds)}, greedy; ± : 95% interval, seeds and prompts random")
-    print("| row | correct | one-digit | two-digit | useful calls | calls (1-digit) | calls (2-digit) |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+    lines = [
+        f"{args.split} split, seeds {list(seeds)}, greedy; ± : 95% interval, seeds and prompts random",
+        "",
+    ]
+    lines += ["| row | correct | one-digit | two-digit | useful calls | calls (1-digit) | calls (2-digit) |"]
+    lines += ["|---|---:|---:|---:|---:|---:|---:|"]
     for row, r in out["rows"].items():
         cells = [r[k] for k in ("correct/all", "correct/one-digit", "correct/two-digit", "useful_call")]
         cells += [r["calls/one-digit"], r["calls/two-digit"]]
-        print(f"| {row} | " + " | ".join(map(fmt, cells)) + " |")
-    print("\n| paired Δ | correct | one-digit | two-digit | useful calls |\n|---|---:|---:|---:|---:|")
+        lines.append(f"| {row} | " + " | ".join(map(fmt, cells)) + " |")
+    lines += ["", "| paired Δ | correct | one-digit | two-digit | useful calls | holds (Holm, all claims) |"]
+    lines += ["|---|---:|---:|---:|---:|---|"]
     for name, r in out["deltas"].items():
         cells = [r[k] for k in ("correct/all", "correct/one-digit", "correct/two-digit", "useful_call")]
-        print(f"| {name} | " + " | ".join(f"{v[0]:+.3f} ± {v[1]:.3f}" for v in cells) + " |")
+        said = [s for s in ("above", "below") if out["claims"][f"{name} {s}"]["holds"]]
+        lines.append(
+            f"| {name} | "
+            + " | ".join(f"{v[0]:+.3f} ± {v[1]:.3f}" for v in cells)
+            + f" | {' '.join(said) or '–'} |"
+        )
+    names = list(out["rows"])  # by seed: correct, and the FLOPs of each trained row
+    lines += ["", "| seed | " + " | ".join(names) + " |", "|---" + "|---:" * len(names) + "|"]
+    for i, seed in enumerate(seeds):
+        lines.append(
+            f"| {seed} | " + " | ".join(f"{out['rows'][n]['per_seed_correct'][i]:.3f}" for n in names) + " |"
+        )
+    lines += ["", "| trained row | FLOPs, mean over seeds | min | max |", "|---|---:|---:|---:|"]
+    for row, f in out["flops"].items():
+        lines.append(f"| {row} | {np.mean(f):.2e} | {min(f):.2e} | {max(f):.2e} |".replace("e+", "e"))
+    print("\n" + "\n".join(lines))
+    with open(os.path.join(args.output_dir, "report.md"), "w") as f:  # the tables a page quotes, cell by cell
+        f.write("\n".join(lines) + "\n")
     return out
 
 

@@ -2,13 +2,14 @@
 loop is dpo.py's, the README's commands name scripts and flags that exist (and mark the lines that need
 weights or a network), nothing cites a design document outside the repository, every backticked
 `common.NAME` / `plumbing.NAME` / `interop.NAME` names something those modules define, every
-pointer into docs/design.md names one of its sections, and every comparison number a page quotes is one the
-committed run (docs/comparison_run/) holds."""
+pointer into docs/design.md names one of its sections, and every number a page quotes from a committed run
+(docs/comparison_run/, docs/grpo_tools_run/) is that run's own cell for it."""
 
 import ast
 import json
 import os
 import re
+import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SKIP_DIRS = {"runs", "__pycache__", "node_modules"}  # plus every dot-directory (.git, .venv, …)
@@ -237,79 +238,197 @@ def test_coming_from_trl_names_flags_that_exist():
         assert all(t in ours or t[2:] in plumbing.TRL_FLAGS for t in trl), trl
 
 
-RUN = os.path.join("docs", "comparison_run")  # the comparison's committed artefacts: one run, every number
-NUMBER = re.compile(r"(?<![\w.])[+\-−]?(\d+\.\d+(?:e[+-]?\d+)?)")  # a decimal (the sign dropped)
-PAIR = re.compile(r"(?<![\w.])[+\-−]?(\d+\.\d+) ± (\d+\.\d+)")  # a value and its interval: one number
+# A page quotes a committed run inside `<!-- numbers: FOLDER -->` … `<!-- end numbers -->`, and each number it
+# quotes there is tied to one cell of that run's artefacts: in a table, the cell of the run's report at the
+# same row and column; elsewhere (or to override a table's binding), by a tag right after the number,
+# `<!--ROW :: COLUMN-->` (a report cell) or `<!--json:a/b/0-->` (a path into the run's JSON, or into another
+# JSON file of the run's folder when the path starts with its name, `json:claims.json/…`; shown at the quoted
+# number's decimals; a [mean, ±] pair as "mean ± half"). A number that is right for another cell fails.
+SOURCES = {  # FOLDER -> (its report: markdown tables, its JSON)
+    os.path.join("docs", "comparison_run"): ("comparison.md", "results.json"),
+    os.path.join("docs", "grpo_tools_run"): ("report.md", "report.json"),
+}
+NUMBER = re.compile(
+    r"(?<![\w.])([+\-−]?\d+\.\d+(?:e[+-]?\d+)?)(?: ± (\d+\.\d+))?"
+)  # a value [± its interval]
+TAG = re.compile(r"<!--(.*?)-->")
 
 
-def run_numbers():
-    """Every decimal the committed run holds as a page would quote it: the numbers of its report (compare.py's
-    comparison.md: the summary, the table, the Δ matrix), and from results.json the eval curves' scores (3
-    decimals) and each run's FLOPs (as 1.23e12); nothing else, so that a wrong digit rarely passes."""
-    report = read(RUN, "comparison.md")
-    held = set(NUMBER.findall(report)) | {" ± ".join(p) for p in PAIR.findall(report)}
-    results = json.loads(read(RUN, "results.json"))
-    held.update(f"{p[1]:.3f}" for curves in results["curves_eval"].values() for c in curves for p in c)
-    held.update(f"{r['flops']:.2e}".replace("e+", "e") for r in results["runs"].values())
-    return held
+def norm(match):
+    """A quoted number as compared: its sign kept ("−" as "-", "+" dropped), with its interval if given."""
+    v = match.group(1).replace("−", "-").lstrip("+")
+    return f"{v} ± {match.group(2)}" if match.group(2) else v
 
 
-def quoted(text):
-    """[(line number, line)] inside the page's `<!-- numbers: docs/comparison_run -->` … `<!-- end numbers -->`
-    blocks: where a page quotes the comparison."""
-    out, inside = [], False
-    for i, line in enumerate(text.splitlines(), 1):
-        if line.strip().startswith("<!-- numbers:"):
-            inside = True
-        elif line.strip().startswith("<!-- end numbers"):
-            inside = False
-        elif inside:
-            out.append((i, line))
+def cell_values(text):
+    return [norm(m) for m in NUMBER.finditer(TAG.sub(" ", text))]
+
+
+def cells(text):
+    """{(row, column): [each table cell's values]} of every markdown table of a page (bold dropped)."""
+    out, header = {}, None
+    for line in text.splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        parts = [c.strip().strip("*").strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = parts
+        elif not set(line) <= set("|-: "):
+            for column, cell in zip(header[1:], parts[1:]):
+                out.setdefault((parts[0], column), []).extend(cell_values(cell))
     return out
 
 
-def numbers(line):
-    """The decimals of a line, a value with its interval (`0.065 ± 0.015`) as one: the pair must be the run's."""
-    return [" ± ".join(p) for p in PAIR.findall(line)] + NUMBER.findall(PAIR.sub(" ", line))
+def source(folder):
+    """A run's cells and its JSON."""
+    report, data = SOURCES[folder]
+    return cells(read(folder, report)), json.loads(read(folder, data))
 
 
-def unheld(path, text, held):
-    """["path:line: what"] for each decimal inside a numbers block that `held` lacks, and each line outside a
-    block that points at docs/comparison.md and quotes a decimal (docs/comparison.md itself: blocks only)."""
-    blocks = quoted(text)
-    inside = {i for i, _ in blocks}
-    bad = [f"{path}:{i}: {n}" for i, line in blocks for n in numbers(line) if n not in held]
+def from_json(data, path, like, folder=None):
+    """The value at `path` of a run's JSON (of `folder`'s file named by its first part, if a .json), written
+    as the quoted number `like` is (its decimals, e-form)."""
+    node, keys = data, path.split("/")
+    if keys[0].endswith(".json"):
+        node, keys = json.loads(read(folder, keys[0])), keys[1:]
+    for key in keys:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    digits = len(like.split(" ± ")[0].split("e")[0].split(".")[1])
+    form = f".{digits}e" if "e" in like else f".{digits}f"
+    show = lambda x: format(x, form).replace("e+", "e")
+    return f"{show(node[0])} ± {show(node[1])}" if isinstance(node, list) else show(node)
+
+
+def untied(path, text):
+    """["path:line: what"] for each number inside a numbers block that is not its own cell's, and each line
+    outside a block that points at a quoted page (comparison.md, grpo_tools.md#results) and quotes a decimal."""
+    bad, folder, header = [], None, None
     for i, line in enumerate(text.splitlines(), 1):
-        cites = "comparison.md" in line and path != os.path.join("docs", "comparison.md")
-        if cites and i not in inside and NUMBER.search(line):
-            bad.append(f"{path}:{i}: a comparison number outside a numbers block")
+        if line.strip().startswith("<!-- numbers:"):
+            folder = line.split("numbers:")[1].split("-->")[0].strip()
+            table, data = source(folder)
+            continue
+        if line.strip().startswith("<!-- end numbers"):
+            folder = None
+            continue
+        if folder is None:
+            cites = ("comparison.md" in line and path != os.path.join("docs", "comparison.md")) or (
+                "grpo_tools.md#results" in line or "grpo_tools.md, Results" in line
+            )
+            if cites and NUMBER.search(line):
+                bad.append(f"{path}:{i}: a quoted number outside a numbers block")
+            continue
+        parts = [c.strip() for c in line.strip().strip("|").split("|")] if line.startswith("|") else [line]
+        if not line.startswith("|"):
+            header = None
+        elif header is None or set(line) <= set("|-: "):
+            header = header or [c.strip("*").strip() for c in parts]
+            continue
+        for k, part in enumerate(parts):
+            for m in NUMBER.finditer(part):
+                tag = TAG.match(part, m.end())
+                if tag:
+                    key = tag.group(1).strip()
+                    if key.startswith("json:"):
+                        try:
+                            want = [from_json(data, key[5:], norm(m), folder)]
+                        except (KeyError, IndexError, TypeError, ValueError):
+                            want = []
+                    else:
+                        want = table.get(tuple(x.strip() for x in key.split("::", 1)), [])
+                elif line.startswith("|") and k > 0:
+                    want = table.get((parts[0].strip("*").strip(), header[k]), [])
+                else:
+                    bad.append(f"{path}:{i}: {norm(m)} names no cell (a tag after it)")
+                    continue
+                if norm(m) not in want:
+                    bad.append(
+                        f"{path}:{i}: {norm(m)} is not its cell's ({', '.join(want) or 'no such cell'})"
+                    )
     return bad
 
 
-def test_comparison_numbers_come_from_the_committed_run():
-    """One source of numbers: every decimal that README.md or a docs page quotes from the comparison (inside a
-    numbers block) is one the committed run's artefacts hold; a line outside such a block that points at
-    docs/comparison.md does not quote a decimal; docs/comparison.md has a block; the artefacts name their
+def test_quoted_numbers_are_their_own_cells_of_the_committed_runs():
+    """One source of numbers: every number README.md or a docs page quotes from a committed run (inside a
+    numbers block) is the run's own cell for it, by row and column or by its tag; a line outside a block that
+    points at a quoted page does not quote a decimal; the quoted pages have blocks; the artefacts name their
     command."""
-    held = run_numbers()
-    results = json.loads(read(RUN, "results.json"))
-    bad = [b for path in doc_files() for b in unheld(path, read(path), held)]
-    assert quoted(read("docs", "comparison.md")), "docs/comparison.md quotes no numbers block"
-    assert results["command"].startswith("python compare.py") and results["rows"], RUN
-    assert not bad, "numbers the committed run does not hold:\n" + "\n".join(bad)
-
-
-def test_number_check_catches_a_number_the_run_lacks():
-    """The check itself: a decimal inside a block is looked up (its sign dropped; a value with its interval as
-    one pair), one outside is not, and a line outside a block that cites docs/comparison.md with a decimal is
-    flagged."""
-    page = (
-        "a 0.123 b\n<!-- numbers: docs/comparison_run -->\nΔ −0.045 ± 0.017, 3.31e12 FLOPs\n"
-        "<!-- end numbers -->\nGRPO +0.05 (docs/comparison.md)\n"
+    bad = [b for path in doc_files() for b in untied(path, read(path))]
+    assert "<!-- numbers: docs/comparison_run -->" in read("docs", "comparison.md")
+    assert "<!-- numbers: docs/grpo_tools_run -->" in read("docs", "grpo_tools.md")
+    assert "<!-- numbers: docs/grpo_tools_run -->" in read("README.md")
+    assert json.loads(read("docs", "comparison_run", "results.json"))["command"].startswith(
+        "python compare.py"
     )
-    assert [n for _, line in quoted(page) for n in numbers(line)] == ["0.045 ± 0.017", "3.31e12"]
-    assert unheld("docs/x.md", page, {"0.045 ± 0.017", "3.31e12"}) == [
-        "docs/x.md:5: a comparison number outside a numbers block"
+    assert not bad, "numbers that are not their own cells:\n" + "\n".join(bad)
+
+
+def test_the_number_check_ties_each_number_to_its_own_cell(monkeypatch):
+    """The check itself, on a made-up run: a table's number is its report's cell at the same row and column
+    (another cell's value fails, its sign too); prose needs a tag, and a tagged number must be that cell's or
+    that JSON value; a number outside a block on a line citing a quoted page is flagged."""
+    report = (
+        "| row | a | b |\n|---|---:|---:|\n| x | 0.100 ± 0.010 | -0.200 |\n| y | 0.300 | 0.100 ± 0.010 |\n"
+    )
+    monkeypatch.setitem(SOURCES, "run", ("r.md", "r.json"))
+    monkeypatch.setattr(
+        sys.modules[__name__], "source", lambda folder: (cells(report), {"k": [0.1234, 0.05], "n": [1.5e12]})
+    )
+    block = lambda body: f"<!-- numbers: run -->\n{body}\n<!-- end numbers -->\n"
+    ok = block(
+        "| row | b |\n|---|---:|\n| **x** | −0.200 |\nx: +0.100 ± 0.010<!--x :: a--> and 0.12 ± 0.05<!--json:k-->, 1.5e12<!--json:n/0-->"
+    )
+    assert untied("docs/p.md", ok) == []
+    assert untied("docs/p.md", block("| row | a |\n|---|---:|\n| y | 0.100 ± 0.010 |")) == [
+        "docs/p.md:4: 0.100 ± 0.010 is not its cell's (0.300)"  # x's value, quoted in y's row
     ]
-    # each half held, but not as a pair: the interval belongs to another cell
-    assert unheld("docs/x.md", page, {"0.045", "0.017", "3.31e12"})[0] == "docs/x.md:3: 0.045 ± 0.017"
+    assert untied("docs/p.md", block("| row | b |\n|---|---:|\n| x | 0.200 |"))[0].endswith("(-0.200)")
+    assert untied("docs/p.md", block("y is 0.300")) == ["docs/p.md:2: 0.300 names no cell (a tag after it)"]
+    assert untied("docs/p.md", block("y is 0.300<!--x :: b-->")) == [
+        "docs/p.md:2: 0.300 is not its cell's (-0.200)"
+    ]
+    assert untied("docs/p.md", block("0.13<!--json:k/0-->")) == ["docs/p.md:2: 0.13 is not its cell's (0.12)"]
+    assert untied("README.md", "GRPO +0.05 (docs/comparison.md)\n") == [
+        "README.md:1: a quoted number outside a numbers block"
+    ]
+
+
+def test_the_committed_claims_and_intervals_recompute_from_the_per_prompt_scores():
+    """What the pages quote is what the per-prompt arrays give: docs/comparison_run/claims.json is
+    benchmarks/claims.py's family (every claim, one Holm) of scores.npz, and the tools run's intervals, Δs and
+    claims are its scores.npz's (compare_stats', seeds and prompts random)."""
+    import numpy as np
+
+    sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
+    import claims
+
+    from compare_stats import holm, mean_interval, p_above_zero
+
+    run = os.path.join(ROOT, "docs", "comparison_run")
+    saved = json.loads(read("docs", "comparison_run", "claims.json"))
+    results = json.loads(read("docs", "comparison_run", "results.json"))
+    again = claims.family(results, np.load(os.path.join(run, "scores.npz")))
+    assert again.keys() == saved["claims"].keys() and len(again) == saved["family"] == 152
+    for k, v in again.items():
+        assert v["holds"] == saved["claims"][k]["holds"], k
+        np.testing.assert_allclose(
+            v["delta"] + [v["p"]], saved["claims"][k]["delta"] + [saved["claims"][k]["p"]]
+        )
+    assert claims.at_equal_flops(results) == saved["equal_flops"]
+
+    report = json.loads(read("docs", "grpo_tools_run", "report.json"))
+    scores = np.load(os.path.join(ROOT, "docs", "grpo_tools_run", "scores.npz"))
+    for row, cells in report["rows"].items():
+        np.testing.assert_allclose(mean_interval(scores[f"{row}/correct"]), cells["correct/all"])
+    ps = {}
+    for name, cells in report["deltas"].items():
+        a, b = name.split(" - ")
+        d = scores[f"{a}/correct"] - scores[f"{b}/correct"]
+        np.testing.assert_allclose(mean_interval(d), cells["correct/all"])
+        ps.update({f"{name} above": p_above_zero(d), f"{name} below": p_above_zero(-d)})
+    assert list(ps) == list(report["claims"])
+    assert holm(list(ps.values()), 0.025) == [c["holds"] for c in report["claims"].values()]
+    assert [c for c, v in report["claims"].items() if v["holds"]] == [
+        "grpo + tools - grpo, no tools (control) above"
+    ]

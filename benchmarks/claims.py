@@ -1,0 +1,87 @@
+r"""Every claim a comparison page can make, under one Holm correction, from a committed run's per-prompt scores
+(docs/comparison.md, "Claims"): each row against the base and against each of its controls, on the greedy and
+on the sampled score, "above" and "below" alike, and every ordered pair of methods on the greedy score (the
+Δ matrix: "A − B above" for each order, which holds "B below A" too). Also the matrix read at equal FLOPs: each method's eval-split curve (results.json's `curves_eval`)
+at the largest training budget every method reached.
+
+    python benchmarks/claims.py docs/comparison_run      # writes docs/comparison_run/claims.json
+
+Reads `results.json` (rows, controls, curves) and `scores.npz` (`{row}/seed{s}|{score,score_sampled}`, [P]);
+the intervals and one-sided p-values are compare.py's (compare_stats: seeds and prompts both random).
+"""
+
+import json
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import numpy as np  # noqa: E402
+
+from compare_stats import holm, mean_interval, p_above_zero  # noqa: E402
+
+ALPHA = 0.025  # one-sided, as compare.py's: a lone claim holds exactly when its 95% interval is past 0
+METRICS = {"score": "greedy", "score_sampled": "sampled"}
+
+
+def family(results, scores):
+    """{claim: {"delta": [Δ, ±], "p": p, "holds": bool}} over every claim, Holm over all of them at ALPHA.
+    A claim reads "A − B (greedy) above" (A beats B) or "… below" (A falls below B)."""
+    seeds = range(len(results["seeds"]) if isinstance(results["seeds"], list) else results["seeds"])
+    table = lambda row, m: np.stack([scores[f"{row}/seed{s}|{m}"] for s in seeds])
+    base = next(iter(results["rows"]))
+    pairs = []
+    for row, r in results["rows"].items():
+        if row != base:
+            pairs += [(row, against, m) for against in (base, *r["stats"].get("versus", {})) for m in METRICS]
+    methods = list(dict.fromkeys(m.split(" − ")[0] for m in results["matrix"]))
+    ordered = [(a, b, "score") for a in methods for b in methods if a != b]  # both directions already
+    out = {}
+    for a, b, m in pairs + ordered:
+        d = table(a, m) - table(b, m)
+        for side, x in (("above", d), ("below", -d))[: 1 if (a, b, m) in ordered else 2]:
+            out[f"{a} − {b} ({METRICS[m]}) {side}"] = {"delta": list(mean_interval(d)), "p": p_above_zero(x)}
+    for claim, ok in zip(out, holm([c["p"] for c in out.values()], ALPHA)):
+        out[claim]["holds"] = ok
+    return out
+
+
+def at_equal_flops(results):
+    """Each method's eval-split greedy score at the largest training budget (FLOPs past its base) that every
+    method's curve reaches, linearly between its checkpoints: {"flops": F, "rows": {row: [mean, lo, hi]}}
+    (mean and range over seeds), beside each at its own final budget."""
+    curves = {r: c for r, c in results["curves_eval"].items() if r != next(iter(results["rows"]))}
+    spent = lambda seed_curve: [(f - seed_curve[0][0], s) for f, s in seed_curve]  # FLOPs past the base
+    budget = min(spent(c)[-1][0] for cs in curves.values() for c in cs)
+    rows = {}
+    for row, cs in curves.items():
+        at = [float(np.interp(budget, *zip(*spent(c)))) for c in cs]
+        end = [c[-1][1] for c in cs]
+        rows[row] = {
+            "at_budget": [float(np.mean(at)), min(at), max(at)],
+            "at_end": [float(np.mean(end)), min(end), max(end)],
+        }
+    return {"flops": budget, "rows": rows}
+
+
+def main(folder):
+    results = json.load(open(os.path.join(folder, "results.json")))
+    scores = np.load(os.path.join(folder, "scores.npz"))
+    claims = family(results, scores)
+    out = {"alpha": ALPHA, "family": len(claims), "claims": claims, "equal_flops": at_equal_flops(results)}
+    with open(os.path.join(folder, "claims.json"), "w") as f:
+        json.dump(out, f, indent=1)
+    held = [c for c, v in claims.items() if v["holds"]]
+    print(f"{len(held)} of {len(claims)} claims hold under Holm at {ALPHA}:")
+    for c in held:
+        print(f"  {c}: Δ {claims[c]['delta'][0]:+.3f} ± {claims[c]['delta'][1]:.3f}, p {claims[c]['p']:.1e}")
+    print(
+        f"eval score at {out['equal_flops']['flops']:.2e} training FLOPs (every method's curve reaches it):"
+    )
+    for row, v in out["equal_flops"]["rows"].items():
+        print(f"  {row}: {v['at_budget'][0]:.3f} (its own budget: {v['at_end'][0]:.3f})")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1] if len(sys.argv) > 1 else os.path.join("docs", "comparison_run"))
