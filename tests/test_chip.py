@@ -204,7 +204,9 @@ def test_auto_compiles_every_policy_at_once_takes_the_first_that_fits_and_rememb
         out = fn(*args)
         assert str(remat) == "minimal" and float(out[0]) > 0
         assert traces.count("minimal") == 1, traces  # traced for its compile, not again for the call
-        assert len(compiled) == {"first": 4, "again": 1, "stale": 4}[run], (run, compiled)
+        # every policy up to the chosen one compiled; the one after it (full) may be cancelled unstarted once
+        # minimal is taken (a busy machine's thread pool had not begun it: 3 compiles, not 4)
+        assert len(compiled) in {"first": (3, 4), "again": (1,), "stale": (3, 4)}[run], (run, compiled)
     assert "remat: auto -> minimal (compiled peak per device: off " in said["first"]
     assert "as decided here before" in said["again"] and "--remat minimal" in said["again"]
     assert "as decided here before" not in said["stale"]
