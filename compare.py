@@ -995,24 +995,25 @@ def verdict(delta, name, seeds=MIN_SEEDS):
     return f"{word} {name} (Δ {d:+.3f} ± {h:.3f}{covers})"
 
 
-def claims_of(stats, base_name):
-    """Every "beats" claim the table could make: [(row, against, (Δ, ±), p)], each row against its seed's base
-    and against each of its controls (`versus`)."""
+def claims_of(stats, base_name, matrix=None):
+    """Every claim the report could make, one Holm family: [(row, against, (Δ, ±), p, side)], each row against
+    its seed's base and each of its controls (`versus`), "above" (beats) and "below" (falls below) alike, and
+    each ordered pair of the Δ matrix (pairwise's; "above" only: the other order is the pair's "below")."""
     return [
-        (name, against, d, p)
+        (name, against, st_["delta"], st_[key], side)
         for name, st in stats.items()
         if name != base_name
-        for against, (d, p) in [(base_name, (st["delta"], st["p"]))]
-        + [(c, (v["delta"], v["p"])) for c, v in st.get("versus", {}).items()]
-    ]
+        for against, st_ in [(base_name, st), *st.get("versus", {}).items()]
+        for side, key in (("above", "p"), ("below", "p_below"))
+    ] + [(a, b, (d, h), p, "above") for (a, b), (d, h, p) in (matrix or {}).items()]
 
 
-def summary(stats, costs, *, base_name, seeds):
+def summary(stats, costs, *, base_name, seeds, claims, held=()):
     """The report's first lines: which rows clear the control matched to them in information (a preference
-    row sft-chosen, a checker row rft: what "beats" needs) and which beat what else, Holm's correction over
-    every "beats" claim the table could make, and at what cost; with fewer than MIN_SEEDS seeds no claim, the
-    Δs ranked instead (candidates for a run with more seeds)."""
-    claims = claims_of(stats, base_name)
+    row sft-chosen, a checker row rft: what "beats" needs), which beat or fall below what else, Holm's
+    correction over every claim the report could make (`claims`: claims_of's; `held`: {(row, against, side)} of
+    those that hold), and at what cost; with fewer than MIN_SEEDS seeds no claim, the Δs ranked instead (candidates for a
+    run with more seeds)."""
     informed = {n: st["informed"] for n, st in stats.items() if st.get("informed")}
 
     def cost(name):
@@ -1021,16 +1022,16 @@ def summary(stats, costs, *, base_name, seeds):
     def delta(name, against):  # 'dpo − sft-chosen@dpo +0.375 ± 0.398'
         return f"{name} − {against} " + "{:+.3f} ± {:.3f}".format(
             *next(c[2] for c in claims if c[:2] == (name, against))
-        )
+        )  # the first: "above", whose Δ is the pair's
 
     if seeds < MIN_SEEDS:
         noise = "over prompts only: seed noise is unmeasured" if seeds == 1 else "from too few seeds to trust"
-        ranked = sorted((c for c in claims if c[1] == base_name), key=lambda c: -c[2][0])
+        ranked = sorted((c for c in claims if c[1] == base_name and c[4] == "above"), key=lambda c: -c[2][0])
         return (
             f"**Summary: {seeds} seed(s), needs ≥ {MIN_SEEDS} seeds.** The intervals are {noise} "
             f"(docs/compare.md), so no row is said to beat another. Δ vs {base_name}, the candidates for "
             f"`--seeds {MIN_SEEDS}`: "
-            + "; ".join(f"{n} {d:+.3f} ± {h:.3f} ({cost(n)})" for n, _, (d, h), _ in ranked)
+            + "; ".join(f"{n} {d:+.3f} ± {h:.3f} ({cost(n)})" for n, _, (d, h), *_ in ranked)
             + (
                 ". Against the control matched in information: "
                 + "; ".join(delta(n, c) for n, c in informed.items())
@@ -1038,18 +1039,22 @@ def summary(stats, costs, *, base_name, seeds):
                 else ""
             )
         )
-    held = {c[:2] for c, ok in zip(claims, holm([c[3] for c in claims], ALPHA)) if ok}
-    won = {  # each row's claims that hold, if any
-        n: [f"{a} (Δ {d:+.3f} ± {h:.3f})" for m, a, (d, h), _ in claims if (m, a) in held and m == n]
+    won = {  # each row's claims that hold, if any: "beats a (Δ …)", "falls below a (Δ …)"
+        n: [
+            f"{'beats' if side == 'above' else 'falls below'} {a} (Δ {d:+.3f} ± {h:.3f})"
+            for m, a, (d, h), _, side in claims
+            if (m, a, side) in held and m == n
+        ]
         for n in stats
         if n != base_name
     }
-    cleared = [n for n, c in informed.items() if (n, c) in held]
+    cleared = [n for n, c in informed.items() if (n, c, "above") in held]
     rest = [n for n, w in won.items() if not w]
     return "\n".join(
         [
             f"**Summary** (greedy test score, Δ paired per prompt and seed, each seed its own {base_name}; "
-            f"Holm's correction over the table's {len(claims)} \"beats\" claims, so the chance that any line "
+            f"Holm's correction over the report's {len(claims)} claims: each row against {base_name} and its "
+            f"control, beats and falls below, and each ordered pair of the Δ matrix; so the chance that any line "
             f"below is false is ≤ {ALPHA:.1%}; {base_name}: {cost(base_name)} a seed):",
             *(
                 [
@@ -1062,7 +1067,7 @@ def summary(stats, costs, *, base_name, seeds):
                 if informed
                 else []
             ),
-            *[f"- **{n}** beats {' and '.join(w)}, at {cost(n)} a run" for n, w in won.items() if w],
+            *[f"- **{n}** {'; '.join(w)}, at {cost(n)} a run" for n, w in won.items() if w],
             *([f"- no claim holds for {', '.join(rest)}"] if rest else []),
         ]
     )
@@ -1229,17 +1234,17 @@ def plot(curves, score_curves, stats, *, base_name, temperature, path):
     plt.close(fig)
 
 
-def matrix_md(matrix, names, seeds):
+def matrix_md(matrix, names, seeds, held=()):
     """The method-against-method Δ matrix (pairwise's) as markdown: row − column; bold where "row beats
-    column" holds under Holm's correction over its k(k − 1) ordered claims (with ≥ MIN_SEEDS seeds)."""
+    column" is in `held` (one Holm correction over the report's claims, claims_of; with ≥ MIN_SEEDS seeds)."""
     head = "| row − column | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names) + "\n"
 
     def cell(a, b):
         if a == b:
             return "–"
-        d, h, ok = matrix[a, b]
+        d, h, _ = matrix[a, b]
         text = f"{d:+.3f} ± {h:.3f}"
-        return f"**{text}**" if ok and seeds >= MIN_SEEDS else text
+        return f"**{text}**" if (a, b, "above") in held and seeds >= MIN_SEEDS else text
 
     return head + "".join(f"| **{a}** | " + " | ".join(cell(a, b) for b in names) + " |\n" for a in names)
 
@@ -1265,7 +1270,9 @@ def write_report(
     output_dir -> the summary and the table. extras: reward_acc, seeds, total (s), matrix (markdown)."""
     seeds = extras["seeds"]
     md = (
-        summary(stats, costs, base_name=base_name, seeds=len(seeds))
+        summary(
+            stats, costs, base_name=base_name, seeds=len(seeds), claims=extras["claims"], held=extras["held"]
+        )
         + "\n\n"
         + table(rows, base_name, any("rm_score" in st for st in stats.values()))
     )
@@ -1326,8 +1333,8 @@ saving){ppo_note}; distill includes its teacher's training; {base_name}'s costs 
 ## Method against method (greedy test score, Δ row − column, paired per prompt and seed)
 
 {extras["matrix"]}
-Bold: "row beats column" holds under Holm's correction over the matrix's ordered claims (≥ {MIN_SEEDS} \
-seeds); only bold cells rank two methods.
+Bold: "row beats column" holds under the summary's one Holm correction over every claim of this report (≥ \
+{MIN_SEEDS} seeds); only bold cells rank two methods.
 {sweep_md}
 ## Recipe: every value and where it came from
 
@@ -1598,7 +1605,7 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
                 for k, v in paired_stats(
                     res, by_name[name], {s["seed"]: s["name"] for s in by_name[ctl]}
                 ).items()
-                if k in ("delta", "p")
+                if k in ("delta", "p", "p_below")
             }
             for ctl in stats
             if ctl.endswith(f"@{name}")
@@ -1649,7 +1656,9 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
         )
         for n in methods
     }
-    matrix = pairwise(tables, ALPHA) if len(methods) > 1 and common_seeds else {}
+    matrix = pairwise(tables) if len(methods) > 1 and common_seeds else {}
+    claims = claims_of(stats, base_name, matrix)  # every claim the report could make: one Holm correction
+    held = {c[:2] + c[4:] for c, ok in zip(claims, holm([c[3] for c in claims], ALPHA)) if ok}
     accs = [  # each reward model's last held-out accuracy, as logged
         a[-1]
         for a in (
@@ -1666,7 +1675,9 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
         "reward_acc": float(np.mean(accs)) if accs else None,
         "seeds": seeds,
         "total": time.perf_counter() - t_start,
-        "matrix": matrix_md(matrix, methods, len(seeds)) if matrix else "(fewer than two methods)\n",
+        "matrix": matrix_md(matrix, methods, len(seeds), held) if matrix else "(fewer than two methods)\n",
+        "claims": claims,
+        "held": held,
     }
     md = write_report(
         args,
@@ -1715,7 +1726,9 @@ def write_results(args, output_dir, *, stages, stats, costs, sweep, matrix, extr
             }
             for n, st in stats.items()
         },
-        "matrix": {f"{a} − {b}": list(v) for (a, b), v in matrix.items()},
+        "matrix": {  # Δ, ±, p, and whether "a beats b" holds (the report's one Holm correction)
+            f"{a} − {b}": [*v, (a, b, "above") in extras["held"]] for (a, b), v in matrix.items()
+        },
         "sweep": {
             r: [
                 {"setting": t["setting"], "kept": t["kept"], **{k: t["stats"][k] for k in ("score", "delta")}}

@@ -4,7 +4,7 @@
     t_quantile, p_above_zero       Student's t: the interval's quantile, the one-sided p of "above 0"
     row_stats                      a row's cells against the base, paired per seed and prompt
     holm                           Holm's step-down correction over a family of claims
-    pairwise                       the method-against-method Δ matrix, paired, with Holm over its claims
+    pairwise                       the method-against-method Δ matrix, paired, each claim's p
 Imports nothing of the project's (docs/compare.md, "Intervals"); tested by hand in tests/test_compare.py.
 """
 
@@ -60,12 +60,13 @@ def mean_variance(x):
 
 def row_stats(arrays, base_arrays):
     """{metric: [S, P]} of a row and of the base -> {metric: (mean, ±)}, `delta`: score row − base, paired,
-    and `p`: its one-sided p-value of "beats"."""
+    `p` and `p_below`: the one-sided p-values of "beats" and of "falls below"."""
     diff = arrays["score"] - base_arrays["score"]
     return {
         **{k: mean_interval(v) for k, v in arrays.items()},
         "delta": mean_interval(diff),
         "p": p_above_zero(diff),
+        "p_below": p_above_zero(-diff),
     }
 
 
@@ -81,11 +82,11 @@ def holm(pvalues, alpha):
     return holds
 
 
-def pairwise(tables, alpha):
-    """{name: [S, P] greedy scores, the same seeds and prompts} -> {(a, b): (Δ, ±, holds)} for every ordered
-    pair a ≠ b: Δ = mean(a − b) paired per seed and prompt, its 95% half-width, and whether "a beats b" holds
-    under Holm's correction over all k(k − 1) ordered claims (one-sided p, as p_above_zero)."""
+def pairwise(tables):
+    """{name: [S, P] greedy scores, the same seeds and prompts} -> {(a, b): (Δ, ±, p)} for every ordered pair
+    a ≠ b: Δ = mean(a − b) paired per seed and prompt, its 95% half-width, the one-sided p of "a beats b"
+    (p_above_zero; the pair's other order is its "falls below"). Holm's correction: the caller's, over every
+    claim of its page (compare.claims_of)."""
     pairs = [(a, b) for a in tables for b in tables if a != b]
     diffs = [np.asarray(tables[a], np.float64) - np.asarray(tables[b], np.float64) for a, b in pairs]
-    holds = holm([p_above_zero(d) for d in diffs], alpha)
-    return {pair: (*mean_interval(d), ok) for pair, d, ok in zip(pairs, diffs, holds)}
+    return {pair: (*mean_interval(d), p_above_zero(d)) for pair, d in zip(pairs, diffs)}

@@ -797,11 +797,13 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
     leave the prompts' spread: var = s²/P with s² = (.375² + .125² + .375² + .625²)/3, df 3 -> ± t_.975(3)·√(s²/4).
     grpo is read against rft@grpo, the controls against sft only. The score-against-FLOPs curve of a grpo seed
     (eval split): its base's point (logged 5e9 FLOPs, score 0.625), a checkpoint at step 1 (5e9 + grpo's 2e9 so
-    far, the checkpoint's 0.9), the end (8e9, 1.0). The summary, Holm over the 6 "beats" claims (one-sided p:
-    dpo − sft and grpo − rft 0 (no spread), grpo − sft [.25, .25, .75, .25]: t = .375 / .125 = 3 on 3 df, p =
-    0.029 > 0.025 / 4; dpo − sft-chosen 0.11; the controls − sft below 0): dpo beats sft but not sft-chosen,
-    grpo clears rft, nothing else; the Δ matrix grpo − dpo = [0, 0, .5, 0]: +0.125 ± t_.975(3)·√(.0625/4);
-    the test split read once; at one seed no claim."""
+    far, the checkpoint's 0.9), the end (8e9, 1.0). The summary, one Holm correction over the report's 14
+    claims (each of 4 rows against sft, beats and falls below: 8; dpo and grpo against their controls, both
+    ways: 4; the matrix's 2 ordered pairs), one-sided p: dpo − sft and grpo − rft 0 (no spread); the smallest
+    after them, rft@grpo below sft (−[.75, .75, .25, .75] on every seed: t = .625 / .125 = 5 on 3 df, p =
+    0.0077 > 0.025 / 12), stops it; grpo − sft [.25, .25, .75, .25]: t = 3, p = 0.029; dpo − sft-chosen 0.11:
+    dpo beats sft but not sft-chosen, grpo clears rft, nothing else; the Δ matrix grpo − dpo = [0, 0, .5, 0]:
+    +0.125 ± t_.975(3)·√(.0625/4), not bold; the test split read once; at one seed no claim."""
     args = compare.Args(methods="sft,dpo,grpo,sft-chosen,rft", seeds=3, output_dir=str(tmp_path))
     args = dataclasses.replace(
         args, **dict(zip(("eval_prompts", "test_prompts"), compare.task_prompts(args)))
@@ -868,7 +870,9 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
         "- **grpo** beats rft@grpo (Δ +1.000 ± 0.000), at 3.00e09 FLOPs, 0 s a run",
         "- no claim holds for sft-chosen@dpo, rft@grpo",
     ]
-    assert "Holm's correction over the table's 6 \"beats\" claims" in md.splitlines()[0]
+    assert "Holm's correction over the report's 14 claims" in md.splitlines()[0]
+    p_below = compare.p_above_zero(np.tile([0.75, 0.75, 0.25, 0.75], (3, 1)))  # rft@grpo below sft
+    assert 0.025 / 12 < p_below < 0.0078 and abs(compare.t_quantile(1 - p_below, 3) - 5.0) < 1e-6
     report = (tmp_path / "comparison.md").read_text()
     hm = compare.t_quantile(0.975, 3) * np.sqrt(0.0625 / 4)  # grpo − dpo: s² of [0, 0, .5, 0] = .0625
     assert (
@@ -877,7 +881,7 @@ def test_delta_against_control_worked_example(tmp_path, monkeypatch):
     results = json.loads((tmp_path / "results.json").read_text())
     assert (
         results["matrix"]["grpo − dpo"][:2] == pytest.approx([0.125, hm])
-        and not results["matrix"]["grpo − dpo"][2]
+        and not results["matrix"]["grpo − dpo"][3]
     )
     assert results["rows"]["dpo"]["stats"]["versus"]["sft-chosen@dpo"]["delta"] == pytest.approx([0.375, h])
     assert all(

@@ -31,7 +31,7 @@ CEILINGS = {
     "tpu_kernels": 110,
     "lora": 104,
     "compare": 720,
-    "compare_stats": 51,
+    "compare_stats": 50,
     "evaluate": 284,
     "sft": 187,
     "dpo": 223,
