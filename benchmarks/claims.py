@@ -28,8 +28,7 @@ METRICS = {"score": "greedy", "score_sampled": "sampled"}
 def family(results, scores):
     """{claim: {"delta": [Δ, ±], "p": p, "holds": bool}} over every claim, Holm over all of them at ALPHA.
     A claim reads "A − B (greedy) above" (A beats B) or "… below" (A falls below B)."""
-    seeds = range(len(results["seeds"]) if isinstance(results["seeds"], list) else results["seeds"])
-    table = lambda row, m: np.stack([scores[f"{row}/seed{s}|{m}"] for s in seeds])
+    table = lambda row, m: np.stack([scores[f"{row}/seed{s}|{m}"] for s in results["seeds"]])
     base = next(iter(results["rows"]))
     pairs = []
     for row, r in results["rows"].items():
