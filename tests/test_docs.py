@@ -243,7 +243,8 @@ def test_coming_from_trl_names_flags_that_exist():
 # same row and column; elsewhere (or to override a table's binding), by a tag right after the number,
 # `<!--ROW :: COLUMN-->` (a report cell) or `<!--json:a/b/0-->` (a path into the run's JSON, or into another
 # JSON file of the run's folder when the path starts with its name, `json:claims.json/…`; shown at the quoted
-# number's decimals; a [mean, ±] pair as "mean ± half"). A number that is right for another cell fails.
+# number's decimals; a [mean, ±] pair as "mean ± half"). A number that is right for another cell fails. A block
+# may name a JSON file instead of a folder (an earlier run's report.json): its numbers are tagged, every one.
 SOURCES = {  # FOLDER -> (its report: markdown tables, its JSON)
     os.path.join("docs", "comparison_run"): ("comparison.md", "results.json"),
     os.path.join("docs", "grpo_tools_run"): ("report.md", "report.json"),
@@ -281,7 +282,9 @@ def cells(text):
 
 
 def source(folder):
-    """A run's cells and its JSON."""
+    """A run's cells and its JSON; a JSON file alone (an earlier run's report.json): no cells, its JSON."""
+    if folder.endswith(".json"):
+        return {}, json.loads(read(folder))
     report, data = SOURCES[folder]
     return cells(read(folder, report)), json.loads(read(folder, data))
 
@@ -290,9 +293,16 @@ def from_json(data, path, like, folder=None):
     """The value at `path` of a run's JSON (of `folder`'s file named by its first part, if a .json), written
     as the quoted number `like` is (its decimals, e-form)."""
     node, keys = data, path.split("/")
-    if keys[0].endswith(".json"):
-        node, keys = json.loads(read(folder, keys[0])), keys[1:]
-    for key in keys:
+    if keys[0].endswith(".json"):  # beside the source (a folder's file, or a file's neighbour)
+        node, keys = (
+            json.loads(read(os.path.dirname(folder) if folder.endswith(".json") else folder, keys[0])),
+            keys[1:],
+        )
+    while keys:  # a key may hold a slash itself ("correct/all"): the shortest run of parts that is one
+        n = next(
+            (n for n in range(1, len(keys) + 1) if isinstance(node, dict) and "/".join(keys[:n]) in node), 1
+        )
+        key, keys = "/".join(keys[:n]), keys[n:]
         node = node[int(key)] if isinstance(node, list) else node[key]
     digits = len(like.split(" ± ")[0].split("e")[0].split(".")[1])
     form = f".{digits}e" if "e" in like else f".{digits}f"
@@ -373,7 +383,9 @@ def test_the_number_check_ties_each_number_to_its_own_cell(monkeypatch):
     )
     monkeypatch.setitem(SOURCES, "run", ("r.md", "r.json"))
     monkeypatch.setattr(
-        sys.modules[__name__], "source", lambda folder: (cells(report), {"k": [0.1234, 0.05], "n": [1.5e12]})
+        sys.modules[__name__],
+        "source",
+        lambda folder: (cells(report), {"k": [0.1234, 0.05], "n": [1.5e12], "a/b": {"c": 0.25}}),
     )
     block = lambda body: f"<!-- numbers: run -->\n{body}\n<!-- end numbers -->\n"
     ok = block(
@@ -389,6 +401,7 @@ def test_the_number_check_ties_each_number_to_its_own_cell(monkeypatch):
         "docs/p.md:2: 0.300 is not its cell's (-0.200)"
     ]
     assert untied("docs/p.md", block("0.13<!--json:k/0-->")) == ["docs/p.md:2: 0.13 is not its cell's (0.12)"]
+    assert untied("docs/p.md", block("0.25<!--json:a/b/c-->")) == []  # a key with a slash in it
     assert untied("README.md", "GRPO +0.05 (docs/comparison.md)\n") == [
         "README.md:1: a quoted number outside a numbers block"
     ]
