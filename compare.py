@@ -35,7 +35,7 @@ plumbing.answer_help(__name__, __file__)
 import common  # noqa: E402  (data files, reward functions, mesh; JAX's devices start only to evaluate)
 import numpy as np  # noqa: E402
 import tyro  # noqa: E402
-from compare_stats import holm, mean_interval, p_above_zero, pairwise, row_stats, t_quantile  # noqa: E402, F401
+from compare_stats import claims_of, holm, mean_interval, p_above_zero, pairwise, row_stats, t_quantile  # noqa: E402, F401
 
 METHODS = (
     "sft",
@@ -995,25 +995,12 @@ def verdict(delta, name, seeds=MIN_SEEDS):
     return f"{word} {name} (Δ {d:+.3f} ± {h:.3f}{covers})"
 
 
-def claims_of(stats, base_name, matrix=None):
-    """Every claim the report could make, one Holm family: [(row, against, (Δ, ±), p, side)], each row against
-    its seed's base and each of its controls (`versus`), "above" (beats) and "below" (falls below) alike, and
-    each ordered pair of the Δ matrix (pairwise's; "above" only: the other order is the pair's "below")."""
-    return [
-        (name, against, st_["delta"], st_[key], side)
-        for name, st in stats.items()
-        if name != base_name
-        for against, st_ in [(base_name, st), *st.get("versus", {}).items()]
-        for side, key in (("above", "p"), ("below", "p_below"))
-    ] + [(a, b, (d, h), p, "above") for (a, b), (d, h, p) in (matrix or {}).items()]
-
-
 def summary(stats, costs, *, base_name, seeds, claims, held=()):
     """The report's first lines: which rows clear the control matched to them in information (a preference
     row sft-chosen, a checker row rft: what "beats" needs), which beat or fall below what else, Holm's
-    correction over every claim the report could make (`claims`: claims_of's; `held`: {(row, against, side)} of
-    those that hold), and at what cost; with fewer than MIN_SEEDS seeds no claim, the Δs ranked instead (candidates for a
-    run with more seeds)."""
+    correction over every claim the report could make (`claims`: claims_of's; `held`: {(row, against, side)}
+    of those that hold), and at what cost; with fewer than MIN_SEEDS seeds no claim, the Δs ranked instead
+    (candidates for a run with more seeds)."""
     informed = {n: st["informed"] for n, st in stats.items() if st.get("informed")}
 
     def cost(name):

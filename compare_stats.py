@@ -5,6 +5,7 @@
     row_stats                      a row's cells against the base, paired per seed and prompt
     holm                           Holm's step-down correction over a family of claims
     pairwise                       the method-against-method Δ matrix, paired, each claim's p
+    claims_of                      every claim a report could make of those: one family for holm
 Imports nothing of the project's (docs/compare.md, "Intervals"); tested by hand in tests/test_compare.py.
 """
 
@@ -86,7 +87,20 @@ def pairwise(tables):
     """{name: [S, P] greedy scores, the same seeds and prompts} -> {(a, b): (Δ, ±, p)} for every ordered pair
     a ≠ b: Δ = mean(a − b) paired per seed and prompt, its 95% half-width, the one-sided p of "a beats b"
     (p_above_zero; the pair's other order is its "falls below"). Holm's correction: the caller's, over every
-    claim of its page (compare.claims_of)."""
+    claim of its page (claims_of)."""
     pairs = [(a, b) for a in tables for b in tables if a != b]
     diffs = [np.asarray(tables[a], np.float64) - np.asarray(tables[b], np.float64) for a, b in pairs]
     return {pair: (*mean_interval(d), p_above_zero(d)) for pair, d in zip(pairs, diffs)}
+
+
+def claims_of(stats, base_name, matrix=None):
+    """Every claim the report could make, one Holm family: [(row, against, (Δ, ±), p, side)], each row against
+    its seed's base and each of its controls (`versus`), "above" (beats) and "below" (falls below) alike, and
+    each ordered pair of the Δ matrix (pairwise's; "above" only: the other order is the pair's "below")."""
+    return [
+        (name, against, st_["delta"], st_[key], side)
+        for name, st in stats.items()
+        if name != base_name
+        for against, st_ in [(base_name, st), *st.get("versus", {}).items()]
+        for side, key in (("above", "p"), ("below", "p_below"))
+    ] + [(a, b, (d, h), p, "above") for (a, b), (d, h, p) in (matrix or {}).items()]

@@ -1,8 +1,9 @@
 r"""Every claim a comparison page can make, under one Holm correction, from a committed run's per-prompt scores
 (docs/comparison.md, "Claims"): each row against the base and against each of its controls, on the greedy and
 on the sampled score, "above" and "below" alike, and every ordered pair of methods on the greedy score (the
-Δ matrix: "A − B above" for each order, which holds "B below A" too). Also the matrix read at equal FLOPs: each method's eval-split curve (results.json's `curves_eval`)
-at the largest training budget every method reached.
+Δ matrix: "A − B above" for each order, which holds "B below A" too): compare_stats.claims_of's family, the
+one compare.py's report corrects over, on both scores. Also the matrix read at equal FLOPs: each method's
+eval-split curve (results.json's `curves_eval`) at the largest training budget every method reached.
 
     python benchmarks/claims.py docs/comparison_run      # writes docs/comparison_run/claims.json
 
@@ -19,31 +20,36 @@ sys.path.insert(0, ROOT)
 
 import numpy as np  # noqa: E402
 
-from compare_stats import holm, mean_interval, p_above_zero  # noqa: E402
+from compare_stats import claims_of, holm, pairwise, row_stats  # noqa: E402
 
 ALPHA = 0.025  # one-sided, as compare.py's: a lone claim holds exactly when its 95% interval is past 0
 METRICS = {"score": "greedy", "score_sampled": "sampled"}
 
 
 def family(results, scores):
-    """{claim: {"delta": [Δ, ±], "p": p, "holds": bool}} over every claim, Holm over all of them at ALPHA.
+    """{claim: {"delta": [Δ, ±], "p": p, "holds": bool}} over every claim, Holm over all of them at ALPHA: the
+    claims compare.py's report makes (claims_of: each row against the base and its controls, above and below,
+    and the greedy Δ matrix), once on the greedy score and once more, the matrix aside, on the sampled score.
     A claim reads "A − B (greedy) above" (A beats B) or "… below" (A falls below B)."""
-    table = lambda row, m: np.stack([scores[f"{row}/seed{s}|{m}"] for s in results["seeds"]])
+    table = lambda row, m: {"score": np.stack([scores[f"{row}/seed{s}|{m}"] for s in results["seeds"]])}
     base = next(iter(results["rows"]))
-    pairs = []
-    for row, r in results["rows"].items():
-        if row != base:
-            pairs += [(row, against, m) for against in (base, *r["stats"].get("versus", {})) for m in METRICS]
     methods = list(dict.fromkeys(m.split(" − ")[0] for m in results["matrix"]))
-    ordered = [(a, b, "score") for a in methods for b in methods if a != b]  # both directions already
-    out = {}
-    for a, b, m in pairs + ordered:
-        d = table(a, m) - table(b, m)
-        for side, x in (("above", d), ("below", -d))[: 1 if (a, b, m) in ordered else 2]:
-            out[f"{a} − {b} ({METRICS[m]}) {side}"] = {"delta": list(mean_interval(d)), "p": p_above_zero(x)}
-    for claim, ok in zip(out, holm([c["p"] for c in out.values()], ALPHA)):
-        out[claim]["holds"] = ok
-    return out
+    claims = []
+    for m, name in METRICS.items():  # each row's stats on this score, as compare.py's row_stats makes them
+        stats = {
+            row: {
+                **row_stats(table(row, m), table(base, m)),
+                "versus": {c: row_stats(table(row, m), table(c, m)) for c in r["stats"].get("versus", {})},
+            }
+            for row, r in results["rows"].items()
+        }
+        matrix = pairwise({a: table(a, m)["score"] for a in methods}) if m == "score" else None
+        claims += [(a, b, d, p, side, name) for a, b, d, p, side in claims_of(stats, base, matrix)]
+    held = holm([c[3] for c in claims], ALPHA)
+    return {
+        f"{a} − {b} ({name}) {side}": {"delta": list(d), "p": p, "holds": ok}
+        for (a, b, d, p, side, name), ok in zip(claims, held)
+    }
 
 
 def at_equal_flops(results):

@@ -230,7 +230,7 @@ def report(args, walls):
         for a, b in pairs
     }
     # every claim the page may make of a Δ's `correct`, "above" and "below" 0 alike, under one Holm
-    # correction (the chance that any claim said to hold is false ≤ 2.5%; one-sided p: compare's)
+    # correction (the chance that any claim said to hold is false ≤ compare.ALPHA; one-sided p: compare's)
     diffs = {f"{a} - {b}": stack(a, "correct", "all") - stack(b, "correct", "all") for a, b in pairs}
     claims = {
         f"{d} {side}": p_above_zero(x if side == "above" else -x)
@@ -238,9 +238,10 @@ def report(args, walls):
         for side in ("above", "below")
     }
     out["claims"] = {
-        c: {"p": p, "holds": ok} for (c, p), ok in zip(claims.items(), holm(list(claims.values()), 0.025))
+        c: {"p": p, "holds": ok}
+        for (c, p), ok in zip(claims.items(), holm(list(claims.values()), compare.ALPHA))
     }
-    out["flops"] = {  # each trained row's logged FLOPs (its last metrics line's charts/flops), per seed
+    out["flops"] = {  # each trained row's logged training FLOPs (flops: its metrics lines summed), per seed
         row: [flops(os.path.join(args.output_dir, row, f"seed{s}")) for s in seeds]
         for row in ("tools", "control", "rft")
     }
@@ -272,7 +273,7 @@ def report(args, walls):
             + " | ".join(f"{v[0]:+.3f} ± {v[1]:.3f}" for v in cells)
             + f" | {' '.join(said) or '–'} |"
         )
-    names = list(out["rows"])  # by seed: correct, and the FLOPs of each trained row
+    names = list(out["rows"])  # by seed: each row's correct; then each trained row's FLOPs
     lines += ["", "| seed | " + " | ".join(names) + " |", "|---" + "|---:" * len(names) + "|"]
     for i, seed in enumerate(seeds):
         lines.append(

@@ -203,13 +203,14 @@ def calculator_task():
         write("calculator/sft_train.jsonl", demos)
     # fresh: a second test split, drawn last (the files above are unchanged by it), that no recipe was chosen
     # or judged on before the tools comparison at five seeds (docs/grpo_tools.md)
-    pairs, size = [], CALCULATOR_SIZES["fresh"]
-    while len(pairs) < size:  # half of each size, as drawn (a two-digit product is rarely unseen by now)
+    pairs, half = [], CALCULATOR_SIZES["fresh"] // 2
+    count = {True: 0, False: 0}  # one-digit, two-digit products taken
+    while len(pairs) < 2 * half:  # half of each size, as drawn (a two-digit product is rarely unseen by now)
         a, b = product_prompt(rng)
-        one = sum(x < 10 for x, _ in pairs)
-        if (a < 10 and one < size // 2) or (a >= 10 and len(pairs) - one < size // 2 and (a, b) not in seen):
+        if count[a < 10] < half and (a < 10 or (a, b) not in seen):
             pairs.append((a, b))
-            seen |= {(a, b)} if a >= 10 else set()
+            count[a < 10] += 1
+            seen.add((a, b))  # a one-digit product too: harmless, nothing after this reads it
     rows = [{"prompt": [{"role": "user", "content": f"{a} * {b}"}], "answer": str(a * b)} for a, b in pairs]
     write("calculator/prompts_fresh.jsonl", rows)
 
