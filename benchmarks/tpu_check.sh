@@ -177,10 +177,15 @@ if want first; then
   unset JAX_COMPILATION_CACHE_DIR
 fi
 
-# the time before a first step, phase by phase: the model's making, then the step's trace, lowering and compile
+# the time before a first step, phase by phase: the model's making, then the step's trace, lowering and compile,
+# from a fresh compilation cache (cold), then again on it (the compile: a cache hit, the executable's load)
 if want phases; then
-  record phases_dpo_lora_2b $PY benchmarks/first_step.py $MODEL --algo dpo --lora-rank 16 --batch-size 4 \
-    --max-length $(( 1024 / SCALE )) --policies off/2
+  export JAX_COMPILATION_CACHE_DIR=/tmp/phases_cache_$start
+  for run in cold again; do
+    record phases_dpo_lora_2b_$run $PY benchmarks/first_step.py $MODEL --algo dpo --lora-rank 16 --batch-size 4 \
+      --max-length $(( 1024 / SCALE )) --policies off/2
+  done
+  unset JAX_COMPILATION_CACHE_DIR
 fi
 
 # sft.py --packing against length buckets on long-tailed lengths (median 128, p99 1024), real tokens/s: Gemma-2B
