@@ -19,6 +19,7 @@
 #   first       --remat auto's start: the DPO LoRA step and the GRPO update at Gemma-2B shape from a fresh
 #               compilation cache, then both again (the decision remembered, the programs cached)
 #   phases      benchmarks/first_step.py: the DPO LoRA step's make, trace, lowering and compile timed apart
+#   scan        benchmarks/scan_compile.py: 18 Gemma-2B blocks unrolled against one scanned block, compile and load
 #   packing     benchmarks/longtail.py: sft.py --packing beside length buckets on long-tailed lengths, real tokens/s
 #   qlora       LoRA r16 on a frozen int8 base (--quantize int8), 4 x 1024: an SFT step at Llama 3 8B shape, Gemma-2B's
 #               beside its bf16 base, a DPO step at Llama 3 8B and an SFT step at Gemma 7B (8B rows: --remat $REMAT_8B)
@@ -186,6 +187,13 @@ if want phases; then
       --max-length $(( 1024 / SCALE )) --policies off/2
   done
   unset JAX_COMPILATION_CACHE_DIR
+fi
+
+# a scanned stack of decoder blocks against the unrolled one (plain JAX, Gemma-2B's block, 18 blocks, LoRA on q):
+# trace and lowering, compile, the executable's size and load (a cache hit's cost), the step
+if want scan; then
+  record scan_compile_2b_blocks $PY benchmarks/scan_compile.py \
+    $( [ -n "${SMOKE:-}" ] && echo --layers 2 --hidden 64 --ffn 128 --heads 2 --head-dim 16 --seq 32 )
 fi
 
 # sft.py --packing against length buckets on long-tailed lengths (median 128, p99 1024), real tokens/s: Gemma-2B

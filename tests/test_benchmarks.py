@@ -476,3 +476,17 @@ def test_tools_task_stages_split_a_run_across_calls(tmp_path, monkeypatch):
         plumbing.UsageError, match="^--stages sfft: expected some of sft, tools, control, rft"
     ):
         tools_task.main(args(("sfft",)))
+
+
+def test_scan_compile_proxy_runs_both_stacks_to_the_same_loss(capsys):
+    """benchmarks/scan_compile.py (tpu_check's `scan` part): the unrolled and the scanned stack of blocks
+    are the same step (the loss after one update agrees), each with its compile, executable and step timed."""
+    import scan_compile
+
+    scan_compile.main(
+        scan_compile.Args(layers=2, hidden=32, ffn=64, heads=2, head_dim=8, rank=2, batch=2, seq=8, steps=1)
+    )
+    row = last_json(capsys)
+    assert row["same_loss"] and row["layers"] == 2
+    for name in ("unrolled", "scanned"):
+        assert row[name]["compile_s"] > 0 and row[name]["executable_mb"] > 0 and row[name]["step_ms"] > 0
