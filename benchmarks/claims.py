@@ -2,12 +2,13 @@ r"""Every claim a comparison page can make, under one Holm correction, from a co
 (docs/comparison.md, "Claims"): each row against the base and against each of its controls, on the greedy and
 on the sampled score, "above" and "below" alike, and every ordered pair of methods on the greedy score (the
 Δ matrix: "A − B above" for each order, which holds "B below A" too): compare_stats.claims_of's family, the
-one compare.py's report corrects over, on both scores. Also the matrix read at equal FLOPs: each method's
-eval-split curve (results.json's `curves_eval`) at the largest training budget every method reached.
+one compare.py's report corrects over, on both scores; the same family again with the prompts fixed (a t
+over the seed means: seed_means). Also the matrix read at equal FLOPs: each method's eval-split curve (results.json's `curves_eval`) at the largest training budget every method reached.
 
     python benchmarks/claims.py docs/comparison_run      # writes docs/comparison_run/claims.json
 
-Reads `results.json` (rows, controls, curves) and `scores.npz` (`{row}/seed{s}|{score,score_sampled}`, [P]);
+Reads `results.json` (rows, controls, curves, a sweep's kept settings) and `scores.npz`
+(`{row}[/{setting}]/seed{s}|{score,score_sampled}`, [P]);
 the intervals and one-sided p-values are compare.py's (compare_stats: seeds and prompts both random).
 """
 
@@ -26,12 +27,21 @@ ALPHA = 0.025  # one-sided, as compare.py's: a lone claim holds exactly when its
 METRICS = {"score": "greedy", "score_sampled": "sampled"}
 
 
+def run(results, row, seed):
+    """A row's run of one seed as scores.npz names it: `row/seed{s}`, or `row/{setting}/seed{s}` where a
+    --sweep chose the row's setting (results.json's `kept`)."""
+    kept = results.get("kept", {}).get(row)
+    return f"{row}/{kept}/seed{seed}" if kept else f"{row}/seed{seed}"
+
+
 def family(results, scores):
     """{claim: {"delta": [Δ, ±], "p": p, "holds": bool}} over every claim, Holm over all of them at ALPHA: the
     claims compare.py's report makes (claims_of: each row against the base and its controls, above and below,
     and the greedy Δ matrix), once on the greedy score and once more, the matrix aside, on the sampled score.
     A claim reads "A − B (greedy) above" (A beats B) or "… below" (A falls below B)."""
-    table = lambda row, m: {"score": np.stack([scores[f"{row}/seed{s}|{m}"] for s in results["seeds"]])}
+    table = lambda row, m: {
+        "score": np.stack([scores[f"{run(results, row, s)}|{m}"] for s in results["seeds"]])
+    }
     base = next(iter(results["rows"]))
     methods = list(dict.fromkeys(m.split(" − ")[0] for m in results["matrix"]))
     claims = []
@@ -50,6 +60,30 @@ def family(results, scores):
         f"{a} − {b} ({name}) {side}": {"delta": list(d), "p": p, "holds": ok}
         for (a, b, d, p, side, name), ok in zip(claims, held)
     }
+
+
+def seed_means(results, scores, claims):
+    """The same family with the prompts fixed: each claim's Δ per seed (its mean over the prompts), a paired t
+    over those S seed means (S − 1 df, one-sided), Holm at ALPHA over all of them -> {"p": {claim: p},
+    "holds": [claims]}. A check on the random-effects interval, which the prompts' spread narrows too."""
+    import scipy.stats
+
+    ps = {}
+    for claim in claims:
+        a, rest = claim.split(" − ")
+        b, _, tail = rest.partition(" (")
+        name, side = tail.split(") ")
+        m = next(k for k, v in METRICS.items() if v == name)
+        d = np.array(
+            [
+                (scores[f"{run(results, a, s)}|{m}"] - scores[f"{run(results, b, s)}|{m}"]).mean()
+                for s in results["seeds"]
+            ]
+        )
+        t = d.mean() / (d.std(ddof=1) / np.sqrt(len(d))) * (1 if side == "above" else -1)
+        ps[claim] = float(scipy.stats.t.sf(t, len(d) - 1))
+    held = holm(list(ps.values()), ALPHA)
+    return {"p": ps, "holds": [c for c, ok in zip(ps, held) if ok]}
 
 
 def at_equal_flops(results):
@@ -74,13 +108,22 @@ def main(folder):
     results = json.load(open(os.path.join(folder, "results.json")))
     scores = np.load(os.path.join(folder, "scores.npz"))
     claims = family(results, scores)
-    out = {"alpha": ALPHA, "family": len(claims), "claims": claims, "equal_flops": at_equal_flops(results)}
+    out = {
+        "alpha": ALPHA,
+        "family": len(claims),
+        "claims": claims,
+        "seed_means": seed_means(results, scores, claims),
+        "equal_flops": at_equal_flops(results),
+    }
     with open(os.path.join(folder, "claims.json"), "w") as f:
         json.dump(out, f, indent=1)
     held = [c for c, v in claims.items() if v["holds"]]
     print(f"{len(held)} of {len(claims)} claims hold under Holm at {ALPHA}:")
     for c in held:
         print(f"  {c}: Δ {claims[c]['delta'][0]:+.3f} ± {claims[c]['delta'][1]:.3f}, p {claims[c]['p']:.1e}")
+    print(f"with the prompts fixed (a t over the seed means), {len(out['seed_means']['holds'])} hold:")
+    for c in out["seed_means"]["holds"]:
+        print(f"  {c}: p {out['seed_means']['p'][c]:.1e}")
     print(
         f"eval score at {out['equal_flops']['flops']:.2e} training FLOPs (every method's curve reaches it):"
     )
