@@ -2,9 +2,9 @@ r"""What a scanned stack of decoder blocks would buy the first step: the same Lo
 Gemma-2B-shaped blocks written twice in plain JAX, once unrolled (as KerasHub's backbones run their blocks:
 a Python loop, L copies in the program) and once as one block under `jax.lax.scan` over stacked weights,
 each timed for its trace and lowering, its compile (no persistent cache: in full), its executable's size and
-load (serialize, then deserialize_and_load: what a persistent-cache hit pays) and its step. A proxy, not the scripts' step: no
-embedding or logits, attention in plain jnp, every block rematerialised; it measures how compile and load
-scale with the program's copies of the block, which is what the scripts' first step waits for.
+load (serialize, then deserialize_and_load: what a persistent-cache hit pays) and its step. A proxy, not the
+scripts' step: no embedding or logits, attention in plain jnp, every block rematerialised; it measures how
+compile and load scale with the program's copies of the block, which is what the scripts' first step waits for.
     python benchmarks/scan_compile.py                       # Gemma-2B's block shape, 18 blocks, 4 x 1024
     python benchmarks/scan_compile.py --layers 2 --hidden 64 --ffn 128 --heads 2 --head-dim 16 --seq 32
 Prints one JSON line: per variant trace_lower_s, compile_s, executable_mb, load_s, step_ms.
@@ -25,14 +25,23 @@ plumbing.answer_help(__name__, __file__)
 @dataclass
 class Args:
     layers: int = 18
+    """decoder blocks (Gemma-2B's 18)"""
     hidden: int = 2048
+    """the model width D"""
     ffn: int = 16384
+    """the MLP's inner width"""
     heads: int = 8
+    """query heads (one key/value head: Gemma-2B's multi-query attention)"""
     head_dim: int = 256
+    """each head's width"""
     rank: int = 16
+    """LoRA rank on the query projection"""
     batch: int = 4
+    """rows a step"""
     seq: int = 1024
+    """tokens a row"""
     steps: int = 5
+    """timed steps after the first (the median is reported)"""
 
 
 def main(args):
