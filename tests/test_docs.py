@@ -439,7 +439,8 @@ def test_the_committed_claims_and_intervals_recompute_from_the_per_prompt_scores
     run = os.path.join(ROOT, "docs", "comparison_run")
     saved = json.loads(read("docs", "comparison_run", "claims.json"))
     results = json.loads(read("docs", "comparison_run", "results.json"))
-    again = claims.family(results, np.load(os.path.join(run, "scores.npz")))
+    per_prompt = np.load(os.path.join(run, "scores.npz"))
+    again = claims.family(results, per_prompt)
     assert again.keys() == saved["claims"].keys() and len(again) == saved["family"] == 152
     for k, v in again.items():
         assert v["holds"] == saved["claims"][k]["holds"], k
@@ -447,7 +448,7 @@ def test_the_committed_claims_and_intervals_recompute_from_the_per_prompt_scores
             v["delta"] + [v["p"]], saved["claims"][k]["delta"] + [saved["claims"][k]["p"]]
         )
     assert claims.at_equal_flops(results) == saved["equal_flops"]
-    fixed = claims.seed_means(results, np.load(os.path.join(run, "scores.npz")), again)
+    fixed = claims.seed_means(results, per_prompt, again)
     assert fixed["holds"] == saved["seed_means"]["holds"]
     np.testing.assert_allclose(list(fixed["p"].values()), list(saved["seed_means"]["p"].values()))
 
