@@ -979,18 +979,21 @@ MIN_SEEDS = 3  # fewer: no claim (one seed measures no seed noise; two, too litt
 ALPHA = 0.025  # one-sided: a lone "beats" claim holds exactly when its 95% interval lies above 0
 
 
-def verdict(delta, name, seeds=MIN_SEEDS):
-    """(Δ, ±) against `name` -> 'beats name (Δ …)', 'within noise of name (… covers 0)' or 'below …'; with
-    fewer than MIN_SEEDS seeds no claim: 'needs ≥ 3 seeds vs name (Δ …)'."""
+def verdict(delta, name, seeds=MIN_SEEDS, held=None, row=None):
+    """(Δ, ±) of `row` against `name` -> 'beats name (Δ …)', 'within noise of name (… covers 0)' or 'below …';
+    with fewer than MIN_SEEDS seeds no claim: 'needs ≥ 3 seeds vs name (Δ …)'. held: the claims that survive
+    the report's correction ({(row, against, side)}: Holm over every claim; None: every one); one that does
+    not is worded as this interval's alone: 'above name (Δ …; alone, not after Holm's correction)'."""
     d, h = delta
+    holds = held is None or (row, name, "above" if d > 0 else "below") in held
     word, covers = (
         (f"needs ≥ {MIN_SEEDS} seeds vs", "")
         if seeds < MIN_SEEDS
-        else ("beats", "")
+        else ("beats" if holds else "above", "" if holds else "; alone, not after Holm's correction")
         if d > h
         else ("within noise of", " covers 0")
         if d >= -h
-        else ("below", "")
+        else ("below", "" if holds else "; alone, not after Holm's correction")
     )
     return f"{word} {name} (Δ {d:+.3f} ± {h:.3f}{covers})"
 
@@ -1060,16 +1063,16 @@ def summary(stats, costs, *, base_name, seeds, claims, held=()):
     )
 
 
-def note(name, st, base_name, base_st, *, run_metrics, on_reward_model, seeds=MIN_SEEDS):
-    """One line a row: verdicts against the base and the control, then the likely why (log-probs, RM, KL)."""
+def note(name, st, base_name, base_st, *, run_metrics, on_reward_model, seeds=MIN_SEEDS, held=None):
+    """One line a row: verdicts against the base and the control, then the likely why (log-probs, RM, KL).
+    held: the claims that survive the report's correction ({(row, against, side)}; None: every one)."""
     if name == base_name:
         return "the base: each seed trains its own, and that seed's rows start from it"
-    head = verdict(st["delta"], base_name, seeds) + (
-        f"; {verdict(st['delta_control'], st['control'], seeds)}" if "delta_control" in st else ""
+    head = verdict(st["delta"], base_name, seeds, held, name) + (
+        f"; {verdict(st['delta_control'], st['control'], seeds, held, name)}" if "delta_control" in st else ""
     )
     if st["delta"][0] + st["delta"][1] >= 0:
         return head
-    head += ": "
 
     def mean(k, b=st):  # a metric's mean: this row's, or b's
         return b[k][0]
@@ -1082,17 +1085,17 @@ def note(name, st, base_name, base_st, *, run_metrics, on_reward_model, seeds=MI
     first, last = (np.mean([c[0] for c in chosen]), np.mean([c[-1] for c in chosen])) if chosen else (0, 0)
     if chosen and last < first:
         longer = "; greedy answers got longer" if mean("length") > mean("length", base_st) + 0.5 else ""
-        return head + (
+        return f"{head}: " + (
             f"held-out chosen log-prob fell too ({first:.2f} → {last:.2f}): the margin grew "
             f"by pushing both answers down (likelihood displacement){longer}"
         )
     if on_reward_model and "rm_score" in st and mean("rm_score") > mean("rm_score", base_st):
-        return head + (
+        return f"{head}: " + (
             f"reward hacking: reward-model score {mean('rm_score', base_st):.2f} → "
             f"{mean('rm_score'):.2f} while the task score fell; answers "
             f"{mean('length', base_st):.1f} → {mean('length'):.1f} tokens"
         )
-    return head + (
+    return f"{head}: " + (
         f"moved (KL {mean('kl'):.2f}) in a direction its training signal prefers but the task score does not"
     )
 
@@ -1616,6 +1619,16 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
         f, w = np.array(costs[pair[0]])[[2, 3]] / np.array(costs[pair[1]])[[2, 3]]
         return f"{f:.2f}×, {w:.2f}×"
 
+    common_seeds = [x for x in seeds if all(any(s["seed"] == x for s in by_name[n]) for n in methods)]
+    tables = {
+        n: np.stack(
+            [res[next(s["name"] for s in by_name[n] if s["seed"] == x)]["score"] for x in common_seeds]
+        )
+        for n in methods
+    }
+    matrix = pairwise(tables) if len(methods) > 1 and common_seeds else {}
+    claims = claims_of(stats, base_name, matrix)  # every claim the report could make: one Holm correction
+    held = {c[:2] + c[4:] for c, ok in zip(claims, holm([c[3] for c in claims], ALPHA)) if ok}
     table_rows = [
         (
             f"{n} (`{kept[n]}`)" if n in kept else n,
@@ -1629,6 +1642,7 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
                 run_metrics=logs[n],
                 on_reward_model=any("--reward-model" in s["flags"] for s in runs),
                 seeds=len(seeds),
+                held=held,
             )
             if n in stats
             else f"failed or skipped: see {n}/*.log",
@@ -1636,16 +1650,6 @@ def evaluate_and_report(args, output_dir, stages, *, bases, seeds, grid, ok, wal
         )
         for n, runs in by_name.items()
     ]
-    common_seeds = [x for x in seeds if all(any(s["seed"] == x for s in by_name[n]) for n in methods)]
-    tables = {
-        n: np.stack(
-            [res[next(s["name"] for s in by_name[n] if s["seed"] == x)]["score"] for x in common_seeds]
-        )
-        for n in methods
-    }
-    matrix = pairwise(tables) if len(methods) > 1 and common_seeds else {}
-    claims = claims_of(stats, base_name, matrix)  # every claim the report could make: one Holm correction
-    held = {c[:2] + c[4:] for c, ok in zip(claims, holm([c[3] for c in claims], ALPHA)) if ok}
     accs = [  # each reward model's last held-out accuracy, as logged
         a[-1]
         for a in (

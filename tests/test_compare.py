@@ -220,6 +220,20 @@ def test_paired_interval_covers_the_truth_and_within_noise_note():
     assert notes["better"].startswith("beats sft") and notes["worse"].startswith("below sft")
     assert notes["same"].startswith("within noise of sft")
     assert ["within noise" in n for n in notes.values()] == [False, True, False]
+    # in a report the words follow Holm's correction: an interval clear of 0 whose claim does not survive it
+    # is said to be that interval's alone, never "beats"
+    row, base = synthetic(rng, 0.08)
+    st, base_st = compare.row_stats(row, base), compare.row_stats(base, base)
+    d, h = st["delta"]
+    args = dict(run_metrics=[[]], on_reward_model=False)
+    alone = compare.note("dpo", st, "sft", base_st, held=set(), **args)
+    assert alone == f"above sft (Δ {d:+.3f} ± {h:.3f}; alone, not after Holm's correction)"
+    assert compare.note("dpo", st, "sft", base_st, held={("dpo", "sft", "above")}, **args).startswith(
+        "beats sft"
+    )
+    assert compare.verdict((-0.1, 0.01), "sft", held=set(), row="dpo") == (
+        "below sft (Δ -0.100 ± 0.010; alone, not after Holm's correction)"
+    )
     assert base_st["delta"] == (0.0, 0.0)
     # coverage over many synthetic tables: close to the nominal 95% with 3 seeds
     hits = 0
