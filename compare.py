@@ -980,10 +980,11 @@ ALPHA = 0.025  # one-sided: a lone "beats" claim holds exactly when its 95% inte
 
 
 def verdict(delta, name, seeds=MIN_SEEDS, held=None, row=None):
-    """(Δ, ±) of `row` against `name` -> 'beats name (Δ …)', 'within noise of name (… covers 0)' or 'below …';
-    with fewer than MIN_SEEDS seeds no claim: 'needs ≥ 3 seeds vs name (Δ …)'. held: the claims that survive
-    the report's correction ({(row, against, side)}: Holm over every claim; None: every one); one that does
-    not is worded as this interval's alone: 'above name (Δ …; alone, not after Holm's correction)'."""
+    """(Δ, ±) of `row` against `name` -> 'beats name (Δ …)', 'within noise of name (… covers 0)' or
+    'below …'; with fewer than MIN_SEEDS seeds no claim: 'needs ≥ 3 seeds vs name (Δ …)'. held: the claims
+    that survive the report's correction ({(row, against, side)}: Holm over every claim; None: every one);
+    one that does not is worded as this interval's alone: 'above name (Δ …; alone, not after Holm's
+    correction)'."""
     d, h = delta
     holds = held is None or (row, name, "above" if d > 0 else "below") in held
     word, covers = (

@@ -3,7 +3,8 @@ r"""Every claim a comparison page can make, under one Holm correction, from a co
 on the sampled score, "above" and "below" alike, and every ordered pair of methods on the greedy score (the
 Δ matrix: "A − B above" for each order, which holds "B below A" too): compare_stats.claims_of's family, the
 one compare.py's report corrects over, on both scores; the same family again with the prompts fixed (a t
-over the seed means: seed_means). Also the matrix read at equal FLOPs: each method's eval-split curve (results.json's `curves_eval`) at the largest training budget every method reached.
+over the seed means: seed_means). Also the matrix read at equal FLOPs: each method's eval-split curve
+(results.json's `curves_eval`) at the largest training budget every method reached.
 
     python benchmarks/claims.py docs/comparison_run      # writes docs/comparison_run/claims.json
 
@@ -35,9 +36,10 @@ def run(results, row, seed):
 
 
 def family(results, scores):
-    """{claim: {"delta": [Δ, ±], "p": p, "holds": bool}} over every claim, Holm over all of them at ALPHA: the
-    claims compare.py's report makes (claims_of: each row against the base and its controls, above and below,
-    and the greedy Δ matrix), once on the greedy score and once more, the matrix aside, on the sampled score.
+    """{claim: {"delta": [Δ, ±], "p": p, "holds": bool, "of": [A, B, score key, side]}} over every claim,
+    Holm over all of them at ALPHA: the claims compare.py's report makes (claims_of: each row against the base
+    and its controls, above and below, and the greedy Δ matrix), once on the greedy score and once more, the
+    matrix aside, on the sampled score.
     A claim reads "A − B (greedy) above" (A beats B) or "… below" (A falls below B)."""
     table = lambda row, m: {
         "score": np.stack([scores[f"{run(results, row, s)}|{m}"] for s in results["seeds"]])
@@ -54,26 +56,24 @@ def family(results, scores):
             for row, r in results["rows"].items()
         }
         matrix = pairwise({a: table(a, m)["score"] for a in methods}) if m == "score" else None
-        claims += [(a, b, d, p, side, name) for a, b, d, p, side in claims_of(stats, base, matrix)]
+        claims += [(a, b, d, p, side, m) for a, b, d, p, side in claims_of(stats, base, matrix)]
     held = holm([c[3] for c in claims], ALPHA)
     return {
-        f"{a} − {b} ({name}) {side}": {"delta": list(d), "p": p, "holds": ok}
-        for (a, b, d, p, side, name), ok in zip(claims, held)
+        f"{a} − {b} ({METRICS[m]}) {side}": {"delta": list(d), "p": p, "holds": ok, "of": [a, b, m, side]}
+        for (a, b, d, p, side, m), ok in zip(claims, held)
     }
 
 
 def seed_means(results, scores, claims):
-    """The same family with the prompts fixed: each claim's Δ per seed (its mean over the prompts), a paired t
-    over those S seed means (S − 1 df, one-sided), Holm at ALPHA over all of them -> {"p": {claim: p},
-    "holds": [claims]}. A check on the random-effects interval, which the prompts' spread narrows too."""
+    """The same family (family's claims) with the prompts fixed: each claim's Δ per seed (its mean over the
+    prompts), a paired t over those S seed means (S − 1 df, one-sided), Holm at ALPHA over all of them ->
+    {"p": {claim: p}, "holds": [claims]}. A check on the random-effects interval, which the prompts' spread
+    narrows too."""
     import scipy.stats
 
     ps = {}
-    for claim in claims:
-        a, rest = claim.split(" − ")
-        b, _, tail = rest.partition(" (")
-        name, side = tail.split(") ")
-        m = next(k for k, v in METRICS.items() if v == name)
+    for claim, v in claims.items():
+        a, b, m, side = v["of"]
         d = np.array(
             [
                 (scores[f"{run(results, a, s)}|{m}"] - scores[f"{run(results, b, s)}|{m}"]).mean()

@@ -408,9 +408,9 @@ def test_the_number_check_ties_each_number_to_its_own_cell(monkeypatch):
 
 
 def test_seed_means_is_a_t_over_the_seed_means_worked_by_hand():
-    """claims.seed_means on 3 seeds whose Δs average 0.1, 0.2, 0.3 over the prompts: t = 0.2 / (0.1 / √3) =
-    2√3 with 2 df, whose upper tail is 1/2 − t / (2√(t² + 2)) = 1/2 − √3/√14 = 0.03709 ("above"), 0.96291
-    ("below"); one claim alone at 0.025 does not hold, and a family of one does not either."""
+    """claims.seed_means on 3 seeds whose Δs average 0.1, 0.2, 0.3 over the prompts: t = 0.2 / (0.1 / √3)
+    = 2√3 with 2 df, whose upper tail is 1/2 − t / (2√(t² + 2)) = 1/2 − √3/√14 = 0.03709 ("above"),
+    0.96291 ("below"); neither holds at 0.025, even alone."""
     import numpy as np
 
     sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
@@ -419,7 +419,8 @@ def test_seed_means_is_a_t_over_the_seed_means_worked_by_hand():
     prompts = np.array([-0.05, 0.0, 0.05])  # each seed's prompts spread around its mean
     scores = {f"a/seed{s}|score": m + prompts for s, m in enumerate([0.6, 0.7, 0.8])}
     scores |= {f"b/seed{s}|score": np.full(3, 0.5) for s in range(3)}
-    out = claims.seed_means({"seeds": [0, 1, 2]}, scores, ["a − b (greedy) above", "a − b (greedy) below"])
+    both = {f"a − b (greedy) {side}": {"of": ["a", "b", "score", side]} for side in ("above", "below")}
+    out = claims.seed_means({"seeds": [0, 1, 2]}, scores, both)
     want = 0.5 - np.sqrt(3) / np.sqrt(14)
     np.testing.assert_allclose(list(out["p"].values()), [want, 1 - want])
     assert abs(want - 0.03709) < 1e-5 and out["holds"] == []
