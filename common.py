@@ -363,7 +363,7 @@ def load_model(
     # quantized: made on the host, a checkpoint in the compute dtype (an 8B's bfloat16 weights alone fill a
     # 16 GiB chip); `tiny` in float32, its random init the same as unquantized
     place = jax.default_device(jax.local_devices(backend="cpu")[0]) if quantize else distribution.scope()
-    with interop.hub_errors(preset), place:
+    with interop.hub_errors(preset), place, interop.loaded_not_drawn(preset != "tiny"):
         policy = policy.removeprefix("mixed_") if quantize and preset != "tiny" else policy
         model = tiny_causal_lm(seed, policy) if preset == "tiny" else text_causal_lm(preset, policy)
         if quantize:

@@ -6,6 +6,7 @@
                   tokenizers do)
   3. Model hubs   MODEL_ALIASES (--model's short names), model_config (a preset's config.json, read once),
                   hub_errors / hub_error (a Kaggle or Hugging Face failure in one line saying what to do),
+                  loaded_not_drawn (a checkpoint's weights made as zeros, not drawn, before they load),
                   NETWORK_ERRORS, hub_unreachable; plain_saved_dtype (a bf16-trained preset that keras-hub
                   can read back)
   4. Datasets     load_splits (a Hub id, a local copy of a Hub repo, a saved folder, a .parquet or .csv),
@@ -26,6 +27,7 @@ import json
 import os
 import shutil
 import sys
+import unittest.mock
 
 # --- 1. Base: the repository's place, `tiny`'s vocabulary, bad input, the start-up before keras ---
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -209,6 +211,26 @@ def hub_errors(preset):
         if message is None:
             raise
         raise UsageError(message) from None
+
+
+def loaded_not_drawn(loading=True):
+    """While a checkpoint loads (loading): each Keras variable made starts as zeros, not a random draw. KerasHub's
+    from_preset (a preset's weights, or a Hugging Face checkpoint's converted) makes the model with its
+    initializers, then replaces every weight with the file's: the draw is wasted, and it was most of the load.
+    Llama 3 8B's width at 4 blocks (1.9B weights) from a local preset on 2 CPU cores: 53 -> 16 s, and with
+    --quantize int8 (made on the host) 73 -> 33 s, every weight the same (benchmarks/RESULTS.md, section 14)."""
+    import keras  # keras 3.15 internals below: JaxVariable's draw, the one place a variable's first value is made
+
+    variable = keras.src.backend.jax.core.JaxVariable
+    return (
+        unittest.mock.patch.object(
+            variable,
+            "_initialize_with_initializer",
+            lambda v, _, draw=variable._initialize_with_initializer: draw(v, keras.initializers.Zeros()),
+        )
+        if loading
+        else contextlib.nullcontext()
+    )
 
 
 NETWORK_ERRORS = {

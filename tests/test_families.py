@@ -585,6 +585,40 @@ def test_aliases_name_presets_and_the_readme_lists_them():
     assert set(re.findall(r"`([^`]+)`", row)) - {"common.MODEL_ALIASES"} == set(common.MODEL_ALIASES)
 
 
+def test_a_checkpoint_loads_without_drawing_the_weights_it_replaces(presets, monkeypatch):
+    """common.load_model makes a checkpoint's variables as zeros before the file's values replace them
+    (interop.loaded_not_drawn): no initializer draws while it loads, with --quantize too; LoRA's adapters,
+    made after, and `tiny` (no file: its random weights are the model) are drawn as before; the loaded
+    weights are the file's."""
+    import common
+    import numpy as np
+    from keras.src.backend.jax.core import JaxVariable
+
+    made, make = [], JaxVariable._initialize_with_initializer
+
+    def recorded(variable, initializer):
+        made.append((variable.path, type(initializer).__name__))
+        return make(variable, initializer)
+
+    monkeypatch.setattr(JaxVariable, "_initialize_with_initializer", recorded)
+    kinds = {}
+    for name, preset, quantize in (("bf16", presets["llama3"], None), ("int8", presets["llama3"], "int8")):
+        model = common.load_model(preset, one_device_mesh(), "float32", lora_rank=2, quantize=quantize)
+        kinds[name] = {k for path, k in made if "lora_kernel" not in path}
+        assert {k for path, k in made if "lora_kernel_a" in path} - {"Zeros"}, name  # A: drawn (B: zeros)
+        made.clear()
+    assert kinds == {"bf16": {"Zeros"}, "int8": {"Zeros"}}
+    file_model = common.keras_hub.models.CausalLM.from_preset(
+        presets["llama3"], dtype="float32"
+    )  # drawn, read
+    made.clear()
+    model = common.load_model(presets["llama3"], one_device_mesh(), "float32")
+    for ours, theirs in zip(model.backbone.weights, file_model.backbone.weights, strict=True):
+        np.testing.assert_array_equal(np.asarray(ours.value), np.asarray(theirs.value), err_msg=ours.path)
+    common.load_model("tiny", one_device_mesh(), "float32")
+    assert {k for _, k in made} - {"Zeros"}  # `tiny`: drawn
+
+
 def test_multimodal_preset_loads_text_only(tmp_path):
     """A vision-and-text KerasHub preset (Gemma 3 4B and up; every Gemma 4), or its Hugging Face checkpoint,
     loads its decoder alone: no encoder, the same text weights, KerasHub's generic text preprocessor (Gemma

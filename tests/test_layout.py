@@ -27,7 +27,9 @@ CEILINGS = {
     # of ppo, rloo and distill, set down to their counts: the sum of all ceilings did not rise
     "plumbing": 578,
     "blocks": 223,
-    "interop": 247,
+    # interop.py took 6 for loaded_not_drawn (a checkpoint's variables made as zeros, not drawn, before its
+    # weights load), from grpo_tools' ceiling set down to its count: the sum of all ceilings did not rise
+    "interop": 253,
     "tpu_kernels": 110,
     "lora": 104,
     "compare": 717,
@@ -43,7 +45,7 @@ CEILINGS = {
     "grpo": 350,
     "rloo": 286,
     "distill": 243,
-    "grpo_tools": 470,  # it stands alone: its own copies of grpo.py's loss and update, and the tools
+    "grpo_tools": 464,  # it stands alone: its own copies of grpo.py's loss and update, and the tools
 }
 
 
