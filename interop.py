@@ -214,12 +214,12 @@ def hub_errors(preset):
 
 
 def loaded_not_drawn(loading=True):
-    """While a checkpoint loads (loading): each Keras variable made starts as zeros, not a random draw. KerasHub's
-    from_preset (a preset's weights, or a Hugging Face checkpoint's converted) makes the model with its
-    initializers, then replaces every weight with the file's: the draw is wasted, and it was most of the load.
-    Llama 3 8B's width at 4 blocks (1.9B weights) from a local preset on 2 CPU cores: 53 -> 16 s, and with
-    --quantize int8 (made on the host) 73 -> 33 s, every weight the same (benchmarks/RESULTS.md, section 14)."""
-    import keras  # keras 3.15 internals below: JaxVariable's draw, the one place a variable's first value is made
+    """While a checkpoint loads (loading): each Keras variable made starts as zeros, not a random draw.
+    KerasHub's from_preset (a preset's weights, or a Hugging Face checkpoint's converted) makes the model with
+    its initializers, then replaces every weight with the file's: the draw is wasted, and it was most of the
+    load. A Gemma-2B preset onto one TPU v5e: 49-53 -> 28-29 s (with --quantize int8, made on the host:
+    104 -> 78 s), every weight the same (benchmarks/RESULTS.md, section 14)."""
+    import keras  # keras 3.15 internals below: JaxVariable's draw, where a variable's first value is made
 
     variable = keras.src.backend.jax.core.JaxVariable
     return (
